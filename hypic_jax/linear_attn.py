@@ -1,0 +1,766 @@
+"""The transfer-operator core: one recurrence for every linear-attention family, and its segment summaries.
+
+Every family runs
+
+    S_t = A_t S_{t-1} + b_t k_t v_t^T,    A_t = (I - beta_t k_t k_t^T) Diag(exp(gk_t)) exp(g_t),
+    o_t = scale * S_t^T q_t                (read after the update)
+
+with b_t = beta_t when the delta rule is on (beta given) and 1 otherwise. Per head the state S is [K, V].
+
+Because the map S_0 -> S_|C| is affine, a segment C is fully described by the pair
+
+    (T_C, S(C|0)),    T_C = A_|C| ... A_1,    S(C|S_0) = T_C S_0 + S(C|0),
+
+which depends on the segment's own tokens only. Pairs compose associatively, (T2, S2) o (T1, S1) =
+(T2 T1, T2 S1 + S2), so the states at all segment boundaries come from one `jax.lax.associative_scan`.
+T_C is kept in the cheapest exact form: identity (plain linear attention), one scalar per head (RetNet,
+lightning, Mamba2), a diagonal (GLA) or a dense [K, K] matrix (delta rules). Scalar and diagonal forms are stored
+as logs, so composing them is an exact sum and no dense matrix is ever built for them.
+
+Conventions: one sequence per call (`q, k: [L, H, K]`, `v: [L, H, V]`, `g, beta: [L, H]`, `gk: [L, H, K]`,
+state `[H, K, V]`); batch with `jax.vmap`. States and transfers are float32 (float64 when the inputs are float64
+and x64 is on); outputs come back in the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.scipy.linalg import solve_triangular
+
+from hypic_jax.rope import rotate_state_keys, rotation_matrix
+
+__all__ = [
+    "Summary",
+    "LinearInputs",
+    "recurrent",
+    "chunked",
+    "summarize",
+    "dense_transfer",
+    "advance",
+    "compose",
+    "prefix_states",
+    "promote",
+    "stack_summaries",
+    "rotate_summary",
+    "transfer_form",
+    "linear_attention",
+    "retnet",
+    "retnet_decays",
+    "lightning",
+    "alibi_slopes",
+    "mamba2",
+    "gla",
+    "delta_net",
+    "gated_delta_net",
+    "kda",
+    "l2_normalize",
+    "rotate_state_keys",
+]
+
+# Products of states and transfers are the quantity a cache reuses many times: keep them at full float32 precision
+# on every backend (XLA's GPU default would otherwise allow TF32 for float32 dots).
+PRECISION = jax.lax.Precision.HIGHEST
+
+FORMS = ("identity", "scalar", "diagonal", "dense")
+_FORM_RANK = {form: rank for rank, form in enumerate(FORMS)}
+
+
+def _einsum(spec: str, *operands: Array) -> Array:
+    return jnp.einsum(spec, *operands, precision=PRECISION)
+
+
+def _state_dtype(*arrays: Array | None) -> jnp.dtype:
+    """float32, or float64 when any input is float64 (x64 references)."""
+    dtypes = [a.dtype for a in arrays if a is not None]
+    return jnp.float64 if any(d == jnp.float64 for d in dtypes) else jnp.float32
+
+
+def transfer_form(*, g: Any = None, gk: Any = None, beta: Any = None) -> str:
+    """The cheapest exact form of T_C for a family with these gates."""
+    if beta is not None:
+        return "dense"
+    if gk is not None:
+        return "diagonal"
+    if g is not None:
+        return "scalar"
+    return "identity"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Argument checks (shapes are static under jit, so these run once at trace time).
+
+
+def _check_chunk_size(chunk_size: Any) -> int:
+    if not isinstance(chunk_size, (int,)) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def _check_inputs(q, k, v, g, gk, beta, initial_state) -> tuple[int, int, int, int]:
+    """Validate shapes; returns (L, H, K, V)."""
+    if k is None or v is None:
+        raise ValueError("k and v are required")
+    if k.ndim != 3:
+        raise ValueError(f"k must be [L, H, K], got shape {k.shape}")
+    length, heads, key_dim = k.shape
+    if v.ndim != 3 or v.shape[:2] != (length, heads):
+        raise ValueError(f"v must be [L={length}, H={heads}, V], got shape {v.shape}")
+    value_dim = v.shape[2]
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"q must have k's shape {k.shape}, got shape {q.shape}")
+    if g is not None and g.shape != (length, heads):
+        raise ValueError(f"g must be [L={length}, H={heads}], got shape {g.shape}")
+    if gk is not None and gk.shape != k.shape:
+        raise ValueError(f"gk must have k's shape {k.shape}, got shape {gk.shape}")
+    if beta is not None and beta.shape != (length, heads):
+        raise ValueError(f"beta must be [L={length}, H={heads}], got shape {beta.shape}")
+    if initial_state is not None and initial_state.shape != (heads, key_dim, value_dim):
+        raise ValueError(
+            f"initial_state must be [H={heads}, K={key_dim}, V={value_dim}], got shape {initial_state.shape}"
+        )
+    return length, heads, key_dim, value_dim
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token-by-token reference.
+
+
+def recurrent(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    g: Array | None = None,
+    gk: Array | None = None,
+    beta: Array | None = None,
+    initial_state: Array | None = None,
+    scale: float = 1.0,
+) -> tuple[Array, Array]:
+    """The recurrence one token at a time (the readable reference every fast path is checked against).
+
+    Returns (o [L, H, V] in the inputs' dtype, final_state [H, K, V] in float32/float64).
+    """
+    length, heads, key_dim, value_dim = _check_inputs(q, k, v, g, gk, beta, initial_state)
+    acc = _state_dtype(q, k, v, g, gk, beta, initial_state)
+    state = (
+        jnp.zeros((heads, key_dim, value_dim), acc) if initial_state is None else initial_state.astype(acc)
+    )
+    xs = dict(
+        q=q.astype(acc),
+        k=k.astype(acc),
+        v=v.astype(acc),
+        g=None if g is None else g.astype(acc),
+        gk=None if gk is None else gk.astype(acc),
+        beta=None if beta is None else beta.astype(acc),
+    )
+
+    def step(state, x):
+        if x["g"] is not None:
+            state = state * jnp.exp(x["g"])[:, None, None]
+        if x["gk"] is not None:
+            state = state * jnp.exp(x["gk"])[:, :, None]
+        k_t, v_t = x["k"], x["v"]
+        if x["beta"] is not None:  # S <- (I - b k k^T) S + b k v^T, written as a correction of v
+            predicted = _einsum("hkv,hk->hv", state, k_t)
+            v_t = x["beta"][:, None] * (v_t - predicted)
+        state = state + k_t[:, :, None] * v_t[:, None, :]
+        out = _einsum("hkv,hk->hv", state, x["q"])
+        return state, out
+
+    state, out = jax.lax.scan(step, state, xs)
+    return (scale * out).astype(jnp.result_type(q, v)), state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chunk-parallel form.
+#
+# Inside a chunk of c tokens, with b = cumsum(log decays) (per key channel, or one per head) and start state S0:
+#   delta rule:   the per-token corrected values U satisfy (I + M) U = beta V - beta (K e^b) S0 with
+#                 M_tj = beta_t k_t^T Diag(e^{b_t - b_j}) k_j (j < t, strictly lower), hence
+#                 U = U~ - W S0,   U~ = (I + M)^-1 (beta V),   W = (I + M)^-1 (beta K e^b)   (the WY / UT form);
+#   no delta:     U = V, W = 0.
+#   outputs:      o = (Q e^b) S0 + P U,            P_tj = q_t^T Diag(e^{b_t - b_j}) k_j   (j <= t)
+#   chunk state:  S_c = Diag(e^{b_c}) S0 + K^^T U,  K^_j = k_j e^{b_c - b_j}.
+# Every exponent above is <= 0 (decays are <= 1), so nothing overflows however strong the decay is: the pairwise
+# factors are formed from differences, never as e^{b_t} / e^{b_j}. The price for per-key decays is a [c, c, K]
+# tensor per chunk and head, which is why those chunks are mapped in bounded batches (`_map_chunks`).
+
+
+def _chunk_locals(q, k, v, log_decay, beta, acc):
+    """Everything a chunk needs that does not depend on its start state. Head-major inputs:
+
+    q, k: [H, c, K] (q may be None), v: [H, c, V], log_decay: [H, c, D] with D = 1 (scalar) or K (per key) or
+    None, beta: [H, c] or None.
+    """
+    heads, c, key_dim = k.shape
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    if log_decay is None:
+        b = jnp.zeros((heads, c, 1), acc)
+    else:
+        b = jnp.cumsum(log_decay, axis=1)
+    b_last = b[:, -1]  # [H, D]
+    diff = b[:, :, None, :] - b[:, None, :, :]  # [H, c(t), c(j), D]
+    pair_decay = jnp.where(causal[None, :, :, None], jnp.exp(jnp.where(causal[None, :, :, None], diff, 0.0)), 0.0)
+    per_key = b.shape[-1] > 1
+
+    def pairwise(x):  # x_t^T Diag(e^{b_t - b_j}) k_j for j <= t
+        if per_key:
+            return _einsum("htk,hjk,htjk->htj", x, k, pair_decay)
+        return _einsum("htk,hjk->htj", x, k) * pair_decay[..., 0]
+
+    k_to_end = k * jnp.exp(b_last[:, None, :] - b)  # [H, c, K]
+    if beta is not None:
+        strict = pairwise(k) * (~jnp.eye(c, dtype=bool))
+        lower = jnp.eye(c, dtype=acc) + beta[:, :, None] * strict
+        rhs = jnp.concatenate([beta[:, :, None] * v, beta[:, :, None] * k * jnp.exp(b)], axis=-1)
+        solved = solve_triangular(lower, rhs, lower=True, unit_diagonal=True)
+        u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
+    else:
+        u, w = v, None
+    locals_ = dict(u=u, w=w, k_to_end=k_to_end, chunk_decay=jnp.exp(b_last))
+    if q is not None:
+        locals_["q_decayed"] = q * jnp.exp(b)
+        locals_["scores"] = pairwise(q)
+    return locals_
+
+
+def _map_chunks(fn: Callable, xs, per_chunk_elements: int, num_chunks: int):
+    """vmap over chunks, in batches small enough that the per-chunk temporaries stay under ~2^27 elements."""
+    budget = 1 << 27
+    batch = max(1, min(num_chunks, budget // max(per_chunk_elements, 1)))
+    if batch >= num_chunks:
+        return jax.vmap(fn)(*xs)
+    return jax.lax.map(lambda args: fn(*args), xs, batch_size=batch)
+
+
+def _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc):
+    """Shared engine of `chunked` and `summarize`: returns (outputs [L, H, Vs] or None, final state [H, K, Vs]).
+
+    `v` may be narrower than the state (Vs >= V): extra state columns get zero values, which is how `summarize`
+    carries the identity block that becomes T_C.
+    """
+    length, heads, key_dim = k.shape
+    num_chunks = -(-length // chunk_size)
+    padded = num_chunks * chunk_size
+    state_width = state.shape[-1]
+
+    def to_chunks(x):  # [L, H, ...] -> [N, H, c, ...], zero padded: padded tokens have A = I and add nothing
+        if x is None:
+            return None
+        x = jnp.pad(x.astype(acc), [(0, padded - length)] + [(0, 0)] * (x.ndim - 1))
+        x = x.reshape((num_chunks, chunk_size) + x.shape[1:])
+        return jnp.moveaxis(x, 1, 2)
+
+    if v.shape[-1] < state_width:
+        v = jnp.pad(v, [(0, 0), (0, 0), (0, state_width - v.shape[-1])])
+    log_decay = None
+    if gk is not None:
+        log_decay = gk.astype(acc) + (0.0 if g is None else g.astype(acc)[..., None])
+    elif g is not None:
+        log_decay = g.astype(acc)[..., None]
+    chunks = (to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(log_decay), to_chunks(beta))
+    decay_width = 1 if log_decay is None else log_decay.shape[-1]
+    per_chunk = heads * chunk_size * chunk_size * max(decay_width, 1)
+    fn = lambda qc, kc, vc, dc, bc: _chunk_locals(qc, kc, vc, dc, bc, acc)  # noqa: E731
+    present = [x is not None for x in chunks]
+    args = tuple(x for x in chunks if x is not None)
+
+    def fn_present(*xs):
+        it = iter(xs)
+        return fn(*[next(it) if p else None for p in present])
+
+    locals_ = _map_chunks(fn_present, args, per_chunk, num_chunks)
+
+    def step(state, loc):
+        u = loc["u"]
+        if loc["w"] is not None:
+            u = u - _einsum("hck,hkv->hcv", loc["w"], state)
+        out = None
+        if "q_decayed" in loc:
+            out = _einsum("hck,hkv->hcv", loc["q_decayed"], state) + _einsum("hcj,hjv->hcv", loc["scores"], u)
+        state = loc["chunk_decay"][:, :, None] * state + _einsum("hck,hcv->hkv", loc["k_to_end"], u)
+        return state, out
+
+    state, outs = jax.lax.scan(step, state, locals_)
+    if outs is None:
+        return None, state
+    outs = jnp.moveaxis(outs, 1, 2).reshape(padded, heads, state_width)[:length]
+    return outs, state
+
+
+def chunked(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    g: Array | None = None,
+    gk: Array | None = None,
+    beta: Array | None = None,
+    initial_state: Array | None = None,
+    scale: float = 1.0,
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Chunk-parallel form of `recurrent` (WY/UT form for delta rules); any length L.
+
+    Intra-chunk work is one batch of small matmuls over all chunks; only the [H, K, V] state crosses chunks, in a
+    `lax.scan` of two matmuls per chunk. Returns (o [L, H, V], final_state [H, K, V]).
+    """
+    chunk_size = _check_chunk_size(chunk_size)
+    length, heads, key_dim, value_dim = _check_inputs(q, k, v, g, gk, beta, initial_state)
+    acc = _state_dtype(q, k, v, g, gk, beta, initial_state)
+    state = (
+        jnp.zeros((heads, key_dim, value_dim), acc) if initial_state is None else initial_state.astype(acc)
+    )
+    out_dtype = jnp.result_type(q, v)
+    if length == 0:
+        return jnp.zeros((0, heads, value_dim), out_dtype), state
+    out, state = _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc)
+    return (scale * out).astype(out_dtype), state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Segment summaries (T_C, S(C|0)).
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """A segment's affine state map S -> T S + state, with T in its cheapest exact form.
+
+    Attributes:
+      form: "identity" | "scalar" | "diagonal" | "dense" (static: it is part of the PyTree structure).
+      state: S(C|0) [..., H, K, V], the state the segment leaves behind from a zero start.
+      transfer: identity -> None; scalar -> log of the per-head factor [..., H]; diagonal -> log of the diagonal
+        [..., H, K]; dense -> the matrix T_C [..., H, K, K]. Leading axes (segments, layers, batch) are allowed.
+    """
+
+    form: str
+    state: Array
+    transfer: Array | None = None
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
+        if (self.form == "identity") != (self.transfer is None):
+            raise ValueError(f"form {self.form!r} {'takes no' if self.form == 'identity' else 'needs a'} transfer")
+
+    def tree_flatten(self):
+        return (self.state, self.transfer), self.form
+
+    @classmethod
+    def tree_unflatten(cls, form, children):
+        state, transfer = children
+        obj = object.__new__(cls)  # skip validation: under transformations leaves may be placeholders
+        object.__setattr__(obj, "form", form)
+        object.__setattr__(obj, "state", state)
+        object.__setattr__(obj, "transfer", transfer)
+        return obj
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The state's shape [..., H, K, V]."""
+        return tuple(self.state.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.state.nbytes) + (0 if self.transfer is None else int(self.transfer.nbytes))
+
+
+def summarize(
+    k: Array,
+    v: Array,
+    *,
+    g: Array | None = None,
+    gk: Array | None = None,
+    beta: Array | None = None,
+    chunk_size: int = 64,
+) -> Summary:
+    """The segment's pair (T_C, S(C|0)).
+
+    Scalar and diagonal transfers are sums of log gates. The dense transfer of a delta rule comes from the same
+    chunked pass with the state widened by an identity block, [S | M] with M_0 = I and zero values in the extra
+    columns: M evolves as M_t = A_t M_{t-1}, so one pass returns [S(C|0) | T_C] (a second pass from identity would
+    redo the intra-chunk solves).
+    """
+    chunk_size = _check_chunk_size(chunk_size)
+    length, heads, key_dim, value_dim = _check_inputs(None, k, v, g, gk, beta, None)
+    acc = _state_dtype(k, v, g, gk, beta)
+    form = transfer_form(g=g, gk=gk, beta=beta)
+    zeros = jnp.zeros((heads, key_dim, value_dim), acc)
+    if form == "dense":
+        eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=acc), (heads, key_dim, key_dim))
+        widened = jnp.concatenate([zeros, eye], axis=-1)
+        if length == 0:
+            final = widened
+        else:
+            _, final = _chunk_scan(None, k, v, g, gk, beta, widened, chunk_size, acc)
+        return Summary("dense", final[..., :value_dim], final[..., value_dim:])
+    state = zeros if length == 0 else _chunk_scan(None, k, v, g, gk, beta, zeros, chunk_size, acc)[1]
+    if form == "identity":
+        return Summary("identity", state, None)
+    if form == "scalar":
+        return Summary("scalar", state, jnp.sum(g.astype(acc), axis=0))
+    log_diag = jnp.sum(gk.astype(acc), axis=0)
+    if g is not None:
+        log_diag = log_diag + jnp.sum(g.astype(acc), axis=0)[:, None]
+    return Summary("diagonal", state, log_diag)
+
+
+def _key_dim(summary: Summary) -> int:
+    return summary.state.shape[-2]
+
+
+def promote(summary: Summary, form: str) -> Summary:
+    """Rewrite `summary` in a more general form (identity < scalar < diagonal < dense); exact."""
+    if _FORM_RANK[form] < _FORM_RANK[summary.form]:
+        raise ValueError(f"cannot promote a {summary.form!r} summary to the narrower form {form!r}")
+    if form == summary.form:
+        return summary
+    if form == "dense":
+        return Summary("dense", summary.state, dense_transfer(summary))
+    lead_heads = summary.state.shape[:-2]  # [..., H]
+    if summary.form == "identity":
+        log = jnp.zeros(lead_heads, summary.state.dtype)
+    else:
+        log = summary.transfer
+    if form == "scalar":
+        return Summary("scalar", summary.state, log)
+    if log.ndim == len(lead_heads):  # scalar -> diagonal
+        log = jnp.broadcast_to(log[..., None], lead_heads + (_key_dim(summary),))
+    return Summary("diagonal", summary.state, log)
+
+
+def dense_transfer(summary: Summary) -> Array:
+    """T_C as a dense [..., H, K, K] matrix (for inspection, tests and mixing with dense families)."""
+    key_dim = _key_dim(summary)
+    lead_heads = summary.state.shape[:-2]
+    eye = jnp.eye(key_dim, dtype=summary.state.dtype)
+    if summary.form == "dense":
+        return summary.transfer
+    if summary.form == "identity":
+        return jnp.broadcast_to(eye, lead_heads + (key_dim, key_dim))
+    if summary.form == "scalar":
+        return jnp.exp(summary.transfer)[..., None, None] * eye
+    return jnp.exp(summary.transfer)[..., :, None] * eye
+
+
+def _apply_transfer(summary: Summary, x: Array) -> Array:
+    """T x for x [..., H, K, N] (a state, or another transfer)."""
+    if summary.form == "identity":
+        return x
+    if summary.form == "scalar":
+        return jnp.exp(summary.transfer)[..., None, None] * x
+    if summary.form == "diagonal":
+        return jnp.exp(summary.transfer)[..., :, None] * x
+    return _einsum("...kj,...jn->...kn", summary.transfer, x)
+
+
+def advance(summary: Summary, state: Array) -> Array:
+    """The state after the segment, from `state` before it: T state + S(C|0)."""
+    if state.shape[-3:] != summary.state.shape[-3:]:
+        raise ValueError(f"state must be [..., H, K, V] = {summary.state.shape[-3:]}, got shape {state.shape}")
+    return _apply_transfer(summary, state.astype(summary.state.dtype)) + summary.state
+
+
+def compose(first: Summary, second: Summary) -> Summary:
+    """The summary of `first` followed by `second`: (T2 T1, T2 S1 + S2). Associative, not commutative."""
+    form = FORMS[max(_FORM_RANK[first.form], _FORM_RANK[second.form])]
+    first, second = promote(first, form), promote(second, form)
+    state = _apply_transfer(second, first.state) + second.state
+    if form == "identity":
+        return Summary("identity", state, None)
+    if form in ("scalar", "diagonal"):
+        return Summary(form, state, first.transfer + second.transfer)
+    return Summary("dense", state, _einsum("...kj,...jn->...kn", second.transfer, first.transfer))
+
+
+def stack_summaries(summaries: list[Summary] | tuple[Summary, ...]) -> Summary:
+    """Stack summaries along a new leading axis, promoting them to their widest form."""
+    if not summaries:
+        raise ValueError("summaries must be a non-empty list")
+    form = FORMS[max(_FORM_RANK[s.form] for s in summaries)]
+    promoted = [promote(s, form) for s in summaries]
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *promoted)
+
+
+def prefix_states(summaries: Summary, initial_state: Array | None = None) -> Array:
+    """The state after each of n stacked summaries (leading axis n), from `initial_state` (zeros if None).
+
+    One `jax.lax.associative_scan` of `compose` (depth O(log n)) builds every prefix pair, then each is applied to
+    the initial state. Returns [n, ..., H, K, V].
+    """
+    if summaries.state.ndim < 4:
+        raise ValueError(f"summaries must be stacked along a leading axis, got state shape {summaries.state.shape}")
+    prefixes = jax.lax.associative_scan(compose, summaries, axis=0)
+    if initial_state is None:
+        return prefixes.state
+    return advance(prefixes, jnp.broadcast_to(initial_state, summaries.state.shape[1:]))
+
+
+def rotate_summary(summary: Summary, offset, *, rotary_dim: int | None = None, base: float = 10000.0) -> Summary:
+    """Move a summary built from RoPE'd keys at canonical position 0 to position `offset`.
+
+    Keys rotated by R(offset) turn every A_t into R A_t R^T, so the pair becomes (R T R^T, R S). Identity and
+    scalar transfers commute with R and stay as they are; diagonal and dense ones become dense.
+    """
+    state = rotate_state_keys(summary.state, offset, rotary_dim=rotary_dim, base=base)
+    if summary.form in ("identity", "scalar"):
+        return Summary(summary.form, state, summary.transfer)
+    rot = rotation_matrix(offset, _key_dim(summary), rotary_dim=rotary_dim, base=base)
+    transfer = _einsum("kj,...jn,mn->...km", rot, dense_transfer(summary), rot)
+    return Summary("dense", state, transfer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Families.
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class LinearInputs:
+    """A family's inputs in the core's common form; `scale` is static."""
+
+    q: Array
+    k: Array
+    v: Array
+    g: Array | None = None
+    gk: Array | None = None
+    beta: Array | None = None
+    scale: float = 1.0
+
+    def tree_flatten(self):
+        return (self.q, self.k, self.v, self.g, self.gk, self.beta), self.scale
+
+    @classmethod
+    def tree_unflatten(cls, scale, children):
+        return cls(*children, scale=scale)
+
+    @property
+    def form(self) -> str:
+        return transfer_form(g=self.g, gk=self.gk, beta=self.beta)
+
+    def gates(self) -> dict[str, Array | None]:
+        return dict(g=self.g, gk=self.gk, beta=self.beta)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `recurrent` / `chunked`."""
+        return dict(q=self.q, k=self.k, v=self.v, scale=self.scale, **self.gates())
+
+    def recurrent(self, initial_state: Array | None = None):
+        return recurrent(**self.kwargs(), initial_state=initial_state)
+
+    def chunked(self, initial_state: Array | None = None, chunk_size: int = 64):
+        return chunked(**self.kwargs(), initial_state=initial_state, chunk_size=chunk_size)
+
+    def summarize(self, chunk_size: int = 64) -> Summary:
+        return summarize(self.k, self.v, chunk_size=chunk_size, **self.gates())
+
+
+def _require(family: str, **gates) -> None:
+    for name, value in gates.items():
+        if value is None:
+            raise ValueError(f"{family} requires `{name}`")
+
+
+def _default_scale(scale: float | None, key_dim: int) -> float:
+    return key_dim**-0.5 if scale is None else float(scale)
+
+
+def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
+    """x / sqrt(sum x^2 + eps) over the last axis, in float32 (the q/k normalisation of delta-rule models)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _repeat_heads(x: Array, heads: int, name: str) -> Array:
+    """Repeat each of x's head groups [L, Hg, ...] to `heads` consecutive heads (repeat_interleave)."""
+    groups = x.shape[1]
+    if heads % groups:
+        raise ValueError(f"{name} has {groups} heads, which does not divide the {heads} value heads")
+    return jnp.repeat(x, heads // groups, axis=1) if groups != heads else x
+
+
+def linear_attention(q: Array, k: Array, v: Array, *, scale: float = 1.0) -> LinearInputs:
+    """Plain (ungated) linear attention: A_t = I."""
+    return LinearInputs(q, k, v, scale=scale)
+
+
+def retnet_decays(num_heads: int) -> Array:
+    """RetNet's fixed per-head decays gamma_h = 1 - 2^(-5-h)."""
+    return 1.0 - 2.0 ** (-5.0 - jnp.arange(num_heads, dtype=jnp.float32))
+
+
+def retnet(q: Array, k: Array, v: Array, *, scale: float | None = None) -> LinearInputs:
+    """RetNet retention: A_t = gamma_h I with fixed per-head gamma."""
+    length, heads = k.shape[:2]
+    g = jnp.broadcast_to(jnp.log(retnet_decays(heads)), (length, heads))
+    return LinearInputs(q, k, v, g=g, scale=_default_scale(scale, k.shape[-1]))
+
+
+def alibi_slopes(num_heads: int) -> Array:
+    """ALiBi slopes: a geometric sequence 2^(-8/n) ... for a power of two n; otherwise the slopes of the nearest
+    lower power of two followed by every other slope of the next one."""
+
+    def power_of_two(n):
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if num_heads <= 0:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return jnp.asarray(slopes, jnp.float32)
+
+
+def lightning(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    layer_factor: float | None,
+    slopes: Array | None = None,
+    scale: float | None = None,
+) -> LinearInputs:
+    """Lightning attention / Ring-linear: constant decay exp(-slope_h * layer_factor) per head.
+
+    `slopes` defaults to `alibi_slopes(H)`; `layer_factor` is the model's per-layer multiplier (conventions differ
+    between implementations; the model file picks one).
+    """
+    _require("lightning", layer_factor=layer_factor)
+    length, heads = k.shape[:2]
+    slopes = alibi_slopes(heads) if slopes is None else jnp.asarray(slopes, jnp.float32)
+    if slopes.shape != (heads,):
+        raise ValueError(f"slopes must be [H={heads}], got shape {slopes.shape}")
+    g = jnp.broadcast_to(-slopes * layer_factor, (length, heads))
+    return LinearInputs(q, k, v, g=g, scale=_default_scale(scale, k.shape[-1]))
+
+
+def mamba2(
+    x: Array,
+    dt: Array,
+    *,
+    A_log: Array | None,
+    B: Array | None,
+    C: Array | None,
+    dt_bias: Array | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> LinearInputs:
+    """Mamba2 / SSD as a linear recurrence: key = B, query = C, value = dt * x, A_t = exp(dt_t * A_h) I.
+
+    Shapes: x [L, H, P], dt [L, H], A_log and dt_bias [H], B and C [L, G, N] with G groups dividing H (head h reads
+    group h // (H / G)). The D * x skip connection is outside the recurrence and is left to the model.
+    """
+    _require("mamba2", A_log=A_log, B=B, C=C)
+    length, heads = x.shape[:2]
+    if dt.shape != (length, heads):
+        raise ValueError(f"dt must be [L={length}, H={heads}], got shape {dt.shape}")
+    if A_log.shape != (heads,):
+        raise ValueError(f"A_log must be [H={heads}], got shape {A_log.shape}")
+    if B.shape != C.shape or B.ndim != 3 or B.shape[0] != length:
+        raise ValueError(f"B and C must both be [L={length}, G, N], got shapes {B.shape} and {C.shape}")
+    dt = dt.astype(jnp.float32)
+    if dt_bias is not None:
+        dt = dt + dt_bias.astype(jnp.float32)
+    if dt_softplus:
+        dt = jax.nn.softplus(dt)
+    dt = jnp.clip(dt, *dt_limit)
+    g = dt * -jnp.exp(A_log.astype(jnp.float32))
+    key = _repeat_heads(B, heads, "B")
+    query = _repeat_heads(C, heads, "C")
+    value = (x.astype(jnp.float32) * dt[..., None]).astype(x.dtype)
+    return LinearInputs(query, key, value, g=g, scale=1.0)
+
+
+def gla(q: Array, k: Array, v: Array, *, gk: Array | None, scale: float | None = None) -> LinearInputs:
+    """Gated linear attention: A_t = Diag(exp(gk_t)) with gk the per-key log forget gate."""
+    _require("gla", gk=gk)
+    return LinearInputs(q, k, v, gk=gk, scale=_default_scale(scale, k.shape[-1]))
+
+
+def delta_net(
+    q: Array, k: Array, v: Array, *, beta: Array | None, use_qk_l2norm: bool = True, scale: float | None = None
+) -> LinearInputs:
+    """DeltaNet: A_t = I - beta_t k_t k_t^T (beta already in (0, 1), e.g. sigmoid of a projection)."""
+    _require("delta_net", beta=beta)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return LinearInputs(q, k, v, beta=beta, scale=_default_scale(scale, k.shape[-1]))
+
+
+def gated_delta_net(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    a: Array | None,
+    b: Array | None,
+    A_log: Array | None,
+    dt_bias: Array | None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> LinearInputs:
+    """Gated DeltaNet with Qwen3.5 / Qwen3-Next gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
+
+    q, k may have fewer (key) heads than v; each key head serves H_v / H_k consecutive value heads. a, b: [L, H_v];
+    A_log, dt_bias: [H_v].
+    """
+    _require("gated_delta_net", a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    heads = v.shape[1]
+    if a.shape != (v.shape[0], heads) or b.shape != (v.shape[0], heads):
+        raise ValueError(f"a and b must be [L, H_v] = {(v.shape[0], heads)}, got shapes {a.shape} and {b.shape}")
+    if A_log.shape != (heads,) or dt_bias.shape != (heads,):
+        raise ValueError(f"A_log and dt_bias must be [H_v={heads}], got shapes {A_log.shape} and {dt_bias.shape}")
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q, k = _repeat_heads(q, heads, "q"), _repeat_heads(k, heads, "k")
+    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    return LinearInputs(q, k, v, g=g, beta=beta, scale=_default_scale(scale, k.shape[-1]))
+
+
+def kda(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    g_raw: Array | None,
+    A_log: Array | None,
+    b: Array | None,
+    dt_bias: Array | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> LinearInputs:
+    """Kimi Delta Attention: A_t = (I - beta_t k_t k_t^T) Diag(exp(gk_t)), decay first, then the delta rule.
+
+    gk = -exp(A_log_h) softplus(g_raw + dt_bias) per key channel, beta = sigmoid(b). Shapes: g_raw [L, H, K],
+    A_log [H] (one rate per head), dt_bias [H, K] or [H * K], b [L, H].
+    """
+    _require("kda", g_raw=g_raw, A_log=A_log, b=b)
+    length, heads, key_dim = k.shape
+    if g_raw.shape != k.shape:
+        raise ValueError(f"g_raw must have k's shape {k.shape}, got shape {g_raw.shape}")
+    if b.shape != (length, heads):
+        raise ValueError(f"b must be [L={length}, H={heads}], got shape {b.shape}")
+    rate = jnp.exp(A_log.astype(jnp.float32)).reshape(-1)
+    if rate.shape[0] not in (1, heads):
+        raise ValueError(f"A_log must have H={heads} entries, got shape {A_log.shape}")
+    gate = g_raw.astype(jnp.float32)
+    if dt_bias is not None:
+        if dt_bias.size != heads * key_dim:
+            raise ValueError(f"dt_bias must have H*K={heads * key_dim} entries, got shape {dt_bias.shape}")
+        gate = gate + dt_bias.astype(jnp.float32).reshape(heads, key_dim)
+    gk = -rate[:, None] * jax.nn.softplus(gate)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    return LinearInputs(q, k, v, gk=gk, beta=beta, scale=_default_scale(scale, key_dim))
