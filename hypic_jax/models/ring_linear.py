@@ -1,0 +1,421 @@
+"""Ring-linear-2.0 (`BailingMoeLinearV2ForCausalLM`, model_type `bailing_moe_linear`) as pure JAX functions.
+
+A stack of decoder layers; layer i is full attention iff (i + 1) % layer_group_size == 0, or i lies past the last
+whole group (the layers a short stack leaves over, as mlx-lm does), and linear attention otherwise.
+
+- Linear layer: fused multi-head `query_key_value`, per-head q/k RMSNorm, partial NeoX RoPE, then a lightning
+  (constant per-head decay) linear attention with log decay g_h = -slope_h * f_layer (ALiBi slopes), read through a
+  group RMSNorm (`g_norm`) gated by sigmoid(`g_proj`(x)), then `dense`.
+- Full layer: GQA with fused qkv, q/k RMSNorm, partial NeoX RoPE, `dense`.
+- MLP: the first `first_k_dense_replace` layers are dense SwiGLU; the rest are MoE with sigmoid scores, an expert
+  bias that only steers selection, group-limited top-k, renormalised weights times `routed_scaling_factor`, plus a
+  shared SwiGLU expert.
+
+The decay's layer factor f_layer. The checkpoint's remote code could not be read here and the references disagree:
+mlx-lm uses f = 1 - max(0, l - 1) / (L - 1) + 1e-5, vLLM f = 1 - l / (L - 1). We follow mlx-lm (our parity reference),
+`RingLinearConfig.layer_factor_convention = "mlx"`; set it to "vllm" for the other one.
+
+Layout. Parameters are a plain PyTree (nested dicts and a list of layers) with matrices stored [in, out] so that
+activations multiply on the left; the converter transposes the Hugging Face [out, in] tensors. Activations are
+[B, L, ...]; only the linear-attention core, which takes one sequence, is vmapped over B. Caches are
+`base.ModelCache`: per layer a `base.LinearCache` (state [B, H, K, V] float32; empty conv tail) or a `base.KVCache`
+(post-RoPE K/V [B, T, KV, D]), plus the number of tokens already absorbed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.sharding import PartitionSpec as P
+
+from hypic_jax import linear_attn
+from hypic_jax.models import base, layers
+from hypic_jax.rope import apply_rope
+
+ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
+MODEL_TYPE = "bailing_moe_linear"
+
+Params = dict[str, Any]
+Cache = dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class RingLinearConfig:
+    """The fields of Ring's config.json that change the computation (defaults follow mlx-lm's ModelArgs)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    layer_group_size: int
+    group_norm_size: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    use_qk_norm: bool = False
+    use_qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    first_k_dense_replace: int = 0
+    num_experts: int | None = None
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_enable_shared_expert: bool = True
+    moe_router_enable_expert_bias: bool = False
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    score_function: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    layer_factor_convention: str = "mlx"  # "mlx" or "vllm": see the module docstring
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "RingLinearConfig":
+        """Build from a parsed config.json; rejects settings this implementation does not compute."""
+        unsupported = {
+            "use_bias": bool(hf.get("use_bias", False)),
+            "norm_head": bool(hf.get("norm_head", False)),
+            "rope_traditional": bool(hf.get("rope_traditional", False)),
+            "rope_scaling": (hf.get("rope_scaling") or {}).get("type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
+            not in ("default", None),
+        }
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise ValueError(f"Ring-linear config sets unsupported option(s): {', '.join(bad)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in hf.items() if k in fields}
+        if values.get("num_key_value_heads") is None:
+            values["num_key_value_heads"] = hf["num_attention_heads"]
+        return cls(**values)
+
+    # Derived shapes -------------------------------------------------------------------------------------------------
+    @property
+    def linear_head_dim(self) -> int:
+        """Linear layers ignore `head_dim` (as the references do): hidden_size // heads."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def shared_expert_size(self) -> int:
+        per_expert = self.moe_shared_expert_intermediate_size or self.moe_intermediate_size
+        return per_expert * self.num_shared_experts
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.num_shared_experts > 0 and self.moe_router_enable_shared_expert
+
+    def is_full_attention(self, layer: int) -> bool:
+        group = self.layer_group_size
+        past_last_group = layer >= self.num_hidden_layers // group * group
+        return (layer + 1) % group == 0 or past_last_group
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts is not None and layer >= self.first_k_dense_replace
+
+    def layer_factor(self, layer: int) -> float:
+        """f_layer in the linear decay g_h = -slope_h * f_layer (deeper layers forget more slowly)."""
+        denom = max(1, self.num_hidden_layers - 1)
+        if self.layer_factor_convention == "mlx":
+            return 1.0 - max(0, layer - 1) / denom + 1e-5
+        if self.layer_factor_convention == "vllm":
+            return 1.0 - layer / denom
+        raise ValueError(f"unknown layer_factor_convention {self.layer_factor_convention!r} (use 'mlx' or 'vllm')")
+
+
+def linear_decay(config: RingLinearConfig, layer: int) -> Array:
+    """Per-head log decay g_h [H] (negative) of linear layer `layer`: -alibi_slope_h * f_layer."""
+    return -linear_attn.alibi_slopes(config.num_attention_heads) * jnp.float32(config.layer_factor(layer))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parameter shapes, random init and sharding
+
+
+def param_shapes(config: RingLinearConfig) -> Params:
+    """The PyTree of parameter shapes (tuples); the converter and init both follow it."""
+    d = config.hidden_size
+    layers = []
+    for i in range(config.num_hidden_layers):
+        if config.is_full_attention(i):
+            hd, h, kv = config.attention_head_dim, config.num_attention_heads, config.num_key_value_heads
+            attn = {"qkv": (d, (h + 2 * kv) * hd), "dense": (h * hd, d)}
+            if config.use_qkv_bias:
+                attn["qkv_bias"] = ((h + 2 * kv) * hd,)
+        else:
+            hd, h = config.linear_head_dim, config.num_attention_heads
+            attn = {"qkv": (d, 3 * h * hd), "g_proj": (d, h * hd), "g_norm": (h * hd,), "dense": (h * hd, d)}
+            if config.use_qkv_bias:
+                attn["qkv_bias"] = (3 * h * hd,)
+        if config.use_qk_norm:
+            attn["q_norm"] = (hd,)
+            attn["k_norm"] = (hd,)
+        if config.is_moe(i):
+            e, m = config.num_experts, config.moe_intermediate_size
+            mlp = {"router": (d, e), "gate_up": (e, d, 2 * m), "down": (e, m, d)}
+            if config.moe_router_enable_expert_bias:
+                mlp["expert_bias"] = (e,)
+            if config.has_shared_expert:
+                s = config.shared_expert_size
+                mlp["shared"] = {"gate": (d, s), "up": (d, s), "down": (s, d)}
+        else:
+            f = config.intermediate_size
+            mlp = {"gate": (d, f), "up": (d, f), "down": (f, d)}
+        layers.append({"input_norm": (d,), "attn": attn, "post_norm": (d,), "mlp": mlp})
+    shapes = {"embed": (config.vocab_size, d), "layers": layers, "norm": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (d, config.vocab_size)
+    return shapes
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def init_params(config: RingLinearConfig, key: Array, dtype=jnp.float32) -> Params:
+    """Random parameters (norm weights 1, expert bias 0, matrices ~ N(0, 0.02)); for tests and benchmarks.
+    The router and the expert bias stay float32 (Ring routes in float32), everything else is `dtype`."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=_is_shape)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, shape), k in zip(leaves, keys):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            out.append(jnp.ones(shape, dtype))
+        elif "expert_bias" in name:
+            out.append(jnp.zeros(shape, jnp.float32))
+        elif "router" in name:
+            out.append(0.02 * jax.random.normal(k, shape, jnp.float32))
+        else:
+            out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def partition_specs(config: RingLinearConfig) -> Params:
+    """PartitionSpecs for a ("data", "model") mesh: Megatron-style column/row splits, experts split over "model".
+
+    Fused qkv is split by columns like any column-parallel matrix; XLA reshards where the head split needs it.
+    """
+
+    def spec(path, shape) -> P:
+        name = jax.tree_util.keystr(path)
+        last = name.rsplit("'", 2)[-2]
+        if len(shape) == 1 or last == "router":
+            return P()
+        if last == "embed":
+            return P("model", None)
+        if len(shape) == 3:  # routed experts [E, in, out]
+            return P("model", None, None)
+        if last in ("dense", "down"):
+            return P("model", None)
+        return P(None, "model")  # qkv, g_proj, gate, up, lm_head
+
+    return jax.tree_util.tree_map_with_path(spec, param_shapes(config), is_leaf=_is_shape)
+
+
+def shardings(config: RingLinearConfig, mesh: jax.sharding.Mesh) -> Params:
+    """NamedShardings of the parameter PyTree on `mesh` (axes "data" and "model")."""
+    return base.named_shardings(partition_specs(config), mesh)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building blocks (activations [B, L, ...]; all rows of a batch share the same positions)
+
+
+def group_rms_norm(x: Array, weight: Array, groups: int, eps: float) -> Array:
+    """RMSNorm of each of `groups` equal slices of the last axis, then one weight over the whole axis (`g_norm`)."""
+    grouped = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+    ones = jnp.ones((grouped.shape[-1],), jnp.float32)
+    return layers.rms_norm(grouped, ones, eps).reshape(x.shape) * weight.astype(x.dtype)
+
+
+def swiglu_mlp(p: Params, x: Array) -> Array:
+    return layers.swiglu(x, p["gate"], p["up"], p["down"])
+
+
+def _fused_projection(p: Params, x: Array) -> Array:
+    y = x @ p["qkv"]
+    return y + p["qkv_bias"] if "qkv_bias" in p else y
+
+
+def _norm_and_rotate(p: Params, q: Array, k: Array, positions: Array, config: RingLinearConfig) -> tuple[Array, Array]:
+    """Per-head q/k RMSNorm, then partial NeoX RoPE on the first rotary_dim channels."""
+    if config.use_qk_norm:
+        q = layers.rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = layers.rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    rotary_dim = config.rotary_dim(q.shape[-1])
+    q = layers.rope_batch(q, positions, rotary_dim=rotary_dim, base=config.rope_theta)
+    k = layers.rope_batch(k, positions, rotary_dim=rotary_dim, base=config.rope_theta)
+    return q, k
+
+
+def linear_attention(p: Params, x: Array, positions: Array, state: Array | None, layer: int,
+                     config: RingLinearConfig) -> tuple[Array, Array]:
+    """Ring's lightning attention layer: x [B, L, D] -> (output [B, L, D], final state [B, H, K, V] float32)."""
+    batch, length, _ = x.shape
+    h, hd = config.num_attention_heads, config.linear_head_dim
+    qkv = _fused_projection(p, x).reshape(batch, length, 3 * h, hd)
+    q, k, v = qkv[:, :, :h], qkv[:, :, h:2 * h], qkv[:, :, 2 * h:]
+    q, k = _norm_and_rotate(p, q, k, positions, config)
+    factor = config.layer_factor(layer)
+
+    def one_sequence(q, k, v, state):
+        inputs = linear_attn.lightning(q, k, v, layer_factor=factor, scale=hd ** -0.5)
+        return inputs.recurrent(state) if length == 1 else inputs.chunked(state)
+
+    if state is None:
+        o, state = jax.vmap(lambda q, k, v: one_sequence(q, k, v, None))(q, k, v)
+    else:
+        o, state = jax.vmap(one_sequence)(q, k, v, state)
+    o = o.reshape(batch, length, h * hd).astype(x.dtype)
+    gate = jax.nn.sigmoid(x @ p["g_proj"])
+    o = group_rms_norm(o, p["g_norm"], config.group_norm_size, config.rms_norm_eps) * gate
+    return o @ p["dense"], state
+
+
+def full_attention(p: Params, x: Array, positions: Array, kv_cache: base.KVCache | None,
+                   config: RingLinearConfig) -> tuple[Array, base.KVCache]:
+    """GQA softmax attention on x [B, L, D]. With `kv_cache` (buffers [B, T, KV, D]) the new keys are written at
+    their positions and queries see every buffered key at a position <= their own; without it, causal over x."""
+    batch, length, _ = x.shape
+    h, kvh, hd = config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim
+    qkv = _fused_projection(p, x)
+    q = qkv[..., : h * hd].reshape(batch, length, h, hd)
+    k = qkv[..., h * hd:(h + kvh) * hd].reshape(batch, length, kvh, hd)
+    v = qkv[..., (h + kvh) * hd:].reshape(batch, length, kvh, hd)
+    q, k = _norm_and_rotate(p, q, k, positions, config)
+    if kv_cache is None:
+        new_cache, keys, values = base.KVCache(k=k, v=v), k, v
+        q_positions = key_positions = None  # causal within x: the fast path
+    else:
+        new_cache, key_positions = base.update_kv_cache(kv_cache, k, v, positions[0])
+        keys, values, q_positions = new_cache.k, new_cache.v, positions
+    o = layers.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
+                                     scale=hd ** -0.5, q_positions=q_positions, k_positions=key_positions)
+    return o.reshape(batch, length, h * hd) @ p["dense"], new_cache
+
+
+def route(p: Params, x: Array, config: RingLinearConfig) -> tuple[Array, Array]:
+    """Expert choice for tokens x [T, D]: (weights [T, k] float32, expert ids [T, k]).
+
+    Scores are sigmoid (or softmax) of the router logits in float32. The expert bias and the group limit (keep the
+    `topk_group` groups whose two best biased scores sum highest; zero the rest) only decide *which* experts; the
+    weights are the unbiased scores of the chosen ones, renormalised, times `routed_scaling_factor`.
+    """
+    logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
+    if config.score_function == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores + p["expert_bias"].astype(jnp.float32) if "expert_bias" in p else scores
+    if config.n_group > 1:
+        tokens = choice.shape[0]
+        grouped = choice.reshape(tokens, config.n_group, -1)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+        _, kept = jax.lax.top_k(group_scores, config.topk_group)
+        keep = jnp.zeros(group_scores.shape, bool).at[jnp.arange(tokens)[:, None], kept].set(True)
+        choice = jnp.where(keep[..., None], grouped, 0.0).reshape(choice.shape)
+    _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.num_experts_per_tok > 1 and config.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights * config.routed_scaling_factor, experts
+
+
+def moe(p: Params, x: Array, config: RingLinearConfig) -> Array:
+    """Ring's MoE block on x [..., D]: routed SwiGLU experts (grouped matmuls) plus the shared expert."""
+    tokens = x.reshape(-1, x.shape[-1])
+    weights, experts = route(p, tokens, config)
+    out = layers.grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"])
+    if "shared" in p:
+        out = out + swiglu_mlp(p["shared"], tokens)
+    return out.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model
+
+
+def decoder_layer(p: Params, x: Array, positions: Array, layer_cache: Any, layer: int,
+                  config: RingLinearConfig) -> tuple[Array, Any]:
+    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)). Returns the layer's updated cache."""
+    h = layers.rms_norm(x, p["input_norm"], config.rms_norm_eps)
+    if config.is_full_attention(layer):
+        mixed, new_cache = full_attention(p["attn"], h, positions, layer_cache, config)
+    else:
+        state = None if layer_cache is None else layer_cache.state
+        mixed, new_state = linear_attention(p["attn"], h, positions, state, layer, config)
+        new_cache = base.LinearCache(state=new_state, conv=_no_conv(x.shape[0], x.dtype))
+    x = x + mixed
+    h = layers.rms_norm(x, p["post_norm"], config.rms_norm_eps)
+    x = x + (moe(p["mlp"], h, config) if config.is_moe(layer) else swiglu_mlp(p["mlp"], h))
+    return x, new_cache
+
+
+def _no_conv(batch: int, dtype) -> Array:
+    """Ring's linear layers have no short convolution: an empty conv tail keeps the common LinearCache shape."""
+    return jnp.zeros((batch, 0, 0), dtype)
+
+
+def unembed(params: Params, x: Array) -> Array:
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, config: RingLinearConfig, tokens: Array,
+            cache: base.ModelCache | None = None) -> tuple[Array, base.ModelCache]:
+    """tokens int32 [B, L] -> (logits float32 [B, L, V], cache after these tokens).
+
+    Without `cache` this is the plain causal forward from position 0; it still returns each layer's cache of these
+    tokens (linear state, K/V of length L). With `cache` (from `init_cache` or a previous call) the tokens continue
+    at position cache.length, K/V are written into the cache's buffers and the states carried on.
+    """
+    positions = base.cache_positions(cache, tokens.shape[1])
+    x = params["embed"][tokens]
+    new_caches = []
+    for i, layer_params in enumerate(params["layers"]):
+        layer_cache = None if cache is None else cache.layers[i]
+        x, new_cache = decoder_layer(layer_params, x, positions, layer_cache, i, config)
+        new_caches.append(new_cache)
+    x = layers.rms_norm(x, params["norm"], config.rms_norm_eps)
+    length = jnp.int32(tokens.shape[1]) + (0 if cache is None else cache.length)
+    return unembed(params, x), base.ModelCache(layers=tuple(new_caches), length=length)
+
+
+def init_cache(config: RingLinearConfig, batch: int, max_len: int, dtype=jnp.float32) -> base.ModelCache:
+    """Empty decoding cache: zero linear states (float32) and K/V buffers of `max_len` positions."""
+    caches = []
+    for i in range(config.num_hidden_layers):
+        if config.is_full_attention(i):
+            shape = (batch, max_len, config.num_key_value_heads, config.attention_head_dim)
+            caches.append(base.KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+        else:
+            hd = config.linear_head_dim
+            state = jnp.zeros((batch, config.num_attention_heads, hd, hd), jnp.float32)
+            caches.append(base.LinearCache(state=state, conv=_no_conv(batch, dtype)))
+    return base.ModelCache(layers=tuple(caches), length=jnp.int32(0))
+
+
+# The names the model registry expects.
+Config = RingLinearConfig
+config_from_hf = RingLinearConfig.from_hf
+param_specs = partition_specs
