@@ -1,0 +1,175 @@
+"""Per-layer cache PyTrees and the generic model wrapper returned by `hypic_jax.load`.
+
+An architecture module (see `hypic_jax.models`) supplies pure functions; `Model` binds one module, its config and
+its parameters, and jit-compiles the two public entry points:
+
+* `logits(tokens [B, L]) -> float32 [B, L, vocab]`: plain causal forward from an empty state, no cache.
+* `generate(tokens [B, L], max_new_tokens) -> int32 [B, max_new_tokens]`: greedy; one prefill that fills the
+  per-layer caches, then one decode step per token inside a `lax.scan` (two compilations per prompt shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Caches. Leaves carry a leading batch axis; `length` (tokens already absorbed) is shared by the whole batch.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Full-attention keys/values at absolute positions 0..max_len-1 (post-RoPE). k, v: [B, max_len, H_kv, D]."""
+
+    k: Array
+    v: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LinearCache:
+    """A linear-attention layer's running state [B, H, K, V] (float32) and conv tail [B, W-1, D_conv]
+    (the last W-1 pre-conv inputs; an architecture with several short convs concatenates them along D_conv)."""
+
+    state: Array
+    conv: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelCache:
+    """Caches of all layers (a tuple, one entry per layer, any PyTree) and the number of tokens already in them."""
+
+    layers: tuple
+    length: Array  # int32 scalar
+
+
+def cache_positions(cache: ModelCache | None, length: int) -> Array:
+    """Absolute positions [L] of the next `length` tokens."""
+    start = 0 if cache is None else cache.length
+    return start + jnp.arange(length, dtype=jnp.int32)
+
+
+def update_kv_cache(cache: KVCache, k: Array, v: Array, start: Array) -> tuple[KVCache, Array, Array]:
+    """Write k, v [B, L, H, D] at positions start..start+L-1; returns the new cache and key positions [max_len].
+
+    Slots not yet written sit at positions >= start + L, so the causal mask on absolute positions hides them.
+    """
+    zero = jnp.zeros((), jnp.int32)
+    index = (zero, jnp.asarray(start, jnp.int32), zero, zero)
+    new = KVCache(
+        k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), index),
+        v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), index),
+    )
+    return new, jnp.arange(cache.k.shape[1], dtype=jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sharding
+
+
+def named_shardings(specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """PartitionSpec tree -> NamedSharding tree on `mesh` (axes "data" and "model")."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def shard_params(params: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Place parameters on `mesh` following the architecture's `param_specs`."""
+    return jax.device_put(params, named_shardings(specs, mesh))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model object
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+    return jnp.dtype(dtype)
+
+
+@dataclasses.dataclass
+class Model:
+    """An architecture module + config + parameters, with jit-compiled `logits` and `generate`."""
+
+    arch: ModuleType
+    config: Any
+    params: Any
+
+    def __post_init__(self):
+        forward = functools.partial(self.arch.forward, config=self.config)
+        self._logits = jax.jit(lambda params, tokens: forward(params, tokens=tokens)[0])
+        self._generate = jax.jit(self._generate_impl, static_argnames=("max_new_tokens",))
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jax.tree.leaves(self.params)[0].dtype
+
+    def logits(self, tokens: Array) -> Array:
+        """float32 logits [B, L, vocab] of a plain causal forward over int32 tokens [B, L]."""
+        return self._logits(self.params, jnp.asarray(tokens, jnp.int32))
+
+    def generate(self, tokens: Array, max_new_tokens: int) -> Array:
+        """Greedy continuation of tokens [B, L]: returns the new tokens, int32 [B, max_new_tokens]."""
+        return self._generate(self.params, jnp.asarray(tokens, jnp.int32), max_new_tokens=int(max_new_tokens))
+
+    def init_cache(self, batch: int, max_len: int) -> ModelCache:
+        return self.arch.init_cache(self.config, batch, max_len, self.dtype)
+
+    def forward(self, tokens: Array, cache: ModelCache | None = None) -> tuple[Array, ModelCache | None]:
+        """Un-jitted forward with an optional cache (jit it yourself for repeated calls)."""
+        return self.arch.forward(self.params, self.config, jnp.asarray(tokens, jnp.int32), cache=cache)
+
+    def _generate_impl(self, params, tokens, *, max_new_tokens):
+        batch, length = tokens.shape
+        if max_new_tokens <= 0:
+            return jnp.zeros((batch, 0), jnp.int32)
+        cache = self.arch.init_cache(self.config, batch, length + max_new_tokens, self.dtype)
+        logits, cache = self.arch.forward(params, self.config, tokens, cache=cache)
+        first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+
+        def step(carry, _):
+            token, cache = carry
+            logits, cache = self.arch.forward(params, self.config, token[:, None], cache=cache)
+            nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+            return (nxt, cache), nxt
+
+        _, rest = jax.lax.scan(step, (first, cache), None, length=max_new_tokens - 1)
+        return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config metadata stored next to an orbax checkpoint
+
+METADATA_FILE = "hypic_model.json"
+
+
+def config_to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(config_cls: type, data: dict) -> Any:
+    """Rebuild a frozen config dataclass, turning JSON lists back into tuples."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    clean = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields}
+    return config_cls(**clean)
+
+
+def write_metadata(path: Path, *, model_type: str, config: Any, dtype: str) -> None:
+    meta = dict(format=1, model_type=model_type, dtype=str(jnp.dtype(dtype)), config=config_to_dict(config))
+    (Path(path) / METADATA_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def read_metadata(path: Path) -> dict:
+    return json.loads((Path(path) / METADATA_FILE).read_text())

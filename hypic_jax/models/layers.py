@@ -1,0 +1,170 @@
+"""Building blocks shared by the hybrid architectures: norms, MLPs, MoE, gated full attention.
+
+Every function is pure and works on one batch `[B, L, ...]` of activations. Weights are stored `[in, out]` so a
+projection is `x @ w`. Reductions that decide numerics (norm statistics, softmax, router probabilities) run in
+float32; results come back in the activation dtype, matching the Hugging Face reference implementations.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from hypic_jax.rope import apply_rope
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Norms
+
+
+def rms_norm(x: Array, weight: Array, eps: float = 1e-6, *, offset: float = 0.0) -> Array:
+    """RMSNorm over the last axis: x / rms(x) * (offset + weight), statistics in float32.
+
+    offset=1.0 gives the zero-centred "(1 + w)" variant of Qwen3.5 / Qwen3-Next (weights initialised to zero); the
+    product is taken in float32 and cast once, as those references do.
+    """
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rms_norm_plain(x: Array, weight: Array, eps: float = 1e-6) -> Array:
+    """Llama-style RMSNorm: normalise in float32, cast back, then scale by the weight in the activation dtype."""
+    xf = x.astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return weight.astype(x.dtype) * normed
+
+
+def gated_rms_norm(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> Array:
+    """rmsnorm(x) * w * silu(gate) (norm before gate), the output norm of Gated DeltaNet layers."""
+    xf = x.astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    scaled = weight.astype(x.dtype) * normed
+    return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (the fla / transformers convention), in float32."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Feed-forward
+
+
+def swiglu(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array) -> Array:
+    """Dense SwiGLU MLP: down(silu(x @ gate) * (x @ up))."""
+    return (jax.nn.silu(x @ gate_proj) * (x @ up_proj)) @ down_proj
+
+
+def softmax_topk_router(
+    x: Array, router: Array, top_k: int, *, renormalize: bool = True
+) -> tuple[Array, Array]:
+    """Softmax over all experts in float32, keep the top-k, optionally renormalise them to sum to one.
+
+    Returns (weights [T, k] float32, expert ids [T, k] int32).
+    """
+    logits = jnp.dot(x, router.astype(x.dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_swiglu_experts(
+    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array
+) -> Array:
+    """Routed SwiGLU experts as two grouped matmuls (`jax.lax.ragged_dot`) over expert-sorted token copies.
+
+    Each token is copied once per chosen expert, the copies are sorted by expert so every expert sees one contiguous
+    row group, and the groups are multiplied by their expert's weights in one grouped matmul (no dense loop over
+    experts and no per-expert padding). The outputs are un-sorted with a gather and combined with the router weights.
+
+    Args:
+      x: [T, H] tokens.  weights, experts: [T, k] router weights and expert ids.
+      gate_up: [E, H, 2I] fused [gate | up] projections.  down: [E, I, H].
+    Returns:
+      [T, H] in x's dtype.
+    """
+    num_tokens, top_k = experts.shape
+    num_experts = gate_up.shape[0]
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    rows = x[order // top_k]  # [T*k, H], grouped by expert
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    hidden = jax.lax.ragged_dot(rows, gate_up, group_sizes, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(hidden, 2, axis=-1)
+    activated = (jax.nn.silu(gate) * up).astype(x.dtype)
+    out_rows = jax.lax.ragged_dot(activated, down, group_sizes, preferred_element_type=jnp.float32)
+    inverse = jnp.argsort(order)  # position of each (token, slot) copy in the sorted order
+    per_slot = out_rows[inverse].reshape(num_tokens, top_k, -1)
+    combined = jnp.einsum("tkh,tk->th", per_slot, weights.astype(jnp.float32))
+    return combined.astype(x.dtype)
+
+
+def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True) -> Array:
+    """Qwen-style sparse MoE block: softmax top-k router, SwiGLU experts, sigmoid-gated shared expert.
+
+    `p` holds router [H, E], gate_up [E, H, 2I], down [E, I, H], and optionally shared_gate_proj / shared_up_proj /
+    shared_down_proj and shared_expert_gate [H, 1]. x is [..., H]; leading axes are flattened into tokens.
+    """
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    weights, experts = softmax_topk_router(tokens, p["router"], top_k, renormalize=renormalize)
+    routed = grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"])
+    if "shared_gate_proj" in p:
+        shared = swiglu(tokens, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"])
+        shared = jax.nn.sigmoid(tokens @ p["shared_expert_gate"]) * shared
+        routed = routed + shared
+    return routed.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Full attention
+
+
+def dot_product_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float,
+    q_positions: Array | None = None,
+    k_positions: Array | None = None,
+) -> Array:
+    """Causal GQA attention, q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D].
+
+    Without positions this is plain causal self-attention over one contiguous block (Lq == Lk), dispatched to
+    `jax.nn.dot_product_attention(is_causal=True)` so a GPU gets cuDNN flash attention. With positions, key j is
+    visible to query i iff k_positions[..., j] <= q_positions[..., i] (absolute positions; a negative key position
+    marks an empty cache slot), which covers KV caches, decode steps and spans cached elsewhere.
+    """
+    if q_positions is None:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=None)
+    q_pos = jnp.broadcast_to(q_positions, (q.shape[0], q.shape[1]))
+    k_pos = jnp.broadcast_to(k_positions, (k.shape[0], k.shape[1]))
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, Lq, Lk]
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=visible[:, None], implementation=None)
+
+
+def gated_attention_projections(
+    x: Array, p: dict, *, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, norm_offset: float
+) -> tuple[Array, Array, Array, Array]:
+    """q/k/v/gate of Qwen's gated attention before RoPE: q_proj yields per head [query | gate]; q, k are RMS-normed."""
+    batch, length, _ = x.shape
+    q_and_gate = (x @ p["q_proj"]).reshape(batch, length, num_heads, 2 * head_dim)
+    q, gate = q_and_gate[..., :head_dim], q_and_gate[..., head_dim:]
+    k = (x @ p["k_proj"]).reshape(batch, length, num_kv_heads, head_dim)
+    v = (x @ p["v_proj"]).reshape(batch, length, num_kv_heads, head_dim)
+    q = rms_norm(q, p["q_norm"], eps, offset=norm_offset)
+    k = rms_norm(k, p["k_norm"], eps, offset=norm_offset)
+    return q, k, v, gate.reshape(batch, length, num_heads * head_dim)
+
+
+def rope_batch(x: Array, positions: Array, *, rotary_dim: int, base: float) -> Array:
+    """Apply NeoX partial RoPE to x [B, L, H, D] at positions [L] or [B, L]."""
+    positions = jnp.broadcast_to(positions, x.shape[:2])
+    return jax.vmap(lambda xb, pb: apply_rope(xb, pb, rotary_dim=rotary_dim, base=base))(x, positions)

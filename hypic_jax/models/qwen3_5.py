@@ -1,0 +1,389 @@
+"""Qwen3.5 (dense `qwen3_5_text`, MoE `qwen3_5_moe_text`, multimodal wrappers `qwen3_5` / `qwen3_5_moe`).
+
+A hybrid stack: layer i is Gated DeltaNet ("linear_attention") or gated full attention ("full_attention") as
+listed in `layer_types` (by default full iff (i + 1) % 4 == 0); each layer then has a dense SwiGLU MLP or a sparse
+MoE. All RMSNorms except the GDN output norm use the zero-centred (1 + w) form. Full attention applies partial
+NeoX RoPE to the first `rotary_dim` channels; Qwen3.5's interleaved multi-axis RoPE reduces to 1-D RoPE for text.
+Qwen3-Next (`qwen3_next.py`) is the same network (its converter regroups the fused projections), so it reuses
+everything here.
+
+Parameters (weights [in, out]):
+  embed [V, H], final_norm [H], lm_head [H, V] (absent when tied), layers: list of
+  {input_norm [H], post_norm [H], mixer: GDN or attention dict, mlp: dense or MoE dict}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.sharding import PartitionSpec as P
+
+from hypic_jax import linear_attn
+from hypic_jax.conv import causal_conv1d
+from hypic_jax.models import layers
+from hypic_jax.models.base import KVCache, LinearCache, ModelCache, cache_positions, update_kv_cache
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    mlp_types: tuple[str, ...]  # per layer: "dense" or "moe"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    # full attention
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rotary_dim: int = 64
+    rope_theta: float = 10_000_000.0
+    # Gated DeltaNet
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    # MLPs
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+
+def text_config(hf_config: dict) -> dict:
+    """The language-model part of a HF config (multimodal wrappers keep it under text_config)."""
+    return hf_config.get("text_config") or hf_config
+
+
+def rope_settings(hf: dict, head_dim: int) -> tuple[int, float]:
+    """(rotary_dim, theta) from either `rope_parameters` (transformers 5) or top-level keys (older configs)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"unsupported rope_type {rope_type!r} (only default / text-only mrope are implemented)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    return int(head_dim * factor), float(theta)
+
+
+def default_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
+
+
+def config_from_hf(hf_config: dict) -> Config:
+    hf = text_config(hf_config)
+    num_layers = hf["num_hidden_layers"]
+    layer_types = tuple(hf.get("layer_types") or default_layer_types(num_layers, hf.get("full_attention_interval", 4)))
+    if len(layer_types) != num_layers or not set(layer_types) <= {LINEAR, FULL}:
+        raise ValueError(f"layer_types must list {num_layers} of {LINEAR!r}/{FULL!r}, got {layer_types}")
+    num_experts = hf.get("num_experts", 0) or 0
+    if num_experts:
+        sparse_step = hf.get("decoder_sparse_step", 1) or 1
+        dense_layers = set(hf.get("mlp_only_layers") or ())
+        mlp_types = tuple(
+            "moe" if i not in dense_layers and (i + 1) % sparse_step == 0 else "dense" for i in range(num_layers)
+        )
+    else:
+        mlp_types = ("dense",) * num_layers
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    rotary_dim, theta = rope_settings(hf, head_dim)
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for Qwen3.5 / Qwen3-Next")
+    return Config(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        layer_types=layer_types,
+        mlp_types=mlp_types,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))),
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf["num_key_value_heads"],
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        linear_num_key_heads=hf["linear_num_key_heads"],
+        linear_num_value_heads=hf["linear_num_value_heads"],
+        linear_key_head_dim=hf["linear_key_head_dim"],
+        linear_value_head_dim=hf["linear_value_head_dim"],
+        conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+        intermediate_size=hf.get("intermediate_size", 0) or 0,
+        num_experts=num_experts,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 0) or 0,
+        moe_intermediate_size=hf.get("moe_intermediate_size", 0) or 0,
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter shapes, init and sharding (one table drives all three)
+
+
+def _mixer_shapes(config: Config, layer_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, kind) with kind in matrix / zeros (1+w norm) / ones / A_log / dt_bias."""
+    h = config.hidden_size
+    if layer_type == LINEAR:
+        hv = config.linear_num_value_heads
+        return {
+            "in_proj_qkv": ((h, config.conv_dim), "col"),
+            "in_proj_z": ((h, config.linear_value_dim), "col"),
+            "in_proj_b": ((h, hv), "col"),
+            "in_proj_a": ((h, hv), "col"),
+            "conv_weight": ((config.conv_dim, config.conv_kernel), "conv"),
+            "A_log": ((hv,), "A_log"),
+            "dt_bias": ((hv,), "dt_bias"),
+            "norm": ((config.linear_value_head_dim,), "ones"),
+            "out_proj": ((config.linear_value_dim, h), "row"),
+        }
+    d = config.head_dim
+    return {
+        "q_proj": ((h, config.num_attention_heads * 2 * d), "col"),
+        "k_proj": ((h, config.num_key_value_heads * d), "col"),
+        "v_proj": ((h, config.num_key_value_heads * d), "col"),
+        "o_proj": ((config.num_attention_heads * d, h), "row"),
+        "q_norm": ((d,), "zeros"),
+        "k_norm": ((d,), "zeros"),
+    }
+
+
+def _mlp_shapes(config: Config, mlp_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    h = config.hidden_size
+    if mlp_type == "dense":
+        i = config.intermediate_size
+        return {"gate_proj": ((h, i), "col"), "up_proj": ((h, i), "col"), "down_proj": ((i, h), "row")}
+    e, i, s = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    shapes = {
+        "router": ((h, e), "replicated"),
+        "gate_up": ((e, h, 2 * i), "experts"),
+        "down": ((e, i, h), "experts"),
+    }
+    if s:
+        shapes.update(
+            shared_gate_proj=((h, s), "col"),
+            shared_up_proj=((h, s), "col"),
+            shared_down_proj=((s, h), "row"),
+            shared_expert_gate=((h, 1), "replicated"),
+        )
+    return shapes
+
+
+def _shape_table(config: Config) -> dict:
+    h, v = config.hidden_size, config.vocab_size
+    table = {"embed": ((v, h), "embed"), "final_norm": ((h,), "zeros")}
+    if not config.tie_word_embeddings:
+        table["lm_head"] = ((h, v), "col")
+    table["layers"] = [
+        {
+            "input_norm": ((h,), "zeros"),
+            "post_norm": ((h,), "zeros"),
+            "mixer": _mixer_shapes(config, config.layer_types[i]),
+            "mlp": _mlp_shapes(config, config.mlp_types[i]),
+        }
+        for i in range(config.num_layers)
+    ]
+    return table
+
+
+def _is_entry(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str)
+
+
+_FLOAT32_KINDS = ("A_log", "dt_bias")
+
+
+def init_params(config: Config, key: Array, dtype: Any = jnp.bfloat16) -> dict:
+    """Random parameters (normal(0, 0.02) matrices, reference-style gates and norms). A_log, dt_bias stay float32."""
+    table = _shape_table(config)
+    entries, treedef = jax.tree.flatten(table, is_leaf=_is_entry)
+    keys = jax.random.split(key, len(entries))
+
+    def make(k, entry):
+        shape, kind = entry
+        if kind == "zeros":
+            return jnp.zeros(shape, dtype)
+        if kind == "ones":
+            return jnp.ones(shape, dtype)
+        if kind == "A_log":
+            return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0))
+        if kind == "dt_bias":
+            return jnp.ones(shape, jnp.float32)
+        if kind == "conv":
+            return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(shape[1])).astype(dtype)
+        return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [make(k, e) for k, e in zip(keys, entries)])
+
+
+_SPECS = {
+    "col": P(None, "model"),
+    "row": P("model", None),
+    "embed": P(None, "model"),
+    "conv": P("model", None),
+    "experts": P("model", None, None),
+    "A_log": P("model"),
+    "dt_bias": P("model"),
+    "zeros": P(),
+    "ones": P(),
+    "replicated": P(),
+}
+
+
+def param_specs(config: Config) -> dict:
+    """PartitionSpecs for a ("data", "model") mesh: Megatron-style column/row splits of projections over "model",
+    experts split over "model" (expert parallel), norms and routers replicated, everything replicated over "data"."""
+    return jax.tree.map(lambda e: _SPECS[e[1]], _shape_table(config), is_leaf=_is_entry)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers
+
+
+def gated_delta_net(
+    x: Array, p: dict, config: Config, cache: LinearCache | None
+) -> tuple[Array, LinearCache]:
+    """Gated DeltaNet mixer on x [B, L, H]; returns (output [B, L, H], the layer's new LinearCache)."""
+    batch, length, _ = x.shape
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    mixed = x @ p["in_proj_qkv"]  # [B, L, 2*Hk*Dk + Hv*Dv], conv runs over q, k, v only
+    z = (x @ p["in_proj_z"]).reshape(batch, length, hv, dv)
+    b = x @ p["in_proj_b"]
+    a = x @ p["in_proj_a"]
+    if cache is None:
+        state = jnp.zeros((batch, hv, dk, dv), jnp.float32)
+        conv_state = jnp.zeros((batch, config.conv_kernel - 1, config.conv_dim), x.dtype)
+    else:
+        state, conv_state = cache.state, cache.conv
+    conv = lambda xs, cs: causal_conv1d(xs, p["conv_weight"], conv_state=cs, activation="silu")  # noqa: E731
+    mixed, new_conv = jax.vmap(conv)(mixed, conv_state)
+    q, k, v = jnp.split(mixed, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
+
+    def one_sequence(q, k, v, a, b, state):
+        inputs = linear_attn.gated_delta_net(
+            q.reshape(length, hk, dk), k.reshape(length, hk, dk), v.reshape(length, hv, dv),
+            a=a, b=b, A_log=p["A_log"], dt_bias=p["dt_bias"],
+        )
+        if length == 1:
+            return linear_attn.recurrent(**inputs.kwargs(), initial_state=state)
+        return linear_attn.chunked(**inputs.kwargs(), initial_state=state, chunk_size=config.chunk_size)
+
+    core, new_state = jax.vmap(one_sequence)(q, k, v, a, b, state)  # core [B, L, Hv, Dv]
+    normed = layers.gated_rms_norm(core, z, p["norm"], config.rms_norm_eps)
+    out = normed.reshape(batch, length, hv * dv) @ p["out_proj"]
+    return out, LinearCache(state=new_state, conv=new_conv)
+
+
+def full_attention(
+    x: Array, p: dict, config: Config, positions: Array, cache: KVCache | None, start: Array | None
+) -> tuple[Array, KVCache | None]:
+    """Gated full attention (q/k norm, partial RoPE, GQA, sigmoid output gate); KV cache optional."""
+    batch, length, _ = x.shape
+    q, k, v, gate = layers.gated_attention_projections(
+        x, p, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, eps=config.rms_norm_eps, norm_offset=1.0,
+    )
+    q = layers.rope_batch(q, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
+    k = layers.rope_batch(k, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
+    scale = config.head_dim**-0.5
+    if cache is None:
+        attended = layers.dot_product_attention(q, k, v, scale=scale)
+        new_cache = None
+    else:
+        new_cache, key_positions = update_kv_cache(cache, k, v, start)
+        attended = layers.dot_product_attention(
+            q, new_cache.k, new_cache.v, scale=scale, q_positions=positions, k_positions=key_positions
+        )
+    attended = attended.reshape(batch, length, -1) * jax.nn.sigmoid(gate)
+    return attended @ p["o_proj"], new_cache
+
+
+def feed_forward(x: Array, p: dict, config: Config, mlp_type: str) -> Array:
+    if mlp_type == "dense":
+        return layers.swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
+    return layers.qwen_moe(x, p, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+
+
+def init_cache(config: Config, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> ModelCache:
+    entries = []
+    for layer_type in config.layer_types:
+        if layer_type == LINEAR:
+            state = jnp.zeros(
+                (batch, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+                jnp.float32,
+            )
+            entries.append(LinearCache(state, jnp.zeros((batch, config.conv_kernel - 1, config.conv_dim), dtype)))
+        else:
+            shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+            entries.append(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    return ModelCache(layers=tuple(entries), length=jnp.zeros((), jnp.int32))
+
+
+def hidden_states(
+    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None
+) -> tuple[Array, ModelCache | None]:
+    """Final-normed hidden states [B, L, H] (before the LM head) and the updated cache."""
+    length = tokens.shape[1]
+    x = params["embed"][tokens]
+    positions = cache_positions(cache, length)
+    start = None if cache is None else cache.length
+    new_entries = []
+    for i, lp in enumerate(params["layers"]):
+        layer_cache = None if cache is None else cache.layers[i]
+        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
+        if config.layer_types[i] == LINEAR:
+            h, layer_cache = gated_delta_net(h, lp["mixer"], config, layer_cache)
+        else:
+            h, layer_cache = full_attention(h, lp["mixer"], config, positions, layer_cache, start)
+        x = x + h
+        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
+        x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
+        new_entries.append(layer_cache)
+    x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
+    new_cache = None if cache is None else ModelCache(tuple(new_entries), cache.length + length)
+    return x, new_cache
+
+
+def lm_head(params: dict, config: Config, x: Array) -> Array:
+    """float32 logits of hidden states x [..., H]."""
+    weight = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None
+) -> tuple[Array, ModelCache | None]:
+    """Logits float32 [B, L, vocab] for int32 tokens [B, L] (continuing `cache` when given) and the new cache."""
+    x, new_cache = hidden_states(params, config, tokens, cache)
+    return lm_head(params, config, x), new_cache
