@@ -1,0 +1,249 @@
+"""Kimi-Linear parity against transformers on a tiny random checkpoint built here (torch CPU, float32).
+
+The tiny model has a KDA layer, a NoPE MLA layer (low-rank q), a dense first MLP and group-routed MoE layers with a
+non-zero expert-score bias, so every Kimi-specific path is exercised; prompts are longer than one KDA chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from converters.base import CheckpointReader  # noqa: E402
+from converters import kimi_linear as kimi_converter  # noqa: E402
+from hypic_jax.models import kimi_linear as kimi  # noqa: E402
+from hypic_jax.models import load  # noqa: E402
+
+VOCAB = 128
+FIRST_TOKEN = 3  # below: pad / bos ids; generate would mask pad tokens of a prompt
+
+
+def tiny_hf_config(**overrides):
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        initializer_range=0.08,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,  # a tiny random model emits eos as readily as any token; decode never stops early
+    )
+    settings.update(overrides)
+    return transformers.KimiLinearConfig(**settings)
+
+
+def build_reference(folder, **overrides):
+    """A seeded random transformers model, with norm weights and router biases perturbed so a mix-up shows."""
+    torch.manual_seed(0)
+    model = transformers.KimiLinearForCausalLM(tiny_hf_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn_like(param))
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def random_tokens(seed, shape):
+    return np.random.default_rng(seed).integers(FIRST_TOKEN, VOCAB, size=shape).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kimi_linear")
+    reference = build_reference(folder)
+    return folder, reference
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load(checkpoint[0], dtype="float32")
+
+
+def reference_logits(reference, tokens):
+    with torch.no_grad():
+        return reference(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def assert_close_relative(actual, expected, rel=1e-4):
+    err = np.abs(np.asarray(actual) - expected).max() / np.abs(expected).max()
+    assert err < rel, f"max |diff| / max |ref| = {err:.3g}"
+
+
+def test_config_parsed_from_checkpoint(model):
+    config = model.config
+    assert config.layer_types == ("linear_attention", "full_attention", "linear_attention")
+    assert config.mlp_types == ("dense", "sparse", "sparse")
+    assert (config.num_experts, config.num_experts_per_tok, config.n_group, config.topk_group) == (8, 2, 4, 2)
+    assert config.q_lora_rank == 24 and config.conv_kernel == 4
+
+
+def test_logits_match_transformers(checkpoint, model):
+    tokens = random_tokens(1, (2, 80))  # longer than one 64-token KDA chunk
+    assert_close_relative(model.logits(tokens), reference_logits(checkpoint[1], tokens))
+
+
+def test_greedy_decode_matches_transformers(checkpoint, model):
+    prompt = random_tokens(2, (2, 12))
+    reference = checkpoint[1]
+    generation = transformers.GenerationConfig(do_sample=False, max_new_tokens=16, pad_token_id=0)
+    with torch.no_grad():
+        expected = reference.generate(
+            torch.as_tensor(prompt, dtype=torch.long),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            generation_config=generation,
+        )[:, prompt.shape[1] :]
+    np.testing.assert_array_equal(np.asarray(model.generate(prompt, 16)), expected.numpy())
+
+
+def test_prefill_then_decode_equals_full_forward(model):
+    """Prefill, a multi-token chunk through the chunked core, a short chunk, then single tokens: every step's logits
+    equal the plain forward's, so the KDA state / conv tails and the MLA latent buffers carry over exactly."""
+    tokens = random_tokens(3, (2, 100))
+    full = np.asarray(model.logits(tokens))
+    step = jax.jit(lambda params, toks, cache: kimi.forward(params, model.config, toks, cache))
+    cache = model.init_cache(2, tokens.shape[1])
+    pieces = [(0, 30), (30, 70), (70, 77)] + [(i, i + 1) for i in range(77, 100)]
+    for begin, end in pieces:
+        out, cache = step(model.params, tokens[:, begin:end], cache)
+        assert_close_relative(out, full[:, begin:end])
+    assert int(cache.length) == tokens.shape[1]
+
+
+def test_plain_forward_returns_resumable_caches(model):
+    """The caches a cache-free forward returns (KDA state, conv tails, MLA latents) continue the sequence."""
+    tokens = random_tokens(4, (1, 40))
+    full = np.asarray(model.logits(tokens))
+    _, prefix = kimi.forward(model.params, model.config, jnp.asarray(tokens[:, :32]))
+    cache = model.init_cache(1, 40)
+    layers = []
+    for empty, got in zip(cache.layers, prefix.layers):
+        if isinstance(empty, kimi.MLACache):
+            got = jax.tree.map(lambda buf, val: buf.at[:, : val.shape[1]].set(val), empty, got)
+        layers.append(got)
+    cache = type(cache)(layers=tuple(layers), length=prefix.length)
+    out, _ = kimi.forward(model.params, model.config, jnp.asarray(tokens[:, 32:]), cache)
+    assert_close_relative(out, full[:, 32:])
+
+
+def test_original_config_layout():
+    """The released checkpoints' config: linear_attn_config with 1-indexed layers, first_k_dense_replace, aliases."""
+    hf = {
+        "model_type": "kimi_linear",
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_experts": 16,
+        "num_experts_per_token": 4,
+        "num_shared_experts": 2,
+        "moe_renormalize": False,
+        "num_expert_group": 4,
+        "first_k_dense_replace": 2,
+        "moe_router_activation_func": "sigmoid",
+        "linear_attn_config": {
+            "full_attn_layers": [2, 4],
+            "kda_layers": [1, 3],
+            "num_heads": 2,
+            "head_dim": 8,
+            "short_conv_kernel_size": 3,
+        },
+    }
+    config = kimi.config_from_hf(hf)
+    assert config.layer_types == ("linear_attention", "full_attention", "linear_attention", "full_attention")
+    assert config.mlp_types == ("dense", "dense", "sparse", "sparse")
+    assert (config.num_experts, config.num_experts_per_tok, config.num_shared_experts) == (16, 4, 2)
+    assert (config.n_group, config.norm_topk_prob) == (4, False)
+    assert (config.linear_num_heads, config.linear_head_dim, config.conv_kernel) == (2, 8, 3)
+    with pytest.raises(ValueError, match="softmax"):
+        kimi.config_from_hf({**hf, "moe_router_activation_func": "softmax"})
+
+
+def test_param_specs_match_params(model):
+    specs = kimi.param_specs(model.config)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(model.params)
+    for spec, param in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(model.params)):
+        assert len(spec) <= param.ndim
+
+
+def _corrupted_copy(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize(
+    "case, pattern",
+    [
+        ("missing", r"missing tensor 'model\.layers\.1\.self_attn\.kv_b_proj\.weight'"),
+        ("shape", r"tensor 'model\.layers\.0\.self_attn\.q_conv1d\.weight' has shape \(64, 1, 3\), expected \(64, 1, 4\)"),
+        ("extra", r"unexpected tensor 'model\.layers\.2\.self_attn\.bogus\.weight'"),
+        ("expert", r"missing tensor 'model\.layers\.2\.block_sparse_moe\.experts\.5\.w3\.weight'"),
+    ],
+)
+def test_converter_names_bad_tensors(checkpoint, tmp_path, case, pattern):
+    def edit(tensors):
+        if case == "missing":
+            del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+        elif case == "shape":
+            name = "model.layers.0.self_attn.q_conv1d.weight"
+            tensors[name] = tensors[name][..., :3].copy()
+        elif case == "extra":
+            tensors["model.layers.2.self_attn.bogus.weight"] = np.zeros((2, 2), np.float32)
+        else:
+            del tensors["model.layers.2.block_sparse_moe.experts.5.w3.weight"]
+
+    folder = _corrupted_copy(checkpoint[0], tmp_path / case, edit)
+    with pytest.raises(ValueError, match=pattern):
+        kimi_converter.convert(CheckpointReader(folder), json.loads((folder / "config.json").read_text()), "float32")
+
+
+def test_unknown_model_type_is_named(checkpoint, tmp_path):
+    folder = tmp_path / "unknown"
+    shutil.copytree(checkpoint[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "kimi_nonlinear"}))
+    with pytest.raises(ValueError, match="kimi_nonlinear"):
+        load(folder, dtype="float32")
+
+
+def test_bfloat16_load_keeps_gates_float32(checkpoint):
+    bf16 = load(checkpoint[0], dtype="bfloat16")
+    layer = bf16.params["layers"][1]["mlp"]
+    assert layer["router"].dtype == jnp.float32 and layer["gate_up"].dtype == jnp.bfloat16
+    assert bf16.params["layers"][0]["attn"]["A_log"].dtype == jnp.float32
