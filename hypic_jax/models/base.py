@@ -99,30 +99,66 @@ def resolve_dtype(dtype: Any) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+
+def _params_dtype(params: Any) -> jnp.dtype:
+    """The activation dtype of a parameter tree: its most common floating dtype (a few gates may stay float32)."""
+    counts: dict = {}
+    for leaf in jax.tree.leaves(params):
+        counts[jnp.dtype(leaf.dtype)] = counts.get(jnp.dtype(leaf.dtype), 0) + leaf.size
+    return max(counts, key=counts.get)
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config"))
+def _logits(params, tokens, *, arch, config):
+    return arch.forward(params, config, tokens)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "max_new_tokens"))
+def _generate(params, tokens, *, arch, config, max_new_tokens):
+    """Greedy decoding: prefill fills the caches, then a scan of single-token steps."""
+    batch, length = tokens.shape
+    if max_new_tokens <= 0:
+        return jnp.zeros((batch, 0), jnp.int32)
+    cache = arch.init_cache(config, batch, length + max_new_tokens, _params_dtype(params))
+    logits, cache = arch.forward(params, config, tokens, cache=cache)
+    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+
+    def step(carry, _):
+        token, cache = carry
+        logits, cache = arch.forward(params, config, token[:, None], cache=cache)
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        return (nxt, cache), nxt
+
+    _, rest = jax.lax.scan(step, (first, cache), None, length=max_new_tokens - 1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
 @dataclasses.dataclass
 class Model:
-    """An architecture module + config + parameters, with jit-compiled `logits` and `generate`."""
+    """An architecture module + config + parameters, with jit-compiled `logits` and `generate`.
+
+    The compiled functions take the module and config as static arguments, so models of the same architecture and
+    config share compilations.
+    """
 
     arch: ModuleType
     config: Any
     params: Any
 
-    def __post_init__(self):
-        forward = functools.partial(self.arch.forward, config=self.config)
-        self._logits = jax.jit(lambda params, tokens: forward(params, tokens=tokens)[0])
-        self._generate = jax.jit(self._generate_impl, static_argnames=("max_new_tokens",))
-
     @property
     def dtype(self) -> jnp.dtype:
-        return jax.tree.leaves(self.params)[0].dtype
+        return _params_dtype(self.params)
 
     def logits(self, tokens: Array) -> Array:
         """float32 logits [B, L, vocab] of a plain causal forward over int32 tokens [B, L]."""
-        return self._logits(self.params, jnp.asarray(tokens, jnp.int32))
+        return _logits(self.params, jnp.asarray(tokens, jnp.int32), arch=self.arch, config=self.config)
 
     def generate(self, tokens: Array, max_new_tokens: int) -> Array:
         """Greedy continuation of tokens [B, L]: returns the new tokens, int32 [B, max_new_tokens]."""
-        return self._generate(self.params, jnp.asarray(tokens, jnp.int32), max_new_tokens=int(max_new_tokens))
+        return _generate(
+            self.params, jnp.asarray(tokens, jnp.int32), arch=self.arch, config=self.config,
+            max_new_tokens=int(max_new_tokens),
+        )
 
     def init_cache(self, batch: int, max_len: int) -> ModelCache:
         return self.arch.init_cache(self.config, batch, max_len, self.dtype)
@@ -130,23 +166,6 @@ class Model:
     def forward(self, tokens: Array, cache: ModelCache | None = None) -> tuple[Array, ModelCache | None]:
         """Un-jitted forward with an optional cache (jit it yourself for repeated calls)."""
         return self.arch.forward(self.params, self.config, jnp.asarray(tokens, jnp.int32), cache=cache)
-
-    def _generate_impl(self, params, tokens, *, max_new_tokens):
-        batch, length = tokens.shape
-        if max_new_tokens <= 0:
-            return jnp.zeros((batch, 0), jnp.int32)
-        cache = self.arch.init_cache(self.config, batch, length + max_new_tokens, self.dtype)
-        logits, cache = self.arch.forward(params, self.config, tokens, cache=cache)
-        first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-
-        def step(carry, _):
-            token, cache = carry
-            logits, cache = self.arch.forward(params, self.config, token[:, None], cache=cache)
-            nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-            return (nxt, cache), nxt
-
-        _, rest = jax.lax.scan(step, (first, cache), None, length=max_new_tokens - 1)
-        return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
