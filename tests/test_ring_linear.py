@@ -1,0 +1,312 @@
+"""Ring-linear-2.0 parity against mlx-lm's `bailing_moe_linear` (mlx CPU, float32) on a tiny random checkpoint.
+
+The checkpoint is written with the Hugging Face names of the released remote-code model (mlx-lm renames two of
+them in `sanitize`; the writer below undoes that), then read back through our converter.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+mlx_ring = pytest.importorskip("mlx_lm.models.bailing_moe_linear")
+from mlx.utils import tree_flatten  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+import hypic_jax  # noqa: E402
+from converters.base import CheckpointReader, convert_folder, save_checkpoint  # noqa: E402
+from converters import ring_linear as ring_converter  # noqa: E402
+from hypic_jax.models import ring_linear  # noqa: E402
+from hypic_jax.models.base import KVCache, ModelCache  # noqa: E402
+
+# Both layer types, both MLP kinds, grouped routing, a shared expert, partial RoPE, non-trivial GQA.
+TINY_CONFIG = {
+    "architectures": ["BailingMoeLinearV2ForCausalLM"],
+    "model_type": "bailing_moe_linear",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "max_position_embeddings": 4096,
+    "num_hidden_layers": 6,
+    "layer_group_size": 3,  # layers 2 and 5 are full attention
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "group_norm_size": 2,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-6,
+    "use_qk_norm": True,
+    "use_qkv_bias": False,
+    "use_bias": False,
+    "tie_word_embeddings": False,
+    "first_k_dense_replace": 1,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "num_shared_experts": 1,
+    "moe_shared_expert_intermediate_size": 32,
+    "moe_router_enable_expert_bias": True,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "score_function": "sigmoid",
+    "n_group": 4,
+    "topk_group": 2,
+}
+
+
+def _mlx_to_hf_names(weights: dict[str, np.ndarray], num_experts: int) -> dict[str, np.ndarray]:
+    """Undo mlx-lm's sanitize: stacked `switch_mlp` experts -> per-expert tensors, `gate.gate_proj` -> `gate`."""
+    out = {}
+    for name, value in weights.items():
+        if ".mlp.switch_mlp." in name:
+            prefix, rest = name.split(".mlp.switch_mlp.")
+            for e in range(num_experts):
+                out[f"{prefix}.mlp.experts.{e}.{rest}"] = np.ascontiguousarray(value[e])
+        elif name.endswith(".mlp.gate.gate_proj.weight"):
+            out[name.replace(".mlp.gate.gate_proj.weight", ".mlp.gate.weight")] = value
+        else:
+            out[name] = value
+    return out
+
+
+def _build_reference(hf_config: dict):
+    """A seeded random mlx-lm model; norm weights and expert biases are randomised too so they are tested."""
+    mx.random.seed(1234)
+    model = mlx_ring.Model(mlx_ring.ModelArgs.from_dict(hf_config))
+    rng = np.random.default_rng(1234)
+
+    params = dict(tree_flatten(model.parameters()))
+    updates = []
+    for name, value in params.items():
+        if "norm" in name:
+            updates.append((name, mx.array(1.0 + 0.2 * rng.standard_normal(value.shape), dtype=mx.float32)))
+        elif name.endswith("expert_bias"):
+            updates.append((name, mx.array(0.1 * rng.standard_normal(value.shape), dtype=mx.float32)))
+    model.load_weights(updates, strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def _write_checkpoint(model, hf_config: dict, folder) -> dict[str, np.ndarray]:
+    weights = {k: np.array(v, dtype=np.float32) for k, v in tree_flatten(model.parameters())}
+    weights = _mlx_to_hf_names(weights, hf_config["num_experts"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    save_file(weights, str(folder / "model.safetensors"))
+    return weights
+
+
+def _mlx_logits(model, tokens: np.ndarray) -> np.ndarray:
+    return np.array(model(mx.array(tokens)), dtype=np.float32)
+
+
+def _mlx_greedy(model, prompt: np.ndarray, steps: int) -> list[int]:
+    cache = model.make_cache()
+    out = model(mx.array(prompt)[None], cache=cache)
+    token = int(mx.argmax(out[0, -1]).item())
+    generated = [token]
+    for _ in range(steps - 1):
+        out = model(mx.array([[token]]), cache=cache)
+        token = int(mx.argmax(out[0, -1]).item())
+        generated.append(token)
+    return generated
+
+
+def _relative_error(ours, reference) -> float:
+    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
+    return float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ring") / "hf"
+    reference = _build_reference(TINY_CONFIG)
+    weights = _write_checkpoint(reference, TINY_CONFIG, folder)
+    return folder, reference, weights
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    folder, _, _ = checkpoint
+    return hypic_jax.load(folder, dtype="float32")
+
+
+def _prompt(length: int, seed: int = 0, batch: int | None = None) -> np.ndarray:
+    shape = (length,) if batch is None else (batch, length)
+    return np.random.default_rng(seed).integers(0, TINY_CONFIG["vocab_size"], shape).astype(np.int32)
+
+
+def test_layer_schedule_and_names(checkpoint):
+    config = ring_linear.config_from_hf(TINY_CONFIG)
+    assert [config.is_full_attention(i) for i in range(6)] == [False, False, True, False, False, True]
+    assert [config.is_moe(i) for i in range(6)] == [False] + [True] * 5
+    _, _, weights = checkpoint
+    assert "model.word_embeddings.weight" in weights
+    assert "model.layers.0.attention.g_proj.weight" in weights
+    assert "model.layers.1.mlp.gate.expert_bias" in weights
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in weights
+
+
+def test_layer_factor_conventions():
+    config = ring_linear.config_from_hf(TINY_CONFIG)  # 6 layers
+    assert config.layer_factor(0) == config.layer_factor(1) == pytest.approx(1 + 1e-5)
+    assert config.layer_factor(4) == pytest.approx(1 - 3 / 5 + 1e-5)
+    vllm = ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "vllm"})
+    assert vllm.layer_factor(0) == 1.0 and vllm.layer_factor(4) == pytest.approx(1 - 4 / 5)
+
+
+@pytest.fixture(scope="module")
+def batch_logits(model):
+    """A batch of two 80-token prompts (longer than one 64-token chunk) and our causal logits for it."""
+    tokens = _prompt(80, seed=1, batch=2)
+    return tokens, np.asarray(model.logits(tokens))
+
+
+@pytest.fixture(scope="module")
+def step(model):
+    """One jitted forward with an optional cache, shared by the cache tests to keep compilations few."""
+    return jax.jit(functools.partial(ring_linear.forward, config=model.config))
+
+
+def test_logits_match_mlx(checkpoint, batch_logits):
+    _, reference, _ = checkpoint
+    tokens, ours = batch_logits
+    expected = _mlx_logits(reference, tokens)
+    assert ours.shape == expected.shape == (2, 80, TINY_CONFIG["vocab_size"])
+    assert _relative_error(ours, expected) < 1e-4
+
+
+def test_greedy_decode_matches_mlx(checkpoint, model):
+    _, reference, _ = checkpoint
+    prompt = _prompt(12, seed=2)
+    ours = np.asarray(model.generate(prompt[None], 16))[0].tolist()
+    assert ours == _mlx_greedy(reference, prompt, 16)
+
+
+PREFILL, DECODE, MAX_LEN = 13, 3, 24
+
+
+def test_prefill_then_decode_equals_full_forward(model, batch_logits, step):
+    tokens, full = batch_logits
+    cache = model.init_cache(batch=2, max_len=MAX_LEN)
+    out, cache = step(model.params, tokens=tokens[:, :PREFILL], cache=cache)
+    pieces = [np.asarray(out)]
+    for t in range(PREFILL, PREFILL + DECODE):
+        out, cache = step(model.params, tokens=tokens[:, t:t + 1], cache=cache)
+        pieces.append(np.asarray(out))
+    assert int(cache.length) == PREFILL + DECODE
+    assert _relative_error(np.concatenate(pieces, axis=1), full[:, :PREFILL + DECODE]) < 1e-5
+
+
+def test_uncached_forward_returns_states_that_continue(model, batch_logits, step):
+    """The cache a plain forward returns (K/V of its tokens, final linear states) is the true running state."""
+    tokens, full = batch_logits
+    _, prefix = step(model.params, tokens=tokens[:, :PREFILL])
+    assert int(prefix.length) == PREFILL
+    buffers = model.init_cache(batch=2, max_len=MAX_LEN)
+    layers = []
+    for empty, got in zip(buffers.layers, prefix.layers):
+        if isinstance(got, KVCache):
+            got = KVCache(k=empty.k.at[:, :PREFILL].set(got.k), v=empty.v.at[:, :PREFILL].set(got.v))
+        layers.append(got)
+    cache = ModelCache(layers=tuple(layers), length=prefix.length)
+    out, _ = step(model.params, tokens=tokens[:, PREFILL:PREFILL + 1], cache=cache)
+    assert _relative_error(np.asarray(out)[:, 0], full[:, PREFILL]) < 1e-5
+
+
+def test_orbax_round_trip(checkpoint, model, tmp_path):
+    folder, _, _ = checkpoint
+    model_type, config, params = convert_folder(folder, jnp.float32)
+    save_checkpoint(tmp_path / "ckpt", model_type=model_type, config=config, params=params, dtype=jnp.float32)
+    reloaded = hypic_jax.load(tmp_path / "ckpt", dtype="float32")
+    assert reloaded.config == model.config
+    assert jax.tree.structure(reloaded.params) == jax.tree.structure(model.params)
+    for a, b in zip(jax.tree.leaves(reloaded.params), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_param_specs_match_params(model):
+    specs = ring_linear.param_specs(model.config)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(model.params)
+    for spec, param in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(model.params)):
+        assert len(spec) in (0, param.ndim)
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sharded = jax.device_put(model.params, ring_linear.shardings(model.config, mesh))
+    assert sharded["layers"][1]["mlp"]["gate_up"].sharding.spec == jax.sharding.PartitionSpec("model", None, None)
+
+
+def test_bfloat16_load_runs(checkpoint):
+    folder, _, _ = checkpoint
+    model = hypic_jax.load(folder, dtype="bfloat16")
+    assert model.params["layers"][1]["mlp"]["expert_bias"].dtype == jnp.float32
+    assert model.params["layers"][0]["attn"]["qkv"].dtype == jnp.bfloat16
+    out = model.logits(_prompt(8, seed=7, batch=1))
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Converter errors
+
+
+def _variant(checkpoint, tmp_path, edit=None, config_edit=None):
+    folder, _, weights = checkpoint
+    weights = dict(weights)
+    if edit:
+        edit(weights)
+    config = {**TINY_CONFIG, **(config_edit or {})}
+    out = tmp_path / "variant"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path):
+    name = "model.layers.3.attention.g_norm.weight"
+    folder = _variant(checkpoint, tmp_path, edit=lambda w: w.pop(name))
+    with pytest.raises(ValueError, match=f"missing tensor '{name}'"):
+        convert_folder(folder, jnp.float32)
+
+
+def test_misshaped_tensor_is_named(checkpoint, tmp_path):
+    name = "model.layers.2.attention.query_key_value.weight"
+
+    def edit(w):
+        w[name] = w[name][:-1]
+
+    folder = _variant(checkpoint, tmp_path, edit=edit)
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \(127, 64\), expected \(128, 64\)"):
+        convert_folder(folder, jnp.float32)
+
+
+def test_unexpected_tensor_is_named(checkpoint, tmp_path):
+    name = "model.layers.0.attention.rotary_emb.inv_freq"
+
+    def edit(w):
+        w[name] = np.zeros(4, np.float32)
+
+    folder = _variant(checkpoint, tmp_path, edit=edit)
+    with pytest.raises(ValueError, match=f"unexpected tensor '{name}'"):
+        convert_folder(folder, jnp.float32)
+
+
+def test_unknown_model_type_is_named(checkpoint, tmp_path):
+    folder = _variant(checkpoint, tmp_path, config_edit={"model_type": "ring_xl", "architectures": ["RingXL"]})
+    with pytest.raises(ValueError, match="unknown model_type 'ring_xl'"):
+        convert_folder(folder, jnp.float32)
+
+
+def test_unsupported_option_is_named(checkpoint, tmp_path):
+    folder = _variant(checkpoint, tmp_path, config_edit={"norm_head": True})
+    with pytest.raises(ValueError, match="norm_head"):
+        ring_converter.convert(CheckpointReader(folder), {**TINY_CONFIG, "norm_head": True}, jnp.float32)
