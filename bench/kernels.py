@@ -1,0 +1,327 @@
+"""Benchmark of the transfer-operator kernels (issue 5): Pallas gated-delta forward, the pure-JAX chunked path,
+flash-linear-attention side by side, and the composition of many dense (T, S) pairs.
+
+One script for one device call. Modes:
+
+  python bench/kernels.py --fla-only --out DIR     time fla's chunk_gated_delta_rule (torch; fla wheels installed)
+  python bench/kernels.py --out DIR                 correctness on the GPU, then timings of every JAX variant at the
+                                                    Qwen3.5 shapes (batch 1, 16 key heads -> 32 value heads of 128,
+                                                    bf16 inputs, float32 state) and the compose benchmark
+
+Each mode appends JSON lines to DIR/<mode>.jsonl as it goes (so a run cut short still reports) and prints a table.
+Timing: one call to compile, warm-up calls, then the median over repeats of the mean time of a burst of calls,
+each burst closed by block_until_ready. Inputs of the timed sizes are far larger than the 60 MB L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+HEADS, KEY_HEADS, DIM = 32, 16, 128
+PEAK_TFLOPS_BF16 = 793.0  # measured on this H200 (ENVIRONMENT.md): bf16 8192^3 matmul
+PEAK_TBS = 4.19  # measured elementwise pass, bytes read + written
+COMPOSE = (64, 30, 512)  # segments, layers, tokens per segment
+INTERPRET = False  # --smoke: tiny shapes through the Pallas interpreter (CPU check of this script)
+
+
+def log(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fla (torch) timing, run in its own process so that torch and JAX do not share the GPU's memory pools.
+
+
+def run_fla(out_dir, lengths):
+    import torch
+    from triton.testing import do_bench
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    path = os.path.join(out_dir, "fla.jsonl")
+    dev = "cuda"
+    for length in lengths:
+        for key_heads in (HEADS, KEY_HEADS):
+            torch.manual_seed(0)
+            q = torch.nn.functional.normalize(torch.randn(1, length, key_heads, DIM, device=dev), dim=-1).bfloat16()
+            k = torch.nn.functional.normalize(torch.randn(1, length, key_heads, DIM, device=dev), dim=-1).bfloat16()
+            v = torch.randn(1, length, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+            g = -torch.rand(1, length, HEADS, device=dev, dtype=torch.float32) * 0.1
+            beta = torch.rand(1, length, HEADS, device=dev, dtype=torch.float32).sigmoid()
+            fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=DIM**-0.5,  # noqa: E731
+                                                output_final_state=True)
+            try:
+                ms = do_bench(fn, warmup=50, rep=200, return_mode="median")
+                log(path, dict(impl="fla chunk_gated_delta_rule", L=length, key_heads=key_heads, ms=ms))
+            except Exception as e:  # GVA may be missing in an older fla
+                log(path, dict(impl="fla chunk_gated_delta_rule", L=length, key_heads=key_heads, error=repr(e)[:300]))
+            del q, k, v, g, beta
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# JAX side.
+
+
+def timeit(fn, *args, warmup=2, repeats=5, min_burst_s=0.05):
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    burst = max(1, min(50, int(min_burst_s / max(one, 1e-6))))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(burst):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / burst)
+    return statistics.median(times) * 1e3, compile_s
+
+
+def rel(a, b):
+    import numpy as np
+
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def gdn_inputs(length, seed=0):
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax.linear_attn import l2_normalize
+
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = l2_normalize(jax.random.normal(ks[0], (length, KEY_HEADS, DIM), jnp.float32)).astype(jnp.bfloat16)
+    k = l2_normalize(jax.random.normal(ks[1], (length, KEY_HEADS, DIM), jnp.float32)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (length, HEADS, DIM), jnp.float32).astype(jnp.bfloat16)
+    g = -jax.random.uniform(ks[3], (length, HEADS), jnp.float32) * 0.1
+    beta = jax.nn.sigmoid(jax.random.uniform(ks[4], (length, HEADS), jnp.float32))
+    return q, k, v, g, beta
+
+
+def variants():
+    """Variants in priority order (a run cut short by its time budget drops the last ones)."""
+    from hypic_jax.pallas.gdn import GDNConfig as C
+
+    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    t32 = dict(locals_precision="tf32", state_precision="tf32")
+    return {
+        "pallas bv32 bf16": (C(block_v=32, **b16), False),
+        "pallas bv16 bf16": (C(block_v=16, **b16), False),
+        "pallas P8 bv32 bf16": (C(block_v=32, pieces=8, **b16), False),
+        "pallas bv32 tf32": (C(block_v=32, **t32), False),
+        "pallas bv32 bf16 +TS": (C(block_v=32, **b16), True),
+        "pallas P8 bv32 bf16 +TS": (C(block_v=32, pieces=8, **b16), True),
+        "pallas bv32 tf32 +TS": (C(block_v=32, **t32), True),
+        "pallas P8 bv32 tf32 +TS": (C(block_v=32, pieces=8, **t32), True),
+        "pallas bv32 tf32 f32-inter": (C(block_v=32, inter_dtype="float32", **t32), False),
+        "pallas P8 bv32 tf32 f32-inter +TS": (C(block_v=32, pieces=8, inter_dtype="float32", **t32), True),
+        "pallas P4 bv32 bf16": (C(block_v=32, pieces=4, **b16), False),
+        "pallas P16 bv32 bf16": (C(block_v=32, pieces=16, **b16), False),
+        "pallas bv64 bf16": (C(block_v=64, **b16), False),
+        "pallas bv32 bf16 w8": (C(block_v=32, state_warps=8, **b16), False),
+        "pallas bv32 bf16 s3": (C(block_v=32, state_stages=3, **b16), False),
+        "pallas c32 bv32 bf16": (C(chunk=32, block_v=32, **b16), False),
+        "pallas bv32 state-bf16x3": (C(block_v=32, locals_precision="bf16", state_precision="bf16x3"), False),
+        "pallas P8 bv16 tf32": (C(block_v=16, pieces=8, **t32), False),
+        "pallas bv32 ieee": (C(block_v=32), False),
+    }
+
+
+def run_jax(out_dir, lengths, check_length, budget_s, only=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import compose as cmp
+    from hypic_jax.pallas.gdn import flops, gdn_forward
+
+    start = time.perf_counter()
+    path = os.path.join(out_dir, "jax.jsonl")
+    log(path, dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], date=time.strftime("%Y-%m-%d")))
+    scale = DIM**-0.5
+    group = HEADS // KEY_HEADS
+    vs = variants()
+    if only:
+        vs = {name: val for name, val in vs.items() if name in only}
+
+    def xla_chunked(q, k, v, g, beta):
+        return la.chunked(jnp.repeat(q, group, 1), jnp.repeat(k, group, 1), v, g=g, beta=beta, scale=scale)
+
+    xla_fn = jax.jit(xla_chunked)
+
+    def pallas_fn(config, emit):
+        return jax.jit(lambda q, k, v, g, beta: gdn_forward(q, k, v, g=g, beta=beta, scale=scale, config=config,
+                                                            emit_summary=emit, interpret=INTERPRET))
+
+    fns = {name: pallas_fn(*val) for name, val in vs.items()}
+
+    # 1. Correctness on the GPU against the core (float32 HIGHEST on the same bf16-rounded inputs).
+    q, k, v, g, beta = gdn_inputs(check_length, seed=1)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref_o, ref_s = jax.jit(lambda *a: la.chunked(jnp.repeat(up(a[0]), group, 1), jnp.repeat(up(a[1]), group, 1),
+                                                  up(a[2]), g=a[3], beta=a[4], scale=scale))(q, k, v, g, beta)
+    ref_sum = jax.jit(lambda k, v, g, beta: la.summarize(jnp.repeat(up(k), group, 1), up(v), g=g, beta=beta))(
+        k, v, g, beta)
+    o, s = xla_fn(q, k, v, g, beta)
+    log(path, dict(check="xla chunked bf16", L=check_length, o=rel(o, ref_o), state=rel(s, ref_s)))
+    for name, fn in fns.items():
+        try:
+            res = fn(q, k, v, g, beta)
+            rec = dict(check=name, L=check_length, o=rel(res[0], ref_o), state=rel(res[1], ref_s))
+            if len(res) == 3:
+                rec.update(T=rel(res[2].transfer, ref_sum.transfer), S0=rel(res[2].state, ref_sum.state))
+            log(path, rec)
+        except Exception as e:
+            log(path, dict(check=name, error=repr(e)[:600]))
+            fns[name] = None
+    fns = {n: f for n, f in fns.items() if f is not None}
+    del ref_o, ref_s, ref_sum
+
+    # 2. Timings at the Qwen3.5 shapes (32k first: the bar), then the compose benchmark, then the other lengths.
+    def time_length(length, names):
+        q, k, v, g, beta = gdn_inputs(length)
+        in_bytes = sum(int(x.size) * x.dtype.itemsize for x in (q, k, v, g, beta)) + length * HEADS * DIM * 2
+        todo = [("xla chunked", xla_fn, None)] + [(n, fns[n], vs[n]) for n in names if n in fns]
+        timed = {}
+        for name, fn, val in todo:
+            if time.perf_counter() - start > budget_s:
+                log(path, dict(skipped=name, L=length, reason="time budget"))
+                continue
+            try:
+                ms, comp = timeit(fn, q, k, v, g, beta)
+                rec = dict(impl=name, L=length, ms=ms, compile_s=comp, Mtok_s=length / ms / 1e3,
+                           min_bytes_TBs=in_bytes / ms / 1e9)
+                if val is not None:
+                    cfg, emit = val
+                    fl = flops(length, HEADS, DIM, DIM, cfg.chunk, emit=emit, pieces=cfg.pieces)
+                    rec["TFLOPs"] = fl / ms / 1e9
+                    timed[name] = ms
+                log(path, rec)
+            except Exception as e:
+                log(path, dict(impl=name, L=length, error=repr(e)[:600]))
+        del q, k, v, g, beta
+        return timed
+
+    lengths = list(lengths)
+    timed = {}
+    if check_length in lengths:  # its functions are compiled already
+        timed = time_length(check_length, list(fns))
+        lengths.remove(check_length)
+
+    # 3. Compose: 64 segments x 30 layers x 32 heads of dense 128 x 128 (T, S) pairs from real GDN summaries.
+    if time.perf_counter() - start < budget_s:
+        try:
+            run_compose(path, cmp, la, segments=COMPOSE[0], layers=COMPOSE[1], seg_len=COMPOSE[2])
+        except Exception as e:
+            log(path, dict(compose="failed", error=repr(e)[:600]))
+
+    # The other lengths: the 4 fastest plain variants and the 2 fastest emitting ones at the check length.
+    plain = sorted((ms, n) for n, ms in timed.items() if not vs[n][1])
+    emitting = sorted((ms, n) for n, ms in timed.items() if vs[n][1])
+    best = [n for _, n in plain[:4] + emitting[:2]] or list(fns)
+    for length in lengths:
+        time_length(length, best)
+    log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
+
+
+def run_compose(path, cmp, la, segments=64, layers=30, seg_len=512):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    shape = (segments, seg_len, HEADS, DIM)
+    k = la.l2_normalize(jax.random.normal(ks[0], shape, jnp.float32))
+    v = jax.random.normal(ks[1], shape, jnp.float32)
+    # Per-head decay rates spread over three decades (slow heads keep T near norm 1, fast ones near 0).
+    rate = jnp.exp(jax.random.uniform(ks[2], (HEADS,), minval=jnp.log(1e-4), maxval=jnp.log(1e-1)))
+    g = -rate * jax.random.uniform(ks[3], (segments, seg_len, HEADS), minval=0.5, maxval=1.5)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (segments, seg_len, HEADS)))
+    summ = jax.jit(jax.vmap(lambda k, v, g, b: la.summarize(k, v, g=g, beta=b)))(k, v, g, beta)
+    t1, s1 = summ.transfer, summ.state  # [n, H, K, K], [n, H, K, V]
+    perms = [np.random.default_rng(i).permutation(segments) for i in range(layers)]
+    perms[0] = np.arange(segments)
+    idx = jnp.asarray(np.stack(perms, axis=1))  # [n, layers]
+    transfers = t1[idx]  # [n, layers, H, K, K]
+    states = s1[idx]
+    del k, v, g, beta, summ
+    # float64 reference of layer 0 (the unpermuted one) on the host.
+    t64 = np.asarray(t1, np.float64)
+    s64 = np.asarray(s1, np.float64)
+    ref_states = []
+    st = np.zeros_like(s64[0])
+    for i in range(segments):
+        st = t64[i] @ st + s64[i]
+        ref_states.append(st)
+    ref_states = np.stack(ref_states)
+    tt = t64[0]
+    for i in range(1, segments):
+        tt = t64[i] @ tt
+    flop_pairs = 2 * (segments - 1) * layers * HEADS * DIM * DIM * (2 * DIM)
+    flop_states = 2 * segments * layers * HEADS * DIM * DIM * DIM
+    log(path, dict(compose_setup=dict(segments=segments, layers=layers, heads=HEADS, dim=DIM, seg_len=seg_len,
+                                      T_norm_range=[float(np.linalg.norm(t64[:, h], axis=(-2, -1)).mean())
+                                                    for h in (0, HEADS - 1)])))
+    for alg in cmp.ALGORITHMS:
+        fa = jax.jit(lambda t, s, alg=alg: cmp.compose_all(t, s, alg))
+        fs = jax.jit(lambda t, s, alg=alg: cmp.prefix_states(t, s, None, alg))
+        for kind, fn, fl in (("compose_all (pairs, tree)", fa, flop_pairs), ("prefix_states (fold)", fs, flop_states)):
+            try:
+                ms, comp = timeit(fn, transfers, states)
+                res = fn(transfers, states)
+                if kind.startswith("compose_all"):
+                    err = dict(S=rel(res[1][0], ref_states[-1]), T=rel(res[0][0], tt))
+                else:
+                    got = np.asarray(res[:, 0], np.float64)
+                    err = dict(S_last=rel(got[-1], ref_states[-1]),
+                               S_worst=max(rel(got[i], ref_states[i]) for i in range(segments)))
+                log(path, dict(compose=kind, algorithm=alg, ms=ms, TFLOPs=fl / ms / 1e9, compile_s=comp, **err))
+            except Exception as e:
+                log(path, dict(compose=kind, algorithm=alg, error=repr(e)[:400]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--fla-only", action="store_true")
+    ap.add_argument("--lengths", default="8192,32768,131072")
+    ap.add_argument("--check-length", type=int, default=32768)
+    ap.add_argument("--budget-s", type=float, default=380.0, help="stop starting new timings after this long")
+    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
+    args = ap.parse_args()
+    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE
+    if args.smoke:
+        HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE = 4, 2, 16, True, (5, 2, 40)
+    os.makedirs(args.out, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    if args.fla_only:
+        run_fla(args.out, lengths)
+    else:
+        run_jax(args.out, lengths, args.check_length, args.budget_s, [x for x in args.only.split(",") if x])
+
+
+if __name__ == "__main__":
+    main()
