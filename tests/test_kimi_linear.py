@@ -126,34 +126,31 @@ def test_greedy_decode_matches_transformers(checkpoint, model):
     np.testing.assert_array_equal(np.asarray(model.generate(prompt, 16)), expected.numpy())
 
 
+def _as_decode_cache(model, prefix, max_len):
+    """A cache-free forward's per-layer caches (MLA latents of just its tokens) inside `max_len`-slot buffers."""
+    empty = model.init_cache(prefix.layers[0].state.shape[0], max_len)
+    layers = []
+    for buffers, got in zip(empty.layers, prefix.layers):
+        if isinstance(buffers, kimi.MLACache):
+            got = jax.tree.map(lambda buf, val: buf.at[:, : val.shape[1]].set(val), buffers, got)
+        layers.append(got)
+    return type(empty)(layers=tuple(layers), length=prefix.length)
+
+
 def test_prefill_then_decode_equals_full_forward(model):
-    """Prefill, a multi-token chunk through the chunked core, a short chunk, then single tokens: every step's logits
-    equal the plain forward's, so the KDA state / conv tails and the MLA latent buffers carry over exactly."""
-    tokens = random_tokens(3, (2, 100))
+    """A plain forward's returned caches (KDA state + conv tails, MLA latents), continued by a multi-token chunk
+    and then single tokens (the absorbed-MLA / recurrent-KDA decode path), reproduce the full forward's logits."""
+    tokens = random_tokens(1, (2, 80))  # the logits test's shape: its compiled forward is reused
     full = np.asarray(model.logits(tokens))
+    prefill = jax.jit(lambda params, toks: kimi.forward(params, model.config, toks))
     step = jax.jit(lambda params, toks, cache: kimi.forward(params, model.config, toks, cache))
-    cache = model.init_cache(2, tokens.shape[1])
-    pieces = [(0, 30), (30, 70), (70, 77)] + [(i, i + 1) for i in range(77, 100)]
-    for begin, end in pieces:
+    out, prefix = prefill(model.params, tokens[:, :70])
+    assert_close_relative(out, full[:, :70])
+    cache = _as_decode_cache(model, prefix, tokens.shape[1])
+    for begin, end in [(70, 74)] + [(i, i + 1) for i in range(74, 80)]:
         out, cache = step(model.params, tokens[:, begin:end], cache)
         assert_close_relative(out, full[:, begin:end])
     assert int(cache.length) == tokens.shape[1]
-
-
-def test_plain_forward_returns_resumable_caches(model):
-    """The caches a cache-free forward returns (KDA state, conv tails, MLA latents) continue the sequence."""
-    tokens = random_tokens(4, (1, 40))
-    full = np.asarray(model.logits(tokens))
-    _, prefix = kimi.forward(model.params, model.config, jnp.asarray(tokens[:, :32]))
-    cache = model.init_cache(1, 40)
-    layers = []
-    for empty, got in zip(cache.layers, prefix.layers):
-        if isinstance(empty, kimi.MLACache):
-            got = jax.tree.map(lambda buf, val: buf.at[:, : val.shape[1]].set(val), empty, got)
-        layers.append(got)
-    cache = type(cache)(layers=tuple(layers), length=prefix.length)
-    out, _ = kimi.forward(model.params, model.config, jnp.asarray(tokens[:, 32:]), cache)
-    assert_close_relative(out, full[:, 32:])
 
 
 def test_original_config_layout():
