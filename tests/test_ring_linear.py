@@ -21,7 +21,8 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 import hypic_jax  # noqa: E402
-from converters.base import CheckpointReader, convert_folder, save_checkpoint  # noqa: E402
+from hypic_jax import cli  # noqa: E402
+from converters.base import CheckpointReader, convert_folder  # noqa: E402
 from converters import ring_linear as ring_converter  # noqa: E402
 from hypic_jax.models import ring_linear  # noqa: E402
 from hypic_jax.models.base import KVCache, ModelCache  # noqa: E402
@@ -223,15 +224,33 @@ def test_uncached_forward_returns_states_that_continue(model, batch_logits, step
     assert _relative_error(np.asarray(out)[:, 0], full[:, PREFILL]) < 1e-5
 
 
-def test_orbax_round_trip(checkpoint, model, tmp_path):
+def _assert_same_params(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_cli_convert_round_trip(checkpoint, model, tmp_path):
     folder, _, _ = checkpoint
-    model_type, config, params = convert_folder(folder, jnp.float32)
-    save_checkpoint(tmp_path / "ckpt", model_type=model_type, config=config, params=params, dtype=jnp.float32)
+    assert cli.main(["convert", str(folder), str(tmp_path / "ckpt"), "--dtype", "float32"]) == 0
     reloaded = hypic_jax.load(tmp_path / "ckpt", dtype="float32")
     assert reloaded.config == model.config
-    assert jax.tree.structure(reloaded.params) == jax.tree.structure(model.params)
-    for a, b in zip(jax.tree.leaves(reloaded.params), jax.tree.leaves(model.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_same_params(reloaded.params, model.params)
+
+
+def test_sharded_checkpoint(checkpoint, model, tmp_path):
+    """Shards listed in model.safetensors.index.json convert to the same parameters."""
+    folder, _, weights = checkpoint
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, members in shards.items():
+        save_file({n: weights[n] for n in members}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, members in shards.items() for n in members}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    _, config, params = convert_folder(tmp_path, jnp.float32)
+    assert config == model.config
+    _assert_same_params(params, model.params)
 
 
 def test_param_specs_match_params(model):
