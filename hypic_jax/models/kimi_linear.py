@@ -285,7 +285,7 @@ _ROW = {"o_proj", "down"}
 
 def _spec_for(name: str, shape: tuple[int, ...], model: str) -> P:
     if name == "embed":
-        return P(model, None)  # vocab parallel
+        return P(None, model)  # hidden-dim sharded: the token gather needs no collective
     if name == "conv":
         return P(None, model, None)
     if name in ("dt_bias", "A_log"):
