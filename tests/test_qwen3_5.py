@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 
 import hypic_jax
+from hypic_jax.models import layers, qwen3_5
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
 
 KINDS = ("dense", "moe", "moe_wrapper")
+_forward = jax.jit(qwen3_5.forward, static_argnames="config")
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +47,34 @@ def test_prefill_then_decode_equals_full_forward(checkpoints, kind):
     _, _, model = checkpoints[kind]
     tokens = prompt(2, 20, seed=2)
     full = np.asarray(model.logits(tokens))
-    step = jax.jit(functools.partial(model.arch.forward, config=model.config))
     cache = model.init_cache(batch=2, max_len=24)
     pieces = []
     for start, stop in ((0, 9), (9, 10), (10, 11), (11, 20)):
-        logits, cache = step(model.params, tokens=tokens[:, start:stop], cache=cache)
+        logits, cache = _forward(model.params, model.config, tokens[:, start:stop], cache)
         pieces.append(np.asarray(logits))
     assert int(cache.length) == 20
     err = relative_error(np.concatenate(pieces, axis=1), full)
     assert err < 1e-5, f"{kind}: cached forward differs from full forward by {err:.2e}"
+
+    # the fresh-prompt fast path (causal kernel, last-position head) leaves the same caches behind
+    last, fresh = jax.jit(qwen3_5.prefill, static_argnames=("config", "max_len"))(
+        model.params, model.config, tokens[:, :9], 24
+    )
+    assert relative_error(last, full[:, 8]) < 1e-5
+    logits, fresh = _forward(model.params, model.config, tokens[:, 9:10], fresh)
+    assert relative_error(logits[:, 0], full[:, 9]) < 1e-5
+
+
+def test_masked_attention_in_query_blocks(monkeypatch):
+    """Long masked queries run in blocks; the result equals one unblocked masked attention."""
+    rng = np.random.RandomState(0)
+    q = rng.randn(2, 11, 4, 8).astype(np.float32)
+    k, v = rng.randn(2, 2, 16, 2, 8).astype(np.float32)
+    q_pos, k_pos = np.arange(5, 16), np.where(np.arange(16) < 14, np.arange(16), -1)
+    whole = layers.dot_product_attention(q, k, v, scale=0.3, q_positions=q_pos, k_positions=k_pos)
+    monkeypatch.setattr(layers, "MASKED_QUERY_BLOCK", 4)
+    blocked = layers.dot_product_attention(q, k, v, scale=0.3, q_positions=q_pos, k_positions=k_pos)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-6, atol=1e-6)
 
 
 def test_config_reads_hf_layout(checkpoints):

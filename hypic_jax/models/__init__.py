@@ -14,7 +14,9 @@ An **architecture module** `hypic_jax/models/<name>.py` must provide
     `base.LinearCache` or any PyTree of the layer's own);
   * `forward(params, config, tokens, cache=None) -> (logits float32 [B, L, vocab], new_cache or None)`:
     a pure function of int32 tokens [B, L]. Without a cache it is a plain causal forward from position 0; with one,
-    the tokens continue at position `cache.length` and the returned cache has absorbed them.
+    the tokens continue at position `cache.length` and the returned cache has absorbed them;
+  * optionally `prefill(params, config, tokens, max_len) -> (float32 logits of the last position [B, vocab], cache)`
+    for a fresh prompt (fast causal attention, LM head on one position); `Model.generate` uses it when present.
 
 A **converter module** `converters/<name>.py` must provide
   * `convert(reader: converters.base.CheckpointReader, hf_config: dict, dtype) -> (config, params)`, usually by

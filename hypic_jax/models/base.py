@@ -119,9 +119,13 @@ def _generate(params, tokens, *, arch, config, max_new_tokens):
     batch, length = tokens.shape
     if max_new_tokens <= 0:
         return jnp.zeros((batch, 0), jnp.int32)
-    cache = arch.init_cache(config, batch, length + max_new_tokens, _params_dtype(params))
-    logits, cache = arch.forward(params, config, tokens, cache=cache)
-    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    if hasattr(arch, "prefill"):  # optional fast path: causal kernel, LM head on the last position only
+        last, cache = arch.prefill(params, config, tokens, length + max_new_tokens)
+    else:
+        cache = arch.init_cache(config, batch, length + max_new_tokens, _params_dtype(params))
+        logits, cache = arch.forward(params, config, tokens, cache=cache)
+        last = logits[:, -1]
+    first = jnp.argmax(last, axis=-1).astype(jnp.int32)
 
     def step(carry, _):
         token, cache = carry

@@ -126,6 +126,10 @@ def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True) -> Arra
 # Full attention
 
 
+# Query rows per block when a mask is materialised: bounds the [B, H, block, Lk] logits of long masked prefills.
+MASKED_QUERY_BLOCK = 512
+
+
 def dot_product_attention(
     q: Array,
     k: Array,
@@ -138,16 +142,31 @@ def dot_product_attention(
     """Causal GQA attention, q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D].
 
     Without positions this is plain causal self-attention over one contiguous block (Lq == Lk), dispatched to
-    `jax.nn.dot_product_attention(is_causal=True)` so a GPU gets cuDNN flash attention. With positions, key j is
-    visible to query i iff k_positions[..., j] <= q_positions[..., i] (absolute positions; a negative key position
-    marks an empty cache slot), which covers KV caches, decode steps and spans cached elsewhere.
+    `jax.nn.dot_product_attention(is_causal=True, implementation=None)` so a GPU gets cuDNN flash attention. With
+    positions, key j is visible to query i iff k_positions[..., j] <= q_positions[..., i] (absolute positions; a
+    negative key position marks an empty slot), which covers KV caches, decode steps and spans cached elsewhere.
+    Long masked queries are processed in blocks of MASKED_QUERY_BLOCK rows so the logits never hold Lq x Lk.
     """
     if q_positions is None:
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=None)
-    q_pos = jnp.broadcast_to(q_positions, (q.shape[0], q.shape[1]))
-    k_pos = jnp.broadcast_to(k_positions, (k.shape[0], k.shape[1]))
-    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, Lq, Lk]
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=visible[:, None], implementation=None)
+    batch, q_len = q.shape[:2]
+    q_pos = jnp.broadcast_to(q_positions, (batch, q_len))
+    k_pos = jnp.broadcast_to(k_positions, (batch, k.shape[1]))
+
+    def block(q_block, q_pos_block):
+        visible = (k_pos[:, None, :] <= q_pos_block[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, Lq, Lk]
+        return jax.nn.dot_product_attention(q_block, k, v, scale=scale, mask=visible[:, None], implementation=None)
+
+    if q_len <= MASKED_QUERY_BLOCK:
+        return block(q, q_pos)
+    num_blocks = -(-q_len // MASKED_QUERY_BLOCK)
+    pad = num_blocks * MASKED_QUERY_BLOCK - q_len
+    q_blocks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+        batch, num_blocks, MASKED_QUERY_BLOCK, *q.shape[2:]
+    )
+    pos_blocks = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1).reshape(batch, num_blocks, -1)
+    out = jax.lax.map(lambda xs: block(*xs), (jnp.moveaxis(q_blocks, 1, 0), jnp.moveaxis(pos_blocks, 1, 0)))
+    return jnp.moveaxis(out, 0, 1).reshape(batch, num_blocks * MASKED_QUERY_BLOCK, *q.shape[2:])[:, :q_len]
 
 
 def gated_attention_projections(

@@ -302,9 +302,19 @@ def gated_delta_net(
 
 
 def full_attention(
-    x: Array, p: dict, config: Config, positions: Array, cache: KVCache | None, start: Array | None
+    x: Array,
+    p: dict,
+    config: Config,
+    positions: Array,
+    cache: KVCache | None,
+    start: Array | None,
+    fresh: bool = False,
 ) -> tuple[Array, KVCache | None]:
-    """Gated full attention (q/k norm, partial RoPE, GQA, sigmoid output gate); KV cache optional."""
+    """Gated full attention (q/k norm, partial RoPE, GQA, sigmoid output gate); KV cache optional.
+
+    `fresh` says the cache is known to be empty (a prefill from position 0): the tokens then attend among themselves
+    through the fast causal kernel and are only written to the cache.
+    """
     batch, length, _ = x.shape
     q, k, v, gate = layers.gated_attention_projections(
         x, p, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
@@ -313,9 +323,9 @@ def full_attention(
     q = layers.rope_batch(q, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
     k = layers.rope_batch(k, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
     scale = config.head_dim**-0.5
-    if cache is None:
+    if cache is None or fresh:
         attended = layers.dot_product_attention(q, k, v, scale=scale)
-        new_cache = None
+        new_cache = None if cache is None else update_kv_cache(cache, k, v, start)[0]
     else:
         new_cache, key_positions = update_kv_cache(cache, k, v, start)
         attended = layers.dot_product_attention(
@@ -351,9 +361,12 @@ def init_cache(config: Config, batch: int, max_len: int, dtype: Any = jnp.bfloat
 
 
 def hidden_states(
-    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None
+    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None, *, fresh: bool = False
 ) -> tuple[Array, ModelCache | None]:
-    """Final-normed hidden states [B, L, H] (before the LM head) and the updated cache."""
+    """Final-normed hidden states [B, L, H] (before the LM head) and the updated cache.
+
+    fresh=True promises that `cache` is empty (length 0), which lets full attention use the causal kernel.
+    """
     length = tokens.shape[1]
     x = params["embed"][tokens]
     positions = cache_positions(cache, length)
@@ -365,7 +378,7 @@ def hidden_states(
         if config.layer_types[i] == LINEAR:
             h, layer_cache = gated_delta_net(h, lp["mixer"], config, layer_cache)
         else:
-            h, layer_cache = full_attention(h, lp["mixer"], config, positions, layer_cache, start)
+            h, layer_cache = full_attention(h, lp["mixer"], config, positions, layer_cache, start, fresh)
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
         x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
@@ -387,3 +400,16 @@ def forward(
     """Logits float32 [B, L, vocab] for int32 tokens [B, L] (continuing `cache` when given) and the new cache."""
     x, new_cache = hidden_states(params, config, tokens, cache)
     return lm_head(params, config, x), new_cache
+
+
+def prefill(params: dict, config: Config, tokens: Array, max_len: int) -> tuple[Array, ModelCache]:
+    """Prefill a fresh prompt: (logits of the last position, float32 [B, vocab]; caches sized for max_len tokens).
+
+    Only the last position goes through the LM head (a full [B, L, vocab] float32 logit tensor would be GBs at long
+    L), and full attention runs the causal kernel instead of attending to an empty cache.
+    """
+    batch = tokens.shape[0]
+    dtype = params["embed"].dtype
+    cache = init_cache(config, batch, max_len, dtype)
+    x, cache = hidden_states(params, config, tokens, cache, fresh=True)
+    return lm_head(params, config, x[:, -1]), cache

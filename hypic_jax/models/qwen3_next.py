@@ -20,4 +20,5 @@ from hypic_jax.models.qwen3_5 import (  # noqa: F401  (the architecture-module c
     init_params,
     lm_head,
     param_specs,
+    prefill,
 )
