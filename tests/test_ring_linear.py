@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -262,6 +266,31 @@ def test_param_specs_match_params(model):
     mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     sharded = jax.device_put(model.params, ring_linear.shardings(model.config, mesh))
     assert sharded["layers"][1]["mlp"]["gate_up"].sharding.spec == jax.sharding.PartitionSpec("model", None, None)
+
+
+_MESH_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from hypic_jax.models import ring_linear as R
+config = R.config_from_hf(json.loads(sys.argv[1]))
+params = R.init_params(config, jax.random.key(0))
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+sharded = jax.device_put(params, R.shardings(config, mesh))
+tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 12)), jnp.int32)
+rows = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None)))
+forward = jax.jit(lambda p, t: R.forward(p, config, t)[0])
+print(float(np.abs(np.asarray(forward(sharded, rows)) - np.asarray(forward(params, tokens))).max()))
+"""
+
+
+def test_sharded_forward_on_eight_devices():
+    """Parameters placed with `shardings` on a 2 x 4 ("data", "model") mesh of fake CPU devices give the
+    single-device logits."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, json.dumps(TINY_CONFIG)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
 
 
 def test_bfloat16_load_runs(checkpoint):
