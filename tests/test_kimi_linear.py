@@ -153,6 +153,27 @@ def test_prefill_then_decode_equals_full_forward(model):
     assert int(cache.length) == tokens.shape[1]
 
 
+def test_runtime_layout_full_rank_queries(tmp_path):
+    """The released models' shape of MLA (q_proj, no q_lora_rank) and router (one group), from a folder in
+    transformers' runtime layout (fused conv1d, forget_gate.*, fused experts) instead of save_pretrained's."""
+    from safetensors.torch import save_file as save_torch
+
+    reference = build_reference(
+        tmp_path,
+        num_hidden_layers=2,
+        layer_types=["full_attention", "linear_attention"],
+        mlp_layer_types=["sparse", "sparse"],
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+    )
+    state = {name: tensor.contiguous() for name, tensor in reference.state_dict().items()}
+    assert "model.layers.1.self_attn.conv1d.weight" in state and "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_torch(state, tmp_path / "model.safetensors")
+    tokens = random_tokens(5, (1, 70))
+    assert_close_relative(load(tmp_path, dtype="float32").logits(tokens), reference_logits(reference, tokens))
+
+
 def test_original_config_layout():
     """The released checkpoints' config: linear_attn_config with 1-indexed layers, first_k_dense_replace, aliases."""
     hf = {
