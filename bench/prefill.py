@@ -1,0 +1,164 @@
+"""Full-prefill benchmark of the Qwen3.5-35B-A3B shape with random bf16 weights (no checkpoint needed).
+
+Times `qwen3_5.prefill` (fresh prompt -> caches + first token) at each length and reports time to first token,
+tokens/s and model FLOP utilisation against a given peak. Shape numbers are the Qwen/Qwen3.5-35B-A3B config
+(transformers' Qwen3_5MoeTextConfig defaults): hidden 2048, 40 layers (every 4th full attention), 256 experts
+top-8 of width 512 plus a 512-wide shared expert, vocab 248320, GDN 16 key / 32 value heads of 128, attention 16 q /
+2 kv heads of 256 with 64 rotary dims.
+
+    python bench/prefill.py --lengths 8192 32768 --peak-tflops 793      # on the GPU
+    python bench/prefill.py --small                                      # toy size, CPU smoke test
+
+Model FLOPs count matmul work only: 2 x active weights per token (projections, the 8 routed + shared experts,
+router; the LM head for the last position), causal attention 4 * Hq * D * L^2 / 2 per full layer, and the chunked
+GDN core 2 * (3 K V + c (3 K + 2 V)) per token and value head (chunk c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax.models import qwen3_5
+
+
+def full_config(layers: int = 40) -> qwen3_5.Config:
+    return qwen3_5.Config(
+        vocab_size=248320,
+        hidden_size=2048,
+        layer_types=qwen3_5.default_layer_types(layers),
+        mlp_types=("moe",) * layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        rotary_dim=64,
+        rope_theta=10_000_000.0,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    )
+
+
+def small_config() -> qwen3_5.Config:
+    return qwen3_5.Config(
+        vocab_size=1024,
+        hidden_size=128,
+        layer_types=qwen3_5.default_layer_types(4),
+        mlp_types=("moe",) * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rotary_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+
+
+def count_params(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def active_weights_per_token(config: qwen3_5.Config) -> int:
+    """Weights one token multiplies (routed experts: only the top-k), excluding embedding lookup and LM head."""
+    h = config.hidden_size
+    total = 0
+    for layer_type, mlp_type in zip(config.layer_types, config.mlp_types):
+        if layer_type == qwen3_5.LINEAR:
+            total += h * (config.conv_dim + config.linear_value_dim + 2 * config.linear_num_value_heads)
+            total += config.linear_value_dim * h
+        else:
+            d, hq, hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+            total += h * (2 * hq * d + 2 * hkv * d) + hq * d * h
+        if mlp_type == "dense":
+            total += 3 * h * config.intermediate_size
+        else:
+            total += h * config.num_experts + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size
+            total += 3 * h * config.shared_expert_intermediate_size + h
+    return total
+
+
+def prefill_flops(config: qwen3_5.Config, length: int, batch: int = 1) -> dict[str, float]:
+    weights = 2.0 * active_weights_per_token(config) * length + 2.0 * config.hidden_size * config.vocab_size
+    num_full = sum(t == qwen3_5.FULL for t in config.layer_types)
+    attention = num_full * 4.0 * config.num_attention_heads * config.head_dim * length * length / 2
+    k, v, c = config.linear_key_head_dim, config.linear_value_head_dim, config.chunk_size
+    num_linear = len(config.layer_types) - num_full
+    gdn = num_linear * config.linear_num_value_heads * length * 2.0 * (3 * k * v + c * (3 * k + 2 * v))
+    parts = dict(weights=weights, attention=attention, gdn=gdn)
+    return {name: batch * value for name, value in parts.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--peak-tflops", type=float, default=793.0, help="bf16 dense matmul peak (H200: 793)")
+    parser.add_argument("--small", action="store_true", help="toy shape (CPU smoke test)")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+
+    config = small_config() if args.small else full_config(args.layers)
+    lengths = args.lengths or ([256, 1024] if args.small else [8192, 32768])
+    dtype = jnp.dtype(args.dtype)
+    print(f"devices: {jax.devices()}", flush=True)
+    start = time.perf_counter()
+    params = jax.jit(functools.partial(qwen3_5.init_params, config, dtype=dtype))(jax.random.key(0))
+    jax.block_until_ready(params)
+    print(f"built {count_params(params) / 1e9:.2f}B params ({dtype}) in {time.perf_counter() - start:.1f} s", flush=True)
+
+    prefill = jax.jit(qwen3_5.prefill, static_argnames=("config", "max_len"))
+    results = []
+    for length in lengths:
+        tokens = jax.random.randint(jax.random.key(length), (args.batch, length), 0, config.vocab_size, jnp.int32)
+        start = time.perf_counter()
+        compiled = prefill.lower(params, config, tokens, length + 1).compile()
+        compile_s = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeats + 1):  # the first run warms up allocators / autotuning
+            start = time.perf_counter()
+            logits, cache = compiled(params, tokens)
+            first = jnp.argmax(logits, axis=-1)
+            jax.block_until_ready((first, cache))
+            times.append(time.perf_counter() - start)
+            del cache
+        ttft = min(times[1:]) if len(times) > 1 else times[0]
+        flops = prefill_flops(config, length, args.batch)
+        total = sum(flops.values())
+        row = dict(
+            length=length,
+            batch=args.batch,
+            ttft_s=round(ttft, 4),
+            tokens_per_s=round(args.batch * length / ttft, 1),
+            model_tflop=float(f"{total / 1e12:.4g}"),
+            tflop_breakdown={k: float(f"{v / 1e12:.4g}") for k, v in flops.items()},
+            achieved_tflops=float(f"{total / ttft / 1e12:.4g}"),
+            mfu=float(f"{total / ttft / (args.peak_tflops * 1e12):.4g}"),
+            compile_s=round(compile_s, 1),
+            runs_s=[round(t, 4) for t in times],
+        )
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps(dict(config="small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L", results=results)))
+
+
+if __name__ == "__main__":
+    main()
