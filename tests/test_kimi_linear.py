@@ -126,17 +126,6 @@ def test_greedy_decode_matches_transformers(checkpoint, model):
     np.testing.assert_array_equal(np.asarray(model.generate(prompt, 16)), expected.numpy())
 
 
-def _as_decode_cache(model, prefix, max_len):
-    """A cache-free forward's per-layer caches (MLA latents of just its tokens) inside `max_len`-slot buffers."""
-    empty = model.init_cache(prefix.layers[0].state.shape[0], max_len)
-    layers = []
-    for buffers, got in zip(empty.layers, prefix.layers):
-        if isinstance(buffers, kimi.MLACache):
-            got = jax.tree.map(lambda buf, val: buf.at[:, : val.shape[1]].set(val), buffers, got)
-        layers.append(got)
-    return type(empty)(layers=tuple(layers), length=prefix.length)
-
-
 def test_prefill_then_decode_equals_full_forward(model):
     """A plain forward's returned caches (KDA state + conv tails, MLA latents), continued by a multi-token chunk
     and then single tokens (the absorbed-MLA / recurrent-KDA decode path), reproduce the full forward's logits."""
@@ -146,7 +135,7 @@ def test_prefill_then_decode_equals_full_forward(model):
     step = jax.jit(lambda params, toks, cache: kimi.forward(params, model.config, toks, cache))
     out, prefix = prefill(model.params, tokens[:, :70])
     assert_close_relative(out, full[:, :70])
-    cache = _as_decode_cache(model, prefix, tokens.shape[1])
+    cache = kimi.decode_cache(model.config, prefix, tokens.shape[1])
     for begin, end in [(70, 74)] + [(i, i + 1) for i in range(74, 80)]:
         out, cache = step(model.params, tokens[:, begin:end], cache)
         assert_close_relative(out, full[:, begin:end])

@@ -22,7 +22,7 @@ Caches. `forward(..., cache=None)` is the plain causal forward; it also returns 
 it saw (KDA: recurrent state [B, H, K, V] float32 and conv tail [B, W-1, 3*H*K]; MLA: the normalised kv latent
 [B, L, r] and the shared rope key [B, L, dr]). For decoding, `init_cache` makes fixed-size buffers (MLA latents of
 `max_len` tokens, a shared write position) that `forward(..., cache=...)` fills and advances under jit. Caching the
-MLA latent instead of expanded K/V keeps entries ~20x smaller and position-independent; single-token decode reads
+MLA latent instead of expanded K/V keeps entries ~18x smaller (released shape) and position-independent; single-token decode reads
 it in the "absorbed" form (queries mapped into the latent space), so a step never re-expands the whole context.
 """
 
@@ -461,39 +461,36 @@ def _split_kv_b(p, c: KimiLinearConfig) -> tuple[Array, Array]:
     return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim :]
 
 
-def _attend_expanded(p, c: KimiLinearConfig, q: Array, kv: MLACache, mask: Array) -> Array:
-    """Attention with keys/values expanded from the latent (cheapest for prefill). q [B, L, H, dq] -> [B, L, H, dv]."""
+def _attend_expanded(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: tuple[Array, Array] | None) -> Array:
+    """Attention with keys/values expanded from the latent (the prefill path). q [B, L, H, dq] -> [B, L, H, dv].
+
+    positions=None: plain causal attention over this call's tokens (the fused causal kernel); otherwise
+    (query positions [L], key positions [T]) for queries continuing into cache buffers.
+    """
     w_k, w_v = _split_kv_b(p, c)
     k_nope = jnp.einsum("btr,rhd->bthd", kv.latent, w_k)
     values = jnp.einsum("btr,rhd->bthd", kv.latent, w_v)
     k_rope = jnp.broadcast_to(kv.k_rope[:, :, None, :], (*k_nope.shape[:3], c.qk_rope_head_dim))
     keys = jnp.concatenate([k_nope, k_rope], axis=-1)
-    # The fused attention wants one head dim for q, k and v: zero-pad v to dq (the extra outputs are zero).
-    pad = c.qk_head_dim - c.v_head_dim
-    if pad > 0:
-        values = jnp.pad(values, [(0, 0), (0, 0), (0, 0), (0, pad)])
-    out = jax.nn.dot_product_attention(q, keys, values[..., : c.qk_head_dim], scale=c.qk_head_dim**-0.5, mask=mask)
-    if pad >= 0:
-        return out[..., : c.v_head_dim]
-    return _attend_einsum(c, q, keys, values, mask)
+    # The fused kernels want one head dim for q, k and v: zero-pad v to dq (the extra output channels are zero).
+    width = max(c.qk_head_dim, c.v_head_dim)
+    q, keys, values = (jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])]) for t in (q, keys, values))
+    q_pos, k_pos = (None, None) if positions is None else positions
+    out = layers.dot_product_attention(q, keys, values, scale=c.qk_head_dim**-0.5, q_positions=q_pos, k_positions=k_pos)
+    return out[..., : c.v_head_dim]
 
 
-def _attend_einsum(c: KimiLinearConfig, q: Array, keys: Array, values: Array, mask: Array) -> Array:
-    """Plain attention for the (unusual) case v_head_dim > qk_head_dim."""
-    scores = jnp.einsum("blhd,bthd->bhlt", q, keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores * c.qk_head_dim**-0.5, -jnp.inf)
-    return jnp.einsum("bhlt,bthd->blhd", jax.nn.softmax(scores, axis=-1).astype(q.dtype), values)
-
-
-def _attend_absorbed(p, c: KimiLinearConfig, q: Array, kv: MLACache, mask: Array) -> Array:
-    """The same attention with kv_b folded into the queries and the output: per step it reads the cached latent
-    once instead of re-expanding every cached token to per-head keys and values (the decode path)."""
+def _attend_absorbed(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: tuple[Array, Array]) -> Array:
+    """The same attention with kv_b folded into the queries and the output: a decode step reads the cached latent
+    once instead of re-expanding every cached token to per-head keys and values."""
     w_k, w_v = _split_kv_b(p, c)
     q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
     q_latent = jnp.einsum("blhd,rhd->blhr", q_nope, w_k)
     scores = jnp.einsum("blhr,btr->bhlt", q_latent, kv.latent, preferred_element_type=jnp.float32)
     scores += jnp.einsum("blhd,btd->bhlt", q_rope, kv.k_rope, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores * c.qk_head_dim**-0.5, -jnp.inf)
+    q_pos, k_pos = positions
+    visible = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, L, T]
+    scores = jnp.where(visible, scores * c.qk_head_dim**-0.5, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     context = jnp.einsum("bhlt,btr->blhr", probs, kv.latent)
     return jnp.einsum("blhr,rhd->blhd", context, w_v)
@@ -506,23 +503,22 @@ def mla_layer(
 
     Without a cache the keys are this call's tokens (plain causal attention) and the returned cache holds their
     latents. With one, the latents are written into the fixed buffers at `start` and queries at absolute positions
-    start..start+L-1 attend to every buffer slot at or before their own position.
+    start..start+L-1 attend to every buffer slot at or before their own position (later slots are not yet written).
     """
     batch, length, _ = x.shape
     q = _mla_queries(p, c, x)
     new = mla_latents(p, c, x)
     if cache is None:
-        keys, key_pos = new, jnp.arange(length)
+        out = _attend_expanded(p, c, q, new, None)
     else:
         zero = jnp.zeros((), jnp.int32)
         write = lambda buf, val: jax.lax.dynamic_update_slice(buf, val.astype(buf.dtype), (zero, start, zero))  # noqa: E731
         new = MLACache(latent=write(cache.latent, new.latent), k_rope=write(cache.k_rope, new.k_rope))
         keys = jax.tree.map(lambda a: a.astype(x.dtype), new)
-        key_pos = jnp.arange(cache.latent.shape[1])
-    query_pos = start + jnp.arange(length)
-    mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # [1, 1, L, T]
-    attend = _attend_absorbed if (cache is not None and length == 1) else _attend_expanded
-    out = attend(p, c, q, keys, mask).reshape(batch, length, c.num_heads * c.v_head_dim)
+        positions = (start + jnp.arange(length, dtype=jnp.int32), jnp.arange(cache.latent.shape[1], dtype=jnp.int32))
+        attend = _attend_absorbed if length == 1 else _attend_expanded
+        out = attend(p, c, q, keys, positions)
+    out = out.reshape(batch, length, c.num_heads * c.v_head_dim)
     return _linear(out, p["o_proj"], p.get("o_proj_bias")), new
 
 
@@ -569,15 +565,10 @@ def moe(p: dict[str, Any], c: KimiLinearConfig, x: Array) -> Array:
 # Model.
 
 
-def forward(
+def hidden_states(
     params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None
 ) -> tuple[Array, base.ModelCache]:
-    """Causal forward of int32 tokens [B, L] -> (logits [B, L, vocab] float32, caches).
-
-    cache=None: a plain forward from position 0; the returned ModelCache holds this call's per-layer caches (KDA
-    state and conv tail, MLA latents of the L tokens). With a cache (from `init_cache` or a previous call) the
-    tokens continue at `cache.length`, and the returned cache has absorbed them; its buffers need room for them.
-    """
+    """The decoder stack: tokens [B, L] -> (final-normed hidden states [B, L, D], per-layer caches)."""
     c = config
     x = params["embed"][tokens]
     start = jnp.zeros((), jnp.int32) if cache is None else cache.length
@@ -595,6 +586,46 @@ def forward(
         h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
         x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h))
     x = layers.rms_norm_plain(x, params["final_norm"], c.rms_norm_eps)
-    head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("bld,dv->blv", x, head, preferred_element_type=jnp.float32)
-    return logits, base.ModelCache(layers=tuple(new_layers), length=start + tokens.shape[1])
+    return x, base.ModelCache(layers=tuple(new_layers), length=start + tokens.shape[1])
+
+
+def lm_head(params: dict[str, Any], config: KimiLinearConfig, x: Array) -> Array:
+    """Hidden states [..., D] -> float32 logits [..., vocab]."""
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None
+) -> tuple[Array, base.ModelCache]:
+    """Causal forward of int32 tokens [B, L] -> (logits [B, L, vocab] float32, caches).
+
+    cache=None: a plain forward from position 0; the returned ModelCache holds this call's per-layer caches (KDA
+    state and conv tail, MLA latents of just these L tokens; `decode_cache` turns them into decode buffers). With a
+    cache (from `init_cache` or a previous call) the tokens continue at `cache.length`, and the returned cache has
+    absorbed them; its buffers need room for them.
+    """
+    x, new_cache = hidden_states(params, config, tokens, cache)
+    return lm_head(params, config, x), new_cache
+
+
+def decode_cache(config: KimiLinearConfig, caches: base.ModelCache, max_len: int) -> base.ModelCache:
+    """The caches of a cache-free forward, with the MLA latents placed in `max_len`-slot decode buffers."""
+    layers_ = []
+    for kind, got in zip(config.layer_types, caches.layers):
+        if kind == FULL:
+            got = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, max_len - a.shape[1]), (0, 0)]), got)
+        layers_.append(got)
+    return base.ModelCache(layers=tuple(layers_), length=caches.length)
+
+
+def prefill(
+    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, max_len: int
+) -> tuple[Array, base.ModelCache]:
+    """Prefill a fresh prompt: (float32 logits of the last position [B, vocab], caches sized for max_len tokens).
+
+    MLA runs the causal kernel over the prompt instead of attending into empty buffers, and only the last position
+    goes through the LM head.
+    """
+    x, caches = hidden_states(params, config, tokens)
+    return lm_head(params, config, x[:, -1]), decode_cache(config, caches, max_len)
