@@ -162,11 +162,16 @@ def test_layer_schedule_and_names(checkpoint):
 
 
 def test_layer_factor_conventions():
-    config = ring_linear.config_from_hf(TINY_CONFIG)  # 6 layers
+    config = ring_linear.config_from_hf(TINY_CONFIG)  # 6 layers: (L - 1) = 5
     assert config.layer_factor(0) == config.layer_factor(1) == pytest.approx(1 + 1e-5)
     assert config.layer_factor(4) == pytest.approx(1 - 3 / 5 + 1e-5)
+    remote = ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "remote"})
+    assert remote.layer_factor(0) == pytest.approx(1 + 1 / 5 + 1e-5)
+    assert remote.layer_factor(4) == config.layer_factor(4)
     vllm = ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "vllm"})
-    assert vllm.layer_factor(0) == 1.0 and vllm.layer_factor(4) == pytest.approx(1 - 4 / 5)
+    assert vllm.layer_factor(0) == pytest.approx(1 + 1e-5) and vllm.layer_factor(4) == pytest.approx(1 - 4 / 5 + 1e-5)
+    with pytest.raises(ValueError, match="layer_factor_convention 'minimax'"):
+        ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "minimax"})
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,14 @@ whole group (the layers a short stack leaves over, as mlx-lm does), and linear a
   bias that only steers selection, group-limited top-k, renormalised weights times `routed_scaling_factor`, plus a
   shared SwiGLU expert.
 
-The decay's layer factor f_layer. The checkpoint's remote code could not be read here and the references disagree:
-mlx-lm uses f = 1 - max(0, l - 1) / (L - 1) + 1e-5, vLLM f = 1 - l / (L - 1). We follow mlx-lm (our parity reference),
-`RingLinearConfig.layer_factor_convention = "mlx"`; set it to "vllm" for the other one.
+The decay's layer factor f_layer (l = layer index, L = num_hidden_layers) is read from no tensor, and the
+references disagree:
+  "mlx"    (default)  f = 1 - max(0, l - 1) / (L - 1) + 1e-5   mlx-lm, our parity reference;
+  "remote"            f = 1 - (l - 1) / (L - 1) + 1e-5          the checkpoint's remote code as third-party ports
+                                                                quote it (only layer 0 differs from "mlx");
+  "vllm"              f = 1 - l / (L - 1) + 1e-5                 vLLM and SGLang's lightning backend.
+The remote code itself cannot be downloaded here, so we follow mlx-lm; select another with the config field
+`layer_factor_convention` (the same key in config.json is honoured).
 
 Layout. Parameters are a plain PyTree (nested dicts and a list of layers) with matrices stored [in, out] so that
 activations multiply on the left; the converter transposes the Hugging Face [out, in] tensors. Activations are
@@ -25,7 +30,6 @@ activations multiply on the left; the converter transposes the Hugging Face [out
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -35,13 +39,13 @@ from jax.sharding import PartitionSpec as P
 
 from hypic_jax import linear_attn
 from hypic_jax.models import base, layers
-from hypic_jax.rope import apply_rope
 
 ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
 MODEL_TYPE = "bailing_moe_linear"
 
+LAYER_FACTOR_CONVENTIONS = ("mlx", "remote", "vllm")
+
 Params = dict[str, Any]
-Cache = dict[str, Any]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -80,17 +84,19 @@ class RingLinearConfig:
     score_function: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
-    layer_factor_convention: str = "mlx"  # "mlx" or "vllm": see the module docstring
+    layer_factor_convention: str = "mlx"  # see the module docstring and LAYER_FACTOR_CONVENTIONS
 
     @classmethod
     def from_hf(cls, hf: dict) -> "RingLinearConfig":
         """Build from a parsed config.json; rejects settings this implementation does not compute."""
+        rope_scaling = hf.get("rope_scaling") or {}
         unsupported = {
             "use_bias": bool(hf.get("use_bias", False)),
             "norm_head": bool(hf.get("norm_head", False)),
+            "linear_silu": bool(hf.get("linear_silu", hf.get("use_linear_silu", False))),
+            "linear_rope=false": not hf.get("linear_rope", True),
             "rope_traditional": bool(hf.get("rope_traditional", False)),
-            "rope_scaling": (hf.get("rope_scaling") or {}).get("type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
-            not in ("default", None),
+            "rope_scaling": rope_scaling.get("type", rope_scaling.get("rope_type", "default")) != "default",
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:
@@ -134,16 +140,13 @@ class RingLinearConfig:
     def layer_factor(self, layer: int) -> float:
         """f_layer in the linear decay g_h = -slope_h * f_layer (deeper layers forget more slowly)."""
         denom = max(1, self.num_hidden_layers - 1)
-        if self.layer_factor_convention == "mlx":
-            return 1.0 - max(0, layer - 1) / denom + 1e-5
-        if self.layer_factor_convention == "vllm":
-            return 1.0 - layer / denom
-        raise ValueError(f"unknown layer_factor_convention {self.layer_factor_convention!r} (use 'mlx' or 'vllm')")
+        depth = {"mlx": max(0, layer - 1), "remote": layer - 1, "vllm": layer}[self.layer_factor_convention]
+        return 1.0 - depth / denom + 1e-5
 
-
-def linear_decay(config: RingLinearConfig, layer: int) -> Array:
-    """Per-head log decay g_h [H] (negative) of linear layer `layer`: -alibi_slope_h * f_layer."""
-    return -linear_attn.alibi_slopes(config.num_attention_heads) * jnp.float32(config.layer_factor(layer))
+    def __post_init__(self):
+        if self.layer_factor_convention not in LAYER_FACTOR_CONVENTIONS:
+            raise ValueError(f"unknown layer_factor_convention {self.layer_factor_convention!r}; "
+                             f"use one of {LAYER_FACTOR_CONVENTIONS}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
