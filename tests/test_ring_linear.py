@@ -29,7 +29,6 @@ from hypic_jax import cli  # noqa: E402
 from converters.base import CheckpointReader, convert_folder  # noqa: E402
 from converters import ring_linear as ring_converter  # noqa: E402
 from hypic_jax.models import ring_linear  # noqa: E402
-from hypic_jax.models.base import KVCache, ModelCache  # noqa: E402
 
 # Both layer types, both MLP kinds, grouped routing, a shared expert, partial RoPE, non-trivial GQA.
 TINY_CONFIG = {
@@ -198,7 +197,7 @@ def test_logits_match_mlx(checkpoint, batch_logits):
 def test_greedy_decode_matches_mlx(checkpoint, model):
     _, reference, _ = checkpoint
     prompt = _prompt(12, seed=2)
-    ours = np.asarray(model.generate(prompt[None], 16))[0].tolist()
+    ours = np.asarray(model.generate(prompt[None], 16))[0].tolist()  # through `prefill`, then cached steps
     assert ours == _mlx_greedy(reference, prompt, 16)
 
 
@@ -222,13 +221,7 @@ def test_uncached_forward_returns_states_that_continue(model, batch_logits, step
     tokens, full = batch_logits
     _, prefix = step(model.params, tokens=tokens[:, :PREFILL])
     assert int(prefix.length) == PREFILL
-    buffers = model.init_cache(batch=2, max_len=MAX_LEN)
-    layers = []
-    for empty, got in zip(buffers.layers, prefix.layers):
-        if isinstance(got, KVCache):
-            got = KVCache(k=empty.k.at[:, :PREFILL].set(got.k), v=empty.v.at[:, :PREFILL].set(got.v))
-        layers.append(got)
-    cache = ModelCache(layers=tuple(layers), length=prefix.length)
+    cache = ring_linear.decode_cache(model.config, prefix, MAX_LEN)
     out, _ = step(model.params, tokens=tokens[:, PREFILL:PREFILL + 1], cache=cache)
     assert _relative_error(np.asarray(out)[:, 0], full[:, PREFILL]) < 1e-5
 

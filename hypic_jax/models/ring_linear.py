@@ -384,14 +384,9 @@ def unembed(params: Params, x: Array) -> Array:
     return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def forward(params: Params, config: RingLinearConfig, tokens: Array,
-            cache: base.ModelCache | None = None) -> tuple[Array, base.ModelCache]:
-    """tokens int32 [B, L] -> (logits float32 [B, L, V], cache after these tokens).
-
-    Without `cache` this is the plain causal forward from position 0; it still returns each layer's cache of these
-    tokens (linear state, K/V of length L). With `cache` (from `init_cache` or a previous call) the tokens continue
-    at position cache.length, K/V are written into the cache's buffers and the states carried on.
-    """
+def hidden_states(params: Params, config: RingLinearConfig, tokens: Array,
+                  cache: base.ModelCache | None = None) -> tuple[Array, base.ModelCache]:
+    """The final-norm hidden states [B, L, D] of int32 tokens [B, L], and the cache after them (see `forward`)."""
     positions = base.cache_positions(cache, tokens.shape[1])
     x = params["embed"][tokens]
     new_caches = []
@@ -401,7 +396,39 @@ def forward(params: Params, config: RingLinearConfig, tokens: Array,
         new_caches.append(new_cache)
     x = layers.rms_norm(x, params["norm"], config.rms_norm_eps)
     length = jnp.int32(tokens.shape[1]) + (0 if cache is None else cache.length)
-    return unembed(params, x), base.ModelCache(layers=tuple(new_caches), length=length)
+    return x, base.ModelCache(layers=tuple(new_caches), length=length)
+
+
+def forward(params: Params, config: RingLinearConfig, tokens: Array,
+            cache: base.ModelCache | None = None) -> tuple[Array, base.ModelCache]:
+    """tokens int32 [B, L] -> (logits float32 [B, L, V], cache after these tokens).
+
+    Without `cache` this is the plain causal forward from position 0; it still returns each layer's cache of these
+    tokens (linear state, K/V of length L; `decode_cache` makes decode buffers of them). With `cache` (from
+    `init_cache` or a previous call) the tokens continue at position cache.length, K/V are written into the cache's
+    buffers and the states carried on.
+    """
+    x, new_cache = hidden_states(params, config, tokens, cache)
+    return unembed(params, x), new_cache
+
+
+def decode_cache(config: RingLinearConfig, caches: base.ModelCache, max_len: int) -> base.ModelCache:
+    """The caches of a cache-free forward with their K/V placed in `max_len`-slot decode buffers."""
+    def pad(a: Array) -> Array:
+        return jnp.pad(a, [(0, 0), (0, max_len - a.shape[1]), (0, 0), (0, 0)])
+
+    padded = [jax.tree.map(pad, c) if isinstance(c, base.KVCache) else c for c in caches.layers]
+    return base.ModelCache(layers=tuple(padded), length=caches.length)
+
+
+def prefill(params: Params, config: RingLinearConfig, tokens: Array,
+            max_len: int) -> tuple[Array, base.ModelCache]:
+    """A fresh prompt: (float32 logits of its last position [B, V], caches sized for `max_len` tokens).
+
+    Full attention runs the causal kernel instead of attending into empty buffers, and only the last position goes
+    through the LM head."""
+    x, caches = hidden_states(params, config, tokens)
+    return unembed(params, x[:, -1]), decode_cache(config, caches, max_len)
 
 
 def init_cache(config: RingLinearConfig, batch: int, max_len: int, dtype=jnp.float32) -> base.ModelCache:
