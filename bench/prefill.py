@@ -17,6 +17,7 @@ GDN core 2 * (3 K V + c (3 K + 2 V)) per token and value head (chunk c).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
@@ -114,9 +115,13 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--gdn-kernel", choices=("xla", "pallas"), default=None,
+                        help="GDN prefill core (default: pallas on a GPU, xla elsewhere)")
     args = parser.parse_args(argv)
 
     config = small_config() if args.small else full_config(args.layers)
+    gdn_kernel = args.gdn_kernel or ("pallas" if jax.default_backend() == "gpu" else "xla")
+    config = dataclasses.replace(config, gdn_kernel=gdn_kernel)
     lengths = args.lengths or ([256, 1024] if args.small else [8192, 32768])
     dtype = jnp.dtype(args.dtype)
     print(f"devices: {jax.devices()}", flush=True)
@@ -157,7 +162,8 @@ def main(argv=None) -> None:
         )
         results.append(row)
         print(json.dumps(row), flush=True)
-    print(json.dumps(dict(config="small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L", results=results)))
+    name = "small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L"
+    print(json.dumps(dict(config=name, gdn_kernel=gdn_kernel, results=results)))
 
 
 if __name__ == "__main__":

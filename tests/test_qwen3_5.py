@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -96,3 +98,12 @@ def test_param_specs_cover_params(checkpoints):
         jax.tree.leaves(model.params),
     ):
         assert len(spec) <= leaf.ndim
+
+
+def test_pallas_gdn_kernel_matches_xla_core(checkpoints):
+    """config.gdn_kernel="pallas" routes prefill through hypic_jax.pallas.gdn (interpreted on the CPU)."""
+    _, reference, model = checkpoints["moe"]
+    tokens = prompt(2, 24)
+    config = dataclasses.replace(model.config, gdn_kernel="pallas")
+    logits, _ = jax.jit(qwen3_5.forward, static_argnames="config")(model.params, config, tokens)
+    assert relative_error(logits, reference_logits(reference, tokens)) < 1e-4

@@ -95,13 +95,14 @@ def grouped_swiglu_experts(
     order = jnp.argsort(flat_experts, stable=True)
     rows = x[order // top_k]  # [T*k, H], grouped by expert
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-    hidden = jax.lax.ragged_dot(rows, gate_up, group_sizes, preferred_element_type=jnp.float32)
+    # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes
+    hidden = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)
     gate, up = jnp.split(hidden, 2, axis=-1)
-    activated = (jax.nn.silu(gate) * up).astype(x.dtype)
-    out_rows = jax.lax.ragged_dot(activated, down, group_sizes, preferred_element_type=jnp.float32)
+    activated = jax.nn.silu(gate) * up
+    out_rows = jax.lax.ragged_dot(activated, down.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)
     inverse = jnp.argsort(order)  # position of each (token, slot) copy in the sorted order
     per_slot = out_rows[inverse].reshape(num_tokens, top_k, -1)
-    combined = jnp.einsum("tkh,tk->th", per_slot, weights.astype(jnp.float32))
+    combined = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights.astype(jnp.float32))
     return combined.astype(x.dtype)
 
 

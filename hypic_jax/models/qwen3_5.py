@@ -53,6 +53,7 @@ class Config:
     linear_value_head_dim: int = 128
     conv_kernel: int = 4
     chunk_size: int = 64
+    gdn_kernel: str = "xla"  # prefill core: "xla" (linear_attn.chunked) or "pallas" (hypic_jax.pallas.gdn, GPU)
     # MLPs
     intermediate_size: int = 0
     num_experts: int = 0
@@ -287,10 +288,10 @@ def gated_delta_net(
     q, k, v = jnp.split(mixed, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
 
     def one_sequence(q, k, v, a, b, state):
-        inputs = linear_attn.gated_delta_net(
-            q.reshape(length, hk, dk), k.reshape(length, hk, dk), v.reshape(length, hv, dv),
-            a=a, b=b, A_log=p["A_log"], dt_bias=p["dt_bias"],
-        )
+        q, k, v = q.reshape(length, hk, dk), k.reshape(length, hk, dk), v.reshape(length, hv, dv)
+        if config.gdn_kernel == "pallas" and length > 1:
+            return _pallas_gdn(q, k, v, a, b, p, state, config)
+        inputs = linear_attn.gated_delta_net(q, k, v, a=a, b=b, A_log=p["A_log"], dt_bias=p["dt_bias"])
         if length == 1:
             return linear_attn.recurrent(**inputs.kwargs(), initial_state=state)
         return linear_attn.chunked(**inputs.kwargs(), initial_state=state, chunk_size=config.chunk_size)
@@ -299,6 +300,20 @@ def gated_delta_net(
     normed = layers.gated_rms_norm(core, z, p["norm"], config.rms_norm_eps)
     out = normed.reshape(batch, length, hv * dv) @ p["out_proj"]
     return out, LinearCache(state=new_state, conv=new_conv)
+
+
+def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
+    """The same GDN core through the Pallas kernel, which reads the H_k key heads without repeating them."""
+    from hypic_jax.pallas import gdn as pallas_gdn
+
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+    )
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    return pallas_gdn.gdn_forward(
+        linear_attn.l2_normalize(q), linear_attn.l2_normalize(k), v, g=g, beta=beta, initial_state=state,
+        scale=config.linear_key_head_dim**-0.5, config=pallas_gdn.GDNConfig(chunk=config.chunk_size),
+    )
 
 
 def full_attention(
