@@ -302,6 +302,172 @@ def run_compose(path, cmp, la, segments=64, layers=30, seg_len=512):
                 log(path, dict(compose=kind, algorithm=alg, error=repr(e)[:400]))
 
 
+def run_focus(out_dir, budget_s):
+    """Second-round measurements: the Pallas compose fold, a per-kernel breakdown of the GDN forward at 32k,
+    a few launch-parameter variants, and the accuracy of T_C with slow gates (fast gates make T_C vanish)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import compose as cmp
+    from hypic_jax.pallas import gdn
+    from hypic_jax.pallas.gdn import GDNConfig as C
+
+    start = time.perf_counter()
+    path = os.path.join(out_dir, "focus.jsonl")
+    log(path, dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], date=time.strftime("%Y-%m-%d")))
+    over = lambda: time.perf_counter() - start > budget_s  # noqa: E731
+
+    # 1. Compose fold kernel on 64 x 30 x 32 real GDN pairs.
+    try:
+        transfers, states, ref_states, ref_t = compose_pairs(la, COMPOSE[0], COMPOSE[1], COMPOSE[2])
+        segs, layers = COMPOSE[0], COMPOSE[1]
+        flop_pairs = 2 * segs * layers * HEADS * DIM * DIM * (2 * DIM)
+        flop_states = 2 * segs * layers * HEADS * DIM * DIM * DIM
+        for alg, bw, with_t in [("bf16x3", 32, False), ("bf16x3", 64, False), ("bf16x3", 32, True),
+                                ("bf16x3", 64, True), ("tf32x3", 32, False), ("tf32x3", 32, True),
+                                ("tf32", 32, True), ("f32", 32, False)]:
+            if over():
+                break
+            cfg = cmp.FoldConfig(block_w=bw, algorithm=alg)
+            fn = jax.jit(lambda t, s, cfg=cfg, w=with_t: cmp.fold_pallas(t, s, with_transfer=w, config=cfg,
+                                                                          interpret=INTERPRET))
+            try:
+                ms, comp = timeit(fn, transfers, states)
+                tt, ss = fn(transfers, states)
+                rec = dict(compose="pallas fold " + ("pairs" if with_t else "states"), algorithm=alg, block_w=bw,
+                           ms=ms, TFLOPs=(flop_pairs if with_t else flop_states) / ms / 1e9,
+                           S=rel(ss[0], ref_states[-1]))
+                if with_t:
+                    rec["T"] = rel(tt[0], ref_t)
+                log(path, rec)
+            except Exception as e:
+                log(path, dict(compose="pallas fold", algorithm=alg, block_w=bw, error=repr(e)[:400]))
+        del transfers, states
+    except Exception as e:
+        log(path, dict(compose="failed", error=repr(e)[:600]))
+
+    # 2. GDN at 32k: per-kernel breakdown and launch variants.
+    length = 32768 if not INTERPRET else 256
+    q, k, v, g, beta = gdn_inputs(length)
+    scale = DIM**-0.5
+    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    base = C(block_v=32, state_stages=3, **b16)
+    b = gdn._chunk_cumsum(g, length, HEADS, base.chunk)
+    beta_t = beta.T
+    for name, cfg in [("locals w4 s1", base), ("locals w2", dataclasses.replace(base, locals_warps=2)),
+                      ("locals w8", dataclasses.replace(base, locals_warps=8)),
+                      ("locals s2", dataclasses.replace(base, locals_stages=2)),
+                      ("locals tf32", dataclasses.replace(base, locals_precision="tf32"))]:
+        if over():
+            break
+        fn = jax.jit(lambda q, k, v, b, beta, cfg=cfg: gdn._chunk_locals(
+            q, k, v, b, beta, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
+            interpret=INTERPRET))
+        try:
+            ms, _ = timeit(fn, q, k, v, b, beta_t)
+            log(path, dict(part=name, L=length, ms=ms))
+        except Exception as e:
+            log(path, dict(part=name, error=repr(e)[:400]))
+    p, w, u = jax.jit(lambda q, k, v, b, beta: gdn._chunk_locals(
+        q, k, v, b, beta, chunk=base.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=base,
+        interpret=INTERPRET))(q, k, v, b, beta_t)
+    init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
+    for name, cfg, outputs in [("state bv32 s3 +out", base, True), ("state bv32 s3 no-out", base, False),
+                               ("state bv32 s4 +out", dataclasses.replace(base, state_stages=4), True),
+                               ("state bv16 s3 +out", dataclasses.replace(base, block_v=16), True),
+                               ("state bv64 s3 +out", dataclasses.replace(base, block_v=64), True),
+                               ("state bv32 s3 w2 +out", dataclasses.replace(base, state_warps=2), True)]:
+        if over():
+            break
+        fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg, outputs=outputs: gdn._state_pass(
+            w, u, k, b, q if outputs else None, p if outputs else None, init, chunk=cfg.chunk, pieces=1,
+            value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale, config=cfg, interpret=INTERPRET))
+        try:
+            ms, _ = timeit(fn, w, u, k, b, q, p, init)
+            log(path, dict(part=name, L=length, ms=ms))
+        except Exception as e:
+            log(path, dict(part=name, error=repr(e)[:400]))
+    del p, w, u
+    for name, cfg, emit in [("pallas bv32 bf16 s3", base, False), ("pallas bv32 bf16 s3 +TS", base, True),
+                            ("pallas bv32 bf16 s4", dataclasses.replace(base, state_stages=4), False),
+                            ("pallas c32 bv32 bf16 s3", dataclasses.replace(base, chunk=32), False),
+                            ("pallas P4 bv32 bf16 s3 +TS", dataclasses.replace(base, pieces=4), True),
+                            ("pallas bv32 tf32-state s3 +TS", dataclasses.replace(base, state_precision="tf32"), True),
+                            ("pallas bv32 tf32 f32-inter s3 +TS", dataclasses.replace(
+                                base, locals_precision="tf32", state_precision="tf32", inter_dtype="float32"), True)]:
+        if over():
+            break
+        fn = jax.jit(lambda q, k, v, g, beta, cfg=cfg, emit=emit: gdn.gdn_forward(
+            q, k, v, g=g, beta=beta, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
+        try:
+            ms, _ = timeit(fn, q, k, v, g, beta)
+            log(path, dict(impl=name, L=length, ms=ms))
+        except Exception as e:
+            log(path, dict(impl=name, error=repr(e)[:400]))
+    del q, k, v, g, beta
+
+    # 3. Accuracy of (T_C, S(C|0)) with slow gates (T_C of norm ~1), against the core in float32 HIGHEST.
+    length = 4096 if not INTERPRET else 128
+    q, k, v, _, beta = gdn_inputs(length, seed=3)
+    g = -jax.random.uniform(jax.random.PRNGKey(5), (length, HEADS)) * 1e-3
+    up = lambda x: jnp.repeat(x.astype(jnp.float32), HEADS // KEY_HEADS, 1)  # noqa: E731
+    ref = la.summarize(up(k), v.astype(jnp.float32), g=g, beta=beta)
+    ref_o, _ = la.chunked(up(q), up(k), v.astype(jnp.float32), g=g, beta=beta, scale=scale)
+    for name, cfg in [("bv32 bf16", base), ("P8 bv32 bf16", dataclasses.replace(base, pieces=8)),
+                      ("bv32 tf32", dataclasses.replace(base, locals_precision="tf32", state_precision="tf32")),
+                      ("P8 bv32 tf32", dataclasses.replace(base, pieces=8, locals_precision="tf32",
+                                                           state_precision="tf32")),
+                      ("bv32 bf16-state f32-inter", dataclasses.replace(base, inter_dtype="float32")),
+                      ("bv32 tf32 f32-inter", dataclasses.replace(base, locals_precision="tf32",
+                                                                  state_precision="tf32", inter_dtype="float32"))]:
+        if over():
+            break
+        try:
+            o, s, summ = gdn.gdn_forward(q, k, v, g=g, beta=beta, scale=scale, config=cfg, emit_summary=True,
+                                         interpret=INTERPRET)
+            log(path, dict(slow_gate_check=name, L=length, o=rel(o, ref_o), T=rel(summ.transfer, ref.transfer),
+                           S0=rel(summ.state, ref.state), T_norm=float(jnp.linalg.norm(ref.transfer[0]))))
+        except Exception as e:
+            log(path, dict(slow_gate_check=name, error=repr(e)[:400]))
+    log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
+
+
+def compose_pairs(la, segments, layers, seg_len):
+    """64 x 32 real GDN segment pairs (per-head decay rates over three decades), tiled over layers by per-layer
+    permutations (layer 0 unpermuted); float64 host reference of layer 0: all prefix states and the total T."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    shape = (segments, seg_len, HEADS, DIM)
+    k = la.l2_normalize(jax.random.normal(ks[0], shape, jnp.float32))
+    v = jax.random.normal(ks[1], shape, jnp.float32)
+    rate = jnp.exp(jax.random.uniform(ks[2], (HEADS,), minval=jnp.log(1e-4), maxval=jnp.log(1e-1)))
+    g = -rate * jax.random.uniform(ks[3], (segments, seg_len, HEADS), minval=0.5, maxval=1.5)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (segments, seg_len, HEADS)))
+    summ = jax.jit(jax.vmap(lambda k, v, g, b: la.summarize(k, v, g=g, beta=b)))(k, v, g, beta)
+    t1, s1 = summ.transfer, summ.state
+    perms = [np.random.default_rng(i).permutation(segments) for i in range(layers)]
+    perms[0] = np.arange(segments)
+    idx = jnp.asarray(np.stack(perms, axis=1))
+    transfers, states = t1[idx], s1[idx]
+    t64, s64 = np.asarray(t1, np.float64), np.asarray(s1, np.float64)
+    st = np.zeros_like(s64[0])
+    ref_states = []
+    for i in range(segments):
+        st = t64[i] @ st + s64[i]
+        ref_states.append(st)
+    tt = t64[0]
+    for i in range(1, segments):
+        tt = t64[i] @ tt
+    return transfers, states, np.stack(ref_states), tt
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
@@ -310,6 +476,7 @@ def main():
     ap.add_argument("--check-length", type=int, default=32768)
     ap.add_argument("--budget-s", type=float, default=380.0, help="stop starting new timings after this long")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--focus", action="store_true", help="second-round measurements (see run_focus)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     args = ap.parse_args()
     global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE
@@ -319,6 +486,8 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",") if x]
     if args.fla_only:
         run_fla(args.out, lengths)
+    elif args.focus:
+        run_focus(args.out, args.budget_s)
     else:
         run_jax(args.out, lengths, args.check_length, args.budget_s, [x for x in args.only.split(",") if x])
 

@@ -105,3 +105,97 @@ def prefix_pairs(transfers: Array, states: Array, algorithm: str = "bf16x3") -> 
         return compose_pair(first, second, algorithm)
 
     return lax.associative_scan(fn, (transfers, states), axis=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pallas (Triton) fold: every (layer, head) in one launch, the running pair kept in registers.
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as pltriton  # noqa: E402
+
+_KERNEL_PRECISION = {
+    "f32": lax.Precision.HIGHEST,
+    "tf32": lax.Precision.DEFAULT,
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldConfig:
+    """block_w: accumulator columns per program; algorithm: in-kernel dot algorithm (see ALGORITHMS)."""
+
+    block_w: int = 32
+    algorithm: str = "bf16x3"
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, prec):
+    """One (column block j, batch entry): acc <- T_i acc + S_i[:, cols] for i = 0 .. n-1.
+
+    Column blocks j < value_blocks are state columns (start at zero, add S_i); the others are identity-widened
+    transfer columns (start at the identity's columns, add nothing), so the same loop yields T_n ... T_1.
+    Columns are independent (T_i multiplies from the left), which is what splits one head's fold over programs.
+    """
+    j = pl.program_id(0)
+    is_state = j < value_blocks
+    key_dim = t_ref.shape[-1]
+    rows = lax.broadcasted_iota(jnp.int32, (key_dim, block_w), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (key_dim, block_w), 1)
+    offset = (j - value_blocks) * block_w
+    acc0 = jnp.where(jnp.logical_and(jnp.logical_not(is_state), rows == cols + offset), 1.0, 0.0)
+
+    def body(i, acc):
+        s = jnp.where(is_state, s_ref[i].astype(jnp.float32), 0.0)
+        t = t_ref[i].astype(jnp.float32)
+        return lax.dot_general(t, acc, (((1,), (0,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32) + s
+
+    o_ref[...] = lax.fori_loop(0, num_segments, body, acc0.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
+def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, config: FoldConfig = FoldConfig(),
+                interpret: bool = False):
+    """The composed pair of n ordered segments for every batch entry, in one Pallas launch.
+
+    transfers [n, ..., K, K], states [n, ..., K, V] (batch axes: layers, heads). Returns (T [..., K, K] or None,
+    S [..., K, V]): T = T_n ... T_1 and S the state after segment n from a zero start. The fold is sequential
+    (n steps of one [K, K] x [K, block_w] product per program) but every batch entry and column block runs in
+    parallel, and each T_i is read from memory once per column block (L2 serves the repeats).
+    """
+    n = transfers.shape[0]
+    batch = transfers.shape[1:-2]
+    key_dim, value_dim = states.shape[-2], states.shape[-1]
+    t = transfers.reshape((n, -1, key_dim, key_dim))
+    s = states.reshape((n, -1, key_dim, value_dim))
+    b = t.shape[1]
+    bw = min(config.block_w, value_dim)
+    value_blocks = value_dim // bw
+    width = value_dim + (key_dim if with_transfer else 0)
+    kernel = functools.partial(_fold_kernel, num_segments=n, value_blocks=value_blocks, block_w=bw,
+                               prec=_KERNEL_PRECISION[config.algorithm])
+    out = pl.pallas_call(
+        kernel,
+        grid=(width // bw, b),
+        in_specs=[
+            pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
+            pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, jnp.minimum(j, value_blocks - 1))),
+        ],
+        out_specs=pl.BlockSpec((None, key_dim, bw), lambda j, i: (i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((b, key_dim, width), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="compose_fold",
+    )(t, s)
+    state = out[..., :value_dim].reshape(batch + (key_dim, value_dim))
+    transfer = out[..., value_dim:].reshape(batch + (key_dim, key_dim)) if with_transfer else None
+    return transfer, state
+
+
+__all__ += ["FoldConfig", "fold_pallas"]
