@@ -254,3 +254,36 @@ def test_bfloat16_load_keeps_gates_float32(checkpoint):
     layer = bf16.params["layers"][1]["mlp"]
     assert layer["router"].dtype == jnp.float32 and layer["gate_up"].dtype == jnp.bfloat16
     assert bf16.params["layers"][0]["attn"]["A_log"].dtype == jnp.float32
+
+
+_MESH_SCRIPT = """
+import sys
+import numpy as np, jax, jax.numpy as jnp
+from hypic_jax.models import base, kimi_linear as kimi, load
+folder, tokens_file, out_file = sys.argv[1:]
+model = load(folder, dtype="float32")
+tokens = np.load(tokens_file)
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+params = base.shard_params(model.params, kimi.param_specs(model.config), mesh)
+rows = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None)))
+empty = kimi.init_cache(model.config, *tokens.shape, jnp.float32)
+cache = jax.device_put(empty, base.named_shardings(kimi.cache_specs(model.config), mesh))
+logits, _ = jax.jit(lambda p, t, c: kimi.forward(p, model.config, t, c))(params, rows, cache)
+np.save(out_file, np.asarray(logits))
+"""
+
+
+def test_sharded_forward_on_fake_mesh(checkpoint, model, tmp_path):
+    """Parameters and caches placed with `param_specs` / `cache_specs` on a 2 x 4 ("data", "model") mesh of fake
+    CPU devices give the single-device logits (in a subprocess: the device count is fixed when jax starts)."""
+    import os
+    import subprocess
+    import sys
+
+    tokens = random_tokens(1, (2, 80))
+    np.save(tmp_path / "tokens.npy", tokens)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    args = [str(checkpoint[0]), str(tmp_path / "tokens.npy"), str(tmp_path / "logits.npy")]
+    done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_close_relative(np.load(tmp_path / "logits.npy"), np.asarray(model.logits(tokens)), rel=1e-5)
