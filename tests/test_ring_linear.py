@@ -25,6 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 import hypic_jax  # noqa: E402
+from hypic_jax import linear_attn  # noqa: E402
 from hypic_jax import cli  # noqa: E402
 from converters.base import CheckpointReader, convert_folder  # noqa: E402
 from converters import ring_linear as ring_converter  # noqa: E402
@@ -230,6 +231,27 @@ def _assert_same_params(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_segment_summaries_compose_with_rope(model):
+    """DESIGN 2.3 on a real Ring linear layer: a segment summarised at position 0 and moved to offset p by rotating
+    its state's key axis composes with the previous segment's summary into the true running state."""
+    config, attn = model.config, model.params["layers"][1]["attn"]
+    rotary_dim = config.rotary_dim(config.linear_head_dim)
+    summarize = jax.vmap(lambda inputs: inputs.summarize())
+
+    @jax.jit
+    def true_and_composed(attn, x):
+        _, true_state = ring_linear.linear_attention(attn, x, jnp.arange(20), None, 1, config)
+        first = summarize(ring_linear.linear_inputs(attn, x[:, :10], jnp.arange(10), 1, config))
+        second = summarize(ring_linear.linear_inputs(attn, x[:, 10:], jnp.arange(10), 1, config))
+        moved = jax.vmap(lambda s: linear_attn.rotate_summary(s, 10, rotary_dim=rotary_dim, base=config.rope_theta))(
+            second)
+        return true_state, jax.vmap(linear_attn.advance)(moved, first.state)
+
+    x = jax.random.normal(jax.random.key(0), (1, 20, config.hidden_size), jnp.float32)
+    true_state, composed = true_and_composed(attn, x)
+    assert _relative_error(composed, true_state) < 1e-5
 
 
 def test_cli_convert_round_trip(checkpoint, model, tmp_path):

@@ -271,28 +271,36 @@ def _norm_and_rotate(p: Params, q: Array, k: Array, positions: Array, config: Ri
     return q, k
 
 
-def linear_attention(p: Params, x: Array, positions: Array, state: Array | None, layer: int,
-                     config: RingLinearConfig) -> tuple[Array, Array]:
-    """Ring's lightning attention layer: x [B, L, D] -> (output [B, L, D], final state [B, H, K, V] float32)."""
+def linear_inputs(p: Params, x: Array, positions: Array, layer: int, config: RingLinearConfig) -> linear_attn.LinearInputs:
+    """The core's view of a linear layer for x [B, L, D]: normed, rotated q, k and v [B, L, H, K] with the layer's
+    constant decay (a batched LinearInputs; vmap its methods over B). A PIC engine summarises segments from this."""
     batch, length, _ = x.shape
     h, hd = config.num_attention_heads, config.linear_head_dim
     qkv = _fused_projection(p, x).reshape(batch, length, 3 * h, hd)
     q, k, v = qkv[:, :, :h], qkv[:, :, h:2 * h], qkv[:, :, 2 * h:]
     q, k = _norm_and_rotate(p, q, k, positions, config)
     factor = config.layer_factor(layer)
+    return jax.vmap(lambda q, k, v: linear_attn.lightning(q, k, v, layer_factor=factor, scale=hd ** -0.5))(q, k, v)
 
-    def one_sequence(q, k, v, state):
-        inputs = linear_attn.lightning(q, k, v, layer_factor=factor, scale=hd ** -0.5)
-        return inputs.recurrent(state) if length == 1 else inputs.chunked(state)
 
-    if state is None:
-        o, state = jax.vmap(lambda q, k, v: one_sequence(q, k, v, None))(q, k, v)
-    else:
-        o, state = jax.vmap(one_sequence)(q, k, v, state)
-    o = o.reshape(batch, length, h * hd).astype(x.dtype)
+def linear_output(p: Params, x: Array, o: Array, config: RingLinearConfig) -> Array:
+    """Core output o [B, L, H, V] -> layer output [B, L, D]: group RMSNorm, sigmoid gate from x, `dense`."""
+    o = o.reshape(*o.shape[:2], -1).astype(x.dtype)
     gate = jax.nn.sigmoid(x @ p["g_proj"])
-    o = group_rms_norm(o, p["g_norm"], config.group_norm_size, config.rms_norm_eps) * gate
-    return o @ p["dense"], state
+    return (group_rms_norm(o, p["g_norm"], config.group_norm_size, config.rms_norm_eps) * gate) @ p["dense"]
+
+
+def linear_attention(p: Params, x: Array, positions: Array, state: Array | None, layer: int,
+                     config: RingLinearConfig) -> tuple[Array, Array]:
+    """Ring's lightning attention layer: x [B, L, D] -> (output [B, L, D], final state [B, H, K, V] float32).
+    A single token (decode) takes the recurrent step, longer inputs the chunked kernel."""
+    inputs = linear_inputs(p, x, positions, layer, config)
+    run = (lambda i, s: i.recurrent(s)) if x.shape[1] == 1 else (lambda i, s: i.chunked(s))
+    if state is None:
+        o, state = jax.vmap(lambda i: run(i, None))(inputs)
+    else:
+        o, state = jax.vmap(run)(inputs, state)
+    return linear_output(p, x, o, config), state
 
 
 def full_attention(p: Params, x: Array, positions: Array, kv_cache: base.KVCache | None,
