@@ -156,7 +156,7 @@ class RingLinearConfig:
 def param_shapes(config: RingLinearConfig) -> Params:
     """The PyTree of parameter shapes (tuples); the converter and init both follow it."""
     d = config.hidden_size
-    layers = []
+    stack = []
     for i in range(config.num_hidden_layers):
         if config.is_full_attention(i):
             hd, h, kv = config.attention_head_dim, config.num_attention_heads, config.num_key_value_heads
@@ -182,8 +182,8 @@ def param_shapes(config: RingLinearConfig) -> Params:
         else:
             f = config.intermediate_size
             mlp = {"gate": (d, f), "up": (d, f), "down": (f, d)}
-        layers.append({"input_norm": (d,), "attn": attn, "post_norm": (d,), "mlp": mlp})
-    shapes = {"embed": (config.vocab_size, d), "layers": layers, "norm": (d,)}
+        stack.append({"input_norm": (d,), "attn": attn, "post_norm": (d,), "mlp": mlp})
+    shapes = {"embed": (config.vocab_size, d), "layers": stack, "norm": (d,)}
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (d, config.vocab_size)
     return shapes
@@ -220,15 +220,14 @@ def partition_specs(config: RingLinearConfig) -> Params:
     """
 
     def spec(path, shape) -> P:
-        name = jax.tree_util.keystr(path)
-        last = name.rsplit("'", 2)[-2]
-        if len(shape) == 1 or last == "router":
+        name = getattr(path[-1], "key", None)
+        if len(shape) == 1 or name == "router":
             return P()
-        if last == "embed":
-            return P("model", None)
+        if name == "embed":  # split the hidden dim: the token gather stays local
+            return P(None, "model")
         if len(shape) == 3:  # routed experts [E, in, out]
             return P("model", None, None)
-        if last in ("dense", "down"):
+        if name in ("dense", "down"):
             return P("model", None)
         return P(None, "model")  # qkv, g_proj, gate, up, lm_head
 
