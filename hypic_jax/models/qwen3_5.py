@@ -263,6 +263,18 @@ def param_specs(config: Config) -> dict:
     return jax.tree.map(lambda e: _SPECS[e[1]], _shape_table(config), is_leaf=_is_entry)
 
 
+def cache_specs(config: Config) -> ModelCache:
+    """PartitionSpecs of `init_cache`'s tree: batch over "data"; linear states and conv tails split by value head /
+    channel over "model" (like the projections that produce them); KV replicated over "model" (2 KV heads)."""
+    entries = []
+    for layer_type in config.layer_types:
+        if layer_type == LINEAR:
+            entries.append(LinearCache(state=P("data", "model"), conv=P("data", None, "model")))
+        else:
+            entries.append(KVCache(k=P("data"), v=P("data")))
+    return ModelCache(layers=tuple(entries), length=P())
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Layers
 

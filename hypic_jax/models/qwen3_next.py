@@ -13,6 +13,7 @@ from hypic_jax.models.qwen3_5 import (  # noqa: F401  (the architecture-module c
     FULL,
     LINEAR,
     Config,
+    cache_specs,
     config_from_hf,
     forward,
     hidden_states,
