@@ -71,20 +71,24 @@ class GDNConfig:
       is why the column block is the fastest-varying grid axis).
     pieces: sequence pieces summarised in parallel (the transfer-operator split); 1 runs a single direct pass.
     inter_dtype: dtype of W, U, P between the launches ("bfloat16" | "float32" | None = bfloat16 iff the inputs are).
-    locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring).
+    locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
+      "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     *_warps / *_stages: Triton launch parameters of the two kernels.
+
+    Defaults are the fastest measured on the H200 at L = 32k (bench/RESULTS.md): locals with 2 warps (1.40 ms vs
+    1.66 with 4 and 3.18 with 8), state pass with 32 columns per program and 3 pipeline stages (0.94 ms).
     """
 
     chunk: int = 64
     block_v: int = 32
     pieces: int = 1
     inter_dtype: str | None = None
-    locals_precision: str = "ieee"
-    state_precision: str = "ieee"
-    locals_warps: int = 4
+    locals_precision: str | None = None
+    state_precision: str | None = None
+    locals_warps: int = 2
     locals_stages: int = 1
     state_warps: int = 4
-    state_stages: int = 2
+    state_stages: int = 3
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -94,7 +98,7 @@ class GDNConfig:
         if self.pieces < 1:
             raise ValueError(f"pieces must be >= 1, got {self.pieces}")
         for name in ("locals_precision", "state_precision"):
-            if getattr(self, name) not in _PRECISIONS:
+            if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
 
 
@@ -413,6 +417,9 @@ def _forward(q, k, v, g, beta, initial_state, *, scale, config, emit_summary, in
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
     q, k, v, g, beta = map(pad_tokens, (q, k, v, g, beta))
+    auto = "bf16" if k.dtype == jnp.bfloat16 else "ieee"
+    config = dataclasses.replace(config, locals_precision=config.locals_precision or auto,
+                                 state_precision=config.state_precision or auto)
     if config.inter_dtype is None:
         inter = jnp.bfloat16 if k.dtype == jnp.bfloat16 else jnp.float32
     else:
