@@ -5,8 +5,8 @@ __version__ = "0.1.0"
 from hypic_jax import conv, linear_attn, rope  # noqa: F401  (the core: kernels <- core <- models <- engine)
 
 
-def load(path, dtype="bfloat16"):
-    """Load a model (orbax checkpoint from `hypic-jax convert`, or a Hugging Face folder); see hypic_jax.models."""
+def load(path, dtype="bfloat16", *, mesh=None):
+    """Load a model (orbax checkpoint from `hypic-jax convert`, or a Hugging Face folder); see hypic_jax.models.load."""
     from hypic_jax.models import load as _load
 
-    return _load(path, dtype)
+    return _load(path, dtype, mesh=mesh)

@@ -130,3 +130,20 @@ def test_vision_tower_skipped_in_multimodal_wrapper(tmp_path):
     model = hypic_jax.load(folder, dtype="float32")
     tokens = prompt(1, 8, seed=8)
     assert relative_error(model.logits(tokens), reference_logits(reference, tokens)) < 1e-4
+
+
+def test_orbax_restore_into_mesh_and_progress_bar(moe, tmp_path, monkeypatch, capsys):
+    """`load(..., mesh=...)` restores straight into the param_specs sharding; large conversions show a progress bar."""
+    import jax
+
+    import converters.base as converter_base
+
+    folder, tokens, expected = moe
+    monkeypatch.setattr(converter_base, "PROGRESS_BYTES", 0)
+    dst = tmp_path / "orbax"
+    assert cli_main(["convert", str(folder), str(dst), "--dtype", "float32"]) == 0
+    assert "converting" in capsys.readouterr().err
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = hypic_jax.load(dst, dtype="float32", mesh=mesh)
+    assert model.params["layers"][0]["mlp"]["gate_up"].sharding.spec == jax.sharding.PartitionSpec("model", None, None)
+    assert relative_error(model.logits(tokens), expected) < 1e-4

@@ -15,6 +15,7 @@ An **architecture module** `hypic_jax/models/<name>.py` must provide
   * `forward(params, config, tokens, cache=None) -> (logits float32 [B, L, vocab], new_cache or None)`:
     a pure function of int32 tokens [B, L]. Without a cache it is a plain causal forward from position 0; with one,
     the tokens continue at position `cache.length` and the returned cache has absorbed them;
+  * optionally `cache_specs(config)`: PartitionSpecs with `init_cache`'s structure;
   * optionally `prefill(params, config, tokens, max_len) -> (float32 logits of the last position [B, vocab], cache)`
     for a fresh prompt (fast causal attention, LM head on one position); `Model.generate` uses it when present.
 
@@ -35,7 +36,15 @@ from typing import Any
 
 import jax
 
-from hypic_jax.models.base import METADATA_FILE, Model, config_from_dict, read_metadata, resolve_dtype
+from hypic_jax.models.base import (
+    METADATA_FILE,
+    Model,
+    config_from_dict,
+    named_shardings,
+    read_metadata,
+    resolve_dtype,
+    shard_params,
+)
 
 # HF model_type -> (architecture module, converter module)
 REGISTRY: dict[str, tuple[str, str]] = {
@@ -83,10 +92,12 @@ def abstract_params(arch: ModuleType, config: Any, dtype: Any) -> Any:
     return jax.eval_shape(lambda: arch.init_params(config, jax.random.key(0), dtype))
 
 
-def load(path: str | Path, dtype: Any = "bfloat16") -> Model:
+def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh | None = None) -> Model:
     """Load a model from an orbax checkpoint written by `hypic-jax convert`, or directly from a Hugging Face folder.
 
-    Returns a `Model` with `logits(tokens)` and `generate(tokens, max_new_tokens)`.
+    With `mesh` (axes "data" and "model") the parameters are placed with the architecture's `param_specs` (an orbax
+    checkpoint is restored straight into that sharding). Returns a `Model` with `logits(tokens)` and
+    `generate(tokens, max_new_tokens)`.
     """
     path = Path(path)
     dtype = resolve_dtype(dtype)
@@ -96,11 +107,17 @@ def load(path: str | Path, dtype: Any = "bfloat16") -> Model:
         meta = read_metadata(path)
         arch = architecture(meta["model_type"])
         config = config_from_dict(arch.Config, meta["config"])
-        params = restore_params(path, abstract_params(arch, config, dtype))
-        return Model(arch, config, params)
+        abstract = abstract_params(arch, config, dtype)
+        if mesh is not None:
+            shardings = named_shardings(arch.param_specs(config), mesh)
+            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        return Model(arch, config, restore_params(path, abstract))
     if (path / "config.json").exists():
         from converters.base import convert_folder
 
         model_type, config, params = convert_folder(path, dtype)
-        return Model(architecture(model_type), config, params)
+        arch = architecture(model_type)
+        if mesh is not None:
+            params = shard_params(params, arch.param_specs(config), mesh)
+        return Model(arch, config, params)
     raise ValueError(f"{path} holds neither a hypic-jax checkpoint ({METADATA_FILE}) nor a Hugging Face config.json")

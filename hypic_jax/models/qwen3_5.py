@@ -124,7 +124,8 @@ def config_from_hf(hf_config: dict) -> Config:
         layer_types=layer_types,
         mlp_types=mlp_types,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))),
+        # transformers ties by the config of the model class it builds: the wrapper's for multimodal checkpoints
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         num_attention_heads=hf["num_attention_heads"],
         num_key_value_heads=hf["num_key_value_heads"],
         head_dim=head_dim,
@@ -279,6 +280,29 @@ def cache_specs(config: Config) -> ModelCache:
 # Layers
 
 
+def gdn_projections(x: Array, p: dict, config: Config) -> tuple[Array, Array, Array, Array]:
+    """The GDN input projections of x [..., H]: (pre-conv [q|k|v] [..., conv_dim], z [..., Hv, Dv], a, b [..., Hv])."""
+    mixed = x @ p["in_proj_qkv"]  # conv runs over q, k, v only
+    z = (x @ p["in_proj_z"]).reshape(*x.shape[:-1], config.linear_num_value_heads, config.linear_value_head_dim)
+    return mixed, z, x @ p["in_proj_a"], x @ p["in_proj_b"]
+
+
+def gdn_inputs(conv_out: Array, a: Array, b: Array, p: dict, config: Config) -> linear_attn.LinearInputs:
+    """One sequence's recurrence inputs from the post-conv [q|k|v] [L, conv_dim] and the gates' a, b [L, Hv]."""
+    length = conv_out.shape[0]
+    q, k, v = jnp.split(conv_out, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
+    hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    q, k = q.reshape(length, hk, dk), k.reshape(length, hk, dk)
+    v = v.reshape(length, config.linear_num_value_heads, config.linear_value_head_dim)
+    return linear_attn.gated_delta_net(q, k, v, a=a, b=b, A_log=p["A_log"], dt_bias=p["dt_bias"])
+
+
+def gdn_output(core: Array, z: Array, p: dict, config: Config) -> Array:
+    """Core outputs [..., Hv, Dv] -> mixer output [..., H]: gated RMSNorm with z, then out_proj."""
+    normed = layers.gated_rms_norm(core, z, p["norm"], config.rms_norm_eps)
+    return normed.reshape(*core.shape[:-2], config.linear_value_dim) @ p["out_proj"]
+
+
 def gated_delta_net(
     x: Array, p: dict, config: Config, cache: LinearCache | None
 ) -> tuple[Array, LinearCache]:
@@ -286,10 +310,7 @@ def gated_delta_net(
     batch, length, _ = x.shape
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    mixed = x @ p["in_proj_qkv"]  # [B, L, 2*Hk*Dk + Hv*Dv], conv runs over q, k, v only
-    z = (x @ p["in_proj_z"]).reshape(batch, length, hv, dv)
-    b = x @ p["in_proj_b"]
-    a = x @ p["in_proj_a"]
+    mixed, z, a, b = gdn_projections(x, p, config)  # mixed [B, L, 2*Hk*Dk + Hv*Dv]
     if cache is None:
         state = jnp.zeros((batch, hv, dk, dv), jnp.float32)
         conv_state = jnp.zeros((batch, config.conv_kernel - 1, config.conv_dim), x.dtype)
@@ -297,21 +318,19 @@ def gated_delta_net(
         state, conv_state = cache.state, cache.conv
     conv = lambda xs, cs: causal_conv1d(xs, p["conv_weight"], conv_state=cs, activation="silu")  # noqa: E731
     mixed, new_conv = jax.vmap(conv)(mixed, conv_state)
-    q, k, v = jnp.split(mixed, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
 
-    def one_sequence(q, k, v, a, b, state):
-        q, k, v = q.reshape(length, hk, dk), k.reshape(length, hk, dk), v.reshape(length, hv, dv)
+    def one_sequence(mixed, a, b, state):
         if config.gdn_kernel == "pallas" and length > 1:
+            q, k, v = jnp.split(mixed, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
+            q, k, v = q.reshape(length, hk, dk), k.reshape(length, hk, dk), v.reshape(length, hv, dv)
             return _pallas_gdn(q, k, v, a, b, p, state, config)
-        inputs = linear_attn.gated_delta_net(q, k, v, a=a, b=b, A_log=p["A_log"], dt_bias=p["dt_bias"])
+        inputs = gdn_inputs(mixed, a, b, p, config)
         if length == 1:
             return linear_attn.recurrent(**inputs.kwargs(), initial_state=state)
         return linear_attn.chunked(**inputs.kwargs(), initial_state=state, chunk_size=config.chunk_size)
 
-    core, new_state = jax.vmap(one_sequence)(q, k, v, a, b, state)  # core [B, L, Hv, Dv]
-    normed = layers.gated_rms_norm(core, z, p["norm"], config.rms_norm_eps)
-    out = normed.reshape(batch, length, hv * dv) @ p["out_proj"]
-    return out, LinearCache(state=new_state, conv=new_conv)
+    core, new_state = jax.vmap(one_sequence)(mixed, a, b, state)  # core [B, L, Hv, Dv]
+    return gdn_output(core, z, p, config), LinearCache(state=new_state, conv=new_conv)
 
 
 def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
@@ -326,6 +345,23 @@ def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
         linear_attn.l2_normalize(q), linear_attn.l2_normalize(k), v, g=g, beta=beta, initial_state=state,
         scale=config.linear_key_head_dim**-0.5, config=pallas_gdn.GDNConfig(chunk=config.chunk_size),
     )
+
+
+def attention_projections(x: Array, p: dict, config: Config, positions: Array) -> tuple[Array, Array, Array, Array]:
+    """q, k (normed, RoPE'd at `positions` [L]), v [B, L, H, D] and the output gate [B, L, Hq*D] of x [B, L, H]."""
+    q, k, v, gate = layers.gated_attention_projections(
+        x, p, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, eps=config.rms_norm_eps, norm_offset=1.0,
+    )
+    q = layers.rope_batch(q, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
+    k = layers.rope_batch(k, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
+    return q, k, v, gate
+
+
+def attention_output(attended: Array, gate: Array, p: dict) -> Array:
+    """Attention outputs [..., Hq, D] -> mixer output: sigmoid output gate, then o_proj."""
+    attended = attended.reshape(*attended.shape[:-2], -1) * jax.nn.sigmoid(gate)
+    return attended @ p["o_proj"]
 
 
 def full_attention(
@@ -343,12 +379,7 @@ def full_attention(
     through the fast causal kernel and are only written to the cache.
     """
     batch, length, _ = x.shape
-    q, k, v, gate = layers.gated_attention_projections(
-        x, p, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, eps=config.rms_norm_eps, norm_offset=1.0,
-    )
-    q = layers.rope_batch(q, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
-    k = layers.rope_batch(k, positions, rotary_dim=config.rotary_dim, base=config.rope_theta)
+    q, k, v, gate = attention_projections(x, p, config, positions)
     scale = config.head_dim**-0.5
     if cache is None or fresh:
         attended = layers.dot_product_attention(q, k, v, scale=scale)
@@ -358,8 +389,7 @@ def full_attention(
         attended = layers.dot_product_attention(
             q, new_cache.k, new_cache.v, scale=scale, q_positions=positions, k_positions=key_positions
         )
-    attended = attended.reshape(batch, length, -1) * jax.nn.sigmoid(gate)
-    return attended @ p["o_proj"], new_cache
+    return attention_output(attended, gate, p), new_cache
 
 
 def feed_forward(x: Array, p: dict, config: Config, mlp_type: str) -> Array:
@@ -440,3 +470,76 @@ def prefill(params: dict, config: Config, tokens: Array, max_len: int) -> tuple[
     cache = init_cache(config, batch, max_len, dtype)
     x, cache = hidden_states(params, config, tokens, cache, fresh=True)
     return lm_head(params, config, x[:, -1]), cache
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Span forward (the PIC engine's single forward over the fresh tokens of a request; see hypic_jax.spans)
+
+
+def span_forward(
+    params: dict,
+    config: Config,
+    tokens: Array,
+    cached: tuple,
+    layout,
+    mode,
+    *,
+    want_logits: bool = True,
+    want_decode: bool = True,
+    want_hidden: bool = False,
+):
+    """One forward over the packed fresh tokens [F] of a request laid out as `layout` (a `spans.SpanLayout`).
+
+    cached: per cached span (entry order) a tuple with one entry per layer: `spans.LinearEntry` for GDN layers,
+    `spans.KVEntry` (canonical post-RoPE K, V) for full attention. Returns a `spans.SpanResult`: float32 logits of
+    the last fresh token, the entries of the recorded spans, the per-layer caches of the whole request (for decoding)
+    and, on request, the hidden states after every layer.
+    """
+    from hypic_jax import rope, spans
+
+    positions = jnp.asarray(layout.fresh_positions())
+    x = params["embed"][tokens][None]  # [1, F, H]
+    hidden = [x[0]] if want_hidden else None
+    decode, records = [], [[] for _ in layout.recorded]
+    rotate_keys = lambda k, offset: rope.rotate_keys(  # noqa: E731
+        k, offset, rotary_dim=config.rotary_dim, base=config.rope_theta
+    )
+    for i, lp in enumerate(params["layers"]):
+        layer_cached = [entry[i] for entry in cached]
+        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)[0]
+        p = lp["mixer"]
+        if config.layer_types[i] == LINEAR:
+            mixed, z, a, b = gdn_projections(h, p, config)
+            conv_out, conv_tail, conv_records = spans.conv_over_spans(
+                mixed, p["conv_weight"], [e.conv for e in layer_cached], layout
+            )
+            inputs = gdn_inputs(conv_out, a, b, p, config)
+            core, state, summaries = spans.linear_over_spans(
+                inputs, [e.summary for e in layer_cached], layout, mode, chunk_size=config.chunk_size
+            )
+            h = gdn_output(core.astype(h.dtype), z, p, config)
+            decode.append(LinearCache(state=state[None], conv=conv_tail[None]))
+            for j, (summary, tail) in enumerate(zip(summaries, conv_records)):
+                records[j].append(spans.LinearEntry(summary=summary, conv=tail))
+        else:
+            q, k, v, gate = attention_projections(h[None], p, config, positions)
+            attended, keys, values, kv_records = spans.attention_over_spans(
+                q[0], k[0], v[0], [(e.k, e.v) for e in layer_cached], layout, mode,
+                scale=config.head_dim**-0.5, rotate_keys=rotate_keys,
+            )
+            h = attention_output(attended, gate[0], p)
+            decode.append(KVCache(k=keys[None], v=values[None]))
+            for j, (rk, rv) in enumerate(kv_records):
+                records[j].append(spans.KVEntry(k=rk, v=rv))
+        x = x + h[None]
+        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
+        x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
+        if want_hidden:
+            hidden.append(x[0])
+    x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
+    return spans.SpanResult(
+        logits=lm_head(params, config, x[0, -1]) if want_logits else None,
+        records=tuple(tuple(r) for r in records),
+        decode=tuple(decode) if want_decode else None,
+        hidden=jnp.stack(hidden) if want_hidden else None,
+    )
