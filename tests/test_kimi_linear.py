@@ -21,8 +21,8 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from converters.base import CheckpointReader  # noqa: E402
 from converters import kimi_linear as kimi_converter  # noqa: E402
+from hypic_jax import load  # noqa: E402
 from hypic_jax.models import kimi_linear as kimi  # noqa: E402
-from hypic_jax.models import load  # noqa: E402
 
 VOCAB = 128
 FIRST_TOKEN = 3  # below: pad / bos ids; generate would mask pad tokens of a prompt
@@ -218,7 +218,7 @@ def _corrupted_copy(src, dst, edit):
     "case, pattern",
     [
         ("missing", r"missing tensor 'model\.layers\.1\.self_attn\.kv_b_proj\.weight'"),
-        ("shape", r"tensor 'model\.layers\.0\.self_attn\.q_conv1d\.weight' has shape \(64, 1, 3\), expected \(64, 1, 4\)"),
+        ("shape", r"'model\.layers\.0\.self_attn\.q_conv1d\.weight' has shape \(64, 1, 3\), expected \(64, 1, 4\)"),
         ("extra", r"unexpected tensor 'model\.layers\.2\.self_attn\.bogus\.weight'"),
         ("expert", r"missing tensor 'model\.layers\.2\.block_sparse_moe\.experts\.5\.w3\.weight'"),
     ],
@@ -259,7 +259,8 @@ def test_bfloat16_load_keeps_gates_float32(checkpoint):
 _MESH_SCRIPT = """
 import sys
 import numpy as np, jax, jax.numpy as jnp
-from hypic_jax.models import base, kimi_linear as kimi, load
+from hypic_jax import load
+from hypic_jax.models import base, kimi_linear as kimi
 folder, tokens_file, out_file = sys.argv[1:]
 model = load(folder, dtype="float32")
 tokens = np.load(tokens_file)

@@ -21,9 +21,10 @@ Parameters are a plain dict PyTree with matrices stored [in, out]. All functions
 Caches. `forward(..., cache=None)` is the plain causal forward; it also returns the per-layer caches of the tokens
 it saw (KDA: recurrent state [B, H, K, V] float32 and conv tail [B, W-1, 3*H*K]; MLA: the normalised kv latent
 [B, L, r] and the shared rope key [B, L, dr]). For decoding, `init_cache` makes fixed-size buffers (MLA latents of
-`max_len` tokens, a shared write position) that `forward(..., cache=...)` fills and advances under jit. Caching the
-MLA latent instead of expanded K/V keeps entries ~18x smaller (released shape) and position-independent; single-token decode reads
-it in the "absorbed" form (queries mapped into the latent space), so a step never re-expands the whole context.
+`max_len` tokens, a shared write position) that `forward(..., cache=...)` fills and advances under jit;
+`prefill` / `decode_cache` build them from a cache-free forward. Caching the MLA latent instead of expanded K/V
+keeps entries ~18x smaller at the released shape and position-independent; single-token decode reads it in the
+"absorbed" form (queries mapped into the latent space), so a step never re-expands the whole context.
 """
 
 from __future__ import annotations
@@ -366,7 +367,8 @@ def init_cache(config: KimiLinearConfig, batch: int, max_len: int, dtype: Any = 
     for kind in c.layer_types:
         if kind == LINEAR:
             state = jnp.zeros((batch, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim), jnp.float32)
-            layers.append(base.LinearCache(state=state, conv=jnp.zeros((batch, c.conv_kernel - 1, 3 * c.linear_dim), dtype)))
+            conv = jnp.zeros((batch, c.conv_kernel - 1, 3 * c.linear_dim), dtype)
+            layers.append(base.LinearCache(state=state, conv=conv))
         else:
             layers.append(
                 MLACache(
@@ -496,6 +498,12 @@ def _attend_absorbed(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: 
     return jnp.einsum("blhr,rhd->blhd", context, w_v)
 
 
+def _write(buffer: Array, values: Array, start: Array) -> Array:
+    """values [B, L, N] into buffer [B, T, N] at token offset `start`."""
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (zero, start, zero))
+
+
 def mla_layer(
     p: dict[str, Array], c: KimiLinearConfig, x: Array, cache: MLACache | None, start: Array
 ) -> tuple[Array, MLACache]:
@@ -511,9 +519,7 @@ def mla_layer(
     if cache is None:
         out = _attend_expanded(p, c, q, new, None)
     else:
-        zero = jnp.zeros((), jnp.int32)
-        write = lambda buf, val: jax.lax.dynamic_update_slice(buf, val.astype(buf.dtype), (zero, start, zero))  # noqa: E731
-        new = MLACache(latent=write(cache.latent, new.latent), k_rope=write(cache.k_rope, new.k_rope))
+        new = MLACache(latent=_write(cache.latent, new.latent, start), k_rope=_write(cache.k_rope, new.k_rope, start))
         keys = jax.tree.map(lambda a: a.astype(x.dtype), new)
         positions = (start + jnp.arange(length, dtype=jnp.int32), jnp.arange(cache.latent.shape[1], dtype=jnp.int32))
         attend = _attend_absorbed if length == 1 else _attend_expanded
