@@ -262,10 +262,10 @@ import numpy as np, jax, jax.numpy as jnp
 from hypic_jax import load
 from hypic_jax.models import base, kimi_linear as kimi
 folder, tokens_file, out_file = sys.argv[1:]
-model = load(folder, dtype="float32")
 tokens = np.load(tokens_file)
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-params = base.shard_params(model.params, kimi.param_specs(model.config), mesh)
+model = load(folder, dtype="float32", mesh=mesh)  # placed with kimi.param_specs
+params = model.params
 rows = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None)))
 empty = kimi.init_cache(model.config, *tokens.shape, jnp.float32)
 cache = jax.device_put(empty, base.named_shardings(kimi.cache_specs(model.config), mesh))
