@@ -19,7 +19,7 @@ as logs, so composing them is an exact sum and no dense matrix is ever built for
 
 Conventions: one sequence per call (`q, k: [L, H, K]`, `v: [L, H, V]`, `g, beta: [L, H]`, `gk: [L, H, K]`,
 state `[H, K, V]`); batch with `jax.vmap`. States and transfers are float32 (float64 when the inputs are float64
-and x64 is on); outputs come back in the inputs' dtype.
+and x64 is on); outputs come back in v's dtype.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def recurrent(
         return state, out
 
     state, out = jax.lax.scan(step, state, xs)
-    return (scale * out).astype(jnp.result_type(q, v)), state
+    return (scale * out).astype(v.dtype), state
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,19 +305,36 @@ def chunked(
     initial_state: Array | None = None,
     scale: float = 1.0,
     chunk_size: int = 64,
+    impl: str = "xla",
 ) -> tuple[Array, Array]:
     """Chunk-parallel form of `recurrent` (WY/UT form for delta rules); any length L.
 
     Intra-chunk work is one batch of small matmuls over all chunks; only the [H, K, V] state crosses chunks, in a
     `lax.scan` of two matmuls per chunk. Returns (o [L, H, V], final_state [H, K, V]).
+
+    impl: "xla" (this pure-JAX path), "pallas" (the `hypic_jax.pallas.gdn` kernels: scalar-gate families, K and V
+    powers of two >= 16; interpret mode off a GPU) or "auto" (the kernels on a GPU for bfloat16 inputs, where they
+    run at flash-linear-attention's precision, else this path).
     """
+    if impl not in ("xla", "pallas", "auto"):
+        raise ValueError(f"impl must be 'xla', 'pallas' or 'auto', got {impl!r}")
+    if impl != "xla":
+        from hypic_jax.pallas import gdn as pallas_gdn
+
+        ok = pallas_gdn.supports(q, k, v, gk=gk)
+        if impl == "pallas" and not ok:
+            raise ValueError("impl='pallas' supports scalar-gate families with K, V powers of two >= 16 only")
+        if impl == "pallas" or (ok and k.dtype == jnp.bfloat16 and not pallas_gdn.default_interpret()):
+            return pallas_gdn.gdn_forward(q, k, v, g=g, beta=beta, initial_state=initial_state, scale=scale,
+                                          config=pallas_gdn.GDNConfig(chunk=chunk_size if chunk_size in (16, 32, 64)
+                                                                      else 64))
     chunk_size = _check_chunk_size(chunk_size)
     length, heads, key_dim, value_dim = _check_inputs(q, k, v, g, gk, beta, initial_state)
     acc = _state_dtype(q, k, v, g, gk, beta, initial_state)
     state = (
         jnp.zeros((heads, key_dim, value_dim), acc) if initial_state is None else initial_state.astype(acc)
     )
-    out_dtype = jnp.result_type(q, v)
+    out_dtype = v.dtype
     if length == 0:
         return jnp.zeros((0, heads, value_dim), out_dtype), state
     out, state = _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc)
@@ -573,9 +590,13 @@ def _default_scale(scale: float | None, key_dim: int) -> float:
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
-    """x / sqrt(sum x^2 + eps) over the last axis, in float32 (the q/k normalisation of delta-rule models)."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    """x / sqrt(sum x^2 + eps) over the last axis (the q/k normalisation of delta-rule models).
+
+    Computed and returned in float32 (float64 for float64 inputs): the core upcasts q and k anyway, and rounding
+    unit vectors back to bf16 would only add error.
+    """
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 def _repeat_heads(x: Array, heads: int, name: str) -> Array:

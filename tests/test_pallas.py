@@ -134,3 +134,14 @@ def test_kernels_lower_to_triton():
     fold = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
     assert "xla.gpu.triton" in jax.export.export(fold, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
         .mlir_module()
+
+
+def test_linear_attn_impl_dispatch():
+    q, k, v, g, beta = inputs(21, key_heads=2, seed=6)
+    o, s = la.chunked(q, k, v, g=g, beta=beta, impl="pallas", chunk_size=16)
+    ref_o, ref_s = la.chunked(q, k, v, g=g, beta=beta, impl="xla")
+    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    o_auto, _ = la.chunked(q, k, v, g=g, beta=beta, impl="auto")  # CPU: the XLA path
+    assert rel(o_auto, ref_o) < TOL32
+    with pytest.raises(ValueError):
+        la.chunked(q, k, v, gk=jnp.zeros(k.shape), impl="pallas")

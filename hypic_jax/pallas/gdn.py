@@ -35,6 +35,12 @@ bfloat16 inputs, like the inputs themselves; float32 otherwise). Nothing per chu
 the per-chunk states that a two-kernel (state pass, then outputs) design stores ([L/c, H, K, V] float32, 1 GB at
 L = 32k) are kept in registers because the output read is fused into the state pass. States are float32 always.
 
+Measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md): 2.2 to 2.6 ms against fla's 1.92 ms; the
+chunk-local kernel (1.4 to 1.7 ms, bound by the serial reductions of the 16 x 16 forward substitution) and not the
+state pass (0.94 ms with fused outputs) is the bottleneck, and at 32 heads the pieces split costs more state work
+than the depth it saves. Lowering: Triton, because it compiled and ran first time through Pallas at both jax 0.10
+(interpret/lowering checks on the CPU) and 0.11 (the H200); Mosaic GPU was not tried.
+
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`) choose the dot algorithm of float32 operands:
 "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on tensor cores) or
 "bf16" (operands rounded to bfloat16, as flash-linear-attention does for the state). Interpret mode on the CPU
@@ -54,7 +60,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hypic_jax import linear_attn as la
 
-__all__ = ["GDNConfig", "gdn_forward", "default_interpret", "flops"]
+__all__ = ["GDNConfig", "gdn_forward", "default_interpret", "flops", "supports"]
 
 _SUB = 16  # sub-block edge of the chunk-local inverse (Triton's smallest dot edge)
 _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
@@ -100,6 +106,15 @@ class GDNConfig:
         for name in ("locals_precision", "state_precision"):
             if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
+
+
+def supports(q, k, v, *, gk=None) -> bool:
+    """Whether `gdn_forward` handles these inputs (scalar or no gate, K and V powers of two >= 16, L > 0)."""
+    if gk is not None or q is None or k.ndim != 3 or v.ndim != 3 or k.shape[0] == 0:
+        return False
+    if v.shape[1] % k.shape[1]:
+        return False
+    return all(d >= 16 and not d & (d - 1) for d in (k.shape[-1], v.shape[-1]))
 
 
 def default_interpret() -> bool:
