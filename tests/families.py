@@ -1,0 +1,109 @@
+"""Random inputs for every linear-attention family, built through the core's public constructors, plus an
+independent float64 NumPy token-by-token recurrence to check them against."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax import linear_attn as la
+
+FAMILIES = ("linear", "retnet", "lightning", "mamba2", "gla", "delta_net", "gated_delta_net", "kda")
+EXPECTED_FORM = {
+    "linear": "identity",
+    "retnet": "scalar",
+    "lightning": "scalar",
+    "mamba2": "scalar",
+    "gla": "diagonal",
+    "delta_net": "dense",
+    "gated_delta_net": "dense",
+    "kda": "dense",
+}
+
+
+def make_family(name: str, seed: int, length: int, heads: int, key_dim: int, value_dim: int, dtype=jnp.float32):
+    """A LinearInputs for `name` with random projections and gates of realistic ranges."""
+    rng = np.random.default_rng(seed)  # NumPy draws: no per-shape compilation in property tests
+    normal = lambda shape, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dtype)  # noqa: E731
+    q = normal((length, heads, key_dim))
+    k = normal((length, heads, key_dim))
+    v = normal((length, heads, value_dim))
+    if name == "linear":
+        return la.linear_attention(q, k, v, scale=key_dim**-0.5)
+    if name == "retnet":
+        return la.retnet(q, k, v)
+    if name == "lightning":
+        return la.lightning(q, k, v, layer_factor=0.7)
+    if name == "mamba2":
+        groups = 1
+        return la.mamba2(
+            v,
+            normal((length, heads)),
+            A_log=jnp.log(jnp.linspace(1.0, 8.0, heads)).astype(dtype),
+            dt_bias=normal((heads,), 0.5),
+            B=normal((length, groups, key_dim)),
+            C=normal((length, groups, key_dim)),
+        )
+    if name == "gla":
+        gk = jnp.asarray(-np.logaddexp(0.0, -2.0 * rng.standard_normal((length, heads, key_dim))) / 4, dtype)
+        return la.gla(q, k, v, gk=gk)
+    if name == "delta_net":
+        return la.delta_net(q, k, v, beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((length, heads)))), dtype))
+    if name == "gated_delta_net":
+        key_heads = 1 if heads % 2 else heads // 2  # exercise key heads repeated over value heads
+        return la.gated_delta_net(
+            q[:, :key_heads],
+            k[:, :key_heads],
+            v,
+            a=normal((length, heads)),
+            b=normal((length, heads)),
+            A_log=jnp.log(jnp.linspace(0.5, 4.0, heads)).astype(dtype),
+            dt_bias=normal((heads,), 0.5),
+        )
+    if name == "kda":
+        return la.kda(
+            q,
+            k,
+            v,
+            g_raw=normal((length, heads, key_dim)),
+            A_log=jnp.log(jnp.linspace(0.5, 4.0, heads)).astype(dtype),
+            dt_bias=normal((heads * key_dim,), 0.5),
+            b=normal((length, heads)),
+        )
+    raise ValueError(f"unknown family {name}")
+
+
+def slice_inputs(inputs: la.LinearInputs, start: int, stop: int) -> la.LinearInputs:
+    """Tokens [start, stop) of a family's inputs."""
+    return jax.tree_util.tree_map(lambda x: x[start:stop], inputs)
+
+
+def numpy_recurrence(inputs: la.LinearInputs, initial_state=None):
+    """Independent float64 reference: the recurrence written out per token and head with NumPy."""
+    q, k, v = (np.asarray(x, np.float64) for x in (inputs.q, inputs.k, inputs.v))
+    length, heads, key_dim = k.shape
+    g = None if inputs.g is None else np.asarray(inputs.g, np.float64)
+    gk = None if inputs.gk is None else np.asarray(inputs.gk, np.float64)
+    beta = None if inputs.beta is None else np.asarray(inputs.beta, np.float64)
+    state = np.zeros((heads, key_dim, v.shape[-1])) if initial_state is None else np.array(initial_state, np.float64)
+    out = np.zeros(v.shape)
+    for t in range(length):
+        for h in range(heads):
+            transition = np.eye(key_dim)
+            if gk is not None:
+                transition = transition @ np.diag(np.exp(gk[t, h]))
+            if g is not None:
+                transition = transition * np.exp(g[t, h])
+            strength = 1.0
+            if beta is not None:
+                transition = (np.eye(key_dim) - beta[t, h] * np.outer(k[t, h], k[t, h])) @ transition
+                strength = beta[t, h]
+            state[h] = transition @ state[h] + strength * np.outer(k[t, h], v[t, h])
+            out[t, h] = inputs.scale * state[h].T @ q[t, h]
+    return out, state
+
+
+def rel_err(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))

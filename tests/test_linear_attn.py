@@ -1,0 +1,268 @@
+"""The transfer-operator core against independent references, for every family."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from families import EXPECTED_FORM, FAMILIES, make_family, numpy_recurrence, rel_err, slice_inputs
+from hypic_jax import linear_attn as la
+
+SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOL = 1e-5
+
+# Shapes come from small sets so that jitted executables are reused across examples (compilation, not arithmetic,
+# is what a CPU test of this code spends its time on); lengths still cover 1, chunk-aligned and ragged cases.
+shapes = st.fixed_dictionaries(
+    dict(
+        seed=st.integers(0, 2**16),
+        length=st.sampled_from([1, 2, 7, 16, 33, 64, 70]),
+        heads=st.sampled_from([1, 2, 3]),
+        key_dim=st.sampled_from([4, 8]),
+        value_dim=st.sampled_from([1, 3, 5]),
+        chunk_size=st.sampled_from([1, 3, 8, 64]),
+    )
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _runner(kind: str, chunk_size: int = 64):
+    if kind == "recurrent":
+        return jax.jit(lambda inp, init: inp.recurrent(init))
+    if kind == "chunked":
+        return jax.jit(lambda inp, init: inp.chunked(init, chunk_size=chunk_size))
+    return jax.jit(lambda inp: inp.summarize(chunk_size=chunk_size))
+
+
+def _family(name, s):
+    return make_family(name, s["seed"], s["length"], s["heads"], s["key_dim"], s["value_dim"])
+
+
+def _random_state(seed, heads, key_dim, value_dim):
+    return jnp.asarray(np.random.default_rng(seed + 1).standard_normal((heads, key_dim, value_dim)), jnp.float32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@SETTINGS
+@given(s=shapes, with_state=st.booleans(), data=st.data())
+def test_chunked_recurrent_and_split_composition(family, s, with_state, data):
+    """chunked == recurrent == float64 NumPy loop; advance(summarize(C2), state after C1) == state after C1 C2,
+    and C2's outputs from that state match the whole sequence's."""
+    inputs = _family(family, s)
+    cs = s["chunk_size"]
+    init = _random_state(s["seed"], s["heads"], s["key_dim"], s["value_dim"]) if with_state else None
+    out_ref, state_ref = numpy_recurrence(inputs, init)
+    out_rec, state_rec = _runner("recurrent")(inputs, init)
+    out_chk, state_chk = _runner("chunked", cs)(inputs, init)
+    assert inputs.form == EXPECTED_FORM[family]
+    assert rel_err(out_rec, out_ref) <= TOL and rel_err(state_rec, state_ref) <= TOL
+    assert rel_err(out_chk, out_ref) <= TOL and rel_err(state_chk, state_ref) <= TOL
+    assert state_chk.dtype == jnp.float32
+
+    split = data.draw(st.sampled_from(sorted({0, 1, s["length"] // 2, s["length"] - 1, s["length"]})), label="split")
+    first, second = slice_inputs(inputs, 0, split), slice_inputs(inputs, split, s["length"])
+    _, state_first = _runner("chunked", cs)(first, init)
+    summary = _runner("summarize", cs)(second)
+    assert summary.form == EXPECTED_FORM[family]
+    start = jnp.zeros_like(state_ref) if init is None and split == 0 else state_first
+    assert rel_err(la.advance(summary, start), state_ref) <= TOL
+    if split < s["length"]:
+        out_second, _ = _runner("chunked", cs)(second, start)
+        assert rel_err(out_second, out_ref[split:]) <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@SETTINGS
+@given(s=shapes, data=st.data())
+def test_compose_is_associative_and_matches_whole(family, s, data):
+    cut_points = sorted({0, 1, s["length"] // 3, s["length"] // 2, s["length"]})
+    cuts = sorted(data.draw(st.lists(st.sampled_from(cut_points), min_size=2, max_size=2), label="cuts"))
+    inputs = _family(family, s)
+    bounds = [0, *cuts, s["length"]]
+    summarize = _runner("summarize", s["chunk_size"])
+    a, b, c = (summarize(slice_inputs(inputs, lo, hi)) for lo, hi in zip(bounds, bounds[1:]))
+    left, right = la.compose(la.compose(a, b), c), la.compose(a, la.compose(b, c))
+    whole = summarize(inputs)
+    assert left.form == right.form == whole.form
+    assert rel_err(la.dense_transfer(left), la.dense_transfer(right)) <= TOL
+    assert rel_err(left.state, right.state) <= TOL
+    assert rel_err(la.dense_transfer(left), la.dense_transfer(whole)) <= TOL
+    assert rel_err(left.state, whole.state) <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_states_equal_sequential_loop(family):
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 20, size=7).tolist()
+    inputs = make_family(family, 11, sum(lengths), 2, 4, 3)
+    bounds = np.cumsum([0] + lengths)
+    summaries = [slice_inputs(inputs, lo, hi).summarize(chunk_size=8) for lo, hi in zip(bounds, bounds[1:])]
+    init = _random_state(0, 2, 4, 3)
+    states = la.prefix_states(la.stack_summaries(summaries), init)
+    expected, state = [], init
+    for summary in summaries:
+        state = la.advance(summary, state)
+        expected.append(state)
+    assert states.shape == (len(lengths), 2, 4, 3)
+    assert rel_err(states, np.stack(expected)) <= TOL
+    _, final = inputs.recurrent(init)
+    assert rel_err(states[-1], final) <= TOL
+
+
+def test_compose_mixes_forms_exactly():
+    """A scalar-decay segment followed by a dense one (and the reverse) composes through promotion."""
+    scalar = make_family("retnet", 1, 9, 2, 4, 3).summarize()
+    dense = make_family("gated_delta_net", 2, 7, 2, 4, 3).summarize()
+    diag = make_family("gla", 3, 5, 2, 4, 3).summarize()
+    init = _random_state(5, 2, 4, 3)
+    for first, second in [(scalar, dense), (dense, scalar), (diag, scalar), (scalar, diag)]:
+        combined = la.compose(first, second)
+        assert rel_err(la.advance(combined, init), la.advance(second, la.advance(first, init))) <= TOL
+    assert la.compose(scalar, diag).form == "diagonal" and la.compose(diag, dense).form == "dense"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jit_and_vmap(family):
+    batch, length, heads, kd, vd = 3, 24, 2, 4, 3
+    seqs = [make_family(family, 20 + i, length, heads, kd, vd) for i in range(batch)]
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *seqs)
+    run = jax.jit(jax.vmap(lambda inp: inp.chunked(chunk_size=8)))
+    out, state = run(stacked)
+    for i, seq in enumerate(seqs):
+        out_i, state_i = seq.recurrent()
+        assert rel_err(out[i], out_i) <= TOL and rel_err(state[i], state_i) <= TOL
+    # vmapped over equal-length segments of one sequence, then a jitted prefix scan
+    segments = jax.tree_util.tree_map(lambda x: x.reshape((4, length // 4) + x.shape[1:]), seqs[0])
+    summaries = jax.jit(jax.vmap(lambda seg: seg.summarize(chunk_size=4)))(segments)
+    states = jax.jit(la.prefix_states)(summaries, None)
+    assert rel_err(states[-1], seqs[0].recurrent()[1]) <= TOL
+
+
+@pytest.mark.parametrize("family", ["retnet", "gla", "gated_delta_net", "kda"])
+def test_grad_flows_through_compose_and_advance(family):
+    inputs = make_family(family, 7, 12, 2, 4, 3)
+    first, second = slice_inputs(inputs, 0, 5).summarize(), slice_inputs(inputs, 5, 12).summarize()
+    init = _random_state(2, 2, 4, 3)
+    weights = jax.random.normal(jax.random.PRNGKey(9), init.shape)
+
+    def loss(state, first, second):
+        return jnp.sum(weights * la.advance(la.compose(first, second), state))
+
+    d_state, d_first, d_second = jax.grad(loss, argnums=(0, 1, 2))(init, first, second)
+    transfer = la.dense_transfer(la.compose(first, second))
+    # d/dS0 sum(W * (T S0 + S)) = T^T W
+    assert rel_err(d_state, jnp.einsum("hkj,hkv->hjv", transfer, weights)) <= TOL
+    # d/dS(second) = W exactly, and S(first) enters through T(second)
+    assert rel_err(d_second.state, weights) <= TOL
+    assert rel_err(d_first.state, jnp.einsum("hkj,hkv->hjv", la.dense_transfer(second), weights)) <= TOL
+    assert d_first.transfer is not None and bool(jnp.all(jnp.isfinite(d_first.transfer)))
+    # and through the chunked pass into the gates
+    grad_v = jax.grad(lambda v: jnp.sum(la.summarize(inputs.k, v, **inputs.gates()).state))(inputs.v)
+    assert bool(jnp.all(jnp.isfinite(grad_v))) and float(jnp.abs(grad_v).sum()) > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_naive_addition_is_wrong_except_for_plain_linear(family):
+    inputs = make_family(family, 4, 128, 2, 8, 4)
+    first, second = slice_inputs(inputs, 0, 64), slice_inputs(inputs, 64, 128)
+    _, state_first = first.recurrent()
+    _, state_whole = inputs.recurrent()
+    summary = second.summarize(chunk_size=16)
+    transfer_err = rel_err(la.advance(summary, state_first), state_whole)
+    naive_err = rel_err(state_first + summary.state, state_whole)
+    assert transfer_err <= TOL
+    if family == "linear":
+        assert naive_err <= TOL
+    else:
+        assert naive_err > 1e-2, naive_err
+
+
+def test_retnet_slow_decay_head_naive_error_is_about_22_percent():
+    """RetNet head 5 (gamma = 1 - 2^-10): after 256 more tokens, dropping T leaves (1 - gamma^256) ~ 22% of the
+    earlier state in place."""
+    heads = 6
+    inputs = make_family("retnet", 8, 512, heads, 8, 8)
+    first, second = slice_inputs(inputs, 0, 256), slice_inputs(inputs, 256, 512)
+    _, state_first = first.recurrent()
+    summary = second.summarize()
+    naive = state_first + summary.state
+    exact = la.advance(summary, state_first)
+    head = heads - 1
+    err = float(jnp.linalg.norm(naive[head] - exact[head]) / jnp.linalg.norm(state_first[head]))
+    assert abs(err - (1 - (1 - 2.0**-10) ** 256)) < 1e-4
+    assert 0.21 < err < 0.23
+    assert rel_err(exact, inputs.recurrent()[1]) <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_composition_in_float64_is_exact_to_1e10(family):
+    with jax.enable_x64(True):
+        inputs = make_family(family, 5, 40, 2, 4, 3, dtype=jnp.float64)
+        first, second = slice_inputs(inputs, 0, 17), slice_inputs(inputs, 17, 40)
+        _, state_first = first.chunked(chunk_size=8)
+        summary = second.summarize(chunk_size=8)
+        _, state_whole = numpy_recurrence(inputs)
+        composed = la.advance(summary, state_first)
+        assert composed.dtype == jnp.float64
+        assert rel_err(composed, state_whole) <= 1e-10
+        assert rel_err(inputs.chunked(chunk_size=8)[0], numpy_recurrence(inputs)[0]) <= 1e-10
+
+
+def test_bf16_inputs_keep_float32_state():
+    inputs = make_family("gated_delta_net", 1, 50, 2, 8, 8, dtype=jnp.bfloat16)
+    out, state = inputs.chunked(chunk_size=16)
+    assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
+    assert la.summarize(inputs.k, inputs.v, **inputs.gates()).transfer.dtype == jnp.float32
+    assert rel_err(out, numpy_recurrence(inputs)[0]) <= 2e-2
+
+
+def test_empty_segment_is_the_identity():
+    inputs = make_family("kda", 1, 0, 2, 4, 3)
+    summary = inputs.summarize()
+    init = _random_state(1, 2, 4, 3)
+    assert rel_err(la.advance(summary, init), init) == 0.0
+    out, state = inputs.chunked(init)
+    assert out.shape == (0, 2, 3) and rel_err(state, init) == 0.0
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    q = jnp.ones((5, 2, 4))
+    v = jnp.ones((5, 2, 3))
+    with pytest.raises(ValueError, match="chunk_size"):
+        la.chunked(q, q, v, chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        la.summarize(q, v, chunk_size=-3)
+    with pytest.raises(ValueError, match="^v must"):
+        la.chunked(q, q, jnp.ones((4, 2, 3)))
+    with pytest.raises(ValueError, match="^q must"):
+        la.recurrent(jnp.ones((5, 2, 3)), q, v)
+    with pytest.raises(ValueError, match="^g must"):
+        la.chunked(q, q, v, g=jnp.ones((5, 3)))
+    with pytest.raises(ValueError, match="^gk must"):
+        la.chunked(q, q, v, gk=jnp.ones((5, 2)))
+    with pytest.raises(ValueError, match="^beta must"):
+        la.recurrent(q, q, v, beta=jnp.ones((5,)))
+    with pytest.raises(ValueError, match="^initial_state must"):
+        la.chunked(q, q, v, initial_state=jnp.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="`beta`"):
+        la.delta_net(q, q, v, beta=None)
+    with pytest.raises(ValueError, match="`a`"):
+        la.gated_delta_net(q, q, v, a=None, b=jnp.ones((5, 2)), A_log=jnp.ones(2), dt_bias=jnp.ones(2))
+    with pytest.raises(ValueError, match="`gk`"):
+        la.gla(q, q, v, gk=None)
+    with pytest.raises(ValueError, match="`g_raw`"):
+        la.kda(q, q, v, g_raw=None, A_log=jnp.ones(2), b=jnp.ones((5, 2)))
+    with pytest.raises(ValueError, match="`layer_factor`"):
+        la.lightning(q, q, v, layer_factor=None)
+    with pytest.raises(ValueError, match="`A_log`"):
+        la.mamba2(v, jnp.ones((5, 2)), A_log=None, B=q, C=q)
+    with pytest.raises(ValueError, match="^state must"):
+        la.advance(la.summarize(q, v), jnp.ones((2, 4, 4)))
+    with pytest.raises(ValueError, match="non-empty"):
+        la.stack_summaries([])
