@@ -22,4 +22,5 @@ from hypic_jax.models.qwen3_5 import (  # noqa: F401  (the architecture-module c
     lm_head,
     param_specs,
     prefill,
+    span_forward,
 )

@@ -1,0 +1,199 @@
+"""The segment cache: content-addressed entries on device, LRU-evicted under a byte budget, pinned while in use.
+
+Keys are SHA-256 digests over the entry's token ids, the model fingerprint (which weights, which dtype), the entry
+kind and the settings that change what an entry holds (the seam length it was recorded with, the prefix it
+continues), and an optional tenant salt. A digest match is confirmed by comparing the stored token ids, so a hash
+collision can never serve another segment's states.
+
+Entries are PyTrees of device arrays. A request pins the entries it reads or creates; eviction skips pinned entries
+(the budget may be overshot while a request runs and is restored when it unpins). Eviction only drops the cache's
+reference: a request that already holds an entry keeps using it, so a small budget can slow requests down but never
+break one.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import threading
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+
+
+def tree_nbytes(tree: Any) -> int:
+    return int(sum(int(np.prod(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree)))
+
+
+def model_fingerprint(arch_name: str, config: Any, params: Any, source: str | None = None) -> str:
+    """A digest naming one set of weights: architecture, config, parameter structure, shapes and dtypes, and a few
+    values from every leaf (first and last elements), plus the checkpoint path when known. Cheap (one tiny slice per
+    leaf leaves the device) and different for any two differently initialised or converted models."""
+    digest = hashlib.sha256()
+    digest.update(arch_name.encode())
+    digest.update(repr(config).encode())
+    digest.update((source or "").encode())
+    leaves, treedef = jax.tree.flatten(params)
+    digest.update(str(treedef).encode())
+    samples = []
+    for leaf in leaves:
+        digest.update(f"{leaf.shape}{leaf.dtype}".encode())
+        flat = leaf.reshape(-1)
+        samples.append(flat[:4])
+        samples.append(flat[-4:])
+    for sample in jax.device_get(samples):
+        digest.update(np.asarray(sample, np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def entry_key(tokens: Sequence[int], *, fingerprint: str, kind: str, seam: int = 0, parent: str = "",
+              salt: str | None = None) -> str:
+    """SHA-256 of (fingerprint, kind, seam, parent key, salt, token ids as int32 bytes)."""
+    digest = hashlib.sha256()
+    for part in (fingerprint, kind, str(int(seam)), parent, "" if salt is None else f"salt:{salt}"):
+        digest.update(part.encode())
+        digest.update(b"\x00")
+    digest.update(np.asarray(tokens, np.int32).tobytes())
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class Entry:
+    """One cached segment: its token ids (for the equality check), how it was recorded, and the per-layer PyTree.
+
+    seam: tokens at the segment's start that are not in the entry (recomputed at reuse); the entry covers tokens
+    [seam, len(tokens)). kind: "pic" (interior recorded in isolation at canonical positions) or "prefix" (exact
+    state snapshot after the segment, K/V at absolute positions)."""
+
+    key: str
+    tokens: tuple[int, ...]
+    kind: str
+    seam: int
+    layers: Any
+    nbytes: int
+    pins: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) - self.seam
+
+
+@dataclasses.dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    insertions: int = 0
+    evictions: int = 0
+    bytes: int = 0
+    entries: int = 0
+    capacity_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class SegmentCache:
+    """LRU map key -> Entry under a byte budget (`capacity_bytes`; None = unbounded). Thread-safe."""
+
+    def __init__(self, capacity_bytes: int | None = None):
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
+        self._lock = threading.RLock()
+        self._stats = CacheStats(capacity_bytes=capacity_bytes or 0)
+
+    # Queries ------------------------------------------------------------------------------------------------------
+    def lookup(self, key: str, tokens: Sequence[int], *, count: bool = True) -> Entry | None:
+        """The entry under `key` if its tokens equal `tokens` (then it becomes most recently used)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.tokens != tuple(int(t) for t in tokens):
+                entry = None  # a digest collision or a mismatched key: never serve it
+            if entry is not None:
+                self._entries.move_to_end(key)
+            if count:
+                if entry is None:
+                    self._stats.misses += 1
+                else:
+                    self._stats.hits += 1
+            return entry
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return dataclasses.replace(self._stats, entries=len(self._entries))
+
+    # Updates ------------------------------------------------------------------------------------------------------
+    def insert(self, entry: Entry) -> Entry:
+        """Store `entry` (replacing an entry under the same key) and evict down to the budget."""
+        with self._lock:
+            old = self._entries.pop(entry.key, None)
+            if old is not None:
+                self._stats.bytes -= old.nbytes  # a request still holding `old` keeps its arrays alive
+            self._entries[entry.key] = entry
+            self._stats.bytes += entry.nbytes
+            self._stats.insertions += 1
+            self._evict()
+            return entry
+
+    def _evict(self) -> None:
+        if self.capacity_bytes is None:
+            return
+        for key in list(self._entries):
+            if self._stats.bytes <= self.capacity_bytes:
+                break
+            entry = self._entries[key]
+            if entry.pins > 0:
+                continue
+            del self._entries[key]
+            self._stats.bytes -= entry.nbytes
+            self._stats.evictions += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._stats.bytes = 0
+
+    @contextlib.contextmanager
+    def pinned(self, entries: Sequence[Entry] = ()) -> Iterator["PinSet"]:
+        """Pin `entries` (and whatever is added to the yielded set) for the duration of a request."""
+        pins = PinSet(self)
+        try:
+            for entry in entries:
+                pins.add(entry)
+            yield pins
+        finally:
+            pins.release()
+
+
+class PinSet:
+    """The entries one request holds pinned."""
+
+    def __init__(self, cache: SegmentCache):
+        self._cache = cache
+        self._held: list[Entry] = []
+
+    def add(self, entry: Entry) -> Entry:
+        with self._cache._lock:
+            entry.pins += 1
+        self._held.append(entry)
+        return entry
+
+    def release(self) -> None:
+        with self._cache._lock:
+            for entry in self._held:
+                entry.pins -= 1
+            self._held.clear()
+            self._cache._evict()

@@ -1,0 +1,451 @@
+"""The PIC engine: segment cache + seam window + the six reuse modes, behind `prefill` and `generate`.
+
+A request is a list of segments; the last one is the query (always computed, never cached). Every mode becomes a
+`spans.SpanLayout` and one call of the architecture's `span_forward` over the request's fresh tokens:
+
+    full_recompute             one fresh span of the whole prompt
+    prefix_cache               the longest run of cached leading segments (exact K/V + state snapshots), then fresh
+                               spans for the rest (each recorded as a new prefix entry) and the query
+    addition                   cached segments whose zero-start states are added (T dropped), keys not re-rotated
+    transition                 + composition through the transfer operators T
+    transition_rope            + RoPE re-rotation of cached keys (and of RoPE'd linear states)
+    transition_rope_recompute  + the seam window: the first w tokens of every segment are recomputed under the true
+                               prefix; the cache holds only the interior [w, n)
+
+Segments missing from the cache are first prefilled together in one packed, isolated call (state reset and
+block-diagonal attention at segment boundaries), which records their entries. One entry serves a segment in any
+position, first included: a segment's seam at position 0 is recomputed from an empty prefix, which reproduces its
+isolated prefill exactly, so the first segment is still exact ("cached whole" up to its w recomputed tokens).
+
+Compilation: layouts are static, so each distinct layout (span kinds and lengths) compiles once; the same
+equal-length documents in another order reuse the compilation, documents of new lengths compile anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax import spans
+from hypic_jax.cache import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
+from hypic_jax.models.base import LinearCache, ModelCache
+
+MODES = tuple(spans.MODES)
+PIC_MODES = ("addition", "transition", "transition_rope", "transition_rope_recompute")
+DEFAULT_SEPARATOR = "<<PIC_SEP>>"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiled entry points (architecture module, config, layout and mode are static: see the module docstring)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("arch", "config", "layout", "mode", "want_logits", "want_decode", "want_hidden")
+)
+def _span_call(params, tokens, cached, *, arch, config, layout, mode, want_logits, want_decode, want_hidden):
+    return arch.span_forward(params, config, tokens, cached, layout, mode, want_logits=want_logits,
+                             want_decode=want_decode, want_hidden=want_hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config"))
+def _decode_step(params, token, cache, *, arch, config):
+    logits, cache = arch.forward(params, config, token.reshape(1, 1), cache=cache)
+    return logits[0, -1], cache
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclasses.dataclass
+class PrefillStats:
+    """What a prefill did. cached_tokens: tokens served from entries that were already in the cache;
+    recomputed_tokens: fresh tokens of the final forward (seams, query, uncached prefix segments);
+    cold_tokens: tokens prefilled in isolation to create missing entries."""
+
+    mode: str
+    seam: float
+    segments: int
+    prompt_tokens: int
+    cached_tokens: int
+    recomputed_tokens: int
+    cold_tokens: int
+    hits: int
+    misses: int
+    ttft_s: float
+    cold_s: float
+    combine_s: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    logits: np.ndarray  # float32 [vocab] at the last prompt position
+    stats: PrefillStats
+    tokens: list[int]  # the whole prompt
+    decode: Any = dataclasses.field(default=None, repr=False)  # per-layer caches after the prompt (device)
+    hidden: Any = dataclasses.field(default=None, repr=False)  # [layers + 1, F, H] fresh-token hidden states
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    text: str | None
+    tokens: list[int]
+    stats: PrefillStats
+    decode_s: float
+    finish_reason: str  # "length" or "stop"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def seam_tokens(seam: float, length: int) -> int:
+    """HYPIC's seam knob for one segment of `length` tokens: 0 -> 0, 0 < x <= 1 -> ceil(x * length), x > 1 -> x."""
+    if seam < 0:
+        raise ValueError(f"seam must be >= 0, got {seam}")
+    if seam == 0:
+        return 0
+    if seam <= 1:
+        return min(length, math.ceil(seam * length))
+    if seam != int(seam):
+        raise ValueError(f"a seam above 1 is a token count and must be an integer, got {seam}")
+    return min(length, int(seam))
+
+
+def _load_tokenizer(tokenizer):
+    if tokenizer is None or hasattr(tokenizer, "encode"):
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer))
+
+
+def _pad_decode(layer_cache, length: int, max_len: int):
+    """Place one layer's prompt cache into `max_len`-slot decode buffers (per-token leaves have axis 1 = length)."""
+    if isinstance(layer_cache, LinearCache):
+        return layer_cache
+    return jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, max_len - length)] + [(0, 0)] * (a.ndim - 2)), layer_cache)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engine
+
+
+class Engine:
+    """Position-independent caching on one model.
+
+    Engine(model) wraps a loaded `hypic_jax.models.base.Model`; `Engine.from_pretrained(path)` loads one (and a
+    tokenizer.json next to it, if any). `mode` and `seam` are defaults that every request may override.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        tokenizer=None,
+        cache_bytes: int | None = None,
+        mode: str = "transition_rope_recompute",
+        seam: float = 8,
+        separator: str = DEFAULT_SEPARATOR,
+        max_context: int | None = None,
+        source: str | None = None,
+    ):
+        if not hasattr(model.arch, "span_forward"):
+            raise ValueError(f"architecture {model.arch.__name__} has no span_forward; the engine cannot run it")
+        self.model = model
+        self.arch, self.config, self.params = model.arch, model.config, model.params
+        self.tokenizer = _load_tokenizer(tokenizer)
+        self.cache = SegmentCache(cache_bytes)
+        self.mode = self._check_mode(mode)
+        seam_tokens(seam, 1)  # validates
+        self.seam = seam
+        self.separator = separator
+        self.max_context = max_context
+        self.vocab_size = int(self.config.vocab_size)
+        self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: Any = "bfloat16", *, tokenizer=None, **kwargs) -> "Engine":
+        """Load a model folder (orbax checkpoint or Hugging Face folder); picks up tokenizer.json and the context
+        length (max_position_embeddings of config.json) when present."""
+        from hypic_jax.models import load
+
+        path = Path(path)
+        model = load(path, dtype)
+        if tokenizer is None and (path / "tokenizer.json").exists():
+            tokenizer = path / "tokenizer.json"
+        if kwargs.get("max_context") is None and (path / "config.json").exists():
+            hf = json.loads((path / "config.json").read_text())
+            hf = hf.get("text_config") or hf
+            if hf.get("max_position_embeddings"):
+                kwargs["max_context"] = int(hf["max_position_embeddings"])
+        return cls(model, tokenizer=tokenizer, source=f"{path.resolve()}:{jnp.dtype(dtype)}", **kwargs)
+
+    # Inputs -------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_mode(mode: str) -> str:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+        return mode
+
+    def segment_tokens(self, segments) -> list[list[int]]:
+        """Token ids of each segment: a list of strings or of token-id lists, or one string split on the separator."""
+        if isinstance(segments, str):
+            segments = segments.split(self.separator)
+        if isinstance(segments, np.ndarray):
+            segments = [segments] if segments.ndim == 1 else list(segments)
+        segments = list(segments) if segments is not None else []
+        if not segments:
+            raise ValueError("segments must hold at least one segment (the last one is the query)")
+        out = []
+        for i, segment in enumerate(segments):
+            if isinstance(segment, str):
+                if self.tokenizer is None:
+                    raise ValueError("text segments need a tokenizer: pass tokenizer= or give token-id lists")
+                ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
+            else:
+                ids = [int(t) for t in np.asarray(segment).reshape(-1)]
+            if not ids:
+                raise ValueError(f"segment {i} is empty (every segment, the query included, needs at least one token)")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"segment {i} holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            out.append(ids)
+        total = sum(map(len, out))
+        if self.max_context is not None and total > self.max_context:
+            raise ValueError(f"the prompt has {total} tokens, over the model's context of {self.max_context}")
+        return out
+
+    # Prefill ------------------------------------------------------------------------------------------------------
+    def prefill(self, segments, mode: str | None = None, seam: float | None = None, cache_salt: str | None = None,
+                *, _want_decode: bool = False, _want_hidden: bool = False) -> PrefillResult:
+        """Prefill a request; returns the last position's logits and the stats (see `PrefillStats`)."""
+        mode = self._check_mode(mode or self.mode)
+        seam = self.seam if seam is None else seam
+        segs = self.segment_tokens(segments)
+        start = time.perf_counter()
+        with self.cache.pinned() as pins:
+            if mode == "full_recompute":
+                plan = self._plan_full(segs)
+            elif mode == "prefix_cache":
+                plan = self._plan_prefix(segs, cache_salt, pins)
+            else:
+                plan = self._plan_pic(segs, mode, seam, cache_salt, pins)
+            cold_s = time.perf_counter() - start
+            combine_start = time.perf_counter()
+            result = self._run(plan["fresh"], plan["cached"], plan["layout"], spans.MODES[mode],
+                               want_logits=True, want_decode=_want_decode, want_hidden=_want_hidden)
+            logits = np.asarray(jax.block_until_ready(result.logits))
+            self._store_records(plan.get("record_as", []), result.records, pins)
+        end = time.perf_counter()
+        stats = PrefillStats(
+            mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(segs),
+            prompt_tokens=sum(map(len, segs)), cached_tokens=plan["cached_tokens"],
+            recomputed_tokens=plan["layout"].num_fresh_tokens, cold_tokens=plan["cold_tokens"], hits=plan["hits"],
+            misses=plan["misses"], ttft_s=end - start, cold_s=cold_s, combine_s=end - combine_start,
+        )
+        return PrefillResult(logits=logits, stats=stats, tokens=[t for s in segs for t in s], decode=result.decode,
+                             hidden=result.hidden)
+
+    def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False):
+        tokens = jnp.asarray(np.asarray(fresh_tokens, np.int32))
+        return _span_call(self.params, tokens, tuple(cached), arch=self.arch, config=self.config, layout=layout,
+                          mode=mode, want_logits=want_logits, want_decode=want_decode, want_hidden=want_hidden)
+
+    def _plan_full(self, segs):
+        tokens = [t for s in segs for t in s]
+        layout = spans.SpanLayout.build([dict(kind=spans.FRESH, length=len(tokens))])
+        return dict(layout=layout, fresh=tokens, cached=[], cached_tokens=0, cold_tokens=0, hits=0, misses=0)
+
+    def _plan_prefix(self, segs, salt, pins):
+        """Longest cached run of leading segments; the rest is computed exactly and recorded as new prefix entries."""
+        docs, query = segs[:-1], segs[-1]
+        keys, parent = [], ""
+        for doc in docs:
+            parent = entry_key(doc, fingerprint=self.fingerprint, kind="prefix", parent=parent, salt=salt)
+            keys.append(parent)
+        hits: list[Entry] = []
+        for doc, key in zip(docs, keys):
+            entry = self.cache.lookup(key, doc)
+            if entry is None:
+                break
+            hits.append(pins.add(entry))
+        pieces, fresh, record_as, position = [], [], [], 0
+        for j, doc in enumerate(docs):
+            if j < len(hits):
+                pieces.append(dict(kind=spans.CACHED, length=len(doc), canonical_start=position,
+                                   carries_state=j == len(hits) - 1))
+            else:
+                pieces.append(dict(kind=spans.FRESH, length=len(doc), record_from=0))
+                fresh += doc
+                record_as.append(("prefix", keys[j], doc, 0))
+            position += len(doc)
+        pieces.append(dict(kind=spans.FRESH, length=len(query)))
+        fresh += query
+        return dict(layout=spans.SpanLayout.build(pieces), fresh=fresh, cached=[e.layers for e in hits],
+                    record_as=record_as, cached_tokens=sum(e.length for e in hits), cold_tokens=0,
+                    hits=len(hits), misses=len(docs) - len(hits))
+
+    def _plan_pic(self, segs, mode, seam, salt, pins):
+        docs, query = segs[:-1], segs[-1]
+        seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
+        entries: dict[int, Entry] = {}
+        missing: list[tuple[int, str]] = []
+        hits = 0
+        for i, (doc, w) in enumerate(zip(docs, seams)):
+            if w >= len(doc):
+                continue  # recomputed whole: nothing to cache
+            key = entry_key(doc, fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
+            entry = self.cache.lookup(key, doc)
+            if entry is None:
+                missing.append((i, key))
+            else:
+                entries[i] = pins.add(entry)
+                hits += 1
+        cached_tokens = sum(e.length for e in entries.values())
+        cold_tokens = 0
+        if missing:  # one packed, isolated prefill of every missing segment
+            unique = {}
+            for i, key in missing:
+                unique.setdefault(key, i)
+            order = list(unique.items())
+            layout = spans.SpanLayout.build(
+                [dict(kind=spans.FRESH, length=len(docs[i]), record_from=seams[i]) for _, i in order], isolated=True
+            )
+            fresh = [t for _, i in order for t in docs[i]]
+            cold_tokens = len(fresh)
+            result = self._run(fresh, [], layout, spans.MODES[mode], want_logits=False)
+            stored = self._store_records([("pic", key, docs[i], seams[i]) for key, i in order], result.records, pins)
+            by_key = {entry.key: entry for entry in stored}
+            for i, key in missing:
+                entries[i] = by_key[key]
+        pieces, fresh, cached = [], [], []
+        for i, (doc, w) in enumerate(zip(docs, seams)):
+            if w:
+                pieces.append(dict(kind=spans.FRESH, length=w))
+                fresh += doc[:w]
+            if w < len(doc):
+                pieces.append(dict(kind=spans.CACHED, length=len(doc) - w, canonical_start=w))
+                cached.append(entries[i].layers)
+        pieces.append(dict(kind=spans.FRESH, length=len(query)))
+        fresh += query
+        return dict(layout=spans.SpanLayout.build(pieces), fresh=fresh, cached=cached, cached_tokens=cached_tokens,
+                    cold_tokens=cold_tokens, hits=hits, misses=len(missing))
+
+    def _store_records(self, record_as, records, pins) -> list[Entry]:
+        stored = []
+        for (kind, key, doc, w), layers_ in zip(record_as, records):
+            entry = Entry(key=key, tokens=tuple(doc), kind=kind, seam=w, layers=layers_, nbytes=tree_nbytes(layers_))
+            stored.append(pins.add(self.cache.insert(entry)))
+        return stored
+
+    # Generation ---------------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        segments,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | int | Sequence[str | int] | None = None,
+        seed: int = 0,
+        mode: str | None = None,
+        seam: float | None = None,
+        cache_salt: str | None = None,
+    ) -> GenerateResult:
+        """Prefill (any mode), then decode from the caches the span forward left behind.
+
+        temperature 0 is greedy; otherwise softmax sampling at that temperature within the top-p nucleus, seeded.
+        stop: strings (need a tokenizer) and/or token ids that end generation (the stop token is kept in `tokens`).
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        stops = [] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))
+        stop_ids = {int(s) for s in stops if not isinstance(s, str)}
+        stop_texts = [s for s in stops if isinstance(s, str)]
+        if stop_texts and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass token ids instead")
+        segs = self.segment_tokens(segments)
+        total = sum(map(len, segs))
+        if self.max_context is not None and total + max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({total}) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                             f"of {self.max_context}")
+        pre = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt, _want_decode=True)
+        start = time.perf_counter()
+        max_len = total + max(max_new_tokens, 1)
+        cache = ModelCache(layers=tuple(_pad_decode(c, total, max_len) for c in pre.decode),
+                           length=jnp.asarray(total, jnp.int32))
+        rng = np.random.default_rng(seed)
+        logits, out, reason = pre.logits, [], "length"
+        for step in range(max_new_tokens):
+            token = _sample(logits, temperature, top_p, rng)
+            out.append(token)
+            if token in stop_ids or (stop_texts and any(s in self.tokenizer.decode(out) for s in stop_texts)):
+                reason = "stop"
+                break
+            if step + 1 < max_new_tokens:
+                logits, cache = _decode_step(self.params, jnp.asarray(token, jnp.int32), cache, arch=self.arch,
+                                             config=self.config)
+                logits = np.asarray(logits)
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        return GenerateResult(text=text, tokens=out, stats=pre.stats, decode_s=time.perf_counter() - start,
+                              finish_reason=reason)
+
+    # Diagnostics --------------------------------------------------------------------------------------------------
+    def diagnose(self, segments, mode: str | None = None, seam: float | None = None,
+                 cache_salt: str | None = None) -> list[dict]:
+        """Per-layer relative deviation of the query tokens' hidden states, `mode` vs full recompute:
+        ||h_mode - h_full|| / ||h_full|| after the embedding (row "embed") and after every layer, plus
+        the last position's logits. The query is fresh in every mode, so both runs hold its hidden states."""
+        segs = self.segment_tokens(segments)
+        query = len(segs[-1])
+        full = self.prefill(segs, mode="full_recompute", _want_hidden=True)
+        ours = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt, _want_hidden=True)
+        h_full = np.asarray(full.hidden[:, -query:], np.float64)
+        h_ours = np.asarray(ours.hidden[:, -query:], np.float64)
+        rows = []
+        kinds = _layer_kinds(self.config)
+        for layer in range(h_full.shape[0]):
+            ref = np.linalg.norm(h_full[layer])
+            rows.append(dict(layer="embed" if layer == 0 else layer - 1,
+                             kind="embed" if layer == 0 else kinds[layer - 1],
+                             deviation=float(np.linalg.norm(h_ours[layer] - h_full[layer]) / max(ref, 1e-30))))
+        ref = np.linalg.norm(full.logits)
+        rows.append(dict(layer="logits", kind="head",
+                         deviation=float(np.linalg.norm(ours.logits - full.logits) / max(ref, 1e-30))))
+        return rows
+
+
+def _layer_kinds(config) -> list[str]:
+    if hasattr(config, "layer_types"):
+        return ["linear" if t == "linear_attention" else "full" for t in config.layer_types]
+    return ["full" if config.is_full_attention(i) else "linear" for i in range(config.num_hidden_layers)]
+
+
+def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    scaled = np.asarray(logits, np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if top_p < 1:
+        order = np.argsort(-probs)
+        keep = np.cumsum(probs[order]) - probs[order] < top_p  # the smallest prefix whose mass reaches top_p
+        mask = np.zeros_like(probs, bool)
+        mask[order[keep]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return int(rng.choice(len(probs), p=probs))

@@ -1,0 +1,575 @@
+"""One forward over the fresh tokens of a request built from spans of fresh and cached tokens.
+
+A request is an ordered list of SPANS. A fresh span holds tokens computed now; a cached span stands for a cache
+entry's tokens (their attention K/V, each linear layer's segment summary (T, S) and conv tail). Every reuse mode is
+a layout of spans:
+
+    full recompute    one fresh span
+    prefix cache      cached prefix spans (exact state snapshots), then fresh spans
+    HYPIC             cached interiors, with fresh seams before them and the fresh query at the end
+    cold prefill      fresh spans only, `isolated`: every span starts from position 0 with zero state
+
+All fresh tokens of a request are packed into one [F] array and go through every layer once; the span machinery
+below only changes how a layer mixes tokens across spans:
+
+* conv: a fresh span's conv window reaches back W-1 rows into whatever precedes it (fresh rows, a cached entry's
+  stored tail, or zeros). One gather builds an extended array (each fresh span preceded by its true W-1 preceding
+  rows) and one causal conv runs over it.
+* linear core: fresh spans are padded to a common length and vmapped. Their summaries are stacked with the cached
+  spans' summaries in span order and one associative scan (`linear_attn.prefix_states`) gives every span's
+  incoming state; the fresh outputs then come from `chunked(..., initial_state=incoming)`.
+* attention: keys are the cached spans' K (re-rotated from their canonical positions to their absolute ones) and
+  the fresh K, laid out in absolute order; fresh queries attend with a causal mask on absolute positions
+  (block-diagonal by span when isolated).
+
+Layouts are static (frozen, hashable dataclasses): every gather index is computed once in NumPy at trace time.
+The price is one compilation per distinct layout; two requests whose spans have the same kinds and lengths (for
+example the same equal-length documents in another order) share a compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from hypic_jax import linear_attn
+from hypic_jax.conv import causal_conv1d
+from hypic_jax.linear_attn import LinearInputs, Summary
+
+FRESH = "fresh"
+CACHED = "cached"
+
+__all__ = [
+    "FRESH",
+    "CACHED",
+    "Span",
+    "SpanLayout",
+    "SpanMode",
+    "LinearEntry",
+    "KVEntry",
+    "conv_over_spans",
+    "linear_over_spans",
+    "attention_over_spans",
+    "span_attention",
+    "pad_fresh",
+    "unpad_fresh",
+    "MODES",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Static layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One span of a request.
+
+    kind: FRESH or CACHED.  length: tokens.  start: absolute position of its first token (0 in isolated layouts).
+    offset: FRESH -> offset into the packed fresh-token array; CACHED -> index of its entry in the cached tuple.
+    canonical_start: CACHED -> the position its first token had when the entry was computed (its seam length w for
+      an interior of an isolated prefill, its own absolute start for a prefix snapshot); RoPE correction rotates by
+      start - canonical_start.
+    record_from: FRESH -> record a cache entry for tokens [record_from, length) of this span (None: do not record).
+    carries_state: CACHED -> whether its linear summary takes part in the composition. Prefix-cache snapshots are
+      states after the whole prefix, so only the last cached prefix span carries one.
+    """
+
+    kind: str
+    length: int
+    start: int
+    offset: int
+    canonical_start: int = 0
+    record_from: int | None = None
+    carries_state: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanLayout:
+    """An ordered tuple of spans plus the `isolated` flag (packed cold prefill: no mixing across spans)."""
+
+    spans: tuple[Span, ...]
+    isolated: bool = False
+
+    # Construction ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, pieces: Sequence[dict], *, isolated: bool = False, merge_fresh: bool = True) -> "SpanLayout":
+        """From pieces {kind, length, [record_from], [canonical_start], [carries_state]} in request order.
+
+        Starts and fresh offsets are assigned here; cached spans get entry indices 0, 1, ... in order. Adjacent fresh
+        spans that record nothing are merged (fewer, longer spans: less padding and a shorter scan).
+        """
+        merged: list[dict] = []
+        for piece in pieces:
+            if piece["length"] <= 0:
+                raise ValueError(f"a span must hold at least one token, got {piece}")
+            if piece["kind"] not in (FRESH, CACHED):
+                raise ValueError(f"span kind must be {FRESH!r} or {CACHED!r}, got {piece['kind']!r}")
+            can_merge = (
+                merge_fresh and not isolated and merged and piece["kind"] == FRESH and merged[-1]["kind"] == FRESH
+                and piece.get("record_from") is None and merged[-1].get("record_from") is None
+            )
+            if can_merge:
+                merged[-1] = {**merged[-1], "length": merged[-1]["length"] + piece["length"]}
+            else:
+                merged.append(dict(piece))
+        spans, position, fresh_offset, entry = [], 0, 0, 0
+        for piece in merged:
+            start = 0 if isolated else position
+            if piece["kind"] == FRESH:
+                spans.append(Span(FRESH, piece["length"], start, fresh_offset, record_from=piece.get("record_from")))
+                fresh_offset += piece["length"]
+            else:
+                if isolated:
+                    raise ValueError("an isolated layout holds fresh spans only")
+                spans.append(Span(CACHED, piece["length"], start, entry, piece.get("canonical_start", start),
+                                  carries_state=piece.get("carries_state", True)))
+                entry += 1
+            position += piece["length"]
+        return cls(tuple(spans), isolated)
+
+    # Derived quantities -----------------------------------------------------------------------------------------
+    @functools.cached_property
+    def fresh(self) -> tuple[Span, ...]:
+        return tuple(s for s in self.spans if s.kind == FRESH)
+
+    @functools.cached_property
+    def cached(self) -> tuple[Span, ...]:
+        return tuple(s for s in self.spans if s.kind == CACHED)
+
+    @property
+    def num_fresh_tokens(self) -> int:
+        return sum(s.length for s in self.fresh)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(s.length for s in self.cached)
+
+    @property
+    def total_length(self) -> int:
+        """Tokens of the whole request (fresh + cached); for isolated layouts the packed length."""
+        return sum(s.length for s in self.spans)
+
+    @property
+    def padded_length(self) -> int:
+        """The common length fresh spans are padded to for the vmapped linear core (a multiple of 8)."""
+        longest = max((s.length for s in self.fresh), default=1)
+        return -(-longest // 8) * 8
+
+    @functools.cached_property
+    def recorded(self) -> tuple[Span, ...]:
+        return tuple(s for s in self.fresh if s.record_from is not None)
+
+    def fresh_positions(self) -> np.ndarray:
+        """Positions [F] of the packed fresh tokens (absolute; span-relative when isolated)."""
+        if not self.fresh:
+            return np.zeros((0,), np.int32)
+        return np.concatenate([s.start + np.arange(s.length) for s in self.fresh]).astype(np.int32)
+
+    def fresh_span_ids(self) -> np.ndarray:
+        """Index of each packed fresh token's span among the fresh spans [F]."""
+        if not self.fresh:
+            return np.zeros((0,), np.int32)
+        return np.concatenate([np.full(s.length, i) for i, s in enumerate(self.fresh)]).astype(np.int32)
+
+    def validate(self, num_cached_entries: int | None = None) -> None:
+        if not self.spans:
+            raise ValueError("a layout needs at least one span")
+        if self.isolated and self.cached:
+            raise ValueError("an isolated layout holds fresh spans only")
+        if num_cached_entries is not None and num_cached_entries != len(self.cached):
+            raise ValueError(f"layout has {len(self.cached)} cached spans but {num_cached_entries} entries were given")
+        for s in self.fresh:
+            if s.record_from is not None and not 0 <= s.record_from < s.length:
+                raise ValueError(f"record_from must lie in [0, {s.length}), got {s.record_from}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanMode:
+    """How cached spans are stitched in.
+
+    transfer: compose cached linear summaries with their transfer T (False: HYPIC's `addition`, which adds the
+      zero-start states; T is dropped).
+    rope: move cached keys (and the linear states of RoPE'd linear layers) from their canonical positions to their
+      absolute positions (False: keep the phase they were computed with).
+    """
+
+    transfer: bool = True
+    rope: bool = True
+
+
+# Named modes of the PIC ladder: the stitching flags each one uses (seams are the engine's business).
+MODES = {
+    "full_recompute": SpanMode(),
+    "prefix_cache": SpanMode(),
+    "addition": SpanMode(transfer=False, rope=False),
+    "transition": SpanMode(transfer=True, rope=False),
+    "transition_rope": SpanMode(),
+    "transition_rope_recompute": SpanMode(),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache entry pieces (per layer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LinearEntry:
+    """A linear layer's part of a cache entry: the segment summary (T, S) in the family's cheapest exact form, and
+    the conv tail (the last W-1 pre-conv inputs, [W-1, D]; [0, 0] for layers without a conv). A prefix-cache
+    snapshot is an identity-form summary whose state is the running state after the prefix."""
+
+    summary: Summary
+    conv: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVEntry:
+    """A full-attention layer's part of a cache entry: post-RoPE keys at canonical positions and values,
+    [n, H_kv, D] each (an architecture may store any other per-token PyTree, e.g. MLA latents)."""
+
+    k: Array
+    v: Array
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing helpers
+
+
+def _pad_index(layout: SpanLayout, spans: Sequence[Span], from_offsets: Sequence[int], length: int) -> np.ndarray:
+    """[len(spans), length] indices into the packed fresh array; F (one past the end) marks padding."""
+    pad = layout.num_fresh_tokens
+    index = np.full((len(spans), length), pad, np.int32)
+    for row, (span, skip) in enumerate(zip(spans, from_offsets)):
+        n = span.length - skip
+        index[row, :n] = span.offset + skip + np.arange(n)
+    return index
+
+
+def _gather_padded(x: Array, index: np.ndarray) -> Array:
+    """x [F, ...] -> [rows, length, ...] with zeros where index == F."""
+    padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
+    return padded[jnp.asarray(index)]
+
+
+def pad_fresh(x: Array, layout: SpanLayout) -> tuple[Array, Array]:
+    """Packed x [F, ...] -> (per-fresh-span padded [nf, Lp, ...], valid mask [nf, Lp])."""
+    index = _pad_index(layout, layout.fresh, [0] * len(layout.fresh), layout.padded_length)
+    return _gather_padded(x, index), jnp.asarray(index < layout.num_fresh_tokens)
+
+
+def unpad_fresh(y: Array, layout: SpanLayout) -> Array:
+    """Per-fresh-span padded y [nf, Lp, ...] -> packed [F, ...]."""
+    rows = layout.fresh_span_ids()
+    cols = np.concatenate([np.arange(s.length) for s in layout.fresh]).astype(np.int32)
+    return y[jnp.asarray(rows), jnp.asarray(cols)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Causal conv over spans
+
+
+def _conv_rows(layout: SpanLayout, width: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[np.ndarray]]:
+    """Row indices into the source table [zero row | fresh rows (F) | cached tails (entries x (W-1))].
+
+    Returns (extended-array rows, per fresh span the rows of its block inside the extended array, the final tail's
+    rows, per recorded span its tail's rows). The virtual sequence of all spans is walked once; a cached span
+    contributes only its last min(length, W-1) rows, which are all a later window can reach.
+    """
+    w1 = width - 1
+    fresh_count = layout.num_fresh_tokens
+    history: list[int] = []
+    extended: list[int] = []
+    blocks: list[np.ndarray] = []
+    records: list[np.ndarray] = []
+
+    def last_rows() -> list[int]:
+        tail = history[-w1:] if w1 else []
+        return [0] * (w1 - len(tail)) + tail
+
+    for span in layout.spans:
+        if layout.isolated:
+            history = []
+        if span.kind == FRESH:
+            rows = [1 + span.offset + i for i in range(span.length)]
+            start = len(extended) + w1
+            extended += last_rows() + rows
+            blocks.append(np.arange(start, start + span.length))
+            history += rows
+            if span.record_from is not None:
+                records.append(np.asarray(last_rows(), np.int32))
+        else:
+            keep = min(span.length, w1)
+            base = 1 + fresh_count + span.offset * w1
+            history += [base + w1 - keep + j for j in range(keep)]
+    return np.asarray(extended, np.int32), blocks, np.asarray(last_rows(), np.int32), records
+
+
+def conv_over_spans(
+    x: Array,
+    weight: Array,
+    cached_tails: Sequence[Array],
+    layout: SpanLayout,
+    *,
+    activation: str | None = "silu",
+) -> tuple[Array, Array, tuple[Array, ...]]:
+    """Depthwise causal conv of the packed fresh rows x [F, D] as if every span were laid out in order.
+
+    cached_tails: per cached entry (in entry order) its stored tail [W-1, D]. Returns (y [F, D], the tail after the
+    last span [W-1, D], per recorded span the tail after it [W-1, D]: the last W-1 pre-conv inputs, zero-filled at
+    the start of an isolated span).
+    """
+    width = weight.shape[1]
+    w1 = width - 1
+    if len(cached_tails) != len(layout.cached):
+        raise ValueError(f"{len(layout.cached)} cached spans but {len(cached_tails)} conv tails")
+    table = [jnp.zeros((1, x.shape[1]), x.dtype), x] + [t.astype(x.dtype).reshape(w1, x.shape[1]) for t in cached_tails]
+    table = jnp.concatenate(table, axis=0)
+    extended, blocks, final_rows, record_rows = _conv_rows(layout, width)
+    y_ext, _ = causal_conv1d(table[jnp.asarray(extended)], weight, activation=activation)
+    y = y_ext[jnp.asarray(np.concatenate(blocks))] if blocks else y_ext[:0]
+    return y, table[jnp.asarray(final_rows)], tuple(table[jnp.asarray(r)] for r in record_rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Linear core over spans
+
+
+def _mask_padding(inputs: LinearInputs, valid: Array) -> LinearInputs:
+    """Padded tokens get A = I and add nothing: q = k = v = 0 and every gate 0 (log decay 0, beta 0)."""
+
+    def zero(x):
+        if x is None:
+            return None
+        mask = valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim))
+        return jnp.where(mask, x, jnp.zeros((), x.dtype))
+
+    return LinearInputs(zero(inputs.q), zero(inputs.k), zero(inputs.v), zero(inputs.g), zero(inputs.gk),
+                        zero(inputs.beta), scale=inputs.scale)
+
+
+def _padded_inputs(inputs: LinearInputs, layout: SpanLayout, spans: Sequence[Span], skips: Sequence[int]) -> LinearInputs:
+    length = max(s.length - k for s, k in zip(spans, skips))
+    length = -(-length // 8) * 8
+    index = _pad_index(layout, spans, skips, length)
+    gathered = jax.tree.map(lambda a: _gather_padded(a, index), inputs)
+    return _mask_padding(gathered, jnp.asarray(index < layout.num_fresh_tokens))
+
+
+def _select(tree, rows: Sequence[int]):
+    rows = jnp.asarray(np.asarray(rows, np.int32))
+    return jax.tree.map(lambda a: a[rows], tree)
+
+
+def linear_over_spans(
+    inputs: LinearInputs,
+    cached: Sequence[Summary],
+    layout: SpanLayout,
+    mode: SpanMode = SpanMode(),
+    *,
+    chunk_size: int = 64,
+    rotate: Callable[[Summary, int], Summary] | None = None,
+) -> tuple[Array, Array, tuple[Summary, ...]]:
+    """A linear layer's core over the spans of `layout`.
+
+    inputs: the family's LinearInputs of the packed fresh tokens ([F, H, ...], gates included).
+    cached: per cached entry its summary (T, S), computed at canonical positions.
+    rotate: for RoPE'd linear layers, summary -> summary moved by `offset` positions (`linear_attn.rotate_summary`
+      with the layer's rotary settings); applied to cached summaries when mode.rope.
+    Returns (outputs [F, H, V], the state after the last span [H, K, V] float32, per recorded span its record:
+    the summary of tokens [record_from, length) in an isolated layout, else the running state after the span as an
+    identity-form summary (a prefix-cache snapshot)).
+
+    Why a scan: the spans' incoming states all come from one `prefix_states` (depth O(log n)) rather than a
+    sequential loop over spans; fresh spans are summarised (T, S) from their own tokens first, so their position in
+    the scan needs nothing from before them.
+    """
+    layout.validate(len(cached))
+    fresh = layout.fresh
+    heads, key_dim, value_dim = inputs.k.shape[1], inputs.k.shape[2], inputs.v.shape[2]
+    zero_state = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
+    padded = _padded_inputs(inputs, layout, fresh, [0] * len(fresh))
+
+    # Incoming state of every fresh span.
+    span_index = {id(s): i for i, s in enumerate(layout.spans)}
+    incoming = jnp.zeros((len(fresh), heads, key_dim, value_dim), jnp.float32)
+    after: dict[int, int] = {}  # span index -> row of `prefix` holding the state after it
+    prefix = None
+    needs_scan = not layout.isolated and len(layout.spans) > 1
+    if needs_scan:
+        last = len(layout.spans) - 1
+        fresh_rows = [i for i, s in enumerate(fresh) if span_index[id(s)] != last]
+        fresh_summaries = None
+        if fresh_rows:
+            sub = _select(padded, fresh_rows)
+            fresh_summaries = jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(sub)
+        row_of_fresh = {r: j for j, r in enumerate(fresh_rows)}
+        ordered: list[Summary] = []
+        fresh_counter = 0
+        for i, span in enumerate(layout.spans):
+            if span.kind == FRESH:
+                if fresh_counter in row_of_fresh:
+                    ordered.append(jax.tree.map(lambda a: a[row_of_fresh[fresh_counter]], fresh_summaries))
+                    after[i] = len(ordered) - 1
+                fresh_counter += 1
+                continue
+            if not span.carries_state:
+                continue
+            summary = cached[span.offset]
+            if not mode.transfer:
+                summary = Summary("identity", summary.state, None)
+            if mode.rope and rotate is not None and span.start != span.canonical_start:
+                summary = rotate(summary, span.start - span.canonical_start)
+            ordered.append(summary)
+            after[i] = len(ordered) - 1
+        if ordered:
+            prefix = linear_attn.prefix_states(linear_attn.stack_summaries(ordered))
+            rows = []
+            for span in fresh:
+                before = [after[i] for i in range(span_index[id(span)]) if i in after]
+                rows.append(before[-1] if before else -1)
+            with_zero = jnp.concatenate([prefix, zero_state[None]], axis=0)  # row -1 -> zeros
+            incoming = with_zero[jnp.asarray(np.asarray(rows, np.int32))]
+
+    outputs, finals = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunk_size))(padded, incoming)
+    out = unpad_fresh(outputs, layout)
+
+    if layout.spans[-1].kind == FRESH:
+        final_state = finals[-1]
+    elif prefix is not None:
+        final_state = prefix[-1]
+    else:
+        final_state = zero_state
+
+    records: list[Summary] = []
+    if layout.recorded:
+        if layout.isolated:
+            recorded = layout.recorded
+            interiors = _padded_inputs(inputs, layout, recorded, [s.record_from for s in recorded])
+            summaries = jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(interiors)
+            records = [jax.tree.map(lambda a: a[j], summaries) for j in range(len(recorded))]
+        else:
+            fresh_row = {id(s): i for i, s in enumerate(fresh)}
+            for span in layout.recorded:
+                records.append(Summary("identity", finals[fresh_row[id(span)]], None))
+    return out, final_state, tuple(records)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention over spans
+
+
+def span_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float,
+    q_positions: np.ndarray,
+    k_positions: np.ndarray,
+    q_segments: np.ndarray | None = None,
+    k_segments: np.ndarray | None = None,
+    block: int = 512,
+) -> Array:
+    """GQA attention of q [Lq, Hq, D] over k, v [Lk, Hkv, D]: key j visible to query i iff
+    k_pos[j] <= q_pos[i] (and, with segment ids, same segment). Query blocks of `block` rows bound the logits."""
+    same_width = max(q.shape[-1], v.shape[-1])
+    value_dim = v.shape[-1]
+    if v.shape[-1] != same_width:
+        v = jnp.pad(v, [(0, 0), (0, 0), (0, same_width - v.shape[-1])])
+    if q.shape[-1] != same_width:
+        q = jnp.pad(q, [(0, 0), (0, 0), (0, same_width - q.shape[-1])])
+        k = jnp.pad(k, [(0, 0), (0, 0), (0, same_width - k.shape[-1])])
+    k_pos = jnp.asarray(k_positions)
+    k_seg = None if k_segments is None else jnp.asarray(k_segments)
+
+    def attend(q_block, q_pos, q_seg):
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if q_seg is not None:
+            visible = visible & (k_seg[None, :] == q_seg[:, None])
+        out = jax.nn.dot_product_attention(q_block[None], k[None], v[None], scale=scale, mask=visible[None, None],
+                                           implementation="xla")
+        return out[0]
+
+    q_len = q.shape[0]
+    pieces = []
+    for start in range(0, q_len, block):  # static blocks: the layout is static, so is the number of blocks
+        stop = min(q_len, start + block)
+        q_seg = None if q_segments is None else jnp.asarray(q_segments[start:stop])
+        pieces.append(attend(q[start:stop], jnp.asarray(q_positions[start:stop]), q_seg))
+    out = jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+    return out[..., :value_dim]
+
+
+def attention_over_spans(
+    q: Array,
+    k: Array,
+    v: Array,
+    cached: Sequence[tuple[Array, Array]],
+    layout: SpanLayout,
+    mode: SpanMode = SpanMode(),
+    *,
+    scale: float,
+    rotate_keys: Callable[[Array, int], Array] | None = None,
+) -> tuple[Array, Array, Array, tuple[tuple[Array, Array], ...]]:
+    """Full attention from the packed fresh queries q [F, Hq, D] to all keys of the request.
+
+    k, v: fresh keys (post-RoPE at their positions) and values [F, Hkv, ...]. cached: per cached entry (K, V) with K
+    at canonical positions; rotate_keys(K, offset) moves them (applied when mode.rope). Returns (outputs [F, Hq, Dv],
+    keys and values of the whole request in absolute order [P, Hkv, ...] (for a decode cache; the packed fresh K/V in
+    an isolated layout), per recorded span its (K, V) from record_from on).
+    """
+    layout.validate(len(cached))
+    positions = layout.fresh_positions()
+    records = tuple(
+        (k[s.offset + s.record_from : s.offset + s.length], v[s.offset + s.record_from : s.offset + s.length])
+        for s in layout.recorded
+    )
+    if layout.isolated:
+        segments = layout.fresh_span_ids()
+        out = span_attention(q, k, v, scale=scale, q_positions=positions, k_positions=positions,
+                             q_segments=segments, k_segments=segments)
+        return out, k, v, records
+    key_blocks, value_blocks = [], []
+    for span in layout.spans:
+        if span.kind == FRESH:
+            key_blocks.append(k[span.offset : span.offset + span.length])
+            value_blocks.append(v[span.offset : span.offset + span.length])
+        else:
+            ck, cv = cached[span.offset]
+            if mode.rope and rotate_keys is not None and span.start != span.canonical_start:
+                ck = rotate_keys(ck, span.start - span.canonical_start)
+            key_blocks.append(ck.astype(k.dtype))
+            value_blocks.append(cv.astype(v.dtype))
+    keys = jnp.concatenate(key_blocks, axis=0) if len(key_blocks) > 1 else key_blocks[0]
+    values = jnp.concatenate(value_blocks, axis=0) if len(value_blocks) > 1 else value_blocks[0]
+    key_positions = np.arange(layout.total_length, dtype=np.int32)
+    out = span_attention(q, keys, values, scale=scale, q_positions=positions, k_positions=key_positions)
+    return out, keys, values, records
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpanResult:
+    """What an architecture's `span_forward` returns.
+
+    logits: float32 [vocab] of the last fresh token (None if not asked for).
+    records: per recorded span (layout order) a tuple with one cache-entry piece per layer.
+    decode: per layer the layer's cache after the whole request, batch 1 (linear state and conv tail; K/V or
+      latents of all P tokens in absolute order), for continuing with the ordinary decode step (None if not asked).
+    hidden: [num_layers + 1, F, H] the residual stream of the fresh tokens after the embedding and after every
+      layer (None if not asked): what `hypic-jax diag` compares across modes.
+    """
+
+    logits: Array | None
+    records: tuple
+    decode: tuple | None
+    hidden: Array | None
