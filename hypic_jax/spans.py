@@ -57,6 +57,8 @@ __all__ = [
     "linear_over_spans",
     "attention_over_spans",
     "span_attention",
+    "concat_in_order",
+    "SpanResult",
     "pad_fresh",
     "unpad_fresh",
     "MODES",
@@ -467,6 +469,22 @@ def linear_over_spans(
 # Attention over spans
 
 
+def concat_in_order(fresh, cached: Sequence, layout: SpanLayout):
+    """The per-token PyTree of the whole request in absolute order [P, ...]: the packed fresh tree [F, ...] cut at
+    span boundaries, interleaved with the cached spans' trees (per cached entry, entry order)."""
+    if layout.isolated:
+        return fresh
+    blocks = []
+    for span in layout.spans:
+        if span.kind == FRESH:
+            blocks.append(jax.tree.map(lambda a: a[span.offset : span.offset + span.length], fresh))
+        else:
+            blocks.append(cached[span.offset])
+    if len(blocks) == 1:
+        return blocks[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate([x.astype(xs[0].dtype) for x in xs], axis=0), *blocks)
+
+
 def span_attention(
     q: Array,
     k: Array,
@@ -538,19 +556,13 @@ def attention_over_spans(
         out = span_attention(q, k, v, scale=scale, q_positions=positions, k_positions=positions,
                              q_segments=segments, k_segments=segments)
         return out, k, v, records
-    key_blocks, value_blocks = [], []
-    for span in layout.spans:
-        if span.kind == FRESH:
-            key_blocks.append(k[span.offset : span.offset + span.length])
-            value_blocks.append(v[span.offset : span.offset + span.length])
-        else:
-            ck, cv = cached[span.offset]
-            if mode.rope and rotate_keys is not None and span.start != span.canonical_start:
-                ck = rotate_keys(ck, span.start - span.canonical_start)
-            key_blocks.append(ck.astype(k.dtype))
-            value_blocks.append(cv.astype(v.dtype))
-    keys = jnp.concatenate(key_blocks, axis=0) if len(key_blocks) > 1 else key_blocks[0]
-    values = jnp.concatenate(value_blocks, axis=0) if len(value_blocks) > 1 else value_blocks[0]
+    moved = []
+    for span in layout.cached:
+        ck, cv = cached[span.offset]
+        if mode.rope and rotate_keys is not None and span.start != span.canonical_start:
+            ck = rotate_keys(ck, span.start - span.canonical_start)
+        moved.append((ck.astype(k.dtype), cv.astype(v.dtype)))
+    keys, values = concat_in_order((k, v), moved, layout)
     key_positions = np.arange(layout.total_length, dtype=np.int32)
     out = span_attention(q, keys, values, scale=scale, q_positions=positions, k_positions=key_positions)
     return out, keys, values, records

@@ -400,6 +400,25 @@ def kda_inputs(p: dict[str, Array], q: Array, k: Array, v: Array, g_raw: Array, 
     )  # fmt: skip
 
 
+def kda_projections(p: dict[str, Array], c: KimiLinearConfig, x: Array) -> tuple[Array, Array, Array]:
+    """KDA projections of x [..., D]: (pre-conv [q|k|v] [..., 3HK], gate logits g_raw [..., H, K], b [..., H])."""
+    qkv = jnp.concatenate([x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]], axis=-1)
+    g_raw = (x @ p["f_a"] @ p["f_b"]).reshape(*x.shape[:-1], c.linear_num_heads, c.linear_head_dim)
+    return qkv, g_raw, x @ p["b_proj"]
+
+
+def kda_conv_taps(p: dict[str, Array], c: KimiLinearConfig) -> Array:
+    """The q, k, v short convs as one depthwise conv over [q|k|v]: taps [3HK, W]."""
+    return p["conv"].reshape(3 * c.linear_dim, c.conv_kernel)
+
+
+def kda_output(p: dict[str, Array], c: KimiLinearConfig, x: Array, o: Array) -> Array:
+    """Core outputs o [..., H, K] -> mixer output [..., D]: sigmoid-gated RMSNorm (gate from x), then o_proj."""
+    gate = (x @ p["g_a"] @ p["g_b"]).reshape(*x.shape[:-1], c.linear_num_heads, c.linear_head_dim)
+    o = gated_rms_norm(o.astype(x.dtype), gate, p["o_norm"], c.rms_norm_eps).reshape(*x.shape[:-1], c.linear_dim)
+    return o @ p["o_proj"]
+
+
 def kda_layer(
     p: dict[str, Array], c: KimiLinearConfig, x: Array, cache: base.LinearCache | None
 ) -> tuple[Array, base.LinearCache]:
@@ -409,14 +428,11 @@ def kda_layer(
     """
     batch, length, _ = x.shape
     heads, head_dim = c.linear_num_heads, c.linear_head_dim
-    qkv = jnp.concatenate([x @ p["q_proj"], x @ p["k_proj"], x @ p["v_proj"]], axis=-1)  # [B, L, 3HK]
-    taps = p["conv"].reshape(3 * c.linear_dim, c.conv_kernel)
+    qkv, g_raw, b = kda_projections(p, c, x)
+    taps = kda_conv_taps(p, c)
     tails = jnp.zeros((batch, c.conv_kernel - 1, 3 * c.linear_dim), qkv.dtype) if cache is None else cache.conv
     qkv, new_tails = jax.vmap(lambda xs, st: causal_conv1d(xs, taps, conv_state=st.astype(xs.dtype)))(qkv, tails)
     q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
-
-    g_raw = (x @ p["f_a"] @ p["f_b"]).reshape(batch, length, heads, head_dim)
-    b = x @ p["b_proj"]  # [B, L, H]
     states = jnp.zeros((batch, heads, head_dim, head_dim), jnp.float32) if cache is None else cache.state
 
     def one_sequence(q, k, v, g_raw, b, state):
@@ -426,9 +442,7 @@ def kda_layer(
         return inputs.chunked(initial_state=state, chunk_size=CHUNK_SIZE)
 
     o, states = jax.vmap(one_sequence)(q, k, v, g_raw, b, states)
-    gate = (x @ p["g_a"] @ p["g_b"]).reshape(batch, length, heads, head_dim)
-    o = gated_rms_norm(o.astype(x.dtype), gate, p["o_norm"], c.rms_norm_eps).reshape(batch, length, c.linear_dim)
-    return o @ p["o_proj"], base.LinearCache(state=states, conv=new_tails)
+    return kda_output(p, c, x, o), base.LinearCache(state=states, conv=new_tails)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,17 +477,22 @@ def _split_kv_b(p, c: KimiLinearConfig) -> tuple[Array, Array]:
     return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim :]
 
 
+def mla_expand(p, c: KimiLinearConfig, kv: MLACache) -> tuple[Array, Array]:
+    """Per-head keys [..., T, H, dn + dr] and values [..., T, H, dv] from latents [..., T, r] and k_rope [..., T, dr]."""
+    w_k, w_v = _split_kv_b(p, c)
+    k_nope = jnp.einsum("...tr,rhd->...thd", kv.latent, w_k)
+    values = jnp.einsum("...tr,rhd->...thd", kv.latent, w_v)
+    k_rope = jnp.broadcast_to(kv.k_rope[..., None, :], (*k_nope.shape[:-1], c.qk_rope_head_dim))
+    return jnp.concatenate([k_nope, k_rope], axis=-1), values
+
+
 def _attend_expanded(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: tuple[Array, Array] | None) -> Array:
     """Attention with keys/values expanded from the latent (the prefill path). q [B, L, H, dq] -> [B, L, H, dv].
 
     positions=None: plain causal attention over this call's tokens (the fused causal kernel); otherwise
     (query positions [L], key positions [T]) for queries continuing into cache buffers.
     """
-    w_k, w_v = _split_kv_b(p, c)
-    k_nope = jnp.einsum("btr,rhd->bthd", kv.latent, w_k)
-    values = jnp.einsum("btr,rhd->bthd", kv.latent, w_v)
-    k_rope = jnp.broadcast_to(kv.k_rope[:, :, None, :], (*k_nope.shape[:3], c.qk_rope_head_dim))
-    keys = jnp.concatenate([k_nope, k_rope], axis=-1)
+    keys, values = mla_expand(p, c, kv)
     # The fused kernels want one head dim for q, k and v: zero-pad v to dq (the extra output channels are zero).
     width = max(c.qk_head_dim, c.v_head_dim)
     q, keys, values = (jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])]) for t in (q, keys, values))
@@ -635,3 +654,67 @@ def prefill(
     """
     x, caches = hidden_states(params, config, tokens)
     return lm_head(params, config, x[:, -1]), decode_cache(config, caches, max_len)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Span forward (the PIC engine's single forward over the fresh tokens of a request; see hypic_jax.spans)
+
+
+def span_forward(params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cached: tuple, layout, mode, *,
+                 want_logits: bool = True, want_decode: bool = True, want_hidden: bool = False):
+    """One forward over the packed fresh tokens [F] of a request laid out as `layout` (a `spans.SpanLayout`).
+
+    cached: per cached span a tuple with one entry per layer: `spans.LinearEntry` (dense KDA summary, conv tail
+    [W-1, 3HK]) for KDA layers, `MLACache` (latents [n, r], k_rope [n, dr]) for MLA layers. MLA has no RoPE, so
+    cached latents are position-independent and need no re-rotation; they are expanded to per-head K/V for the
+    attention. Returns a `spans.SpanResult` (see `qwen3_5.span_forward`); decode caches hold MLA latents.
+    """
+    from hypic_jax import spans
+
+    c = config
+    x = params["embed"][tokens]  # [F, D]
+    hidden = [x] if want_hidden else None
+    decode, records = [], [[] for _ in layout.recorded]
+    for i, (kind, mlp_kind) in enumerate(zip(c.layer_types, c.mlp_types)):
+        lp = params["layers"][i]
+        layer_cached = [entry[i] for entry in cached]
+        h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
+        p = lp["attn"]
+        if kind == LINEAR:
+            qkv, g_raw, b = kda_projections(p, c, h)
+            qkv, conv_tail, conv_records = spans.conv_over_spans(
+                qkv, kda_conv_taps(p, c), [e.conv for e in layer_cached], layout)
+            q, k, v = (t.reshape(t.shape[0], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, -1))
+            o, state, summaries = spans.linear_over_spans(
+                kda_inputs(p, q, k, v, g_raw, b), [e.summary for e in layer_cached], layout, mode,
+                chunk_size=CHUNK_SIZE)
+            h = kda_output(p, c, h, o)
+            decode.append(base.LinearCache(state=state[None], conv=conv_tail[None]))
+            for j, (summary, tail) in enumerate(zip(summaries, conv_records)):
+                records[j].append(spans.LinearEntry(summary=summary, conv=tail))
+        else:
+            q = _mla_queries(p, c, h[None])[0]
+            fresh = mla_latents(p, c, h)
+            keys, values = mla_expand(p, c, fresh)
+            cached_kv = [mla_expand(p, c, jax.tree.map(lambda a: a.astype(h.dtype), e)) for e in layer_cached]
+            out, _, _, _ = spans.attention_over_spans(q, keys, values, cached_kv, layout, mode,
+                                                      scale=c.qk_head_dim**-0.5)
+            h = _linear(out.reshape(out.shape[0], -1), p["o_proj"], p.get("o_proj_bias"))
+            if want_decode:
+                whole = spans.concat_in_order(fresh, layer_cached, layout)
+                decode.append(jax.tree.map(lambda a: a[None], whole))
+            for j, span in enumerate(layout.recorded):
+                lo, hi = span.offset + span.record_from, span.offset + span.length
+                records[j].append(jax.tree.map(lambda a: a[lo:hi], fresh))
+        x = x + h
+        h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
+        x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None])[0])
+        if want_hidden:
+            hidden.append(x)
+    x = layers.rms_norm_plain(x, params["final_norm"], c.rms_norm_eps)
+    return spans.SpanResult(
+        logits=lm_head(params, c, x[-1]) if want_logits else None,
+        records=tuple(tuple(r) for r in records),
+        decode=tuple(decode) if want_decode else None,
+        hidden=jnp.stack(hidden) if want_hidden else None,
+    )

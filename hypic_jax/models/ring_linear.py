@@ -279,7 +279,11 @@ def linear_inputs(p: Params, x: Array, positions: Array, layer: int, config: Rin
     q, k, v = qkv[:, :, :h], qkv[:, :, h:2 * h], qkv[:, :, 2 * h:]
     q, k = _norm_and_rotate(p, q, k, positions, config)
     factor = config.layer_factor(layer)
-    return jax.vmap(lambda q, k, v: linear_attn.lightning(q, k, v, layer_factor=factor, scale=hd ** -0.5))(q, k, v)
+    # The decay is a compile-time constant; the barrier keeps XLA from constant-folding its per-chunk cumulative
+    # sums (tens of seconds of compile at 32k tokens on a GPU).
+    slopes = jax.lax.optimization_barrier(linear_attn.alibi_slopes(h))
+    return jax.vmap(lambda q, k, v: linear_attn.lightning(q, k, v, slopes=slopes, layer_factor=factor,
+                                                          scale=hd ** -0.5))(q, k, v)
 
 
 def linear_output(p: Params, x: Array, o: Array, config: RingLinearConfig) -> Array:
@@ -302,10 +306,8 @@ def linear_attention(p: Params, x: Array, positions: Array, state: Array | None,
     return linear_output(p, x, o, config), state
 
 
-def full_attention(p: Params, x: Array, positions: Array, kv_cache: base.KVCache | None,
-                   config: RingLinearConfig) -> tuple[Array, base.KVCache]:
-    """GQA softmax attention on x [B, L, D]. With `kv_cache` (buffers [B, T, KV, D]) the new keys are written at
-    their positions and queries see every buffered key at a position <= their own; without it, causal over x."""
+def attention_projections(p: Params, x: Array, positions: Array, config: RingLinearConfig) -> tuple[Array, Array, Array]:
+    """Full-attention q [B, L, H, D], k, v [B, L, KV, D] of x [B, L, D]: fused qkv, q/k norm, RoPE at `positions`."""
     batch, length, _ = x.shape
     h, kvh, hd = config.num_attention_heads, config.num_key_value_heads, config.attention_head_dim
     qkv = _fused_projection(p, x)
@@ -313,6 +315,16 @@ def full_attention(p: Params, x: Array, positions: Array, kv_cache: base.KVCache
     k = qkv[..., h * hd:(h + kvh) * hd].reshape(batch, length, kvh, hd)
     v = qkv[..., (h + kvh) * hd:].reshape(batch, length, kvh, hd)
     q, k = _norm_and_rotate(p, q, k, positions, config)
+    return q, k, v
+
+
+def full_attention(p: Params, x: Array, positions: Array, kv_cache: base.KVCache | None,
+                   config: RingLinearConfig) -> tuple[Array, base.KVCache]:
+    """GQA softmax attention on x [B, L, D]. With `kv_cache` (buffers [B, T, KV, D]) the new keys are written at
+    their positions and queries see every buffered key at a position <= their own; without it, causal over x."""
+    batch, length, _ = x.shape
+    h, hd = config.num_attention_heads, config.attention_head_dim
+    q, k, v = attention_projections(p, x, positions, config)
     if kv_cache is None:
         new_cache, keys, values = base.KVCache(k=k, v=v), k, v
         q_positions = key_positions = None  # causal within x: the fast path
@@ -456,3 +468,64 @@ def init_cache(config: RingLinearConfig, batch: int, max_len: int, dtype=jnp.flo
 Config = RingLinearConfig
 config_from_hf = RingLinearConfig.from_hf
 param_specs = partition_specs
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Span forward (the PIC engine's single forward over the fresh tokens of a request; see hypic_jax.spans)
+
+
+def span_forward(params: Params, config: RingLinearConfig, tokens: Array, cached: tuple, layout, mode, *,
+                 want_logits: bool = True, want_decode: bool = True, want_hidden: bool = False):
+    """One forward over the packed fresh tokens [F] of a request laid out as `layout` (a `spans.SpanLayout`).
+
+    cached: per cached span a tuple with one entry per layer: `spans.LinearEntry` (scalar-form summary, empty conv
+    tail) for linear layers, `spans.KVEntry` for full attention. Linear layers RoPE their keys, so a cached summary
+    computed at canonical positions is moved to its absolute position with `rotate_summary` (exact: the scalar
+    transfer commutes with the rotation). Returns a `spans.SpanResult` (see `qwen3_5.span_forward`).
+    """
+    from hypic_jax import rope, spans
+
+    positions = jnp.asarray(layout.fresh_positions())
+    x = params["embed"][tokens][None]  # [1, F, D]
+    hidden = [x[0]] if want_hidden else None
+    decode, records = [], [[] for _ in layout.recorded]
+    linear_rotary = config.rotary_dim(config.linear_head_dim)
+    attention_rotary = config.rotary_dim(config.attention_head_dim)
+    rotate_summary = lambda summary, offset: linear_attn.rotate_summary(  # noqa: E731
+        summary, offset, rotary_dim=linear_rotary, base=config.rope_theta)
+    rotate_keys = lambda k, offset: rope.rotate_keys(  # noqa: E731
+        k, offset, rotary_dim=attention_rotary, base=config.rope_theta)
+    for i, lp in enumerate(params["layers"]):
+        layer_cached = [entry[i] for entry in cached]
+        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
+        p = lp["attn"]
+        if config.is_full_attention(i):
+            q, k, v = attention_projections(p, h, positions, config)
+            o, keys, values, kv_records = spans.attention_over_spans(
+                q[0], k[0], v[0], [(e.k, e.v) for e in layer_cached], layout, mode,
+                scale=config.attention_head_dim ** -0.5, rotate_keys=rotate_keys)
+            mixed = o.reshape(o.shape[0], -1) @ p["dense"]
+            decode.append(base.KVCache(k=keys[None], v=values[None]))
+            for j, (rk, rv) in enumerate(kv_records):
+                records[j].append(spans.KVEntry(k=rk, v=rv))
+        else:
+            inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h, positions, i, config))
+            o, state, summaries = spans.linear_over_spans(
+                inputs, [e.summary for e in layer_cached], layout, mode, rotate=rotate_summary)
+            mixed = linear_output(p, h, o[None], config)[0]
+            no_conv = jnp.zeros((0, 0), x.dtype)
+            decode.append(base.LinearCache(state=state[None], conv=no_conv[None]))
+            for j, summary in enumerate(summaries):
+                records[j].append(spans.LinearEntry(summary=summary, conv=no_conv))
+        x = x + mixed[None]
+        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
+        x = x + (moe(lp["mlp"], h, config) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
+        if want_hidden:
+            hidden.append(x[0])
+    x = layers.rms_norm(x, params["norm"], config.rms_norm_eps)
+    return spans.SpanResult(
+        logits=unembed(params, x[0, -1]) if want_logits else None,
+        records=tuple(tuple(r) for r in records),
+        decode=tuple(decode) if want_decode else None,
+        hidden=jnp.stack(hidden) if want_hidden else None,
+    )
