@@ -100,11 +100,12 @@ def test_param_specs_cover_params(checkpoints):
         assert len(spec) <= leaf.ndim
 
 
-def test_pallas_gdn_kernel_matches_xla_core(checkpoints):
-    """config.gdn_kernel="pallas" routes prefill through hypic_jax.pallas.gdn (interpreted on the CPU)."""
+def test_pallas_kernels_match_transformers(checkpoints):
+    """gdn_kernel="pallas" / moe_kernel="pallas" route prefill through hypic_jax.pallas.gdn and the Pallas grouped
+    matmul (both interpreted on the CPU; "auto" picks the MoE kernel on a GPU)."""
     _, reference, model = checkpoints["moe"]
     tokens = prompt(2, 24)
-    config = dataclasses.replace(model.config, gdn_kernel="pallas")
+    config = dataclasses.replace(model.config, gdn_kernel="pallas", moe_kernel="pallas")
     logits, _ = jax.jit(qwen3_5.forward, static_argnames="config")(model.params, config, tokens)
     assert relative_error(logits, reference_logits(reference, tokens)) < 1e-4
 

@@ -74,14 +74,29 @@ def softmax_topk_router(
     return weights, experts.astype(jnp.int32)
 
 
-def grouped_swiglu_experts(
-    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array
-) -> Array:
-    """Routed SwiGLU experts as two grouped matmuls (`jax.lax.ragged_dot`) over expert-sorted token copies.
+# Rows (token copies) from which the Pallas grouped matmul replaces ragged_dot on a GPU under impl="auto".
+PALLAS_MOE_MIN_ROWS = 2048
+MOE_IMPLS = ("auto", "ragged", "pallas")
 
-    Each token is copied once per chosen expert, the copies are sorted by expert so every expert sees one contiguous
-    row group, and the groups are multiplied by their expert's weights in one grouped matmul (no dense loop over
-    experts and no per-expert padding). The outputs are un-sorted with a gather and combined with the router weights.
+
+def _use_pallas_moe(impl: str, num_rows: int) -> bool:
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return jax.default_backend() == "gpu" and num_rows >= PALLAS_MOE_MIN_ROWS
+    return impl == "pallas"
+
+
+def grouped_swiglu_experts(
+    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, *, impl: str = "auto"
+) -> Array:
+    """Routed SwiGLU experts as two grouped matmuls over expert-sorted token copies.
+
+    Each token is copied once per chosen expert and the copies are sorted by expert, so every expert sees one
+    contiguous row group; no dense loop over experts. The grouped matmul is `jax.lax.ragged_dot` ("ragged") or, for
+    long inputs on a GPU, the Pallas kernel of `hypic_jax.pallas.grouped_matmul` ("pallas"; XLA's GPU ragged_dot
+    lowers to a dense dot over all experts). "auto" picks Pallas on a GPU from PALLAS_MOE_MIN_ROWS copies up.
+    Outputs are gathered back per (token, slot) and combined with the router weights in float32.
 
     Args:
       x: [T, H] tokens.  weights, experts: [T, k] router weights and expert ids.
@@ -92,21 +107,37 @@ def grouped_swiglu_experts(
     num_tokens, top_k = experts.shape
     num_experts = gate_up.shape[0]
     flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    rows = x[order // top_k]  # [T*k, H], grouped by expert
+    order = jnp.argsort(flat_experts, stable=True)  # sorted position -> (token, slot) copy
+    inverse = jnp.argsort(order)  # (token, slot) copy -> sorted position
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-    # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes
-    hidden = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)
-    gate, up = jnp.split(hidden, 2, axis=-1)
-    activated = jax.nn.silu(gate) * up
-    out_rows = jax.lax.ragged_dot(activated, down.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)
-    inverse = jnp.argsort(order)  # position of each (token, slot) copy in the sorted order
-    per_slot = out_rows[inverse].reshape(num_tokens, top_k, -1)
+    num_rows = num_tokens * top_k
+    if _use_pallas_moe(impl, num_rows):
+        from hypic_jax.pallas import grouped_matmul as gm
+
+        layout = gm.block_layout(group_sizes, num_rows, block_m=64)
+        slot_rows = layout.positions[inverse]  # padded row of each (token, slot) copy
+        padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
+            jnp.arange(num_rows, dtype=jnp.int32) // top_k
+        )  # rows of padding blocks read token 0; their outputs are never gathered
+        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up)
+        gate, up = jnp.split(hidden, 2, axis=-1)
+        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down)
+        per_slot = out_rows[slot_rows]
+    else:
+        # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes
+        rows = x[order // top_k]  # [T*k, H], grouped by expert
+        hidden = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)
+        gate, up = jnp.split(hidden, 2, axis=-1)
+        out_rows = jax.lax.ragged_dot(
+            jax.nn.silu(gate) * up, down.astype(x.dtype), group_sizes, preferred_element_type=x.dtype
+        )
+        per_slot = out_rows[inverse]
+    per_slot = per_slot.reshape(num_tokens, top_k, -1)
     combined = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights.astype(jnp.float32))
     return combined.astype(x.dtype)
 
 
-def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True) -> Array:
+def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True, impl: str = "auto") -> Array:
     """Qwen-style sparse MoE block: softmax top-k router, SwiGLU experts, sigmoid-gated shared expert.
 
     `p` holds router [H, E], gate_up [E, H, 2I], down [E, I, H], and optionally shared_gate_proj / shared_up_proj /
@@ -115,7 +146,7 @@ def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True) -> Arra
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     weights, experts = softmax_topk_router(tokens, p["router"], top_k, renormalize=renormalize)
-    routed = grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"])
+    routed = grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"], impl=impl)
     if "shared_gate_proj" in p:
         shared = swiglu(tokens, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"])
         shared = jax.nn.sigmoid(tokens @ p["shared_expert_gate"]) * shared

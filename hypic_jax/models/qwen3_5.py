@@ -54,6 +54,7 @@ class Config:
     conv_kernel: int = 4
     chunk_size: int = 64
     gdn_kernel: str = "xla"  # prefill core: "xla" (linear_attn.chunked) or "pallas" (hypic_jax.pallas.gdn, GPU)
+    moe_kernel: str = "auto"  # grouped matmul: "ragged" (lax.ragged_dot), "pallas", "auto" (Pallas on a GPU)
     # MLPs
     intermediate_size: int = 0
     num_experts: int = 0
@@ -395,7 +396,9 @@ def full_attention(
 def feed_forward(x: Array, p: dict, config: Config, mlp_type: str) -> Array:
     if mlp_type == "dense":
         return layers.swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
-    return layers.qwen_moe(x, p, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+    return layers.qwen_moe(
+        x, p, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob, impl=config.moe_kernel
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
