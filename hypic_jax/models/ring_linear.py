@@ -363,11 +363,27 @@ def route(p: Params, x: Array, config: RingLinearConfig) -> tuple[Array, Array]:
     return weights * config.routed_scaling_factor, experts
 
 
+def gathered_swiglu_experts(x: Array, weights: Array, experts: Array, gate_up: Array, down: Array) -> Array:
+    """Routed SwiGLU experts for a few tokens (decode): gather each token's k experts' weights and multiply.
+
+    Reads only the chosen experts, where a grouped matmul over all E groups streams every expert's weights.
+    x [T, D], weights / experts [T, k], gate_up [E, D, 2I], down [E, I, D] -> [T, D] in x's dtype.
+    """
+    hidden = jnp.einsum("td,tkdi->tki", x, gate_up[experts], preferred_element_type=jnp.float32)
+    gate, up = jnp.split(hidden, 2, axis=-1)
+    activated = (jax.nn.silu(gate) * up).astype(x.dtype)
+    out = jnp.einsum("tki,tkid->tkd", activated, down[experts], preferred_element_type=jnp.float32)
+    return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32)).astype(x.dtype)
+
+
 def moe(p: Params, x: Array, config: RingLinearConfig) -> Array:
-    """Ring's MoE block on x [..., D]: routed SwiGLU experts (grouped matmuls) plus the shared expert."""
+    """Ring's MoE block on x [..., D]: routed SwiGLU experts plus the shared expert. Grouped matmuls when there
+    are at least as many (token, expert) pairs as experts, else (decode) a gather of the chosen experts only."""
     tokens = x.reshape(-1, x.shape[-1])
     weights, experts = route(p, tokens, config)
-    out = layers.grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"])
+    few_pairs = tokens.shape[0] * config.num_experts_per_tok < config.num_experts
+    experts_fn = gathered_swiglu_experts if few_pairs else layers.grouped_swiglu_experts
+    out = experts_fn(tokens, weights, experts, p["gate_up"], p["down"])
     if "shared" in p:
         out = out + swiglu_mlp(p["shared"], tokens)
     return out.reshape(x.shape)
