@@ -289,26 +289,25 @@ def test_param_specs_match_params(model):
 
 
 _MESH_SCRIPT = """
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-from hypic_jax.models import ring_linear as R
-config = R.config_from_hf(json.loads(sys.argv[1]))
-params = R.init_params(config, jax.random.key(0))
+import sys
+import jax, numpy as np
+import hypic_jax
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-sharded = jax.device_put(params, R.shardings(config, mesh))
-tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 12)), jnp.int32)
-rows = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None)))
-forward = jax.jit(lambda p, t: R.forward(p, config, t)[0])
-print(float(np.abs(np.asarray(forward(sharded, rows)) - np.asarray(forward(params, tokens))).max()))
+sharded = hypic_jax.load(sys.argv[1], dtype="float32", mesh=mesh)
+plain = hypic_jax.load(sys.argv[1], dtype="float32")
+assert sharded.params["layers"][1]["mlp"]["gate_up"].sharding.spec == jax.sharding.PartitionSpec("model", None, None)
+tokens = np.random.default_rng(0).integers(0, sharded.config.vocab_size, (2, 12)).astype(np.int32)
+print(float(np.abs(np.asarray(sharded.logits(tokens)) - np.asarray(plain.logits(tokens))).max()))
 """
 
 
-def test_sharded_forward_on_eight_devices():
-    """Parameters placed with `shardings` on a 2 x 4 ("data", "model") mesh of fake CPU devices give the
-    single-device logits."""
+def test_sharded_load_on_eight_devices(checkpoint):
+    """`hypic_jax.load(..., mesh=)` places the parameters with `param_specs` on a 2 x 4 ("data", "model") mesh of
+    fake CPU devices and gives the single-device logits."""
+    folder, _, _ = checkpoint
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, json.dumps(TINY_CONFIG)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(folder)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
 
