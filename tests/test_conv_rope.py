@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ from hypic_jax import linear_attn as la
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.rope import apply_rope, rotate_keys, rotate_state_keys
 
-SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 10)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def numpy_conv(x, weight, bias):

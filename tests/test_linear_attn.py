@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import functools
 
 import jax
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from families import EXPECTED_FORM, FAMILIES, make_family, numpy_recurrence, rel_err, slice_inputs
 from hypic_jax import linear_attn as la
 
-SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = 1e-5
 
 # Shapes come from small sets so that jitted executables are reused across examples (compilation, not arithmetic,
@@ -38,6 +39,19 @@ def _runner(kind: str, chunk_size: int = 64):
     if kind == "chunked":
         return jax.jit(lambda inp, init: inp.chunked(init, chunk_size=chunk_size))
     return jax.jit(lambda inp: inp.summarize(chunk_size=chunk_size))
+
+
+def transfer_err(actual, expected) -> float:
+    """Error of a transfer operator on the scale of the identity it starts from.
+
+    Every A_t is a contraction, so T_C = A_|C| ... A_1 has operator norm <= 1 and can be far smaller (a delta rule
+    over more keys than dimensions projects most of the space away). The chunked form obtains T as a difference of
+    O(1) terms (decay minus the WY correction), so its absolute error is float32 rounding on the scale of I, and
+    that, not ||T||, is what an error in T S0 is proportional to.
+    """
+    expected = np.asarray(expected, np.float64)
+    scale = np.sqrt(expected.size / expected.shape[-1])  # ||I|| over the leading (head) axes
+    return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / max(np.linalg.norm(expected), scale))
 
 
 def _family(name, s):
@@ -90,9 +104,9 @@ def test_compose_is_associative_and_matches_whole(family, s, data):
     left, right = la.compose(la.compose(a, b), c), la.compose(a, la.compose(b, c))
     whole = summarize(inputs)
     assert left.form == right.form == whole.form
-    assert rel_err(la.dense_transfer(left), la.dense_transfer(right)) <= TOL
+    assert transfer_err(la.dense_transfer(left), la.dense_transfer(right)) <= TOL
     assert rel_err(left.state, right.state) <= TOL
-    assert rel_err(la.dense_transfer(left), la.dense_transfer(whole)) <= TOL
+    assert transfer_err(la.dense_transfer(left), la.dense_transfer(whole)) <= TOL
     assert rel_err(left.state, whole.state) <= TOL
 
 
