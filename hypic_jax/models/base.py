@@ -61,10 +61,12 @@ def cache_positions(cache: ModelCache | None, length: int) -> Array:
     return start + jnp.arange(length, dtype=jnp.int32)
 
 
-def update_kv_cache(cache: KVCache, k: Array, v: Array, start: Array) -> tuple[KVCache, Array, Array]:
+def update_kv_cache(cache: KVCache, k: Array, v: Array, start: Array) -> tuple[KVCache, Array]:
     """Write k, v [B, L, H, D] at positions start..start+L-1; returns the new cache and key positions [max_len].
 
     Slots not yet written sit at positions >= start + L, so the causal mask on absolute positions hides them.
+    The caller keeps start + L <= max_len (size the cache for prompt + new tokens): `dynamic_update_slice` would
+    clamp the write instead of failing.
     """
     zero = jnp.zeros((), jnp.int32)
     index = (zero, jnp.asarray(start, jnp.int32), zero, zero)
