@@ -115,15 +115,14 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--gdn-kernel", choices=("xla", "pallas"), default=None,
-                        help="GDN prefill core (default: pallas on a GPU, xla elsewhere)")
+    parser.add_argument("--gdn-kernel", choices=("auto", "xla", "pallas"), default="auto",
+                        help="GDN prefill core (auto: Pallas for bf16 on a GPU, linear_attn.chunked elsewhere)")
     parser.add_argument("--moe-kernel", choices=("auto", "ragged", "pallas"), default="auto",
                         help="expert grouped matmul (auto: Pallas on a GPU, lax.ragged_dot elsewhere)")
     args = parser.parse_args(argv)
 
     config = small_config() if args.small else full_config(args.layers)
-    gdn_kernel = args.gdn_kernel or ("pallas" if jax.default_backend() == "gpu" else "xla")
-    config = dataclasses.replace(config, gdn_kernel=gdn_kernel, moe_kernel=args.moe_kernel)
+    config = dataclasses.replace(config, gdn_kernel=args.gdn_kernel, moe_kernel=args.moe_kernel)
     lengths = args.lengths or ([256, 1024] if args.small else [8192, 32768])
     dtype = jnp.dtype(args.dtype)
     print(f"devices: {jax.devices()}", flush=True)
@@ -165,7 +164,7 @@ def main(argv=None) -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
     name = "small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L"
-    print(json.dumps(dict(config=name, gdn_kernel=gdn_kernel, moe_kernel=args.moe_kernel, results=results)))
+    print(json.dumps(dict(config=name, gdn_kernel=args.gdn_kernel, moe_kernel=args.moe_kernel, results=results)))
 
 
 if __name__ == "__main__":

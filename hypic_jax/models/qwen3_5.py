@@ -53,7 +53,7 @@ class Config:
     linear_value_head_dim: int = 128
     conv_kernel: int = 4
     chunk_size: int = 64
-    gdn_kernel: str = "xla"  # prefill core: "xla" (linear_attn.chunked) or "pallas" (hypic_jax.pallas.gdn, GPU)
+    gdn_kernel: str = "auto"  # prefill core: "xla" (linear_attn.chunked), "pallas", "auto" (Pallas for bf16 on GPU)
     moe_kernel: str = "auto"  # grouped matmul: "ragged" (lax.ragged_dot), "pallas", "auto" (Pallas on a GPU)
     # MLPs
     intermediate_size: int = 0
@@ -320,8 +320,10 @@ def gated_delta_net(
     conv = lambda xs, cs: causal_conv1d(xs, p["conv_weight"], conv_state=cs, activation="silu")  # noqa: E731
     mixed, new_conv = jax.vmap(conv)(mixed, conv_state)
 
+    use_pallas = length > 1 and _use_pallas_gdn(config, x.dtype)
+
     def one_sequence(mixed, a, b, state):
-        if config.gdn_kernel == "pallas" and length > 1:
+        if use_pallas:
             q, k, v = jnp.split(mixed, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
             q, k, v = q.reshape(length, hk, dk), k.reshape(length, hk, dk), v.reshape(length, hv, dv)
             return _pallas_gdn(q, k, v, a, b, p, state, config)
@@ -332,6 +334,15 @@ def gated_delta_net(
 
     core, new_state = jax.vmap(one_sequence)(mixed, a, b, state)  # core [B, L, Hv, Dv]
     return gdn_output(core, z, p, config), LinearCache(state=new_state, conv=new_conv)
+
+
+def _use_pallas_gdn(config: Config, dtype) -> bool:
+    if config.gdn_kernel not in ("auto", "xla", "pallas"):
+        raise ValueError(f"gdn_kernel must be 'auto', 'xla' or 'pallas', got {config.gdn_kernel!r}")
+    if config.gdn_kernel != "auto":
+        return config.gdn_kernel == "pallas"
+    dims_ok = all(d >= 16 and not d & (d - 1) for d in (config.linear_key_head_dim, config.linear_value_head_dim))
+    return jax.default_backend() == "gpu" and dtype == jnp.bfloat16 and dims_ok
 
 
 def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
