@@ -270,7 +270,8 @@ def _norm_and_rotate(p: Params, q: Array, k: Array, positions: Array, config: Ri
     return q, k
 
 
-def linear_inputs(p: Params, x: Array, positions: Array, layer: int, config: RingLinearConfig) -> linear_attn.LinearInputs:
+def linear_inputs(p: Params, x: Array, positions: Array, layer: int,
+                  config: RingLinearConfig) -> linear_attn.LinearInputs:
     """The core's view of a linear layer for x [B, L, D]: normed, rotated q, k and v [B, L, H, K] with the layer's
     constant decay (a batched LinearInputs; vmap its methods over B). A PIC engine summarises segments from this."""
     batch, length, _ = x.shape
