@@ -654,6 +654,12 @@ def _repeat_heads(x: Array, heads: int, name: str) -> Array:
     return jnp.repeat(x, heads // groups, axis=1) if groups != heads else x
 
 
+def _opaque(x: Array) -> Array:
+    """Hide a compile-time-constant gate from XLA's constant folder: folding the chunk sums of a broadcast constant
+    decay over a long sequence costs far more compile time than computing them."""
+    return jax.lax.optimization_barrier(jnp.asarray(x, jnp.float32))
+
+
 def linear_attention(q: Array, k: Array, v: Array, *, scale: float = 1.0) -> LinearInputs:
     """Plain (ungated) linear attention: A_t = I."""
     return LinearInputs(q, k, v, scale=scale)
@@ -667,7 +673,7 @@ def retnet_decays(num_heads: int) -> Array:
 def retnet(q: Array, k: Array, v: Array, *, scale: float | None = None) -> LinearInputs:
     """RetNet retention: A_t = gamma_h I with fixed per-head gamma."""
     length, heads = k.shape[:2]
-    g = jnp.broadcast_to(jnp.log(retnet_decays(heads)), (length, heads))
+    g = jnp.broadcast_to(_opaque(jnp.log(retnet_decays(heads))), (length, heads))
     return LinearInputs(q, k, v, g=g, scale=_default_scale(scale, k.shape[-1]))
 
 
@@ -708,7 +714,7 @@ def lightning(
     slopes = alibi_slopes(heads) if slopes is None else jnp.asarray(slopes, jnp.float32)
     if slopes.shape != (heads,):
         raise ValueError(f"slopes must be [H={heads}], got shape {slopes.shape}")
-    g = jnp.broadcast_to(-slopes * layer_factor, (length, heads))
+    g = jnp.broadcast_to(_opaque(-slopes * layer_factor), (length, heads))
     return LinearInputs(q, k, v, g=g, scale=_default_scale(scale, k.shape[-1]))
 
 
