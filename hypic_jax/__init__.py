@@ -10,3 +10,12 @@ def load(path, dtype="bfloat16", *, mesh=None):
     from hypic_jax.models import load as _load
 
     return _load(path, dtype, mesh=mesh)
+
+
+def __getattr__(name):
+    """`hypic_jax.Engine` without importing the engine (and every model) at package import time."""
+    if name == "Engine":
+        from hypic_jax.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'hypic_jax' has no attribute {name!r}")

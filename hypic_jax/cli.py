@@ -1,4 +1,5 @@
-"""Command line: `hypic-jax convert SRC DST [--dtype bfloat16]` (Hugging Face folder -> orbax checkpoint)."""
+"""Command line: `hypic-jax convert SRC DST [--dtype bfloat16]` (Hugging Face folder -> orbax checkpoint) and
+`hypic-jax diag MODEL --segments ... [--mode transition_rope_recompute]` (per-layer deviation of a PIC mode)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diag(args: argparse.Namespace) -> int:
+    import json
+
+    from hypic_jax.engine import Engine
+
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, separator=args.separator)
+    segments = args.segments if len(args.segments) > 1 else args.segments[0]  # one string: split on the separator
+    if args.token_ids:
+        segments = [[int(t) for t in s.replace(",", " ").split()] for s in args.segments]
+    rows = engine.diagnose(segments, mode=args.mode, seam=args.seam)
+    print(f"{'layer':>6} {'kind':<7} {'relative deviation vs full recompute':>38}")
+    for row in rows:
+        print(f"{row['layer']!s:>6} {row['kind']:<7} {row['deviation']:>38.3e}")
+    print(json.dumps(dict(mode=args.mode or engine.mode, seam=args.seam, rows=rows)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hypic-jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("dst", help="output folder (loadable with hypic_jax.load)")
     convert.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     convert.set_defaults(run=_convert)
+    diag = commands.add_parser("diag", help="per-layer hidden-state deviation of a PIC mode vs full recompute")
+    diag.add_argument("model", help="model folder (orbax checkpoint or Hugging Face folder)")
+    diag.add_argument("--segments", nargs="+", required=True,
+                      help="segments, the last one the query (one string is split on --separator)")
+    diag.add_argument("--token-ids", action="store_true", help="segments are whitespace/comma separated token ids")
+    diag.add_argument("--mode", default=None, help="mode to compare (default transition_rope_recompute)")
+    diag.add_argument("--seam", type=float, default=None, help="seam knob (default 8 tokens)")
+    diag.add_argument("--separator", default="<<PIC_SEP>>")
+    diag.add_argument("--dtype", default="bfloat16")
+    diag.set_defaults(run=_diag)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -230,8 +230,10 @@ class Engine:
 
     # Prefill ------------------------------------------------------------------------------------------------------
     def prefill(self, segments, mode: str | None = None, seam: float | None = None, cache_salt: str | None = None,
-                *, _want_decode: bool = False, _want_hidden: bool = False) -> PrefillResult:
-        """Prefill a request; returns the last position's logits and the stats (see `PrefillStats`)."""
+                *, _want_hidden: bool = False) -> PrefillResult:
+        """Prefill a request; returns the last position's logits, the stats (see `PrefillStats`) and the per-layer
+        caches after the prompt (`decode`, on device: what `generate` continues from; the K/V concatenation they
+        hold is built for the attention anyway, so returning it costs no extra compute)."""
         mode = self._check_mode(mode or self.mode)
         seam = self.seam if seam is None else seam
         segs = self.segment_tokens(segments)
@@ -246,7 +248,7 @@ class Engine:
             cold_s = time.perf_counter() - start
             combine_start = time.perf_counter()
             result = self._run(plan["fresh"], plan["cached"], plan["layout"], spans.MODES[mode],
-                               want_logits=True, want_decode=_want_decode, want_hidden=_want_hidden)
+                               want_logits=True, want_decode=True, want_hidden=_want_hidden)
             logits = np.asarray(jax.block_until_ready(result.logits))
             self._store_records(plan.get("record_as", []), result.records, pins)
         end = time.perf_counter()
@@ -383,7 +385,7 @@ class Engine:
         if self.max_context is not None and total + max_new_tokens > self.max_context:
             raise ValueError(f"prompt ({total}) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
                              f"of {self.max_context}")
-        pre = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt, _want_decode=True)
+        pre = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt)
         start = time.perf_counter()
         max_len = total + max(max_new_tokens, 1)
         cache = ModelCache(layers=tuple(_pad_decode(c, total, max_len) for c in pre.decode),

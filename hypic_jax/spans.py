@@ -556,6 +556,11 @@ def attention_over_spans(
         out = span_attention(q, k, v, scale=scale, q_positions=positions, k_positions=positions,
                              q_segments=segments, k_segments=segments)
         return out, k, v, records
+    if not layout.cached:  # fresh tokens only, from position 0: plain causal attention (flash kernel on a GPU)
+        from hypic_jax.models.layers import dot_product_attention
+
+        if v.shape[-1] == q.shape[-1]:
+            return dot_product_attention(q[None], k[None], v[None], scale=scale)[0], k, v, records
     moved = []
     for span in layout.cached:
         ck, cv = cached[span.offset]

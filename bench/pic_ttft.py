@@ -1,0 +1,117 @@
+"""Time to first token of every PIC mode, side by side, on the Qwen3.5-35B-A3B shape with random bf16 weights.
+
+A RAG-shaped prompt of `--segments` documents of `--segment-len` tokens plus a `--query-len` query (default 64 x
+512 + 64 = 32832 tokens). For each mode the cache is first warmed with the documents in one order (this also
+compiles: documents of one length give every later request the same span layout), then each timed request uses a
+fresh random order of the same documents, so `prefix_cache` faces reordered documents as in a RAG workload and the
+PIC modes are served from their entries. TTFT is the engine's wall time from request to first-token logits on the
+host (hashing, lookups, layout, the forward, the device-to-host copy).
+
+    python bench/pic_ttft.py                     # on the GPU (needs ~90 GB: weights + cache entries)
+    python bench/pic_ttft.py --small             # toy shape, CPU smoke test
+
+Also reported: cache bytes per segment and per token of each entry kind, and the floor of a warm request: all
+weight bytes over the measured bandwidth (a few hundred fresh tokens already touch every expert) plus the fresh
+tokens' matmul FLOPs over the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill import active_weights_per_token, count_params, full_config, small_config  # noqa: E402
+
+from hypic_jax.engine import Engine  # noqa: E402
+from hypic_jax.models import qwen3_5  # noqa: E402
+from hypic_jax.models.base import Model  # noqa: E402
+
+MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="toy shape (CPU smoke test)")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--segments", type=int, default=None)
+    parser.add_argument("--segment-len", type=int, default=None)
+    parser.add_argument("--query-len", type=int, default=None)
+    parser.add_argument("--seam", type=float, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--cache-gb", type=float, default=48.0, help="segment cache budget")
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.19, help="measured HBM bandwidth (H200: 4.19)")
+    parser.add_argument("--peak-tflops", type=float, default=793.0, help="bf16 matmul peak (H200: 793)")
+    args = parser.parse_args(argv)
+
+    config = small_config() if args.small else full_config(args.layers)
+    segments = args.segments or (8 if args.small else 64)
+    segment_len = args.segment_len or (64 if args.small else 512)
+    query_len = args.query_len or (16 if args.small else 64)
+    dtype = jnp.float32 if args.small else jnp.bfloat16
+    print(f"devices: {jax.devices()}", flush=True)
+    start = time.perf_counter()
+    params = jax.jit(functools.partial(qwen3_5.init_params, config, dtype=dtype))(jax.random.key(0))
+    jax.block_until_ready(params)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    print(f"built {count_params(params) / 1e9:.2f}B params ({jnp.dtype(dtype).name}) in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+    engine = Engine(Model(qwen3_5, config, params), cache_bytes=int(args.cache_gb * 2**30), seam=args.seam)
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, config.vocab_size, segment_len).tolist() for _ in range(segments)]
+    query = rng.integers(0, config.vocab_size, query_len).tolist()
+    prompt_tokens = segments * segment_len + query_len
+
+    rows = []
+    for mode in args.modes:
+        engine.cache.clear()
+        start = time.perf_counter()
+        warm = engine.prefill(docs + [query], mode=mode)  # cold: fills the cache, compiles
+        warm_s = time.perf_counter() - start
+        entry_bytes = engine.cache.stats.bytes
+        times, last = [], None
+        for _ in range(args.repeats + 1):  # the first reordered request compiles what the warm-up did not
+            order = rng.permutation(segments)
+            last = engine.prefill([docs[i] for i in order] + [query], mode=mode)
+            times.append(last.stats.ttft_s)
+        ttft = min(times[1:])
+        row = dict(
+            mode=mode, ttft_ms=round(1e3 * ttft, 2), runs_ms=[round(1e3 * t, 2) for t in times],
+            cold_request_s=round(warm_s, 3), cold_ttft_s=round(warm.stats.ttft_s, 3),
+            recomputed_tokens=last.stats.recomputed_tokens, cached_tokens=last.stats.cached_tokens,
+            hits=last.stats.hits, misses=last.stats.misses,
+            cache_bytes_per_segment=int(entry_bytes / max(1, engine.cache.stats.entries)),
+        )
+        if engine.cache.stats.entries:
+            row["cache_bytes_per_token"] = int(entry_bytes / (engine.cache.stats.entries * segment_len))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    by_mode = {r["mode"]: r["ttft_ms"] for r in rows}
+    summary = dict(config="small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L", prompt_tokens=prompt_tokens,
+                   segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam)
+    if "transition_rope_recompute" in by_mode:
+        pic = by_mode["transition_rope_recompute"]
+        fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")
+        floor_s = weight_bytes / (args.bandwidth_tbs * 1e12) + (
+            2.0 * active_weights_per_token(config) * fresh / (args.peak_tflops * 1e12))
+        summary.update(
+            pic_ttft_ms=pic, floor_ms=round(1e3 * floor_s, 2), pic_over_floor=round(pic / (1e3 * floor_s), 2),
+            speedup_vs_prefix_cache=round(by_mode["prefix_cache"] / pic, 2) if "prefix_cache" in by_mode else None,
+            speedup_vs_full_recompute=round(by_mode["full_recompute"] / pic, 2) if "full_recompute" in by_mode else None,
+        )
+    print(json.dumps(dict(summary=summary, results=rows)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Property tests of hypic_jax.spans against the core: any span layout of a sequence gives the whole sequence's
+results (conv, linear core, attention), whether its spans are fresh or cached from their own summaries."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hypic_jax import linear_attn as la
+from hypic_jax import rope, spans
+from hypic_jax.conv import causal_conv1d
+from families import make_family
+
+# Every new layout is a new compilation (layouts are static), so the linear-core properties run few examples each;
+# together they still cover identity-free scalar, diagonal and dense transfers and every span arrangement kind.
+SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHUNK = 8
+
+
+@st.composite
+def span_plans(draw, max_spans: int = 5, max_len: int = 13, allow_cached: bool = True):
+    """[(kind, length)] with the last span fresh (a request always ends with its fresh query)."""
+    count = draw(st.integers(1, max_spans))
+    lengths = [draw(st.integers(1, max_len)) for _ in range(count)]
+    kinds = [draw(st.sampled_from([spans.FRESH, spans.CACHED])) if allow_cached else spans.FRESH for _ in lengths]
+    kinds[-1] = spans.FRESH
+    return list(zip(kinds, lengths))
+
+
+def _layout(plan, merge=False):
+    pieces = [dict(kind=kind, length=n, canonical_start=0) for kind, n in plan]  # entries computed from position 0
+    return spans.SpanLayout.build(pieces, merge_fresh=merge)
+
+
+def _fresh_index(layout) -> np.ndarray:
+    return np.concatenate([s.start + np.arange(s.length) for s in layout.fresh])
+
+
+@given(span_plans(), st.integers(1, 4), st.integers(0, 2**31 - 1))
+@SETTINGS
+def test_conv_over_spans_equals_conv_over_the_concatenation(plan, width, seed):
+    rng = np.random.default_rng(seed)
+    layout = _layout(plan)
+    total, dim = layout.total_length, 3
+    x = jnp.asarray(rng.standard_normal((total, dim)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((dim, width)), jnp.float32)
+    whole, final = causal_conv1d(x, weight)
+    padded = jnp.concatenate([jnp.zeros((width - 1, dim)), x])
+    tails = [padded[s.start + s.length : s.start + s.length + width - 1] for s in layout.cached]  # true tails
+    fresh = x[_fresh_index(layout)]
+    y, tail, _ = spans.conv_over_spans(fresh, weight, tails, layout)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(whole[_fresh_index(layout)]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(tail), np.asarray(final), rtol=1e-6, atol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "mode", "rotary"))
+def _linear(inputs, cached, *, layout, mode=spans.SpanMode(), rotary=None):
+    turn = None if rotary is None else (lambda summary, offset: la.rotate_summary(summary, offset, rotary_dim=rotary))
+    return spans.linear_over_spans(inputs, cached, layout, mode, chunk_size=CHUNK, rotate=turn)
+
+
+FAMILIES = ("lightning", "gla", "gated_delta_net", "kda")
+
+
+@pytest.mark.parametrize("family", ("gated_delta_net",))
+@given(plan=span_plans(allow_cached=False))
+@FEW
+def test_linear_over_all_fresh_spans_equals_chunked_over_the_whole(family, plan):
+    layout = _layout(plan)
+    inputs = make_family(family, seed=len(plan), length=layout.total_length, heads=2, key_dim=4, value_dim=3)
+    out, state = inputs.chunked(chunk_size=CHUNK)
+    got, got_state, _ = _linear(inputs, (), layout=layout)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@given(plan=span_plans())
+@FEW
+def test_cached_spans_from_their_summaries_equal_the_whole(family, plan):
+    layout = _layout(plan)
+    inputs = make_family(family, seed=len(plan) + 7, length=layout.total_length, heads=2, key_dim=4, value_dim=3)
+    out, state = inputs.chunked(chunk_size=CHUNK)
+    cut = lambda s: jax.tree.map(lambda a: a[s.start : s.start + s.length], inputs)  # noqa: E731
+    cached = tuple(cut(s).summarize(chunk_size=CHUNK) for s in layout.cached)
+    fresh = jax.tree.map(lambda a: a[_fresh_index(layout)], inputs)
+    got, got_state, _ = _linear(fresh, cached, layout=layout)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out[_fresh_index(layout)]), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
+
+
+@given(plan=span_plans(max_spans=4))
+@FEW
+def test_rope_linear_summaries_rotate_to_their_absolute_positions(plan):
+    """Lightning with RoPE'd keys: summaries computed at canonical position 0 and rotated equal the whole."""
+    layout = _layout(plan)
+    total, rotary = layout.total_length, 4
+    base = make_family("lightning", seed=3, length=total, heads=2, key_dim=6, value_dim=3)
+    rotate = lambda x, pos: rope.apply_rope(x, pos, rotary_dim=rotary)  # noqa: E731
+    whole = dataclass_replace(base, q=rotate(base.q, np.arange(total)), k=rotate(base.k, np.arange(total)))
+    out, state = whole.chunked(chunk_size=CHUNK)
+    cached = []
+    for s in layout.cached:  # the entry was computed in isolation, positions 0..n-1
+        piece = jax.tree.map(lambda a: a[s.start : s.start + s.length], base)
+        piece = dataclass_replace(piece, k=rotate(piece.k, np.arange(s.length)), q=rotate(piece.q, np.arange(s.length)))
+        cached.append(piece.summarize(chunk_size=CHUNK))
+    fresh = jax.tree.map(lambda a: a[_fresh_index(layout)], whole)
+    got, got_state, _ = _linear(fresh, tuple(cached), layout=layout, rotary=rotary)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out[_fresh_index(layout)]), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
+
+
+def dataclass_replace(inputs, **changes):
+    import dataclasses
+
+    return dataclasses.replace(inputs, **changes)
+
+
+@given(span_plans(), st.integers(0, 2**31 - 1))
+@FEW
+def test_attention_over_spans_equals_causal_attention(plan, seed):
+    """Cached K stored at canonical positions and re-rotated == causal attention over the whole sequence."""
+    rng = np.random.default_rng(seed)
+    layout = _layout(plan)
+    total, rotary = layout.total_length, 4
+    q = jnp.asarray(rng.standard_normal((total, 4, 8)), jnp.float32)
+    k_raw = jnp.asarray(rng.standard_normal((total, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((total, 2, 8)), jnp.float32)
+    positions = np.arange(total)
+    q_rot = rope.apply_rope(q, positions, rotary_dim=rotary)
+    k_rot = rope.apply_rope(k_raw, positions, rotary_dim=rotary)
+    expected = jax.nn.dot_product_attention(q_rot[None], k_rot[None], v[None], scale=0.3, is_causal=True)[0]
+    cached = [(rope.apply_rope(k_raw[s.start : s.start + s.length], np.arange(s.length), rotary_dim=rotary),
+               v[s.start : s.start + s.length]) for s in layout.cached]
+    idx = _fresh_index(layout)
+    attend = jax.jit(lambda q, k, v, cached: spans.attention_over_spans(
+        q, k, v, cached, layout, scale=0.3, rotate_keys=lambda x, offset: rope.rotate_keys(x, offset, rotary_dim=rotary)))
+    out, keys, _, _ = attend(q_rot[idx], k_rot[idx], v[idx], cached)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected[idx]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(keys), np.asarray(k_rot), rtol=1e-4, atol=1e-5)
+
+
+def test_isolated_layout_runs_every_span_from_scratch():
+    """Packed isolated spans == each span run alone (conv, linear, attention), and records cover [record_from, n)."""
+    rng = np.random.default_rng(0)
+    lengths, record_from = (5, 9, 3), (0, 2, 1)
+    layout = spans.SpanLayout.build(
+        [dict(kind=spans.FRESH, length=n, record_from=w) for n, w in zip(lengths, record_from)], isolated=True
+    )
+    total = sum(lengths)
+    x = jnp.asarray(rng.standard_normal((total, 3)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+    inputs = make_family("gated_delta_net", seed=1, length=total, heads=2, key_dim=4, value_dim=3)
+    q = jnp.asarray(rng.standard_normal((total, 2, 4)), jnp.float32)
+
+    @jax.jit
+    def run(x, inputs, q):
+        conv = spans.conv_over_spans(x, weight, [], layout)
+        linear = spans.linear_over_spans(inputs, [], layout, chunk_size=CHUNK)
+        return conv, linear, spans.attention_over_spans(q, q, q, [], layout, scale=0.5)
+
+    (y, _, tails), (out, _, summaries), (att, _, _, kv) = run(x, inputs, q)
+    start = 0
+    for n, w, tail, summary, (rk, _) in zip(lengths, record_from, tails, summaries, kv):
+        piece = slice(start, start + n)
+        ref_y, ref_tail = causal_conv1d(x[piece], weight)
+        np.testing.assert_allclose(np.asarray(y[piece]), np.asarray(ref_y), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(tail), np.asarray(ref_tail), rtol=1e-6, atol=1e-6)
+        alone = jax.tree.map(lambda a: a[piece], inputs)
+        np.testing.assert_allclose(np.asarray(out[piece]), np.asarray(alone.chunked(chunk_size=CHUNK)[0]),
+                                   rtol=2e-4, atol=2e-5)
+        interior = jax.tree.map(lambda a: a[w:], alone).summarize(chunk_size=CHUNK)
+        np.testing.assert_allclose(np.asarray(summary.transfer), np.asarray(interior.transfer), rtol=2e-4, atol=2e-5)
+        ref_att = jax.nn.dot_product_attention(q[None, piece], q[None, piece], q[None, piece], scale=0.5,
+                                               is_causal=True)[0]
+        np.testing.assert_allclose(np.asarray(att[piece]), np.asarray(ref_att), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(rk), np.asarray(q[start + w : start + n]))
+        start += n
+
+
+def test_addition_mode_drops_the_transfer():
+    """addition composes cached states as plain sums: the result equals summing zero-start states."""
+    inputs = make_family("gated_delta_net", seed=2, length=20, heads=2, key_dim=4, value_dim=3)
+    layout = spans.SpanLayout.build([dict(kind=spans.CACHED, length=8), dict(kind=spans.CACHED, length=7),
+                                     dict(kind=spans.FRESH, length=5)])
+    pieces = [jax.tree.map(lambda a: a[s.start : s.start + s.length], inputs) for s in layout.spans]
+    cached = tuple(p.summarize(chunk_size=CHUNK) for p in pieces[:2])
+    _, state, _ = spans.linear_over_spans(pieces[2], cached, layout, spans.MODES["addition"], chunk_size=CHUNK)
+    expected = pieces[2].chunked(initial_state=cached[0].state + cached[1].state, chunk_size=CHUNK)[1]
+    np.testing.assert_allclose(np.asarray(state), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match="at least one token"):
+        spans.SpanLayout.build([dict(kind=spans.FRESH, length=0)])
+    with pytest.raises(ValueError, match="fresh spans only"):
+        spans.SpanLayout.build([dict(kind=spans.CACHED, length=3)], isolated=True)
+    merged = spans.SpanLayout.build([dict(kind=spans.FRESH, length=3), dict(kind=spans.FRESH, length=4)])
+    assert len(merged.spans) == 1 and merged.num_fresh_tokens == 7
