@@ -359,9 +359,9 @@ def chunked(
     Intra-chunk work is one batch of small matmuls over all chunks; only the [H, K, V] state crosses chunks, in a
     `lax.scan` of two matmuls per chunk. Returns (o [L, H, V], final_state [H, K, V]).
 
-    impl: "xla" (this pure-JAX path), "pallas" (the `hypic_jax.pallas.gdn` kernels: scalar-gate families, K and V
-    powers of two >= 16; interpret mode off a GPU) or "auto" (the kernels on a GPU for bfloat16 inputs, where they
-    run at flash-linear-attention's precision, else this path).
+    impl: "xla" (this pure-JAX path), "pallas" (the `hypic_jax.pallas.gdn` kernels: every family, scalar or
+    per-key gates, K and V powers of two >= 16; interpret mode off a GPU) or "auto" (the kernels on a GPU for
+    bfloat16 inputs, where they run at flash-linear-attention's precision, else this path).
     """
     if impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"impl must be 'xla', 'pallas' or 'auto', got {impl!r}")
@@ -370,9 +370,9 @@ def chunked(
 
         ok = pallas_gdn.supports(q, k, v, gk=gk)
         if impl == "pallas" and not ok:
-            raise ValueError("impl='pallas' supports scalar-gate families with K, V powers of two >= 16 only")
+            raise ValueError("impl='pallas' needs K, V powers of two >= 16 and a non-empty sequence")
         if impl == "pallas" or (ok and k.dtype == jnp.bfloat16 and not pallas_gdn.default_interpret()):
-            return pallas_gdn.gdn_forward(q, k, v, g=g, beta=beta, initial_state=initial_state, scale=scale,
+            return pallas_gdn.gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=initial_state, scale=scale,
                                           config=pallas_gdn.GDNConfig(chunk=chunk_size if chunk_size in (16, 32, 64)
                                                                       else 64))
     chunk_size = _check_chunk_size(chunk_size)

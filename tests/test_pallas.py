@@ -1,9 +1,9 @@
 """Pallas kernels (hypic_jax.pallas) in interpret mode on the CPU against the transfer-operator core.
 
 Shapes are tiny and few (interpret-mode compilation, not arithmetic, is the cost); they still cover odd lengths,
-several chunk sizes, grouped key heads, an initial state, the transfer-operator split into pieces and the emitted
-(T_C, S(C|0)). A last test lowers the kernels to Triton IR for the GPU (no GPU needed) so that CPU CI also catches
-constructs the Triton lowering rejects.
+several chunk sizes, grouped key heads, an initial state, the transfer-operator split into pieces, the emitted
+(T_C, S(C|0)), the solve variants, per-key decays, packed segments and the decode step. A last test lowers every
+kernel to Triton IR for the GPU (no GPU needed) so that CPU CI also catches constructs the Triton lowering rejects.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import pytest
 
 from hypic_jax import linear_attn as la
 from hypic_jax.pallas import compose as cmp
+from hypic_jax.pallas import decode as dec
+from hypic_jax.pallas import gdn
 from hypic_jax.pallas.gdn import GDNConfig, _forward, gdn_forward
 
 TOL32 = 1e-5
@@ -118,6 +120,122 @@ def test_compose_fold_kernel():
             assert rel(kt, total_t) < TOL32
 
 
+def per_key_gates(length, heads, dim, seed, strength=0.5):
+    """KDA/GLA log gates in [-strength, 0) per key channel."""
+    return -jnp.asarray(np.random.default_rng(seed).uniform(0.0, strength, (length, heads, dim)), jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Solve variants of the chunk-local inverse.
+
+
+@pytest.mark.parametrize("solve,chunk,length", [("rows", 64, 70), ("doubling", 64, 70), ("tile", 64, 70),
+                                                ("tile", 32, 45)])
+def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
+    """Every solve stays float32-exact, also when the keys are 90% one vector (the case that breaks Neumann-type
+    products); beta near 1 makes M's entries near 1."""
+    rng = np.random.default_rng(11)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    k = la.l2_normalize(0.9 * f(1, 2, 16) + 0.1 * f(length, 2, 16))
+    q, v = la.l2_normalize(f(length, 2, 16)), f(length, 2, 16)
+    g = -jnp.asarray(rng.uniform(0.0, 0.05, (length, 2)), jnp.float32)
+    beta = jax.nn.sigmoid(f(length, 2) + 2.0)
+    config = GDNConfig(chunk=chunk, block_v=16, solve=solve)
+    o, s, summary = gdn_forward(q, k, v, g=g, beta=beta, scale=0.5, config=config, emit_summary=True, interpret=True)
+    ref_o, ref_s = la.recurrent(q, k, v, g=g, beta=beta, scale=0.5)
+    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel(summary.transfer, la.summarize(k, v, g=g, beta=beta, chunk_size=16).transfer) < TOL32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-key (diagonal) decays: KDA (gk and beta), GLA (gk only).
+
+
+@pytest.mark.parametrize("chunk,length,pieces,delta,with_g", [(16, 37, 1, True, False), (32, 45, 2, True, True),
+                                                              (32, 29, 1, False, False)])
+def test_per_key_decays_float32(chunk, length, pieces, delta, with_g):
+    q, k, v, g, beta = inputs(length, key_heads=1, seed=12, gate=with_g, delta=delta)
+    gk = per_key_gates(length, 2, 16, seed=13, strength=3.0)  # strong decays: exponents must stay <= 0
+    init = jnp.asarray(np.random.default_rng(14).standard_normal((2, 16, 16)) * 0.3, jnp.float32)
+    config = GDNConfig(chunk=chunk, pieces=pieces, block_v=16)
+    o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
+                                emit_summary=True, interpret=True)
+    assert np.all(np.isfinite(np.asarray(o)))
+    ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
+                                scale=0.5)
+    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    ref_sum = la.summarize(k.repeat(2, 1), v, g=g, gk=gk, beta=beta, chunk_size=16)
+    assert summary.form == ref_sum.form == ("dense" if delta else "diagonal")
+    assert rel(summary.transfer, ref_sum.transfer) < TOL32 and rel(summary.state, ref_sum.state) < TOL32
+
+
+def test_per_key_bfloat16():
+    q, k, v, _, beta = inputs(37, seed=15, dtype=jnp.bfloat16)
+    gk = per_key_gates(37, 2, 16, seed=16)
+    config = GDNConfig(chunk=16, block_v=16, locals_precision="ieee", state_precision="ieee", inter_dtype="float32")
+    o, s = gdn_forward(q, k, v, gk=gk, beta=beta, config=config, interpret=True)
+    assert o.dtype == jnp.bfloat16
+    up = lambda x: x.astype(jnp.float32).repeat(2, 1)  # noqa: E731
+    ref_o, ref_s = la.recurrent(up(q), up(k), v.astype(jnp.float32), gk=gk, beta=beta)
+    assert rel(o, ref_o) < TOL16 and rel(s, ref_s) < TOL16
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Variable-length packed segments.
+
+
+@pytest.mark.parametrize("gates,chunk,traced", [("gdn", 16, True), ("kda", 32, False), ("decay", 16, False)])
+def test_varlen_matches_reference(gates, chunk, traced):
+    length = 61
+    cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
+    q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
+    gk = per_key_gates(length, 2, 16, seed=18) if gates == "kda" else None
+    config = GDNConfig(chunk=chunk, block_v=16)
+    offsets = jnp.asarray(cu, jnp.int32) if traced else cu
+    o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
+    ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
+    assert summary.form == ref_sum.form and summary.state.shape == (6, 2, 16, 16)
+    assert rel(o, ref_o) < TOL32
+    assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
+    # The segments' pairs compose into the state of the unsegmented sequence only through T (checks the reset).
+    if gates == "gdn":
+        _, whole = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, beta=beta)
+        assert rel(la.prefix_states(summary)[-1], whole) < TOL32
+    if gates == "decay":
+        o2, states = gdn.gdn_varlen(q, k, v, offsets, g=g, scale=0.5, config=config, emit_summary=False,
+                                    interpret=True)
+        assert rel(o2, ref_o) < TOL32 and rel(states, ref_sum.state) < TOL32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Single-token decode step.
+
+
+def test_decode_step_matches_recurrent():
+    rng = np.random.default_rng(19)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, k = la.l2_normalize(f(1, 16)), la.l2_normalize(f(1, 16))
+    v, state = f(3, 32), f(3, 16, 32)
+    g, gk, beta = -jnp.abs(f(3)), -jnp.abs(f(3, 16)), jax.nn.sigmoid(f(3))
+    config = dec.DecodeConfig(block_v=16)
+    for gates in (dict(g=g, beta=beta), dict(gk=gk, beta=beta), dict(g=g, gk=gk), dict()):
+        o, new = dec.decode_step(q, k, v, state, **gates, scale=0.3, config=config, interpret=True)
+        ref_o, ref_new = dec.decode_reference(q, k, v, state, **gates, scale=0.3)
+        assert rel(o, ref_o) < TOL32 and rel(new, ref_new) < TOL32
+    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, -x]), (q, k, v, state, g, beta))
+    o, new = jax.vmap(lambda q, k, v, s, g, b: dec.decode_step(q, k, v, s, g=g, beta=b, config=config, donate=True,
+                                                               interpret=True))(*batch)
+    for i in range(2):
+        args = [x[i] for x in batch]
+        ref_o, ref_new = dec.decode_reference(*args[:4], g=args[4], beta=args[5])
+        assert rel(o[i], ref_o) < TOL32 and rel(new[i], ref_new) < TOL32
+    ob, newb = dec.decode_step(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), state,
+                               g=g, beta=beta, config=config, interpret=True)
+    ref_o, ref_new = dec.decode_reference(*(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)), state,
+                                          g=g, beta=beta)
+    assert ob.dtype == jnp.bfloat16 and rel(ob, ref_o) < TOL16 and rel(newb, ref_new) < TOL16
+
+
 def test_kernels_lower_to_triton():
     """Lowering (not compiling) for CUDA works on a CPU-only machine: catches Triton-unsupported constructs."""
     sd = jax.ShapeDtypeStruct
@@ -129,6 +247,26 @@ def test_kernels_lower_to_triton():
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
+        assert "xla.gpu.triton" in text
+    per_key = sd((length, 32, dim), jnp.float32)
+    lowered = []
+    for solve in ("rows", "tile"):  # the default ("doubling") is lowered above
+        config = GDNConfig(solve=solve)
+        lowered.append((lambda q, k, v, g, b, c=config: _forward(q, k, v, g, b, None, scale=0.1, config=c,
+                                                                 emit_summary=False, interpret=False), args[:5]))
+    kda = lambda q, k, v, gk, b: _forward(q, k, v, None, b, None, gk, scale=0.1, config=GDNConfig(),  # noqa: E731
+                                          emit_summary=True, interpret=False)
+    lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))
+    cu = sd((6,), jnp.int32)  # 5 segments: the slot-indexed final states need no power-of-two count
+    varlen = lambda q, k, v, cu, g, b: gdn._varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731
+                                                   config=GDNConfig(), emit_summary=True, interpret=False)
+    lowered.append((varlen, (args[0], args[1], args[2], cu, args[3], args[4])))
+    step = lambda q, k, v, s, gk, b: dec._decode(q, k, v, s, None, gk, b, scale=0.1,  # noqa: E731
+                                                 config=dec.DecodeConfig(), interpret=False, donate=True)
+    lowered.append((step, (sd((16, dim), jnp.bfloat16), sd((16, dim), jnp.bfloat16), sd((32, dim), jnp.bfloat16),
+                           sd((32, dim, dim), jnp.float32), sd((32, dim), jnp.float32), sd((32,), jnp.float32))))
+    for fn, fn_args in lowered:
+        text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=check)(*fn_args).mlir_module()
         assert "xla.gpu.triton" in text
     pairs = sd((4, 2, dim, dim), jnp.float32)
     fold = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
@@ -143,5 +281,9 @@ def test_linear_attn_impl_dispatch():
     assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
     o_auto, _ = la.chunked(q, k, v, g=g, beta=beta, impl="auto")  # CPU: the XLA path
     assert rel(o_auto, ref_o) < TOL32
+    gk = per_key_gates(21, 2, 16, seed=7)  # KDA through the same dispatch
+    o, s = la.chunked(q, k, v, gk=gk, beta=beta, impl="pallas", chunk_size=16)
+    ref_o, ref_s = la.recurrent(q, k, v, gk=gk, beta=beta)
+    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
     with pytest.raises(ValueError):
-        la.chunked(q, k, v, gk=jnp.zeros(k.shape), impl="pallas")
+        la.chunked(q, k, v[..., :12], g=g, impl="pallas")

@@ -1,96 +1,131 @@
-"""Pallas (Triton lowering) chunked forward of the gated delta rule, with the transfer-operator split.
+"""Pallas (Triton lowering) chunked forward of the (gated) delta rule and the decay families, with the
+transfer-operator split and variable-length packed segments.
 
-Scope: the recurrence of `hypic_jax.linear_attn` for the scalar-gate families,
+Scope: the recurrence of `hypic_jax.linear_attn`,
 
-    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t,
+    S_t = (I - beta_t k_t k_t^T) Diag(exp(gk_t)) exp(g_t) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t,
 
-i.e. Gated DeltaNet (g and beta), DeltaNet (g=None) and, with beta=None, the decay-only families with one scalar
-gate per head (RetNet, lightning, Mamba2; no gate at all is plain linear attention). One sequence per call, q and k
-may have fewer (key) heads than v (each key head serves H / Hk consecutive value heads, as in Qwen3.5), and the
-head repeat is never materialised. A leading batch axis goes through `jax.vmap` (the pallas_call batching rule
-adds a grid axis).
+i.e. Gated DeltaNet (g and beta), DeltaNet (beta only), KDA (gk and beta), GLA (gk only) and the scalar-gate
+decay families (g only: RetNet, lightning, Mamba2; no gate at all is plain linear attention). One sequence per
+call, q and k may have fewer (key) heads than v (each key head serves H / Hk consecutive value heads, as in
+Qwen3.5), and the head repeat is never materialised. A leading batch axis goes through `jax.vmap` (the
+pallas_call batching rule adds a grid axis); many segments packed in one sequence go through `gdn_varlen`.
 
-Pipeline (three launches plus a few tiny XLA ops):
+Pipeline (two launches plus a few cheap XLA ops):
 
-1. gates (XLA): b = chunk-local cumsum of g, transposed to [H, L] (L x H floats: negligible).
+1. gates (XLA): b = chunk-local cumsum of the log decays, [H, L] for a scalar gate or [L, H, K] per key.
 2. `_locals_kernel`, grid (chunks, heads), fully parallel: the WY/UT chunk form of `linear_attn._chunk_locals`,
-   W = (I + M)^-1 (beta e^b K), U = (I + M)^-1 (beta V), and the masked decayed scores P = scale (Q K^T * e^{b_t-b_j}).
-   The unit-lower-triangular inverse is built from 16 x 16 blocks: diagonal blocks by forward substitution (row by
-   row, stable for any keys, unlike a Neumann/doubling product whose intermediate powers grow binomially when keys
-   are correlated), off-diagonal blocks by block forward substitution with small matmuls. Triton cannot slice
-   register tensors, so the blocks are formed from 16-row loads of the chunk rather than cut out of a [c, c] tile.
+   W = (I + M)^-1 (beta e^b K), U = (I + M)^-1 (beta V), and the masked decayed scores
+   P_tj = scale q_t^T Diag(e^{b_t - b_j}) k_j (j <= t). `GDNConfig.solve` picks how (I + M)^-1 is built:
+     "rows"      16 x 16 diagonal blocks by row-by-row forward substitution (masked reductions: Triton cannot index
+                 register tensors), off-diagonal blocks by block forward substitution with 16 x 16 dots. The first
+                 version; on the H200 its serial reductions made this kernel the bottleneck (bench/RESULTS.md).
+     "doubling"  the same block substitution, but each 16 x 16 diagonal block inverted by recursive doubling:
+                 X_1 = I, X_2s = X_s - X_s (E_s X_s), where E_s holds the entries of M in the lower-left s x s
+                 block of every 2s x 2s diagonal block. Exact because X_s E_s maps the first half of a 2s block to
+                 the second and so squares to zero: (D_s + E_s)^-1 = (I - X_s E_s) X_s. Four levels of two 16^3
+                 dots on the tensor cores instead of 15 serial reduction steps. This is the recursive
+                 (divide-and-conquer) triangular inverse, whose error bound is that of substitution (Du Croz and
+                 Higham, 1992): every X_s is the inverse of principal blocks of I + M, so no intermediate grows the
+                 way the powers of M in a Neumann product X = (I - M)(I + M^2)(I + M^4)... do for correlated keys.
+     "tile"      the doubling applied to the whole [c, c] tile (log2 c levels of two c^3 dots, then W and U as
+                 one [c, c] x [c, K + V] product each): fewest, largest dots, 3x the solve arithmetic. Scalar gates
+                 only (per-key M is formed in 16 x 16 blocks, see below); per-key gates fall back to "doubling".
+   Per-key decays (KDA, GLA) cannot factor e^{b_t - b_j} into a row and a column factor without a positive
+   exponent (that is what overflows for strong gates), so the pairwise blocks use a reference point r between
+   the two 16-token blocks: for t in block i > j, q_t^T Diag(e^{b_t - b_j}) k_j = (q_t e^{b_t - b_r})^T
+   (k_j e^{b_r - b_j}) with r the first token of block i, both exponents <= 0 and one 16 x 16 dot; inside a
+   diagonal block the pairs are formed one column at a time ([16, K] elementwise, exponents b_t - b_j, t >= j)
+   rather than as a [16, 16, K] tensor that would not fit in registers.
 3. `_state_kernel`, grid (state column blocks, heads, pieces): the chunk-to-chunk recurrence
-   S <- e^{b_c} S + K^T (U - W S). Columns of the state are independent (every operation left-multiplies S), so
-   the state is split into column blocks of `block_v`: that alone gives heads x V / block_v programs at batch 1
-   instead of heads. On top of that the sequence is cut into `pieces`: each piece's (T, S(piece|0)) comes from a
-   first pass over the identity-widened state [S | M] (M_0 = I, zero values in the M columns), the pieces' pairs
-   are composed by an associative scan in XLA (`linear_attn.compose`, float32 HIGHEST; P pairs only), and a second
-   pass restarts every piece from its true incoming state and writes the outputs. The sequential depth drops from
-   L/c to 2 L/(c P) chunk steps at the price of 3x the state-pass arithmetic; the segment's own (T_C, S(C|0)) is
-   the last scan prefix, so emitting it is free in this mode. With pieces = 1 (direct mode) emitting (T_C, S) widens
-   the single pass by K columns (K / block_v more programs, same depth).
+   S <- Diag(e^{b_c}) S + Khat^T (U - W S). Columns of the state are independent (every operation left-multiplies
+   S), so the state is split into column blocks of `block_v`: that alone gives heads x V / block_v programs at
+   batch 1 instead of heads. On top of that the sequence is cut into `pieces`: each piece's (T, S(piece|0)) comes
+   from a first pass over the identity-widened state [S | M] (M_0 = I, zero values in the M columns), the pieces'
+   pairs are composed by an associative scan in XLA (`linear_attn.compose`, float32 HIGHEST; P pairs only), and a
+   second pass restarts every piece from its true incoming state and writes the outputs. The sequential depth
+   drops from L/c to 2 L/(c P) chunk steps at the price of 3x the state-pass arithmetic; the segment's own
+   (T_C, S(C|0)) is the last scan prefix, so emitting it is free in this mode. With pieces = 1 (direct mode)
+   emitting (T_C, S) widens the single pass by K columns (K / block_v more programs, same depth).
+   Packed segments (`gdn_varlen`) use the same kernel with two int32 per-chunk tables: reset the state at a
+   segment's first chunk, store it to the segment's slot after its last chunk.
 
 Memory between launches: W, U ([L, H, K] and [L, H, V]) and P ([H, L, c]) in `inter_dtype` (bfloat16 for
-bfloat16 inputs, like the inputs themselves; float32 otherwise). Nothing per chunk of state size is ever written:
-the per-chunk states that a two-kernel (state pass, then outputs) design stores ([L/c, H, K, V] float32, 1 GB at
-L = 32k) are kept in registers because the output read is fused into the state pass. States are float32 always.
+bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates).
+Nothing per chunk of state size is ever written: the per-chunk states that a two-kernel (state pass, then outputs)
+design stores ([L/c, H, K, V] float32, 1 GB at L = 32k) are kept in registers because the output read is fused
+into the state pass. States are float32 always.
 
-Measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md): 2.2 to 2.6 ms against fla's 1.92 ms; the
-chunk-local kernel (1.4 to 1.7 ms, bound by the serial reductions of the 16 x 16 forward substitution) and not the
-state pass (0.94 ms with fused outputs) is the bottleneck, and at 32 heads the pieces split costs more state work
-than the depth it saves. Lowering: Triton, because it compiled and ran first time through Pallas at both jax 0.10
-(interpret/lowering checks on the CPU) and 0.11 (the H200); Mosaic GPU was not tried.
+Measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md), solve="rows": 2.2 to 2.6 ms against fla's
+1.92 ms, the chunk-local kernel (1.4 to 1.7 ms) being the bottleneck. The "doubling"/"tile" solves, the per-key
+path, `gdn_varlen` and the decode step (`hypic_jax.pallas.decode`) are checked in interpret mode and lowered for
+CUDA on the CPU, not yet timed (bench/kernels.py --all times them). Lowering: Triton, because it compiled and ran
+first time through Pallas at both jax 0.10 (interpret/lowering checks on the CPU) and 0.11 (the H200); Mosaic GPU
+was not tried.
 
-Precision knobs (`GDNConfig.locals_precision`, `state_precision`) choose the dot algorithm of float32 operands:
-"ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on tensor cores) or
-"bf16" (operands rounded to bfloat16, as flash-linear-attention does for the state). Interpret mode on the CPU
-runs "ieee" exactly; the GPU numbers of every variant are in bench/RESULTS.md.
+Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
+float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
+tensor cores) or "bf16" (operands rounded to bfloat16, as flash-linear-attention does for the state). Interpret
+mode on the CPU runs "ieee" exactly and emulates "bf16" by rounding the operands.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hypic_jax import linear_attn as la
 
-__all__ = ["GDNConfig", "gdn_forward", "default_interpret", "flops", "supports"]
+__all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "default_interpret", "flops", "supports"]
 
 _SUB = 16  # sub-block edge of the chunk-local inverse (Triton's smallest dot edge)
 _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
+_SOLVES = ("rows", "doubling", "tile")
 
 
 @dataclasses.dataclass(frozen=True)
 class GDNConfig:
-    """Tuning knobs of the chunked gated-delta forward (hashable: it is a static argument).
+    """Tuning knobs of the chunked forward (hashable: it is a static argument).
 
-    chunk: tokens per chunk (16, 32 or 64); the chunk-local [chunk, chunk] work grows as chunk^2, the number of
-      sequential state steps as 1 / chunk.
+    chunk: tokens per chunk (16, 32, 64 or 128); the chunk-local [chunk, chunk] work grows as chunk^2, the number
+      of sequential state steps as 1 / chunk.
     block_v: state columns per program of the state pass (16 ... V, power of two): more, narrower programs at
       batch 1; each re-reads the chunk's W, K, Q (L2 serves the repeats when column blocks run side by side, which
       is why the column block is the fastest-varying grid axis).
     pieces: sequence pieces summarised in parallel (the transfer-operator split); 1 runs a single direct pass.
     inter_dtype: dtype of W, U, P between the launches ("bfloat16" | "float32" | None = bfloat16 iff the inputs are).
+    solve: how the chunk-local (I + M)^-1 is built: "rows", "doubling" or "tile" (module docstring).
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
+    solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
+      None follows locals_precision ("bf16" for bfloat16 inputs, "ieee" otherwise): in interpret-mode checks
+      (L = 128, chunk 64, bf16 inputs, bf16 locals and state dots) a one-pass bfloat16 inverse moved the output
+      error from 4.5e-3 to 4.6e-3 (random keys) and 1.27e-2 to 1.31e-2 (keys 90% correlated), i.e. the inverse's
+      precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
 
-    Defaults are the fastest measured on the H200 at L = 32k (bench/RESULTS.md): locals with 2 warps (1.40 ms vs
-    1.66 with 4 and 3.18 with 8), state pass with 32 columns per program and 3 pipeline stages (0.94 ms).
+    Defaults are the fastest measured on the H200 at L = 32k with solve="rows" (bench/RESULTS.md): locals with 2
+    warps (1.40 ms vs 1.66 with 4 and 3.18 with 8), state pass with 32 columns per program and 3 pipeline stages
+    (0.94 ms). The "doubling" default is not measured yet.
     """
 
     chunk: int = 64
     block_v: int = 32
     pieces: int = 1
     inter_dtype: str | None = None
+    solve: str = "doubling"
     locals_precision: str | None = None
     state_precision: str | None = None
+    solve_precision: str | None = None
     locals_warps: int = 2
     locals_stages: int = 1
     state_warps: int = 4
@@ -103,18 +138,37 @@ class GDNConfig:
             raise ValueError(f"block_v must be a power of two >= 16, got {self.block_v}")
         if self.pieces < 1:
             raise ValueError(f"pieces must be >= 1, got {self.pieces}")
-        for name in ("locals_precision", "state_precision"):
+        if self.solve not in _SOLVES:
+            raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
+        for name in ("locals_precision", "state_precision", "solve_precision"):
             if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
 
+    def resolved(self, dtype) -> "GDNConfig":
+        """The config with every None precision replaced by its default for inputs of `dtype`."""
+        low = jnp.dtype(dtype) == jnp.bfloat16
+        return dataclasses.replace(
+            self,
+            locals_precision=self.locals_precision or ("bf16" if low else "ieee"),
+            state_precision=self.state_precision or ("bf16" if low else "ieee"),
+            solve_precision=self.solve_precision or self.locals_precision or ("bf16" if low else "ieee"),
+        )
+
+
+def _pow2(d: int) -> bool:
+    return d >= 16 and not d & (d - 1)
+
 
 def supports(q, k, v, *, gk=None) -> bool:
-    """Whether `gdn_forward` handles these inputs (scalar or no gate, K and V powers of two >= 16, L > 0)."""
-    if gk is not None or q is None or k.ndim != 3 or v.ndim != 3 or k.shape[0] == 0:
+    """Whether `gdn_forward` handles these inputs (K and V powers of two >= 16, L > 0, key heads dividing value
+    heads; any of the gates g, gk, beta)."""
+    if q is None or k.ndim != 3 or v.ndim != 3 or k.shape[0] == 0:
         return False
     if v.shape[1] % k.shape[1]:
         return False
-    return all(d >= 16 and not d & (d - 1) for d in (k.shape[-1], v.shape[-1]))
+    if gk is not None and gk.shape != (k.shape[0], v.shape[1], k.shape[2]):
+        return False
+    return _pow2(k.shape[-1]) and _pow2(v.shape[-1])
 
 
 def default_interpret() -> bool:
@@ -148,16 +202,25 @@ def _dot(a: Array, b: Array, precision: str, *, trans_a: bool = False, trans_b: 
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _unit_lower_inverse(strict: Array) -> Array:
+def _iotas(n: int, m: int | None = None) -> tuple[Array, Array]:
+    m = n if m is None else m
+    return lax.broadcasted_iota(jnp.int32, (n, m), 0), lax.broadcasted_iota(jnp.int32, (n, m), 1)
+
+
+def _eye(n: int) -> Array:
+    rows, cols = _iotas(n)
+    return jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
+
+
+def _inverse_rows(strict: Array) -> Array:
     """(I + strict)^-1 for a strictly lower-triangular [s, s] float32 tile, by forward substitution.
 
     Row i of X = (I + L)^-1 is e_i - sum_{j<i} L_ij X_j; rows are produced in order with masked reductions (Triton
     has no register-tensor indexing). s - 1 steps of O(s^2) vector work, exact in float32.
     """
     s = strict.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-    eye = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
+    rows, _ = _iotas(s)
+    eye = _eye(s)
 
     def step(i, x):
         l_i = jnp.sum(jnp.where(rows == i, strict, 0.0), axis=0)  # L[i, :] as a vector over j
@@ -167,68 +230,145 @@ def _unit_lower_inverse(strict: Array) -> Array:
     return lax.fori_loop(1, s, step, eye)
 
 
-def _last(x: Array) -> Array:
-    """The last entry of a 1-D tile as a scalar (a masked sum: no register indexing in Triton)."""
+def _inverse_doubling(strict: Array, precision: str) -> Array:
+    """(I + strict)^-1 for a strictly lower-triangular [n, n] float32 tile (n a power of two) by recursive doubling.
+
+    X_s = inverse of the block-diagonal part of I + strict at granularity s (X_1 = I). With E_s the entries of
+    `strict` in the lower-left s x s block of each 2s x 2s diagonal block, X_2s = X_s - X_s (E_s X_s) (exact: see
+    the module docstring). log2(n) levels of two [n, n] dots; the block masks come from iotas, so no register
+    tensor is ever sliced.
+    """
+    n = strict.shape[0]
+    rows, cols = _iotas(n)
+    x = _eye(n)
+    s = 1
+    while s < n:
+        shift = int(math.log2(s))
+        same_pair = (rows >> (shift + 1)) == (cols >> (shift + 1))
+        lower_left = (rows >> shift) != (cols >> shift)  # rows in the pair's second half, columns in its first
+        e = jnp.where(jnp.logical_and(same_pair, lower_left), strict, 0.0)
+        x = x - _dot(x, _dot(e, x, precision), precision)
+        s *= 2
+    return x
+
+
+def _last_row(x: Array) -> Array:
+    """The last row of a [c, K] tile (or last entry of a [c] tile) as [K] (a scalar): a masked sum."""
     n = x.shape[0]
-    return jnp.sum(jnp.where(lax.iota(jnp.int32, n) == n - 1, x, 0.0))
+    if x.ndim == 1:
+        return jnp.sum(jnp.where(lax.iota(jnp.int32, n) == n - 1, x, 0.0))
+    rows, _ = _iotas(n, x.shape[1])
+    return jnp.sum(jnp.where(rows == n - 1, x, 0.0), axis=0)
+
+
+def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
+    """[sub, sub] block (i, j) of x_t^T Diag(e^{b_t - b_j}) k_j for rows of block i, columns of block j <= i.
+
+    Off-diagonal blocks: one dot of both sides decayed to the first token r of block i (b_t - b_r <= 0 and
+    b_r - b_j <= 0 since j < r <= t). Diagonal block: one column per step, [sub, K] elementwise with exponents
+    b_t - b_j (t >= j) and zero above the diagonal (or on it, `strict`).
+    """
+    rows_i = pl.ds(i * sub, sub)
+    x = x_ref[rows_i, :].astype(jnp.float32)
+    b_i = b_ref[rows_i, :]
+    if i > j:
+        rows_j = pl.ds(j * sub, sub)
+        b_r = b_ref[pl.ds(i * sub, 1), :]  # [1, K]
+        k_j = k_ref[rows_j, :].astype(jnp.float32) * jnp.exp(b_r - b_ref[rows_j, :])
+        return _dot(x * jnp.exp(b_i - b_r), k_j, precision, trans_b=True)
+    _, cols = _iotas(sub)
+    token = lax.iota(jnp.int32, sub)
+
+    def column(col, acc):
+        row = pl.ds(i * sub + col, 1)
+        k_c, b_c = k_ref[row, :].astype(jnp.float32), b_ref[row, :]  # [1, K]
+        keep = token > col if strict else token >= col
+        decay = jnp.exp(jnp.where(keep[:, None], b_i - b_c, 0.0))
+        value = jnp.where(keep, jnp.sum(x * k_c * decay, axis=1), 0.0)
+        return acc + jnp.where(cols == col, value[:, None], 0.0)
+
+    return lax.fori_loop(0, sub, column, jnp.zeros((sub, sub), jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunk, sub, delta, scale, prec):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
-    Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b, beta [c] (float32); outputs w [c, K],
-    u [c, V], p [c, c]. Every exponent is a difference b_t - b_j with t >= j, so <= 0 for decaying gates.
+    Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
+    (float32); outputs p [c, c], w [c, K], u [c, V]. Every exponent is a difference b_t - b_j with t >= j (or
+    split at a reference token between them), so <= 0 for decaying gates.
     """
     if delta:
         q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
     else:
         q_ref, k_ref, b_ref, p_ref = refs
     c = chunk
-    # Scores against the full chunk (one [c, K] x [K, c] dot).
-    q_all, k_all, b_all = q_ref[...], k_ref[...], b_ref[...]
-    rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    causal = rows >= cols
-    diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-    scores = _dot(q_all, k_all, prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
-    p_ref[...] = (scale * scores).astype(p_ref.dtype)
+    nb = c // sub
+    if per_key:  # scores by 16 x 16 blocks (zeros above the diagonal)
+        for i in range(nb):
+            for j in range(nb):
+                if j <= i:
+                    blk = scale * _pair_block_per_key(q_ref, k_ref, b_ref, i, j, sub, False, prec)
+                else:
+                    blk = jnp.zeros((sub, sub), jnp.float32)
+                p_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = blk.astype(p_ref.dtype)
+    else:  # scores against the full chunk (one [c, K] x [K, c] dot)
+        b_all = b_ref[...]
+        rows, cols = _iotas(c)
+        causal = rows >= cols
+        diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
+        scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
+        p_ref[...] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
 
-    nb = c // sub
-    srows = lax.broadcasted_iota(jnp.int32, (sub, sub), 0)
-    scols = lax.broadcasted_iota(jnp.int32, (sub, sub), 1)
+    if solve == "tile" and not per_key:  # the whole [c, c] inverse by doubling, then W, U as one dot each
+        k_all, beta_all = k_ref[...], beta_ref[...]
+        strict = rows > cols
+        kk = _dot(k_all, k_all, prec, trans_b=True)
+        m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+        x = _inverse_doubling(m, solve_prec)
+        rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
+        w_ref[...] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
+        u_ref[...] = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec).astype(u_ref.dtype)
+        return
+
+    srows, scols = _iotas(sub)
     ks, bs, betas, rhs_k, rhs_v = [], [], [], [], []
     for i in range(nb):
         blk = pl.ds(i * sub, sub)
-        k_i, b_i, beta_i = k_ref[blk, :], b_ref[blk], beta_ref[blk]
+        k_i, beta_i = k_ref[blk, :], beta_ref[blk]
+        b_i = b_ref[blk, :] if per_key else b_ref[blk]
         ks.append(k_i)
         bs.append(b_i)
         betas.append(beta_i)
-        rhs_k.append((beta_i * jnp.exp(b_i))[:, None] * k_i.astype(jnp.float32))
+        decay_i = jnp.exp(b_i) if per_key else jnp.exp(b_i)[:, None]
+        rhs_k.append(beta_i[:, None] * decay_i * k_i.astype(jnp.float32))
         rhs_v.append(beta_i[:, None] * v_ref[blk, :].astype(jnp.float32))
 
-    # Blocks of M (strictly lower): M_tj = beta_t k_t . k_j e^{b_t - b_j}, t > j.
+    # Blocks of M (strictly lower): M_tj = beta_t k_t^T Diag(e^{b_t - b_j}) k_j, t > j.
     m = {}
     for i in range(nb):
         for j in range(i + 1):
-            kk = _dot(ks[i], ks[j], prec, trans_b=True)
-            d = bs[i][:, None] - bs[j][None, :]
-            if i == j:
-                strict = srows > scols
-                blk = jnp.where(strict, betas[i][:, None] * kk * jnp.exp(jnp.where(strict, d, 0.0)), 0.0)
+            if per_key:
+                pair = _pair_block_per_key(k_ref, k_ref, b_ref, i, j, sub, True, prec)
             else:
-                blk = betas[i][:, None] * kk * jnp.exp(d)
-            m[i, j] = blk
+                kk = _dot(ks[i], ks[j], prec, trans_b=True)
+                d = bs[i][:, None] - bs[j][None, :]
+                if i == j:
+                    strict = srows > scols
+                    pair = jnp.where(strict, kk * jnp.exp(jnp.where(strict, d, 0.0)), 0.0)
+                else:
+                    pair = kk * jnp.exp(d)
+            m[i, j] = betas[i][:, None] * pair
 
     # X = (I + M)^-1 by blocks: X_ii = (I + M_ii)^-1, X_ij = -X_ii sum_{j<=m<i} M_im X_mj.
     x = {}
     for i in range(nb):
-        x[i, i] = _unit_lower_inverse(m[i, i])
+        x[i, i] = _inverse_rows(m[i, i]) if solve == "rows" else _inverse_doubling(m[i, i], solve_prec)
         for j in range(i - 1, -1, -1):
             acc = _dot(m[i, j], x[j, j], prec)
             for mid in range(j + 1, i):
@@ -250,10 +390,12 @@ def _locals_kernel(*refs, chunk, sub, delta, scale, prec):
 # Kernel 2: the state pass over the chunks of one piece (parallel over state column blocks, heads and pieces).
 
 
-def _state_kernel(*refs, chunk, num_chunks, delta, outputs, value_blocks, scale, prec):
-    """One (column block j, head, piece): S <- e^{b_c} S + Khat^T (U - W S) over the piece's chunks.
+def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec):
+    """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
-    Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp]; init [K, BV]; outputs o [Lp, BV], final [K, BV]. Column
+    Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K]; with `segments` the int32 tables start
+    [Nc] (1: reset the state to init before this chunk) and slot [Nc] (segment whose state is final after this
+    chunk, else -1); init [K, BV]; outputs o [Lp, BV], final [K, BV] (or [N, K, BV] slots with segments). Column
     blocks j >= value_blocks are identity-widened columns (their values are zero) and write no outputs.
     The output read o = (scale Q e^b) S + P (U - W S) is fused into the same step, so per-chunk states never
     leave registers.
@@ -262,25 +404,30 @@ def _state_kernel(*refs, chunk, num_chunks, delta, outputs, value_blocks, scale,
     w_ref = next(it) if delta else None
     u_ref, k_ref, b_ref = next(it), next(it), next(it)
     q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
+    start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
     init_ref = next(it)
     o_ref = next(it) if outputs else None
     final_ref = next(it)
     c = chunk
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
+    init = init_ref[...].astype(jnp.float32)
 
     def body(n, state):
         rows = pl.ds(pl.multiple_of(n * c, c), c)
+        if segments:
+            state = jnp.where(start_ref[n] != 0, init, state)
         k = k_ref[rows, :]
-        b = b_ref[rows]
+        b = b_ref[rows, :] if per_key else b_ref[rows]  # [c, K] or [c]
         u = u_ref[rows, :].astype(jnp.float32)
         if value_blocks is not None:
             u = jnp.where(is_value, u, 0.0)
         if delta:
             u = u - _dot(w_ref[rows, :], state, prec)
+        decay = jnp.exp(b) if per_key else jnp.exp(b)[:, None]
         if outputs:
 
             def write():
-                qd = q_ref[rows, :].astype(jnp.float32) * (scale * jnp.exp(b))[:, None]
+                qd = q_ref[rows, :].astype(jnp.float32) * (scale * decay)
                 o = _dot(qd, state, prec) + _dot(p_ref[rows, :], u, prec)
                 o_ref[rows, :] = o.astype(o_ref.dtype)
 
@@ -288,12 +435,23 @@ def _state_kernel(*refs, chunk, num_chunks, delta, outputs, value_blocks, scale,
                 write()
             else:
                 pl.when(is_value)(write)
-        b_last = _last(b)
-        k_hat = k.astype(jnp.float32) * jnp.exp(b_last - b)[:, None]
-        return jnp.exp(b_last) * state + _dot(k_hat, u, prec, trans_a=True)
+        b_last = _last_row(b)  # [K] or a scalar
+        to_end = jnp.exp(b_last - b) if per_key else jnp.exp(b_last - b)[:, None]
+        k_hat = k.astype(jnp.float32) * to_end
+        carry = (jnp.exp(b_last)[:, None] if per_key else jnp.exp(b_last)) * state
+        state = carry + _dot(k_hat, u, prec, trans_a=True)
+        if segments:
+            slot = slot_ref[n]
 
-    state = lax.fori_loop(0, num_chunks, body, init_ref[...].astype(jnp.float32))
-    final_ref[...] = state
+            @pl.when(slot >= 0)
+            def _():
+                final_ref[slot] = state
+
+        return state
+
+    state = lax.fori_loop(0, num_chunks, body, init)
+    if not segments:
+        final_ref[...] = state
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,29 +463,34 @@ def _compiler_params(warps, stages):
 
 
 def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
+    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None."""
     length, key_heads, key_dim = k.shape
-    heads = b.shape[0]
+    per_key = b.ndim == 3
+    heads = b.shape[1] if per_key else b.shape[0]
     group = heads // key_heads
     num_chunks = length // chunk
     delta = beta is not None
+    config = config.resolved(k.dtype)
     qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
-    gate_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))
+    beta_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))
+    b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
     if delta:
         value_dim = v.shape[-1]
-        in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), gate_spec,
-                    gate_spec]
+        in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
+                    beta_spec]
         args = (q, k, v, b, beta)
         out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
                      pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
         out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
                      jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
     else:
-        in_specs, args = [qk_spec, qk_spec, gate_spec], (q, k, b)
+        in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
-    kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(_SUB, chunk), delta=delta, scale=scale,
-                               prec=config.locals_precision)
+    kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(_SUB, chunk), delta=delta, per_key=per_key,
+                               scale=scale, prec=config.locals_precision, solve=config.solve,
+                               solve_prec=config.solve_precision)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -340,12 +503,16 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     )(*args)
 
 
-def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret):
+def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
+                segments=None):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
-    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs.
+    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
+    n) runs packed segments instead (pieces must be 1): the int32 per-chunk tables of `_state_kernel`; final is
+    then [n, H, K, Wd].
     """
     length, key_heads, key_dim = k.shape
+    per_key = b.ndim == 3
     heads, width = init.shape[1], init.shape[-1]
     group = heads // key_heads
     piece_len = length // pieces
@@ -368,13 +535,21 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     in_specs += [
         pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))),
         pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
-        pl.BlockSpec((None, piece_len), lambda j, h, s: (h, s)),
+        pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)) if per_key
+        else pl.BlockSpec((None, piece_len), lambda j, h, s: (h, s)),
     ]
     args += [u, k, b]
     if outputs:
         in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
                      pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
         args += [q, p]
+    if segments is not None:
+        start, slot, n_seg = segments
+        if pieces != 1:
+            raise ValueError("packed segments run with pieces = 1")
+        table = pl.BlockSpec((start.shape[0],), lambda j, h, s: (0,))
+        in_specs += [table, table]
+        args += [start, slot]
     state_spec = pl.BlockSpec((None, None, key_dim, block_v), lambda j, h, s: (s, h, 0, j))
     in_specs.append(state_spec)
     args.append(init)
@@ -382,14 +557,20 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     if outputs:
         out_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
         out_shape.append(jax.ShapeDtypeStruct((length, heads, value_dim), out_dtype))
-    out_specs.append(state_spec)
-    out_shape.append(jax.ShapeDtypeStruct(init.shape, jnp.float32))
+    if segments is None:
+        out_specs.append(state_spec)
+        out_shape.append(jax.ShapeDtypeStruct(init.shape, jnp.float32))
+    else:
+        out_specs.append(pl.BlockSpec((n_seg, None, key_dim, block_v), lambda j, h, s: (0, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((n_seg, heads, key_dim, width), jnp.float32))
     kernel = functools.partial(
         _state_kernel,
         chunk=chunk,
         num_chunks=piece_len // chunk,
         delta=delta,
+        per_key=per_key,
         outputs=outputs,
+        segments=segments is not None,
         value_blocks=value_blocks if widened else None,
         scale=scale,
         prec=config.state_precision,
@@ -415,10 +596,59 @@ def _chunk_cumsum(g: Array | None, length: int, heads: int, chunk: int) -> Array
     return jnp.cumsum(gc, axis=1).reshape(length, heads).T
 
 
+def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
+    """b = chunk-local cumsum of gk (+ g broadcast over keys), as [L, H, K] float32."""
+    log_decay = gk.astype(jnp.float32)
+    if g is not None:
+        log_decay = log_decay + g.astype(jnp.float32)[..., None]
+    length = log_decay.shape[0]
+    gc = log_decay.reshape((length // chunk, chunk) + log_decay.shape[1:])
+    return jnp.cumsum(gc, axis=1).reshape(log_decay.shape)
+
+
+def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
+    """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u); w is None and
+    u = v without the delta rule."""
+    length = k.shape[0]
+    heads = v.shape[1]
+    if config.inter_dtype is None:
+        inter = jnp.bfloat16 if k.dtype == jnp.bfloat16 else jnp.float32
+    else:
+        inter = jnp.dtype(config.inter_dtype)
+    if gk is not None:
+        b = _chunk_cumsum_per_key(g, gk, config.chunk)
+    else:
+        b = _chunk_cumsum(g, length, heads, config.chunk)
+    beta_t = None if beta is None else beta.astype(jnp.float32).T
+    res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
+                        interpret=interpret)
+    if beta is not None:
+        p, w, u = res
+    else:
+        (p,), w, u = res, None, v
+    return b, p, w, u
+
+
+def _log_transfer(g, gk, seg_ids=None, n_seg=None):
+    """The summary form and log-transfer of a decay-only family: sums of log gates (per segment with seg_ids)."""
+    form = la.transfer_form(g=g, gk=gk)
+    if form == "identity":
+        return form, None
+    total = lambda x: (jnp.sum(x.astype(jnp.float32), axis=0) if seg_ids is None  # noqa: E731
+                       else jax.ops.segment_sum(x.astype(jnp.float32), seg_ids, num_segments=n_seg))
+    if form == "scalar":
+        return form, total(g)
+    log = total(gk)
+    if g is not None:
+        log = log + total(g)[..., None]
+    return form, log
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "config", "emit_summary", "interpret"))
-def _forward(q, k, v, g, beta, initial_state, *, scale, config, emit_summary, interpret):
+def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_summary, interpret):
     length, key_heads, key_dim = k.shape
     heads, value_dim = v.shape[1:]
+    config = config.resolved(k.dtype)
     chunk = config.chunk
     num_chunks = -(-length // chunk)
     pieces = max(1, min(config.pieces, num_chunks))
@@ -426,40 +656,27 @@ def _forward(q, k, v, g, beta, initial_state, *, scale, config, emit_summary, in
     padded = chunks_per_piece * pieces * chunk
     pad = padded - length
 
-    def pad_tokens(x):  # zero tokens have A = I and add nothing (g = 0, beta = 0, k = v = 0)
+    def pad_tokens(x):  # zero tokens have A = I and add nothing (g = gk = 0, beta = 0, k = v = 0)
         if x is None or pad == 0:
             return x
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
-    q, k, v, g, beta = map(pad_tokens, (q, k, v, g, beta))
-    auto = "bf16" if k.dtype == jnp.bfloat16 else "ieee"
-    config = dataclasses.replace(config, locals_precision=config.locals_precision or auto,
-                                 state_precision=config.state_precision or auto)
-    if config.inter_dtype is None:
-        inter = jnp.bfloat16 if k.dtype == jnp.bfloat16 else jnp.float32
-    else:
-        inter = jnp.dtype(config.inter_dtype)
+    q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
     out_dtype = jnp.result_type(q, v)
-    b = _chunk_cumsum(g, padded, heads, chunk)
-    beta_t = None if beta is None else beta.astype(jnp.float32).T
-    locals_ = _chunk_locals(q, k, v, b, beta_t, chunk=chunk, scale=scale, inter_dtype=inter, config=config,
-                            interpret=interpret)
-    if beta is not None:
-        p, w, u = locals_
-    else:
-        (p,), w, u = locals_, None, v
+    b, p, w, u = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret)
     state0 = (jnp.zeros((heads, key_dim, value_dim), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (heads, key_dim, key_dim))
-    run = functools.partial(_state_pass, chunk=chunk, value_dim=value_dim, out_dtype=out_dtype, scale=scale, config=config,
-                            interpret=interpret)
+    run = functools.partial(_state_pass, chunk=chunk, value_dim=value_dim, out_dtype=out_dtype, scale=scale,
+                            config=config, interpret=interpret)
+    dense_summary = emit_summary and beta is not None
     summary = None
     if pieces == 1:
-        init = jnp.concatenate([state0, eye], axis=-1) if emit_summary else state0
+        init = jnp.concatenate([state0, eye], axis=-1) if dense_summary else state0
         o, final = run(w, u, k, b, q, p, init[None], pieces=1)
         final = final[0]
         state = final[..., :value_dim]
-        if emit_summary:
+        if dense_summary:
             transfer = final[..., value_dim:]
             zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
             summary = la.Summary("dense", zero_start, transfer)
@@ -473,9 +690,33 @@ def _forward(q, k, v, g, beta, initial_state, *, scale, config, emit_summary, in
         incoming = jnp.concatenate([state0[None], la.advance(before, jnp.broadcast_to(state0, before.state.shape))])
         o, finals = run(w, u, k, b, q, p, incoming, pieces=pieces)
         state = finals[-1]
-        if emit_summary:
+        if dense_summary:
             summary = jax.tree_util.tree_map(lambda x: x[-1], prefixes)
+    if emit_summary and not dense_summary:  # decay-only: T is a sum of log gates, S(C|0) = state - T state0
+        form, log = _log_transfer(g, gk)
+        transfer_only = la.Summary(form, jnp.zeros_like(state), log)
+        summary = la.Summary(form, state - la.advance(transfer_only, state0) + 0.0, log)
     return o[:length], state, summary
+
+
+def _check(q, k, v, g, gk, beta):
+    if k.ndim != 3 or q is None or q.shape != k.shape or v.ndim != 3 or v.shape[0] != k.shape[0]:
+        raise ValueError(f"expected q, k [L, Hk, K] and v [L, H, V], got {getattr(q, 'shape', None)}, {k.shape}, "
+                         f"{v.shape}")
+    length, key_heads, key_dim = k.shape
+    heads, value_dim = v.shape[1:]
+    if heads % key_heads:
+        raise ValueError(f"key heads {key_heads} must divide value heads {heads}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x is not None and x.shape != (length, heads):
+            raise ValueError(f"{name} must be [L={length}, H={heads}], got {x.shape}")
+    if gk is not None and gk.shape != (length, heads, key_dim):
+        raise ValueError(f"gk must be [L={length}, H={heads}, K={key_dim}], got {gk.shape}")
+    if not (_pow2(key_dim) and _pow2(value_dim)):
+        raise ValueError(f"K and V must be powers of two >= 16 (Triton tiles), got K={key_dim}, V={value_dim}")
+    if length == 0:
+        raise ValueError("empty sequence")
+    return length, key_heads, key_dim, heads, value_dim
 
 
 def gdn_forward(
@@ -485,49 +726,187 @@ def gdn_forward(
     *,
     g: Array | None = None,
     beta: Array | None = None,
+    gk: Array | None = None,
     initial_state: Array | None = None,
     scale: float = 1.0,
     config: GDNConfig = GDNConfig(),
     emit_summary: bool = False,
     interpret: bool | None = None,
 ):
-    """Chunked forward of the scalar-gate (gated) delta rule with Pallas kernels; matches `linear_attn.chunked`.
+    """Chunked forward of every family of the core with Pallas kernels; matches `linear_attn.chunked`.
 
     Args:
       q, k: [L, Hk, K]; v: [L, H, V] with Hk dividing H (value head h reads key head h // (H / Hk)).
-      g: [L, H] log decay (<= 0) or None; beta: [L, H] delta-rule strength or None (decay-only family).
+      g: [L, H] log decay (<= 0) or None; gk: [L, H, K] per-key log decay (<= 0; KDA, GLA) or None;
+      beta: [L, H] delta-rule strength or None (decay-only family).
       initial_state: [H, K, V] or None (zeros). scale: output scale.
-      config: `GDNConfig`. emit_summary: also return the segment's `linear_attn.Summary` (dense, K x K transfer
-        when beta is given; T_C from the same kernels, see the module docstring).
+      config: `GDNConfig`. emit_summary: also return the segment's `linear_attn.Summary`: dense (K x K transfer
+        from the same kernels, see the module docstring) when beta is given, else the sums of the log gates.
       interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU).
 
     Returns (o [L, H, V] in the inputs' dtype, final_state [H, K, V] float32) or, with emit_summary,
     (o, final_state, summary).
     """
-    if k.ndim != 3 or q.shape != k.shape or v.ndim != 3 or v.shape[0] != k.shape[0]:
-        raise ValueError(f"expected q, k [L, Hk, K] and v [L, H, V], got {q.shape}, {k.shape}, {v.shape}")
-    length, key_heads, key_dim = k.shape
-    heads, value_dim = v.shape[1:]
-    if heads % key_heads:
-        raise ValueError(f"key heads {key_heads} must divide value heads {heads}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x is not None and x.shape != (length, heads):
-            raise ValueError(f"{name} must be [L={length}, H={heads}], got {x.shape}")
+    _, _, key_dim, heads, value_dim = _check(q, k, v, g, gk, beta)
     if initial_state is not None and initial_state.shape != (heads, key_dim, value_dim):
         raise ValueError(f"initial_state must be [{heads}, {key_dim}, {value_dim}], got {initial_state.shape}")
-    for dim in (key_dim, value_dim):
-        if dim & (dim - 1) or dim < 16:
-            raise ValueError(f"K and V must be powers of two >= 16 (Triton tiles), got K={key_dim}, V={value_dim}")
-    if emit_summary and beta is None:
-        raise ValueError("emit_summary here is for delta rules; decay-only summaries are sums of log gates "
-                         "(linear_attn.summarize)")
     if interpret is None:
         interpret = default_interpret()
-    if length == 0:
-        raise ValueError("empty sequence")
-    o, state, summary = _forward(q, k, v, g, beta, initial_state, scale=float(scale), config=config,
+    o, state, summary = _forward(q, k, v, g, beta, initial_state, gk, scale=float(scale), config=config,
                                  emit_summary=emit_summary, interpret=bool(interpret))
     return (o, state, summary) if emit_summary else (o, state)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Variable-length packed segments.
+
+
+def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
+    """Chunk-aligned layout of packed segments (all int32, traced-friendly; only the sizes are static).
+
+    Every segment is padded to whole chunks so that a chunk never straddles a boundary: the chunk-local kernel
+    then needs no segment masks, and the state pass only resets at a segment's first chunk and stores at its
+    last. The padded length is bounded statically by sum_i ceil(len_i / c) <= floor((L + n (c - 1)) / c) chunks.
+
+    Returns (src [Lp]: packed token of each padded position, `length` for padding; pos [L]: padded position of
+    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]).
+    """
+    num_chunks = (length + n_seg * (chunk - 1)) // chunk
+    lens = cu[1:] - cu[:-1]
+    seg_chunks = (lens + chunk - 1) // chunk
+    chunk_end = jnp.cumsum(seg_chunks)
+    chunk_begin = chunk_end - seg_chunks
+    ids = jnp.arange(num_chunks, dtype=jnp.int32)
+    seg = jnp.searchsorted(chunk_end, ids, side="right").astype(jnp.int32)  # n_seg past the last segment
+    seg_c = jnp.minimum(seg, n_seg - 1)
+    live = seg < n_seg
+    start = jnp.where(live, ids == chunk_begin[seg_c], True).astype(jnp.int32)
+    slot = jnp.where(live & (ids == chunk_end[seg_c] - 1), seg, -1).astype(jnp.int32)
+    padded = jnp.arange(num_chunks * chunk, dtype=jnp.int32)
+    pseg = jnp.minimum(seg[padded // chunk], n_seg - 1)
+    offset = padded - chunk_begin[pseg] * chunk
+    valid = live[padded // chunk] & (offset < lens[pseg])
+    src = jnp.where(valid, cu[pseg] + offset, length).astype(jnp.int32)
+    tokens = jnp.arange(length, dtype=jnp.int32)
+    seg_of_token = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), n_seg - 1).astype(jnp.int32)
+    pos = (chunk_begin[seg_of_token] * chunk + tokens - cu[seg_of_token]).astype(jnp.int32)
+    return src, pos, start, slot, seg_of_token, lens
+
+
+def _cu_array(cu_seqlens, length: int) -> Array:
+    if isinstance(cu_seqlens, (list, tuple, np.ndarray)):
+        cu = np.asarray(cu_seqlens, np.int64)
+        if cu.ndim != 1 or cu.shape[0] < 2 or cu[0] != 0 or cu[-1] != length or np.any(np.diff(cu) < 0):
+            raise ValueError(f"cu_seqlens must rise from 0 to L={length} (N + 1 offsets), got {list(cu)}")
+    elif getattr(cu_seqlens, "ndim", None) != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must be a 1-D array of N + 1 offsets")
+    return jnp.asarray(cu_seqlens, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "emit_summary", "interpret"))
+def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret):
+    length, key_heads, key_dim = k.shape
+    heads, value_dim = v.shape[1:]
+    n_seg = cu.shape[0] - 1
+    config = config.resolved(k.dtype)
+    chunk = config.chunk
+    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk)
+
+    def gather(x):  # padded positions read a zero row: A = I, nothing added
+        if x is None:
+            return None
+        return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[src]
+
+    qp, kp, vp, gp, gkp, betap = map(gather, (q, k, v, g, gk, beta))
+    b, p, w, u = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret)
+    dense = emit_summary and beta is not None
+    init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
+    if dense:
+        init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
+                                                       (heads, key_dim, key_dim))], axis=-1)
+    o, finals = _state_pass(w, u, kp, b, qp, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
+                            out_dtype=jnp.result_type(q, v), scale=scale, config=config, interpret=interpret,
+                            segments=(start, slot, n_seg))
+    finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
+    o = o[pos]
+    states = finals[..., :value_dim]
+    if not emit_summary:
+        return o, states
+    if dense:
+        return o, la.Summary("dense", states, finals[..., value_dim:])
+    form, log = _log_transfer(g, gk, seg_of_token, n_seg)
+    return o, la.Summary(form, states, log)
+
+
+def gdn_varlen(
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_seqlens: Sequence[int] | Array,
+    *,
+    g: Array | None = None,
+    gk: Array | None = None,
+    beta: Array | None = None,
+    scale: float = 1.0,
+    config: GDNConfig = GDNConfig(),
+    emit_summary: bool = True,
+    interpret: bool | None = None,
+):
+    """Many segments packed in one sequence, each run from a zero state (reset at every boundary).
+
+    Args:
+      q, k: [L, Hk, K]; v: [L, H, V]; g, beta: [L, H]; gk: [L, H, K] (as `gdn_forward`).
+      cu_seqlens: N + 1 segment offsets rising from 0 to L, static (a list) or an int32 array (traced: only N is
+        static, so one compilation serves every split of L tokens into N segments); empty segments are allowed.
+      emit_summary: return each segment's `linear_attn.Summary` (leading axis N): dense T for delta rules (the
+        state widened by an identity block, as in `gdn_forward`), log sums of the gates otherwise.
+
+    Returns (o [L, H, V], summary) with emit_summary, else (o, states [N, H, K, V]); the states are S(C_i|0).
+
+    Memory: the segments are gathered into a chunk-aligned layout (each padded to whole chunks; at most N (c - 1)
+    extra zero tokens) and the outputs gathered back, one extra read and write of q, k, v, gates and o in XLA, so
+    the kernels stay the ones of `gdn_forward` with two int32 tables of one entry per chunk.
+    """
+    length, _, _, _, _ = _check(q, k, v, g, gk, beta)
+    cu = _cu_array(cu_seqlens, length)
+    if interpret is None:
+        interpret = default_interpret()
+    return _varlen(q, k, v, cu, g, gk, beta, scale=float(scale), config=config, emit_summary=emit_summary,
+                   interpret=bool(interpret))
+
+
+def varlen_reference(q, k, v, cu_seqlens, *, g=None, gk=None, beta=None, scale=1.0, max_len: int | None = None,
+                     chunk_size: int = 16):
+    """Pure-JAX reference of `gdn_varlen` from the core: segments gathered into [N, max_len] rows (zero padded at
+    the end, which adds nothing), `linear_attn.chunked` and `linear_attn.summarize` vmapped over them, outputs
+    scattered back. Key heads are repeated to the value heads. Returns (o [L, H, V] float32, Summary over N)."""
+    length, heads = v.shape[:2]
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    n_seg = cu.shape[0] - 1
+    if max_len is None:
+        max_len = int(np.max(np.diff(np.asarray(cu_seqlens)))) if n_seg else 1
+    max_len = max(max_len, 1)
+    group = heads // k.shape[1]
+    up = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
+    q, k = jnp.repeat(up(q), group, 1), jnp.repeat(up(k), group, 1)
+    v, g, gk, beta = up(v), up(g), up(gk), up(beta)
+    lens = cu[1:] - cu[:-1]
+    offs = jnp.arange(max_len, dtype=jnp.int32)
+    idx = jnp.where(offs[None, :] < lens[:, None], cu[:-1, None] + offs[None, :], length)  # [N, max_len]
+
+    def rows(x):
+        if x is None:
+            return None
+        return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[idx]
+
+    def one(q, k, v, g, gk, beta):
+        o, _ = la.chunked(q, k, v, g=g, gk=gk, beta=beta, scale=scale, chunk_size=chunk_size)
+        return o, la.summarize(k, v, g=g, gk=gk, beta=beta, chunk_size=chunk_size)
+
+    o_rows, summary = jax.vmap(one)(*map(rows, (q, k, v, g, gk, beta)))
+    tokens = jnp.arange(length, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), n_seg - 1)
+    return o_rows[seg, tokens - cu[seg]], summary
 
 
 def flops(length: int, heads: int, key_dim: int, value_dim: int, chunk: int, *, emit: bool = False,
@@ -539,4 +918,3 @@ def flops(length: int, heads: int, key_dim: int, value_dim: int, chunk: int, *, 
                                                                if out else 0)  # noqa: E731
     per_chunk_state = step(width, True) if pieces == 1 else step(width, False) + step(value_dim, True)
     return heads * (length / chunk) * (per_chunk_locals + per_chunk_state)
-
