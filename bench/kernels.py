@@ -8,6 +8,14 @@ One script for one device call. Modes:
                                                     Qwen3.5 shapes (batch 1, 16 key heads -> 32 value heads of 128,
                                                     bf16 inputs, float32 state) and the compose benchmark
 
+  python bench/kernels.py --all --out DIR           one run, one table (not yet run on a GPU): correctness and
+                                                    timing of the solve variants (rows / doubling / tile) of the
+                                                    GDN forward, their chunk-local kernel alone, the per-key
+                                                    (KDA / GLA) path, packed segments (gdn_varlen) and the decode
+                                                    step, beside the pure-JAX paths; fla's rows come from a prior
+                                                    --fla-only run into the same DIR (it now also times chunk_kda,
+                                                    chunk_gla and varlen chunk_gated_delta_rule)
+
 Each mode appends JSON lines to DIR/<mode>.jsonl as it goes (so a run cut short still reports) and prints a table.
 Timing: one call to compile, warm-up calls, then the median over repeats of the mean time of a burst of calls,
 each burst closed by block_until_ready. Inputs of the timed sizes are far larger than the 60 MB L2.
@@ -67,6 +75,47 @@ def run_fla(out_dir, lengths):
                 log(path, dict(impl="fla chunk_gated_delta_rule", L=length, key_heads=key_heads, error=repr(e)[:300]))
             del q, k, v, g, beta
             torch.cuda.empty_cache()
+    for length in lengths:  # per-key families and packed segments (32 heads of 128 everywhere)
+        torch.manual_seed(0)
+        q = torch.nn.functional.normalize(torch.randn(1, length, HEADS, DIM, device=dev), dim=-1).bfloat16()
+        k = torch.nn.functional.normalize(torch.randn(1, length, HEADS, DIM, device=dev), dim=-1).bfloat16()
+        v = torch.randn(1, length, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+        gk = -torch.rand(1, length, HEADS, DIM, device=dev, dtype=torch.float32) * 0.1
+        g = -torch.rand(1, length, HEADS, device=dev, dtype=torch.float32) * 0.1
+        beta = torch.rand(1, length, HEADS, device=dev, dtype=torch.float32).sigmoid()
+        cu = torch.tensor(varlen_offsets(length), device=dev, dtype=torch.long)
+        cases = {}
+        try:
+            from fla.ops.kda import chunk_kda
+
+            cases["fla chunk_kda"] = lambda: chunk_kda(q, k, v, gk, beta, scale=DIM**-0.5, output_final_state=True)
+        except Exception as e:  # noqa: BLE001
+            log(path, dict(impl="fla chunk_kda", error=repr(e)[:300]))
+        try:
+            from fla.ops.gla import chunk_gla
+
+            cases["fla chunk_gla"] = lambda: chunk_gla(q, k, v, gk, scale=DIM**-0.5, output_final_state=True)
+        except Exception as e:  # noqa: BLE001
+            log(path, dict(impl="fla chunk_gla", error=repr(e)[:300]))
+        cases["fla chunk_gated_delta_rule varlen"] = lambda: chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, scale=DIM**-0.5, output_final_state=True, cu_seqlens=cu)
+        for name, fn in cases.items():
+            try:
+                ms = do_bench(fn, warmup=50, rep=200, return_mode="median")
+                log(path, dict(impl=name, L=length, key_heads=HEADS, ms=ms))
+            except Exception as e:  # noqa: BLE001
+                log(path, dict(impl=name, L=length, error=repr(e)[:300]))
+        del q, k, v, gk, g, beta
+        torch.cuda.empty_cache()
+
+
+def varlen_offsets(length, segments=64, seed=0):
+    """Offsets of `segments` uneven packed segments (lengths uniform in [0.25, 1.75] x the mean) summing to L."""
+    import numpy as np
+
+    weights = np.random.default_rng(seed).uniform(0.25, 1.75, segments)
+    cuts = np.round(np.cumsum(weights) / weights.sum() * length).astype(int)
+    return [0] + [int(c) for c in cuts[:-1]] + [length]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,6 +194,15 @@ def variants():
         "pallas bv32 state-bf16x3": (C(block_v=32, locals_precision="bf16", state_precision="bf16x3"), False),
         "pallas P8 bv16 tf32": (C(block_v=16, pieces=8, **t32), False),
         "pallas bv32 ieee": (C(block_v=32), False),
+        # Solve variants of the chunk-local inverse (added after the first H200 runs, not measured yet).
+        "pallas rows bv32 bf16 s3": (C(solve="rows", **b16), False),
+        "pallas doubling bv32 bf16 s3": (C(solve="doubling", **b16), False),
+        "pallas tile bv32 bf16 s3": (C(solve="tile", **b16), False),
+        "pallas doubling c32 bv32 bf16 s3": (C(chunk=32, solve="doubling", **b16), False),
+        "pallas tile c32 bv32 bf16 s3": (C(chunk=32, solve="tile", **b16), False),
+        "pallas doubling solve-bf16x3 bv32 s3": (C(solve="doubling", solve_precision="bf16x3", **b16), False),
+        "pallas doubling bv32 bf16 s3 +TS": (C(solve="doubling", **b16), True),
+        "pallas doubling bv32 tf32 f32-inter +TS": (C(solve="doubling", inter_dtype="float32", **t32), True),
     }
 
 
@@ -468,6 +526,179 @@ def compose_pairs(la, segments, layers, seg_len):
     return transfers, states, np.stack(ref_states), tt
 
 
+def run_all(out_dir, length, budget_s):
+    """Every kernel added for issue 5's second round in one run, one table (Qwen3.5 / Kimi shapes, batch 1, bf16
+    inputs, float32 state). Errors are relative to the core in float32 HIGHEST on the same bf16-rounded inputs.
+
+    Sections: GDN forward per solve variant (and +TS); the chunk-local kernel alone per solve (the measured
+    bottleneck); KDA and GLA (per-key gates, 32 q/k heads as in Kimi-Linear); packed segments (64 uneven segments
+    with their dense (T, S)) against the vmapped pure-JAX reference and the unsegmented forward; the decode step
+    at batch 1 and 64. fla rows are read from DIR/fla.jsonl when a --fla-only run wrote it first.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import decode as dec
+    from hypic_jax.pallas import gdn
+    from hypic_jax.pallas.gdn import GDNConfig as C
+
+    start = time.perf_counter()
+    path = os.path.join(out_dir, "all.jsonl")
+    log(path, dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], date=time.strftime("%Y-%m-%d")))
+    over = lambda: time.perf_counter() - start > budget_s  # noqa: E731
+    scale = DIM**-0.5
+    group = HEADS // KEY_HEADS
+    rows = []
+    fla = {}
+    fla_path = os.path.join(out_dir, "fla.jsonl")
+    if os.path.exists(fla_path):
+        with open(fla_path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("L") == length and "ms" in rec:
+                    fla.setdefault(rec["impl"], rec["ms"])
+
+    def record(section, name, fn, args, ref=None, tokens=length, fla_name=None, nbytes=None):
+        if over():
+            log(path, dict(skipped=name, reason="time budget"))
+            return
+        try:
+            ms, comp = timeit(fn, *args)
+            rec = dict(section=section, impl=name, L=tokens, ms=ms, compile_s=comp, Mtok_s=tokens / ms / 1e3)
+            if nbytes is not None:
+                rec["TBs"] = nbytes / ms / 1e9
+            if fla_name in fla:
+                rec["vs_fla"] = fla[fla_name] / ms
+            if ref is not None:
+                got = fn(*args)
+                rec.update({key: rel(pick(got), want) for key, (pick, want) in ref.items()})
+            log(path, rec)
+            rows.append(rec)
+        except Exception as e:  # noqa: BLE001
+            log(path, dict(section=section, impl=name, error=repr(e)[:600]))
+
+    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    rep = lambda x: jnp.repeat(up(x), group, 1)  # noqa: E731
+
+    # 1. GDN forward, 16 key heads -> 32 value heads.
+    q, k, v, g, beta = gdn_inputs(length)
+    ref_o, ref_s = jax.jit(lambda q, k, v, g, b: la.chunked(rep(q), rep(k), up(v), g=g, beta=b, scale=scale))(
+        q, k, v, g, beta)
+    ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
+    record("gdn", "xla chunked", jax.jit(lambda q, k, v, g, b: la.chunked(
+        jnp.repeat(q, group, 1), jnp.repeat(k, group, 1), v, g=g, beta=b, scale=scale)), (q, k, v, g, beta), ref,
+        fla_name="fla chunk_gated_delta_rule")
+    for name, (cfg, emit) in variants().items():
+        if " s3" not in name or not any(x in name for x in ("rows", "doubling", "tile")):
+            continue
+        fn = jax.jit(lambda q, k, v, g, b, cfg=cfg, emit=emit: gdn.gdn_forward(
+            q, k, v, g=g, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
+        record("gdn", name, fn, (q, k, v, g, beta), ref, fla_name="fla chunk_gated_delta_rule")
+
+    # 2. The chunk-local kernel alone, per solve.
+    for solve in ("rows", "doubling", "tile"):
+        for chunk in (64, 32):
+            cfg = C(chunk=chunk, solve=solve, **b16)
+            b = gdn._chunk_cumsum(g, length, HEADS, chunk)
+            fn = jax.jit(lambda q, k, v, b, bt, cfg=cfg: gdn._chunk_locals(
+                q, k, v, b, bt, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
+                interpret=INTERPRET))
+            record("locals", f"locals {solve} c{chunk}", fn, (q, k, v, b, beta.T))
+    del q, k, v, g, beta, ref_o, ref_s
+
+    # 3. Per-key gates (KDA with beta, GLA without), q/k at 32 heads.
+    ks = jax.random.split(jax.random.PRNGKey(3), 2)
+    q, k, v, _, beta = gdn_inputs(length, seed=2)
+    q, k = jnp.repeat(q, group, 1), jnp.repeat(k, group, 1)
+    gk = -jax.random.uniform(ks[0], (length, HEADS, DIM), jnp.float32) * 0.1
+    for family, bt, fla_name in (("kda", beta, "fla chunk_kda"), ("gla", None, "fla chunk_gla")):
+        ref_o, ref_s = jax.jit(lambda q, k, v, gk, b: la.chunked(up(q), up(k), up(v), gk=gk, beta=b, scale=scale))(
+            q, k, v, gk, bt)
+        ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
+        record(family, "xla chunked", jax.jit(lambda q, k, v, gk, b: la.chunked(q, k, v, gk=gk, beta=b,
+                                                                                 scale=scale)),
+               (q, k, v, gk, bt), ref, fla_name=fla_name)
+        for name, cfg in (("pallas doubling bv32 bf16 s3", C(solve="doubling", **b16)),
+                          ("pallas rows bv32 bf16 s3", C(solve="rows", **b16)),
+                          ("pallas doubling c32 bv32 bf16 s3", C(chunk=32, solve="doubling", **b16))):
+            if bt is None and "rows" in name:
+                continue  # no solve without the delta rule
+            fn = jax.jit(lambda q, k, v, gk, b, cfg=cfg: gdn.gdn_forward(
+                q, k, v, gk=gk, beta=b, scale=scale, config=cfg, interpret=INTERPRET))
+            record(family, name, fn, (q, k, v, gk, bt), ref, fla_name=fla_name)
+    del q, k, v, gk, beta
+
+    # 4. Packed segments: 64 uneven segments, outputs and each segment's dense (T, S).
+    segments = min(64, max(2, length // 16))
+    cu_list = varlen_offsets(length, segments)
+    cu = jnp.asarray(cu_list, jnp.int32)
+    max_len = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
+    q, k, v, g, beta = gdn_inputs(length, seed=4)
+    ref_o, ref_sum = jax.jit(lambda q, k, v, cu, g, b: gdn.varlen_reference(
+        q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len, chunk_size=64))(q, k, v, cu, g, beta)
+    ref = {"o": (lambda r: r[0], ref_o), "S": (lambda r: r[1].state, ref_sum.state),
+           "T": (lambda r: r[1].transfer, ref_sum.transfer)}
+    record("varlen", f"xla vmapped reference ({segments} segments)", jax.jit(
+        lambda q, k, v, cu, g, b: gdn.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
+                                                       chunk_size=64)), (q, k, v, cu, g, beta), ref,
+        fla_name="fla chunk_gated_delta_rule varlen")
+    for name, cfg in (("pallas doubling bf16 s3 +TS", C(solve="doubling", **b16)),
+                      ("pallas doubling tf32 f32-inter s3 +TS", C(solve="doubling", inter_dtype="float32",
+                                                                  locals_precision="tf32", state_precision="tf32")),
+                      ("pallas rows bf16 s3 +TS", C(solve="rows", **b16))):
+        fn = jax.jit(lambda q, k, v, cu, g, b, cfg=cfg: gdn.gdn_varlen(
+            q, k, v, cu, g=g, beta=b, scale=scale, config=cfg, interpret=INTERPRET))
+        record("varlen", name, fn, (q, k, v, cu, g, beta), ref, fla_name="fla chunk_gated_delta_rule varlen")
+    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale,
+                                                          config=C(solve="doubling", **b16), emit_summary=False,
+                                                          interpret=INTERPRET))
+    record("varlen", "pallas doubling bf16 s3 (states only)", fn, (q, k, v, cu, g, beta),
+           fla_name="fla chunk_gated_delta_rule varlen")
+    fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale,
+                                                       config=C(solve="doubling", **b16), interpret=INTERPRET))
+    record("varlen", "pallas doubling bf16 s3, unsegmented (baseline)", fn, (q, k, v, g, beta))
+    del q, k, v, g, beta, ref_o, ref_sum
+
+    # 5. Decode step, all heads: batch 1 and a serving batch (vmapped), GDN and KDA gates.
+    for batch in (1, 64 if not INTERPRET else 2):
+        kb = jax.random.split(jax.random.PRNGKey(9), 6)
+        shape = (batch,)
+        q = la.l2_normalize(jax.random.normal(kb[0], shape + (KEY_HEADS, DIM))).astype(jnp.bfloat16)
+        k = la.l2_normalize(jax.random.normal(kb[1], shape + (KEY_HEADS, DIM))).astype(jnp.bfloat16)
+        v = jax.random.normal(kb[2], shape + (HEADS, DIM)).astype(jnp.bfloat16)
+        state = jax.random.normal(kb[3], shape + (HEADS, DIM, DIM), jnp.float32)
+        g = -jax.random.uniform(kb[4], shape + (HEADS,)) * 0.1
+        gk = -jax.random.uniform(kb[4], shape + (HEADS, DIM)) * 0.1
+        beta = jax.nn.sigmoid(jax.random.normal(kb[5], shape + (HEADS,)))
+        nbytes = 2 * state.size * 4  # state read and written
+        for family, gates in (("gdn", dict(g=g, beta=beta)), ("kda", dict(gk=gk, beta=beta))):
+            names = tuple(gates)
+            ref_fn = jax.jit(jax.vmap(lambda q, k, v, s, *gs, names=names: dec.decode_reference(
+                q, k, v, s, scale=scale, **dict(zip(names, gs)))))
+            args = (q, k, v, state) + tuple(gates.values())
+            ref_o, ref_s = ref_fn(*args)
+            ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
+            record(f"decode B={batch}", f"xla reference {family}", ref_fn, args, ref, tokens=batch, nbytes=nbytes)
+            for bv in (32, 64):
+                fn = jax.jit(jax.vmap(lambda q, k, v, s, *gs, names=names, bv=bv: dec.decode_step(
+                    q, k, v, s, scale=scale, config=dec.DecodeConfig(block_v=bv), interpret=INTERPRET,
+                    **dict(zip(names, gs)))))
+                record(f"decode B={batch}", f"pallas {family} bv{bv}", fn, args, ref, tokens=batch, nbytes=nbytes)
+    log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
+
+    # One table.
+    print(f"\n| section | implementation | L | ms | Mtok/s | vs fla | errors |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        errs = " ".join(f"{key} {r[key]:.2e}" for key in ("o", "state", "S", "T") if key in r)
+        extra = f" ({r['TBs']:.2f} TB/s state)" if "TBs" in r else ""
+        vs = f"{r['vs_fla']:.2f}" if "vs_fla" in r else ""
+        print(f"| {r['section']} | {r['impl']}{extra} | {r['L']} | {r['ms']:.3f} | {r['Mtok_s']:.2f} | {vs} | {errs} |")
+    for name, ms in fla.items():
+        print(f"| fla | {name} | {length} | {ms:.3f} | {length / ms / 1e3:.2f} | 1.00 | |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
@@ -477,6 +708,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=380.0, help="stop starting new timings after this long")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--focus", action="store_true", help="second-round measurements (see run_focus)")
+    ap.add_argument("--all", action="store_true", help="every kernel variant in one run and one table (run_all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     args = ap.parse_args()
     global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE
@@ -488,6 +720,8 @@ def main():
         run_fla(args.out, lengths)
     elif args.focus:
         run_focus(args.out, args.budget_s)
+    elif args.all:
+        run_all(args.out, args.check_length if not args.smoke else 128, args.budget_s)
     else:
         run_jax(args.out, lengths, args.check_length, args.budget_s, [x for x in args.only.split(",") if x])
 
