@@ -314,15 +314,8 @@ def _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc):
     chunks = (to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(log_decay), to_chunks(beta))
     decay_width = 1 if log_decay is None else log_decay.shape[-1]
     per_chunk = heads * chunk_size * chunk_size * max(decay_width, 1)
-    fn = lambda qc, kc, vc, dc, bc: _chunk_locals(qc, kc, vc, dc, bc, acc)  # noqa: E731
-    present = [x is not None for x in chunks]
-    args = tuple(x for x in chunks if x is not None)
-
-    def fn_present(*xs):
-        it = iter(xs)
-        return fn(*[next(it) if p else None for p in present])
-
-    locals_ = _map_chunks(fn_present, args, per_chunk, num_chunks)
+    # absent inputs are None: empty PyTrees, which vmap and lax.map pass through untouched
+    locals_ = _map_chunks(lambda *xs: _chunk_locals(*xs, acc), chunks, per_chunk, num_chunks)
 
     def step(state, loc):
         u = loc["u"]
