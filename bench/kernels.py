@@ -306,37 +306,10 @@ def run_jax(out_dir, lengths, check_length, budget_s, only=None):
 
 def run_compose(path, cmp, la, segments=64, layers=30, seg_len=512):
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    ks = jax.random.split(jax.random.PRNGKey(7), 5)
-    shape = (segments, seg_len, HEADS, DIM)
-    k = la.l2_normalize(jax.random.normal(ks[0], shape, jnp.float32))
-    v = jax.random.normal(ks[1], shape, jnp.float32)
-    # Per-head decay rates spread over three decades (slow heads keep T near norm 1, fast ones near 0).
-    rate = jnp.exp(jax.random.uniform(ks[2], (HEADS,), minval=jnp.log(1e-4), maxval=jnp.log(1e-1)))
-    g = -rate * jax.random.uniform(ks[3], (segments, seg_len, HEADS), minval=0.5, maxval=1.5)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (segments, seg_len, HEADS)))
-    summ = jax.jit(jax.vmap(lambda k, v, g, b: la.summarize(k, v, g=g, beta=b)))(k, v, g, beta)
-    t1, s1 = summ.transfer, summ.state  # [n, H, K, K], [n, H, K, V]
-    perms = [np.random.default_rng(i).permutation(segments) for i in range(layers)]
-    perms[0] = np.arange(segments)
-    idx = jnp.asarray(np.stack(perms, axis=1))  # [n, layers]
-    transfers = t1[idx]  # [n, layers, H, K, K]
-    states = s1[idx]
-    del k, v, g, beta, summ
-    # float64 reference of layer 0 (the unpermuted one) on the host.
-    t64 = np.asarray(t1, np.float64)
-    s64 = np.asarray(s1, np.float64)
-    ref_states = []
-    st = np.zeros_like(s64[0])
-    for i in range(segments):
-        st = t64[i] @ st + s64[i]
-        ref_states.append(st)
-    ref_states = np.stack(ref_states)
-    tt = t64[0]
-    for i in range(1, segments):
-        tt = t64[i] @ tt
+    transfers, states, ref_states, tt = compose_pairs(la, segments, layers, seg_len)
+    t64 = np.asarray(transfers[:, 0], np.float64)  # layer 0 is the unpermuted one
     flop_pairs = 2 * (segments - 1) * layers * HEADS * DIM * DIM * (2 * DIM)
     flop_states = 2 * segments * layers * HEADS * DIM * DIM * DIM
     log(path, dict(compose_setup=dict(segments=segments, layers=layers, heads=HEADS, dim=DIM, seg_len=seg_len,
@@ -495,8 +468,9 @@ def run_focus(out_dir, budget_s):
 
 
 def compose_pairs(la, segments, layers, seg_len):
-    """64 x 32 real GDN segment pairs (per-head decay rates over three decades), tiled over layers by per-layer
-    permutations (layer 0 unpermuted); float64 host reference of layer 0: all prefix states and the total T."""
+    """64 x 32 real GDN segment pairs (per-head decay rates over three decades: slow heads keep T near norm 1, fast
+    ones near 0), tiled over layers by per-layer permutations (layer 0 unpermuted); float64 host reference of
+    layer 0: all prefix states and the total T."""
     import jax
     import jax.numpy as jnp
     import numpy as np
