@@ -17,7 +17,7 @@ $(VENV)/.test: $(VENV)/.core pyproject.toml
 	touch $@
 
 demo: $(VENV)/.core
-	$(PY) -m hypic_jax.demo
+	$(PY) -m hypic_jax.demo --families
 
 test: $(VENV)/.test
 	$(PY) -m pytest -n auto -q tests
