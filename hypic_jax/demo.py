@@ -30,7 +30,7 @@ FAMILY_BUILDERS = {
     "retnet": lambda q, k, v, r: la.retnet(q, k, v),
     "lightning": lambda q, k, v, r: la.lightning(q, k, v, layer_factor=0.5),
     "mamba2": lambda q, k, v, r: la.mamba2(
-        v, r(v.shape[:2]), A_log=jnp.zeros(v.shape[1]), dt_bias=jnp.full(v.shape[1], -2.0), B=k[:, :1], C=q[:, :1]
+        v, r(v.shape[:2]), A_log=jnp.zeros(v.shape[1]), dt_bias=jnp.full(v.shape[1], -4.0), B=k[:, :1], C=q[:, :1]
     ),
     "gla": lambda q, k, v, r: la.gla(q, k, v, gk=jax.nn.log_sigmoid(r(k.shape) + 3.0) / 4),
     "delta_net": lambda q, k, v, r: la.delta_net(q, k, v, beta=jax.nn.sigmoid(r(v.shape[:2]))),
