@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -96,7 +97,7 @@ def transfer_form(*, g: Any = None, gk: Any = None, beta: Any = None) -> str:
 
 
 def _check_chunk_size(chunk_size: Any) -> int:
-    if not isinstance(chunk_size, (int,)) or isinstance(chunk_size, bool) or chunk_size <= 0:
+    if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     return int(chunk_size)
 
@@ -358,6 +359,8 @@ def chunked(
     """
     if impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"impl must be 'xla', 'pallas' or 'auto', got {impl!r}")
+    chunk_size = _check_chunk_size(chunk_size)
+    length, heads, key_dim, value_dim = _check_inputs(q, k, v, g, gk, beta, initial_state)
     if impl != "xla":
         from hypic_jax.pallas import gdn as pallas_gdn
 
@@ -368,8 +371,6 @@ def chunked(
             return pallas_gdn.gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=initial_state, scale=scale,
                                           config=pallas_gdn.GDNConfig(chunk=chunk_size if chunk_size in (16, 32, 64)
                                                                       else 64))
-    chunk_size = _check_chunk_size(chunk_size)
-    length, heads, key_dim, value_dim = _check_inputs(q, k, v, g, gk, beta, initial_state)
     acc = _state_dtype(q, k, v, g, gk, beta, initial_state)
     state = (
         jnp.zeros((heads, key_dim, value_dim), acc) if initial_state is None else initial_state.astype(acc)
