@@ -17,23 +17,11 @@ import argparse
 import datetime
 import json
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from hypic_jax.demo import FAMILY_BUILDERS
-
-
-def timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
+from hypic_jax.demo import FAMILY_BUILDERS, median_time as timed
 
 
 def main(argv=None) -> None:

@@ -43,7 +43,8 @@ FAMILY_BUILDERS = {
 }
 
 
-def _timed(fn, *args, repeats: int = 5) -> float:
+def median_time(fn, *args, repeats: int = 5) -> float:
+    """Median wall time of a jitted call after one compiling call (seconds)."""
     jax.block_until_ready(fn(*args))  # compile
     times = []
     for _ in range(repeats):
@@ -75,7 +76,7 @@ def run(segments: int, segment_len: int, heads: int, head_dim: int, chunk_size: 
                 form=summaries.form,
                 naive=float(jnp.linalg.norm(naive - state_full)) / norm,
                 transfer=float(jnp.linalg.norm(composed - state_full)) / norm,
-                build_cost=_timed(summarize, pieces) / _timed(full, inputs),
+                build_cost=median_time(summarize, pieces) / median_time(full, inputs),
             )
         )
     return rows

@@ -44,12 +44,6 @@ def gated_rms_norm(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> A
     return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
-    """x / sqrt(sum(x^2) + eps) over the last axis (the fla / transformers convention), in float32."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Feed-forward
 
