@@ -18,7 +18,6 @@ tokens' matmul FLOPs over the measured peak.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -49,6 +48,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--cache-gb", type=float, default=48.0, help="segment cache budget")
+    parser.add_argument("--compose", default="auto", help="dot algorithm of the composition (auto, f32, bf16x3)")
+    parser.add_argument("--profile-dir", default=None,
+                        help="also trace one more warm request of each mode there (Perfetto JSON; summarise it with "
+                             "bench/trace_summary.py)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.19, help="measured HBM bandwidth (H200: 4.19)")
     parser.add_argument("--peak-tflops", type=float, default=793.0, help="bf16 matmul peak (H200: 793)")
     args = parser.parse_args(argv)
@@ -60,12 +63,13 @@ def main(argv=None) -> None:
     dtype = jnp.float32 if args.small else jnp.bfloat16
     print(f"devices: {jax.devices()}", flush=True)
     start = time.perf_counter()
-    params = jax.jit(functools.partial(qwen3_5.init_params, config, dtype=dtype))(jax.random.key(0))
+    params = qwen3_5.init_params(config, jax.random.key(0), dtype)  # eager: one small program per distinct shape
     jax.block_until_ready(params)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     print(f"built {count_params(params) / 1e9:.2f}B params ({jnp.dtype(dtype).name}) in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
-    engine = Engine(Model(qwen3_5, config, params), cache_bytes=int(args.cache_gb * 2**30), seam=args.seam)
+    engine = Engine(Model(qwen3_5, config, params), cache_bytes=int(args.cache_gb * 2**30), seam=args.seam,
+                    compose_algorithm=None if args.compose == "f32" else args.compose)
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, config.vocab_size, segment_len).tolist() for _ in range(segments)]
@@ -78,28 +82,34 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         warm = engine.prefill(docs + [query], mode=mode)  # cold: fills the cache, compiles
         warm_s = time.perf_counter() - start
-        entry_bytes = engine.cache.stats.bytes
+        entry_bytes, entries = engine.cache.stats.bytes, engine.cache.stats.entries  # before timed requests add more
+        print(f"{mode}: cold request (compiles included) {warm_s:.1f} s", flush=True)
         times, last = [], None
         for _ in range(args.repeats + 1):  # the first reordered request compiles what the warm-up did not
             order = rng.permutation(segments)
             last = engine.prefill([docs[i] for i in order] + [query], mode=mode)
             times.append(last.stats.ttft_s)
         ttft = min(times[1:])
+        if args.profile_dir:
+            order = rng.permutation(segments)
+            with jax.profiler.trace(str(Path(args.profile_dir) / mode), create_perfetto_trace=True):
+                engine.prefill([docs[i] for i in order] + [query], mode=mode)
         row = dict(
             mode=mode, ttft_ms=round(1e3 * ttft, 2), runs_ms=[round(1e3 * t, 2) for t in times],
             cold_request_s=round(warm_s, 3), cold_ttft_s=round(warm.stats.ttft_s, 3),
             recomputed_tokens=last.stats.recomputed_tokens, cached_tokens=last.stats.cached_tokens,
             hits=last.stats.hits, misses=last.stats.misses,
-            cache_bytes_per_segment=int(entry_bytes / max(1, engine.cache.stats.entries)),
+            cache_bytes_per_segment=int(entry_bytes / max(1, entries)),
         )
-        if engine.cache.stats.entries:
-            row["cache_bytes_per_token"] = int(entry_bytes / (engine.cache.stats.entries * segment_len))
+        if entries:
+            row["cache_bytes_per_token"] = int(entry_bytes / (entries * segment_len))
         rows.append(row)
         print(json.dumps(row), flush=True)
 
     by_mode = {r["mode"]: r["ttft_ms"] for r in rows}
     summary = dict(config="small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L", prompt_tokens=prompt_tokens,
-                   segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam)
+                   segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam,
+                   compose=engine.compose_algorithm)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import time
 
@@ -106,6 +105,35 @@ def prefill_flops(config: qwen3_5.Config, length: int, batch: int = 1) -> dict[s
     return {name: batch * value for name, value in parts.items()}
 
 
+def _best_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return round(1e3 * min(times), 3)
+
+
+def layer_breakdown(params, config: qwen3_5.Config, tokens, repeats: int) -> dict[str, float]:
+    """Milliseconds of one layer's pieces on random activations of the prompt's length, jitted one by one: where
+    the full prefill's time goes (multiply by the layer counts; the sum misses only norms, residuals, embedding)."""
+    batch, length = tokens.shape
+    x = params["embed"][tokens]
+    linear = config.layer_types.index(qwen3_5.LINEAR)
+    full = config.layer_types.index(qwen3_5.FULL)
+    positions = jnp.arange(length, dtype=jnp.int32)
+    gdn = jax.jit(lambda x, p: qwen3_5.gated_delta_net(x, p, config, None)[0])
+    attn = jax.jit(lambda x, p: qwen3_5.full_attention(x, p, config, positions, None, None)[0])
+    mlp = jax.jit(lambda x, p: qwen3_5.feed_forward(x, p, config, config.mlp_types[0]))
+    layers_ = params["layers"]
+    return dict(
+        gdn_mixer=_best_ms(gdn, x, layers_[linear]["mixer"], repeats=repeats),
+        attention_mixer=_best_ms(attn, x, layers_[full]["mixer"], repeats=repeats),
+        moe_block=_best_ms(mlp, x, layers_[0]["mlp"], repeats=repeats),
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
@@ -119,6 +147,8 @@ def main(argv=None) -> None:
                         help="GDN prefill core (auto: Pallas for bf16 on a GPU, linear_attn.chunked elsewhere)")
     parser.add_argument("--moe-kernel", choices=("auto", "ragged", "pallas"), default="auto",
                         help="expert grouped matmul (auto: Pallas on a GPU, lax.ragged_dot elsewhere)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time one layer's pieces (GDN mixer, attention mixer, MoE block) at each length")
     args = parser.parse_args(argv)
 
     config = small_config() if args.small else full_config(args.layers)
@@ -127,7 +157,7 @@ def main(argv=None) -> None:
     dtype = jnp.dtype(args.dtype)
     print(f"devices: {jax.devices()}", flush=True)
     start = time.perf_counter()
-    params = jax.jit(functools.partial(qwen3_5.init_params, config, dtype=dtype))(jax.random.key(0))
+    params = qwen3_5.init_params(config, jax.random.key(0), dtype)  # eager: one small program per distinct shape
     jax.block_until_ready(params)
     print(f"built {count_params(params) / 1e9:.2f}B params ({dtype}) in {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -136,7 +166,15 @@ def main(argv=None) -> None:
     for length in lengths:
         tokens = jax.random.randint(jax.random.key(length), (args.batch, length), 0, config.vocab_size, jnp.int32)
         start = time.perf_counter()
-        compiled = prefill.lower(params, config, tokens, length + 1).compile()
+        try:
+            compiled = prefill.lower(params, config, tokens, length + 1).compile()
+        except jax.errors.JaxRuntimeError as error:  # a kernel that does not fit this GPU: say so, use pure JAX
+            if config.gdn_kernel == "xla":
+                raise
+            print(f"compile failed with gdn_kernel={config.gdn_kernel!r} ({str(error)[:200]}); retrying with 'xla'",
+                  flush=True)
+            config = dataclasses.replace(config, gdn_kernel="xla")
+            compiled = prefill.lower(params, config, tokens, length + 1).compile()
         compile_s = time.perf_counter() - start
         times = []
         for _ in range(args.repeats + 1):  # the first run warms up allocators / autotuning
@@ -158,9 +196,12 @@ def main(argv=None) -> None:
             tflop_breakdown={k: float(f"{v / 1e12:.4g}") for k, v in flops.items()},
             achieved_tflops=float(f"{total / ttft / 1e12:.4g}"),
             mfu=float(f"{total / ttft / (args.peak_tflops * 1e12):.4g}"),
+            gdn_kernel=config.gdn_kernel,
             compile_s=round(compile_s, 1),
             runs_s=[round(t, 4) for t in times],
         )
+        if args.breakdown:
+            row["per_layer_ms"] = layer_breakdown(params, config, tokens, args.repeats)
         results.append(row)
         print(json.dumps(row), flush=True)
     name = "small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L"

@@ -25,6 +25,7 @@ and x64 is on); outputs come back in v's dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Callable
@@ -508,7 +509,18 @@ def dense_transfer(summary: Summary) -> Array:
     return jnp.exp(summary.transfer)[..., :, None] * eye
 
 
-def _apply_transfer(summary: Summary, x: Array) -> Array:
+def _dense_product(a: Array, b: Array, algorithm: str | None) -> Array:
+    """a @ b over the trailing two axes: HIGHEST precision, or a named tensor-core algorithm ("bf16x3", ...; see
+    `hypic_jax.pallas.compose`) for the dense products of composition, the bulk of a PIC request's state work."""
+    if algorithm in (None, "f32"):
+        return _einsum("...kj,...jn->...kn", a, b)
+    from hypic_jax.pallas.compose import matmul
+
+    a, b = jnp.broadcast_arrays(a, b) if a.shape[:-2] != b.shape[:-2] else (a, b)
+    return matmul(a, b, algorithm)
+
+
+def _apply_transfer(summary: Summary, x: Array, algorithm: str | None = None) -> Array:
     """T x for x [..., H, K, N] (a state, or another transfer)."""
     if summary.form == "identity":
         return x
@@ -516,7 +528,7 @@ def _apply_transfer(summary: Summary, x: Array) -> Array:
         return jnp.exp(summary.transfer)[..., None, None] * x
     if summary.form == "diagonal":
         return jnp.exp(summary.transfer)[..., :, None] * x
-    return _einsum("...kj,...jn->...kn", summary.transfer, x)
+    return _dense_product(summary.transfer, x, algorithm)
 
 
 def advance(summary: Summary, state: Array) -> Array:
@@ -526,16 +538,19 @@ def advance(summary: Summary, state: Array) -> Array:
     return _apply_transfer(summary, state.astype(summary.state.dtype)) + summary.state
 
 
-def compose(first: Summary, second: Summary) -> Summary:
-    """The summary of `first` followed by `second`: (T2 T1, T2 S1 + S2). Associative, not commutative."""
+def compose(first: Summary, second: Summary, *, algorithm: str | None = None) -> Summary:
+    """The summary of `first` followed by `second`: (T2 T1, T2 S1 + S2). Associative, not commutative.
+
+    algorithm: dot algorithm of the dense products (None / "f32": HIGHEST; "bf16x3": three bfloat16 tensor-core
+    passes, ~1e-6 relative per product, measured 1.6x faster than HIGHEST for dense 128 x 128 pairs on an H200)."""
     form = FORMS[max(_FORM_RANK[first.form], _FORM_RANK[second.form])]
     first, second = promote(first, form), promote(second, form)
-    state = _apply_transfer(second, first.state) + second.state
+    state = _apply_transfer(second, first.state, algorithm) + second.state
     if form == "identity":
         return Summary("identity", state, None)
     if form in ("scalar", "diagonal"):
         return Summary(form, state, first.transfer + second.transfer)
-    return Summary("dense", state, _einsum("...kj,...jn->...kn", second.transfer, first.transfer))
+    return Summary("dense", state, _dense_product(second.transfer, first.transfer, algorithm))
 
 
 def stack_summaries(summaries: list[Summary] | tuple[Summary, ...]) -> Summary:
@@ -547,15 +562,15 @@ def stack_summaries(summaries: list[Summary] | tuple[Summary, ...]) -> Summary:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *promoted)
 
 
-def prefix_states(summaries: Summary, initial_state: Array | None = None) -> Array:
+def prefix_states(summaries: Summary, initial_state: Array | None = None, *, algorithm: str | None = None) -> Array:
     """The state after each of n stacked summaries (leading axis n), from `initial_state` (zeros if None).
 
     One `jax.lax.associative_scan` of `compose` (depth O(log n)) builds every prefix pair, then each is applied to
-    the initial state. Returns [n, ..., H, K, V].
+    the initial state. Returns [n, ..., H, K, V]. `algorithm`: the dense products' dot algorithm (see `compose`).
     """
     if summaries.state.ndim < 4:
         raise ValueError(f"summaries must be stacked along a leading axis, got state shape {summaries.state.shape}")
-    prefixes = jax.lax.associative_scan(compose, summaries, axis=0)
+    prefixes = jax.lax.associative_scan(functools.partial(compose, algorithm=algorithm), summaries, axis=0)
     if initial_state is None:
         return prefixes.state
     return advance(prefixes, jnp.broadcast_to(initial_state, summaries.state.shape[1:]))

@@ -41,8 +41,9 @@ def apply_rope(x: Array, positions: Array, *, rotary_dim: int | None = None, bas
 
 
 def rotate_keys(x: Array, offset, *, rotary_dim: int | None = None, base: float = 10000.0) -> Array:
-    """Move keys `x [L, H, D]` cached at canonical positions 0..L-1 to offset..offset+L-1."""
-    positions = jnp.full(x.shape[:-2], offset, jnp.float32)
+    """Move keys `x [L, H, D]` by `offset` positions: a scalar (one cached segment) or one offset per key [L]
+    (many cached segments concatenated, each with its own shift: one rotation for all of them)."""
+    positions = jnp.broadcast_to(jnp.asarray(offset, jnp.float32), x.shape[:-2])
     return apply_rope(x, positions, rotary_dim=rotary_dim, base=base)
 
 

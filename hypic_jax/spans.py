@@ -200,10 +200,13 @@ class SpanMode:
       zero-start states; T is dropped).
     rope: move cached keys (and the linear states of RoPE'd linear layers) from their canonical positions to their
       absolute positions (False: keep the phase they were computed with).
+    compose: dot algorithm of the dense transfer products in the scan over spans (None: HIGHEST float32;
+      "bf16x3": tensor cores at float32-level accuracy; see `linear_attn.compose`).
     """
 
     transfer: bool = True
     rope: bool = True
+    compose: str | None = None
 
 
 # Named modes of the PIC ladder: the stitching flags each one uses (seams are the engine's business).
@@ -400,40 +403,46 @@ def linear_over_spans(
     zero_state = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     padded = _padded_inputs(inputs, layout, fresh, [0] * len(fresh))
 
-    # Incoming state of every fresh span.
-    span_index = {id(s): i for i, s in enumerate(layout.spans)}
+    # Incoming state of every fresh span. Every span that enters the scan (fresh spans but a trailing one, cached
+    # spans that carry a state) is summarised as one stacked batch per kind, so the traced program holds a fixed
+    # number of ops per layer however many segments the request has (fewer kernels, faster compiles).
     incoming = jnp.zeros((len(fresh), heads, key_dim, value_dim), jnp.float32)
     after: dict[int, int] = {}  # span index -> row of `prefix` holding the state after it
     prefix = None
-    needs_scan = not layout.isolated and len(layout.spans) > 1
-    if needs_scan:
+    if not layout.isolated and len(layout.spans) > 1:
         last = len(layout.spans) - 1
-        fresh_rows = [i for i, s in enumerate(fresh) if span_index[id(s)] != last]
-        fresh_summaries = None
-        if fresh_rows:
-            sub = _select(padded, fresh_rows)
-            fresh_summaries = jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(sub)
-        row_of_fresh = {r: j for j, r in enumerate(fresh_rows)}
-        ordered: list[Summary] = []
-        fresh_counter = 0
-        for i, span in enumerate(layout.spans):
-            if span.kind == FRESH:
-                if fresh_counter in row_of_fresh:
-                    ordered.append(jax.tree.map(lambda a: a[row_of_fresh[fresh_counter]], fresh_summaries))
-                    after[i] = len(ordered) - 1
-                fresh_counter += 1
-                continue
-            if not span.carries_state:
-                continue
-            summary = cached[span.offset]
+        fresh_row = {id(s): i for i, s in enumerate(fresh)}
+        scanned = [i for i, s in enumerate(layout.spans)
+                   if (s.kind == FRESH and i != last) or (s.kind == CACHED and s.carries_state)]
+        fresh_in = [fresh_row[id(layout.spans[i])] for i in scanned if layout.spans[i].kind == FRESH]
+        cached_in = [layout.spans[i] for i in scanned if layout.spans[i].kind == CACHED]
+        parts = []
+        if fresh_in:
+            parts.append(jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(_select(padded, fresh_in)))
+        if cached_in:
+            stacked = linear_attn.stack_summaries([cached[s.offset] for s in cached_in])
             if not mode.transfer:
-                summary = Summary("identity", summary.state, None)
-            if mode.rope and rotate is not None and span.start != span.canonical_start:
-                summary = rotate(summary, span.start - span.canonical_start)
-            ordered.append(summary)
-            after[i] = len(ordered) - 1
-        if ordered:
-            prefix = linear_attn.prefix_states(linear_attn.stack_summaries(ordered))
+                stacked = Summary("identity", stacked.state, None)
+            offsets = np.asarray([s.start - s.canonical_start for s in cached_in], np.int32)
+            if mode.rope and rotate is not None and offsets.any():
+                stacked = jax.vmap(rotate)(stacked, jnp.asarray(offsets))
+            parts.append(stacked)
+        if parts:
+            form = max((p.form for p in parts), key=linear_attn.FORMS.index)  # the widest form present
+            parts = [linear_attn.promote(p, form) for p in parts]
+            both = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+            order, next_fresh, next_cached = [], 0, len(fresh_in)  # rows of `both` in request order
+            for i in scanned:
+                if layout.spans[i].kind == FRESH:
+                    order.append(next_fresh)
+                    next_fresh += 1
+                else:
+                    order.append(next_cached)
+                    next_cached += 1
+            ordered = both if order == list(range(len(order))) else _select(both, order)
+            prefix = linear_attn.prefix_states(ordered, algorithm=mode.compose)
+            after = {i: row for row, i in enumerate(scanned)}
+            span_index = {id(s): i for i, s in enumerate(layout.spans)}
             rows = []
             for span in fresh:
                 before = [after[i] for i in range(span_index[id(span)]) if i in after]
@@ -472,17 +481,29 @@ def linear_over_spans(
 def concat_in_order(fresh, cached: Sequence, layout: SpanLayout):
     """The per-token PyTree of the whole request in absolute order [P, ...]: the packed fresh tree [F, ...] cut at
     span boundaries, interleaved with the cached spans' trees (per cached entry, entry order)."""
-    if layout.isolated:
-        return fresh
-    blocks = []
+    if layout.isolated or not layout.cached:
+        return fresh  # fresh offsets follow span order: the packed array is already in absolute order
+    return _interleave(fresh, _concat_cached(cached, layout), layout)
+
+
+def _concat_cached(cached: Sequence, layout: SpanLayout):
+    """The cached spans' per-token trees concatenated in entry order (one concatenation per leaf)."""
+    trees = [cached[s.offset] for s in layout.cached]
+    return trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *trees)
+
+
+def _interleave(fresh, cached_cat, layout: SpanLayout):
+    """Absolute order from the packed fresh rows and the concatenated cached rows: one static gather per leaf."""
+    fresh_count = layout.num_fresh_tokens
+    index, cached_start = [], 0
     for span in layout.spans:
         if span.kind == FRESH:
-            blocks.append(jax.tree.map(lambda a: a[span.offset : span.offset + span.length], fresh))
+            index.append(span.offset + np.arange(span.length))
         else:
-            blocks.append(cached[span.offset])
-    if len(blocks) == 1:
-        return blocks[0]
-    return jax.tree.map(lambda *xs: jnp.concatenate([x.astype(xs[0].dtype) for x in xs], axis=0), *blocks)
+            index.append(fresh_count + cached_start + np.arange(span.length))
+            cached_start += span.length
+    index = jnp.asarray(np.concatenate(index).astype(np.int32))
+    return jax.tree.map(lambda f, c: jnp.concatenate([f, c.astype(f.dtype)], axis=0)[index], fresh, cached_cat)
 
 
 def span_attention(
@@ -506,23 +527,32 @@ def span_attention(
     if q.shape[-1] != same_width:
         q = jnp.pad(q, [(0, 0), (0, 0), (0, same_width - q.shape[-1])])
         k = jnp.pad(k, [(0, 0), (0, 0), (0, same_width - k.shape[-1])])
-    k_pos = jnp.asarray(k_positions)
-    k_seg = None if k_segments is None else jnp.asarray(k_segments)
+    k_positions = np.asarray(k_positions)
+    k_segments = None if k_segments is None else np.asarray(k_segments)
 
-    def attend(q_block, q_pos, q_seg):
-        visible = k_pos[None, :] <= q_pos[:, None]
+    def attend(start, stop):
+        q_pos = np.asarray(q_positions[start:stop])
+        q_seg = None if q_segments is None else np.asarray(q_segments[start:stop])
+        # The keys any query of this block can see (static): a block of an isolated layout needs only its own
+        # segments' keys and a causal block only keys up to its last position, so logits stay [block, reach].
+        reachable = k_positions <= q_pos.max()
         if q_seg is not None:
-            visible = visible & (k_seg[None, :] == q_seg[:, None])
-        out = jax.nn.dot_product_attention(q_block[None], k[None], v[None], scale=scale, mask=visible[None, None],
-                                           implementation="xla")
+            reachable &= np.isin(k_segments, q_seg)
+        hits = np.flatnonzero(reachable)
+        if hits.size == 0:  # every query of the block sees nothing (cannot happen for causal layouts)
+            return jnp.zeros((stop - start,) + q.shape[1:-1] + (v.shape[-1],), q.dtype)
+        lo, hi = int(hits[0]), int(hits[-1]) + 1
+        visible = jnp.asarray(k_positions[lo:hi])[None, :] <= jnp.asarray(q_pos)[:, None]
+        if q_seg is not None:
+            visible = visible & (jnp.asarray(k_segments[lo:hi])[None, :] == jnp.asarray(q_seg)[:, None])
+        out = jax.nn.dot_product_attention(q[None, start:stop], k[None, lo:hi], v[None, lo:hi], scale=scale,
+                                           mask=visible[None, None], implementation="xla")
         return out[0]
 
     q_len = q.shape[0]
     pieces = []
     for start in range(0, q_len, block):  # static blocks: the layout is static, so is the number of blocks
-        stop = min(q_len, start + block)
-        q_seg = None if q_segments is None else jnp.asarray(q_segments[start:stop])
-        pieces.append(attend(q[start:stop], jnp.asarray(q_positions[start:stop]), q_seg))
+        pieces.append(attend(start, min(q_len, start + block)))
     out = jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
     return out[..., :value_dim]
 
@@ -561,13 +591,14 @@ def attention_over_spans(
 
         if v.shape[-1] == q.shape[-1]:
             return dot_product_attention(q[None], k[None], v[None], scale=scale)[0], k, v, records
-    moved = []
-    for span in layout.cached:
-        ck, cv = cached[span.offset]
-        if mode.rope and rotate_keys is not None and span.start != span.canonical_start:
-            ck = rotate_keys(ck, span.start - span.canonical_start)
-        moved.append((ck.astype(k.dtype), cv.astype(v.dtype)))
-    keys, values = concat_in_order((k, v), moved, layout)
+    if layout.cached:
+        ck, cv = _concat_cached([tuple(c) for c in cached], layout)
+        offsets = np.concatenate([np.full(s.length, s.start - s.canonical_start) for s in layout.cached])
+        if mode.rope and rotate_keys is not None and offsets.any():
+            ck = rotate_keys(ck, jnp.asarray(offsets.astype(np.int32)))  # every cached key moved in one rotation
+        keys, values = _interleave((k, v), (ck, cv), layout)
+    else:  # fresh spans only (and values narrower than queries, so not the flash path above)
+        keys, values = k, v
     key_positions = np.arange(layout.total_length, dtype=np.int32)
     out = span_attention(q, keys, values, scale=scale, q_positions=positions, k_positions=key_positions)
     return out, keys, values, records

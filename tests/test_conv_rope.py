@@ -70,6 +70,16 @@ def test_rope_is_a_composable_rotation():
         apply_rope(x, positions, rotary_dim=5)
 
 
+def test_rotate_keys_with_one_offset_per_key_equals_rotating_each_segment():
+    """Many cached segments concatenated and moved by one per-key offset array = each moved by its own scalar."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (9, 2, 16))
+    pieces, offsets = [x[:4], x[4:6], x[6:]], [5, -2, 11]
+    one_by_one = jnp.concatenate([rotate_keys(p, o, rotary_dim=8) for p, o in zip(pieces, offsets)])
+    per_key = np.repeat(offsets, [len(p) for p in pieces])
+    np.testing.assert_array_equal(np.asarray(rotate_keys(x, jnp.asarray(per_key), rotary_dim=8)),
+                                  np.asarray(one_by_one))
+
+
 @pytest.mark.parametrize("family", ["linear", "lightning", "retnet"])
 @pytest.mark.parametrize("rotary_dim", [4, 8])
 def test_rope_rerotation_of_a_scalar_decay_state_is_exact(family, rotary_dim):

@@ -223,6 +223,8 @@ def test_bad_inputs_raise_clear_errors(build):
         engine.prefill([[5, 6], [7]], seam=-1)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         engine.generate([[5] * 60], max_new_tokens=10)
+    with pytest.raises(ValueError, match="compose_algorithm"):
+        Engine(model, compose_algorithm="fp8")
 
 
 def _write_word_tokenizer(folder, vocab: int) -> None:

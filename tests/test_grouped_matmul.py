@@ -37,7 +37,9 @@ def test_moe_pallas_and_ragged_paths_agree():
     down = 0.1 * rng.randn(experts, inner, hidden).astype(np.float32)
     ragged = layers.grouped_swiglu_experts(x, weights, ids, gate_up, down, impl="ragged")
     pallas = layers.grouped_swiglu_experts(x, weights, ids, gate_up, down, impl="pallas")
-    np.testing.assert_allclose(np.asarray(pallas), np.asarray(ragged), rtol=1e-5, atol=1e-5)
+    # float32 dots run as TF32 on a GPU (both paths, differently blocked): 1e-5 holds on the CPU only
+    tol = 1e-5 if jax.default_backend() == "cpu" else 5e-3
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(ragged), rtol=tol, atol=tol)
 
 
 def test_gmm_lowers_to_triton():

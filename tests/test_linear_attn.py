@@ -129,6 +129,21 @@ def test_prefix_states_equal_sequential_loop(family):
     assert rel_err(states[-1], final) <= TOL
 
 
+@pytest.mark.parametrize("algorithm", ["f32", "bf16x3"])
+def test_prefix_states_with_a_tensor_core_algorithm_stay_float32_accurate(algorithm):
+    """The engine composes with bf16x3 on a GPU: three bfloat16 passes must keep the states at float32 level
+    (on the CPU the preset computes in float32, so this checks the plumbing and the broadcasting of batch axes)."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 20, size=9).tolist()
+    inputs = make_family("gated_delta_net", 12, sum(lengths), 2, 8, 4)
+    bounds = np.cumsum([0] + lengths)
+    summaries = [slice_inputs(inputs, lo, hi).summarize(chunk_size=8) for lo, hi in zip(bounds, bounds[1:])]
+    init = _random_state(1, 2, 8, 4)
+    states = la.prefix_states(la.stack_summaries(summaries), init, algorithm=algorithm)
+    _, final = inputs.recurrent(init)
+    assert rel_err(states[-1], final) <= 1e-5
+
+
 def test_compose_mixes_forms_exactly():
     """A scalar-decay segment followed by a dense one (and the reverse) composes through promotion."""
     scalar = make_family("retnet", 1, 9, 2, 4, 3).summarize()

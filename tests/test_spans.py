@@ -204,3 +204,32 @@ def test_layout_validation():
         spans.SpanLayout.build([dict(kind=spans.CACHED, length=3)], isolated=True)
     merged = spans.SpanLayout.build([dict(kind=spans.FRESH, length=3), dict(kind=spans.FRESH, length=4)])
     assert len(merged.spans) == 1 and merged.num_fresh_tokens == 7
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), block=st.integers(1, 8),
+       isolated=st.booleans(), seed=st.integers(0, 2**16))
+def test_span_attention_blocks_equal_one_dense_masked_attention(lengths, block, isolated, seed):
+    """Query blocks see only the keys they can reach (own segments, causal horizon): the result must equal one
+    dense masked softmax over all keys, whatever the block size and however the blocks cut the segments."""
+    rng = np.random.default_rng(seed)
+    n = sum(lengths)
+    seg = np.concatenate([np.full(m, i) for i, m in enumerate(lengths)]).astype(np.int32)
+    pos = np.concatenate([np.arange(m) for m in lengths]) if isolated else np.arange(n)
+    pos = pos.astype(np.int32)
+    q = rng.standard_normal((n, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((n, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((n, 2, 8)).astype(np.float32)
+    segments = dict(q_segments=seg, k_segments=seg) if isolated else {}
+    out = spans.span_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=0.3, q_positions=pos,
+                               k_positions=pos, block=block, **segments)
+    visible = pos[None, :] <= pos[:, None]
+    if isolated:
+        visible &= seg[None, :] == seg[:, None]
+    kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)  # GQA: query head h reads kv head h // 2
+    logits = np.einsum("qhd,khd->hqk", q.astype(np.float64), kk) * 0.3
+    logits = np.where(visible[None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ref = np.einsum("hqk,khd->qhd", probs, vv)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)

@@ -68,8 +68,11 @@ def softmax_topk_router(
     return weights, experts.astype(jnp.int32)
 
 
-# Rows (token copies) from which the Pallas grouped matmul replaces ragged_dot on a GPU under impl="auto".
-PALLAS_MOE_MIN_ROWS = 2048
+# Rows (token copies) from which the Pallas grouped matmul replaces ragged_dot on a GPU under impl="auto". XLA's GPU
+# ragged_dot multiplies every row by every expert (E times the work: 256x at the 35B-A3B shape), so even a few
+# rows (decode, a PIC request's seams and query) are better served by the kernel, which reads only the experts
+# that own rows.
+PALLAS_MOE_MIN_ROWS = 1
 MOE_IMPLS = ("auto", "ragged", "pallas")
 
 

@@ -115,14 +115,15 @@ class GDNConfig:
 
     Defaults are the fastest measured on the H200 at L = 32k with solve="rows" (bench/RESULTS.md): locals with 2
     warps (1.40 ms vs 1.66 with 4 and 3.18 with 8), state pass with 32 columns per program and 3 pipeline stages
-    (0.94 ms). The "doubling" default is not measured yet.
+    (0.94 ms). "doubling" and "tile" are not measured yet (a first 35B-shape compile with "doubling" as the default
+    exceeded the H200's shared memory), so "rows" stays the default.
     """
 
     chunk: int = 64
     block_v: int = 32
     pieces: int = 1
     inter_dtype: str | None = None
-    solve: str = "doubling"
+    solve: str = "rows"
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None

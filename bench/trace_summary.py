@@ -1,0 +1,76 @@
+"""Where a traced request spent its device time: kernel durations summed by name from a Perfetto trace.
+
+    python bench/trace_summary.py TRACE_DIR [--top 30]
+
+TRACE_DIR is what `jax.profiler.trace(..., create_perfetto_trace=True)` wrote (bench/pic_ttft.py --profile-dir);
+every `perfetto_trace.json.gz` under it is read. Events on device threads (GPU streams) are grouped by kernel
+name; host threads are summarised separately, so a request that is launch- or dispatch-bound shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+
+def load_events(path: Path) -> tuple[list[dict], dict[tuple[int, int], str]]:
+    with gzip.open(path, "rt") as handle:
+        trace = json.load(handle)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names: dict[tuple[int, int], str] = {}
+    processes: dict[int, str] = {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = event["args"]["name"]
+        if event.get("ph") == "M" and event.get("name") == "thread_name":
+            names[(event["pid"], event["tid"])] = event["args"]["name"]
+    labelled = {key: f"{processes.get(key[0], key[0])} / {name}" for key, name in names.items()}
+    return [e for e in events if e.get("ph") == "X"], labelled
+
+
+def summarise(trace_dir: Path, top: int) -> None:
+    files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
+    for path in files:
+        events, threads = load_events(path)
+        device = collections.Counter()
+        device_count = collections.Counter()
+        host = collections.Counter()
+        for event in events:
+            where = threads.get((event["pid"], event["tid"]), "")
+            if "/device:" in where.lower() or "stream" in where.lower() or "gpu" in where.lower():
+                device[event["name"]] += event.get("dur", 0)
+                device_count[event["name"]] += 1
+            else:
+                host[event["name"]] += event.get("dur", 0)
+        total = sum(device.values())
+        print(f"{path.relative_to(trace_dir)}: {sum(device_count.values())} device events, {total / 1e3:.2f} ms "
+              f"of device time (summed over streams)")
+        for name, dur in device.most_common(top):
+            print(f"  {dur / 1e3:9.3f} ms  {100 * dur / max(total, 1):5.1f}%  x{device_count[name]:<5d} {name[:110]}")
+        per_thread = collections.Counter()
+        for event in events:
+            per_thread[threads.get((event["pid"], event["tid"]), f"pid {event['pid']} tid {event['tid']}")] += (
+                event.get("dur", 0))
+        print("  threads, by summed event duration (nested events count twice):")
+        for name, dur in per_thread.most_common(8):
+            print(f"  {dur / 1e3:9.3f} ms  {name[:110]}")
+        print("  host, top by summed duration:")
+        for name, dur in host.most_common(min(top, 10)):
+            print(f"  {dur / 1e3:9.3f} ms  {name[:110]}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    summarise(args.trace_dir, args.top)
+
+
+if __name__ == "__main__":
+    main()
