@@ -4,6 +4,7 @@
 #   bash bench/h200.sh models    # grouped-matmul test on the GPU + full prefill of the 35B-A3B shape (+ per-layer times)
 #   bash bench/h200.sh pic       # TTFT of every PIC mode, 64 x 512 + 64 tokens, warm cache
 #   bash bench/h200.sh kernels   # fla side by side (needs its wheels in .whl/) + every Pallas variant
+#   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
 #
 # Output goes to $OUT (the device tool's result folder) or ./bench-out. Peaks are the ones measured on the H200
 # on 2026-11-29 (bf16 8192^3 matmul 793 TFLOP/s, 4.19 TB/s copy bandwidth); re-measure them if the machine differs.
@@ -38,8 +39,12 @@ case "${1:-}" in
     fi
     timeout 450 python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --budget-s 420
     ;;
+  focus)
+    # the compose fold variants (block_w 128 reads each T once), the GDN per-kernel breakdown, slow-gate T check
+    timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
+    ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus" >&2
     exit 2
     ;;
 esac

@@ -358,18 +358,23 @@ def run_focus(out_dir, budget_s):
         segs, layers = COMPOSE[0], COMPOSE[1]
         flop_pairs = 2 * segs * layers * HEADS * DIM * DIM * (2 * DIM)
         flop_states = 2 * segs * layers * HEADS * DIM * DIM * DIM
-        for alg, bw, with_t in [("bf16x3", 32, False), ("bf16x3", 64, False), ("bf16x3", 32, True),
-                                ("bf16x3", 64, True), ("tf32x3", 32, False), ("tf32x3", 32, True),
-                                ("tf32", 32, True), ("f32", 32, False)]:
+        # (algorithm, block_w, with T, warps, stages): block_w 128 reads each T_i once per (layer, head) instead of
+        # once per column block, at the price of a [128, 128] float32 accumulator per program (8 warps to hold it)
+        for alg, bw, with_t, warps, stages in [
+                ("bf16x3", 32, False, 4, 2), ("bf16x3", 128, False, 8, 2), ("bf16x3", 128, False, 8, 3),
+                ("bf16x3", 64, False, 8, 2), ("bf16x3", 32, False, 4, 3), ("bf16x3", 16, False, 4, 2),
+                ("bf16x3", 32, True, 4, 2), ("bf16x3", 128, True, 8, 2), ("tf32x3", 32, False, 4, 2),
+                ("tf32", 32, True, 4, 2)]:
             if over():
                 break
-            cfg = cmp.FoldConfig(block_w=bw, algorithm=alg)
+            cfg = cmp.FoldConfig(block_w=bw, algorithm=alg, num_warps=warps, num_stages=stages)
             fn = jax.jit(lambda t, s, cfg=cfg, w=with_t: cmp.fold_pallas(t, s, with_transfer=w, config=cfg,
                                                                           interpret=INTERPRET))
             try:
                 ms, comp = timeit(fn, transfers, states)
                 tt, ss = fn(transfers, states)
                 rec = dict(compose="pallas fold " + ("pairs" if with_t else "states"), algorithm=alg, block_w=bw,
+                           warps=warps, stages=stages,
                            ms=ms, TFLOPs=(flop_pairs if with_t else flop_states) / ms / 1e9,
                            S=rel(ss[0], ref_states[-1]))
                 if with_t:

@@ -39,6 +39,7 @@ import numpy as np
 from jax import Array
 
 from hypic_jax import linear_attn
+from hypic_jax.attention import dot_product_attention
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.linear_attn import LinearInputs, Summary
 
@@ -369,6 +370,18 @@ def _padded_inputs(inputs: LinearInputs, layout: SpanLayout, spans: Sequence[Spa
     return _mask_padding(gathered, jnp.asarray(index < layout.num_fresh_tokens))
 
 
+def _padded_len(fresh: Sequence[Span], rows: Sequence[int]) -> int:
+    return -(-max(fresh[i].length for i in rows) // 8) * 8
+
+
+def _length_groups(fresh: Sequence[Span]) -> list[list[int]]:
+    """Fresh span indices grouped by padded length (a multiple of 8), groups in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, span in enumerate(fresh):
+        groups.setdefault(-(-span.length // 8) * 8, []).append(i)
+    return list(groups.values())
+
+
 def _select(tree, rows: Sequence[int]):
     rows = jnp.asarray(np.asarray(rows, np.int32))
     return jax.tree.map(lambda a: a[rows], tree)
@@ -401,7 +414,11 @@ def linear_over_spans(
     fresh = layout.fresh
     heads, key_dim, value_dim = inputs.k.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     zero_state = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
-    padded = _padded_inputs(inputs, layout, fresh, [0] * len(fresh))
+    # Fresh spans are padded per group of equal padded length (seams of 8 tokens are not padded to the query's 64):
+    # one vmapped pass per group, so padding costs stay proportional to each span's own length.
+    groups = _length_groups(fresh)
+    padded = [_padded_inputs(inputs, layout, [fresh[i] for i in rows], [0] * len(rows)) for rows in groups]
+    where = {i: (g, j) for g, rows in enumerate(groups) for j, i in enumerate(rows)}  # fresh index -> (group, row)
 
     # Incoming state of every fresh span. Every span that enters the scan (fresh spans but a trailing one, cached
     # spans that carry a state) is summarised as one stacked batch per kind, so the traced program holds a fixed
@@ -418,7 +435,16 @@ def linear_over_spans(
         cached_in = [layout.spans[i] for i in scanned if layout.spans[i].kind == CACHED]
         parts = []
         if fresh_in:
-            parts.append(jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(_select(padded, fresh_in)))
+            by_group = []  # summaries of the fresh spans in the scan, group by group, then put in fresh_in order
+            for g, rows in enumerate(groups):
+                picked = [where[i][1] for i in fresh_in if where[i][0] == g]
+                if picked:
+                    by_group.append(jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(
+                        _select(padded[g], picked)))
+            flat = [i for g in range(len(groups)) for i in fresh_in if where[i][0] == g]
+            stacked = by_group[0] if len(by_group) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *by_group)
+            order = [flat.index(i) for i in fresh_in]
+            parts.append(stacked if order == list(range(len(order))) else _select(stacked, order))
         if cached_in:
             stacked = linear_attn.stack_summaries([cached[s.offset] for s in cached_in])
             if not mode.transfer:
@@ -450,8 +476,22 @@ def linear_over_spans(
             with_zero = jnp.concatenate([prefix, zero_state[None]], axis=0)  # row -1 -> zeros
             incoming = with_zero[jnp.asarray(np.asarray(rows, np.int32))]
 
-    outputs, finals = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunk_size))(padded, incoming)
-    out = unpad_fresh(outputs, layout)
+    outs, finals_by_group = [], []
+    for g, rows in enumerate(groups):
+        o, f = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunk_size))(
+            padded[g], incoming[jnp.asarray(np.asarray(rows, np.int32))])
+        outs.append(o.reshape((-1,) + o.shape[2:]))  # [rows * Lp_g, H, V]
+        finals_by_group.append(f)
+    # packed token -> its row in the concatenated per-group outputs (static)
+    group_base = np.cumsum([0] + [len(rows) * _padded_len(fresh, rows) for rows in groups])
+    token_rows = np.concatenate([
+        group_base[where[i][0]] + where[i][1] * _padded_len(fresh, groups[where[i][0]]) + np.arange(span.length)
+        for i, span in enumerate(fresh)
+    ]).astype(np.int32)
+    out = (outs[0] if len(outs) == 1 else jnp.concatenate(outs))[jnp.asarray(token_rows)]
+    finals_flat = finals_by_group[0] if len(groups) == 1 else jnp.concatenate(finals_by_group)
+    flat_of = {i: int(sum(len(r) for r in groups[: where[i][0]]) + where[i][1]) for i in range(len(fresh))}
+    finals = finals_flat[jnp.asarray(np.asarray([flat_of[i] for i in range(len(fresh))], np.int32))]
 
     if layout.spans[-1].kind == FRESH:
         final_state = finals[-1]
@@ -587,8 +627,6 @@ def attention_over_spans(
                              q_segments=segments, k_segments=segments)
         return out, k, v, records
     if not layout.cached:  # fresh tokens only, from position 0: plain causal attention (flash kernel on a GPU)
-        from hypic_jax.models.layers import dot_product_attention
-
         if v.shape[-1] == q.shape[-1]:
             return dot_product_attention(q[None], k[None], v[None], scale=scale)[0], k, v, records
     if layout.cached:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import hypic_jax
+from hypic_jax import attention
 from hypic_jax.models import layers, qwen3_5
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
 
@@ -74,7 +75,7 @@ def test_masked_attention_in_query_blocks(monkeypatch):
     k, v = rng.randn(2, 2, 16, 2, 8).astype(np.float32)
     q_pos, k_pos = np.arange(5, 16), np.where(np.arange(16) < 14, np.arange(16), -1)
     whole = layers.dot_product_attention(q, k, v, scale=0.3, q_positions=q_pos, k_positions=k_pos)
-    monkeypatch.setattr(layers, "MASKED_QUERY_BLOCK", 4)
+    monkeypatch.setattr(attention, "MASKED_QUERY_BLOCK", 4)
     blocked = layers.dot_product_attention(q, k, v, scale=0.3, q_positions=q_pos, k_positions=k_pos)
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-6, atol=1e-6)
 

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+# causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
+from hypic_jax.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
 from hypic_jax.rope import apply_rope
 
 
@@ -153,61 +155,6 @@ def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True, impl: s
 
 # ----------------------------------------------------------------------------------------------------------------
 # Full attention
-
-
-# Query rows per block when a mask is materialised: bounds the [B, H, block, Lk] logits of long masked prefills.
-MASKED_QUERY_BLOCK = 512
-
-
-def _cudnn_eligible(q: Array) -> bool:
-    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-
-
-def dot_product_attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    scale: float,
-    q_positions: Array | None = None,
-    k_positions: Array | None = None,
-) -> Array:
-    """Causal GQA attention, q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D].
-
-    Without positions this is plain causal self-attention over one contiguous block (Lq == Lk). On a GPU with
-    bfloat16/float16 inputs it goes to cuDNN flash attention (`implementation="cudnn"`; jax's default
-    implementation=None currently means XLA, which materialises the [B, H, L, L] logits). With positions, key j is
-    visible to query i iff k_positions[..., j] <= q_positions[..., i] (absolute positions; a negative key position
-    marks an empty slot), which covers KV caches, decode steps and spans cached elsewhere. Masked and long
-    non-flash attention runs in blocks of MASKED_QUERY_BLOCK query rows so the logits never hold Lq x Lk.
-    """
-    if q_positions is None:
-        if _cudnn_eligible(q):
-            try:
-                return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
-            except (NotImplementedError, RuntimeError, ValueError):  # unsupported shape / cuDNN: XLA below
-                pass
-        if q.shape[1] <= MASKED_QUERY_BLOCK:
-            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="xla")
-        q_positions = k_positions = jnp.arange(q.shape[1], dtype=jnp.int32)
-    batch, q_len = q.shape[:2]
-    q_pos = jnp.broadcast_to(q_positions, (batch, q_len))
-    k_pos = jnp.broadcast_to(k_positions, (batch, k.shape[1]))
-
-    def block(q_block, q_pos_block):
-        visible = (k_pos[:, None, :] <= q_pos_block[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, Lq, Lk]
-        return jax.nn.dot_product_attention(q_block, k, v, scale=scale, mask=visible[:, None], implementation="xla")
-
-    if q_len <= MASKED_QUERY_BLOCK:
-        return block(q, q_pos)
-    num_blocks = -(-q_len // MASKED_QUERY_BLOCK)
-    pad = num_blocks * MASKED_QUERY_BLOCK - q_len
-    q_blocks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
-        batch, num_blocks, MASKED_QUERY_BLOCK, *q.shape[2:]
-    )
-    pos_blocks = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1).reshape(batch, num_blocks, -1)
-    out = jax.lax.map(lambda xs: block(*xs), (jnp.moveaxis(q_blocks, 1, 0), jnp.moveaxis(pos_blocks, 1, 0)))
-    return jnp.moveaxis(out, 0, 1).reshape(batch, num_blocks * MASKED_QUERY_BLOCK, *q.shape[2:])[:, :q_len]
 
 
 def gated_attention_projections(
