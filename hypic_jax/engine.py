@@ -3,7 +3,7 @@
 A request is a list of segments; the last one is the query (always computed, never cached). Every mode becomes a
 `spans.SpanLayout` and one call of the architecture's `span_forward` over the request's fresh tokens:
 
-    full_recompute             one fresh span of the whole prompt
+    full_recompute             one fresh span of the whole prompt (the architecture's own `prefill` when it has one)
     prefix_cache               the longest run of cached leading segments (exact K/V + state snapshots), then fresh
                                spans for the rest (each recorded as a new prefix entry) and the query
     addition                   cached segments whose zero-start states are added (T dropped), keys not re-rotated
@@ -54,6 +54,11 @@ DEFAULT_SEPARATOR = "<<PIC_SEP>>"
 def _span_call(params, tokens, cached, *, arch, config, layout, mode, want_logits, want_decode, want_hidden):
     return arch.span_forward(params, config, tokens, cached, layout, mode, want_logits=want_logits,
                              want_decode=want_decode, want_hidden=want_hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("arch", "config", "max_len"))
+def _prefill_call(params, tokens, *, arch, config, max_len):
+    return arch.prefill(params, config, tokens, max_len)
 
 
 @functools.partial(jax.jit, static_argnames=("arch", "config"))
@@ -256,8 +261,12 @@ class Engine:
                 plan = self._plan_pic(segs, mode, seam, cache_salt, pins)
             cold_s = time.perf_counter() - start
             combine_start = time.perf_counter()
-            result = self._run(plan["fresh"], plan["cached"], plan["layout"], self._span_mode(mode),
-                               want_logits=True, want_decode=True, want_hidden=_want_hidden)
+            if mode == "full_recompute" and not _want_hidden and hasattr(self.arch, "prefill"):
+                # nothing to stitch: the architecture's own prefill (flash attention, its fastest linear kernels)
+                result = self._run_prefill(plan["fresh"])
+            else:
+                result = self._run(plan["fresh"], plan["cached"], plan["layout"], self._span_mode(mode),
+                                   want_logits=True, want_decode=True, want_hidden=_want_hidden)
             logits = np.asarray(jax.block_until_ready(result.logits))
             self._store_records(plan.get("record_as", []), result.records, pins)
         end = time.perf_counter()
@@ -269,6 +278,13 @@ class Engine:
         )
         return PrefillResult(logits=logits, stats=stats, tokens=[t for s in segs for t in s], decode=result.decode,
                              hidden=result.hidden)
+
+    def _run_prefill(self, tokens) -> spans.SpanResult:
+        """A whole prompt through `arch.prefill`, returned in the span forward's result form."""
+        tokens = jnp.asarray(np.asarray(tokens, np.int32))[None]
+        logits, cache = _prefill_call(self.params, tokens, arch=self.arch, config=self.config,
+                                      max_len=tokens.shape[1])
+        return spans.SpanResult(logits=logits[0], records=(), decode=tuple(cache.layers), hidden=None)
 
     def _span_mode(self, mode: str) -> spans.SpanMode:
         return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm)

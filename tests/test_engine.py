@@ -130,6 +130,18 @@ def test_exact_modes_equal_full_recompute(build, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_decoding_continues_from_every_exact_mode(build, arch):
+    """full_recompute decodes from the architecture's own prefill caches, prefix_cache and a whole seam from the
+    span forward's: all three must continue exactly like the model's plain greedy generate."""
+    model, vocab = build(arch)
+    engine = Engine(model)
+    segs = _request(vocab, seed=7)
+    expected = np.asarray(model.generate(np.concatenate(segs)[None], 4))[0].tolist()
+    for mode, seam in (("full_recompute", None), ("prefix_cache", None), ("transition_rope_recompute", 1.0)):
+        assert engine.generate(segs, max_new_tokens=4, mode=mode, seam=seam).tokens == expected, mode
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_reordered_documents_are_served_from_the_cache(build, arch):
     model, vocab = build(arch)
     engine = Engine(model, mode="transition_rope_recompute", seam=SEAM)
