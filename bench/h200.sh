@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The pending H200 measurements, grouped so that each group fits one 10-minute device command:
 #
-#   bash bench/h200.sh models    # grouped-matmul test on the GPU + full prefill of the 35B-A3B shape (+ per-layer times)
+#   bash bench/h200.sh models    # grouped-matmul test on the GPU, full prefill of the 35B-A3B shape (+ per-layer
+#                                # times), the same prefill through transformers (needs the fla wheels in .whl/)
 #   bash bench/h200.sh pic       # TTFT of every PIC mode, 64 x 512 + 64 tokens, warm cache
 #   bash bench/h200.sh kernels   # fla side by side (needs its wheels in .whl/) + every Pallas variant
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
@@ -20,8 +21,15 @@ case "${1:-}" in
     # the Pallas grouped matmul against ragged_dot, compiled for the GPU (the MoE path of every prefill below)
     timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_grouped_matmul.py 2>&1 | tail -3 \
       | tee "$OUT/gmm_test.txt"
-    timeout 480 python3 bench/prefill.py --lengths 8192 32768 --peak-tflops 793 --breakdown 2>&1 \
+    timeout 300 python3 bench/prefill.py --lengths 8192 32768 --peak-tflops 793 --breakdown 2>&1 \
       | tee "$OUT/prefill.txt"
+    # the same shape through transformers (fla kernels from the carried wheels), in its own process after ours
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl
+      PYTHONPATH=.:/tmp/site timeout 200 python3 bench/transformers_prefill.py --lengths 8192 32768 2>&1 \
+        | tee "$OUT/transformers_prefill.txt"
+    fi
     ;;
   pic)
     # the modes the bars compare first: each row is printed as soon as it is measured
