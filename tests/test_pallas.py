@@ -89,6 +89,20 @@ def test_bfloat16_inputs():
     assert rel(o, ref_o) < TOL16 and rel(s, ref_s) < TOL16
 
 
+def test_float32_queries_and_keys_follow_the_values_dtype():
+    """q, k out of a float32 L2 norm beside bf16 values: the kernel takes them in v's dtype (one tile dtype), so
+    the result equals feeding bf16 q, k directly."""
+    q, k, v, g, beta = inputs(29, seed=4, dtype=jnp.float32)
+    v = v.astype(jnp.bfloat16)
+    config = GDNConfig(chunk=16, block_v=16)
+    mixed = gdn_forward(q, k, v, g=g, beta=beta, config=config, interpret=True)
+    cast = gdn_forward(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, g=g, beta=beta, config=config,
+                       interpret=True)
+    assert mixed[0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(mixed[0], np.float32), np.asarray(cast[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(mixed[1]), np.asarray(cast[1]))
+
+
 def test_vmap_over_batch():
     q, k, v, g, beta = inputs(20, seed=4)
     batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, x[::-1]]), (q, k, v, g, beta))

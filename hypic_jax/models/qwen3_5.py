@@ -353,11 +353,8 @@ def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    # normalised in float32, fed to the kernel in the activation dtype (bf16 tiles: float32 q/k tiles would double
-    # the kernel's shared memory, past the H200's 227 KiB at this shape)
-    q, k = (linear_attn.l2_normalize(x).astype(v.dtype) for x in (q, k))
-    return pallas_gdn.gdn_forward(
-        q, k, v, g=g, beta=beta, initial_state=state,
+    return pallas_gdn.gdn_forward(  # q, k normalised in float32; the kernel takes them in v's dtype
+        linear_attn.l2_normalize(q), linear_attn.l2_normalize(k), v, g=g, beta=beta, initial_state=state,
         scale=config.linear_key_head_dim**-0.5, config=pallas_gdn.GDNConfig(chunk=config.chunk_size),
     )
 

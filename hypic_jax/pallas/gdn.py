@@ -720,6 +720,13 @@ def _check(q, k, v, g, gk, beta):
     return length, key_heads, key_dim, heads, value_dim
 
 
+def _common_dtype(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+    """q and k in v's dtype: the kernels hold every token tile in one dtype, and float32 q/k tiles beside bf16
+    values (q, k straight out of a float32 L2 norm) doubled the chunk kernel's shared memory past an H200's 227 KiB
+    at K = V = 128. The dot precision then follows that dtype, as it does for flash-linear-attention."""
+    return q.astype(v.dtype), k.astype(v.dtype)
+
+
 def gdn_forward(
     q: Array,
     k: Array,
@@ -737,7 +744,8 @@ def gdn_forward(
     """Chunked forward of every family of the core with Pallas kernels; matches `linear_attn.chunked`.
 
     Args:
-      q, k: [L, Hk, K]; v: [L, H, V] with Hk dividing H (value head h reads key head h // (H / Hk)).
+      q, k: [L, Hk, K]; v: [L, H, V] with Hk dividing H (value head h reads key head h // (H / Hk)); q and k are
+        cast to v's dtype.
       g: [L, H] log decay (<= 0) or None; gk: [L, H, K] per-key log decay (<= 0; KDA, GLA) or None;
       beta: [L, H] delta-rule strength or None (decay-only family).
       initial_state: [H, K, V] or None (zeros). scale: output scale.
@@ -749,6 +757,7 @@ def gdn_forward(
     (o, final_state, summary).
     """
     _, _, key_dim, heads, value_dim = _check(q, k, v, g, gk, beta)
+    q, k = _common_dtype(q, k, v)
     if initial_state is not None and initial_state.shape != (heads, key_dim, value_dim):
         raise ValueError(f"initial_state must be [{heads}, {key_dim}, {value_dim}], got {initial_state.shape}")
     if interpret is None:
@@ -869,6 +878,7 @@ def gdn_varlen(
     the kernels stay the ones of `gdn_forward` with two int32 tables of one entry per chunk.
     """
     length, _, _, _, _ = _check(q, k, v, g, gk, beta)
+    q, k = _common_dtype(q, k, v)
     cu = _cu_array(cu_seqlens, length)
     if interpret is None:
         interpret = default_interpret()
