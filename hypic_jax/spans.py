@@ -15,9 +15,9 @@ below only changes how a layer mixes tokens across spans:
 * conv: a fresh span's conv window reaches back W-1 rows into whatever precedes it (fresh rows, a cached entry's
   stored tail, or zeros). One gather builds an extended array (each fresh span preceded by its true W-1 preceding
   rows) and one causal conv runs over it.
-* linear core: fresh spans are padded to a common length and vmapped. Their summaries are stacked with the cached
-  spans' summaries in span order and one associative scan (`linear_attn.prefix_states`) gives every span's
-  incoming state; the fresh outputs then come from `chunked(..., initial_state=incoming)`.
+* linear core: fresh spans are padded per length group (multiples of 8) and vmapped group by group. Their
+  summaries are stacked with the cached spans' summaries in span order and one associative scan
+  (`linear_attn.prefix_states`) gives every span's incoming state; the fresh outputs then come from `chunked(..., initial_state=incoming)`.
 * attention: keys are the cached spans' K (re-rotated from their canonical positions to their absolute ones) and
   the fresh K, laid out in absolute order; fresh queries attend with a causal mask on absolute positions
   (block-diagonal by span when isolated).
@@ -60,8 +60,6 @@ __all__ = [
     "span_attention",
     "concat_in_order",
     "SpanResult",
-    "pad_fresh",
-    "unpad_fresh",
     "MODES",
 ]
 
@@ -158,12 +156,6 @@ class SpanLayout:
     def total_length(self) -> int:
         """Tokens of the whole request (fresh + cached); for isolated layouts the packed length."""
         return sum(s.length for s in self.spans)
-
-    @property
-    def padded_length(self) -> int:
-        """The common length fresh spans are padded to for the vmapped linear core (a multiple of 8)."""
-        longest = max((s.length for s in self.fresh), default=1)
-        return -(-longest // 8) * 8
 
     @functools.cached_property
     def recorded(self) -> tuple[Span, ...]:
@@ -264,19 +256,6 @@ def _gather_padded(x: Array, index: np.ndarray) -> Array:
     """x [F, ...] -> [rows, length, ...] with zeros where index == F."""
     padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
     return padded[jnp.asarray(index)]
-
-
-def pad_fresh(x: Array, layout: SpanLayout) -> tuple[Array, Array]:
-    """Packed x [F, ...] -> (per-fresh-span padded [nf, Lp, ...], valid mask [nf, Lp])."""
-    index = _pad_index(layout, layout.fresh, [0] * len(layout.fresh), layout.padded_length)
-    return _gather_padded(x, index), jnp.asarray(index < layout.num_fresh_tokens)
-
-
-def unpad_fresh(y: Array, layout: SpanLayout) -> Array:
-    """Per-fresh-span padded y [nf, Lp, ...] -> packed [F, ...]."""
-    rows = layout.fresh_span_ids()
-    cols = np.concatenate([np.arange(s.length) for s in layout.fresh]).astype(np.int32)
-    return y[jnp.asarray(rows), jnp.asarray(cols)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
