@@ -17,7 +17,8 @@ below only changes how a layer mixes tokens across spans:
   rows) and one causal conv runs over it.
 * linear core: fresh spans are padded per length group (multiples of 8) and vmapped group by group. Their
   summaries are stacked with the cached spans' summaries in span order and one associative scan
-  (`linear_attn.prefix_states`) gives every span's incoming state; the fresh outputs then come from `chunked(..., initial_state=incoming)`.
+  (`linear_attn.prefix_states`) gives every span's incoming state; the fresh outputs then come from
+  `chunked(..., initial_state=incoming)`.
 * attention: keys are the cached spans' K (re-rotated from their canonical positions to their absolute ones) and
   the fresh K, laid out in absolute order; fresh queries attend with a causal mask on absolute positions
   (block-diagonal by span when isolated).
