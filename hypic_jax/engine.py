@@ -38,6 +38,7 @@ import numpy as np
 from hypic_jax import spans
 from hypic_jax.cache import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
 from hypic_jax.models.base import LinearCache, ModelCache
+from hypic_jax.pallas.compose import ALGORITHMS
 
 MODES = tuple(spans.MODES)
 PIC_MODES = ("addition", "transition", "transition_rope", "transition_rope_recompute")
@@ -183,9 +184,8 @@ class Engine:
         self.max_context = max_context
         if compose_algorithm == "auto":  # tensor cores where they exist: bf16x3 keeps float32-level accuracy
             compose_algorithm = "bf16x3" if jax.default_backend() == "gpu" else None
-        if compose_algorithm not in (None, "f32", "bf16x3", "bf16x6", "tf32x3"):
-            raise ValueError(f"compose_algorithm must be 'auto', None, 'f32', 'bf16x3', 'bf16x6' or 'tf32x3', "
-                             f"got {compose_algorithm!r}")
+        if compose_algorithm is not None and compose_algorithm not in ALGORITHMS:
+            raise ValueError(f"compose_algorithm must be 'auto', None or one of {ALGORITHMS}, got {compose_algorithm!r}")
         self.compose_algorithm = compose_algorithm
         self.vocab_size = int(self.config.vocab_size)
         self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)

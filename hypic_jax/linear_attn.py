@@ -516,8 +516,8 @@ def _dense_product(a: Array, b: Array, algorithm: str | None) -> Array:
         return _einsum("...kj,...jn->...kn", a, b)
     from hypic_jax.pallas.compose import matmul
 
-    a, b = jnp.broadcast_arrays(a, b) if a.shape[:-2] != b.shape[:-2] else (a, b)
-    return matmul(a, b, algorithm)
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # dot_general needs equal batch axes
+    return matmul(jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:]), algorithm)
 
 
 def _apply_transfer(summary: Summary, x: Array, algorithm: str | None = None) -> Array:

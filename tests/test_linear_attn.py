@@ -142,6 +142,11 @@ def test_prefix_states_with_a_tensor_core_algorithm_stay_float32_accurate(algori
     states = la.prefix_states(la.stack_summaries(summaries), init, algorithm=algorithm)
     _, final = inputs.recurrent(init)
     assert rel_err(states[-1], final) <= 1e-5
+    # batch axes that differ only by broadcasting, and a non-square right operand ([K, K] times [K, N])
+    a = jax.random.normal(jax.random.PRNGKey(2), (1, 3, 8, 8))
+    b = jax.random.normal(jax.random.PRNGKey(3), (4, 1, 8, 5))
+    expected = np.einsum("...kj,...jn->...kn", np.asarray(a, np.float64), np.asarray(b, np.float64))
+    assert rel_err(la._dense_product(a, b, algorithm), expected) <= 1e-5
 
 
 def test_compose_mixes_forms_exactly():
