@@ -32,12 +32,14 @@ case "${1:-}" in
     fi
     ;;
   pic)
-    # the modes the bars compare first: each row is printed as soon as it is measured
-    timeout 520 python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 --modes transition_rope_recompute \
+    # the modes the bars compare first: each row is printed as soon as it is measured; the optimized HLO of the
+    # span programs is dumped so that the trace summary can group device time by the model's named scopes
+    XLA_FLAGS="--xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \
+      timeout 500 python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 --modes transition_rope_recompute \
       prefix_cache full_recompute transition_rope transition addition --profile-dir /tmp/pic-trace 2>&1 \
       | tee "$OUT/pic_ttft.txt"
     # one traced warm request per mode, summarised on the device (the raw traces are large)
-    timeout 40 python3 bench/trace_summary.py /tmp/pic-trace --top 40 > "$OUT/pic_trace_summary.txt" 2>&1
+    timeout 60 python3 bench/trace_summary.py /tmp/pic-trace --top 40 --hlo /tmp/pic-hlo > "$OUT/pic_trace_summary.txt" 2>&1
     ;;
   kernels)
     if ls .whl/*.whl >/dev/null 2>&1; then

@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--cache-gb", type=float, default=48.0, help="segment cache budget")
     parser.add_argument("--compose", default="auto", help="dot algorithm of the composition (auto, f32, bf16x3)")
+    parser.add_argument("--prefix", default="auto",
+                        help="states at segment boundaries: auto, associative, fold, pallas (linear_attn.prefix_states)")
     parser.add_argument("--profile-dir", default=None,
                         help="also trace one more warm request of each mode there (Perfetto JSON; summarise it with "
                              "bench/trace_summary.py)")
@@ -69,7 +71,7 @@ def main(argv=None) -> None:
     print(f"built {count_params(params) / 1e9:.2f}B params ({jnp.dtype(dtype).name}) in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     engine = Engine(Model(qwen3_5, config, params), cache_bytes=int(args.cache_gb * 2**30), seam=args.seam,
-                    compose_algorithm=None if args.compose == "f32" else args.compose)
+                    compose_algorithm=None if args.compose == "f32" else args.compose, prefix_impl=args.prefix)
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, config.vocab_size, segment_len).tolist() for _ in range(segments)]
@@ -109,7 +111,7 @@ def main(argv=None) -> None:
     by_mode = {r["mode"]: r["ttft_ms"] for r in rows}
     summary = dict(config="small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L", prompt_tokens=prompt_tokens,
                    segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam,
-                   compose=engine.compose_algorithm)
+                   compose=engine.compose_algorithm, prefix=engine.prefix_impl)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")

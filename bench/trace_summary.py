@@ -5,6 +5,13 @@
 TRACE_DIR is what `jax.profiler.trace(..., create_perfetto_trace=True)` wrote (bench/pic_ttft.py --profile-dir);
 every `perfetto_trace.json.gz` under it is read. Events on device threads (GPU streams) are grouped by kernel
 name; host threads are summarised separately, so a request that is launch- or dispatch-bound shows it.
+
+    python bench/trace_summary.py TRACE_DIR --hlo HLO_DIR
+
+also groups device time by the named scopes of the model code (gdn_core, span_prefix, attn_core, ffn, ...): HLO_DIR
+holds the optimized HLO text XLA dumped for the traced programs (XLA_FLAGS="--xla_dump_to=HLO_DIR
+--xla_dump_hlo_as_text"); each kernel's HLO instruction (its `hlo_op` argument in the trace, else its name) is looked
+up there for the op_name metadata that carries the scopes.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import argparse
 import collections
 import gzip
 import json
+import re
 from pathlib import Path
 
 
@@ -31,7 +39,36 @@ def load_events(path: Path) -> tuple[list[dict], dict[tuple[int, int], str]]:
     return [e for e in events if e.get("ph") == "X"], labelled
 
 
-def summarise(trace_dir: Path, top: int) -> None:
+def load_scopes(hlo_dir: Path | None) -> list[dict[str, str]]:
+    """Per optimized HLO module: instruction name -> op_name metadata."""
+    if hlo_dir is None:
+        return []
+    modules = []
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+    for path in sorted(hlo_dir.rglob("*after_optimizations.txt")):
+        table = {}
+        with open(path) as handle:
+            for line in handle:
+                match = pattern.match(line)
+                if match:
+                    table[match.group(1)] = match.group(2)
+        modules.append(table)
+    return modules
+
+
+SCOPES = ("gdn_in", "gdn_core", "gdn_out", "span_prefix", "span_keys", "span_flash", "attn_proj", "attn_core", "ffn")
+
+
+def scope_of(op_name: str) -> str:
+    """The innermost known named scope in an op_name path (or its first two plain components)."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
+    known = [p for p in parts if p in SCOPES]
+    if known:
+        return "/".join(known)
+    return "/".join(parts[:2]) or "(no metadata)"
+
+
+def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = None) -> None:
     files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
         raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
@@ -52,6 +89,18 @@ def summarise(trace_dir: Path, top: int) -> None:
               f"of device time (summed over streams)")
         for name, dur in device.most_common(top):
             print(f"  {dur / 1e3:9.3f} ms  {100 * dur / max(total, 1):5.1f}%  x{device_count[name]:<5d} {name[:110]}")
+        device_events = [e for e in events if e["name"] in device]
+        if device_events:
+            print(f"  arguments of a device event: {sorted((device_events[0].get('args') or {}).keys())}")
+        if modules:
+            keys = [(e.get("args") or {}).get("hlo_op") or e["name"] for e in device_events]
+            best = max(modules, key=lambda table: sum(k in table for k in set(keys)))  # the traced program
+            by_scope = collections.Counter()
+            for event, key in zip(device_events, keys):
+                by_scope[scope_of(best[key]) if key in best else "(not in the HLO dump)"] += event.get("dur", 0)
+            print("  device time by named scope (innermost known scope; HLO op_name metadata):")
+            for name, dur in by_scope.most_common(top):
+                print(f"  {dur / 1e3:9.3f} ms  {100 * dur / max(total, 1):5.1f}%  {name[:110]}")
         per_thread = collections.Counter()
         for event in events:
             per_thread[threads.get((event["pid"], event["tid"]), f"pid {event['pid']} tid {event['tid']}")] += (
@@ -68,8 +117,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--hlo", type=Path, default=None, help="folder of XLA's optimized HLO text dumps")
     args = parser.parse_args(argv)
-    summarise(args.trace_dir, args.top)
+    summarise(args.trace_dir, args.top, load_scopes(args.hlo))
 
 
 if __name__ == "__main__":

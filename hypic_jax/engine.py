@@ -38,6 +38,7 @@ import numpy as np
 from hypic_jax import spans
 from hypic_jax.cache import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
 from hypic_jax.models.base import LinearCache, ModelCache
+from hypic_jax.linear_attn import PREFIX_IMPLS
 from hypic_jax.pallas.compose import ALGORITHMS
 
 MODES = tuple(spans.MODES)
@@ -156,6 +157,8 @@ class Engine:
     tokenizer.json next to it, if any). `mode` and `seam` are defaults that every request may override.
     `compose_algorithm` is the dot algorithm of the dense transfer products when cached segments are stitched
     ("auto": "bf16x3" on a GPU, three bfloat16 tensor-core passes at float32-level accuracy; HIGHEST elsewhere).
+    `prefix_impl` is how each linear layer's states at the segment boundaries are formed (`linear_attn.prefix_states`:
+    "auto": the Pallas fold kernel on a GPU, the associative scan elsewhere).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class Engine:
         max_context: int | None = None,
         source: str | None = None,
         compose_algorithm: str | None = "auto",
+        prefix_impl: str = "auto",
     ):
         if not hasattr(model.arch, "span_forward"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward; the engine cannot run it")
@@ -187,6 +191,11 @@ class Engine:
         if compose_algorithm is not None and compose_algorithm not in ALGORITHMS:
             raise ValueError(f"compose_algorithm must be 'auto', None or one of {ALGORITHMS}, got {compose_algorithm!r}")
         self.compose_algorithm = compose_algorithm
+        if prefix_impl == "auto":
+            prefix_impl = "pallas" if jax.default_backend() == "gpu" else "associative"
+        if prefix_impl not in PREFIX_IMPLS:
+            raise ValueError(f"prefix_impl must be 'auto' or one of {PREFIX_IMPLS}, got {prefix_impl!r}")
+        self.prefix_impl = prefix_impl
         self.vocab_size = int(self.config.vocab_size)
         self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)
 
@@ -287,7 +296,7 @@ class Engine:
         return spans.SpanResult(logits=logits[0], records=(), decode=tuple(cache.layers), hidden=None)
 
     def _span_mode(self, mode: str) -> spans.SpanMode:
-        return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm)
+        return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm, prefix=self.prefix_impl)
 
     def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False):
         tokens = jnp.asarray(np.asarray(fresh_tokens, np.int32))

@@ -46,6 +46,7 @@ __all__ = [
     "advance",
     "compose",
     "prefix_states",
+    "PREFIX_IMPLS",
     "promote",
     "stack_summaries",
     "rotate_summary",
@@ -562,14 +563,46 @@ def stack_summaries(summaries: list[Summary] | tuple[Summary, ...]) -> Summary:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *promoted)
 
 
-def prefix_states(summaries: Summary, initial_state: Array | None = None, *, algorithm: str | None = None) -> Array:
+PREFIX_IMPLS = ("associative", "fold", "pallas")
+
+
+def prefix_states(summaries: Summary, initial_state: Array | None = None, *, algorithm: str | None = None,
+                  impl: str = "associative") -> Array:
     """The state after each of n stacked summaries (leading axis n), from `initial_state` (zeros if None).
 
-    One `jax.lax.associative_scan` of `compose` (depth O(log n)) builds every prefix pair, then each is applied to
-    the initial state. Returns [n, ..., H, K, V]. `algorithm`: the dense products' dot algorithm (see `compose`).
+    impl:
+      "associative"  one `jax.lax.associative_scan` of `compose` (depth O(log n)) builds every prefix pair, then
+                     each is applied to the initial state. Any form.
+      "fold"         for dense transfers, a sequential `lax.scan` of S_i = T_i S_{i-1} + S_i: n state products
+                     instead of the ~2n pair compositions (each two products) of the scan, at depth n.
+      "pallas"       for dense transfers, the same fold in one Pallas launch (`pallas.compose.prefix_fold_pallas`;
+                     GPU, or interpret mode): the PIC engine's choice on a GPU, where the scan's many small
+                     launches and transfer-by-transfer products cost more than the fold's sequential depth.
+    Non-dense forms always use the scan (their compositions are elementwise). Returns [n, ..., H, K, V].
+    `algorithm`: the dense products' dot algorithm (see `compose`).
     """
     if summaries.state.ndim < 4:
         raise ValueError(f"summaries must be stacked along a leading axis, got state shape {summaries.state.shape}")
+    if impl not in PREFIX_IMPLS:
+        raise ValueError(f"impl must be one of {PREFIX_IMPLS}, got {impl!r}")
+    if impl != "associative" and summaries.form == "dense":
+        states = summaries.state
+        if initial_state is not None:  # fold the initial state into the first segment's zero-start state
+            first = advance(jax.tree.map(lambda a: a[0], summaries), initial_state)
+            states = states.at[0].set(first)
+        if impl == "pallas":
+            from hypic_jax.pallas.compose import FoldConfig, prefix_fold_pallas
+
+            config = FoldConfig(algorithm=algorithm or "f32")
+            interpret = jax.default_backend() != "gpu"
+            return prefix_fold_pallas(summaries.transfer, states, config=config, interpret=interpret)
+
+        def step(state, pair):
+            transfer, zero_start = pair
+            state = _dense_product(transfer, state, algorithm) + zero_start
+            return state, state
+
+        return jax.lax.scan(step, jnp.zeros_like(states[0]), (summaries.transfer, states))[1]
     prefixes = jax.lax.associative_scan(functools.partial(compose, algorithm=algorithm), summaries, axis=0)
     if initial_state is None:
         return prefixes.state

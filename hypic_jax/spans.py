@@ -43,6 +43,7 @@ from hypic_jax import linear_attn
 from hypic_jax.attention import dot_product_attention
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.linear_attn import LinearInputs, Summary
+from hypic_jax.pallas.attention import positioned_attention
 
 FRESH = "fresh"
 CACHED = "cached"
@@ -196,11 +197,14 @@ class SpanMode:
       absolute positions (False: keep the phase they were computed with).
     compose: dot algorithm of the dense transfer products in the scan over spans (None: HIGHEST float32;
       "bf16x3": tensor cores at float32-level accuracy; see `linear_attn.compose`).
+    prefix: how the prefix over span groups runs for dense transfers (`linear_attn.prefix_states` impl:
+      "associative", "fold", or "pallas", the engine's choice on a GPU).
     """
 
     transfer: bool = True
     rope: bool = True
     compose: str | None = None
+    prefix: str = "associative"
 
 
 # Named modes of the PIC ladder: the stitching flags each one uses (seams are the engine's business).
@@ -362,9 +366,50 @@ def _length_groups(fresh: Sequence[Span]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive rows as (first, stop); a run of -1 rows is (-1, count)."""
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and ((r == -1 and runs[-1][0] == -1) or (r != -1 and runs[-1][0] != -1 and r == runs[-1][1])):
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1] if r == -1 else [r, r + 1])
+    return [(first, stop) for first, stop in runs]
+
+
+def _rows(x: Array, rows: Sequence[int]) -> Array:
+    """x[rows] for static rows, a row of -1 giving zeros. Contiguous runs become slices and the pieces one
+    concatenation, so the regular layouts of PIC requests copy nothing they do not need (a gather of stacked
+    128 x 128 transfers costs a full read and write of them)."""
+    rows = [int(r) for r in rows]
+    if rows == list(range(x.shape[0])):
+        return x
+    runs = _runs(rows)
+    if len(runs) > 8:  # irregular: one gather (a zero row appended for the -1 rows)
+        if min(rows) < 0:
+            x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
+        return x[jnp.asarray(np.asarray(rows, np.int32))]
+    pieces = [jnp.zeros((stop,) + x.shape[1:], x.dtype) if first == -1 else x[first:stop] for first, stop in runs]
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+
 def _select(tree, rows: Sequence[int]):
-    rows = jnp.asarray(np.asarray(rows, np.int32))
-    return jax.tree.map(lambda a: a[rows], tree)
+    return jax.tree.map(lambda a: _rows(a, rows), tree)
+
+
+def _scan_groups(layout: SpanLayout) -> list[list[int]]:
+    """Span indices grouped for the scan: every fresh span opens a group and the state-carrying cached spans after
+    it join it (a leading cached span opens group 0). Every fresh span's incoming state is then the state after
+    the groups before its own."""
+    groups: list[list[int]] = []
+    for i, span in enumerate(layout.spans):
+        if span.kind == FRESH:
+            groups.append([i])
+        elif span.carries_state:
+            if not groups:
+                groups.append([])
+            groups[-1].append(i)
+    return [g for g in groups if g]
 
 
 def linear_over_spans(
@@ -386,95 +431,68 @@ def linear_over_spans(
     the summary of tokens [record_from, length) in an isolated layout, else the running state after the span as an
     identity-form summary (a prefix-cache snapshot)).
 
-    Why a scan: the spans' incoming states all come from one `prefix_states` (depth O(log n)) rather than a
-    sequential loop over spans; fresh spans are summarised (T, S) from their own tokens first, so their position in
-    the scan needs nothing from before them.
+    The incoming states come in three steps, each a fixed number of batched ops however many segments there are:
+    (1) every fresh span that precedes another span is summarised (T, S) from its own tokens (one vmapped pass per
+    length group, chunks no longer than the span); (2) each group of a fresh span and the cached spans after it is
+    composed into one pair, all groups at once (a seam followed by a cached interior: one batched product); (3) a
+    prefix over the groups' pairs (`linear_attn.prefix_states`: associative scan, or on a GPU the sequential fold
+    kernel, which needs half the products and one launch) gives the state before every fresh span.
     """
     layout.validate(len(cached))
     fresh = layout.fresh
     heads, key_dim, value_dim = inputs.k.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     zero_state = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     # Fresh spans are padded per group of equal padded length (seams of 8 tokens are not padded to the query's 64):
-    # one vmapped pass per group, so padding costs stay proportional to each span's own length.
+    # one vmapped pass per group, chunks no longer than the group's length, so padding stays proportional to each
+    # span's own length.
     groups = _length_groups(fresh)
+    lengths = [_padded_len(fresh, rows) for rows in groups]
+    chunks = [min(chunk_size, n) for n in lengths]
     padded = [_padded_inputs(inputs, layout, [fresh[i] for i in rows], [0] * len(rows)) for rows in groups]
     where = {i: (g, j) for g, rows in enumerate(groups) for j, i in enumerate(rows)}  # fresh index -> (group, row)
+    fresh_index = {id(s): i for i, s in enumerate(fresh)}
 
-    # Incoming state of every fresh span. Every span that enters the scan (fresh spans but a trailing one, cached
-    # spans that carry a state) is summarised as one stacked batch per kind, so the traced program holds a fixed
-    # number of ops per layer however many segments the request has (fewer kernels, faster compiles).
-    incoming = jnp.zeros((len(fresh), heads, key_dim, value_dim), jnp.float32)
-    after: dict[int, int] = {}  # span index -> row of `prefix` holding the state after it
+    incoming_rows = None  # per fresh span its row of `prefix` (-1: zero state); None: every span starts at zero
     prefix = None
     if not layout.isolated and len(layout.spans) > 1:
+        scan = _scan_groups(layout)
         last = len(layout.spans) - 1
-        fresh_row = {id(s): i for i, s in enumerate(fresh)}
-        scanned = [i for i, s in enumerate(layout.spans)
-                   if (s.kind == FRESH and i != last) or (s.kind == CACHED and s.carries_state)]
-        fresh_in = [fresh_row[id(layout.spans[i])] for i in scanned if layout.spans[i].kind == FRESH]
-        cached_in = [layout.spans[i] for i in scanned if layout.spans[i].kind == CACHED]
-        parts = []
-        if fresh_in:
-            by_group = []  # summaries of the fresh spans in the scan, group by group, then put in fresh_in order
-            for g, rows in enumerate(groups):
-                picked = [where[i][1] for i in fresh_in if where[i][0] == g]
-                if picked:
-                    by_group.append(jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(
-                        _select(padded[g], picked)))
-            flat = [i for g in range(len(groups)) for i in fresh_in if where[i][0] == g]
-            stacked = by_group[0] if len(by_group) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *by_group)
-            order = [flat.index(i) for i in fresh_in]
-            parts.append(stacked if order == list(range(len(order))) else _select(stacked, order))
-        if cached_in:
-            stacked = linear_attn.stack_summaries([cached[s.offset] for s in cached_in])
-            if not mode.transfer:
-                stacked = Summary("identity", stacked.state, None)
-            offsets = np.asarray([s.start - s.canonical_start for s in cached_in], np.int32)
-            if mode.rope and rotate is not None and offsets.any():
-                stacked = jax.vmap(rotate)(stacked, jnp.asarray(offsets))
-            parts.append(stacked)
-        if parts:
-            form = max((p.form for p in parts), key=linear_attn.FORMS.index)  # the widest form present
-            parts = [linear_attn.promote(p, form) for p in parts]
-            both = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-            order, next_fresh, next_cached = [], 0, len(fresh_in)  # rows of `both` in request order
-            for i in scanned:
-                if layout.spans[i].kind == FRESH:
-                    order.append(next_fresh)
-                    next_fresh += 1
-                else:
-                    order.append(next_cached)
-                    next_cached += 1
-            ordered = both if order == list(range(len(order))) else _select(both, order)
-            prefix = linear_attn.prefix_states(ordered, algorithm=mode.compose)
-            after = {i: row for row, i in enumerate(scanned)}
-            span_index = {id(s): i for i, s in enumerate(layout.spans)}
-            rows = []
-            for span in fresh:
-                before = [after[i] for i in range(span_index[id(span)]) if i in after]
-                rows.append(before[-1] if before else -1)
-            with_zero = jnp.concatenate([prefix, zero_state[None]], axis=0)  # row -1 -> zeros
-            incoming = with_zero[jnp.asarray(np.asarray(rows, np.int32))]
+        if scan and scan[-1] == [last] and layout.spans[last].kind == FRESH:
+            needed = scan[:-1]  # a trailing fresh span alone: nothing after it needs its summary
+        else:
+            needed = scan
+        group_of = {id(layout.spans[i]): g for g, members in enumerate(scan) for i in members}
+        incoming_rows = [group_of[id(s)] - 1 for s in fresh]
+        if needed:
+            with jax.named_scope("span_prefix"):
+                prefix = _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index,
+                                       rotate)
 
     outs, finals_by_group = [], []
     for g, rows in enumerate(groups):
-        o, f = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunk_size))(
-            padded[g], incoming[jnp.asarray(np.asarray(rows, np.int32))])
+        if incoming_rows is None or all(incoming_rows[i] == -1 for i in rows):
+            o, f = jax.vmap(lambda one: one.chunked(chunk_size=chunks[g]))(padded[g])
+        else:
+            start = _rows(prefix, [incoming_rows[i] for i in rows])
+            o, f = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunks[g]))(padded[g], start)
         outs.append(o.reshape((-1,) + o.shape[2:]))  # [rows * Lp_g, H, V]
         finals_by_group.append(f)
     # packed token -> its row in the concatenated per-group outputs (static)
-    group_base = np.cumsum([0] + [len(rows) * _padded_len(fresh, rows) for rows in groups])
+    group_base = np.cumsum([0] + [len(rows) * lengths[g] for g, rows in enumerate(groups)])
     token_rows = np.concatenate([
-        group_base[where[i][0]] + where[i][1] * _padded_len(fresh, groups[where[i][0]]) + np.arange(span.length)
+        group_base[where[i][0]] + where[i][1] * lengths[where[i][0]] + np.arange(span.length)
         for i, span in enumerate(fresh)
     ]).astype(np.int32)
     out = (outs[0] if len(outs) == 1 else jnp.concatenate(outs))[jnp.asarray(token_rows)]
     finals_flat = finals_by_group[0] if len(groups) == 1 else jnp.concatenate(finals_by_group)
     flat_of = {i: int(sum(len(r) for r in groups[: where[i][0]]) + where[i][1]) for i in range(len(fresh))}
-    finals = finals_flat[jnp.asarray(np.asarray([flat_of[i] for i in range(len(fresh))], np.int32))]
+
+    def final_of(span):
+        row = flat_of[fresh_index[id(span)]]
+        return finals_flat[row]
 
     if layout.spans[-1].kind == FRESH:
-        final_state = finals[-1]
+        final_state = final_of(layout.spans[-1])
     elif prefix is not None:
         final_state = prefix[-1]
     else:
@@ -488,10 +506,81 @@ def linear_over_spans(
             summaries = jax.vmap(lambda one: one.summarize(chunk_size=chunk_size))(interiors)
             records = [jax.tree.map(lambda a: a[j], summaries) for j in range(len(recorded))]
         else:
-            fresh_row = {id(s): i for i, s in enumerate(fresh)}
             for span in layout.recorded:
-                records.append(Summary("identity", finals[fresh_row[id(span)]], None))
+                records.append(Summary("identity", final_of(span), None))
     return out, final_state, tuple(records)
+
+
+def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):
+    """[len(needed), H, K, V]: the state after each scan group (see `linear_over_spans`)."""
+    spans_ = layout.spans
+    fresh_in = [fresh_index[id(spans_[i])] for g in needed for i in g if spans_[i].kind == FRESH]
+    cached_in = [spans_[i] for g in needed for i in g if spans_[i].kind == CACHED]
+    parts = {}
+    if fresh_in:
+        by_group, flat = [], []  # summaries of the needed fresh spans, length group by length group
+        for g, rows in enumerate(groups):
+            picked = [i for i in fresh_in if where[i][0] == g]
+            if picked:
+                chunk = chunks[g]
+                by_group.append(jax.vmap(lambda one: one.summarize(chunk_size=chunk))(
+                    _select(padded[g], [where[i][1] for i in picked])))
+                flat += picked
+        stacked = by_group[0] if len(by_group) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *by_group)
+        parts[FRESH] = (stacked, {i: r for r, i in enumerate(flat)})
+    if cached_in:
+        stacked = linear_attn.stack_summaries([cached[s.offset] for s in cached_in])
+        if not mode.transfer:
+            stacked = Summary("identity", stacked.state, None)
+        offsets = np.asarray([s.start - s.canonical_start for s in cached_in], np.int32)
+        if mode.rope and rotate is not None and offsets.any():
+            stacked = jax.vmap(rotate)(stacked, jnp.asarray(offsets))
+        parts[CACHED] = (stacked, {s.offset: r for r, s in enumerate(cached_in)})
+    form = max((p.form for p, _ in parts.values()), key=linear_attn.FORMS.index)  # the widest form present
+    parts = {kind: (linear_attn.promote(p, form), rows) for kind, (p, rows) in parts.items()}
+
+    def source(i):
+        span = spans_[i]
+        return (FRESH, parts[FRESH][1][fresh_index[id(span)]]) if span.kind == FRESH else (
+            CACHED, parts[CACHED][1][span.offset])
+
+    def take(refs):
+        """Stacked summaries of `refs` [(kind, row)], as slices of the per-kind stacks where rows run on."""
+        pieces, run_kind, run_rows = [], None, []
+        for kind, row in refs + [(None, None)]:
+            if kind != run_kind and run_rows:
+                pieces.append(_select(parts[run_kind][0], run_rows))
+                run_rows = []
+            run_kind = kind
+            if kind is not None:
+                run_rows.append(row)
+        return pieces[0] if len(pieces) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *pieces)
+
+    # Compose each group left to right, all groups with a p-th member at once.
+    acc = take([source(g[0]) for g in needed])
+    for p in range(1, max(len(g) for g in needed)):
+        members = [j for j, g in enumerate(needed) if len(g) > p]
+        nxt = take([source(needed[j][p]) for j in members])
+        if len(members) == len(needed):
+            acc = linear_attn.compose(acc, nxt, algorithm=mode.compose)
+            continue
+        composed = linear_attn.compose(_select(acc, members), nxt, algorithm=mode.compose)
+        position = {j: r for r, j in enumerate(members)}
+        # rebuild acc from runs of untouched rows and runs of composed rows (slices, one concatenation)
+        pieces, run = [], None
+        for j in range(len(needed)):
+            kind = "new" if j in position else "old"
+            row = position.get(j, j)
+            if run and run[0] == kind and row == run[2]:
+                run[2] += 1
+            else:
+                if run:
+                    pieces.append(run)
+                run = [kind, row, row + 1]
+        pieces.append(run)
+        acc = jax.tree.map(
+            lambda old, new: jnp.concatenate([(new if k == "new" else old)[a:b] for k, a, b in pieces]), acc, composed)
+    return linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -610,16 +699,29 @@ def attention_over_spans(
         if v.shape[-1] == q.shape[-1]:
             return dot_product_attention(q[None], k[None], v[None], scale=scale)[0], k, v, records
     if layout.cached:
-        ck, cv = _concat_cached([tuple(c) for c in cached], layout)
-        offsets = np.concatenate([np.full(s.length, s.start - s.canonical_start) for s in layout.cached])
-        if mode.rope and rotate_keys is not None and offsets.any():
-            ck = rotate_keys(ck, jnp.asarray(offsets.astype(np.int32)))  # every cached key moved in one rotation
-        keys, values = _interleave((k, v), (ck, cv), layout)
+        with jax.named_scope("span_keys"):
+            ck, cv = _concat_cached([tuple(c) for c in cached], layout)
+            offsets = np.concatenate([np.full(s.length, s.start - s.canonical_start) for s in layout.cached])
+            if mode.rope and rotate_keys is not None and offsets.any():
+                ck = rotate_keys(ck, jnp.asarray(offsets.astype(np.int32)))  # every cached key moved in one rotation
+            keys, values = _interleave((k, v), (ck, cv), layout)
     else:  # fresh spans only (and values narrower than queries, so not the flash path above)
         keys, values = k, v
+    if _positioned_kernel_fits(q, keys, values):  # GPU: flash attention over the positions, no logits in memory
+        with jax.named_scope("span_flash"):
+            out = positioned_attention(q, keys, values, jnp.asarray(positions), scale=scale)
+        return out, keys, values, records
     key_positions = np.arange(layout.total_length, dtype=np.int32)
     out = span_attention(q, keys, values, scale=scale, q_positions=positions, k_positions=key_positions)
     return out, keys, values, records
+
+
+def _positioned_kernel_fits(q: Array, k: Array, v: Array) -> bool:
+    """Whether `pallas.attention.positioned_attention` runs this attention: on a GPU, 16-bit inputs, and head
+    widths that are powers of two from 16 to 256 (Triton tile shapes)."""
+    widths_ok = all(w >= 16 and w <= 256 and not w & (w - 1) for w in (q.shape[-1], v.shape[-1]))
+    return (jax.default_backend() == "gpu" and widths_ok and q.shape[-1] == k.shape[-1]
+            and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and v.dtype == q.dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hypic_jax import linear_attn as la
+from hypic_jax.pallas import attention as pattn
 from hypic_jax.pallas import compose as cmp
 from hypic_jax.pallas import decode as dec
 from hypic_jax.pallas import gdn
@@ -132,6 +133,56 @@ def test_compose_fold_kernel():
         assert rel(ks, total_s) < TOL32
         if with_t:
             assert rel(kt, total_t) < TOL32
+
+
+@pytest.mark.parametrize("n, batch, dim, width, block_w", [(7, 3, 16, 16, 16), (1, 2, 16, 32, 16), (5, 1, 32, 16, 16)])
+def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block_w):
+    rng = np.random.default_rng(n + width)
+    t = jnp.asarray(rng.standard_normal((n, batch, dim, dim)) / np.sqrt(dim), jnp.float32)
+    s = jnp.asarray(rng.standard_normal((n, batch, dim, width)), jnp.float32)
+    want, state = [], np.zeros((batch, dim, width))
+    for i in range(n):  # float64 loop
+        state = np.asarray(t[i], np.float64) @ state + np.asarray(s[i], np.float64)
+        want.append(state)
+    got = cmp.prefix_fold_pallas(t, s, config=cmp.FoldConfig(block_w=block_w, algorithm="f32"), interpret=True)
+    assert got.shape == (n, batch, dim, width)
+    assert rel(got, np.stack(want)) < TOL32
+    # through the core: the same states as the associative scan, from an initial state too
+    summaries = la.Summary("dense", s, t)
+    init = jnp.asarray(rng.standard_normal((batch, dim, width)), jnp.float32)
+    for impl in ("fold", "pallas"):
+        assert rel(la.prefix_states(summaries, init, impl=impl), la.prefix_states(summaries, init)) < TOL32
+    with pytest.raises(ValueError, match="impl"):
+        la.prefix_states(summaries, impl="sideways")
+
+
+@pytest.mark.parametrize("lq, lk, hq, hkv, dim, dtype, block", [
+    (37, 101, 4, 2, 16, jnp.float32, 16),  # odd lengths, GQA, several key tiles
+    (5, 9, 2, 2, 32, jnp.float32, 16),  # keys shorter than a tile
+    (70, 200, 8, 2, 64, jnp.bfloat16, 32),
+])
+def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
+    rng = np.random.default_rng(lq)
+    q = jnp.asarray(rng.standard_normal((lq, hq, dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((lk, hkv, dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((lk, hkv, dim)), dtype)
+    positions = np.sort(rng.integers(0, lk, lq))
+    positions[0] = -1  # a padding row: sees nothing, returns zeros
+    positions = jnp.asarray(positions, jnp.int32)
+    config = pattn.AttentionConfig(block_q=block, block_k=block)
+    got = pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, config=config, interpret=True)
+    want = pattn.positioned_attention_reference(q, k, v, positions, scale=dim**-0.5)
+    # bfloat16 outputs: both sides are rounded to bf16 (one ulp = 2**-8 relative) and the kernel feeds the softmax
+    # weights to the value product in bf16, as flash kernels do; two ulps of the output bound the difference
+    tol = TOL32 if dtype == jnp.float32 else 2 * 2.0**-8
+    assert rel(got, want) < tol
+    assert not np.asarray(got[0], np.float32).any()
+    # the same attention as the engine's XLA path (span_attention over keys at positions 0..Lk-1)
+    from hypic_jax.spans import span_attention
+
+    xla = span_attention(q[1:], k, v, scale=dim**-0.5, q_positions=np.asarray(positions)[1:],
+                         k_positions=np.arange(lk))
+    assert rel(got[1:], xla) < tol
 
 
 def per_key_gates(length, heads, dim, seed, strength=0.5):
@@ -284,7 +335,14 @@ def test_kernels_lower_to_triton():
         assert "xla.gpu.triton" in text
     pairs = sd((4, 2, dim, dim), jnp.float32)
     fold = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
-    assert "xla.gpu.triton" in jax.export.export(fold, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
+    prefix = jax.jit(lambda t, s: cmp.prefix_fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
+    for fn in (fold, prefix):
+        assert "xla.gpu.triton" in jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
+            .mlir_module()
+    attend = jax.jit(lambda q, k, v, p: pattn.positioned_attention(q, k, v, p, scale=0.0625))
+    att_args = (sd((100, 16, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16),
+                sd((100,), jnp.int32))
+    assert "xla.gpu.triton" in jax.export.export(attend, platforms=["cuda"], disabled_checks=check)(*att_args) \
         .mlir_module()
 
 

@@ -96,6 +96,31 @@ def test_cached_spans_from_their_summaries_equal_the_whole(family, plan):
     np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("prefix", ("fold", "pallas"))
+@pytest.mark.parametrize("family", ("gated_delta_net", "kda"))
+@given(plan=span_plans(max_spans=6))
+@FEW
+def test_prefix_over_span_groups_by_fold_equals_the_whole(family, prefix, plan):
+    """The sequential fold (XLA, and the Pallas kernel in interpret mode) over the groups of a layout gives the same
+    outputs and final state as the whole sequence (dense transfers: the only form the fold handles itself)."""
+    layout = _layout(plan)
+    inputs = make_family(family, seed=len(plan) + 11, length=layout.total_length, heads=2, key_dim=4, value_dim=3)
+    out, state = inputs.chunked(chunk_size=CHUNK)
+    cut = lambda s: jax.tree.map(lambda a: a[s.start : s.start + s.length], inputs)  # noqa: E731
+    cached = tuple(cut(s).summarize(chunk_size=CHUNK) for s in layout.cached)
+    fresh = jax.tree.map(lambda a: a[_fresh_index(layout)], inputs)
+    got, got_state, _ = _linear(fresh, cached, layout=layout, mode=spans.SpanMode(prefix=prefix))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out[_fresh_index(layout)]), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
+
+
+def test_rows_takes_runs_and_zero_rows():
+    x = jnp.arange(6.0)[:, None] + 1
+    for rows in ([0, 1, 2, 3, 4, 5], [2, 3, -1, 0], [-1, -1], [5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, -1, 0]):
+        want = np.asarray([[0.0] if r == -1 else [r + 1.0] for r in rows])
+        np.testing.assert_array_equal(np.asarray(spans._rows(x, rows)), want)
+
+
 @given(plan=span_plans(max_spans=4))
 @FEW
 def test_rope_linear_summaries_rotate_to_their_absolute_positions(plan):

@@ -523,31 +523,38 @@ def span_forward(
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)[0]
         p = lp["mixer"]
         if config.layer_types[i] == LINEAR:
-            mixed, z, a, b = gdn_projections(h, p, config)
-            conv_out, conv_tail, conv_records = spans.conv_over_spans(
-                mixed, p["conv_weight"], [e.conv for e in layer_cached], layout
-            )
-            inputs = gdn_inputs(conv_out, a, b, p, config)
-            core, state, summaries = spans.linear_over_spans(
-                inputs, [e.summary for e in layer_cached], layout, mode, chunk_size=config.chunk_size
-            )
-            h = gdn_output(core.astype(h.dtype), z, p, config)
+            with jax.named_scope("gdn_in"):
+                mixed, z, a, b = gdn_projections(h, p, config)
+                conv_out, conv_tail, conv_records = spans.conv_over_spans(
+                    mixed, p["conv_weight"], [e.conv for e in layer_cached], layout
+                )
+                inputs = gdn_inputs(conv_out, a, b, p, config)
+            with jax.named_scope("gdn_core"):
+                core, state, summaries = spans.linear_over_spans(
+                    inputs, [e.summary for e in layer_cached], layout, mode, chunk_size=config.chunk_size
+                )
+            with jax.named_scope("gdn_out"):
+                h = gdn_output(core.astype(h.dtype), z, p, config)
             decode.append(LinearCache(state=state[None], conv=conv_tail[None]))
             for j, (summary, tail) in enumerate(zip(summaries, conv_records)):
                 records[j].append(spans.LinearEntry(summary=summary, conv=tail))
         else:
-            q, k, v, gate = attention_projections(h[None], p, config, positions)
-            attended, keys, values, kv_records = spans.attention_over_spans(
-                q[0], k[0], v[0], [(e.k, e.v) for e in layer_cached], layout, mode,
-                scale=config.head_dim**-0.5, rotate_keys=rotate_keys,
-            )
-            h = attention_output(attended, gate[0], p)
+            with jax.named_scope("attn_proj"):
+                q, k, v, gate = attention_projections(h[None], p, config, positions)
+            with jax.named_scope("attn_core"):
+                attended, keys, values, kv_records = spans.attention_over_spans(
+                    q[0], k[0], v[0], [(e.k, e.v) for e in layer_cached], layout, mode,
+                    scale=config.head_dim**-0.5, rotate_keys=rotate_keys,
+                )
+            with jax.named_scope("attn_proj"):
+                h = attention_output(attended, gate[0], p)
             decode.append(KVCache(k=keys[None], v=values[None]))
             for j, (rk, rv) in enumerate(kv_records):
                 records[j].append(spans.KVEntry(k=rk, v=rv))
         x = x + h[None]
-        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
+        with jax.named_scope("ffn"):
+            h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
+            x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
         if want_hidden:
             hidden.append(x[0])
     x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)

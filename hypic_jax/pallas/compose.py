@@ -122,6 +122,7 @@ _KERNEL_PRECISION = {
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
     "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
     "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    "bf16x9": lax.DotAlgorithmPreset.BF16_BF16_F32_X9,
 }
 
 
@@ -199,3 +200,62 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
 
 
 __all__ += ["FoldConfig", "fold_pallas"]
+
+
+def _prefix_fold_kernel(t_ref, s_ref, o_ref, *, num_segments, prec):
+    """One (column block, batch entry): acc <- T_i acc + S_i[:, cols], and every acc is written out.
+
+    The T_i loads do not depend on the running state, so the compiler can issue the next one while the current
+    product runs; the state block never leaves registers between steps.
+    """
+    key_dim = t_ref.shape[-1]
+
+    def body(i, acc):
+        t = t_ref[i].astype(jnp.float32)
+        acc = lax.dot_general(t, acc, (((1,), (0,)), ((), ())), precision=prec,
+                              preferred_element_type=jnp.float32) + s_ref[i].astype(jnp.float32)
+        o_ref[i] = acc
+        return acc
+
+    lax.fori_loop(0, num_segments, body, jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def prefix_fold_pallas(transfers: Array, states: Array, *, config: FoldConfig = FoldConfig(),
+                       interpret: bool = False) -> Array:
+    """The state after each of n ordered segments from a zero start, S_i = T_i S_{i-1} + S(C_i|0), in one launch.
+
+    transfers [n, ..., K, K], states [n, ..., K, V]; returns [n, ..., K, V] float32. This is what a PIC request
+    needs per linear layer (the incoming state of every fresh span): n state products, half the work of the
+    associative scan over pairs (which also multiplies transfers together) and one launch instead of 2 log2 n
+    levels. Parallel over batch entries (heads) and column blocks of the state; sequential over segments.
+    """
+    n = transfers.shape[0]
+    batch = transfers.shape[1:-2]
+    key_dim, value_dim = states.shape[-2], states.shape[-1]
+    if transfers.shape[-2:] != (key_dim, key_dim) or states.shape[:-2] != transfers.shape[:-2]:
+        raise ValueError(f"transfers [n, ..., K, K] and states [n, ..., K, V] disagree: {transfers.shape} vs "
+                         f"{states.shape}")
+    t = transfers.reshape((n, -1, key_dim, key_dim))
+    s = states.reshape((n, -1, key_dim, value_dim))
+    bw = min(config.block_w, value_dim)
+    if value_dim % bw:
+        raise ValueError(f"block_w {bw} must divide the state width {value_dim}")
+    kernel = functools.partial(_prefix_fold_kernel, num_segments=n, prec=_KERNEL_PRECISION[config.algorithm])
+    out = pl.pallas_call(
+        kernel,
+        grid=(value_dim // bw, t.shape[1]),
+        in_specs=[
+            pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
+            pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="prefix_fold",
+    )(t, s)
+    return out.reshape((n,) + batch + (key_dim, value_dim))
+
+
+__all__ += ["prefix_fold_pallas"]

@@ -1,0 +1,128 @@
+"""Pallas (Triton lowering) flash attention for queries at arbitrary absolute positions over keys in order.
+
+A PIC request attends from a few hundred fresh tokens (seams spread over the whole prompt, then the query) to every
+key of the prompt: key j sits at position j and is visible to query i iff j <= pos[i]. Neither of the library
+kernels covers that mask (cuDNN's causal mask assumes the queries are the last rows of the keys; jax's Pallas
+`mha` derives positions from block indices), and the XLA fallback materialises [heads, block, keys] float32
+logits, about 1 GB per 512 queries at 32k keys and per layer.
+
+Grid (query blocks, query heads); each program keeps its [block_q, D] output in registers and streams key/value
+tiles with an online softmax (running max and sum, float32), visiting only the key tiles up to its last query's
+position, so the work follows the mask: a seam early in the prompt reads few keys. Queries are expected in
+increasing position order (the packed fresh tokens of a layout are), which keeps a block's reach tight; any order is
+still correct. GQA: query head h reads key/value head h // (Hq / Hkv). A query row with position -1 (padding) sees
+nothing and returns zeros.
+
+`positioned_attention_reference` beside it is the pure-JAX definition the kernel is tested against (interpret mode
+on the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["AttentionConfig", "positioned_attention", "positioned_attention_reference"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """block_q / block_k: query rows and key rows per tile (powers of two >= 16); num_warps / num_stages: Triton
+    launch parameters (a 256-wide head keeps a [block_q, 256] float32 accumulator in registers: 8 warps)."""
+
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def positioned_attention_reference(q: Array, k: Array, v: Array, q_positions: Array, *, scale: float) -> Array:
+    """q [Lq, Hq, D], k/v [Lk, Hkv, D(v)], q_positions [Lq] -> [Lq, Hq, Dv]; key j visible iff j <= pos[i]."""
+    lq, hq, _ = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(lq, hkv, hq // hkv, -1).astype(jnp.float32)
+    logits = jnp.einsum("qhgd,khd->hgqk", qg, k.astype(jnp.float32), precision="highest") * scale
+    visible = jnp.arange(k.shape[0])[None, :] <= q_positions[:, None]
+    logits = jnp.where(visible, logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1)
+    weights = jnp.where(visible.any(-1)[:, None], weights, 0.0)
+    out = jnp.einsum("hgqk,khd->qhgd", weights, v.astype(jnp.float32), precision="highest")
+    return out.reshape(lq, hq, -1).astype(q.dtype)
+
+
+def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k, num_keys):
+    """One (query block, query head): online softmax over the key tiles its queries can reach."""
+    pos = pos_ref[...]  # [bq] int32
+    q = q_ref[...]  # [bq, D]
+    block_q = q.shape[0]
+    reach = jnp.minimum(jnp.max(pos) + 1, num_keys)  # keys [0, reach) are all any row can see
+    tiles = (reach + block_k - 1) // block_k
+
+    def body(t, carry):
+        acc, row_max, row_sum = carry
+        start = t * block_k
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        s = pl.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [bq, bk]
+        key_pos = start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+        s = jnp.where(key_pos <= pos[:, None], s, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows that have seen nothing yet
+        p = jnp.exp(s - safe_max[:, None])
+        correction = jnp.exp(jnp.where(row_max == -jnp.inf, 0.0, row_max) - safe_max)
+        row_sum = row_sum * correction + jnp.sum(p, axis=1)
+        acc = acc * correction[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return acc, new_max, row_sum
+
+    init = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, _, row_sum = jax.lax.fori_loop(0, tiles, body, init)
+    out = acc / jnp.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, scale: float,
+                         config: AttentionConfig = AttentionConfig(), interpret: bool = False) -> Array:
+    """q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv], q_positions [Lq] int -> [Lq, Hq, Dv] (q's dtype).
+
+    Key j is at position j; query i sees keys j <= q_positions[i]. Lq and Lk are padded to the tile sizes here
+    (padded queries get position -1, padded keys lie beyond every query's reach)."""
+    lq, hq, d = q.shape
+    lk, hkv, dv = v.shape
+    if k.shape[:2] != (lk, hkv) or k.shape[2] != d:
+        raise ValueError(f"k must be [Lk, Hkv, D] = {(lk, hkv, d)}, got {k.shape}")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
+    if q_positions.shape != (lq,):
+        raise ValueError(f"q_positions must be [Lq] = [{lq}], got {q_positions.shape}")
+    bq, bk = config.block_q, config.block_k
+    lq_pad, lk_pad = -(-lq // bq) * bq, -(-lk // bk) * bk
+    group = hq // hkv
+    pos = jnp.pad(q_positions.astype(jnp.int32), (0, lq_pad - lq), constant_values=-1)
+    qh = jnp.pad(jnp.moveaxis(q, 1, 0), ((0, 0), (0, lq_pad - lq), (0, 0)))  # [Hq, Lq, D]
+    kh = jnp.pad(jnp.moveaxis(k, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
+    vh = jnp.pad(jnp.moveaxis(v, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
+    kernel = functools.partial(_kernel, scale=scale, block_k=bk, num_keys=lk)
+    out = pl.pallas_call(
+        kernel,
+        grid=(lq_pad // bq, hq),
+        in_specs=[
+            pl.BlockSpec((bq,), lambda i, h: (i,)),
+            pl.BlockSpec((None, bq, d), lambda i, h: (h, i, 0)),
+            pl.BlockSpec((None, lk_pad, d), lambda i, h: (h // group, 0, 0)),
+            pl.BlockSpec((None, lk_pad, dv), lambda i, h: (h // group, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, bq, dv), lambda i, h: (h, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((hq, lq_pad, dv), q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="positioned_attention",
+    )(pos, qh, kh, vh)
+    return jnp.moveaxis(out[:, :lq], 0, 1)
