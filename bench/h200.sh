@@ -32,6 +32,7 @@ case "${1:-}" in
     fi
     ;;
   pic)
+    timeout 120 python3 bench/gpu_smoke.py 2>&1 | tee "$OUT/gpu_smoke.txt" || exit 1
     # the modes the bars compare first: each row is printed as soon as it is measured; the optimized HLO of the
     # span programs is dumped so that the trace summary can group device time by the model's named scopes
     XLA_FLAGS="--xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \

@@ -69,7 +69,7 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k, num_keys):
         start = t * block_k
         k = k_ref[pl.ds(start, block_k), :]
         v = v_ref[pl.ds(start, block_k), :]
-        s = pl.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [bq, bk]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         key_pos = start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
         s = jnp.where(key_pos <= pos[:, None], s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
@@ -77,7 +77,8 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k, num_keys):
         p = jnp.exp(s - safe_max[:, None])
         correction = jnp.exp(jnp.where(row_max == -jnp.inf, 0.0, row_max) - safe_max)
         row_sum = row_sum * correction + jnp.sum(p, axis=1)
-        acc = acc * correction[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        acc = acc * correction[:, None] + pv
         return acc, new_max, row_sum
 
     init = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
