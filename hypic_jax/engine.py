@@ -387,6 +387,7 @@ class Engine:
     def _store_records(self, record_as, records, pins) -> list[Entry]:
         stored = []
         for (kind, key, doc, w), layers_ in zip(record_as, records):
+            layers_ = spans.StackedLayers.stack(layers_)  # few arrays per entry: cheap to pass to every request
             entry = Entry(key=key, tokens=tuple(doc), kind=kind, seam=w, layers=layers_, nbytes=tree_nbytes(layers_))
             stored.append(pins.add(self.cache.insert(entry)))
         return stored

@@ -575,9 +575,10 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
                      each is applied to the initial state. Any form.
       "fold"         for dense transfers, a sequential `lax.scan` of S_i = T_i S_{i-1} + S_i: n state products
                      instead of the ~2n pair compositions (each two products) of the scan, at depth n.
-      "pallas"       for dense transfers, the same fold in one Pallas launch (`pallas.compose.prefix_fold_pallas`;
-                     GPU, or interpret mode): the PIC engine's choice on a GPU, where the scan's many small
-                     launches and transfer-by-transfer products cost more than the fold's sequential depth.
+      "pallas"       for dense transfers, the fold in Pallas, blocked to depth ~2 sqrt(n)
+                     (`pallas.compose.prefix_fold_pallas`; GPU, or interpret mode): the PIC engine's choice on a
+                     GPU, where the scan's 2 log2 n levels of small launches and its transfer-by-transfer
+                     products cost more.
     Non-dense forms always use the scan (their compositions are elementwise). Returns [n, ..., H, K, V].
     `algorithm`: the dense products' dot algorithm (see `compose`).
     """
@@ -586,16 +587,17 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
     if impl not in PREFIX_IMPLS:
         raise ValueError(f"impl must be one of {PREFIX_IMPLS}, got {impl!r}")
     if impl != "associative" and summaries.form == "dense":
-        states = summaries.state
-        if initial_state is not None:  # fold the initial state into the first segment's zero-start state
-            first = advance(jax.tree.map(lambda a: a[0], summaries), initial_state)
-            states = states.at[0].set(first)
         if impl == "pallas":
             from hypic_jax.pallas.compose import FoldConfig, prefix_fold_pallas
 
             config = FoldConfig(algorithm=algorithm or "f32")
             interpret = jax.default_backend() != "gpu"
-            return prefix_fold_pallas(summaries.transfer, states, config=config, interpret=interpret)
+            return prefix_fold_pallas(summaries.transfer, summaries.state, initial_state, config=config,
+                                      interpret=interpret)
+        states = summaries.state
+        if initial_state is not None:  # fold the initial state into the first segment's zero-start state
+            first = advance(jax.tree.map(lambda a: a[0], summaries), initial_state)
+            states = states.at[0].set(first)
 
         def step(state, pair):
             transfer, zero_start = pair

@@ -135,7 +135,7 @@ def test_compose_fold_kernel():
             assert rel(kt, total_t) < TOL32
 
 
-@pytest.mark.parametrize("n, batch, dim, width, block_w", [(7, 3, 16, 16, 16), (1, 2, 16, 32, 16), (5, 1, 32, 16, 16)])
+@pytest.mark.parametrize("n, batch, dim, width, block_w", [(7, 3, 16, 16, 16), (1, 2, 16, 32, 16), (11, 1, 32, 16, 16)])
 def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block_w):
     rng = np.random.default_rng(n + width)
     t = jnp.asarray(rng.standard_normal((n, batch, dim, dim)) / np.sqrt(dim), jnp.float32)
@@ -144,9 +144,11 @@ def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block
     for i in range(n):  # float64 loop
         state = np.asarray(t[i], np.float64) @ state + np.asarray(s[i], np.float64)
         want.append(state)
-    got = cmp.prefix_fold_pallas(t, s, config=cmp.FoldConfig(block_w=block_w, algorithm="f32"), interpret=True)
-    assert got.shape == (n, batch, dim, width)
-    assert rel(got, np.stack(want)) < TOL32
+    config = cmp.FoldConfig(block_w=block_w, algorithm="f32")
+    for block in (None, 0, 2, 3):  # one fold; blocked (sqrt n); blocks dividing n or not (identity padding)
+        got = cmp.prefix_fold_pallas(t, s, config=config, block=block, interpret=True)
+        assert got.shape == (n, batch, dim, width)
+        assert rel(got, np.stack(want)) < TOL32, block
     # through the core: the same states as the associative scan, from an initial state too
     summaries = la.Summary("dense", s, t)
     init = jnp.asarray(rng.standard_normal((batch, dim, width)), jnp.float32)
@@ -169,14 +171,15 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
     positions = np.sort(rng.integers(0, lk, lq))
     positions[0] = -1  # a padding row: sees nothing, returns zeros
     positions = jnp.asarray(positions, jnp.int32)
-    config = pattn.AttentionConfig(block_q=block, block_k=block)
-    got = pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, config=config, interpret=True)
     want = pattn.positioned_attention_reference(q, k, v, positions, scale=dim**-0.5)
     # bfloat16 outputs: both sides are rounded to bf16 (one ulp = 2**-8 relative) and the kernel feeds the softmax
     # weights to the value product in bf16, as flash kernels do; two ulps of the output bound the difference
     tol = TOL32 if dtype == jnp.float32 else 2 * 2.0**-8
-    assert rel(got, want) < tol
-    assert not np.asarray(got[0], np.float32).any()
+    for programs in (1, 10**6):  # one key range per program row; as many ranges as key tiles
+        config = pattn.AttentionConfig(block_q=block, block_k=block, target_programs=programs)
+        got = pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, config=config, interpret=True)
+        assert rel(got, want) < tol
+        assert not np.asarray(got[0], np.float32).any()
     # the same attention as the engine's XLA path (span_attention over keys at positions 0..Lk-1)
     from hypic_jax.spans import span_attention
 
@@ -335,7 +338,7 @@ def test_kernels_lower_to_triton():
         assert "xla.gpu.triton" in text
     pairs = sd((4, 2, dim, dim), jnp.float32)
     fold = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
-    prefix = jax.jit(lambda t, s: cmp.prefix_fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
+    prefix = jax.jit(lambda t, s: cmp.prefix_fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3"), block=2))
     for fn in (fold, prefix):
         assert "xla.gpu.triton" in jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
             .mlir_module()

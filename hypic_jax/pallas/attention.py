@@ -6,9 +6,10 @@ kernels covers that mask (cuDNN's causal mask assumes the queries are the last r
 `mha` derives positions from block indices), and the XLA fallback materialises [heads, block, keys] float32
 logits, about 1 GB per 512 queries at 32k keys and per layer.
 
-Grid (query blocks, query heads); each program keeps its [block_q, D] output in registers and streams key/value
-tiles with an online softmax (running max and sum, float32), visiting only the key tiles up to its last query's
-position, so the work follows the mask: a seam early in the prompt reads few keys. Queries are expected in
+Grid (query blocks, query heads, key ranges); each program keeps its [block_q, D] output in registers and streams
+key/value tiles of its range with an online softmax (running max and sum, float32), visiting only the key tiles
+up to its last query's position, so the work follows the mask: a seam early in the prompt reads few keys. The
+ranges' partial results are combined afterwards (rescaled to the common row maximum). Queries are expected in
 increasing position order (the packed fresh tokens of a layout are), which keeps a block's reach tight; any order is
 still correct. GQA: query head h reads key/value head h // (Hq / Hkv). A query row with position -1 (padding) sees
 nothing and returns zeros.
@@ -34,12 +35,17 @@ __all__ = ["AttentionConfig", "positioned_attention", "positioned_attention_refe
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """block_q / block_k: query rows and key rows per tile (powers of two >= 16); num_warps / num_stages: Triton
-    launch parameters (a 256-wide head keeps a [block_q, 256] float32 accumulator in registers: 8 warps)."""
+    launch parameters (a 256-wide head keeps a [block_q, 256] float32 accumulator in registers: 8 warps).
+    target_programs: the keys are split into ranges processed by separate programs (flash-decoding style, partial
+    softmax results combined afterwards) until about this many programs run: a few hundred fresh queries make only
+    (queries / block_q) x heads programs, too few for the GPU, and the one holding the query at the end of the prompt
+    would otherwise walk all the keys alone."""
 
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    target_programs: int = 1024
 
 
 def positioned_attention_reference(q: Array, k: Array, v: Array, q_positions: Array, *, scale: float) -> Array:
@@ -56,13 +62,15 @@ def positioned_attention_reference(q: Array, k: Array, v: Array, q_positions: Ar
     return out.reshape(lq, hq, -1).astype(q.dtype)
 
 
-def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k, num_keys):
-    """One (query block, query head): online softmax over the key tiles its queries can reach."""
+def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, block_k, num_keys, tiles_per_split):
+    """One (query block, query head, key range): online softmax over the key tiles of its range that its queries
+    can reach; writes the unnormalised output, the row maxima and the row sums for the combine."""
     pos = pos_ref[...]  # [bq] int32
     q = q_ref[...]  # [bq, D]
     block_q = q.shape[0]
     reach = jnp.minimum(jnp.max(pos) + 1, num_keys)  # keys [0, reach) are all any row can see
-    tiles = (reach + block_k - 1) // block_k
+    first = pl.program_id(2) * tiles_per_split
+    stop = jnp.maximum(first, jnp.minimum((reach + block_k - 1) // block_k, first + tiles_per_split))
 
     def body(t, carry):
         acc, row_max, row_sum = carry
@@ -83,9 +91,10 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k, num_keys):
 
     init = (jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    acc, _, row_sum = jax.lax.fori_loop(0, tiles, body, init)
-    out = acc / jnp.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-    o_ref[...] = out.astype(o_ref.dtype)
+    acc, row_max, row_sum = jax.lax.fori_loop(first, stop, body, init)
+    o_ref[...] = acc
+    m_ref[...] = row_max
+    l_ref[...] = row_sum
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
@@ -110,20 +119,37 @@ def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, sc
     qh = jnp.pad(jnp.moveaxis(q, 1, 0), ((0, 0), (0, lq_pad - lq), (0, 0)))  # [Hq, Lq, D]
     kh = jnp.pad(jnp.moveaxis(k, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
     vh = jnp.pad(jnp.moveaxis(v, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
-    kernel = functools.partial(_kernel, scale=scale, block_k=bk, num_keys=lk)
-    out = pl.pallas_call(
+    q_blocks, tiles = lq_pad // bq, lk_pad // bk
+    splits = max(1, min(tiles, -(-config.target_programs // (q_blocks * hq))))
+    per_split = -(-tiles // splits)
+    splits = -(-tiles // per_split)
+    kernel = functools.partial(_kernel, scale=scale, block_k=bk, num_keys=lk, tiles_per_split=per_split)
+    acc, row_max, row_sum = pl.pallas_call(
         kernel,
-        grid=(lq_pad // bq, hq),
+        grid=(q_blocks, hq, splits),
         in_specs=[
-            pl.BlockSpec((bq,), lambda i, h: (i,)),
-            pl.BlockSpec((None, bq, d), lambda i, h: (h, i, 0)),
-            pl.BlockSpec((None, lk_pad, d), lambda i, h: (h // group, 0, 0)),
-            pl.BlockSpec((None, lk_pad, dv), lambda i, h: (h // group, 0, 0)),
+            pl.BlockSpec((bq,), lambda i, h, r: (i,)),
+            pl.BlockSpec((None, bq, d), lambda i, h, r: (h, i, 0)),
+            pl.BlockSpec((None, lk_pad, d), lambda i, h, r: (h // group, 0, 0)),
+            pl.BlockSpec((None, lk_pad, dv), lambda i, h, r: (h // group, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, bq, dv), lambda i, h: (h, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((hq, lq_pad, dv), q.dtype),
+        out_specs=[
+            pl.BlockSpec((None, None, bq, dv), lambda i, h, r: (h, r, i, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, h, r: (h, r, i)),
+            pl.BlockSpec((None, None, bq), lambda i, h, r: (h, r, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((hq, splits, lq_pad, dv), jnp.float32),
+            jax.ShapeDtypeStruct((hq, splits, lq_pad), jnp.float32),
+            jax.ShapeDtypeStruct((hq, splits, lq_pad), jnp.float32),
+        ],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="positioned_attention",
     )(pos, qh, kh, vh)
-    return jnp.moveaxis(out[:, :lq], 0, 1)
+    # combine the key ranges: rescale each range's partial sums to the common row maximum
+    top = jnp.max(row_max, axis=1, keepdims=True)
+    weight = jnp.where(row_max == -jnp.inf, 0.0, jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top)))
+    total = jnp.sum(weight * row_sum, axis=1)  # [Hq, Lq]
+    out = jnp.sum(weight[..., None] * acc, axis=1) / jnp.where(total == 0.0, 1.0, total)[..., None]
+    return jnp.moveaxis(out[:, :lq], 0, 1).astype(q.dtype)

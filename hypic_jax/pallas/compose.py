@@ -202,12 +202,13 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
 __all__ += ["FoldConfig", "fold_pallas"]
 
 
-def _prefix_fold_kernel(t_ref, s_ref, o_ref, *, num_segments, prec):
-    """One (column block, batch entry): acc <- T_i acc + S_i[:, cols], and every acc is written out.
+def _prefix_fold_kernel(t_ref, s_ref, *rest, num_segments, prec, has_initial):
+    """One (column block, batch entry, outer entry): acc <- T_i acc + S_i[:, cols], and every acc is written out.
 
     The T_i loads do not depend on the running state, so the compiler can issue the next one while the current
     product runs; the state block never leaves registers between steps.
     """
+    init_ref, o_ref = rest if has_initial else (None, rest[0])
     key_dim = t_ref.shape[-1]
 
     def body(i, acc):
@@ -217,18 +218,54 @@ def _prefix_fold_kernel(t_ref, s_ref, o_ref, *, num_segments, prec):
         o_ref[i] = acc
         return acc
 
-    lax.fori_loop(0, num_segments, body, jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32))
+    acc0 = init_ref[...].astype(jnp.float32) if has_initial else jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32)
+    lax.fori_loop(0, num_segments, body, acc0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def prefix_fold_pallas(transfers: Array, states: Array, *, config: FoldConfig = FoldConfig(),
-                       interpret: bool = False) -> Array:
-    """The state after each of n ordered segments from a zero start, S_i = T_i S_{i-1} + S(C_i|0), in one launch.
+def _fold_call(t, s, initial, *, config, interpret):
+    """t [outer, n, B, K, K], s [outer, n, B, K, V], initial [outer, B, K, V] or None -> states like s."""
+    outer, n, b, key_dim, _ = t.shape
+    value_dim = s.shape[-1]
+    bw = min(config.block_w, value_dim)
+    if value_dim % bw:
+        raise ValueError(f"block_w {bw} must divide the state width {value_dim}")
+    in_specs = [
+        pl.BlockSpec((None, n, None, key_dim, key_dim), lambda j, i, o: (o, 0, i, 0, 0)),
+        pl.BlockSpec((None, n, None, key_dim, bw), lambda j, i, o: (o, 0, i, 0, j)),
+    ]
+    args = [t, s]
+    if initial is not None:
+        in_specs.append(pl.BlockSpec((None, None, key_dim, bw), lambda j, i, o: (o, i, 0, j)))
+        args.append(initial)
+    kernel = functools.partial(_prefix_fold_kernel, num_segments=n, prec=_KERNEL_PRECISION[config.algorithm],
+                               has_initial=initial is not None)
+    return pl.pallas_call(
+        kernel,
+        grid=(value_dim // bw, b, outer),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, n, None, key_dim, bw), lambda j, i, o: (o, 0, i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="prefix_fold",
+    )(*args)
 
-    transfers [n, ..., K, K], states [n, ..., K, V]; returns [n, ..., K, V] float32. This is what a PIC request
-    needs per linear layer (the incoming state of every fresh span): n state products, half the work of the
-    associative scan over pairs (which also multiplies transfers together) and one launch instead of 2 log2 n
-    levels. Parallel over batch entries (heads) and column blocks of the state; sequential over segments.
+
+def prefix_fold_pallas(transfers: Array, states: Array, initial_state: Array | None = None, *,
+                       config: FoldConfig = FoldConfig(), block: int | None = 0, interpret: bool = False) -> Array:
+    """The state after each of n ordered segments, S_i = T_i S_{i-1} + S(C_i|0) from `initial_state` (zeros if
+    None), with the sequential fold in Pallas.
+
+    transfers [n, ..., K, K], states [n, ..., K, V], initial_state [..., K, V]; returns [n, ..., K, V] float32.
+    This is what a PIC request needs per linear layer (the incoming state of every fresh span): n state products,
+    half the work of the associative scan over pairs (which also multiplies transfers together), in few launches.
+
+    block: the fold's depth is its cost (each step waits for the previous product), so by default (0: about
+    sqrt(n)) the segments are cut into blocks: (1) each block's pair is composed by a balanced tree of batched
+    products (tensor cores, all blocks at once), (2) one fold over the block pairs gives every block's incoming
+    state, (3) one fold inside every block, all blocks in parallel, gives the states. Depth n/b + b instead of n,
+    for about n extra transfer products. None: a single fold of depth n.
     """
     n = transfers.shape[0]
     batch = transfers.shape[1:-2]
@@ -236,26 +273,32 @@ def prefix_fold_pallas(transfers: Array, states: Array, *, config: FoldConfig = 
     if transfers.shape[-2:] != (key_dim, key_dim) or states.shape[:-2] != transfers.shape[:-2]:
         raise ValueError(f"transfers [n, ..., K, K] and states [n, ..., K, V] disagree: {transfers.shape} vs "
                          f"{states.shape}")
-    t = transfers.reshape((n, -1, key_dim, key_dim))
-    s = states.reshape((n, -1, key_dim, value_dim))
-    bw = min(config.block_w, value_dim)
-    if value_dim % bw:
-        raise ValueError(f"block_w {bw} must divide the state width {value_dim}")
-    kernel = functools.partial(_prefix_fold_kernel, num_segments=n, prec=_KERNEL_PRECISION[config.algorithm])
-    out = pl.pallas_call(
-        kernel,
-        grid=(value_dim // bw, t.shape[1]),
-        in_specs=[
-            pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
-            pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
-        ],
-        out_specs=pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="prefix_fold",
-    )(t, s)
-    return out.reshape((n,) + batch + (key_dim, value_dim))
+    t = transfers.reshape((n, -1, key_dim, key_dim)).astype(jnp.float32)
+    s = states.reshape((n, -1, key_dim, value_dim)).astype(jnp.float32)
+    init = None if initial_state is None else jnp.broadcast_to(
+        initial_state, batch + (key_dim, value_dim)).reshape((1, -1, key_dim, value_dim)).astype(jnp.float32)
+    if block == 0:
+        block = max(2, int(round(n**0.5)))
+    if block is None or n <= 2 * block:
+        out = _fold_call(t[None], s[None], init, config=config, interpret=interpret)[0]
+        return out.reshape((n,) + batch + (key_dim, value_dim))
+    blocks = -(-n // block)
+    pad = blocks * block - n
+    if pad:  # identity pairs at the end: their states are dropped
+        eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (pad,) + t.shape[1:])
+        t = jnp.concatenate([t, eye])
+        s = jnp.concatenate([s, jnp.zeros((pad,) + s.shape[1:], jnp.float32)])
+    tb = t.reshape((blocks, block) + t.shape[1:])
+    sb = s.reshape((blocks, block) + s.shape[1:])
+    # (1) every block's pair: compose_all along the in-block axis (moved first), all blocks at once
+    pair_t, pair_s = compose_all(jnp.moveaxis(tb, 1, 0), jnp.moveaxis(sb, 1, 0), config.algorithm)
+    # (2) the state after every block, then each block's incoming state
+    after = _fold_call(pair_t[None], pair_s[None], init, config=config, interpret=interpret)[0]
+    first = jnp.zeros_like(after[:1]) if init is None else init
+    incoming = jnp.concatenate([first, after[:-1]])
+    # (3) inside every block from its incoming state
+    out = _fold_call(tb, sb, incoming, config=config, interpret=interpret).reshape(t.shape[:1] + s.shape[1:])
+    return out[:n].reshape((n,) + batch + (key_dim, value_dim))
 
 
 __all__ += ["prefix_fold_pallas"]
