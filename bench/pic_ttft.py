@@ -12,7 +12,8 @@ host (hashing, lookups, layout, the forward, the device-to-host copy).
 
 Also reported: cache bytes per segment and per token of each entry kind, and the floor of a warm request: all
 weight bytes over the measured bandwidth (a few hundred fresh tokens already touch every expert) plus the fresh
-tokens' matmul FLOPs over the measured peak.
+tokens' FLOPs (weight matmuls, and attention to every earlier key in the full-attention layers) over the measured
+peak.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def main(argv=None) -> None:
     parser.add_argument("--compose", default="auto", help="dot algorithm of the composition (auto, f32, bf16x3)")
     parser.add_argument("--prefix", default="auto",
                         help="states at segment boundaries: auto, associative, fold, pallas (linear_attn.prefix_states)")
+    parser.add_argument("--prefix-block", type=int, default=None,
+                        help="block size of the Pallas fold (0: about sqrt(n); default: one fold)")
+    parser.add_argument("--attention-programs", type=int, default=1,
+                        help="split the fresh queries' attention over key ranges until this many programs run")
+    parser.add_argument("--stack-entries", action="store_true", help="store cache entries with stacked layers")
     parser.add_argument("--profile-dir", default=None,
                         help="also trace one more warm request of each mode there (Perfetto JSON; summarise it with "
                              "bench/trace_summary.py)")
@@ -71,7 +77,9 @@ def main(argv=None) -> None:
     print(f"built {count_params(params) / 1e9:.2f}B params ({jnp.dtype(dtype).name}) in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     engine = Engine(Model(qwen3_5, config, params), cache_bytes=int(args.cache_gb * 2**30), seam=args.seam,
-                    compose_algorithm=None if args.compose == "f32" else args.compose, prefix_impl=args.prefix)
+                    compose_algorithm=None if args.compose == "f32" else args.compose, prefix_impl=args.prefix,
+                    prefix_block=args.prefix_block, attention_programs=args.attention_programs,
+                    stack_entries=args.stack_entries)
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, config.vocab_size, segment_len).tolist() for _ in range(segments)]
@@ -111,12 +119,20 @@ def main(argv=None) -> None:
     by_mode = {r["mode"]: r["ttft_ms"] for r in rows}
     summary = dict(config="small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L", prompt_tokens=prompt_tokens,
                    segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam,
-                   compose=engine.compose_algorithm, prefix=engine.prefix_impl)
+                   compose=engine.compose_algorithm, prefix=engine.prefix_impl, prefix_block=args.prefix_block,
+                   attention_programs=args.attention_programs, stack_entries=args.stack_entries)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")
+        # attention of the fresh tokens (seams at the start of documents 2.., then the query) to every earlier key
+        seam = round(args.seam * segment_len) if args.seam <= 1 else int(args.seam)
+        fresh_positions = [i * segment_len + j for i in range(1, segments) for j in range(min(seam, segment_len))]
+        fresh_positions += [segments * segment_len + j for j in range(query_len)]
+        full_layers = sum(t != qwen3_5.LINEAR for t in config.layer_types)
+        attention_flops = 2.0 * full_layers * config.num_attention_heads * 2 * config.head_dim * sum(
+            p + 1 for p in fresh_positions)
         floor_s = weight_bytes / (args.bandwidth_tbs * 1e12) + (
-            2.0 * active_weights_per_token(config) * fresh / (args.peak_tflops * 1e12))
+            2.0 * active_weights_per_token(config) * fresh + attention_flops) / (args.peak_tflops * 1e12)
         summary.update(
             pic_ttft_ms=pic, floor_ms=round(1e3 * floor_s, 2), pic_over_floor=round(pic / (1e3 * floor_s), 2),
             speedup_vs_prefix_cache=round(by_mode["prefix_cache"] / pic, 2) if "prefix_cache" in by_mode else None,

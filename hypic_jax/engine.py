@@ -159,6 +159,11 @@ class Engine:
     ("auto": "bf16x3" on a GPU, three bfloat16 tensor-core passes at float32-level accuracy; HIGHEST elsewhere).
     `prefix_impl` is how each linear layer's states at the segment boundaries are formed (`linear_attn.prefix_states`:
     "auto": the Pallas fold kernel on a GPU, the associative scan elsewhere).
+
+    Tuning knobs whose defaults are the configuration timed on the H200 (bench/RESULTS.md); the alternatives are
+    tested on the CPU and wait for their GPU timing: `prefix_block` (blocked fold, `spans.SpanMode.prefix_block`),
+    `attention_programs` (key-range split of the fresh queries' attention), `stack_entries` (store each cache entry
+    with its layers stacked, `spans.StackedLayers`: a few arrays per entry for jit to dispatch instead of thousands).
     """
 
     def __init__(
@@ -174,6 +179,9 @@ class Engine:
         source: str | None = None,
         compose_algorithm: str | None = "auto",
         prefix_impl: str = "auto",
+        prefix_block: int | None = None,
+        attention_programs: int = 1,
+        stack_entries: bool = False,
     ):
         if not hasattr(model.arch, "span_forward"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward; the engine cannot run it")
@@ -196,6 +204,11 @@ class Engine:
         if prefix_impl not in PREFIX_IMPLS:
             raise ValueError(f"prefix_impl must be 'auto' or one of {PREFIX_IMPLS}, got {prefix_impl!r}")
         self.prefix_impl = prefix_impl
+        if prefix_block is not None and (not isinstance(prefix_block, int) or prefix_block < 0 or prefix_block == 1):
+            raise ValueError(f"prefix_block must be None, 0 (about sqrt(n)) or a block size >= 2, got {prefix_block!r}")
+        if not isinstance(attention_programs, int) or attention_programs < 1:
+            raise ValueError(f"attention_programs must be a positive integer, got {attention_programs!r}")
+        self.prefix_block, self.attention_programs, self.stack_entries = prefix_block, attention_programs, stack_entries
         self.vocab_size = int(self.config.vocab_size)
         self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)
 
@@ -296,7 +309,8 @@ class Engine:
         return spans.SpanResult(logits=logits[0], records=(), decode=tuple(cache.layers), hidden=None)
 
     def _span_mode(self, mode: str) -> spans.SpanMode:
-        return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm, prefix=self.prefix_impl)
+        return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm, prefix=self.prefix_impl,
+                                   prefix_block=self.prefix_block, attention_programs=self.attention_programs)
 
     def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False):
         tokens = jnp.asarray(np.asarray(fresh_tokens, np.int32))
@@ -387,7 +401,8 @@ class Engine:
     def _store_records(self, record_as, records, pins) -> list[Entry]:
         stored = []
         for (kind, key, doc, w), layers_ in zip(record_as, records):
-            layers_ = spans.StackedLayers.stack(layers_)  # few arrays per entry: cheap to pass to every request
+            if self.stack_entries:  # few arrays per entry: cheap to pass to every request
+                layers_ = spans.StackedLayers.stack(layers_)
             entry = Entry(key=key, tokens=tuple(doc), kind=kind, seam=w, layers=layers_, nbytes=tree_nbytes(layers_))
             stored.append(pins.add(self.cache.insert(entry)))
         return stored

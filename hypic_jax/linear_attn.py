@@ -567,7 +567,7 @@ PREFIX_IMPLS = ("associative", "fold", "pallas")
 
 
 def prefix_states(summaries: Summary, initial_state: Array | None = None, *, algorithm: str | None = None,
-                  impl: str = "associative") -> Array:
+                  impl: str = "associative", block: int | None = None) -> Array:
     """The state after each of n stacked summaries (leading axis n), from `initial_state` (zeros if None).
 
     impl:
@@ -575,10 +575,10 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
                      each is applied to the initial state. Any form.
       "fold"         for dense transfers, a sequential `lax.scan` of S_i = T_i S_{i-1} + S_i: n state products
                      instead of the ~2n pair compositions (each two products) of the scan, at depth n.
-      "pallas"       for dense transfers, the fold in Pallas, blocked to depth ~2 sqrt(n)
-                     (`pallas.compose.prefix_fold_pallas`; GPU, or interpret mode): the PIC engine's choice on a
-                     GPU, where the scan's 2 log2 n levels of small launches and its transfer-by-transfer
-                     products cost more.
+      "pallas"       for dense transfers, the fold in Pallas (`pallas.compose.prefix_fold_pallas`; GPU, or
+                     interpret mode; `block` cuts it into blocks of that size, 0 about sqrt(n)): the PIC engine's
+                     choice on a GPU, where the scan's 2 log2 n levels of small launches and its
+                     transfer-by-transfer products cost more.
     Non-dense forms always use the scan (their compositions are elementwise). Returns [n, ..., H, K, V].
     `algorithm`: the dense products' dot algorithm (see `compose`).
     """
@@ -593,7 +593,7 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
             config = FoldConfig(algorithm=algorithm or "f32")
             interpret = jax.default_backend() != "gpu"
             return prefix_fold_pallas(summaries.transfer, summaries.state, initial_state, config=config,
-                                      interpret=interpret)
+                                      block=block, interpret=interpret)
         states = summaries.state
         if initial_state is not None:  # fold the initial state into the first segment's zero-start state
             first = advance(jax.tree.map(lambda a: a[0], summaries), initial_state)

@@ -15,13 +15,13 @@ below only changes how a layer mixes tokens across spans:
 * conv: a fresh span's conv window reaches back W-1 rows into whatever precedes it (fresh rows, a cached entry's
   stored tail, or zeros). One gather builds an extended array (each fresh span preceded by its true W-1 preceding
   rows) and one causal conv runs over it.
-* linear core: fresh spans are padded per length group (multiples of 8) and vmapped group by group. Their
-  summaries are stacked with the cached spans' summaries in span order and one associative scan
-  (`linear_attn.prefix_states`) gives every span's incoming state; the fresh outputs then come from
-  `chunked(..., initial_state=incoming)`.
+* linear core: fresh spans are padded per length group (multiples of 8) and vmapped group by group. Each fresh
+  span and the cached spans after it form a group whose summary is composed for all groups at once; one prefix
+  over the groups (`linear_attn.prefix_states`: associative scan, or the Pallas fold on a GPU) gives every fresh
+  span's incoming state; the fresh outputs then come from `chunked(..., initial_state=incoming)`.
 * attention: keys are the cached spans' K (re-rotated from their canonical positions to their absolute ones) and
   the fresh K, laid out in absolute order; fresh queries attend with a causal mask on absolute positions
-  (block-diagonal by span when isolated).
+  (block-diagonal by span when isolated; on a GPU the Pallas kernel `pallas.attention.positioned_attention`).
 
 Layouts are static (frozen, hashable dataclasses): every gather index is computed once in NumPy at trace time.
 The price is one compilation per distinct layout; two requests whose spans have the same kinds and lengths (for
@@ -43,7 +43,7 @@ from hypic_jax import linear_attn
 from hypic_jax.attention import dot_product_attention
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.linear_attn import LinearInputs, Summary
-from hypic_jax.pallas.attention import positioned_attention
+from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 FRESH = "fresh"
 CACHED = "cached"
@@ -199,13 +199,18 @@ class SpanMode:
     compose: dot algorithm of the dense transfer products in the scan over spans (None: HIGHEST float32;
       "bf16x3": tensor cores at float32-level accuracy; see `linear_attn.compose`).
     prefix: how the prefix over span groups runs for dense transfers (`linear_attn.prefix_states` impl:
-      "associative", "fold", or "pallas", the engine's choice on a GPU).
+      "associative", "fold", or "pallas", the engine's choice on a GPU); prefix_block: the Pallas fold's block size
+      (None: one fold; 0: about sqrt(n)).
+    attention_programs: on a GPU, split the fresh queries' attention over key ranges until about this many programs
+      run (`pallas.attention.AttentionConfig.target_programs`; 1: no split).
     """
 
     transfer: bool = True
     rope: bool = True
     compose: str | None = None
     prefix: str = "associative"
+    prefix_block: int | None = None
+    attention_programs: int = 1
 
 
 # Named modes of the PIC ladder: the stitching flags each one uses (seams are the engine's business).
@@ -636,7 +641,7 @@ def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, 
         pieces.append(run)
         acc = jax.tree.map(
             lambda old, new: jnp.concatenate([(new if k == "new" else old)[a:b] for k, a, b in pieces]), acc, composed)
-    return linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix)
+    return linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix, block=mode.prefix_block)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -765,7 +770,8 @@ def attention_over_spans(
         keys, values = k, v
     if _positioned_kernel_fits(q, keys, values):  # GPU: flash attention over the positions, no logits in memory
         with jax.named_scope("span_flash"):
-            out = positioned_attention(q, keys, values, jnp.asarray(positions), scale=scale)
+            config = AttentionConfig(target_programs=mode.attention_programs)
+            out = positioned_attention(q, keys, values, jnp.asarray(positions), scale=scale, config=config)
         return out, keys, values, records
     key_positions = np.arange(layout.total_length, dtype=np.int32)
     out = span_attention(q, keys, values, scale=scale, q_positions=positions, k_positions=key_positions)

@@ -164,6 +164,26 @@ def test_reordered_documents_are_served_from_the_cache(build, arch):
     assert np.isfinite(warm.logits).all()  # deeper layers are approximate (seam window); no bound on a random net
 
 
+@pytest.mark.parametrize("arch", ("qwen_moe", "kimi"))
+def test_tuning_knobs_change_nothing_but_speed(build, arch):
+    """Stacked cache entries and the (blocked) Pallas fold, in interpret mode here, give the default engine's
+    results; invalid knob values are refused."""
+    model, vocab = build(arch)
+    segs = _request(vocab, seed=3)
+    shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
+    base = Engine(model, seam=SEAM)
+    tuned = Engine(model, seam=SEAM, stack_entries=True, prefix_impl="pallas", prefix_block=0, attention_programs=64)
+    for request in (segs, shuffled):  # cold (entries recorded, then stitched), then served from the cache
+        want, got = base.prefill(request), tuned.prefill(request)
+        assert _rel(got.logits, want.logits) < 1e-5
+        assert (got.stats.hits, got.stats.misses) == (want.stats.hits, want.stats.misses)
+    entry = next(iter(tuned.cache._entries.values()))
+    assert len(entry.layers) == len(model.params["layers"])  # a StackedLayers still reads as one piece per layer
+    for bad in (dict(prefix_block=1), dict(prefix_block=-2), dict(attention_programs=0), dict(prefix_impl="x")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Engine(model, **bad)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_addition_deviates_far_more_than_transition(build, arch):
     """HYPIC's ablation: dropping T (addition) breaks decaying / delta-rule states; composing with T does not.

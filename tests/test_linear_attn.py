@@ -88,7 +88,11 @@ def test_chunked_recurrent_and_split_composition(family, s, with_state, data):
     assert rel_err(la.advance(summary, start), state_ref) <= TOL
     if split < s["length"]:
         out_second, _ = _runner("chunked", cs)(second, start)
-        assert rel_err(out_second, out_ref[split:]) <= TOL
+        # on the scale of the sequence's typical token output: a suffix of one or two tokens can be a cancellation
+        # (a small sum of large terms), whose own relative error in float32 says nothing about the composition
+        token_scale = np.linalg.norm(np.asarray(out_ref, np.float64)) * np.sqrt((s["length"] - split) / s["length"])
+        scale = max(np.linalg.norm(np.asarray(out_ref[split:], np.float64)), token_scale)
+        assert np.linalg.norm(np.asarray(out_second, np.float64) - out_ref[split:]) / scale <= TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)

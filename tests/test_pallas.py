@@ -318,7 +318,7 @@ def test_kernels_lower_to_triton():
         assert "xla.gpu.triton" in text
     per_key = sd((length, 32, dim), jnp.float32)
     lowered = []
-    for solve in ("rows", "tile"):  # the default ("doubling") is lowered above
+    for solve in ("doubling", "tile"):  # the default ("rows") is lowered above
         config = GDNConfig(solve=solve)
         lowered.append((lambda q, k, v, g, b, c=config: _forward(q, k, v, g, b, None, scale=0.1, config=c,
                                                                  emit_summary=False, interpret=False), args[:5]))

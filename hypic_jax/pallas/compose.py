@@ -253,7 +253,7 @@ def _fold_call(t, s, initial, *, config, interpret):
 
 
 def prefix_fold_pallas(transfers: Array, states: Array, initial_state: Array | None = None, *,
-                       config: FoldConfig = FoldConfig(), block: int | None = 0, interpret: bool = False) -> Array:
+                       config: FoldConfig = FoldConfig(), block: int | None = None, interpret: bool = False) -> Array:
     """The state after each of n ordered segments, S_i = T_i S_{i-1} + S(C_i|0) from `initial_state` (zeros if
     None), with the sequential fold in Pallas.
 
@@ -261,11 +261,12 @@ def prefix_fold_pallas(transfers: Array, states: Array, initial_state: Array | N
     This is what a PIC request needs per linear layer (the incoming state of every fresh span): n state products,
     half the work of the associative scan over pairs (which also multiplies transfers together), in few launches.
 
-    block: the fold's depth is its cost (each step waits for the previous product), so by default (0: about
-    sqrt(n)) the segments are cut into blocks: (1) each block's pair is composed by a balanced tree of batched
-    products (tensor cores, all blocks at once), (2) one fold over the block pairs gives every block's incoming
-    state, (3) one fold inside every block, all blocks in parallel, gives the states. Depth n/b + b instead of n,
-    for about n extra transfer products. None: a single fold of depth n.
+    block: None (default) runs one fold of depth n. The fold's depth is its cost (each step waits for the previous
+    product), so a block size b (0: about sqrt(n)) cuts the segments into blocks: (1) each block's pair is composed
+    by a balanced tree of batched products (tensor cores, all blocks at once), (2) one fold over the block pairs
+    gives every block's incoming state, (3) one fold inside every block, all blocks in parallel, gives the states:
+    depth n/b + b instead of n, for about n extra transfer products and two launches instead of one. The single
+    fold is what has been timed on the H200 (0.54 ms per layer at n = 64 x 32 heads); the blocked one has not.
     """
     n = transfers.shape[0]
     batch = transfers.shape[1:-2]
