@@ -81,19 +81,25 @@ def test_linear_over_all_fresh_spans_equals_chunked_over_the_whole(family, plan)
     np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@given(plan=span_plans())
-@FEW
-def test_cached_spans_from_their_summaries_equal_the_whole(family, plan):
+def _check_cached_spans_equal_the_whole(family, plan, seed, mode=spans.SpanMode()):
+    """Cached spans served from their own summaries (computed from position 0 with zero state), fresh spans
+    computed: the layout's outputs and final state equal the whole sequence's."""
     layout = _layout(plan)
-    inputs = make_family(family, seed=len(plan) + 7, length=layout.total_length, heads=2, key_dim=4, value_dim=3)
+    inputs = make_family(family, seed=seed, length=layout.total_length, heads=2, key_dim=4, value_dim=3)
     out, state = inputs.chunked(chunk_size=CHUNK)
     cut = lambda s: jax.tree.map(lambda a: a[s.start : s.start + s.length], inputs)  # noqa: E731
     cached = tuple(cut(s).summarize(chunk_size=CHUNK) for s in layout.cached)
     fresh = jax.tree.map(lambda a: a[_fresh_index(layout)], inputs)
-    got, got_state, _ = _linear(fresh, cached, layout=layout)
+    got, got_state, _ = _linear(fresh, cached, layout=layout, mode=mode)
     np.testing.assert_allclose(np.asarray(got), np.asarray(out[_fresh_index(layout)]), rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@given(plan=span_plans())
+@FEW
+def test_cached_spans_from_their_summaries_equal_the_whole(family, plan):
+    _check_cached_spans_equal_the_whole(family, plan, seed=len(plan) + 7)
 
 
 @pytest.mark.parametrize("prefix", ("fold", "pallas"))
@@ -101,17 +107,11 @@ def test_cached_spans_from_their_summaries_equal_the_whole(family, plan):
 @given(plan=span_plans(max_spans=6))
 @FEW
 def test_prefix_over_span_groups_by_fold_equals_the_whole(family, prefix, plan):
-    """The sequential fold (XLA, and the Pallas kernel in interpret mode) over the groups of a layout gives the same
-    outputs and final state as the whole sequence (dense transfers: the only form the fold handles itself)."""
-    layout = _layout(plan)
-    inputs = make_family(family, seed=len(plan) + 11, length=layout.total_length, heads=2, key_dim=4, value_dim=3)
-    out, state = inputs.chunked(chunk_size=CHUNK)
-    cut = lambda s: jax.tree.map(lambda a: a[s.start : s.start + s.length], inputs)  # noqa: E731
-    cached = tuple(cut(s).summarize(chunk_size=CHUNK) for s in layout.cached)
-    fresh = jax.tree.map(lambda a: a[_fresh_index(layout)], inputs)
-    got, got_state, _ = _linear(fresh, cached, layout=layout, mode=spans.SpanMode(prefix=prefix))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(out[_fresh_index(layout)]), rtol=2e-4, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
+    """The sequential fold (XLA, and the Pallas kernel in interpret mode, blocked or not) over the groups of a
+    layout (dense transfers: the only form the fold handles itself)."""
+    block = 2 if len(plan) > 4 else None
+    _check_cached_spans_equal_the_whole(family, plan, seed=len(plan) + 11,
+                                        mode=spans.SpanMode(prefix=prefix, prefix_block=block))
 
 
 def test_rows_takes_runs_and_zero_rows():
