@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import active_weights_per_token, count_params, full_config, small_config  # noqa: E402
 
-from hypic_jax.engine import Engine  # noqa: E402
+from hypic_jax.engine import Engine, seam_tokens  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 
@@ -125,8 +125,8 @@ def main(argv=None) -> None:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")
         # attention of the fresh tokens (seams at the start of documents 2.., then the query) to every earlier key
-        seam = round(args.seam * segment_len) if args.seam <= 1 else int(args.seam)
-        fresh_positions = [i * segment_len + j for i in range(1, segments) for j in range(min(seam, segment_len))]
+        seam = seam_tokens(args.seam, segment_len)
+        fresh_positions = [i * segment_len + j for i in range(1, segments) for j in range(seam)]
         fresh_positions += [segments * segment_len + j for j in range(query_len)]
         full_layers = sum(t != qwen3_5.LINEAR for t in config.layer_types)
         attention_flops = 2.0 * full_layers * config.num_attention_heads * 2 * config.head_dim * sum(

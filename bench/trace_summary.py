@@ -11,7 +11,8 @@ name; host threads are summarised separately, so a request that is launch- or di
 also groups device time by the named scopes of the model code (gdn_core, span_prefix, attn_core, ffn, ...): HLO_DIR
 holds the optimized HLO text XLA dumped for the traced programs (XLA_FLAGS="--xla_dump_to=HLO_DIR
 --xla_dump_hlo_as_text"); each kernel's HLO instruction (its `hlo_op` argument in the trace, else its name) is looked
-up there for the op_name metadata that carries the scopes.
+up there for the op_name metadata that carries the scopes. (On the one GPU dump tried so far most kernels were not
+found, before kernel names were matched with '.' and '-' read as '_'; this grouping is not yet checked on a GPU.)
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def load_scopes(hlo_dir: Path | None) -> list[dict[str, str]]:
             for line in handle:
                 match = pattern.match(line)
                 if match:
-                    table[match.group(1)] = match.group(2)
+                    # kernels are named after their HLO instruction with '.' and '-' turned into '_'
+                    table[match.group(1)] = table[re.sub(r"[.\-]", "_", match.group(1))] = match.group(2)
         modules.append(table)
     return modules
 

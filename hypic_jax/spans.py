@@ -572,6 +572,21 @@ def linear_over_spans(
     return out, final_state, tuple(records)
 
 
+def _splice(old, new, members: Sequence[int]):
+    """`old` (stacked PyTree) with rows `members` replaced by the rows of `new` in order: runs of untouched and of
+    replaced rows become slices, joined by one concatenation per leaf."""
+    position = {j: r for r, j in enumerate(members)}
+    pieces: list[list] = []  # [source, first, stop]
+    for j in range(jax.tree.leaves(old)[0].shape[0]):
+        source, row = ("new", position[j]) if j in position else ("old", j)
+        if pieces and pieces[-1][0] == source and pieces[-1][2] == row:
+            pieces[-1][2] += 1
+        else:
+            pieces.append([source, row, row + 1])
+    return jax.tree.map(
+        lambda o, n: jnp.concatenate([(n if src == "new" else o)[a:b] for src, a, b in pieces]), old, new)
+
+
 def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):
     """[len(needed), H, K, V]: the state after each scan group (see `linear_over_spans`)."""
     spans_ = layout.spans
@@ -625,22 +640,7 @@ def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, 
         if len(members) == len(needed):
             acc = linear_attn.compose(acc, nxt, algorithm=mode.compose)
             continue
-        composed = linear_attn.compose(_select(acc, members), nxt, algorithm=mode.compose)
-        position = {j: r for r, j in enumerate(members)}
-        # rebuild acc from runs of untouched rows and runs of composed rows (slices, one concatenation)
-        pieces, run = [], None
-        for j in range(len(needed)):
-            kind = "new" if j in position else "old"
-            row = position.get(j, j)
-            if run and run[0] == kind and row == run[2]:
-                run[2] += 1
-            else:
-                if run:
-                    pieces.append(run)
-                run = [kind, row, row + 1]
-        pieces.append(run)
-        acc = jax.tree.map(
-            lambda old, new: jnp.concatenate([(new if k == "new" else old)[a:b] for k, a, b in pieces]), acc, composed)
+        acc = _splice(acc, linear_attn.compose(_select(acc, members), nxt, algorithm=mode.compose), members)
     return linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix, block=mode.prefix_block)
 
 

@@ -114,6 +114,15 @@ def test_prefix_over_span_groups_by_fold_equals_the_whole(family, prefix, plan):
                                         mode=spans.SpanMode(prefix=prefix, prefix_block=block))
 
 
+@pytest.mark.parametrize("prefix", ("associative", "pallas"))
+def test_groups_of_unequal_size_compose_in_place(prefix):
+    """A leading cached span (a group without a fresh span), groups of one, two and three members: the in-place
+    composition of the groups that have a p-th member (`_splice`) keeps every other group's pair."""
+    plan = [(spans.CACHED, 5), (spans.FRESH, 3), (spans.CACHED, 4), (spans.CACHED, 6), (spans.FRESH, 2),
+            (spans.FRESH, 7), (spans.CACHED, 3), (spans.FRESH, 4)]
+    _check_cached_spans_equal_the_whole("gated_delta_net", plan, seed=5, mode=spans.SpanMode(prefix=prefix))
+
+
 def test_rows_takes_runs_and_zero_rows():
     x = jnp.arange(6.0)[:, None] + 1
     for rows in ([0, 1, 2, 3, 4, 5], [2, 3, -1, 0], [-1, -1], [5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, -1, 0]):
