@@ -6,13 +6,16 @@
 #   bash bench/h200.sh pic       # TTFT of every PIC mode, 64 x 512 + 64 tokens, warm cache
 #   bash bench/h200.sh kernels   # fla side by side (needs its wheels in .whl/) + every Pallas variant
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
-#
+#   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
+#   bash bench/h200.sh tune      # the request's GPU kernels alone with launch variants, then trr + full, traced
+
 # Output goes to $OUT (the device tool's result folder) or ./bench-out. Peaks are the ones measured on the H200
 # on 2026-11-29 (bf16 8192^3 matmul 793 TFLOP/s, 4.19 TB/s copy bandwidth); re-measure them if the machine differs.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
+export XLA_FLAGS="${XLA_FLAGS:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 
@@ -35,12 +38,27 @@ case "${1:-}" in
     timeout 120 python3 bench/gpu_smoke.py 2>&1 | tee "$OUT/gpu_smoke.txt" || exit 1
     # the modes the bars compare first: each row is printed as soon as it is measured; the optimized HLO of the
     # span programs is dumped so that the trace summary can group device time by the model's named scopes
-    XLA_FLAGS="--xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \
+    XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \
       timeout 500 python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 --modes transition_rope_recompute \
       prefix_cache full_recompute transition_rope transition addition --profile-dir /tmp/pic-trace 2>&1 \
       | tee "$OUT/pic_ttft.txt"
     # one traced warm request per mode, summarised on the device (the raw traces are large)
     timeout 60 python3 bench/trace_summary.py /tmp/pic-trace --top 40 --hlo /tmp/pic-hlo > "$OUT/pic_trace_summary.txt" 2>&1
+    ;;
+  tune)
+    # the request's kernels alone with their launch variants (cheap), then trr and full recompute with a trace
+    timeout 200 python3 bench/pic_kernels.py --out "$OUT" --budget-s "${KERNEL_BUDGET:-170}" 2>&1 | grep -v "^ *$"
+    XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \
+      timeout "${PIC_TIMEOUT:-330}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
+      --modes transition_rope_recompute full_recompute --profile-dir /tmp/pic-trace ${PIC_ARGS:-} 2>&1 \
+      | tee "$OUT/pic_ttft.txt"
+    timeout 60 python3 bench/trace_summary.py /tmp/pic-trace --top 45 --hlo /tmp/pic-hlo > "$OUT/pic_trace_summary.txt" 2>&1
+    ;;
+  variants)
+    # one process: trr and full recompute side by side, then trr under each knob on the warm cache
+    timeout "${PIC_TIMEOUT:-520}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
+      --modes transition_rope_recompute full_recompute --variants ${VARIANTS:-attn1024 block0 stack} 2>&1 \
+      | tee "$OUT/pic_variants.txt"
     ;;
   kernels)
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -55,7 +73,7 @@ case "${1:-}" in
     timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
     ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels|focus" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune" >&2
     exit 2
     ;;
 esac

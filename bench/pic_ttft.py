@@ -35,6 +35,16 @@ from hypic_jax.engine import Engine, seam_tokens  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 
+# Engine knobs that change speed only (see `Engine`): each variant re-times transition_rope_recompute.
+VARIANTS = {
+    "default": dict(prefix_block=None, attention_programs=1, stack_entries=False),
+    "block0": dict(prefix_block=0, attention_programs=1, stack_entries=False),
+    "attn1024": dict(prefix_block=None, attention_programs=1024, stack_entries=False),
+    "attn512": dict(prefix_block=None, attention_programs=512, stack_entries=False),
+    "stack": dict(prefix_block=None, attention_programs=1, stack_entries=True),
+    "all": dict(prefix_block=0, attention_programs=1024, stack_entries=True),
+}
+
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 
 
@@ -57,6 +67,9 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-programs", type=int, default=1,
                         help="split the fresh queries' attention over key ranges until this many programs run")
     parser.add_argument("--stack-entries", action="store_true", help="store cache entries with stacked layers")
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="after the modes, time transition_rope_recompute again with each of these engine "
+                             "settings on the warm cache (each compiles only its own combine program)")
     parser.add_argument("--profile-dir", default=None,
                         help="also trace one more warm request of each mode there (Perfetto JSON; summarise it with "
                              "bench/trace_summary.py)")
@@ -70,6 +83,12 @@ def main(argv=None) -> None:
     query_len = args.query_len or (16 if args.small else 64)
     dtype = jnp.float32 if args.small else jnp.bfloat16
     print(f"devices: {jax.devices()}", flush=True)
+
+    def report_compile(event, duration, **_):  # where cold-request time goes: tracing, lowering, XLA compile
+        if duration > 1.0 and event.startswith("/jax/core/compile/"):
+            print(f"  {event.rsplit('/', 1)[-1]}: {duration:.1f} s", flush=True)
+
+    jax.monitoring.register_event_duration_secs_listener(report_compile)
     start = time.perf_counter()
     params = qwen3_5.init_params(config, jax.random.key(0), dtype)  # eager: one small program per distinct shape
     jax.block_until_ready(params)
@@ -86,6 +105,14 @@ def main(argv=None) -> None:
     query = rng.integers(0, config.vocab_size, query_len).tolist()
     prompt_tokens = segments * segment_len + query_len
 
+    def timed_requests(mode):
+        times, last = [], None
+        for _ in range(args.repeats + 1):  # the first reordered request compiles what the warm-up did not
+            order = rng.permutation(segments)
+            last = engine.prefill([docs[i] for i in order] + [query], mode=mode)
+            times.append(last.stats.ttft_s)
+        return times, last
+
     rows = []
     for mode in args.modes:
         engine.cache.clear()
@@ -94,11 +121,7 @@ def main(argv=None) -> None:
         warm_s = time.perf_counter() - start
         entry_bytes, entries = engine.cache.stats.bytes, engine.cache.stats.entries  # before timed requests add more
         print(f"{mode}: cold request (compiles included) {warm_s:.1f} s", flush=True)
-        times, last = [], None
-        for _ in range(args.repeats + 1):  # the first reordered request compiles what the warm-up did not
-            order = rng.permutation(segments)
-            last = engine.prefill([docs[i] for i in order] + [query], mode=mode)
-            times.append(last.stats.ttft_s)
+        times, last = timed_requests(mode)
         ttft = min(times[1:])
         if args.profile_dir:
             order = rng.permutation(segments)
@@ -114,6 +137,26 @@ def main(argv=None) -> None:
         if entries:
             row["cache_bytes_per_token"] = int(entry_bytes / (entries * segment_len))
         rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    variant_rows = []
+    for name in args.variants:  # on the cache the last trr measurement left (or a cold request fills it)
+        knobs = VARIANTS[name]
+        engine.prefix_block, engine.attention_programs = knobs["prefix_block"], knobs["attention_programs"]
+        if knobs["stack_entries"] != engine.stack_entries:
+            engine.stack_entries = knobs["stack_entries"]
+            engine.cache.clear()  # entries are stored in the new form by the next (cold) request
+        start = time.perf_counter()
+        try:
+            engine.prefill(docs + [query], mode="transition_rope_recompute")
+            first_s = time.perf_counter() - start
+            times, _ = timed_requests("transition_rope_recompute")
+        except Exception as error:  # a variant that fails to build or run is reported, the others still run
+            row = dict(variant=name, **knobs, error=repr(error)[:500])
+        else:
+            row = dict(variant=name, **knobs, ttft_ms=round(1e3 * min(times[1:]), 2),
+                       runs_ms=[round(1e3 * t, 2) for t in times], first_request_s=round(first_s, 1))
+        variant_rows.append(row)
         print(json.dumps(row), flush=True)
 
     by_mode = {r["mode"]: r["ttft_ms"] for r in rows}
@@ -138,7 +181,7 @@ def main(argv=None) -> None:
             speedup_vs_prefix_cache=round(by_mode["prefix_cache"] / pic, 2) if "prefix_cache" in by_mode else None,
             speedup_vs_full_recompute=round(by_mode["full_recompute"] / pic, 2) if "full_recompute" in by_mode else None,
         )
-    print(json.dumps(dict(summary=summary, results=rows)))
+    print(json.dumps(dict(summary=summary, results=rows, variants=variant_rows)))
 
 
 if __name__ == "__main__":

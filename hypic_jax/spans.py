@@ -752,6 +752,8 @@ def attention_over_spans(
         for s in layout.recorded
     )
     if layout.isolated:
+        if v.shape[-1] == q.shape[-1]:
+            return _isolated_attention(q, k, v, layout, scale), k, v, records
         segments = layout.fresh_span_ids()
         out = span_attention(q, k, v, scale=scale, q_positions=positions, k_positions=positions,
                              q_segments=segments, k_segments=segments)
@@ -776,6 +778,30 @@ def attention_over_spans(
     key_positions = np.arange(layout.total_length, dtype=np.int32)
     out = span_attention(q, keys, values, scale=scale, q_positions=positions, k_positions=key_positions)
     return out, keys, values, records
+
+
+def _isolated_attention(q: Array, k: Array, v: Array, layout: SpanLayout, scale: float) -> Array:
+    """Causal attention inside each span of an isolated layout: spans are padded per length group (as in the linear
+    core) and each group is one batched causal attention (cuDNN flash on a GPU). One op per group instead of one
+    per span keeps the cold prefill of many segments small to compile; padding sits after each span's tokens, where
+    no real query can see it."""
+    fresh = layout.fresh
+    groups = _length_groups(fresh)
+    outs, lengths = [], []
+    for rows in groups:
+        length = _padded_len(fresh, rows)
+        index = _pad_index(layout, [fresh[i] for i in rows], [0] * len(rows), length)
+        qg, kg, vg = (_gather_padded(x, index) for x in (q, k, v))
+        outs.append(dot_product_attention(qg, kg, vg, scale=scale).reshape((-1,) + q.shape[1:]))
+        lengths.append(length)
+    base = np.cumsum([0] + [len(rows) * n for rows, n in zip(groups, lengths)])
+    token_rows = np.zeros(layout.num_fresh_tokens, np.int32)
+    for g, rows in enumerate(groups):
+        for j, i in enumerate(rows):
+            span = fresh[i]
+            token_rows[span.offset:span.offset + span.length] = base[g] + j * lengths[g] + np.arange(span.length)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    return out[jnp.asarray(token_rows)]
 
 
 def _positioned_kernel_fits(q: Array, k: Array, v: Array) -> bool:

@@ -1,0 +1,162 @@
+"""The GPU kernels of a warm PIC request, alone, at the bar's shape, with their tuning variants side by side.
+
+A request of 64 cached 512-token documents with 8-token seams and a 64-token query on the Qwen3.5-35B-A3B shape
+runs, per linear layer, the prefix fold over 64 (T, S) groups x 32 heads (`pallas.compose.prefix_fold_pallas`),
+and per full-attention layer the positioned attention of 576 fresh queries (16 heads of 256) over 32,832 keys
+(2 KV heads) (`pallas.attention.positioned_attention`). Timing each variant in isolation says which launch
+parameters to give the engine without a full request per variant (a cold request compiles for minutes).
+
+Also timed, for the composition bar of the kernel issue: 64 segments x 30 layers x 32 heads of dense pairs, every
+prefix state, with the single and the blocked fold at several column widths.
+
+    python bench/pic_kernels.py --out DIR          # GPU; one JSON line per variant in DIR/pic_kernels.jsonl
+
+Errors are relative (Frobenius) against float64 host folds (fold) and the float32 pure-JAX reference (attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import compose_pairs, timeit  # noqa: E402
+
+from hypic_jax import linear_attn as la  # noqa: E402
+from hypic_jax.pallas import attention as pattn  # noqa: E402
+from hypic_jax.pallas import compose as cmp  # noqa: E402
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def host_prefix(t, s):
+    """float64 S_i = T_i S_{i-1} + S_i over axis 0 (batch axes after it)."""
+    t, s = np.asarray(t, np.float64), np.asarray(s, np.float64)
+    state = np.zeros_like(s[0])
+    out = []
+    for i in range(t.shape[0]):
+        state = t[i] @ state + s[i]
+        out.append(state)
+    return np.stack(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new variants after this")
+    parser.add_argument("--skip-compose-bar", action="store_true")
+    parser.add_argument("--small", action="store_true", help="CPU smoke test: interpret mode, small shapes, one variant each")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "pic_kernels.jsonl")
+    start = time.perf_counter()
+
+    def log(record):
+        print(json.dumps(record), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def over():
+        return time.perf_counter() - start > args.budget_s
+
+    small = args.small
+    interpret = jax.default_backend() != "gpu"
+    segments, keys, layers = (4, 1024, 2) if small else (64, 32832, 30)
+    log(dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], date=time.strftime("%Y-%m-%d")))
+
+    # 1. one linear layer's prefix fold: 64 real GDN (T, S) pairs x 32 heads
+    t, s, _, _ = compose_pairs(la, segments, 1, 64 if small else 512)
+    t, s = t[:, 0], s[:, 0]  # [64, 32, 128, 128]
+    want = host_prefix(t[:, :2], s[:, :2])  # two heads suffice for the error
+    variants = [("single", None, bw, w, st) for bw, w, st in
+                [(32, 4, 2), (16, 4, 2), (16, 2, 2), (8, 2, 2), (32, 2, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2)]]
+    variants += [("blocked", b, bw, w, 2) for b, bw, w in [(0, 32, 4), (0, 16, 4), (4, 16, 4), (16, 16, 4)]]
+    if small:
+        variants = variants[:1] + variants[-4:-3]
+    for kind, block, bw, warps, stages in variants:
+        if over():
+            break
+        config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
+        fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
+                                                                                      interpret=interpret))
+        name = dict(kernel="prefix_fold layer", fold=kind, block=block, block_w=bw, warps=warps, stages=stages)
+        try:
+            ms, compile_s = timeit(fn, t, s)
+            log(dict(name, ms=round(ms, 4), us_per_step=round(1e3 * ms / segments, 2),
+                     err=rel(fn(t, s)[:, :2], want), compile_s=round(compile_s, 1)))
+        except Exception as error:  # noqa: BLE001 - report and go on
+            log(dict(name, error=repr(error)[:300]))
+    # the seam composition that precedes the fold in the engine (T_interior (T_seam, S_seam) + S_interior), XLA
+    for algorithm in ("bf16x3", None) if interpret else ("bf16x3", "tf32", None):
+        first = la.Summary("dense", s, t)
+        fn = jax.jit(lambda a, b, alg=algorithm: la.compose(a, b, algorithm=alg))
+        ms, _ = timeit(fn, first, first)
+        log(dict(kernel="group compose layer (XLA)", algorithm=algorithm or "f32", ms=round(ms, 4)))
+
+    # 2. one full-attention layer's positioned attention: 576 fresh queries over 32,832 keys
+    rng = np.random.default_rng(0)
+    doc = (keys - 64) // segments
+    positions = np.sort(np.concatenate([doc * i + np.arange(8) for i in range(1, segments)]
+                                       + [keys - 64 + np.arange(64)]))
+    q = jnp.asarray(rng.standard_normal((len(positions), 16, 256)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((keys, 2, 256)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((keys, 2, 256)), jnp.bfloat16)
+    pos = jnp.asarray(positions, jnp.int32)
+    scale = 256**-0.5
+    want = jax.jit(pattn.positioned_attention_reference, static_argnames="scale")(q, k, v, pos, scale=scale)
+    reach = float(sum(p + 1 for p in positions))
+    flops = 16 * reach * 256 * 4  # QK and PV, exact causal need
+    attention_variants = [(64, 64, 8, 2, 1), (64, 64, 8, 2, 256), (64, 64, 8, 2, 1024), (64, 128, 8, 2, 1),
+                          (64, 64, 4, 2, 1), (64, 64, 8, 3, 1), (32, 64, 4, 2, 1), (32, 64, 4, 2, 512),
+                          (16, 64, 4, 2, 1), (128, 64, 8, 2, 1), (64, 32, 4, 2, 1)]
+    for bq, bk, warps, stages, programs in attention_variants[:2] if small else attention_variants:
+        if over():
+            break
+        config = pattn.AttentionConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages,
+                                       target_programs=programs)
+        fn = jax.jit(lambda q, k, v, p, c=config: pattn.positioned_attention(q, k, v, p, scale=scale, config=c,
+                                                                                   interpret=interpret))
+        name = dict(kernel="positioned_attention layer", block_q=bq, block_k=bk, warps=warps, stages=stages,
+                    target_programs=programs)
+        try:
+            ms, compile_s = timeit(fn, q, k, v, pos)
+            log(dict(name, ms=round(ms, 4), TFLOPs_needed=round(flops / ms / 1e9, 1), err=rel(fn(q, k, v, pos), want),
+                     compile_s=round(compile_s, 1)))
+        except Exception as error:  # noqa: BLE001
+            log(dict(name, error=repr(error)[:300]))
+    del q, k, v, want
+
+    # 3. the composition bar: every prefix state of 64 segments x 30 layers x 32 heads
+    if args.skip_compose_bar or over():
+        return
+    t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
+    bar_variants = [(None, 32, 4), (None, 16, 4), (None, 64, 8), (None, 128, 8), (0, 32, 4), (0, 64, 8), (4, 32, 4)]
+    for block, bw, warps in bar_variants[:1] if small else bar_variants:
+        if over():
+            break
+        config = cmp.FoldConfig(block_w=bw, num_warps=warps)
+        fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
+                                                                             interpret=interpret))
+        name = dict(kernel=f"prefix_fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw, warps=warps)
+        try:
+            ms, compile_s = timeit(fn, t, s)
+            got = fn(t, s)[:, 0]  # layer 0 is the unpermuted one
+            log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]),
+                     S_worst=max(rel(got[i], ref_states[i]) for i in range(segments)), compile_s=round(compile_s, 1)))
+        except Exception as error:  # noqa: BLE001
+            log(dict(name, error=repr(error)[:300]))
+
+
+if __name__ == "__main__":
+    main()
