@@ -46,18 +46,19 @@ case "${1:-}" in
     timeout 60 python3 bench/trace_summary.py /tmp/pic-trace --top 40 --hlo /tmp/pic-hlo > "$OUT/pic_trace_summary.txt" 2>&1
     ;;
   tune)
-    # the request's kernels alone with their launch variants (cheap), then trr and full recompute with a trace
-    timeout 200 python3 bench/pic_kernels.py --out "$OUT" --budget-s "${KERNEL_BUDGET:-170}" 2>&1 | grep -v "^ *$"
+    # the request's kernels alone with their launch variants (cheap), then the chosen modes side by side, traced
+    # (PIC_ARGS="--variants noseamfold" adds trr without the seam fold, the path before it, for the ratio)
+    timeout "${KERNEL_TIMEOUT:-110}" python3 bench/pic_kernels.py --out "$OUT" --budget-s "${KERNEL_BUDGET:-80}"
     XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \
       timeout "${PIC_TIMEOUT:-330}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
-      --modes transition_rope_recompute full_recompute --profile-dir /tmp/pic-trace ${PIC_ARGS:-} 2>&1 \
-      | tee "$OUT/pic_ttft.txt"
+      --modes ${PIC_MODES:-transition_rope_recompute full_recompute} --profile-dir /tmp/pic-trace \
+      ${PIC_ARGS:-} 2>&1 | tee "$OUT/pic_ttft.txt"
     timeout 60 python3 bench/trace_summary.py /tmp/pic-trace --top 45 --hlo /tmp/pic-hlo > "$OUT/pic_trace_summary.txt" 2>&1
     ;;
   variants)
     # one process: trr and full recompute side by side, then trr under each knob on the warm cache
     timeout "${PIC_TIMEOUT:-520}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
-      --modes transition_rope_recompute full_recompute --variants ${VARIANTS:-attn1024 block0 stack} 2>&1 \
+      --modes transition_rope_recompute full_recompute --variants ${VARIANTS:-noseamfold attn1 block0} 2>&1 \
       | tee "$OUT/pic_variants.txt"
     ;;
   kernels)

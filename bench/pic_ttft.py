@@ -37,13 +37,15 @@ from hypic_jax.models.base import Model  # noqa: E402
 
 # Engine knobs that change speed only (see `Engine`): each variant re-times transition_rope_recompute.
 VARIANTS = {
-    "default": dict(prefix_block=None, attention_programs=1, stack_entries=False),
-    "block0": dict(prefix_block=0, attention_programs=1, stack_entries=False),
-    "attn1024": dict(prefix_block=None, attention_programs=1024, stack_entries=False),
-    "attn512": dict(prefix_block=None, attention_programs=512, stack_entries=False),
-    "stack": dict(prefix_block=None, attention_programs=1, stack_entries=True),
-    "all": dict(prefix_block=0, attention_programs=1024, stack_entries=True),
+    "default": dict(),
+    "block0": dict(prefix_block=0),
+    "attn1": dict(attention_programs=1),
+    "attn512": dict(attention_programs=512),
+    "stack": dict(stack_entries=True),
+    "noseamfold": dict(seam_fold=False),
+    "all": dict(prefix_block=0, stack_entries=True),
 }
+KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=False, seam_fold=True)
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 
@@ -64,9 +66,11 @@ def main(argv=None) -> None:
                         help="states at segment boundaries: auto, associative, fold, pallas (linear_attn.prefix_states)")
     parser.add_argument("--prefix-block", type=int, default=None,
                         help="block size of the Pallas fold (0: about sqrt(n); default: one fold)")
-    parser.add_argument("--attention-programs", type=int, default=1,
+    parser.add_argument("--attention-programs", type=int, default=1024,
                         help="split the fresh queries' attention over key ranges until this many programs run")
     parser.add_argument("--stack-entries", action="store_true", help="store cache entries with stacked layers")
+    parser.add_argument("--no-seam-fold", action="store_true",
+                        help="compose each seam with its interior before the fold (the path before the seam fold)")
     parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                         help="after the modes, time transition_rope_recompute again with each of these engine "
                              "settings on the warm cache (each compiles only its own combine program)")
@@ -98,7 +102,7 @@ def main(argv=None) -> None:
     engine = Engine(Model(qwen3_5, config, params), cache_bytes=int(args.cache_gb * 2**30), seam=args.seam,
                     compose_algorithm=None if args.compose == "f32" else args.compose, prefix_impl=args.prefix,
                     prefix_block=args.prefix_block, attention_programs=args.attention_programs,
-                    stack_entries=args.stack_entries)
+                    stack_entries=args.stack_entries, seam_fold=not args.no_seam_fold)
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, config.vocab_size, segment_len).tolist() for _ in range(segments)]
@@ -141,8 +145,9 @@ def main(argv=None) -> None:
 
     variant_rows = []
     for name in args.variants:  # on the cache the last trr measurement left (or a cold request fills it)
-        knobs = VARIANTS[name]
+        knobs = {**KNOB_DEFAULTS, **VARIANTS[name]}
         engine.prefix_block, engine.attention_programs = knobs["prefix_block"], knobs["attention_programs"]
+        engine.seam_fold = knobs["seam_fold"]
         if knobs["stack_entries"] != engine.stack_entries:
             engine.stack_entries = knobs["stack_entries"]
             engine.cache.clear()  # entries are stored in the new form by the next (cold) request
@@ -163,7 +168,8 @@ def main(argv=None) -> None:
     summary = dict(config="small" if args.small else f"qwen3.5-35b-a3b/{args.layers}L", prompt_tokens=prompt_tokens,
                    segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam,
                    compose=engine.compose_algorithm, prefix=engine.prefix_impl, prefix_block=args.prefix_block,
-                   attention_programs=args.attention_programs, stack_entries=args.stack_entries)
+                   attention_programs=args.attention_programs, stack_entries=args.stack_entries,
+                   seam_fold=not args.no_seam_fold)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")

@@ -160,10 +160,12 @@ class Engine:
     `prefix_impl` is how each linear layer's states at the segment boundaries are formed (`linear_attn.prefix_states`:
     "auto": the Pallas fold kernel on a GPU, the associative scan elsewhere).
 
-    Tuning knobs whose defaults are the configuration timed on the H200 (bench/RESULTS.md); the alternatives are
-    tested on the CPU and wait for their GPU timing: `prefix_block` (blocked fold, `spans.SpanMode.prefix_block`),
-    `attention_programs` (key-range split of the fresh queries' attention), `stack_entries` (store each cache entry
-    with its layers stacked, `spans.StackedLayers`: a few arrays per entry for jit to dispatch instead of thousands).
+    Tuning knobs, all tested on the CPU against the default path, with what the H200 said of them (bench/RESULTS.md):
+    `seam_fold` (default True: with the Pallas fold, short seams enter it as chunk steps instead of being composed
+    with their interiors first, `spans.SpanMode.seam_fold`), `prefix_block` (blocked fold: slower per layer on the
+    H200, 0.84 vs 0.48 ms), `attention_programs` (key-range split of the fresh queries' attention), `stack_entries`
+    (each cache entry stored with its layers stacked, `spans.StackedLayers`: fewer arrays to dispatch, but the
+    request's compile did not finish in 200 s on the H200).
     """
 
     def __init__(
@@ -180,8 +182,9 @@ class Engine:
         compose_algorithm: str | None = "auto",
         prefix_impl: str = "auto",
         prefix_block: int | None = None,
-        attention_programs: int = 1,
+        attention_programs: int = 1024,
         stack_entries: bool = False,
+        seam_fold: bool = True,
     ):
         if not hasattr(model.arch, "span_forward"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward; the engine cannot run it")
@@ -209,6 +212,7 @@ class Engine:
         if not isinstance(attention_programs, int) or attention_programs < 1:
             raise ValueError(f"attention_programs must be a positive integer, got {attention_programs!r}")
         self.prefix_block, self.attention_programs, self.stack_entries = prefix_block, attention_programs, stack_entries
+        self.seam_fold = bool(seam_fold)
         self.vocab_size = int(self.config.vocab_size)
         self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)
 
@@ -310,7 +314,8 @@ class Engine:
 
     def _span_mode(self, mode: str) -> spans.SpanMode:
         return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm, prefix=self.prefix_impl,
-                                   prefix_block=self.prefix_block, attention_programs=self.attention_programs)
+                                   prefix_block=self.prefix_block, attention_programs=self.attention_programs,
+                                   seam_fold=self.seam_fold)
 
     def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False):
         tokens = jnp.asarray(np.asarray(fresh_tokens, np.int32))

@@ -351,6 +351,29 @@ def _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc):
     return outs, state
 
 
+def chunk_step(k: Array, v: Array, *, g: Array | None = None, gk: Array | None = None,
+               beta: Array | None = None) -> tuple[Array, Array, Array, Array]:
+    """A span of L tokens taken as one chunk: the operands of its state map
+    state -> Diag(decay) state + k_to_end^T (u - w state), the step `chunked` takes per chunk.
+
+    k [L, H, K], v [L, H, V] and the family's gates. Returns float32 (w [H, L, K] (zeros without a delta rule),
+    u [H, L, V], k_to_end [H, L, K], decay [H, K]). This is how the PIC engine feeds a short fresh seam into the
+    fold over cached interiors (`pallas.compose.span_fold_pallas`) without forming its dense transfer.
+    """
+    length, heads, key_dim = k.shape
+    acc = _state_dtype(k, v, g, gk, beta)
+    log_decay = None
+    if gk is not None:
+        log_decay = gk.astype(acc) + (0.0 if g is None else g.astype(acc)[..., None])
+    elif g is not None:
+        log_decay = g.astype(acc)[..., None]
+    head_major = lambda x: None if x is None else jnp.moveaxis(x.astype(acc), 0, 1)  # noqa: E731
+    loc = _chunk_locals(None, head_major(k), head_major(v), head_major(log_decay), head_major(beta), acc)
+    w = loc["w"] if loc["w"] is not None else jnp.zeros((heads, length, key_dim), acc)
+    decay = jnp.broadcast_to(loc["chunk_decay"], (heads, key_dim))
+    return w, loc["u"], loc["k_to_end"], decay
+
+
 def chunked(
     q: Array,
     k: Array,
@@ -592,7 +615,8 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
       "pallas"       for dense transfers, the fold in Pallas (`pallas.compose.prefix_fold_pallas`; GPU, or
                      interpret mode; `block` cuts it into blocks of that size, 0 about sqrt(n)): the PIC engine's
                      choice on a GPU, where the scan's 2 log2 n levels of small launches and its
-                     transfer-by-transfer products cost more.
+                     transfer-by-transfer products cost more. State widths that Triton cannot tile (not powers of
+                     two >= 16) take "fold" on a GPU.
     Non-dense forms always use the scan (their compositions are elementwise). Returns [n, ..., H, K, V].
     `algorithm`: the dense products' dot algorithm (see `compose`).
     """
@@ -601,7 +625,8 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
     if impl not in PREFIX_IMPLS:
         raise ValueError(f"impl must be one of {PREFIX_IMPLS}, got {impl!r}")
     if impl != "associative" and summaries.form == "dense":
-        if impl == "pallas":
+        tiles_ok = all(n >= 16 and not n & (n - 1) for n in summaries.state.shape[-2:])
+        if impl == "pallas" and (tiles_ok or jax.default_backend() != "gpu"):  # else the XLA fold below
             from hypic_jax.pallas.compose import FoldConfig, prefix_fold_pallas
 
             config = FoldConfig(algorithm=algorithm or "f32")
@@ -679,6 +704,9 @@ class LinearInputs:
 
     def chunked(self, initial_state: Array | None = None, chunk_size: int = 64):
         return chunked(**self.kwargs(), initial_state=initial_state, chunk_size=chunk_size)
+
+    def chunk_step(self) -> tuple[Array, Array, Array, Array]:
+        return chunk_step(self.k, self.v, **self.gates())
 
     def summarize(self, chunk_size: int = 64) -> Summary:
         return summarize(self.k, self.v, chunk_size=chunk_size, **self.gates())

@@ -203,6 +203,9 @@ class SpanMode:
       (None: one fold; 0: about sqrt(n)).
     attention_programs: on a GPU, split the fresh queries' attention over key ranges until about this many programs
       run (`pallas.attention.AttentionConfig.target_programs`; 1: no split).
+    seam_fold: with prefix "pallas" (one fold), a layout whose groups are each a fresh span of at most one chunk and
+      one cached interior with a dense transfer (the PIC request) folds the fresh spans in as chunk steps
+      (`pallas.compose.span_fold_pallas`) instead of composing every group's pair first.
     """
 
     transfer: bool = True
@@ -211,6 +214,7 @@ class SpanMode:
     prefix: str = "associative"
     prefix_block: int | None = None
     attention_programs: int = 1
+    seam_fold: bool = True
 
 
 # Named modes of the PIC ladder: the stitching flags each one uses (seams are the engine's business).
@@ -587,8 +591,53 @@ def _splice(old, new, members: Sequence[int]):
         lambda o, n: jnp.concatenate([(n if src == "new" else o)[a:b] for src, a, b in pieces]), old, new)
 
 
+def _stack_cached(cached, cached_in: Sequence[Span], mode: SpanMode, rotate):
+    """The summaries of the cached spans `cached_in`, stacked in that order, as this mode stitches them (transfer
+    dropped for `addition`, moved to their absolute positions for RoPE'd linear layers)."""
+    stacked = linear_attn.stack_summaries([cached[s.offset] for s in cached_in])
+    if not mode.transfer:
+        stacked = Summary("identity", stacked.state, None)
+    offsets = np.asarray([s.start - s.canonical_start for s in cached_in], np.int32)
+    if mode.rope and rotate is not None and offsets.any():
+        stacked = jax.vmap(rotate)(stacked, jnp.asarray(offsets))
+    return stacked
+
+
+def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):
+    """The PIC request's regular case on the Pallas fold: every group is one fresh span that fits one chunk, then
+    one cached interior with a dense transfer. The fresh spans enter the fold as chunk steps
+    (`pallas.compose.span_fold_pallas`), so no group pair is formed. Returns None when the layout is not of this
+    shape (the general path composes the groups)."""
+    spans_ = layout.spans
+    if not mode.seam_fold or mode.prefix != "pallas" or not mode.transfer or mode.prefix_block is not None:
+        return None
+    if any(len(g) != 2 or spans_[g[0]].kind != FRESH or spans_[g[1]].kind != CACHED for g in needed):
+        return None
+    fresh_rows = [where[fresh_index[id(spans_[g[0]])]] for g in needed]
+    group = fresh_rows[0][0]
+    length = padded[group].k.shape[1]
+    if any(g != group for g, _ in fresh_rows) or chunks[group] != length:
+        return None
+    interiors = _stack_cached(cached, [spans_[g[1]] for g in needed], mode, rotate)
+    if interiors.form != "dense":
+        return None  # scalar / diagonal transfers compose elementwise: the general path is cheap for them
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not all(n >= 16 and not n & (n - 1) for n in interiors.state.shape[-2:]):
+        return None  # Triton tiles need power-of-two widths of at least 16
+    from hypic_jax.pallas.compose import FoldConfig, span_fold_pallas
+
+    seams = _select(padded[group], [row for _, row in fresh_rows])
+    w, u, k_to_end, decay = jax.vmap(lambda one: one.chunk_step())(seams)
+    config = FoldConfig(algorithm=mode.compose or "f32")
+    return span_fold_pallas(w, u, k_to_end, decay, interiors.transfer, interiors.state, config=config,
+                            interpret=not on_gpu)
+
+
 def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):
     """[len(needed), H, K, V]: the state after each scan group (see `linear_over_spans`)."""
+    folded = _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate)
+    if folded is not None:
+        return folded
     spans_ = layout.spans
     fresh_in = [fresh_index[id(spans_[i])] for g in needed for i in g if spans_[i].kind == FRESH]
     cached_in = [spans_[i] for g in needed for i in g if spans_[i].kind == CACHED]
@@ -605,12 +654,7 @@ def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, 
         stacked = by_group[0] if len(by_group) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *by_group)
         parts[FRESH] = (stacked, {i: r for r, i in enumerate(flat)})
     if cached_in:
-        stacked = linear_attn.stack_summaries([cached[s.offset] for s in cached_in])
-        if not mode.transfer:
-            stacked = Summary("identity", stacked.state, None)
-        offsets = np.asarray([s.start - s.canonical_start for s in cached_in], np.int32)
-        if mode.rope and rotate is not None and offsets.any():
-            stacked = jax.vmap(rotate)(stacked, jnp.asarray(offsets))
+        stacked = _stack_cached(cached, cached_in, mode, rotate)
         parts[CACHED] = (stacked, {s.offset: r for r, s in enumerate(cached_in)})
     form = max((p.form for p, _ in parts.values()), key=linear_attn.FORMS.index)  # the widest form present
     parts = {kind: (linear_attn.promote(p, form), rows) for kind, (p, rows) in parts.items()}

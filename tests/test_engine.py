@@ -165,18 +165,27 @@ def test_reordered_documents_are_served_from_the_cache(build, arch):
 
 
 @pytest.mark.parametrize("arch", ("qwen_moe", "kimi"))
-def test_tuning_knobs_change_nothing_but_speed(build, arch):
-    """Stacked cache entries and the (blocked) Pallas fold, in interpret mode here, give the default engine's
-    results; invalid knob values are refused."""
+def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
+    """The Pallas fold with the seams entering it as chunk steps (the GPU default), stacked cache entries and the
+    blocked fold, in interpret mode here, give the default engine's results; invalid knob values are refused."""
+    from hypic_jax.pallas import compose
+
+    folds = []
+    original = compose.span_fold_pallas
+    monkeypatch.setattr(compose, "span_fold_pallas", lambda *a, **k: folds.append(1) or original(*a, **k))
     model, vocab = build(arch)
     segs = _request(vocab, seed=3)
     shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
     base = Engine(model, seam=SEAM)
+    seam_fold = Engine(model, seam=SEAM, prefix_impl="pallas")
     tuned = Engine(model, seam=SEAM, stack_entries=True, prefix_impl="pallas", prefix_block=0, attention_programs=64)
     for request in (segs, shuffled):  # cold (entries recorded, then stitched), then served from the cache
-        want, got = base.prefill(request), tuned.prefill(request)
-        assert _rel(got.logits, want.logits) < 1e-5
-        assert (got.stats.hits, got.stats.misses) == (want.stats.hits, want.stats.misses)
+        want = base.prefill(request)
+        for engine in (seam_fold, tuned):
+            got = engine.prefill(request)
+            assert _rel(got.logits, want.logits) < 1e-5
+            assert (got.stats.hits, got.stats.misses) == (want.stats.hits, want.stats.misses)
+    assert folds  # the seam fold ran (delta-rule layers have dense transfers)
     entry = next(iter(tuned.cache._entries.values()))
     assert len(entry.layers) == len(model.params["layers"])  # a StackedLayers still reads as one piece per layer
     for bad in (dict(prefix_block=1), dict(prefix_block=-2), dict(attention_programs=0), dict(prefix_impl="x")):

@@ -135,7 +135,42 @@ def test_compose_fold_kernel():
             assert rel(kt, total_t) < TOL32
 
 
-@pytest.mark.parametrize("n, batch, dim, width, block_w", [(7, 3, 16, 16, 16), (1, 2, 16, 32, 16), (11, 1, 32, 16, 16)])
+@pytest.mark.parametrize("family", ("gated_delta_net", "kda", "gla"))
+@pytest.mark.parametrize("n, seam, batch_shape, width", [(5, 3, (2,), 16), (1, 8, (1, 2), 32), (4, 17, (3,), 16)])
+def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n, seam, batch_shape, width):
+    """Groups (a fresh seam as one chunk step, then a dense interior) folded by the kernel equal the float64 fold
+    of the composed pairs (seam summary, then interior): the seam enters as a chunk step, never as a matrix."""
+    from families import make_family
+
+    dim = 16
+    rng = np.random.default_rng(n * seam + width)
+    heads = int(np.prod(batch_shape))
+    seams = [make_family(family, seed=10 * i + n, length=seam, heads=heads, key_dim=dim, value_dim=width)
+             for i in range(n)]
+    steps = [x.chunk_step() for x in seams]  # per group (w [H, c, K], u, k_to_end, decay [H, K])
+    stack = lambda j: jnp.stack([st[j] for st in steps]).reshape((n,) + batch_shape + steps[0][j].shape[1:])  # noqa: E731
+    w, u, kt, d = (stack(j) for j in range(4))
+    t = jnp.asarray(rng.standard_normal((n,) + batch_shape + (dim, dim)) / np.sqrt(dim), jnp.float32)
+    s = jnp.asarray(rng.standard_normal((n,) + batch_shape + (dim, width)), jnp.float32)
+    want, state = [], np.zeros((heads, dim, width))
+    for i in range(n):  # float64: the seam's dense summary, then the interior
+        summary = seams[i].summarize(chunk_size=32)
+        ts = np.asarray(la.dense_transfer(summary), np.float64)
+        state = ts @ state + np.asarray(summary.state, np.float64)
+        state = np.asarray(t[i], np.float64).reshape(heads, dim, dim) @ state + np.asarray(
+            s[i], np.float64).reshape(heads, dim, width)
+        want.append(state.reshape(batch_shape + (dim, width)))
+    want = np.stack(want)
+    got = cmp.span_fold_pallas(w, u, kt, d, t, s, config=cmp.FoldConfig(block_w=16, algorithm="f32"), interpret=True)
+    assert got.shape == (n,) + batch_shape + (dim, width)
+    assert rel(got, want) < TOL32
+    assert rel(cmp.span_fold_reference(w, u, kt, d, t, s), want) < TOL32
+    with pytest.raises(ValueError, match="disagree"):
+        cmp.span_fold_pallas(w[..., 1:], u, kt, d, t, s, interpret=True)
+
+
+@pytest.mark.parametrize("n, batch, dim, width, block_w", [(7, 3, 16, 16, 16), (1, 2, 16, 32, 16), (11, 1, 32, 16, 16),
+                                                     (3, 2, 16, 48, 32)])  # 48 columns: blocks of 16
 def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block_w):
     rng = np.random.default_rng(n + width)
     t = jnp.asarray(rng.standard_normal((n, batch, dim, dim)) / np.sqrt(dim), jnp.float32)
@@ -342,6 +377,11 @@ def test_kernels_lower_to_triton():
     for fn in (fold, prefix):
         assert "xla.gpu.triton" in jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
             .mlir_module()
+    seam = sd((4, 2, 8, dim), jnp.float32)
+    span_fold = jax.jit(lambda w, u, kt, d, t, s: cmp.span_fold_pallas(w, u, kt, d, t, s))
+    span_args = (seam, seam, seam, sd((4, 2, dim), jnp.float32), pairs, pairs)
+    assert "xla.gpu.triton" in jax.export.export(span_fold, platforms=["cuda"], disabled_checks=check)(*span_args) \
+        .mlir_module()
     attend = jax.jit(lambda q, k, v, p: pattn.positioned_attention(q, k, v, p, scale=0.0625))
     att_args = (sd((100, 16, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16),
                 sd((100,), jnp.int32))

@@ -123,6 +123,22 @@ def test_groups_of_unequal_size_compose_in_place(prefix):
     _check_cached_spans_equal_the_whole("gated_delta_net", plan, seed=5, mode=spans.SpanMode(prefix=prefix))
 
 
+@pytest.mark.parametrize("family, folds", [("gated_delta_net", True), ("kda", True), ("gla", False)])
+def test_seams_before_cached_interiors_enter_the_fold_as_chunk_steps(family, folds, monkeypatch):
+    """The PIC request's layout (short fresh seams, each followed by a cached interior, then the query) on the
+    Pallas path folds the seams in as chunk steps (`span_fold_pallas`, dense transfers only) and still gives the
+    whole sequence's outputs and state."""
+    from hypic_jax.pallas import compose
+
+    calls = []
+    original = compose.span_fold_pallas
+    monkeypatch.setattr(compose, "span_fold_pallas", lambda *a, **k: calls.append(1) or original(*a, **k))
+    plan = [(spans.FRESH, 3), (spans.CACHED, 6), (spans.FRESH, 5), (spans.CACHED, 4), (spans.FRESH, 2),
+            (spans.CACHED, 9), (spans.FRESH, 4)]
+    _check_cached_spans_equal_the_whole(family, plan, seed=3, mode=spans.SpanMode(prefix="pallas"))
+    assert bool(calls) == folds
+
+
 def test_rows_takes_runs_and_zero_rows():
     x = jnp.arange(6.0)[:, None] + 1
     for rows in ([0, 1, 2, 3, 4, 5], [2, 3, -1, 0], [-1, -1], [5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, -1, 0]):

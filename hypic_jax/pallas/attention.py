@@ -35,16 +35,16 @@ __all__ = ["AttentionConfig", "positioned_attention", "positioned_attention_refe
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """block_q / block_k: query rows and key rows per tile (powers of two >= 16); num_warps / num_stages: Triton
-    launch parameters (a 256-wide head keeps a [block_q, 256] float32 accumulator in registers: 8 warps).
-    target_programs: the keys are split into ranges processed by separate programs (flash-decoding style, partial
-    softmax results combined afterwards) until about this many programs run: a few hundred fresh queries make only
-    (queries / block_q) x heads programs, too few for the GPU, and the one holding the query at the end of the prompt
-    walks all the keys alone. The default 1 (no split) is the configuration timed on the H200 (1.45 ms per layer
-    for 576 queries over 32k keys); splitting (e.g. 1024) is tested in interpret mode but not yet timed."""
+    launch parameters. target_programs: the keys are split into ranges processed by separate programs
+    (flash-decoding style, partial softmax results combined afterwards) until about this many programs run: a few
+    hundred fresh queries make only (queries / block_q) x heads programs, and the one holding the query at the end
+    of the prompt walks all the keys alone. Defaults: the fastest variant timed on the H200 for 576 fresh queries
+    over 32k keys (`bench/pic_kernels.py`: 4 warps 1.09 ms per layer, 8 warps 1.58 ms, 8 warps split to 1024
+    programs 1.15 ms)."""
 
     block_q: int = 64
     block_k: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 1
 

@@ -128,12 +128,15 @@ _KERNEL_PRECISION = {
 
 @dataclasses.dataclass(frozen=True)
 class FoldConfig:
-    """block_w: accumulator columns per program; algorithm: in-kernel dot algorithm (see ALGORITHMS)."""
+    """block_w: accumulator columns per program; algorithm: in-kernel dot algorithm (see ALGORITHMS). Defaults: the
+    fastest launch variant of `prefix_fold_pallas` timed on the H200 for one PIC layer's 64 groups x 32 heads
+    (`bench/pic_kernels.py`: block_w 32 with 8 warps and 3 stages 0.32 ms; 4 warps 0.42 ms; 2 stages 0.48 ms;
+    block_w 64 with 8 warps 0.38 ms). The composition of all layers at once prefers block_w 128 (5.5 ms)."""
 
     block_w: int = 32
     algorithm: str = "bf16x3"
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 8
+    num_stages: int = 3
 
 
 def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, prec):
@@ -202,6 +205,14 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
 __all__ += ["FoldConfig", "fold_pallas"]
 
 
+def _block_width(block_w: int, width: int) -> int:
+    """State columns per program: block_w, halved until it divides the state width (any width works)."""
+    bw = min(block_w, width)
+    while width % bw:
+        bw //= 2
+    return bw
+
+
 def _prefix_fold_kernel(t_ref, s_ref, *rest, num_segments, prec, has_initial):
     """One (column block, batch entry, outer entry): acc <- T_i acc + S_i[:, cols], and every acc is written out.
 
@@ -227,9 +238,7 @@ def _fold_call(t, s, initial, *, config, interpret):
     """t [outer, n, B, K, K], s [outer, n, B, K, V], initial [outer, B, K, V] or None -> states like s."""
     outer, n, b, key_dim, _ = t.shape
     value_dim = s.shape[-1]
-    bw = min(config.block_w, value_dim)
-    if value_dim % bw:
-        raise ValueError(f"block_w {bw} must divide the state width {value_dim}")
+    bw = _block_width(config.block_w, value_dim)
     in_specs = [
         pl.BlockSpec((None, n, None, key_dim, key_dim), lambda j, i, o: (o, 0, i, 0, 0)),
         pl.BlockSpec((None, n, None, key_dim, bw), lambda j, i, o: (o, 0, i, 0, j)),
@@ -303,3 +312,99 @@ def prefix_fold_pallas(transfers: Array, states: Array, initial_state: Array | N
 
 
 __all__ += ["prefix_fold_pallas"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Seam fold: the PIC request's groups (a short fresh span, then a cached interior) folded without composing them.
+
+
+def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=None):
+    """Pure-JAX reference of `span_fold_pallas` (float32 HIGHEST, sequential): for each group i,
+    state <- T_i (Diag(decay_i) state + k_to_end_i^T (u_i - w_i state)) + S_i, and every state is returned."""
+    hi = lax.Precision.HIGHEST
+    init = jnp.zeros(states.shape[1:], jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def step(state, group):
+        w_i, u_i, kt_i, d_i, t_i, s_i = group
+        inner = u_i - jnp.einsum("...ck,...kv->...cv", w_i, state, precision=hi)
+        state = d_i[..., None] * state + jnp.einsum("...ck,...cv->...kv", kt_i, inner, precision=hi)
+        state = jnp.einsum("...ij,...jv->...iv", t_i, state, precision=hi) + s_i
+        return state, state
+
+    return lax.scan(step, init, (w, u, k_to_end, decay, transfers, states))[1]
+
+
+def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, o_ref, *, num_groups, prec):
+    """One (column block, batch entry): per group the fresh span's chunk step, then the interior's transfer.
+    The group's operands do not depend on the running state, so their loads can run ahead of the products."""
+    key_dim = t_ref.shape[-1]
+    dims = (((1,), (0,)), ((), ()))
+
+    def body(i, acc):
+        inner = u_ref[i] - lax.dot_general(w_ref[i], acc, dims, precision=prec, preferred_element_type=jnp.float32)
+        acc = d_ref[i][:, None] * acc + lax.dot_general(kt_ref[i], inner, dims, precision=prec,
+                                                         preferred_element_type=jnp.float32)
+        acc = lax.dot_general(t_ref[i], acc, dims, precision=prec, preferred_element_type=jnp.float32) + s_ref[i]
+        o_ref[i] = acc
+        return acc
+
+    lax.fori_loop(0, num_groups, body, jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def span_fold_pallas(w, u, k_to_end, decay, transfers, states, *, config: FoldConfig = FoldConfig(),
+                     interpret: bool = False):
+    """The state after each of n groups "fresh span of c <= chunk tokens, then a cached interior (T, S)", from zero.
+
+    w [n, ..., c, K] (zeros for families without a delta rule), u [n, ..., c, V], k_to_end [n, ..., c, K]: the
+    fresh span as one chunk step of `linear_attn.chunk_step`; decay [n, ..., K] its per-key decay over the span;
+    transfers [n, ..., K, K], states [n, ..., K, V]: the interiors' dense summaries. Returns [n, ..., K, V] float32.
+
+    Why: composing each fresh span's dense summary with its interior (T_int T_span, T_int S_span + S_int) before a
+    fold costs one batched 128 x 128 x 256 product per group and layer plus the copies that feed it, all memory-bound
+    at float32; here the fresh span enters the fold as two rank-c products per step, so the groups' pairs are never
+    formed and the step still costs one dense product. Columns of the state are independent, so they split over
+    programs as in `prefix_fold_pallas`.
+    """
+    n = transfers.shape[0]
+    batch = transfers.shape[1:-2]
+    key_dim, value_dim = states.shape[-2], states.shape[-1]
+    c = w.shape[-2]
+    if (transfers.shape[-2:] != (key_dim, key_dim) or w.shape[-1] != key_dim or k_to_end.shape != w.shape
+            or u.shape != w.shape[:-1] + (value_dim,) or decay.shape != w.shape[:-2] + (key_dim,)
+            or w.shape[:-2] != transfers.shape[:-2]):
+        raise ValueError(f"span fold operands disagree: w {w.shape}, u {u.shape}, k_to_end {k_to_end.shape}, "
+                         f"decay {decay.shape}, transfers {transfers.shape}, states {states.shape}")
+    rows = max(16, -(-c // 16) * 16)  # Triton dots need 16 rows; zero rows add nothing
+    pad = [(0, 0)] * (w.ndim - 2) + [(0, rows - c), (0, 0)]
+    flat = lambda x, tail: x.reshape((n, -1) + tail).astype(jnp.float32)  # noqa: E731
+    w_ = flat(jnp.pad(w, pad), (rows, key_dim))
+    u_ = flat(jnp.pad(u, pad), (rows, value_dim))
+    kt = jnp.swapaxes(flat(jnp.pad(k_to_end, pad), (rows, key_dim)), -1, -2)  # [n, B, K, rows]
+    d = flat(decay, (key_dim,))
+    t = flat(transfers, (key_dim, key_dim))
+    s = flat(states, (key_dim, value_dim))
+    b = t.shape[1]
+    bw = _block_width(config.block_w, value_dim)
+    kernel = functools.partial(_span_fold_kernel, num_groups=n, prec=_KERNEL_PRECISION[config.algorithm])
+    out = pl.pallas_call(
+        kernel,
+        grid=(value_dim // bw, b),
+        in_specs=[
+            pl.BlockSpec((n, None, rows, key_dim), lambda j, i: (0, i, 0, 0)),
+            pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j)),
+            pl.BlockSpec((n, None, key_dim, rows), lambda j, i: (0, i, 0, 0)),
+            pl.BlockSpec((n, None, key_dim), lambda j, i: (0, i, 0)),
+            pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
+            pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="span_fold",
+    )(w_, u_, kt, d, t, s)
+    return out.reshape((n,) + batch + (key_dim, value_dim))
+
+
+__all__ += ["span_fold_reference", "span_fold_pallas"]
