@@ -1,17 +1,21 @@
 """The GPU kernels of a warm PIC request, alone, at the bar's shape, with their tuning variants side by side.
 
 A request of 64 cached 512-token documents with 8-token seams and a 64-token query on the Qwen3.5-35B-A3B shape
-runs, per linear layer, the prefix fold over 64 (T, S) groups x 32 heads (`pallas.compose.prefix_fold_pallas`),
-and per full-attention layer the positioned attention of 576 fresh queries (16 heads of 256) over 32,832 keys
-(2 KV heads) (`pallas.attention.positioned_attention`). Timing each variant in isolation says which launch
-parameters to give the engine without a full request per variant (a cold request compiles for minutes).
+runs, per linear layer, a fold over 64 groups x 32 heads: `pallas.compose.span_fold_pallas` (the engine's path:
+each seam enters as a chunk step) or, without the seam fold, an XLA composition of each seam with its interior
+followed by `pallas.compose.prefix_fold_pallas`; and per full-attention layer the positioned attention of 576 fresh
+queries (16 heads of 256) over 32,832 keys (2 KV heads) (`pallas.attention.positioned_attention`). Timing each
+launch variant alone says which parameters to give the engine without a full request per variant (a cold request
+compiles for minutes). Variants already measured are noted beside each list.
 
 Also timed, for the composition bar of the kernel issue: 64 segments x 30 layers x 32 heads of dense pairs, every
-prefix state, with the single and the blocked fold at several column widths.
+prefix state, at several column widths.
 
     python bench/pic_kernels.py --out DIR          # GPU; one JSON line per variant in DIR/pic_kernels.jsonl
+    python bench/pic_kernels.py --small            # CPU smoke test (interpret mode, small shapes)
 
-Errors are relative (Frobenius) against float64 host folds (fold) and the float32 pure-JAX reference (attention).
+Errors are relative (Frobenius): the prefix fold against a float64 host fold, the span fold against its float32
+HIGHEST reference (`span_fold_reference`), the attention against its float32 pure-JAX reference.
 """
 
 from __future__ import annotations

@@ -162,10 +162,11 @@ class Engine:
 
     Tuning knobs, all tested on the CPU against the default path, with what the H200 said of them (bench/RESULTS.md):
     `seam_fold` (default True: with the Pallas fold, short seams enter it as chunk steps instead of being composed
-    with their interiors first, `spans.SpanMode.seam_fold`), `prefix_block` (blocked fold: slower per layer on the
-    H200, 0.84 vs 0.48 ms), `attention_programs` (key-range split of the fresh queries' attention), `stack_entries`
-    (each cache entry stored with its layers stacked, `spans.StackedLayers`: fewer arrays to dispatch, but the
-    request's compile did not finish in 200 s on the H200).
+    with their interiors first, `spans.SpanMode.seam_fold`; 119.6 vs 132.2 ms per request), `attention_programs`
+    (default 1024: the fresh queries' attention split over key ranges, 0.83 vs 1.08 ms per layer), `prefix_block`
+    (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `stack_entries` (each cache entry stored with
+    its layers stacked, `spans.StackedLayers`: fewer arrays to dispatch, but the request's compile did not finish
+    in 200 s; off by default).
     """
 
     def __init__(

@@ -43,6 +43,7 @@ from hypic_jax import linear_attn
 from hypic_jax.attention import dot_product_attention
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.linear_attn import LinearInputs, Summary
+from hypic_jax.pallas import compose as pallas_compose
 from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 FRESH = "fresh"
@@ -624,12 +625,10 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu and not all(n >= 16 and not n & (n - 1) for n in interiors.state.shape[-2:]):
         return None  # Triton tiles need power-of-two widths of at least 16
-    from hypic_jax.pallas.compose import FoldConfig, span_fold_pallas
-
     seams = _select(padded[group], [row for _, row in fresh_rows])
     w, u, k_to_end, decay = jax.vmap(lambda one: one.chunk_step())(seams)
-    config = FoldConfig(algorithm=mode.compose or "f32")
-    return span_fold_pallas(w, u, k_to_end, decay, interiors.transfer, interiors.state, config=config,
+    config = pallas_compose.FoldConfig(algorithm=mode.compose or "f32")
+    return pallas_compose.span_fold_pallas(w, u, k_to_end, decay, interiors.transfer, interiors.state, config=config,
                             interpret=not on_gpu)
 
 

@@ -27,6 +27,29 @@ def test_gmm_matches_ragged_dot_with_empty_and_partial_groups(dtype):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=tol, atol=tol * 8)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_block_layout_against_a_numpy_walk(seed):
+    """Positions and block owners for random group sizes (empty groups anywhere, trailing ones included) equal a
+    plain walk over the groups."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 40, rng.integers(1, 12)) * (rng.random(1) < 0.9)
+    sizes[-1] = 0 if seed % 2 else sizes[-1]  # a trailing empty group on odd seeds
+    rows, block_m = int(sizes.sum()), 16
+    if rows == 0:
+        sizes[0], rows = 3, 3
+    layout = block_layout(jnp.asarray(sizes, jnp.int32), rows, block_m)
+    positions, owners, start = [], [], 0
+    for expert, size in enumerate(sizes):
+        positions += list(range(start, start + size))
+        blocks = -(-size // block_m)
+        owners += [expert] * blocks
+        start += blocks * block_m
+    np.testing.assert_array_equal(np.asarray(layout.positions), positions)
+    block_expert = np.asarray(layout.block_expert)
+    np.testing.assert_array_equal(block_expert[: len(owners)], owners)
+    assert (block_expert[len(owners):] == -1).all()
+
+
 def test_moe_pallas_and_ragged_paths_agree():
     rng = np.random.RandomState(1)
     tokens, hidden, experts, inner, top_k = 37, 64, 8, 32, 2

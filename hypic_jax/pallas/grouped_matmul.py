@@ -54,12 +54,20 @@ def block_layout(group_sizes: Array, num_rows: int, block_m: int) -> BlockLayout
     padded_start = (block_end - blocks) * block_m
     group_start = jnp.cumsum(sizes) - sizes
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    expert_of_row = jnp.searchsorted(jnp.cumsum(sizes), rows, side="right").astype(jnp.int32)
+    expert_of_row = _ends_passed(jnp.cumsum(sizes), num_rows)
     positions = padded_start[expert_of_row] + rows - group_start[expert_of_row]
     block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
-    owner = jnp.searchsorted(block_end, block_ids, side="right").astype(jnp.int32)
+    owner = _ends_passed(block_end, num_blocks)
     block_expert = jnp.where(block_ids < block_end[-1], owner, -1)
     return BlockLayout(positions, block_expert, block_m)
+
+
+def _ends_passed(ends: Array, length: int) -> Array:
+    """For i in [0, length): how many of the sorted `ends` are <= i (`searchsorted(ends, i, side="right")`), as a
+    scatter of ones at the ends and a running sum. jnp.searchsorted's default is a binary-search loop: a dozen tiny
+    kernels and copies per call on a GPU, twice per MoE layer."""
+    marks = jnp.zeros((length,), jnp.int32).at[ends].add(1, mode="drop")
+    return jnp.cumsum(marks).astype(jnp.int32)
 
 
 def _gmm_kernel(expert_ref, x_ref, w_ref, o_ref, *, block_k, num_k):
