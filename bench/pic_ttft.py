@@ -40,6 +40,7 @@ VARIANTS = {
     "default": dict(),
     "block0": dict(prefix_block=0),
     "attn1": dict(attention_programs=1),
+    "attn1024": dict(attention_programs=1024),  # the engine's default
     "attn512": dict(attention_programs=512),
     "stack": dict(stack_entries=True),
     "noseamfold": dict(seam_fold=False),

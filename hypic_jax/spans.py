@@ -619,12 +619,13 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     length = padded[group].k.shape[1]
     if any(g != group for g, _ in fresh_rows) or chunks[group] != length:
         return None
-    interiors = _stack_cached(cached, [spans_[g[1]] for g in needed], mode, rotate)
-    if interiors.form != "dense":
+    interior_spans = [spans_[g[1]] for g in needed]
+    if any(cached[s.offset].form != "dense" for s in interior_spans):
         return None  # scalar / diagonal transfers compose elementwise: the general path is cheap for them
     on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not all(n >= 16 and not n & (n - 1) for n in interiors.state.shape[-2:]):
+    if on_gpu and not all(n >= 16 and not n & (n - 1) for n in cached[interior_spans[0].offset].state.shape[-2:]):
         return None  # Triton tiles need power-of-two widths of at least 16
+    interiors = _stack_cached(cached, interior_spans, mode, rotate)
     seams = _select(padded[group], [row for _, row in fresh_rows])
     w, u, k_to_end, decay = jax.vmap(lambda one: one.chunk_step())(seams)
     config = pallas_compose.FoldConfig(algorithm=mode.compose or "f32")
