@@ -6,7 +6,8 @@ each seam enters as a chunk step) or, without the seam fold, an XLA composition 
 followed by `pallas.compose.prefix_fold_pallas`; and per full-attention layer the positioned attention of 576 fresh
 queries (16 heads of 256) over 32,832 keys (2 KV heads) (`pallas.attention.positioned_attention`). Timing each
 launch variant alone says which parameters to give the engine without a full request per variant (a cold request
-compiles for minutes). Variants already measured are noted beside each list.
+compiles for minutes). Each list holds every variant timed so far (`bench/RESULTS.md`), best first, so
+--budget-s decides how many run.
 
 Also timed, for the composition bar of the kernel issue: 64 segments x 30 layers x 32 heads of dense pairs, every
 prefix state, at several column widths.
@@ -60,7 +61,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new variants after this")
     parser.add_argument("--skip-compose-bar", action="store_true")
-    parser.add_argument("--small", action="store_true", help="CPU smoke test: interpret mode, small shapes, one variant each")
+    parser.add_argument("--small", action="store_true",
+                        help="CPU smoke test: interpret mode, small shapes, one variant each")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "pic_kernels.jsonl")
@@ -83,8 +85,11 @@ def main(argv=None) -> None:
     t, s, _, _ = compose_pairs(la, segments, 1, 64 if small else 512)
     t, s = t[:, 0], s[:, 0]  # [64, 32, 128, 128]
     want = host_prefix(t[:, :2], s[:, :2])  # two heads suffice for the error
-    # (measured 2026-11-29: bw32 w4 s3 0.42 ms best; bw16, bw64, 2 warps and every blocked fold slower)
-    variants = [("single", None, bw, w, st) for bw, w, st in [(32, 4, 3), (32, 4, 4), (64, 8, 3), (32, 8, 3)]]
+    # every variant timed so far (bench/RESULTS.md); the best first, so a short budget still times the useful ones
+    variants = [("single", None, bw, w, st) for bw, w, st in
+                [(32, 8, 3), (32, 4, 3), (64, 8, 3), (32, 4, 4), (32, 4, 2), (16, 4, 2), (16, 2, 2), (8, 2, 2),
+                 (32, 2, 2), (64, 4, 2), (64, 8, 2)]]
+    variants += [("blocked", b, bw, w, 2) for b, bw, w in [(0, 32, 4), (0, 16, 4), (4, 16, 4), (16, 16, 4)]]
     if small:
         variants = variants[:1]
     for kind, block, bw, warps, stages in variants:
@@ -113,7 +118,7 @@ def main(argv=None) -> None:
                                   beta=0.5 * jnp.ones((segments, 8, 32)))
     w, u, kt, d = jax.jit(jax.vmap(lambda one: one.chunk_step()))(seam_inputs)
     want = cmp.span_fold_reference(w, u, kt, d, t, s)
-    for bw, warps, stages in [(32, 4, 3), (32, 4, 2), (64, 8, 3), (16, 4, 3)][: 1 if small else None]:
+    for bw, warps, stages in [(32, 8, 3), (32, 4, 3), (32, 4, 2), (16, 4, 3), (64, 8, 3)][: 1 if small else None]:
         config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
         fn = jax.jit(lambda *a, c=config: cmp.span_fold_pallas(*a, config=c, interpret=interpret))
         name = dict(kernel="span_fold layer", block_w=bw, warps=warps, stages=stages)
@@ -137,10 +142,11 @@ def main(argv=None) -> None:
     want = jax.jit(pattn.positioned_attention_reference, static_argnames="scale")(q, k, v, pos, scale=scale)
     reach = float(sum(p + 1 for p in positions))
     flops = 16 * reach * 256 * 4  # QK and PV, exact causal need
-    # (measured 2026-11-29: 64/64 with 4 warps 1.09 ms best; 8 warps 1.58, split to 1024 programs 1.15, block_k 128
-    # over shared memory, block_q 16/32/128 and 3 stages slower)
-    attention_variants = [(64, 64, 4, 2, 1), (64, 64, 4, 2, 288), (64, 64, 4, 2, 1024), (64, 64, 4, 3, 1),
-                          (64, 32, 2, 2, 1), (32, 64, 2, 2, 1)]
+    # every variant timed so far, the engine's default first (block_k 128 exceeds shared memory at this head width)
+    attention_variants = [(64, 64, 4, 2, 1024), (64, 64, 4, 2, 1), (64, 64, 4, 2, 288), (64, 64, 4, 3, 1),
+                          (64, 64, 8, 2, 1), (64, 64, 8, 2, 256), (64, 64, 8, 2, 1024), (64, 64, 8, 3, 1),
+                          (64, 128, 8, 2, 1), (32, 64, 4, 2, 1), (32, 64, 4, 2, 512), (16, 64, 4, 2, 1),
+                          (128, 64, 8, 2, 1), (64, 32, 4, 2, 1), (64, 32, 2, 2, 1), (32, 64, 2, 2, 1)]
     for bq, bk, warps, stages, programs in attention_variants[:2] if small else attention_variants:
         if over():
             break
@@ -162,16 +168,18 @@ def main(argv=None) -> None:
     if args.skip_compose_bar or over():
         return
     t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
-    # (measured 2026-11-29 at 2 stages: bw128 w8 5.69 ms best, bw64 w8 6.98, bw32 w4 10.1; blocked 20-23 ms)
-    bar_variants = [(None, 128, 8, 3), (None, 128, 8, 2), (None, 64, 8, 3), (None, 128, 4, 3), (None, 64, 4, 3)]
+    # every variant timed so far, the best first
+    bar_variants = [(None, 128, 8, 3), (None, 128, 8, 2), (None, 64, 8, 2), (None, 32, 4, 2), (None, 16, 4, 2),
+                    (0, 32, 4, 2), (0, 64, 8, 2), (4, 32, 4, 2), (None, 64, 8, 3), (None, 128, 4, 3),
+                    (None, 64, 4, 3)]
     for block, bw, warps, stages in bar_variants[:1] if small else bar_variants:
         if over():
             break
         config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
         fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
                                                                              interpret=interpret))
-        name = dict(kernel=f"prefix_fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw, warps=warps,
-                    stages=stages)
+        name = dict(kernel=f"prefix_fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw,
+                    warps=warps, stages=stages)
         try:
             ms, compile_s = timeit(fn, t, s)
             got = fn(t, s)[:, 0]  # layer 0 is the unpermuted one

@@ -303,6 +303,13 @@ def _map_chunks(fn: Callable, xs, per_chunk_elements: int, num_chunks: int):
     return jax.lax.map(lambda args: fn(*args), xs, batch_size=batch)
 
 
+def _log_decay(g: Array | None, gk: Array | None, acc) -> Array | None:
+    """Per-token log decay [L, H, D] from a scalar gate g [L, H] (D = 1) and/or per-key gates gk [L, H, K] (D = K)."""
+    if gk is not None:
+        return gk.astype(acc) + (0.0 if g is None else g.astype(acc)[..., None])
+    return None if g is None else g.astype(acc)[..., None]
+
+
 def _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc):
     """Shared engine of `chunked` and `summarize`: returns (outputs [L, H, Vs] or None, final state [H, K, Vs]).
 
@@ -323,11 +330,7 @@ def _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc):
 
     if v.shape[-1] < state_width:
         v = jnp.pad(v, [(0, 0), (0, 0), (0, state_width - v.shape[-1])])
-    log_decay = None
-    if gk is not None:
-        log_decay = gk.astype(acc) + (0.0 if g is None else g.astype(acc)[..., None])
-    elif g is not None:
-        log_decay = g.astype(acc)[..., None]
+    log_decay = _log_decay(g, gk, acc)
     chunks = (to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(log_decay), to_chunks(beta))
     decay_width = 1 if log_decay is None else log_decay.shape[-1]
     per_chunk = heads * chunk_size * chunk_size * max(decay_width, 1)
@@ -362,11 +365,7 @@ def chunk_step(k: Array, v: Array, *, g: Array | None = None, gk: Array | None =
     """
     length, heads, key_dim = k.shape
     acc = _state_dtype(k, v, g, gk, beta)
-    log_decay = None
-    if gk is not None:
-        log_decay = gk.astype(acc) + (0.0 if g is None else g.astype(acc)[..., None])
-    elif g is not None:
-        log_decay = g.astype(acc)[..., None]
+    log_decay = _log_decay(g, gk, acc)
     head_major = lambda x: None if x is None else jnp.moveaxis(x.astype(acc), 0, 1)  # noqa: E731
     loc = _chunk_locals(None, head_major(k), head_major(v), head_major(log_decay), head_major(beta), acc)
     w = loc["w"] if loc["w"] is not None else jnp.zeros((heads, length, key_dim), acc)

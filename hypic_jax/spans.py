@@ -432,6 +432,16 @@ def _length_groups(fresh: Sequence[Span]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _unpadded_rows(fresh: Sequence[Span], groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> np.ndarray:
+    """Packed fresh token -> its row in the concatenation of the per-length-group padded outputs ([rows x Lp_g]
+    each, groups in order), static. Fresh offsets follow span order, so this undoes `_padded_inputs`."""
+    base = np.cumsum([0] + [len(rows) * n for rows, n in zip(groups, lengths)])
+    where = {i: (g, j) for g, rows in enumerate(groups) for j, i in enumerate(rows)}
+    pieces = [base[where[i][0]] + where[i][1] * lengths[where[i][0]] + np.arange(span.length)
+              for i, span in enumerate(fresh)]
+    return np.concatenate(pieces).astype(np.int32)
+
+
 def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     """Maximal runs of consecutive rows as (first, stop); a run of -1 rows is (-1, count)."""
     runs: list[list[int]] = []
@@ -543,13 +553,8 @@ def linear_over_spans(
             o, f = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunks[g]))(padded[g], start)
         outs.append(o.reshape((-1,) + o.shape[2:]))  # [rows * Lp_g, H, V]
         finals_by_group.append(f)
-    # packed token -> its row in the concatenated per-group outputs (static)
-    group_base = np.cumsum([0] + [len(rows) * lengths[g] for g, rows in enumerate(groups)])
-    token_rows = np.concatenate([
-        group_base[where[i][0]] + where[i][1] * lengths[where[i][0]] + np.arange(span.length)
-        for i, span in enumerate(fresh)
-    ]).astype(np.int32)
-    out = (outs[0] if len(outs) == 1 else jnp.concatenate(outs))[jnp.asarray(token_rows)]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    out = out[jnp.asarray(_unpadded_rows(fresh, groups, lengths))]
     finals_flat = finals_by_group[0] if len(groups) == 1 else jnp.concatenate(finals_by_group)
     flat_of = {i: int(sum(len(r) for r in groups[: where[i][0]]) + where[i][1]) for i in range(len(fresh))}
 
@@ -838,14 +843,8 @@ def _isolated_attention(q: Array, k: Array, v: Array, layout: SpanLayout, scale:
         qg, kg, vg = (_gather_padded(x, index) for x in (q, k, v))
         outs.append(dot_product_attention(qg, kg, vg, scale=scale).reshape((-1,) + q.shape[1:]))
         lengths.append(length)
-    base = np.cumsum([0] + [len(rows) * n for rows, n in zip(groups, lengths)])
-    token_rows = np.zeros(layout.num_fresh_tokens, np.int32)
-    for g, rows in enumerate(groups):
-        for j, i in enumerate(rows):
-            span = fresh[i]
-            token_rows[span.offset:span.offset + span.length] = base[g] + j * lengths[g] + np.arange(span.length)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
-    return out[jnp.asarray(token_rows)]
+    return out[jnp.asarray(_unpadded_rows(fresh, groups, lengths))]
 
 
 def _positioned_kernel_fits(q: Array, k: Array, v: Array) -> bool:
