@@ -44,9 +44,11 @@ VARIANTS = {
     "attn512": dict(attention_programs=512),
     "stack": dict(stack_entries=True),
     "noseamfold": dict(seam_fold=False),
+    "nopool": dict(pool_entries=False),
     "all": dict(prefix_block=0, stack_entries=True),
 }
-KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=False, seam_fold=True)
+KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=False, seam_fold=True,
+                     pool_entries=True)
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 
@@ -61,7 +63,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seam", type=float, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--cache-gb", type=float, default=48.0, help="segment cache budget")
+    parser.add_argument("--cache-gb", type=float, default=16.0,
+                        help="segment cache budget (the entry pool is sized from it at the first cold request)")
     parser.add_argument("--compose", default="auto", help="dot algorithm of the composition (auto, f32, bf16x3)")
     parser.add_argument("--prefix", default="auto",
                         help="states at segment boundaries: auto, associative, fold, pallas (linear_attn.prefix_states)")
@@ -149,8 +152,8 @@ def main(argv=None) -> None:
         knobs = {**KNOB_DEFAULTS, **VARIANTS[name]}
         engine.prefix_block, engine.attention_programs = knobs["prefix_block"], knobs["attention_programs"]
         engine.seam_fold = knobs["seam_fold"]
-        if knobs["stack_entries"] != engine.stack_entries:
-            engine.stack_entries = knobs["stack_entries"]
+        if (knobs["stack_entries"], knobs["pool_entries"]) != (engine.stack_entries, engine.pool_entries):
+            engine.stack_entries, engine.pool_entries = knobs["stack_entries"], knobs["pool_entries"]
             engine.cache.clear()  # entries are stored in the new form by the next (cold) request
         start = time.perf_counter()
         try:

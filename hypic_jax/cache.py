@@ -8,7 +8,8 @@ collision can never serve another segment's states.
 Entries are PyTrees of device arrays. A request pins the entries it reads or creates; eviction skips pinned entries
 (the budget may be overshot while a request runs and is restored when it unpins). Eviction only drops the cache's
 reference: a request that already holds an entry keeps using it, so a small budget can slow requests down but never
-break one.
+break one. `on_drop(entry)` runs once an entry has left the cache and no request holds it pinned (the engine frees
+the entry's pool slot there), never earlier.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class Entry:
     layers: Any
     nbytes: int
     pins: int = 0
+    slot: int | None = None  # its row in the engine's entry pool, if any (`hypic_jax.pool`)
+    dropped: bool = False  # left the cache while pinned: `on_drop` runs when the last pin goes
 
     @property
     def length(self) -> int:
@@ -98,10 +101,11 @@ class CacheStats:
 class SegmentCache:
     """LRU map key -> Entry under a byte budget (`capacity_bytes`; None = unbounded). Thread-safe."""
 
-    def __init__(self, capacity_bytes: int | None = None):
+    def __init__(self, capacity_bytes: int | None = None, on_drop=None):
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self._on_drop = on_drop
         self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self._lock = threading.RLock()
         self._stats = CacheStats(capacity_bytes=capacity_bytes or 0)
@@ -142,6 +146,7 @@ class SegmentCache:
             old = self._entries.pop(entry.key, None)
             if old is not None:
                 self._stats.bytes -= old.nbytes  # a request still holding `old` keeps its arrays alive
+                self._drop(old)
             self._entries[entry.key] = entry
             self._stats.bytes += entry.nbytes
             self._stats.insertions += 1
@@ -160,11 +165,21 @@ class SegmentCache:
             del self._entries[key]
             self._stats.bytes -= entry.nbytes
             self._stats.evictions += 1
+            self._drop(entry)
+
+    def _drop(self, entry: Entry) -> None:
+        """`entry` has left the cache: hand it to on_drop now, or when its last pin goes."""
+        entry.dropped = True
+        if entry.pins == 0 and self._on_drop is not None:
+            self._on_drop(entry)
 
     def clear(self) -> None:
         with self._lock:
+            entries = list(self._entries.values())
             self._entries.clear()
             self._stats.bytes = 0
+            for entry in entries:
+                self._drop(entry)
 
     @contextlib.contextmanager
     def pinned(self, entries: Sequence[Entry] = ()) -> Iterator["PinSet"]:
@@ -195,5 +210,7 @@ class PinSet:
         with self._cache._lock:
             for entry in self._held:
                 entry.pins -= 1
+                if entry.pins == 0 and entry.dropped and self._cache._on_drop is not None:
+                    self._cache._on_drop(entry)
             self._held.clear()
             self._cache._evict()

@@ -38,6 +38,7 @@ import numpy as np
 from hypic_jax import spans
 from hypic_jax.cache import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
 from hypic_jax.models.base import LinearCache, ModelCache
+from hypic_jax.pool import EntryPool
 from hypic_jax.linear_attn import PREFIX_IMPLS
 from hypic_jax.pallas.compose import ALGORITHMS
 
@@ -166,7 +167,9 @@ class Engine:
     (default 1024: the fresh queries' attention split over key ranges, 0.83 vs 1.08 ms per layer), `prefix_block`
     (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `stack_entries` (each cache entry stored with
     its layers stacked, `spans.StackedLayers`: fewer arrays to dispatch, but the request's compile did not finish
-    in 200 s; off by default).
+    in 200 s; off by default), `pool_entries` (default True: the linear layers' pieces of PIC entries live in one
+    device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots instead of every
+    entry's arrays, and the seam fold reads the cached interiors in place).
     """
 
     def __init__(
@@ -186,13 +189,16 @@ class Engine:
         attention_programs: int = 1024,
         stack_entries: bool = False,
         seam_fold: bool = True,
+        pool_entries: bool = True,
     ):
         if not hasattr(model.arch, "span_forward"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward; the engine cannot run it")
         self.model = model
         self.arch, self.config, self.params = model.arch, model.config, model.params
         self.tokenizer = _load_tokenizer(tokenizer)
-        self.cache = SegmentCache(cache_bytes)
+        self.pool = EntryPool()
+        self.pool_entries = bool(pool_entries)
+        self.cache = SegmentCache(cache_bytes, on_drop=lambda entry: self.pool.release(entry.slot))
         self.mode = self._check_mode(mode)
         seam_tokens(seam, 1)  # validates
         self.seam = seam
@@ -293,7 +299,8 @@ class Engine:
                 result = self._run_prefill(plan["fresh"])
             else:
                 result = self._run(plan["fresh"], plan["cached"], plan["layout"], self._span_mode(mode),
-                                   want_logits=True, want_decode=True, want_hidden=_want_hidden)
+                                   want_logits=True, want_decode=True, want_hidden=_want_hidden,
+                                   slots=plan.get("slots"))
             logits = np.asarray(jax.block_until_ready(result.logits))
             self._store_records(plan.get("record_as", []), result.records, pins)
         end = time.perf_counter()
@@ -318,10 +325,18 @@ class Engine:
                                    prefix_block=self.prefix_block, attention_programs=self.attention_programs,
                                    seam_fold=self.seam_fold)
 
-    def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False):
+    def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False,
+             slots=None):
+        """One span forward. `cached`: per cached span its entry's layers; `slots`: their pool slots (None or -1
+        for entries without pooled pieces)."""
         tokens = jnp.asarray(np.asarray(fresh_tokens, np.int32))
-        return _span_call(self.params, tokens, tuple(cached), arch=self.arch, config=self.config, layout=layout,
-                          mode=mode, want_logits=want_logits, want_decode=want_decode, want_hidden=want_hidden)
+        with self.pool.lock:  # the pools handed to this dispatch are not donated to a write before it is enqueued
+            cached = tuple(cached)
+            if slots is not None and any(s is not None for s in slots):
+                cached = spans.CachedSegments(cached, self.pool.pools, jnp.asarray(
+                    np.asarray([-1 if s is None else s for s in slots], np.int32)))
+            return _span_call(self.params, tokens, cached, arch=self.arch, config=self.config, layout=layout,
+                              mode=mode, want_logits=want_logits, want_decode=want_decode, want_hidden=want_hidden)
 
     def _plan_full(self, segs):
         tokens = [t for s in segs for t in s]
@@ -391,7 +406,7 @@ class Engine:
             by_key = {entry.key: entry for entry in stored}
             for i, key in missing:
                 entries[i] = by_key[key]
-        pieces, fresh, cached = [], [], []
+        pieces, fresh, cached, slots = [], [], [], []
         for i, (doc, w) in enumerate(zip(docs, seams)):
             if w:
                 pieces.append(dict(kind=spans.FRESH, length=w))
@@ -399,18 +414,28 @@ class Engine:
             if w < len(doc):
                 pieces.append(dict(kind=spans.CACHED, length=len(doc) - w, canonical_start=w))
                 cached.append(entries[i].layers)
+                slots.append(entries[i].slot)
         pieces.append(dict(kind=spans.FRESH, length=len(query)))
         fresh += query
-        return dict(layout=spans.SpanLayout.build(pieces), fresh=fresh, cached=cached, cached_tokens=cached_tokens,
-                    cold_tokens=cold_tokens, hits=hits, misses=len(missing))
+        return dict(layout=spans.SpanLayout.build(pieces), fresh=fresh, cached=cached, slots=slots,
+                    cached_tokens=cached_tokens, cold_tokens=cold_tokens, hits=hits, misses=len(missing))
 
     def _store_records(self, record_as, records, pins) -> list[Entry]:
         stored = []
+        pooled = [layers_ for (kind, *_), layers_ in zip(record_as, records) if kind == "pic" and self.pool_entries]
+        budget = None
+        if pooled:  # linear pieces into the device pool (one growth for all of them); each entry keeps its slot
+            if self.cache.capacity_bytes is not None:
+                budget = max(1, self.cache.capacity_bytes // max(1, tree_nbytes(pooled[0])))
+            self.pool.reserve(pooled[0], len(pooled), budget)
         for (kind, key, doc, w), layers_ in zip(record_as, records):
+            nbytes, slot = tree_nbytes(layers_), None
+            if kind == "pic" and self.pool_entries:
+                slot, layers_ = self.pool.store(layers_, budget)
             if self.stack_entries:  # few arrays per entry: cheap to pass to every request
                 layers_ = spans.StackedLayers.stack(layers_)
-            entry = Entry(key=key, tokens=tuple(doc), kind=kind, seam=w, layers=layers_, nbytes=tree_nbytes(layers_))
-            stored.append(pins.add(self.cache.insert(entry)))
+            entry = Entry(key=key, tokens=tuple(doc), kind=kind, seam=w, layers=layers_, nbytes=nbytes, slot=slot)
+            stored.append(self.cache.insert(pins.add(entry)))  # pinned first: never evicted before this request ends
         return stored
 
     # Generation ---------------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ __all__ = [
     "LinearEntry",
     "KVEntry",
     "StackedLayers",
+    "PoolSlot",
+    "PooledSummary",
+    "CachedSegments",
     "conv_over_spans",
     "linear_over_spans",
     "attention_over_spans",
@@ -301,6 +304,121 @@ class StackedLayers:
     @classmethod
     def tree_unflatten(cls, index, children):
         return cls(children[0], index)
+
+
+@jax.tree_util.register_pytree_node_class
+class PoolSlot:
+    """Stands in a stored cache entry for a layer piece that lives in the engine's entry pool (`hypic_jax.pool`):
+    the piece is row `slot` of that layer's pool, where `slot` is the entry's. No leaves: a request hands jit the
+    pool once instead of every entry's copy of the piece."""
+
+    def tree_flatten(self):
+        return (), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PoolSlot)
+
+    def __hash__(self) -> int:
+        return hash(PoolSlot)
+
+    def __repr__(self) -> str:
+        return "PoolSlot()"
+
+
+class PooledSummary:
+    """A cached summary that is row `slot` of a pool of summaries (`pool`: a `Summary` with a leading capacity
+    axis). Reads as a Summary (`form`, `state`, `transfer`, `shape`; the arrays are sliced on access); kernels that
+    take pools (`pallas.compose.span_fold_pallas`) read the rows of many of them in place instead."""
+
+    def __init__(self, pool: Summary, slot: Array):
+        self.pool, self.slot, self.form = pool, slot, pool.form
+
+    @property
+    def state(self) -> Array:
+        return self.pool.state[self.slot]
+
+    @property
+    def transfer(self) -> Array | None:
+        return None if self.pool.transfer is None else self.pool.transfer[self.slot]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.pool.state.shape[1:])
+
+    def materialize(self) -> Summary:
+        return jax.tree.map(lambda a: a[self.slot], self.pool)
+
+
+@jax.tree_util.register_pytree_node_class
+class CachedSegments:
+    """The cached entries of one request as the span forward reads them: `cached[e][layer]` is entry e's piece of
+    that layer, exactly as for a plain tuple of entries, except that pieces stored as `PoolSlot` come out of the
+    pools: the summary as a `PooledSummary`, the other leaves (conv tails) sliced at the entry's slot.
+
+    entries: per entry its per-layer pieces; pools: per layer None or the pool (the piece's PyTree with a leading
+    capacity axis); slots: int32 [entries] (-1 for entries that hold no pooled piece). The slots are data, not part
+    of the layout: requests over the same layout share one compilation whichever slots their entries occupy.
+    """
+
+    def __init__(self, entries: tuple, pools: tuple, slots):
+        self.entries, self.pools, self.slots = entries, pools, slots
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, e: int) -> "_EntryView":
+        return _EntryView(self, e)
+
+    def __iter__(self):
+        return (self[e] for e in range(len(self)))
+
+    def piece(self, e: int, layer: int):
+        piece = self.entries[e][layer]
+        if not isinstance(piece, PoolSlot):
+            return piece
+        pool, slot = self.pools[layer], self.slots[e]
+        if pool is None:
+            raise ValueError(f"entry {e} keeps layer {layer} in the pool, but no pool was given for that layer")
+        if isinstance(pool, LinearEntry):
+            return LinearEntry(summary=PooledSummary(pool.summary, slot), conv=pool.conv[slot])
+        return jax.tree.map(lambda a: a[slot], pool)
+
+    def tree_flatten(self):
+        return (self.entries, self.pools, self.slots), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+class _EntryView:
+    """One entry of `CachedSegments`: indexable by layer like the tuple of per-layer pieces."""
+
+    def __init__(self, segments: CachedSegments, e: int):
+        self._segments, self._e = segments, e
+
+    def __getitem__(self, layer: int):
+        return self._segments.piece(self._e, layer)
+
+    def __len__(self) -> int:
+        return len(self._segments.entries[self._e])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def _pooled_rows(members: Sequence) -> tuple[Summary, Array] | None:
+    """(pool, slots [n]) when every member is a `PooledSummary` of one pool, else None."""
+    if not members or not all(isinstance(m, PooledSummary) for m in members):
+        return None
+    first = members[0].pool
+    if any(m.pool.state is not first.state or m.pool.transfer is not first.transfer for m in members):
+        return None
+    return first, jnp.stack([jnp.asarray(m.slot, jnp.int32) for m in members])
 
 
 @jax.jit
@@ -600,7 +718,14 @@ def _splice(old, new, members: Sequence[int]):
 def _stack_cached(cached, cached_in: Sequence[Span], mode: SpanMode, rotate):
     """The summaries of the cached spans `cached_in`, stacked in that order, as this mode stitches them (transfer
     dropped for `addition`, moved to their absolute positions for RoPE'd linear layers)."""
-    stacked = linear_attn.stack_summaries([cached[s.offset] for s in cached_in])
+    members = [cached[s.offset] for s in cached_in]
+    pooled = _pooled_rows(members)
+    if pooled is not None:  # one gather from the pool
+        pool, slots = pooled
+        stacked = jax.tree.map(lambda a: a[slots], pool)
+    else:
+        stacked = linear_attn.stack_summaries(
+            [m.materialize() if isinstance(m, PooledSummary) else m for m in members])
     if not mode.transfer:
         stacked = Summary("identity", stacked.state, None)
     offsets = np.asarray([s.start - s.canonical_start for s in cached_in], np.int32)
@@ -628,14 +753,20 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     if any(cached[s.offset].form != "dense" for s in interior_spans):
         return None  # scalar / diagonal transfers compose elementwise: the general path is cheap for them
     on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not all(n >= 16 and not n & (n - 1) for n in cached[interior_spans[0].offset].state.shape[-2:]):
+    if on_gpu and not all(n >= 16 and not n & (n - 1) for n in cached[interior_spans[0].offset].shape[-2:]):
         return None  # Triton tiles need power-of-two widths of at least 16
-    interiors = _stack_cached(cached, interior_spans, mode, rotate)
     seams = _select(padded[group], [row for _, row in fresh_rows])
     w, u, k_to_end, decay = jax.vmap(lambda one: one.chunk_step())(seams)
     config = pallas_compose.FoldConfig(algorithm=mode.compose or "f32")
+    pooled = _pooled_rows([cached[s.offset] for s in interior_spans])
+    moved = mode.rope and rotate is not None and any(s.start != s.canonical_start for s in interior_spans)
+    if pooled is not None and not moved:  # the kernel reads every interior where it lies in the pool
+        pool, slots = pooled
+        return pallas_compose.span_fold_pallas(w, u, k_to_end, decay, pool.transfer, pool.state, slots,
+                                               config=config, interpret=not on_gpu)
+    interiors = _stack_cached(cached, interior_spans, mode, rotate)
     return pallas_compose.span_fold_pallas(w, u, k_to_end, decay, interiors.transfer, interiors.state, config=config,
-                            interpret=not on_gpu)
+                                           interpret=not on_gpu)
 
 
 def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):

@@ -166,26 +166,34 @@ def test_reordered_documents_are_served_from_the_cache(build, arch):
 
 @pytest.mark.parametrize("arch", ("qwen_moe", "kimi"))
 def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
-    """The Pallas fold with the seams entering it as chunk steps (the GPU default), stacked cache entries and the
-    blocked fold, in interpret mode here, give the default engine's results; invalid knob values are refused."""
+    """The Pallas fold with the seams entering it as chunk steps (the GPU default) reading the cached interiors in
+    place from the entry pool, the same without the pool, stacked cache entries and the blocked fold, in interpret
+    mode here, give the plain engine's results; invalid knob values are refused."""
     from hypic_jax.pallas import compose
 
     folds = []
     original = compose.span_fold_pallas
-    monkeypatch.setattr(compose, "span_fold_pallas", lambda *a, **k: folds.append(1) or original(*a, **k))
+
+    def spy(*args, **kwargs):
+        folds.append(len(args) > 6 and args[6] is not None)  # slots given: interiors read from the pool
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(compose, "span_fold_pallas", spy)
     model, vocab = build(arch)
     segs = _request(vocab, seed=3)
     shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
-    base = Engine(model, seam=SEAM)
+    base = Engine(model, seam=SEAM, pool_entries=False)
     seam_fold = Engine(model, seam=SEAM, prefix_impl="pallas")
+    unpooled = Engine(model, seam=SEAM, prefix_impl="pallas", pool_entries=False)
     tuned = Engine(model, seam=SEAM, stack_entries=True, prefix_impl="pallas", prefix_block=0, attention_programs=64)
     for request in (segs, shuffled):  # cold (entries recorded, then stitched), then served from the cache
         want = base.prefill(request)
-        for engine in (seam_fold, tuned):
+        for engine in (seam_fold, unpooled, tuned):
             got = engine.prefill(request)
             assert _rel(got.logits, want.logits) < 1e-5
             assert (got.stats.hits, got.stats.misses) == (want.stats.hits, want.stats.misses)
-    assert folds  # the seam fold ran (delta-rule layers have dense transfers)
+    assert True in folds and False in folds  # the seam fold ran, from the pool and from stacked interiors
+    assert seam_fold.pool.in_use == NUM_DOCS and unpooled.pool.in_use == 0
     entry = next(iter(tuned.cache._entries.values()))
     assert len(entry.layers) == len(model.params["layers"])  # a StackedLayers still reads as one piece per layer
     for bad in (dict(prefix_block=1), dict(prefix_block=-2), dict(attention_programs=0), dict(prefix_impl="x")):
@@ -218,20 +226,29 @@ def test_addition_deviates_far_more_than_transition(build, arch):
         assert _rel(added.logits, full.logits) > 2 * _rel(composed.logits, full.logits)
 
 
-def test_eviction_under_a_small_budget_never_breaks_a_request(build):
+@pytest.mark.parametrize("prefix_impl", ("associative", "pallas"))
+def test_eviction_under_a_small_budget_never_breaks_a_request(build, prefix_impl):
+    """A budget for one entry: the request's entries stay pinned (and their pool slots unshared) until it ends,
+    the evicted entries' slots are reused by the next request, and every answer is the roomy engine's."""
     model, vocab = build("qwen_dense")
     segs = _request(vocab, seed=3)
-    roomy = Engine(model, seam=SEAM)
+    roomy = Engine(model, seam=SEAM, prefix_impl=prefix_impl)
     expected = roomy.prefill(segs)
     entry_bytes = roomy.cache.stats.bytes // NUM_DOCS
-    tight = Engine(model, seam=SEAM, cache_bytes=entry_bytes + entry_bytes // 2)  # room for one entry
+    tight = Engine(model, seam=SEAM, cache_bytes=entry_bytes + entry_bytes // 2, prefix_impl=prefix_impl)
     first = tight.prefill(segs)
     np.testing.assert_allclose(first.logits, expected.logits, rtol=1e-6, atol=1e-6)
     stats = tight.cache.stats
     assert stats.evictions == NUM_DOCS - 1 and stats.entries == 1 and stats.bytes <= stats.capacity_bytes
+    assert tight.pool.in_use == 1  # the evicted entries gave their slots back
+    capacity = tight.pool.capacity
+    assert capacity >= NUM_DOCS  # grown past the budget's one slot: the running request pinned three entries
     again = tight.prefill(segs)  # two of three entries are gone: recomputed, same answer
     assert again.stats.misses == NUM_DOCS - 1
     np.testing.assert_allclose(again.logits, expected.logits, rtol=1e-6, atol=1e-6)
+    assert tight.pool.in_use == 1 and tight.pool.capacity == capacity  # freed slots reused, no growth
+    shuffled = [segs[i] for i in (2, 0, 1)] + [segs[-1]]
+    np.testing.assert_allclose(tight.prefill(shuffled).logits, roomy.prefill(shuffled).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_cache_keys_separate_tenants_and_seams(build):
@@ -316,3 +333,22 @@ def test_random_order_many_requests_keep_counters_consistent(build):
         engine.prefill(docs + [segs[-1]])
     stats = engine.cache.stats
     assert stats.misses == NUM_DOCS and stats.hits == 2 * NUM_DOCS and stats.entries == NUM_DOCS
+
+
+def test_dropped_entries_reach_on_drop_once_and_only_when_unpinned():
+    """The engine frees an entry's pool slot in on_drop: that must never run while a request holds the entry."""
+    from hypic_jax.cache import Entry, SegmentCache
+
+    dropped = []
+    cache = SegmentCache(capacity_bytes=10, on_drop=lambda e: dropped.append(e.key))
+    entry = lambda key: Entry(key=key, tokens=(1,), kind="pic", seam=0, layers=(), nbytes=6)  # noqa: E731
+    with cache.pinned() as pins:
+        a = cache.insert(pins.add(entry("a")))
+        cache.insert(pins.add(entry("b")))  # over budget, but both pinned
+        assert dropped == [] and len(cache) == 2
+        cache.insert(pins.add(entry("a")))  # replaces the pinned "a": dropped, on_drop deferred
+        assert a.dropped and dropped == []
+    assert dropped == ["a", "b"]  # unpins: the replaced "a", then "b" evicted (least recent) down to the budget
+    assert len(cache) == 1 and cache.stats.evictions == 1
+    cache.clear()
+    assert dropped == ["a", "b", "a"]  # the second "a"

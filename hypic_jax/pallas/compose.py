@@ -318,10 +318,13 @@ __all__ += ["prefix_fold_pallas"]
 # Seam fold: the PIC request's groups (a short fresh span, then a cached interior) folded without composing them.
 
 
-def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=None):
+def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=None, slots=None):
     """Pure-JAX reference of `span_fold_pallas` (float32 HIGHEST, sequential): for each group i,
-    state <- T_i (Diag(decay_i) state + k_to_end_i^T (u_i - w_i state)) + S_i, and every state is returned."""
+    state <- T_i (Diag(decay_i) state + k_to_end_i^T (u_i - w_i state)) + S_i, and every state is returned.
+    With `slots`, group i's interior is row slots[i] of the pools `transfers` and `states`."""
     hi = lax.Precision.HIGHEST
+    if slots is not None:
+        transfers, states = transfers[slots], states[slots]
     init = jnp.zeros(states.shape[1:], jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
     def step(state, group):
@@ -334,17 +337,20 @@ def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=
     return lax.scan(step, init, (w, u, k_to_end, decay, transfers, states))[1]
 
 
-def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, o_ref, *, num_groups, prec):
+def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_groups, prec, pooled):
     """One (column block, batch entry): per group the fresh span's chunk step, then the interior's transfer.
-    The group's operands do not depend on the running state, so their loads can run ahead of the products."""
+    The group's operands do not depend on the running state, so their loads can run ahead of the products.
+    pooled: t_ref / s_ref are whole entry pools and group i's interior is row slot_ref[i] (read in place)."""
+    slot_ref, o_ref = rest if pooled else (None, rest[0])
     key_dim = t_ref.shape[-1]
     dims = (((1,), (0,)), ((), ()))
 
     def body(i, acc):
+        row = slot_ref[i] if pooled else i
         inner = u_ref[i] - lax.dot_general(w_ref[i], acc, dims, precision=prec, preferred_element_type=jnp.float32)
         acc = d_ref[i][:, None] * acc + lax.dot_general(kt_ref[i], inner, dims, precision=prec,
                                                          preferred_element_type=jnp.float32)
-        acc = lax.dot_general(t_ref[i], acc, dims, precision=prec, preferred_element_type=jnp.float32) + s_ref[i]
+        acc = lax.dot_general(t_ref[row], acc, dims, precision=prec, preferred_element_type=jnp.float32) + s_ref[row]
         o_ref[i] = acc
         return acc
 
@@ -352,13 +358,16 @@ def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, o_ref, *, num_g
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def span_fold_pallas(w, u, k_to_end, decay, transfers, states, *, config: FoldConfig = FoldConfig(),
+def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, config: FoldConfig = FoldConfig(),
                      interpret: bool = False):
     """The state after each of n groups "fresh span of c <= chunk tokens, then a cached interior (T, S)", from zero.
 
     w [n, ..., c, K] (zeros for families without a delta rule), u [n, ..., c, V], k_to_end [n, ..., c, K]: the
     fresh span as one chunk step of `linear_attn.chunk_step`; decay [n, ..., K] its per-key decay over the span;
     transfers [n, ..., K, K], states [n, ..., K, V]: the interiors' dense summaries. Returns [n, ..., K, V] float32.
+    slots: None, or int32 [n]: then transfers [P, ..., K, K] and states [P, ..., K, V] are entry pools (float32) and
+    group i's interior is pool row slots[i], read where it lies (no gathered copy of n interiors first: at the PIC
+    request's shape that copy is 268 MB per layer).
 
     Why: composing each fresh span's dense summary with its interior (T_int T_span, T_int S_span + S_int) before a
     fold costs one batched 128 x 128 x 256 product per group and layer plus the copies that feed it, all memory-bound
@@ -366,15 +375,17 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, *, config: FoldCo
     formed and the step still costs one dense product. Columns of the state are independent, so they split over
     programs as in `prefix_fold_pallas`.
     """
-    n = transfers.shape[0]
+    n = w.shape[0]
     batch = transfers.shape[1:-2]
     key_dim, value_dim = states.shape[-2], states.shape[-1]
     c = w.shape[-2]
     if (transfers.shape[-2:] != (key_dim, key_dim) or w.shape[-1] != key_dim or k_to_end.shape != w.shape
             or u.shape != w.shape[:-1] + (value_dim,) or decay.shape != w.shape[:-2] + (key_dim,)
-            or w.shape[:-2] != transfers.shape[:-2]):
+            or w.shape[1:-2] != batch or states.shape[:-2] != transfers.shape[:-2]
+            or (slots is None and transfers.shape[0] != n) or (slots is not None and slots.shape != (n,))):
         raise ValueError(f"span fold operands disagree: w {w.shape}, u {u.shape}, k_to_end {k_to_end.shape}, "
-                         f"decay {decay.shape}, transfers {transfers.shape}, states {states.shape}")
+                         f"decay {decay.shape}, transfers {transfers.shape}, states {states.shape}, "
+                         f"slots {None if slots is None else slots.shape}")
     rows = max(16, -(-c // 16) * 16)  # Triton dots need 16 rows; zero rows add nothing
     pad = [(0, 0)] * (w.ndim - 2) + [(0, rows - c), (0, 0)]
     flat = lambda x, tail: x.reshape((n, -1) + tail).astype(jnp.float32)  # noqa: E731
@@ -382,28 +393,36 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, *, config: FoldCo
     u_ = flat(jnp.pad(u, pad), (rows, value_dim))
     kt = jnp.swapaxes(flat(jnp.pad(k_to_end, pad), (rows, key_dim)), -1, -2)  # [n, B, K, rows]
     d = flat(decay, (key_dim,))
-    t = flat(transfers, (key_dim, key_dim))
-    s = flat(states, (key_dim, value_dim))
+    rows_in = transfers.shape[0]  # n, or the pool's capacity
+    t = transfers.reshape((rows_in, -1, key_dim, key_dim)).astype(jnp.float32)  # no-ops for float32 pools
+    s = states.reshape((rows_in, -1, key_dim, value_dim)).astype(jnp.float32)
     b = t.shape[1]
     bw = _block_width(config.block_w, value_dim)
-    kernel = functools.partial(_span_fold_kernel, num_groups=n, prec=_KERNEL_PRECISION[config.algorithm])
+    pooled = slots is not None
+    kernel = functools.partial(_span_fold_kernel, num_groups=n, prec=_KERNEL_PRECISION[config.algorithm],
+                               pooled=pooled)
+    in_specs = [
+        pl.BlockSpec((n, None, rows, key_dim), lambda j, i: (0, i, 0, 0)),
+        pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j)),
+        pl.BlockSpec((n, None, key_dim, rows), lambda j, i: (0, i, 0, 0)),
+        pl.BlockSpec((n, None, key_dim), lambda j, i: (0, i, 0)),
+        pl.BlockSpec((rows_in, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
+        pl.BlockSpec((rows_in, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
+    ]
+    args = [w_, u_, kt, d, t, s]
+    if pooled:
+        in_specs.append(pl.BlockSpec((n,), lambda j, i: (0,)))
+        args.append(slots.astype(jnp.int32))
     out = pl.pallas_call(
         kernel,
         grid=(value_dim // bw, b),
-        in_specs=[
-            pl.BlockSpec((n, None, rows, key_dim), lambda j, i: (0, i, 0, 0)),
-            pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j)),
-            pl.BlockSpec((n, None, key_dim, rows), lambda j, i: (0, i, 0, 0)),
-            pl.BlockSpec((n, None, key_dim), lambda j, i: (0, i, 0)),
-            pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
-            pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n, b, key_dim, value_dim), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="span_fold",
-    )(w_, u_, kt, d, t, s)
+        name="span_fold_pooled" if pooled else "span_fold",
+    )(*args)
     return out.reshape((n,) + batch + (key_dim, value_dim))
 
 
