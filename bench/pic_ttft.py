@@ -119,6 +119,10 @@ def main(argv=None) -> None:
             order = rng.permutation(segments)
             last = engine.prefill([docs[i] for i in order] + [query], mode=mode)
             times.append(last.stats.ttft_s)
+        st = last.stats  # where the last request's time went on the host
+        print(f"  last request: ttft {1e3 * st.ttft_s:.1f} ms = planning {1e3 * st.cold_s:.1f} + dispatch "
+              f"{1e3 * st.dispatch_s:.1f} + device wait and logits {1e3 * (st.combine_s - st.dispatch_s):.1f}",
+              flush=True)
         return times, last
 
     rows = []
@@ -173,7 +177,7 @@ def main(argv=None) -> None:
                    segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam,
                    compose=engine.compose_algorithm, prefix=engine.prefix_impl, prefix_block=args.prefix_block,
                    attention_programs=args.attention_programs, stack_entries=args.stack_entries,
-                   seam_fold=not args.no_seam_fold)
+                   seam_fold=not args.no_seam_fold, pool_entries=True)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")

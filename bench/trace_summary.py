@@ -113,6 +113,38 @@ def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = 
         print("  host, top by summed duration:")
         for name, dur in host.most_common(min(top, 10)):
             print(f"  {dur / 1e3:9.3f} ms  {name[:110]}")
+        timeline(events, threads, device_events)
+
+
+def timeline(events: list[dict], threads: dict, device_events: list[dict], anchor: str = "prefill") -> None:
+    """When things happened, relative to the start of the traced request (the first host event named like
+    `anchor`): the host events of at least 1 ms in start order, the device's first and last kernel, its busy time
+    and the largest idle gaps between kernels (a launch- or host-bound request shows as gaps)."""
+    host = [e for e in events if e not in device_events and e.get("dur", 0) >= 1000]
+    roots = [e for e in host if anchor in e["name"]]
+    if not roots or not device_events:
+        return
+    t0 = min(e["ts"] for e in roots)
+    end = max(e["ts"] + e["dur"] for e in roots)
+    print(f"  timeline (ms from the request's start; request {1e-3 * (end - t0):.1f} ms on the host):")
+    for e in sorted(host, key=lambda e: e["ts"]):
+        if t0 <= e["ts"] <= end:
+            where = threads.get((e["pid"], e["tid"]), "")[-24:]
+            print(f"    host {1e-3 * (e['ts'] - t0):8.2f} +{1e-3 * e['dur']:8.2f}  {e['name'][:70]}  [{where}]")
+    kernels = sorted(device_events, key=lambda e: e["ts"])
+    first, last = kernels[0]["ts"], max(e["ts"] + e.get("dur", 0) for e in kernels)
+    busy = sum(e.get("dur", 0) for e in kernels)
+    print(f"    device: first kernel at {1e-3 * (first - t0):.2f}, last ends at {1e-3 * (last - t0):.2f} "
+          f"(span {1e-3 * (last - first):.2f} ms, busy {1e-3 * busy:.2f} ms)")
+    gaps, reach = [], first
+    for prev, nxt in zip(kernels, kernels[1:]):
+        reach = max(reach, prev["ts"] + prev.get("dur", 0))
+        if nxt["ts"] > reach:
+            gaps.append((nxt["ts"] - reach, reach, prev["name"], nxt["name"]))
+    gaps.sort(reverse=True)
+    print(f"    idle gaps: {len(gaps)}, {1e-3 * sum(g[0] for g in gaps):.2f} ms in all; largest:")
+    for gap, at, before, after in gaps[:12]:
+        print(f"      {1e-3 * gap:8.2f} ms at {1e-3 * (at - t0):8.2f}  after {before[:40]}  before {after[:40]}")
 
 
 def main(argv=None) -> None:

@@ -78,7 +78,9 @@ def _decode_step(params, token, cache, *, arch, config):
 class PrefillStats:
     """What a prefill did. cached_tokens: tokens served from entries that were already in the cache;
     recomputed_tokens: fresh tokens of the final forward (seams, query, uncached prefix segments);
-    cold_tokens: tokens prefilled in isolation to create missing entries."""
+    cold_tokens: tokens prefilled in isolation to create missing entries. Times: ttft_s the whole call; cold_s
+    planning and cold prefills; combine_s the final forward until its logits are on the host, of which dispatch_s
+    is host work before everything is enqueued on the device (argument handling, kernel launches)."""
 
     mode: str
     seam: float
@@ -92,6 +94,7 @@ class PrefillStats:
     ttft_s: float
     cold_s: float
     combine_s: float
+    dispatch_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -301,6 +304,7 @@ class Engine:
                 result = self._run(plan["fresh"], plan["cached"], plan["layout"], self._span_mode(mode),
                                    want_logits=True, want_decode=True, want_hidden=_want_hidden,
                                    slots=plan.get("slots"))
+            dispatch_s = time.perf_counter() - combine_start
             logits = np.asarray(jax.block_until_ready(result.logits))
             self._store_records(plan.get("record_as", []), result.records, pins)
         end = time.perf_counter()
@@ -309,6 +313,7 @@ class Engine:
             prompt_tokens=sum(map(len, segs)), cached_tokens=plan["cached_tokens"],
             recomputed_tokens=plan["layout"].num_fresh_tokens, cold_tokens=plan["cold_tokens"], hits=plan["hits"],
             misses=plan["misses"], ttft_s=end - start, cold_s=cold_s, combine_s=end - combine_start,
+            dispatch_s=dispatch_s,
         )
         return PrefillResult(logits=logits, stats=stats, tokens=[t for s in segs for t in s], decode=result.decode,
                              hidden=result.hidden)

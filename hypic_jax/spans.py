@@ -60,6 +60,8 @@ __all__ = [
     "StackedLayers",
     "PoolSlot",
     "PooledSummary",
+    "PooledArray",
+    "stack_rows",
     "CachedSegments",
     "conv_over_spans",
     "linear_over_spans",
@@ -329,35 +331,82 @@ class PoolSlot:
         return "PoolSlot()"
 
 
-class PooledSummary:
-    """A cached summary that is row `slot` of a pool of summaries (`pool`: a `Summary` with a leading capacity
-    axis). Reads as a Summary (`form`, `state`, `transfer`, `shape`; the arrays are sliced on access); kernels that
-    take pools (`pallas.compose.span_fold_pallas`) read the rows of many of them in place instead."""
+class _PoolRow:
+    """Row `index` of `CachedSegments`'s slot vector, in the pool `pool` (any array or PyTree with a leading
+    capacity axis). Many rows of one pool are gathered with one op (`_pooled_rows`), never sliced one by one."""
 
-    def __init__(self, pool: Summary, slot: Array):
-        self.pool, self.slot, self.form = pool, slot, pool.form
+    def __init__(self, pool, slots: Array, index: int):
+        self.pool, self.slots, self.index = pool, slots, index
+
+    @property
+    def slot(self) -> Array:
+        return self.slots[self.index]
+
+    def materialize(self):
+        return jax.tree.map(lambda a: a[self.slot], self.pool)
+
+
+class PooledSummary(_PoolRow):
+    """A cached summary that lives in a pool of summaries (`pool`: a `Summary` with a leading capacity axis). Reads
+    as a Summary (`form`, `state`, `transfer`, `shape`; arrays sliced on access); `_stack_cached` gathers many of
+    them at once and `pallas.compose.span_fold_pallas` reads their rows in place."""
+
+    @property
+    def form(self) -> str:
+        return self.pool.form
 
     @property
     def state(self) -> Array:
-        return self.pool.state[self.slot]
+        return self.materialize().state
 
     @property
     def transfer(self) -> Array | None:
-        return None if self.pool.transfer is None else self.pool.transfer[self.slot]
+        return self.materialize().transfer
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.pool.state.shape[1:])
 
-    def materialize(self) -> Summary:
-        return jax.tree.map(lambda a: a[self.slot], self.pool)
+
+class PooledArray(_PoolRow):
+    """A cached per-entry array (a conv tail) that is a row of a pool array; `shape` / `dtype` are the row's."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.pool.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+
+def _pooled_rows(members: Sequence):
+    """(pool, slots [n]) when every member is a pool row of one pool (one gather reads them all), else None."""
+    if not members or not all(isinstance(m, _PoolRow) for m in members):
+        return None
+    first = members[0]
+    same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+    if any(m.slots is not first.slots or not same(m.pool, first.pool) for m in members):
+        return None
+    return first.pool, first.slots[jnp.asarray(np.asarray([m.index for m in members], np.int32))]
+
+
+def stack_rows(members: Sequence):
+    """The members (arrays or PyTrees, or pool rows) stacked along a new leading axis: one gather when they are
+    rows of one pool."""
+    pooled = _pooled_rows(members)
+    if pooled is not None:
+        pool, slots = pooled
+        return jax.tree.map(lambda a: a[slots], pool)
+    rows = [m.materialize() if isinstance(m, _PoolRow) else m for m in members]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
 
 
 @jax.tree_util.register_pytree_node_class
 class CachedSegments:
     """The cached entries of one request as the span forward reads them: `cached[e][layer]` is entry e's piece of
     that layer, exactly as for a plain tuple of entries, except that pieces stored as `PoolSlot` come out of the
-    pools: the summary as a `PooledSummary`, the other leaves (conv tails) sliced at the entry's slot.
+    pools as views (`PooledSummary`, `PooledArray`) that the span code gathers once per layer for all entries.
 
     entries: per entry its per-layer pieces; pools: per layer None or the pool (the piece's PyTree with a leading
     capacity axis); slots: int32 [entries] (-1 for entries that hold no pooled piece). The slots are data, not part
@@ -380,12 +429,13 @@ class CachedSegments:
         piece = self.entries[e][layer]
         if not isinstance(piece, PoolSlot):
             return piece
-        pool, slot = self.pools[layer], self.slots[e]
+        pool = self.pools[layer]
         if pool is None:
             raise ValueError(f"entry {e} keeps layer {layer} in the pool, but no pool was given for that layer")
         if isinstance(pool, LinearEntry):
-            return LinearEntry(summary=PooledSummary(pool.summary, slot), conv=pool.conv[slot])
-        return jax.tree.map(lambda a: a[slot], pool)
+            return LinearEntry(summary=PooledSummary(pool.summary, self.slots, e),
+                               conv=PooledArray(pool.conv, self.slots, e))
+        return _PoolRow(pool, self.slots, e).materialize()
 
     def tree_flatten(self):
         return (self.entries, self.pools, self.slots), None
@@ -409,16 +459,6 @@ class _EntryView:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
-
-
-def _pooled_rows(members: Sequence) -> tuple[Summary, Array] | None:
-    """(pool, slots [n]) when every member is a `PooledSummary` of one pool, else None."""
-    if not members or not all(isinstance(m, PooledSummary) for m in members):
-        return None
-    first = members[0].pool
-    if any(m.pool.state is not first.state or m.pool.transfer is not first.transfer for m in members):
-        return None
-    return first, jnp.stack([jnp.asarray(m.slot, jnp.int32) for m in members])
 
 
 @jax.jit
@@ -505,8 +545,11 @@ def conv_over_spans(
     w1 = width - 1
     if len(cached_tails) != len(layout.cached):
         raise ValueError(f"{len(layout.cached)} cached spans but {len(cached_tails)} conv tails")
-    table = [jnp.zeros((1, x.shape[1]), x.dtype), x] + [t.astype(x.dtype).reshape(w1, x.shape[1]) for t in cached_tails]
-    table = jnp.concatenate(table, axis=0)
+    if cached_tails and any(isinstance(t, _PoolRow) for t in cached_tails):  # one gather for every pooled tail
+        tails = [stack_rows(list(cached_tails)).astype(x.dtype).reshape(len(cached_tails) * w1, x.shape[1])]
+    else:
+        tails = [t.astype(x.dtype).reshape(w1, x.shape[1]) for t in cached_tails]
+    table = jnp.concatenate([jnp.zeros((1, x.shape[1]), x.dtype), x] + tails, axis=0)
     extended, blocks, final_rows, record_rows = _conv_rows(layout, width)
     y_ext, _ = causal_conv1d(table[jnp.asarray(extended)], weight, activation=activation)
     y = y_ext[jnp.asarray(np.concatenate(blocks))] if blocks else y_ext[:0]
@@ -719,10 +762,8 @@ def _stack_cached(cached, cached_in: Sequence[Span], mode: SpanMode, rotate):
     """The summaries of the cached spans `cached_in`, stacked in that order, as this mode stitches them (transfer
     dropped for `addition`, moved to their absolute positions for RoPE'd linear layers)."""
     members = [cached[s.offset] for s in cached_in]
-    pooled = _pooled_rows(members)
-    if pooled is not None:  # one gather from the pool
-        pool, slots = pooled
-        stacked = jax.tree.map(lambda a: a[slots], pool)
+    if _pooled_rows(members) is not None:  # one gather from the pool
+        stacked = stack_rows(members)
     else:
         stacked = linear_attn.stack_summaries(
             [m.materialize() if isinstance(m, PooledSummary) else m for m in members])

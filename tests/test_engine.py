@@ -352,3 +352,37 @@ def test_dropped_entries_reach_on_drop_once_and_only_when_unpinned():
     assert len(cache) == 1 and cache.stats.evictions == 1
     cache.clear()
     assert dropped == ["a", "b", "a"]  # the second "a"
+
+
+def test_entry_pool_slots_layout_and_growth():
+    """Pool rows hold exactly what was stored; pieces of another layout stay out of the pool; growth keeps rows."""
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pool import EntryPool
+    from hypic_jax.spans import KVEntry, LinearEntry, PoolSlot
+
+    rng = np.random.default_rng(0)
+
+    def layers(dim=4):
+        arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+        return (LinearEntry(la.Summary("dense", arr(2, dim, dim), arr(2, dim, dim)), arr(3, 8)),
+                KVEntry(arr(5, 1, 4), arr(5, 1, 4)))
+
+    pool = EntryPool()
+    stored = [layers() for _ in range(3)]
+    pool.reserve(stored[0], 2)
+    slots = []
+    for entry in stored:  # the third store grows the pool (2 -> 4) with the first two rows in place
+        slot, kept = pool.store(entry)
+        assert isinstance(kept[0], PoolSlot) and kept[1] is entry[1]
+        slots.append(slot)
+    assert pool.capacity == 4 and pool.in_use == 3 and len(set(slots)) == 3
+    for slot, entry in zip(slots, stored):
+        np.testing.assert_array_equal(pool.pools[0].summary.transfer[slot], entry[0].summary.transfer)
+        np.testing.assert_array_equal(pool.pools[0].conv[slot], entry[0].conv)
+    assert pool.pools[1] is None
+    other = layers(dim=8)  # another state width: not this pool's layout, kept as arrays
+    assert pool.store(other) == (None, other)
+    pool.release(slots[1])
+    assert pool.store(stored[1])[0] == slots[1] and pool.capacity == 4  # the freed slot, no growth
+    with pytest.raises(ValueError, match="not in use"):
+        pool.release(99)
