@@ -45,10 +45,11 @@ VARIANTS = {
     "stack": dict(stack_entries=True),
     "noseamfold": dict(seam_fold=False),
     "nopool": dict(pool_entries=False),
+    "graphs": dict(command_buffers=True),  # XLA's CUDA-graph capture of the span program (its default)
     "all": dict(prefix_block=0, stack_entries=True),
 }
 KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=False, seam_fold=True,
-                     pool_entries=True)
+                     pool_entries=True, command_buffers=False)
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 
@@ -155,7 +156,7 @@ def main(argv=None) -> None:
     for name in args.variants:  # on the cache the last trr measurement left (or a cold request fills it)
         knobs = {**KNOB_DEFAULTS, **VARIANTS[name]}
         engine.prefix_block, engine.attention_programs = knobs["prefix_block"], knobs["attention_programs"]
-        engine.seam_fold = knobs["seam_fold"]
+        engine.seam_fold, engine.command_buffers = knobs["seam_fold"], knobs["command_buffers"]
         if (knobs["stack_entries"], knobs["pool_entries"]) != (engine.stack_entries, engine.pool_entries):
             engine.stack_entries, engine.pool_entries = knobs["stack_entries"], knobs["pool_entries"]
             engine.cache.clear()  # entries are stored in the new form by the next (cold) request
@@ -177,7 +178,8 @@ def main(argv=None) -> None:
                    segments=segments, segment_len=segment_len, query_len=query_len, seam=args.seam,
                    compose=engine.compose_algorithm, prefix=engine.prefix_impl, prefix_block=args.prefix_block,
                    attention_programs=args.attention_programs, stack_entries=args.stack_entries,
-                   seam_fold=not args.no_seam_fold, pool_entries=True)
+                   seam_fold=not args.no_seam_fold, pool_entries=True,
+                   command_buffers=False)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")

@@ -115,7 +115,8 @@ class SegmentCache:
         """The entry under `key` if its tokens equal `tokens` (then it becomes most recently used)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.tokens != tuple(int(t) for t in tokens):
+            wanted = tuple(tokens) if isinstance(tokens, (list, tuple)) else tuple(int(t) for t in tokens)
+            if entry is not None and entry.tokens != wanted:
                 entry = None  # a digest collision or a mismatched key: never serve it
             if entry is not None:
                 self._entries.move_to_end(key)

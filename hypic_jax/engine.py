@@ -51,17 +51,28 @@ DEFAULT_SEPARATOR = "<<PIC_SEP>>"
 # Compiled entry points (architecture module, config, layout and mode are static: see the module docstring)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("arch", "config", "layout", "mode", "want_logits", "want_decode", "want_hidden")
-)
-def _span_call(params, tokens, cached, *, arch, config, layout, mode, want_logits, want_decode, want_hidden):
+def _span_forward(params, tokens, cached, *, arch, config, layout, mode, want_logits, want_decode, want_hidden):
     return arch.span_forward(params, config, tokens, cached, layout, mode, want_logits=want_logits,
                              want_decode=want_decode, want_hidden=want_hidden)
 
 
-@functools.partial(jax.jit, static_argnames=("arch", "config", "max_len"))
-def _prefill_call(params, tokens, *, arch, config, max_len):
+_SPAN_STATIC = ("arch", "config", "layout", "mode", "want_logits", "want_decode", "want_hidden")
+# Without XLA's GPU command buffers (CUDA graphs): a span program runs thousands of small kernels whose argument
+# and output buffers move from request to request, so a captured graph is re-patched before every launch (41 ms
+# of host time per PIC request at the 35B-A3B shape, bench/RESULTS.md) and the device waits for all of it; plain
+# launches stream out while the device already runs the first kernels.
+_span_call = jax.jit(_span_forward, static_argnames=_SPAN_STATIC,
+                     compiler_options={"xla_gpu_enable_command_buffer": ""})
+_span_call_graphs = jax.jit(_span_forward, static_argnames=_SPAN_STATIC)  # XLA's default (command buffers on)
+
+
+def _prefill(params, tokens, *, arch, config, max_len):
     return arch.prefill(params, config, tokens, max_len)
+
+
+_prefill_call = jax.jit(_prefill, static_argnames=("arch", "config", "max_len"),
+                        compiler_options={"xla_gpu_enable_command_buffer": ""})
+_prefill_call_graphs = jax.jit(_prefill, static_argnames=("arch", "config", "max_len"))
 
 
 @functools.partial(jax.jit, static_argnames=("arch", "config"))
@@ -168,7 +179,8 @@ class Engine:
     `seam_fold` (default True: with the Pallas fold, short seams enter it as chunk steps instead of being composed
     with their interiors first, `spans.SpanMode.seam_fold`; 119.6 vs 132.2 ms per request), `attention_programs`
     (default 1024: the fresh queries' attention split over key ranges, 0.83 vs 1.08 ms per layer), `prefix_block`
-    (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `stack_entries` (each cache entry stored with
+    (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `command_buffers` (default False: span
+    programs are compiled without XLA's CUDA-graph capture, see `_span_call`), `stack_entries` (each cache entry stored with
     its layers stacked, `spans.StackedLayers`: fewer arrays to dispatch, but the request's compile did not finish
     in 200 s; off by default), `pool_entries` (default True: the linear layers' pieces of PIC entries live in one
     device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots instead of every
@@ -193,6 +205,7 @@ class Engine:
         stack_entries: bool = False,
         seam_fold: bool = True,
         pool_entries: bool = True,
+        command_buffers: bool = False,
     ):
         if not hasattr(model.arch, "span_forward"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward; the engine cannot run it")
@@ -223,6 +236,7 @@ class Engine:
             raise ValueError(f"attention_programs must be a positive integer, got {attention_programs!r}")
         self.prefix_block, self.attention_programs, self.stack_entries = prefix_block, attention_programs, stack_entries
         self.seam_fold = bool(seam_fold)
+        self.command_buffers = bool(command_buffers)
         self.vocab_size = int(self.config.vocab_size)
         self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)
 
@@ -266,13 +280,22 @@ class Engine:
                     raise ValueError("text segments need a tokenizer: pass tokenizer= or give token-id lists")
                 ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
             else:
-                ids = [int(t) for t in np.asarray(segment).reshape(-1)]
-            if not ids:
+                ids = segment
+            try:  # vectorised checks: a 32k-token prompt is validated in microseconds
+                ids = np.asarray(ids).reshape(-1)
+            except ValueError as error:  # ragged nesting
+                raise ValueError(f"segment {i} holds token ids that are not integers: {error}") from None
+            if not ids.size:
                 raise ValueError(f"segment {i} is empty (every segment, the query included, needs at least one token)")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"segment {i} holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-            out.append(ids)
+            if ids.dtype.kind not in "iu":
+                if ids.dtype.kind != "f" or not np.array_equal(ids, np.floor(ids)):
+                    raise ValueError(f"segment {i} holds token ids that are not integers (dtype {ids.dtype})")
+                ids = ids.astype(np.int64)
+            bad = (ids < 0) | (ids >= self.vocab_size)
+            if bad.any():
+                raise ValueError(f"segment {i} holds token id {ids[bad][0]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+            out.append(ids.astype(np.int64).tolist())
         total = sum(map(len, out))
         if self.max_context is not None and total > self.max_context:
             raise ValueError(f"the prompt has {total} tokens, over the model's context of {self.max_context}")
@@ -321,8 +344,8 @@ class Engine:
     def _run_prefill(self, tokens) -> spans.SpanResult:
         """A whole prompt through `arch.prefill`, returned in the span forward's result form."""
         tokens = jnp.asarray(np.asarray(tokens, np.int32))[None]
-        logits, cache = _prefill_call(self.params, tokens, arch=self.arch, config=self.config,
-                                      max_len=tokens.shape[1])
+        call = _prefill_call_graphs if self.command_buffers else _prefill_call
+        logits, cache = call(self.params, tokens, arch=self.arch, config=self.config, max_len=tokens.shape[1])
         return spans.SpanResult(logits=logits[0], records=(), decode=tuple(cache.layers), hidden=None)
 
     def _span_mode(self, mode: str) -> spans.SpanMode:
@@ -340,8 +363,9 @@ class Engine:
             if slots is not None and any(s is not None for s in slots):
                 cached = spans.CachedSegments(cached, self.pool.pools, jnp.asarray(
                     np.asarray([-1 if s is None else s for s in slots], np.int32)))
-            return _span_call(self.params, tokens, cached, arch=self.arch, config=self.config, layout=layout,
-                              mode=mode, want_logits=want_logits, want_decode=want_decode, want_hidden=want_hidden)
+            call = _span_call_graphs if self.command_buffers else _span_call
+            return call(self.params, tokens, cached, arch=self.arch, config=self.config, layout=layout, mode=mode,
+                        want_logits=want_logits, want_decode=want_decode, want_hidden=want_hidden)
 
     def _plan_full(self, segs):
         tokens = [t for s in segs for t in s]

@@ -271,6 +271,8 @@ def test_bad_inputs_raise_clear_errors(build):
         ([[5, vocab]], f"token id {vocab} outside the vocabulary"),
         ([[-1, 5]], "token id -1 outside the vocabulary"),
         (["some text"], "need a tokenizer"),
+        ([[5, 1.5]], "not integers"),
+        ([[[1, 2], [3]]], "not integers"),
     ]
     for segments, message in cases:
         with pytest.raises(ValueError, match=message):
