@@ -61,6 +61,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new variants after this")
     parser.add_argument("--skip-compose-bar", action="store_true")
+    parser.add_argument("--sections", nargs="+", default=["prefix", "span", "moe", "attention", "bar"],
+                        choices=["prefix", "span", "moe", "attention", "bar"], help="which kernels to time, in order")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke test: interpret mode, small shapes, one variant each")
     args = parser.parse_args(argv)
@@ -81,112 +83,171 @@ def main(argv=None) -> None:
     segments, keys, layers = (4, 1024, 2) if small else (64, 32832, 30)
     log(dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], date=time.strftime("%Y-%m-%d")))
 
-    # 1. one linear layer's prefix fold: 64 real GDN (T, S) pairs x 32 heads
     t, s, _, _ = compose_pairs(la, segments, 1, 64 if small else 512)
     t, s = t[:, 0], s[:, 0]  # [64, 32, 128, 128]
-    want = host_prefix(t[:, :2], s[:, :2])  # two heads suffice for the error
-    # every variant timed so far (bench/RESULTS.md); the best first, so a short budget still times the useful ones
-    variants = [("single", None, bw, w, st) for bw, w, st in
-                [(32, 8, 3), (32, 4, 3), (64, 8, 3), (32, 4, 4), (32, 4, 2), (16, 4, 2), (16, 2, 2), (8, 2, 2),
-                 (32, 2, 2), (64, 4, 2), (64, 8, 2)]]
-    variants += [("blocked", b, bw, w, 2) for b, bw, w in [(0, 32, 4), (0, 16, 4), (4, 16, 4), (16, 16, 4)]]
-    if small:
-        variants = variants[:1]
-    for kind, block, bw, warps, stages in variants:
+    for section in args.sections:
+        if section == "prefix":
+            # 1. one linear layer's prefix fold: 64 real GDN (T, S) pairs x 32 heads
+            want = host_prefix(t[:, :2], s[:, :2])  # two heads suffice for the error
+            # every variant timed so far (bench/RESULTS.md); the best first, so a short budget still times the useful ones
+            variants = [("single", None, bw, w, st) for bw, w, st in
+                        [(32, 8, 3), (32, 4, 3), (64, 8, 3), (32, 4, 4), (32, 4, 2), (16, 4, 2), (16, 2, 2), (8, 2, 2),
+                         (32, 2, 2), (64, 4, 2), (64, 8, 2)]]
+            variants += [("blocked", b, bw, w, 2) for b, bw, w in [(0, 32, 4), (0, 16, 4), (4, 16, 4), (16, 16, 4)]]
+            if small:
+                variants = variants[:1]
+            for kind, block, bw, warps, stages in variants:
+                if over():
+                    break
+                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
+                fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
+                                                                                              interpret=interpret))
+                name = dict(kernel="prefix_fold layer", fold=kind, block=block, block_w=bw, warps=warps, stages=stages)
+                try:
+                    ms, compile_s = timeit(fn, t, s)
+                    log(dict(name, ms=round(ms, 4), us_per_step=round(1e3 * ms / segments, 2),
+                             err=rel(fn(t, s)[:, :2], want), compile_s=round(compile_s, 1)))
+                except Exception as error:  # noqa: BLE001 - report and go on
+                    log(dict(name, error=repr(error)[:300]))
+            # the seam composition that precedes the fold in the engine (T_interior (T_seam, S_seam) + S_interior), XLA
+            for algorithm in ("bf16x3", None) if interpret else ("bf16x3", "tf32", None):
+                first = la.Summary("dense", s, t)
+                fn = jax.jit(lambda a, b, alg=algorithm: la.compose(a, b, algorithm=alg))
+                ms, _ = timeit(fn, first, first)
+                log(dict(kernel="group compose layer (XLA)", algorithm=algorithm or "f32", ms=round(ms, 4)))
+
+        elif section == "span":
+            # the seam fold: the same 64 interiors, each after an 8-token seam entering as a chunk step (the engine's path)
+            draws = [jax.random.normal(jax.random.key(i), (segments, 8, 32, 128), jnp.float32) for i in range(3)]
+            seam_inputs = la.LinearInputs(draws[0], la.l2_normalize(draws[1]), draws[2], g=-0.05 * jnp.ones((segments, 8, 32)),
+                                          beta=0.5 * jnp.ones((segments, 8, 32)))
+            w, u, kt, d = jax.jit(jax.vmap(lambda one: one.chunk_step()))(seam_inputs)
+            want = cmp.span_fold_reference(w, u, kt, d, t, s)
+            # the interiors in an entry pool of 96 rows (the engine's form: read in place through a slot vector)
+            slots = jnp.asarray(np.random.default_rng(1).permutation(96)[:segments], jnp.int32)
+            pool_t = jnp.zeros((96,) + t.shape[1:], jnp.float32).at[slots].set(t)
+            pool_s = jnp.zeros((96,) + s.shape[1:], jnp.float32).at[slots].set(s)
+            span_variants = [("nested", 32, 8, 3, True), ("split", 32, 8, 3, True), ("split", 32, 4, 3, True),
+                             ("split", 64, 8, 3, True), ("nested", 32, 8, 3, False), ("nested", 32, 4, 3, False),
+                             ("split", 16, 4, 3, True), ("nested", 32, 4, 2, False), ("nested", 16, 4, 3, False)]
+            for step, bw, warps, stages, pooled in span_variants[:2] if small else span_variants:
+                if over():
+                    break
+                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages, seam_step=step)
+                if pooled:
+                    fn = jax.jit(lambda w, u, kt, d, c=config: cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, slots,
+                                                                                    config=c, interpret=interpret))
+                else:
+                    fn = jax.jit(lambda w, u, kt, d, c=config: cmp.span_fold_pallas(w, u, kt, d, t, s, config=c,
+                                                                                    interpret=interpret))
+                name = dict(kernel="span_fold layer", seam_step=step, pooled=pooled, block_w=bw, warps=warps, stages=stages)
+                try:
+                    ms, compile_s = timeit(fn, w, u, kt, d)
+                    log(dict(name, ms=round(ms, 4), us_per_step=round(1e3 * ms / segments, 2),
+                             err=rel(fn(w, u, kt, d), want), compile_s=round(compile_s, 1)))
+                except Exception as error:  # noqa: BLE001
+                    log(dict(name, error=repr(error)[:300]))
+            del pool_t, pool_s
+
+        elif section == "moe":
+            moe(log, over, small, interpret)
+        elif section == "attention":
+            # 2. one full-attention layer's positioned attention: 576 fresh queries over 32,832 keys
+            rng = np.random.default_rng(0)
+            doc = (keys - 64) // segments
+            positions = np.sort(np.concatenate([doc * i + np.arange(8) for i in range(1, segments)]
+                                               + [keys - 64 + np.arange(64)]))
+            q = jnp.asarray(rng.standard_normal((len(positions), 16, 256)), jnp.bfloat16)
+            k = jnp.asarray(rng.standard_normal((keys, 2, 256)), jnp.bfloat16)
+            v = jnp.asarray(rng.standard_normal((keys, 2, 256)), jnp.bfloat16)
+            pos = jnp.asarray(positions, jnp.int32)
+            scale = 256**-0.5
+            want = jax.jit(pattn.positioned_attention_reference, static_argnames="scale")(q, k, v, pos, scale=scale)
+            reach = float(sum(p + 1 for p in positions))
+            flops = 16 * reach * 256 * 4  # QK and PV, exact causal need
+            # every variant timed so far, the engine's default first (block_k 128 exceeds shared memory at this head width)
+            attention_variants = [(64, 64, 4, 2, 1024), (64, 64, 4, 2, 1), (64, 64, 4, 2, 288), (64, 64, 4, 3, 1),
+                                  (64, 64, 8, 2, 1), (64, 64, 8, 2, 256), (64, 64, 8, 2, 1024), (64, 64, 8, 3, 1),
+                                  (64, 128, 8, 2, 1), (32, 64, 4, 2, 1), (32, 64, 4, 2, 512), (16, 64, 4, 2, 1),
+                                  (128, 64, 8, 2, 1), (64, 32, 4, 2, 1), (64, 32, 2, 2, 1), (32, 64, 2, 2, 1)]
+            for bq, bk, warps, stages, programs in attention_variants[:2] if small else attention_variants:
+                if over():
+                    break
+                config = pattn.AttentionConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages,
+                                               target_programs=programs)
+                fn = jax.jit(lambda q, k, v, p, c=config: pattn.positioned_attention(q, k, v, p, scale=scale, config=c,
+                                                                                           interpret=interpret))
+                name = dict(kernel="positioned_attention layer", block_q=bq, block_k=bk, warps=warps, stages=stages,
+                            target_programs=programs)
+                try:
+                    ms, compile_s = timeit(fn, q, k, v, pos)
+                    log(dict(name, ms=round(ms, 4), TFLOPs_needed=round(flops / ms / 1e9, 1), err=rel(fn(q, k, v, pos), want),
+                             compile_s=round(compile_s, 1)))
+                except Exception as error:  # noqa: BLE001
+                    log(dict(name, error=repr(error)[:300]))
+            del q, k, v, want
+
+        elif section == "bar":
+            # 3. the composition bar: every prefix state of 64 segments x 30 layers x 32 heads
+            if args.skip_compose_bar or over():
+                continue
+            t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
+            # every variant timed so far, the best first
+            bar_variants = [(None, 128, 8, 3), (None, 128, 8, 2), (None, 64, 8, 2), (None, 32, 4, 2), (None, 16, 4, 2),
+                            (0, 32, 4, 2), (0, 64, 8, 2), (4, 32, 4, 2), (None, 64, 8, 3), (None, 128, 4, 3),
+                            (None, 64, 4, 3)]
+            for block, bw, warps, stages in bar_variants[:1] if small else bar_variants:
+                if over():
+                    break
+                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
+                fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
+                                                                                     interpret=interpret))
+                name = dict(kernel=f"prefix_fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw,
+                            warps=warps, stages=stages)
+                try:
+                    ms, compile_s = timeit(fn, t, s)
+                    got = fn(t, s)[:, 0]  # layer 0 is the unpermuted one
+                    log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]),
+                             S_worst=max(rel(got[i], ref_states[i]) for i in range(segments)), compile_s=round(compile_s, 1)))
+                except Exception as error:  # noqa: BLE001
+                    log(dict(name, error=repr(error)[:300]))
+
+
+
+
+def moe(log, over, small, interpret) -> None:
+    from hypic_jax.pallas import grouped_matmul as gm
+
+    tokens, hidden, inner, experts, top_k = (40, 64, 32, 8, 2) if small else (576, 2048, 512, 256, 8)
+    rng = np.random.default_rng(2)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).reshape(-1)
+    sizes = jnp.asarray(np.bincount(ids, minlength=experts), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((tokens * top_k, hidden)), jnp.bfloat16)
+    gate_up = jnp.asarray(0.02 * rng.standard_normal((experts, hidden, 2 * inner)), jnp.bfloat16)
+    down = jnp.asarray(0.02 * rng.standard_normal((experts, inner, hidden)), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((tokens * top_k, inner)), jnp.bfloat16)
+    # (block_m, block_n, block_k, warps, stages): the MoE layers' launch first
+    variants = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 4, 4), (32, 128, 128, 4, 4),
+                (16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 256, 64, 8, 3), (16, 256, 128, 8, 3),
+                (64, 64, 128, 4, 4), (16, 128, 256, 4, 3), (32, 128, 64, 4, 5), (16, 128, 64, 4, 5)]
+    for bm, bn, bk, warps, stages in variants[:2] if small else variants:
         if over():
             break
-        config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
-        fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
-                                                                                      interpret=interpret))
-        name = dict(kernel="prefix_fold layer", fold=kind, block=block, block_w=bw, warps=warps, stages=stages)
-        try:
-            ms, compile_s = timeit(fn, t, s)
-            log(dict(name, ms=round(ms, 4), us_per_step=round(1e3 * ms / segments, 2),
-                     err=rel(fn(t, s)[:, :2], want), compile_s=round(compile_s, 1)))
-        except Exception as error:  # noqa: BLE001 - report and go on
-            log(dict(name, error=repr(error)[:300]))
-    # the seam composition that precedes the fold in the engine (T_interior (T_seam, S_seam) + S_interior), XLA
-    for algorithm in ("bf16x3", None) if interpret else ("bf16x3", "tf32", None):
-        first = la.Summary("dense", s, t)
-        fn = jax.jit(lambda a, b, alg=algorithm: la.compose(a, b, algorithm=alg))
-        ms, _ = timeit(fn, first, first)
-        log(dict(kernel="group compose layer (XLA)", algorithm=algorithm or "f32", ms=round(ms, 4)))
-
-    # the seam fold: the same 64 interiors, each after an 8-token seam entering as a chunk step (the engine's path)
-    draws = [jax.random.normal(jax.random.key(i), (segments, 8, 32, 128), jnp.float32) for i in range(3)]
-    seam_inputs = la.LinearInputs(draws[0], la.l2_normalize(draws[1]), draws[2], g=-0.05 * jnp.ones((segments, 8, 32)),
-                                  beta=0.5 * jnp.ones((segments, 8, 32)))
-    w, u, kt, d = jax.jit(jax.vmap(lambda one: one.chunk_step()))(seam_inputs)
-    want = cmp.span_fold_reference(w, u, kt, d, t, s)
-    for bw, warps, stages in [(32, 8, 3), (32, 4, 3), (32, 4, 2), (16, 4, 3), (64, 8, 3)][: 1 if small else None]:
-        config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
-        fn = jax.jit(lambda *a, c=config: cmp.span_fold_pallas(*a, config=c, interpret=interpret))
-        name = dict(kernel="span_fold layer", block_w=bw, warps=warps, stages=stages)
-        try:
-            ms, compile_s = timeit(fn, w, u, kt, d, t, s)
-            log(dict(name, ms=round(ms, 4), us_per_step=round(1e3 * ms / segments, 2),
-                     err=rel(fn(w, u, kt, d, t, s), want), compile_s=round(compile_s, 1)))
-        except Exception as error:  # noqa: BLE001
-            log(dict(name, error=repr(error)[:300]))
-
-    # 2. one full-attention layer's positioned attention: 576 fresh queries over 32,832 keys
-    rng = np.random.default_rng(0)
-    doc = (keys - 64) // segments
-    positions = np.sort(np.concatenate([doc * i + np.arange(8) for i in range(1, segments)]
-                                       + [keys - 64 + np.arange(64)]))
-    q = jnp.asarray(rng.standard_normal((len(positions), 16, 256)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((keys, 2, 256)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((keys, 2, 256)), jnp.bfloat16)
-    pos = jnp.asarray(positions, jnp.int32)
-    scale = 256**-0.5
-    want = jax.jit(pattn.positioned_attention_reference, static_argnames="scale")(q, k, v, pos, scale=scale)
-    reach = float(sum(p + 1 for p in positions))
-    flops = 16 * reach * 256 * 4  # QK and PV, exact causal need
-    # every variant timed so far, the engine's default first (block_k 128 exceeds shared memory at this head width)
-    attention_variants = [(64, 64, 4, 2, 1024), (64, 64, 4, 2, 1), (64, 64, 4, 2, 288), (64, 64, 4, 3, 1),
-                          (64, 64, 8, 2, 1), (64, 64, 8, 2, 256), (64, 64, 8, 2, 1024), (64, 64, 8, 3, 1),
-                          (64, 128, 8, 2, 1), (32, 64, 4, 2, 1), (32, 64, 4, 2, 512), (16, 64, 4, 2, 1),
-                          (128, 64, 8, 2, 1), (64, 32, 4, 2, 1), (64, 32, 2, 2, 1), (32, 64, 2, 2, 1)]
-    for bq, bk, warps, stages, programs in attention_variants[:2] if small else attention_variants:
-        if over():
-            break
-        config = pattn.AttentionConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages,
-                                       target_programs=programs)
-        fn = jax.jit(lambda q, k, v, p, c=config: pattn.positioned_attention(q, k, v, p, scale=scale, config=c,
-                                                                                   interpret=interpret))
-        name = dict(kernel="positioned_attention layer", block_q=bq, block_k=bk, warps=warps, stages=stages,
-                    target_programs=programs)
-        try:
-            ms, compile_s = timeit(fn, q, k, v, pos)
-            log(dict(name, ms=round(ms, 4), TFLOPs_needed=round(flops / ms / 1e9, 1), err=rel(fn(q, k, v, pos), want),
-                     compile_s=round(compile_s, 1)))
-        except Exception as error:  # noqa: BLE001
-            log(dict(name, error=repr(error)[:300]))
-    del q, k, v, want
-
-    # 3. the composition bar: every prefix state of 64 segments x 30 layers x 32 heads
-    if args.skip_compose_bar or over():
-        return
-    t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
-    # every variant timed so far, the best first
-    bar_variants = [(None, 128, 8, 3), (None, 128, 8, 2), (None, 64, 8, 2), (None, 32, 4, 2), (None, 16, 4, 2),
-                    (0, 32, 4, 2), (0, 64, 8, 2), (4, 32, 4, 2), (None, 64, 8, 3), (None, 128, 4, 3),
-                    (None, 64, 4, 3)]
-    for block, bw, warps, stages in bar_variants[:1] if small else bar_variants:
-        if over():
-            break
-        config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
-        fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
-                                                                             interpret=interpret))
-        name = dict(kernel=f"prefix_fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw,
-                    warps=warps, stages=stages)
-        try:
-            ms, compile_s = timeit(fn, t, s)
-            got = fn(t, s)[:, 0]  # layer 0 is the unpermuted one
-            log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]),
-                     S_worst=max(rel(got[i], ref_states[i]) for i in range(segments)), compile_s=round(compile_s, 1)))
-        except Exception as error:  # noqa: BLE001
-            log(dict(name, error=repr(error)[:300]))
+        layout = gm.block_layout(sizes, tokens * top_k, bm)
+        launch = dict(block_n=bn if not small else 16, block_k=bk if not small else 32, num_warps=warps,
+                      num_stages=stages, interpret=interpret)
+        for which, rows, weights in (("gate_up", x, gate_up), ("down", h, down)):
+            padded = jnp.zeros((layout.num_padded, rows.shape[1]), rows.dtype).at[layout.positions].set(rows)
+            fn = jax.jit(lambda a, e, w, kw=launch: gm.gmm(a, e, w, **kw))
+            name = dict(kernel=f"moe gmm {which}", block_m=bm, block_n=bn, block_k=bk, warps=warps, stages=stages)
+            try:
+                ms, compile_s = timeit(fn, padded, layout.block_expert, weights)
+                ref = jax.lax.ragged_dot(rows, weights, sizes, preferred_element_type=jnp.float32)
+                err = rel(fn(padded, layout.block_expert, weights)[layout.positions], ref)
+                log(dict(name, ms=round(ms, 4), TBs=round(weights.nbytes / ms / 1e9, 2), err=err,
+                         compile_s=round(compile_s, 1)))
+            except Exception as error:  # noqa: BLE001
+                log(dict(name, error=repr(error)[:300]))
 
 
 if __name__ == "__main__":

@@ -170,9 +170,11 @@ def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n
     slots = rng.permutation(capacity)[:n].astype(np.int32)
     pool_t = jnp.asarray(rng.standard_normal((capacity,) + t.shape[1:]), jnp.float32).at[slots].set(t)
     pool_s = jnp.asarray(rng.standard_normal((capacity,) + s.shape[1:]), jnp.float32).at[slots].set(s)
-    pooled = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots),
-                                  config=cmp.FoldConfig(block_w=16, algorithm="f32"), interpret=True)
-    assert rel(pooled, want) < TOL32
+    for step in ("nested", "split"):
+        pooled = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots),
+                                      config=cmp.FoldConfig(block_w=16, algorithm="f32", seam_step=step),
+                                      interpret=True)
+        assert rel(pooled, want) < TOL32
     assert rel(cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=jnp.asarray(slots)), want) < TOL32
     with pytest.raises(ValueError, match="disagree"):
         cmp.span_fold_pallas(w[..., 1:], u, kt, d, t, s, interpret=True)
@@ -393,10 +395,13 @@ def test_kernels_lower_to_triton():
     span_args = (seam, seam, seam, sd((4, 2, dim), jnp.float32), pairs, pairs)
     assert "xla.gpu.triton" in jax.export.export(span_fold, platforms=["cuda"], disabled_checks=check)(*span_args) \
         .mlir_module()
-    pooled = jax.jit(lambda w, u, kt, d, t, s, slots: cmp.span_fold_pallas(w, u, kt, d, t, s, slots))
     pool = sd((9, 2, dim, dim), jnp.float32)
-    assert "xla.gpu.triton" in jax.export.export(pooled, platforms=["cuda"], disabled_checks=check)(
-        *span_args[:4], pool, pool, sd((4,), jnp.int32)).mlir_module()
+    for step in ("nested", "split"):
+        config = cmp.FoldConfig(seam_step=step)
+        pooled = jax.jit(lambda w, u, kt, d, t, s, slots, c=config: cmp.span_fold_pallas(w, u, kt, d, t, s, slots,
+                                                                                          config=c))
+        assert "xla.gpu.triton" in jax.export.export(pooled, platforms=["cuda"], disabled_checks=check)(
+            *span_args[:4], pool, pool, sd((4,), jnp.int32)).mlir_module()
     attend = jax.jit(lambda q, k, v, p: pattn.positioned_attention(q, k, v, p, scale=0.0625))
     att_args = (sd((100, 16, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16),
                 sd((100,), jnp.int32))

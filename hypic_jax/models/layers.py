@@ -13,6 +13,7 @@ from jax import Array
 
 # causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
 from hypic_jax.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
+from hypic_jax.pallas.grouped_matmul import GMMConfig
 from hypic_jax.rope import apply_rope
 
 
@@ -75,6 +76,7 @@ def softmax_topk_router(
 # rows (decode, a PIC request's seams and query) are better served by the kernel, which reads only the experts
 # that own rows.
 PALLAS_MOE_MIN_ROWS = 1
+MOE_GMM_CONFIG = GMMConfig()  # the Pallas grouped matmul's tiling on the MoE path
 MOE_IMPLS = ("auto", "ragged", "pallas")
 
 
@@ -113,14 +115,16 @@ def grouped_swiglu_experts(
     if _use_pallas_moe(impl, num_rows):
         from hypic_jax.pallas import grouped_matmul as gm
 
-        layout = gm.block_layout(group_sizes, num_rows, block_m=64)
+        cfg = MOE_GMM_CONFIG
+        launch = dict(block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        layout = gm.block_layout(group_sizes, num_rows, block_m=cfg.block_m)
         slot_rows = layout.positions[inverse]  # padded row of each (token, slot) copy
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
-        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up)
+        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up, **launch)
         gate, up = jnp.split(hidden, 2, axis=-1)
-        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down)
+        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, **launch)
         per_slot = out_rows[slot_rows]
     else:
         # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes

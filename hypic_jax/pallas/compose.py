@@ -137,6 +137,7 @@ class FoldConfig:
     algorithm: str = "bf16x3"
     num_warps: int = 8
     num_stages: int = 3
+    seam_step: str = "nested"  # span fold only: "nested" or "split" (see `_span_fold_kernel`)
 
 
 def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, prec):
@@ -337,22 +338,40 @@ def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=
     return lax.scan(step, init, (w, u, k_to_end, decay, transfers, states))[1]
 
 
-def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_groups, prec, pooled):
+def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_groups, prec, pooled, seam_step):
     """One (column block, batch entry): per group the fresh span's chunk step, then the interior's transfer.
     The group's operands do not depend on the running state, so their loads can run ahead of the products.
-    pooled: t_ref / s_ref are whole entry pools and group i's interior is row slot_ref[i] (read in place)."""
+    pooled: t_ref / s_ref are whole entry pools and group i's interior is row slot_ref[i] (read in place).
+
+    seam_step "nested": acc <- T (d * acc + Kt (U - W acc)) + S, three dependent products per group.
+    "split": the same map regrouped so that only two products wait for acc, side by side, plus one rank-c one:
+    acc <- (T Diag(d)) acc - (T Kt) (W acc) + (T Kt U + S); T Kt, T Kt U + S and T Diag(d) do not depend on acc,
+    so they are off the sequential chain (at the price of one extra [K, K] x [K, c] product per group).
+    """
     slot_ref, o_ref = rest if pooled else (None, rest[0])
     key_dim = t_ref.shape[-1]
     dims = (((1,), (0,)), ((), ()))
+    dot = functools.partial(lax.dot_general, dimension_numbers=dims, precision=prec,
+                            preferred_element_type=jnp.float32)
 
-    def body(i, acc):
+    def nested(i, acc):
         row = slot_ref[i] if pooled else i
-        inner = u_ref[i] - lax.dot_general(w_ref[i], acc, dims, precision=prec, preferred_element_type=jnp.float32)
-        acc = d_ref[i][:, None] * acc + lax.dot_general(kt_ref[i], inner, dims, precision=prec,
-                                                         preferred_element_type=jnp.float32)
-        acc = lax.dot_general(t_ref[row], acc, dims, precision=prec, preferred_element_type=jnp.float32) + s_ref[row]
+        inner = u_ref[i] - dot(w_ref[i], acc)
+        acc = d_ref[i][:, None] * acc + dot(kt_ref[i], inner)
+        acc = dot(t_ref[row], acc) + s_ref[row]
         o_ref[i] = acc
         return acc
+
+    def split(i, acc):
+        row = slot_ref[i] if pooled else i
+        t = t_ref[row]
+        t_kt = dot(t, kt_ref[i])  # [K, c]
+        offset = dot(t_kt, u_ref[i]) + s_ref[row]
+        acc = dot(t * d_ref[i][None, :], acc) - dot(t_kt, dot(w_ref[i], acc)) + offset
+        o_ref[i] = acc
+        return acc
+
+    body = {"nested": nested, "split": split}[seam_step]
 
     lax.fori_loop(0, num_groups, body, jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32))
 
@@ -399,8 +418,10 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
     b = t.shape[1]
     bw = _block_width(config.block_w, value_dim)
     pooled = slots is not None
+    if config.seam_step not in ("nested", "split"):
+        raise ValueError(f"FoldConfig.seam_step must be 'nested' or 'split', got {config.seam_step!r}")
     kernel = functools.partial(_span_fold_kernel, num_groups=n, prec=_KERNEL_PRECISION[config.algorithm],
-                               pooled=pooled)
+                               pooled=pooled, seam_step=config.seam_step)
     in_specs = [
         pl.BlockSpec((n, None, rows, key_dim), lambda j, i: (0, i, 0, 0)),
         pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j)),

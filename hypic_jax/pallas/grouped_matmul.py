@@ -15,6 +15,7 @@ skipped. On the CPU the kernel runs in the Pallas interpreter (tests); `jax.lax.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -24,7 +25,20 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["BlockLayout", "block_layout", "gmm", "default_interpret"]
+__all__ = ["BlockLayout", "GMMConfig", "block_layout", "gmm", "default_interpret"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GMMConfig:
+    """Tiling of the MoE grouped matmul: block_m rows per expert block (each expert's rows are padded to a multiple
+    of it), block_n / block_k the weight tile, Triton warps and pipeline stages. The default is the launch the MoE
+    layers have run with; `bench/pic_kernels.py` times the alternatives at the PIC request's shape."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def default_interpret() -> bool:
