@@ -393,7 +393,8 @@ def chunked(
 
     impl: "xla" (this pure-JAX path), "pallas" (the `hypic_jax.pallas.gdn` kernels: every family, scalar or
     per-key gates, K and V powers of two >= 16; interpret mode off a GPU) or "auto" (the kernels on a GPU for
-    bfloat16 inputs, where they run at flash-linear-attention's precision, else this path).
+    bfloat16 inputs, where they run at flash-linear-attention's precision, else this path). The kernels use their
+    own measured tiling (`pallas.gdn.default_config`); `chunk_size` is this path's (results agree up to rounding).
     """
     if impl not in ("xla", "pallas", "auto"):
         raise ValueError(f"impl must be 'xla', 'pallas' or 'auto', got {impl!r}")
@@ -406,9 +407,9 @@ def chunked(
         if impl == "pallas" and not ok:
             raise ValueError("impl='pallas' needs K, V powers of two >= 16 and a non-empty sequence")
         if impl == "pallas" or (ok and k.dtype == jnp.bfloat16 and not pallas_gdn.default_interpret()):
-            return pallas_gdn.gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=initial_state, scale=scale,
-                                          config=pallas_gdn.GDNConfig(chunk=chunk_size if chunk_size in (16, 32, 64)
-                                                                      else 64))
+            # the kernels' measured tiling (`pallas.gdn.default_config`); chunk_size is the XLA path's: any chunk
+            # gives the same result up to rounding
+            return pallas_gdn.gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=initial_state, scale=scale)
     acc = _state_dtype(q, k, v, g, gk, beta, initial_state)
     state = (
         jnp.zeros((heads, key_dim, value_dim), acc) if initial_state is None else initial_state.astype(acc)

@@ -184,7 +184,7 @@ def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
     shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
     base = Engine(model, seam=SEAM, pool_entries=False)
     seam_fold = Engine(model, seam=SEAM, prefix_impl="pallas")
-    unpooled = Engine(model, seam=SEAM, prefix_impl="pallas", pool_entries=False)
+    unpooled = Engine(model, seam=SEAM, prefix_impl="pallas", pool_entries=False, command_buffers=True)
     tuned = Engine(model, seam=SEAM, stack_entries=True, prefix_impl="pallas", prefix_block=0, attention_programs=64)
     for request in (segs, shuffled):  # cold (entries recorded, then stitched), then served from the cache
         want = base.prefill(request)

@@ -355,7 +355,7 @@ def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     return pallas_gdn.gdn_forward(  # q, k normalised in float32; the kernel takes them in v's dtype
         linear_attn.l2_normalize(q), linear_attn.l2_normalize(k), v, g=g, beta=beta, initial_state=state,
-        scale=config.linear_key_head_dim**-0.5, config=pallas_gdn.GDNConfig(chunk=config.chunk_size),
+        scale=config.linear_key_head_dim**-0.5,  # the kernel's measured tiling (its chunk need not be the model's)
     )
 
 

@@ -113,17 +113,18 @@ class GDNConfig:
       precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
 
-    Defaults are the fastest measured on the H200 at L = 32k with solve="rows" (bench/RESULTS.md): locals with 2
-    warps (1.40 ms vs 1.66 with 4 and 3.18 with 8), state pass with 32 columns per program and 3 pipeline stages
-    (0.94 ms). "doubling" and "tile" are not measured yet (a first 35B-shape compile with "doubling" as the default
-    exceeded the H200's shared memory), so "rows" stays the default.
+    Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md,
+    third session of 2026-11-29, one run): solve "tile" with chunk 32, 1.78 ms (fla's chunk_gated_delta_rule: 1.92 ms
+    in an earlier run on the same machine type); "doubling" c32 1.81, "rows" c64 2.39, "doubling" c64 2.82. The
+    chunk-local kernel alone: tile c32 0.51 ms, rows c64 1.44. Locals with 2 warps, state pass with 32 columns per
+    program and 3 stages, as measured before with "rows". Per-key gates (KDA) take `default_config(per_key=True)`.
     """
 
-    chunk: int = 64
+    chunk: int = 32
     block_v: int = 32
     pieces: int = 1
     inter_dtype: str | None = None
-    solve: str = "rows"
+    solve: str = "tile"
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -154,6 +155,13 @@ class GDNConfig:
             state_precision=self.state_precision or ("bf16" if low else "ieee"),
             solve_precision=self.solve_precision or self.locals_precision or ("bf16" if low else "ieee"),
         )
+
+
+def default_config(per_key: bool = False) -> GDNConfig:
+    """The measured default launch. per_key (KDA, GLA: per-key decays): the doubling solve at chunk 32, because
+    "rows" and "doubling" at chunk 64 request 233,472 bytes of shared memory with per-key gates, over the H200's
+    232,448 (measured), and "tile" with per-key gates has not been timed; scalar gates: `GDNConfig()`."""
+    return GDNConfig(solve="doubling") if per_key else GDNConfig()
 
 
 def _pow2(d: int) -> bool:
@@ -737,7 +745,7 @@ def gdn_forward(
     gk: Array | None = None,
     initial_state: Array | None = None,
     scale: float = 1.0,
-    config: GDNConfig = GDNConfig(),
+    config: GDNConfig | None = None,
     emit_summary: bool = False,
     interpret: bool | None = None,
 ):
@@ -749,14 +757,16 @@ def gdn_forward(
       g: [L, H] log decay (<= 0) or None; gk: [L, H, K] per-key log decay (<= 0; KDA, GLA) or None;
       beta: [L, H] delta-rule strength or None (decay-only family).
       initial_state: [H, K, V] or None (zeros). scale: output scale.
-      config: `GDNConfig`. emit_summary: also return the segment's `linear_attn.Summary`: dense (K x K transfer
-        from the same kernels, see the module docstring) when beta is given, else the sums of the log gates.
+      config: `GDNConfig` (None: `default_config` for the gates given). emit_summary: also return the segment's
+        `linear_attn.Summary`: dense (K x K transfer from the same kernels, see the module docstring) when beta is
+        given, else the sums of the log gates.
       interpret: run the kernels in the Pallas interpreter (default: unless the backend is a GPU).
 
     Returns (o [L, H, V] in the inputs' dtype, final_state [H, K, V] float32) or, with emit_summary,
     (o, final_state, summary).
     """
     _, _, key_dim, heads, value_dim = _check(q, k, v, g, gk, beta)
+    config = default_config(gk is not None) if config is None else config
     q, k = _common_dtype(q, k, v)
     if initial_state is not None and initial_state.shape != (heads, key_dim, value_dim):
         raise ValueError(f"initial_state must be [{heads}, {key_dim}, {value_dim}], got {initial_state.shape}")
@@ -858,7 +868,7 @@ def gdn_varlen(
     gk: Array | None = None,
     beta: Array | None = None,
     scale: float = 1.0,
-    config: GDNConfig = GDNConfig(),
+    config: GDNConfig | None = None,
     emit_summary: bool = True,
     interpret: bool | None = None,
 ):
@@ -878,6 +888,7 @@ def gdn_varlen(
     the kernels stay the ones of `gdn_forward` with two int32 tables of one entry per chunk.
     """
     length, _, _, _, _ = _check(q, k, v, g, gk, beta)
+    config = default_config(gk is not None) if config is None else config
     q, k = _common_dtype(q, k, v)
     cu = _cu_array(cu_seqlens, length)
     if interpret is None:
