@@ -10,7 +10,8 @@ compiles for minutes). Each list holds every variant timed so far (`bench/RESULT
 --budget-s decides how many run.
 
 Also timed, for the composition bar of the kernel issue: 64 segments x 30 layers x 32 heads of dense pairs, every
-prefix state, at several column widths.
+prefix state, at several column widths; and the MoE layer's two grouped matmuls at the request's 576 tokens with
+tiling variants (`pallas.grouped_matmul.GMMConfig`). `--sections` picks which of these run, in that order.
 
     python bench/pic_kernels.py --out DIR          # GPU; one JSON line per variant in DIR/pic_kernels.jsonl
     python bench/pic_kernels.py --small            # CPU smoke test (interpret mode, small shapes)
@@ -234,8 +235,9 @@ def moe(log, over, small, interpret) -> None:
         if over():
             break
         layout = gm.block_layout(sizes, tokens * top_k, bm)
-        launch = dict(block_n=bn if not small else 16, block_k=bk if not small else 32, num_warps=warps,
-                      num_stages=stages, interpret=interpret)
+        launch = dict(config=gm.GMMConfig(block_m=bm, block_n=bn if not small else 16,
+                                          block_k=bk if not small else 32, num_warps=warps, num_stages=stages),
+                      interpret=interpret)
         for which, rows, weights in (("gate_up", x, gate_up), ("down", h, down)):
             padded = jnp.zeros((layout.num_padded, rows.shape[1]), rows.dtype).at[layout.positions].set(rows)
             fn = jax.jit(lambda a, e, w, kw=launch: gm.gmm(a, e, w, **kw))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hypic_jax.models import layers
-from hypic_jax.pallas.grouped_matmul import block_layout, gmm
+from hypic_jax.pallas.grouped_matmul import GMMConfig, block_layout, gmm
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
@@ -21,7 +21,7 @@ def test_gmm_matches_ragged_dot_with_empty_and_partial_groups(dtype):
     layout = block_layout(jnp.asarray(sizes), rows, block_m=16)
     assert layout.num_padded >= rows and int((layout.block_expert >= 0).sum()) == 9  # 1+2+1+1+3+1 blocks
     padded = jnp.zeros((layout.num_padded, 64), dtype).at[layout.positions].set(x)
-    out = gmm(padded, layout.block_expert, w, block_n=16, block_k=32)[layout.positions]
+    out = gmm(padded, layout.block_expert, w, config=GMMConfig(block_n=16, block_k=32))[layout.positions]
     ref = jax.lax.ragged_dot(x, w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
     tol = 1e-5 if dtype == np.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=tol, atol=tol * 8)

@@ -115,16 +115,14 @@ def grouped_swiglu_experts(
     if _use_pallas_moe(impl, num_rows):
         from hypic_jax.pallas import grouped_matmul as gm
 
-        cfg = MOE_GMM_CONFIG
-        launch = dict(block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        layout = gm.block_layout(group_sizes, num_rows, block_m=cfg.block_m)
+        layout = gm.block_layout(group_sizes, num_rows, block_m=MOE_GMM_CONFIG.block_m)
         slot_rows = layout.positions[inverse]  # padded row of each (token, slot) copy
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
-        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up, **launch)
+        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up, config=MOE_GMM_CONFIG)
         gate, up = jnp.split(hidden, 2, axis=-1)
-        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, **launch)
+        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, config=MOE_GMM_CONFIG)
         per_slot = out_rows[slot_rows]
     else:
         # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes

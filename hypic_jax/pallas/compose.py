@@ -412,9 +412,9 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
     u_ = flat(jnp.pad(u, pad), (rows, value_dim))
     kt = jnp.swapaxes(flat(jnp.pad(k_to_end, pad), (rows, key_dim)), -1, -2)  # [n, B, K, rows]
     d = flat(decay, (key_dim,))
-    rows_in = transfers.shape[0]  # n, or the pool's capacity
-    t = transfers.reshape((rows_in, -1, key_dim, key_dim)).astype(jnp.float32)  # no-ops for float32 pools
-    s = states.reshape((rows_in, -1, key_dim, value_dim)).astype(jnp.float32)
+    interiors = transfers.shape[0]  # n, or the pool's capacity
+    t = transfers.reshape((interiors, -1, key_dim, key_dim)).astype(jnp.float32)  # no-ops for float32 pools
+    s = states.reshape((interiors, -1, key_dim, value_dim)).astype(jnp.float32)
     b = t.shape[1]
     bw = _block_width(config.block_w, value_dim)
     pooled = slots is not None
@@ -427,8 +427,8 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
         pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j)),
         pl.BlockSpec((n, None, key_dim, rows), lambda j, i: (0, i, 0, 0)),
         pl.BlockSpec((n, None, key_dim), lambda j, i: (0, i, 0)),
-        pl.BlockSpec((rows_in, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
-        pl.BlockSpec((rows_in, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
+        pl.BlockSpec((interiors, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
+        pl.BlockSpec((interiors, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
     ]
     args = [w_, u_, kt, d, t, s]
     if pooled:

@@ -6,8 +6,8 @@ kernel does the grouped GEMM directly: the expert-sorted rows are laid out so th
 belongs to one expert (each expert's group is padded up to a multiple of block_m, at most one partial block per
 expert), and each program multiplies one row block by one column block of its expert's weight matrix.
 
-    layout = block_layout(group_sizes, num_rows, block_m)      # XLA: positions of the sorted rows, block -> expert
-    out_padded = gmm(x_padded, layout.block_expert, weights)  # Pallas: [padded rows, N]
+    layout = block_layout(group_sizes, num_rows, config.block_m)  # XLA: sorted rows' positions, block -> expert
+    out_padded = gmm(x_padded, layout.block_expert, weights, config=config)  # Pallas: [padded rows, N]
 
 Rows of padding blocks compute garbage that nobody reads; blocks past the last used one (block_expert = -1) are
 skipped. On the CPU the kernel runs in the Pallas interpreter (tests); `jax.lax.ragged_dot` is the reference.
@@ -99,22 +99,19 @@ def _gmm_kernel(expert_ref, x_ref, w_ref, o_ref, *, block_k, num_k):
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def gmm(
     x: Array,
     block_expert: Array,
     weights: Array,
     *,
-    block_n: int = 128,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    config: GMMConfig = GMMConfig(),
     interpret: bool | None = None,
 ) -> Array:
     """x [num_blocks * block_m, K] (expert-aligned row blocks) @ weights[block_expert] [E, K, N] -> [rows, N].
 
-    block_m is x.shape[0] / len(block_expert). K must be a multiple of block_k and N of block_n (powers of two);
-    the output has x's dtype, accumulation is float32.
+    block_m is x.shape[0] / len(block_expert) (the layout's, see `block_layout`). K must be a multiple of
+    config.block_k and N of config.block_n (powers of two); the output has x's dtype, accumulation is float32.
     """
     if interpret is None:
         interpret = default_interpret()
@@ -122,7 +119,8 @@ def gmm(
     num_experts, k_w, n_dim = weights.shape
     num_blocks = block_expert.shape[0]
     block_m = rows // num_blocks
-    block_n, block_k = min(block_n, n_dim), min(block_k, k_dim)
+    block_n, block_k = min(config.block_n, n_dim), min(config.block_k, k_dim)
+    num_warps, num_stages = config.num_warps, config.num_stages
     if k_w != k_dim or rows != num_blocks * block_m or n_dim % block_n or k_dim % block_k:
         raise ValueError(
             f"gmm shapes: x {x.shape}, weights {weights.shape}, {num_blocks} blocks, block_n {block_n}, "
