@@ -359,13 +359,19 @@ class Engine:
         for entries without pooled pieces)."""
         tokens = jnp.asarray(np.asarray(fresh_tokens, np.int32))
         with self.pool.lock:  # the pools handed to this dispatch are not donated to a write before it is enqueued
-            cached = tuple(cached)
-            if slots is not None and any(s is not None for s in slots):
-                cached = spans.CachedSegments(cached, self.pool.pools, jnp.asarray(
-                    np.asarray([-1 if s is None else s for s in slots], np.int32)))
+            cached = self._cached_arg(cached, slots)
             call = _span_call_graphs if self.command_buffers else _span_call
             return call(self.params, tokens, cached, arch=self.arch, config=self.config, layout=layout, mode=mode,
                         want_logits=want_logits, want_decode=want_decode, want_hidden=want_hidden)
+
+    def _cached_arg(self, cached, slots=None):
+        """What the span forward takes for the request's cached entries: their layers as a tuple, wrapped with the
+        pools and the entries' slots when any of them keeps pieces in the pool (hold `pool.lock` until dispatch)."""
+        cached = tuple(cached)
+        if slots is not None and any(s is not None for s in slots):
+            cached = spans.CachedSegments(cached, self.pool.pools, jnp.asarray(
+                np.asarray([-1 if s is None else s for s in slots], np.int32)))
+        return cached
 
     def _plan_full(self, segs):
         tokens = [t for s in segs for t in s]

@@ -691,6 +691,7 @@ def linear_over_spans(
 
     incoming_rows = None  # per fresh span its row of `prefix` (-1: zero state); None: every span starts at zero
     prefix = None
+    reuse = None  # (length group, its SpanChunks) when the seam fold already ran that group's chunk-local pass
     if not layout.isolated and len(layout.spans) > 1:
         scan = _scan_groups(layout)
         last = len(layout.spans) - 1
@@ -702,12 +703,15 @@ def linear_over_spans(
         incoming_rows = [group_of[id(s)] - 1 for s in fresh]
         if needed:
             with jax.named_scope("span_prefix"):
-                prefix = _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index,
-                                       rotate)
+                prefix, reuse = _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where,
+                                              fresh_index, rotate)
 
     outs, finals_by_group = [], []
     for g, rows in enumerate(groups):
-        if incoming_rows is None or all(incoming_rows[i] == -1 for i in rows):
+        if reuse is not None and reuse[0] == g:  # outputs from the seam fold's chunk-local pass, no second one
+            start = _rows(prefix, [incoming_rows[i] for i in rows])
+            o, f = jax.vmap(lambda one, chunk, s0: one.span_chunk_outputs(chunk, s0))(padded[g], reuse[1], start)
+        elif incoming_rows is None or all(incoming_rows[i] == -1 for i in rows):
             o, f = jax.vmap(lambda one: one.chunked(chunk_size=chunks[g]))(padded[g])
         else:
             start = _rows(prefix, [incoming_rows[i] for i in rows])
@@ -779,7 +783,9 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     """The PIC request's regular case on the Pallas fold: every group is one fresh span that fits one chunk, then
     one cached interior with a dense transfer. The fresh spans enter the fold as chunk steps
     (`pallas.compose.span_fold_pallas`), so no group pair is formed. Returns None when the layout is not of this
-    shape (the general path composes the groups)."""
+    shape (the general path composes the groups), else (states after the groups, (length group, its spans'
+    `linear_attn.SpanChunk`s)): one chunk-local pass over the seams' length group serves the fold and, from the
+    states the fold gives, the seams' outputs."""
     spans_ = layout.spans
     if not mode.seam_fold or mode.prefix != "pallas" or not mode.transfer or mode.prefix_block is not None:
         return None
@@ -796,22 +802,25 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu and not all(n >= 16 and not n & (n - 1) for n in cached[interior_spans[0].offset].shape[-2:]):
         return None  # Triton tiles need power-of-two widths of at least 16
-    seams = _select(padded[group], [row for _, row in fresh_rows])
-    w, u, k_to_end, decay = jax.vmap(lambda one: one.chunk_step())(seams)
+    span_chunks = jax.vmap(lambda one: one.span_chunk())(padded[group])  # every span of the length group
+    w, u, k_to_end, decay = _select(tuple(span_chunks[:4]), [row for _, row in fresh_rows])
     config = pallas_compose.FoldConfig(algorithm=mode.compose or "f32")
     pooled = _pooled_rows([cached[s.offset] for s in interior_spans])
     moved = mode.rope and rotate is not None and any(s.start != s.canonical_start for s in interior_spans)
     if pooled is not None and not moved:  # the kernel reads every interior where it lies in the pool
         pool, slots = pooled
-        return pallas_compose.span_fold_pallas(w, u, k_to_end, decay, pool.transfer, pool.state, slots,
-                                               config=config, interpret=not on_gpu)
-    interiors = _stack_cached(cached, interior_spans, mode, rotate)
-    return pallas_compose.span_fold_pallas(w, u, k_to_end, decay, interiors.transfer, interiors.state, config=config,
-                                           interpret=not on_gpu)
+        states = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, pool.transfer, pool.state, slots,
+                                                 config=config, interpret=not on_gpu)
+    else:
+        interiors = _stack_cached(cached, interior_spans, mode, rotate)
+        states = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, interiors.transfer, interiors.state,
+                                                 config=config, interpret=not on_gpu)
+    return states, (group, span_chunks)
 
 
 def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):
-    """[len(needed), H, K, V]: the state after each scan group (see `linear_over_spans`)."""
+    """([len(needed), H, K, V]: the state after each scan group (see `linear_over_spans`), None or the seam fold's
+    (length group, `SpanChunk`s) for that group's outputs)."""
     folded = _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate)
     if folded is not None:
         return folded
@@ -862,7 +871,7 @@ def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, 
             acc = linear_attn.compose(acc, nxt, algorithm=mode.compose)
             continue
         acc = _splice(acc, linear_attn.compose(_select(acc, members), nxt, algorithm=mode.compose), members)
-    return linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix, block=mode.prefix_block)
+    return linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix, block=mode.prefix_block), None
 
 
 # ----------------------------------------------------------------------------------------------------------------

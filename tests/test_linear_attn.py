@@ -304,3 +304,21 @@ def test_bad_arguments_raise_value_errors_naming_them():
         la.advance(la.summarize(q, v), jnp.ones((2, 4, 4)))
     with pytest.raises(ValueError, match="non-empty"):
         la.stack_summaries([])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(FAMILIES), length=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_span_chunk_outputs_equal_the_float64_recurrence_from_any_state(family, length, seed):
+    """One chunk-local pass (`span_chunk`) gives a short span's state map (the `chunk_step` the seam fold takes)
+    and its outputs and final state from any incoming state, as the token-by-token float64 recurrence does."""
+    inputs = make_family(family, seed=seed, length=length, heads=2, key_dim=8, value_dim=4)
+    state = np.random.default_rng(seed + 1).standard_normal((2, 8, 4))
+    want_o, want_s = numpy_recurrence(inputs, initial_state=state)
+    chunk = inputs.span_chunk()
+    out, final = inputs.span_chunk_outputs(chunk, jnp.asarray(state, jnp.float32))
+    assert out.shape == inputs.v.shape and out.dtype == inputs.v.dtype
+    assert rel_err(out, want_o) < 1e-4 and rel_err(final, want_s) < 1e-4
+    for got, step in zip(chunk[:4], inputs.chunk_step()):  # the fold's operands are chunk_step's
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(step))
+    with pytest.raises(ValueError, match="queries"):
+        la.span_chunk_outputs(la.span_chunk(None, inputs.k, inputs.v, **inputs.gates()), jnp.asarray(state))
