@@ -18,7 +18,9 @@ below only changes how a layer mixes tokens across spans:
 * linear core: fresh spans are padded per length group (multiples of 8) and vmapped group by group. Each fresh
   span and the cached spans after it form a group whose summary is composed for all groups at once; one prefix
   over the groups (`linear_attn.prefix_states`: associative scan, or the Pallas fold on a GPU) gives every fresh
-  span's incoming state; the fresh outputs then come from `chunked(..., initial_state=incoming)`.
+  span's incoming state; the fresh outputs then come from `chunked(..., initial_state=incoming)`. On the seam fold
+  (the PIC request on a GPU) short seams enter the fold as chunk steps read against cached interiors in the entry
+  pool, and their outputs come from the same chunk-local pass (`linear_attn.span_chunk`).
 * attention: keys are the cached spans' K (re-rotated from their canonical positions to their absolute ones) and
   the fresh K, laid out in absolute order; fresh queries attend with a causal mask on absolute positions
   (block-diagonal by span when isolated; on a GPU the Pallas kernel `pallas.attention.positioned_attention`).
