@@ -8,6 +8,8 @@
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
 #   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
 #   bash bench/h200.sh tune      # the request's GPU kernels alone with launch variants, then trr + full, traced
+#   bash bench/h200.sh bars      # the three modes the PIC bars compare, one process, with the host split, traced
+#   bash bench/h200.sh sweeps    # MoE tiling and span fold variants alone, then the GDN/KDA kernel table
 
 # Output goes to $OUT (the device tool's result folder) or ./bench-out. Peaks are the ones measured on the H200
 # on 2026-11-29 (bf16 8192^3 matmul 793 TFLOP/s, 4.19 TB/s copy bandwidth); re-measure them if the machine differs.
@@ -55,6 +57,20 @@ case "${1:-}" in
       ${PIC_ARGS:-} 2>&1 | tee "$OUT/pic_ttft.txt"
     timeout 60 python3 bench/trace_summary.py /tmp/pic-trace --top 45 --hlo /tmp/pic-hlo > "$OUT/pic_trace_summary.txt" 2>&1
     ;;
+  bars)
+    timeout "${PIC_TIMEOUT:-530}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
+      --modes transition_rope_recompute prefix_cache full_recompute ${PIC_ARGS:-} --profile-dir /tmp/pic-trace 2>&1 \
+      | tee "$OUT/pic_ttft.txt"
+    timeout 50 python3 bench/trace_summary.py /tmp/pic-trace/transition_rope_recompute --top 60 \
+      > "$OUT/pic_trace_summary.txt" 2>&1
+    ;;
+  sweeps)
+    # MoE first: the span fold variants compile for 6-12 s each and used up the last run's budget
+    timeout 200 python3 bench/pic_kernels.py --out "$OUT" --sections moe span --budget-s 170 --skip-compose-bar \
+      > "$OUT/pic_kernels.txt" 2>&1
+    timeout 330 python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --budget-s 280 \
+      > "$OUT/kernels_all.txt" 2>&1
+    ;;
   variants)
     # one process: trr and full recompute side by side, then trr under each knob on the warm cache
     timeout "${PIC_TIMEOUT:-520}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
@@ -74,7 +90,7 @@ case "${1:-}" in
     timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
     ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps" >&2
     exit 2
     ;;
 esac

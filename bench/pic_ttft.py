@@ -128,7 +128,7 @@ def main(argv=None) -> None:
 
     rows = []
     for mode in args.modes:
-        engine.cache.clear()
+        engine.clear_cache()
         start = time.perf_counter()
         warm = engine.prefill(docs + [query], mode=mode)  # cold: fills the cache, compiles
         warm_s = time.perf_counter() - start
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
         engine.seam_fold, engine.command_buffers = knobs["seam_fold"], knobs["command_buffers"]
         if (knobs["stack_entries"], knobs["pool_entries"]) != (engine.stack_entries, engine.pool_entries):
             engine.stack_entries, engine.pool_entries = knobs["stack_entries"], knobs["pool_entries"]
-            engine.cache.clear()  # entries are stored in the new form by the next (cold) request
+            engine.clear_cache()  # entries are stored in the new form by the next (cold) request
         start = time.perf_counter()
         try:
             engine.prefill(docs + [query], mode="transition_rope_recompute")

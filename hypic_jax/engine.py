@@ -257,6 +257,12 @@ class Engine:
                 kwargs["max_context"] = int(hf["max_position_embeddings"])
         return cls(model, tokenizer=tokenizer, source=f"{path.resolve()}:{jnp.dtype(dtype)}", **kwargs)
 
+    def clear_cache(self) -> None:
+        """Drop every cache entry and give the entry pool's device memory back (entries held by a running request
+        stay usable until it ends; the pool is kept then, and trimmed by a later call)."""
+        self.cache.clear()
+        self.pool.trim()
+
     # Inputs -------------------------------------------------------------------------------------------------------
     @staticmethod
     def _check_mode(mode: str) -> str:

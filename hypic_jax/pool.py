@@ -11,6 +11,7 @@ Memory: the pool grows when a request stores more entries than it has free slots
 (so n entries cost log2 n growths) but not past what the cache's byte budget can hold unless pinned entries need
 it; it never shrinks (`clear` frees slots only). Every growth changes the pools' shapes, so the next request of each
 layout compiles again; requests over a stable working set do not grow it. Writes donate the pools (in place).
+`Engine.clear_cache()` empties the cache and then gives the pools' memory back (`trim`).
 
 Slots are freed when the cache drops an entry (`release`); the cache defers that while a request holds the entry
 pinned, so a slot is never rewritten under a running request. One lock orders writes against request dispatches.
@@ -125,6 +126,15 @@ class EntryPool:
             if not 0 <= slot < self.capacity or slot in self._free:
                 raise ValueError(f"slot {slot} is not in use")
             self._free.append(slot)
+
+    def trim(self) -> bool:
+        """Give the pools' device memory back when no slot is in use (the next store allocates anew); returns
+        whether it did."""
+        with self.lock:
+            if self.pools is None or self.in_use:
+                return False
+            self.pools, self._signatures, self._free, self.capacity = None, None, [], 0
+            return True
 
     @property
     def in_use(self) -> int:

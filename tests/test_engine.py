@@ -388,3 +388,9 @@ def test_entry_pool_slots_layout_and_growth():
     assert pool.store(stored[1])[0] == slots[1] and pool.capacity == 4  # the freed slot, no growth
     with pytest.raises(ValueError, match="not in use"):
         pool.release(99)
+    assert not pool.trim()  # slots in use: the pools stay
+    for slot in slots:
+        pool.release(slot)
+    assert pool.trim() and pool.pools is None and pool.capacity == 0
+    slot, _ = pool.store(stored[0])  # allocates anew
+    np.testing.assert_array_equal(pool.pools[0].conv[slot], stored[0][0].conv)
