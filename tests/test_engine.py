@@ -394,3 +394,39 @@ def test_entry_pool_slots_layout_and_growth():
     assert pool.trim() and pool.pools is None and pool.capacity == 0
     slot, _ = pool.store(stored[0])  # allocates anew
     np.testing.assert_array_equal(pool.pools[0].conv[slot], stored[0][0].conv)
+
+
+def test_concurrent_requests_under_a_tight_budget_match_sequential_ones(build):
+    """Requests from several threads on one engine, with a budget of about one entry: entries are inserted,
+    replaced (two threads missing the same document) and evicted while other requests hold them, and pool slots
+    are freed and reused meanwhile. Every answer equals the one a roomy engine gives for the same request."""
+    import threading
+
+    model, vocab = build("qwen_dense")
+    base = _request(vocab, seed=8)
+    requests = [[base[i] for i in order] + [base[-1]] for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0), (0, 2, 1))]
+    roomy = Engine(model, seam=SEAM)
+    want = [roomy.prefill(r).logits for r in requests]
+    entry_bytes = roomy.cache.stats.bytes // NUM_DOCS
+    tight = Engine(model, seam=SEAM, cache_bytes=entry_bytes + entry_bytes // 2)
+    tight.prefill(requests[0])  # compile first: threads then race on the cache, not on compilation
+    got, errors = {}, []
+
+    def worker(j):
+        try:
+            for _ in range(2):
+                got.setdefault(j, []).append(tight.prefill(requests[j]).logits)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(j,)) for j in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for j, logits in got.items():
+        for one in logits:
+            np.testing.assert_allclose(one, want[j], rtol=1e-5, atol=1e-5)
+    stats = tight.cache.stats
+    assert stats.bytes <= stats.capacity_bytes and tight.pool.in_use == stats.entries  # no slot leaked
