@@ -611,7 +611,8 @@ def run_all(out_dir, length, budget_s):
         for name, cfg in (("pallas doubling c32 bv32 bf16 s3", C(chunk=32, solve="doubling", **b16)),
                           ("pallas tile c32 bv32 bf16 s3", C(chunk=32, solve="tile", **b16)),
                           ("pallas rows c32 bv32 bf16 s3", C(chunk=32, solve="rows", **b16)),
-                          ("pallas doubling bv32 bf16 s3", C(solve="doubling", **b16))):
+                          ("pallas doubling bv32 bf16 s3", C(solve="doubling", **b16)),
+                          ("pallas rows bv32 bf16 s3", C(solve="rows", **b16))):
             if bt is None and "rows" in name:
                 continue  # no solve without the delta rule
             fn = jax.jit(lambda q, k, v, gk, b, cfg=cfg: gdn.gdn_forward(

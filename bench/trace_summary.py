@@ -120,7 +120,8 @@ def timeline(events: list[dict], threads: dict, device_events: list[dict], ancho
     """When things happened, relative to the start of the traced request (the first host event named like
     `anchor`): the host events of at least 1 ms in start order, the device's first and last kernel, its busy time
     and the largest idle gaps between kernels (a launch- or host-bound request shows as gaps)."""
-    host = [e for e in events if e not in device_events and e.get("dur", 0) >= 1000]
+    on_device = {id(e) for e in device_events}  # identity, not `in` on a list of dicts (quadratic)
+    host = [e for e in events if id(e) not in on_device and e.get("dur", 0) >= 1000]
     roots = [e for e in host if anchor in e["name"]]
     if not roots or not device_events:
         return

@@ -63,7 +63,6 @@ __all__ = [
     "PoolSlot",
     "PooledSummary",
     "PooledArray",
-    "stack_rows",
     "CachedSegments",
     "conv_over_spans",
     "linear_over_spans",
@@ -359,11 +358,11 @@ class PooledSummary(_PoolRow):
 
     @property
     def state(self) -> Array:
-        return self.materialize().state
+        return self.pool.state[self.slot]
 
     @property
     def transfer(self) -> Array | None:
-        return self.materialize().transfer
+        return None if self.pool.transfer is None else self.pool.transfer[self.slot]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -393,7 +392,7 @@ def _pooled_rows(members: Sequence):
     return first.pool, first.slots[jnp.asarray(np.asarray([m.index for m in members], np.int32))]
 
 
-def stack_rows(members: Sequence):
+def _stack_rows(members: Sequence):
     """The members (arrays or PyTrees, or pool rows) stacked along a new leading axis: one gather when they are
     rows of one pool."""
     pooled = _pooled_rows(members)
@@ -548,7 +547,7 @@ def conv_over_spans(
     if len(cached_tails) != len(layout.cached):
         raise ValueError(f"{len(layout.cached)} cached spans but {len(cached_tails)} conv tails")
     if cached_tails and any(isinstance(t, _PoolRow) for t in cached_tails):  # one gather for every pooled tail
-        tails = [stack_rows(list(cached_tails)).astype(x.dtype).reshape(len(cached_tails) * w1, x.shape[1])]
+        tails = [_stack_rows(list(cached_tails)).astype(x.dtype).reshape(len(cached_tails) * w1, x.shape[1])]
     else:
         tails = [t.astype(x.dtype).reshape(w1, x.shape[1]) for t in cached_tails]
     table = jnp.concatenate([jnp.zeros((1, x.shape[1]), x.dtype), x] + tails, axis=0)
@@ -768,8 +767,8 @@ def _stack_cached(cached, cached_in: Sequence[Span], mode: SpanMode, rotate):
     """The summaries of the cached spans `cached_in`, stacked in that order, as this mode stitches them (transfer
     dropped for `addition`, moved to their absolute positions for RoPE'd linear layers)."""
     members = [cached[s.offset] for s in cached_in]
-    if _pooled_rows(members) is not None:  # one gather from the pool
-        stacked = stack_rows(members)
+    if all(isinstance(m, PooledSummary) for m in members):  # one pool per layer: one gather, one form
+        stacked = _stack_rows(members)
     else:
         stacked = linear_attn.stack_summaries(
             [m.materialize() if isinstance(m, PooledSummary) else m for m in members])
