@@ -40,7 +40,7 @@ case "${1:-}" in
     timeout 120 python3 bench/gpu_smoke.py 2>&1 | tee "$OUT/gpu_smoke.txt" || exit 1
     # the modes the bars compare first: each row is printed as soon as it is measured; the optimized HLO of the
     # span programs is dumped so that the trace summary can group device time by the model's named scopes
-    XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \
+    XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_forward.*" \
       timeout 500 python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 --modes transition_rope_recompute \
       prefix_cache full_recompute transition_rope transition addition --profile-dir /tmp/pic-trace 2>&1 \
       | tee "$OUT/pic_ttft.txt"
@@ -49,9 +49,11 @@ case "${1:-}" in
     ;;
   tune)
     # the request's kernels alone with their launch variants (cheap), then the chosen modes side by side, traced
-    # (PIC_ARGS="--variants noseamfold" adds trr without the seam fold, the path before it, for the ratio)
-    timeout "${KERNEL_TIMEOUT:-110}" python3 bench/pic_kernels.py --out "$OUT" --budget-s "${KERNEL_BUDGET:-80}"
-    XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_call.*" \
+    # (PIC_ARGS="--variants noseamfold" adds trr without the seam fold, the path before it, for the ratio;
+    # KERNEL_SECTIONS="moe span" limits the kernel part to those sections)
+    timeout "${KERNEL_TIMEOUT:-110}" python3 bench/pic_kernels.py --out "$OUT" --budget-s "${KERNEL_BUDGET:-80}" \
+      ${KERNEL_SECTIONS:+--sections $KERNEL_SECTIONS --skip-compose-bar} > "$OUT/pic_kernels.txt" 2>&1
+    XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_forward.*" \
       timeout "${PIC_TIMEOUT:-330}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
       --modes ${PIC_MODES:-transition_rope_recompute full_recompute} --profile-dir /tmp/pic-trace \
       ${PIC_ARGS:-} 2>&1 | tee "$OUT/pic_ttft.txt"

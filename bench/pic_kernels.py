@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -128,24 +129,27 @@ def main(argv=None) -> None:
             slots = jnp.asarray(np.random.default_rng(1).permutation(96)[:segments], jnp.int32)
             pool_t = jnp.zeros((96,) + t.shape[1:], jnp.float32).at[slots].set(t)
             pool_s = jnp.zeros((96,) + s.shape[1:], jnp.float32).at[slots].set(s)
-            span_variants = [("nested", 32, 8, 3, True), ("split", 32, 8, 3, True), ("split", 32, 4, 3, True),
-                             ("split", 64, 8, 3, True), ("nested", 32, 8, 3, False), ("nested", 32, 4, 3, False),
-                             ("split", 16, 4, 3, True), ("nested", 32, 4, 2, False), ("nested", 16, 4, 3, False)]
-            for step, bw, warps, stages, pooled in span_variants[:2] if small else span_variants:
+            # (seam step, block_w, warps, stages, pooled, incoming, seam dot algorithm); the engine's path first
+            span_variants = [("nested", 32, 8, 3, True, True, None), ("nested", 32, 8, 3, True, False, None),
+                             ("nested", 32, 8, 3, True, True, "bf16"), ("nested", 32, 4, 3, True, True, None),
+                             ("nested", 32, 4, 3, True, True, "bf16"), ("nested", 64, 8, 3, True, True, None),
+                             ("nested", 32, 8, 2, True, True, None), ("split", 32, 8, 3, True, False, None)]
+            for step, bw, warps, stages, pooled, incoming, seam_alg in span_variants[:2] if small else span_variants:
                 if over():
                     break
-                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages, seam_step=step)
-                if pooled:
-                    fn = jax.jit(lambda w, u, kt, d, c=config: cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, slots,
-                                                                                    config=c, interpret=interpret))
-                else:
-                    fn = jax.jit(lambda w, u, kt, d, c=config: cmp.span_fold_pallas(w, u, kt, d, t, s, config=c,
-                                                                                    interpret=interpret))
-                name = dict(kernel="span_fold layer", seam_step=step, pooled=pooled, block_w=bw, warps=warps, stages=stages)
+                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages, seam_step=step,
+                                        seam_algorithm=seam_alg)
+                interiors = (pool_t, pool_s, slots) if pooled else (t, s, None)
+                fn = jax.jit(lambda w, u, kt, d, c=config, i=interiors, inc=incoming: cmp.span_fold_pallas(
+                    w, u, kt, d, *i, config=c, interpret=interpret, incoming=inc))
+                name = dict(kernel="span_fold layer", seam_step=step, pooled=pooled, incoming=incoming,
+                            seam_algorithm=seam_alg or "bf16x3", block_w=bw, warps=warps, stages=stages)
                 try:
                     ms, compile_s = timeit(fn, w, u, kt, d)
+                    got = fn(w, u, kt, d)
+                    got = jnp.concatenate([got[0][1:], got[1][None]]) if incoming else got
                     log(dict(name, ms=round(ms, 4), us_per_step=round(1e3 * ms / segments, 2),
-                             err=rel(fn(w, u, kt, d), want), compile_s=round(compile_s, 1)))
+                             err=rel(got, want), compile_s=round(compile_s, 1)))
                 except Exception as error:  # noqa: BLE001
                     log(dict(name, error=repr(error)[:300]))
             del pool_t, pool_s
@@ -231,6 +235,26 @@ def moe(log, over, small, interpret) -> None:
     variants = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 4, 4), (32, 128, 128, 4, 4),
                 (16, 128, 128, 4, 4), (16, 64, 128, 4, 4), (32, 256, 64, 8, 3), (16, 256, 128, 8, 3),
                 (64, 64, 128, 4, 4), (16, 128, 256, 4, 3), (32, 128, 64, 4, 5), (16, 128, 64, 4, 5)]
+    # the whole routed-experts block (copy layout, two grouped matmuls, combine) with the one-hot copy layout and
+    # with the sorted one (ONE_HOT_ROUTING_MAX = 0): what the routing costs around the kernels
+    from hypic_jax.models import layers
+
+    tok = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    route_w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+    route_ids = jnp.asarray(ids.reshape(tokens, top_k), jnp.int32)
+    one_hot_max = gm.ONE_HOT_ROUTING_MAX
+    for routing, bound in (("one-hot", one_hot_max), ("sorted", 0)):
+        gm.ONE_HOT_ROUTING_MAX = bound  # read at trace time
+        fn = jax.jit(lambda a, wts, e, gu, dn: layers.grouped_swiglu_experts(a, wts, e, gu, dn, impl="pallas"))
+        try:
+            ms, compile_s = timeit(fn, tok, route_w, route_ids, gate_up, down)
+            kernels = len(re.findall(r"^\s*\S+ = \S+ fusion\(|custom-call\(|sort\(",
+                                     fn.lower(tok, route_w, route_ids, gate_up, down).compile().as_text(), re.M))
+            log(dict(kernel="moe experts block", routing=routing, ms=round(ms, 4), launches_approx=kernels,
+                     compile_s=round(compile_s, 1)))
+        except Exception as error:  # noqa: BLE001
+            log(dict(kernel="moe experts block", routing=routing, error=repr(error)[:300]))
+    gm.ONE_HOT_ROUTING_MAX = one_hot_max
     for bm, bn, bk, warps, stages in variants[:2] if small else variants:
         if over():
             break

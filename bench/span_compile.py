@@ -44,12 +44,14 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefix-impl", default="auto", help="Engine(prefix_impl=...): 'pallas' takes the seam fold "
                         "(interpret mode off a GPU)")
+    parser.add_argument("--stack-entries", action="store_true", help="Engine(stack_entries=True)")
     args = parser.parse_args(argv)
 
     config = dataclasses.replace(small_config(), layer_types=qwen3_5.default_layer_types(args.layers),
                                  mlp_types=("moe",) * args.layers)
     params = qwen3_5.init_params(config, jax.random.key(0), jnp.float32)
-    engine = Engine(Model(qwen3_5, config, params), seam=args.seam, prefix_impl=args.prefix_impl)
+    engine = Engine(Model(qwen3_5, config, params), seam=args.seam, prefix_impl=args.prefix_impl,
+                    stack_entries=args.stack_entries)
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, config.vocab_size, args.segment_len).tolist() for _ in range(args.segments)]
     query = rng.integers(0, config.vocab_size, args.query_len).tolist()
@@ -78,7 +80,7 @@ def main(argv=None) -> None:
         times.append(engine.prefill([docs[i] for i in order] + [query], mode=MODE).stats.ttft_s)
     print(json.dumps(dict(
         backend=jax.default_backend(), layers=args.layers, segments=args.segments, segment_len=args.segment_len,
-        query_len=args.query_len, prefix_impl=engine.prefix_impl, cached_leaves=len(jax.tree.leaves(cached)),
+        query_len=args.query_len, prefix_impl=engine.prefix_impl, stack_entries=engine.stack_entries, cached_leaves=len(jax.tree.leaves(cached)),
         trace_s=round(traced_s, 2), lower_s=round(lowered_s, 2), compile_s=round(compiled_s, 2),
         hlo_instructions=sum(ops.values()), fusions=ops["fusion"], warm_ttft_ms=round(1e3 * min(times), 1),
     )))

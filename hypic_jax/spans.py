@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -710,12 +710,12 @@ def linear_over_spans(
     outs, finals_by_group = [], []
     for g, rows in enumerate(groups):
         if reuse is not None and reuse[0] == g:  # outputs from the seam fold's chunk-local pass, no second one
-            start = _rows(prefix, [incoming_rows[i] for i in rows])
+            start = _prefix_rows(prefix, [incoming_rows[i] for i in rows])
             o, f = jax.vmap(lambda one, chunk, s0: one.span_chunk_outputs(chunk, s0))(padded[g], reuse[1], start)
         elif incoming_rows is None or all(incoming_rows[i] == -1 for i in rows):
             o, f = jax.vmap(lambda one: one.chunked(chunk_size=chunks[g]))(padded[g])
         else:
-            start = _rows(prefix, [incoming_rows[i] for i in rows])
+            start = _prefix_rows(prefix, [incoming_rows[i] for i in rows])
             o, f = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunks[g]))(padded[g], start)
         outs.append(o.reshape((-1,) + o.shape[2:]))  # [rows * Lp_g, H, V]
         finals_by_group.append(f)
@@ -731,7 +731,7 @@ def linear_over_spans(
     if layout.spans[-1].kind == FRESH:
         final_state = final_of(layout.spans[-1])
     elif prefix is not None:
-        final_state = prefix[-1]
+        final_state = prefix.final if isinstance(prefix, _FoldStates) else prefix[-1]
     else:
         final_state = zero_state
 
@@ -810,18 +810,42 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     moved = mode.rope and rotate is not None and any(s.start != s.canonical_start for s in interior_spans)
     if pooled is not None and not moved:  # the kernel reads every interior where it lies in the pool
         pool, slots = pooled
-        states = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, pool.transfer, pool.state, slots,
-                                                 config=config, interpret=not on_gpu)
+        transfers, states, slots = pool.transfer, pool.state, slots
     else:
         interiors = _stack_cached(cached, interior_spans, mode, rotate)
-        states = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, interiors.transfer, interiors.state,
-                                                 config=config, interpret=not on_gpu)
-    return states, (group, span_chunks)
+        transfers, states, slots = interiors.transfer, interiors.state, None
+    before, final = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots, config=config,
+                                                    interpret=not on_gpu, incoming=True)
+    return _FoldStates(before, final), (group, span_chunks)
+
+
+class _FoldStates(NamedTuple):
+    """The seam fold's states: `before` [n, H, K, V] the state before each group (zero first), `final` the state
+    after the last. Group i's outgoing state is before[i + 1] (final for the last), so the seams' incoming states
+    are `before` itself, not a shifted copy of the outgoing ones."""
+
+    before: Array
+    final: Array
+
+    def rows(self, rows: Sequence[int]) -> Array:
+        """The states after groups `rows` (-1: the zero state), like `_rows` on the stacked outgoing states."""
+        n = self.before.shape[0]
+        shifted = [r + 1 for r in rows]
+        if all(r < n for r in shifted):
+            return _rows(self.before, shifted)
+        if all(r == n for r in shifted):
+            return jnp.broadcast_to(self.final, (len(rows),) + self.final.shape)
+        return _rows(jnp.concatenate([self.before, self.final[None]]), shifted)
+
+
+def _prefix_rows(prefix, rows: Sequence[int]) -> Array:
+    """Rows of the states after the scan groups (stacked, or the seam fold's `_FoldStates`); -1 is the zero state."""
+    return prefix.rows(rows) if isinstance(prefix, _FoldStates) else _rows(prefix, rows)
 
 
 def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):
-    """([len(needed), H, K, V]: the state after each scan group (see `linear_over_spans`), None or the seam fold's
-    (length group, `SpanChunk`s) for that group's outputs)."""
+    """(the state after each scan group (see `linear_over_spans`): [len(needed), H, K, V], or the seam fold's
+    `_FoldStates`; None or the seam fold's (length group, `SpanChunk`s) for that group's outputs)."""
     folded = _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate)
     if folded is not None:
         return folded

@@ -75,3 +75,31 @@ def test_gmm_lowers_to_triton():
         args = (sd((64 * 40, k_dim), jnp.bfloat16), sd((40,), jnp.int32), sd((256, k_dim, n_dim), jnp.bfloat16))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
         assert "xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_layout_one_hot_equals_the_stable_sort(seed, monkeypatch):
+    """The sort-free copy layout (one-hot running counts) and the sorted one place every (token, slot) copy in the
+    same padded row and give every block the same owner, for skewed routings with unused experts."""
+    from hypic_jax.pallas import grouped_matmul as gm
+
+    rng = np.random.default_rng(seed)
+    tokens, top_k, experts, block_m = int(rng.integers(1, 60)), int(rng.integers(1, 4)), int(rng.integers(2, 20)), 8
+    top_k = min(top_k, experts)
+    popular = rng.random(experts) ** 3  # skewed: some experts own many copies, some none
+    ids = np.stack([rng.choice(experts, top_k, replace=False, p=popular / popular.sum()) for _ in range(tokens)])
+    ids = jnp.asarray(ids, jnp.int32)
+    rows_one_hot, layout_one_hot = gm.copy_layout(ids, experts, block_m)
+    monkeypatch.setattr(gm, "ONE_HOT_ROUTING_MAX", 0)
+    rows_sorted, layout_sorted = gm.copy_layout(ids, experts, block_m)
+    np.testing.assert_array_equal(np.asarray(rows_one_hot), np.asarray(rows_sorted))
+    np.testing.assert_array_equal(np.asarray(layout_one_hot.block_expert), np.asarray(layout_sorted.block_expert))
+    np.testing.assert_array_equal(np.asarray(layout_one_hot.positions), np.asarray(layout_sorted.positions))
+    # and against a plain walk: copies of an expert in token order, each expert's rows starting on a block edge
+    flat = np.asarray(ids).reshape(-1)
+    start, expected = 0, np.zeros_like(flat)
+    for e in range(experts):
+        members = np.flatnonzero(flat == e)
+        expected[members] = start + np.arange(members.size)
+        start += -(-members.size // block_m) * block_m
+    np.testing.assert_array_equal(np.asarray(rows_one_hot), expected)

@@ -175,6 +175,13 @@ def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n
                                       config=cmp.FoldConfig(block_w=16, algorithm="f32", seam_step=step),
                                       interpret=True)
         assert rel(pooled, want) < TOL32
+        # incoming=True: the state before each group (zero first) and the state after the last one
+        before, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots),
+                                             config=cmp.FoldConfig(block_w=16, algorithm="f32", seam_step=step),
+                                             interpret=True, incoming=True)
+        assert before.shape == want.shape and final.shape == want.shape[1:]
+        assert not np.asarray(before[0]).any()
+        assert rel(before[1:], want[:-1]) < TOL32 and rel(final, want[-1]) < TOL32
     assert rel(cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=jnp.asarray(slots)), want) < TOL32
     with pytest.raises(ValueError, match="disagree"):
         cmp.span_fold_pallas(w[..., 1:], u, kt, d, t, s, interpret=True)
@@ -396,10 +403,10 @@ def test_kernels_lower_to_triton():
     assert "xla.gpu.triton" in jax.export.export(span_fold, platforms=["cuda"], disabled_checks=check)(*span_args) \
         .mlir_module()
     pool = sd((9, 2, dim, dim), jnp.float32)
-    for step in ("nested", "split"):
-        config = cmp.FoldConfig(seam_step=step)
-        pooled = jax.jit(lambda w, u, kt, d, t, s, slots, c=config: cmp.span_fold_pallas(w, u, kt, d, t, s, slots,
-                                                                                          config=c))
+    for step, seam_algorithm in (("nested", None), ("split", None), ("nested", "bf16")):
+        config = cmp.FoldConfig(seam_step=step, seam_algorithm=seam_algorithm)
+        pooled = jax.jit(lambda w, u, kt, d, t, s, slots, c=config: cmp.span_fold_pallas(
+            w, u, kt, d, t, s, slots, config=c, incoming=c.seam_step == "nested"))
         assert "xla.gpu.triton" in jax.export.export(pooled, platforms=["cuda"], disabled_checks=check)(
             *span_args[:4], pool, pool, sd((4,), jnp.int32)).mlir_module()
     attend = jax.jit(lambda q, k, v, p: pattn.positioned_attention(q, k, v, p, scale=0.0625))

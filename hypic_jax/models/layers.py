@@ -107,16 +107,12 @@ def grouped_swiglu_experts(
     """
     num_tokens, top_k = experts.shape
     num_experts = gate_up.shape[0]
-    flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)  # sorted position -> (token, slot) copy
-    inverse = jnp.argsort(order)  # (token, slot) copy -> sorted position
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
     num_rows = num_tokens * top_k
     if _use_pallas_moe(impl, num_rows):
         from hypic_jax.pallas import grouped_matmul as gm
 
-        layout = gm.block_layout(group_sizes, num_rows, block_m=MOE_GMM_CONFIG.block_m)
-        slot_rows = layout.positions[inverse]  # padded row of each (token, slot) copy
+        # padded row of each (token, slot) copy; a one-hot running count rather than two sorts for few copies
+        slot_rows, layout = gm.copy_layout(experts, num_experts, MOE_GMM_CONFIG.block_m)
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
@@ -125,6 +121,10 @@ def grouped_swiglu_experts(
         out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, config=MOE_GMM_CONFIG)
         per_slot = out_rows[slot_rows]
     else:
+        flat_experts = experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)  # sorted position -> (token, slot) copy
+        inverse = jnp.argsort(order)  # (token, slot) copy -> sorted position
+        group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
         # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes
         rows = x[order // top_k]  # [T*k, H], grouped by expert
         hidden = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)

@@ -117,6 +117,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 _KERNEL_PRECISION = {
+    "bf16": lax.DotAlgorithmPreset.BF16_BF16_F32,
     "f32": lax.Precision.HIGHEST,
     "tf32": lax.Precision.DEFAULT,
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
@@ -138,6 +139,9 @@ class FoldConfig:
     num_warps: int = 8
     num_stages: int = 3
     seam_step: str = "nested"  # span fold only: "nested" or "split" (see `_span_fold_kernel`)
+    # span fold only: dot algorithm of the seam's two rank-c products (None: `algorithm`). "bf16" is the precision
+    # of the GDN kernel's own state dots for bfloat16 models; the interior's T product keeps `algorithm`.
+    seam_algorithm: str | None = None
 
 
 def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, prec):
@@ -338,47 +342,63 @@ def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=
     return lax.scan(step, init, (w, u, k_to_end, decay, transfers, states))[1]
 
 
-def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_groups, prec, pooled, seam_step):
+def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_groups, prec, seam_prec, pooled,
+                      seam_step, incoming):
     """One (column block, batch entry): per group the fresh span's chunk step, then the interior's transfer.
     The group's operands do not depend on the running state, so their loads can run ahead of the products.
     pooled: t_ref / s_ref are whole entry pools and group i's interior is row slot_ref[i] (read in place).
+    incoming: o_ref[i] gets the state before group i (zero for group 0) and final_ref the state after the last
+    group, instead of o_ref[i] = the state after group i.
 
     seam_step "nested": acc <- T (d * acc + Kt (U - W acc)) + S, three dependent products per group.
     "split": the same map regrouped so that only two products wait for acc, side by side, plus one rank-c one:
     acc <- (T Diag(d)) acc - (T Kt) (W acc) + (T Kt U + S); T Kt, T Kt U + S and T Diag(d) do not depend on acc,
     so they are off the sequential chain (at the price of one extra [K, K] x [K, c] product per group).
     """
-    slot_ref, o_ref = rest if pooled else (None, rest[0])
+    rest = list(rest)
+    slot_ref = rest.pop(0) if pooled else None
+    o_ref = rest.pop(0)
+    final_ref = rest.pop(0) if incoming else None
     key_dim = t_ref.shape[-1]
     dims = (((1,), (0,)), ((), ()))
     dot = functools.partial(lax.dot_general, dimension_numbers=dims, precision=prec,
                             preferred_element_type=jnp.float32)
+    seam_dot = functools.partial(lax.dot_general, dimension_numbers=dims, precision=seam_prec,
+                                 preferred_element_type=jnp.float32)
 
     def nested(i, acc):
         row = slot_ref[i] if pooled else i
-        inner = u_ref[i] - dot(w_ref[i], acc)
-        acc = d_ref[i][:, None] * acc + dot(kt_ref[i], inner)
+        if incoming:
+            o_ref[i] = acc
+        inner = u_ref[i] - seam_dot(w_ref[i], acc)
+        acc = d_ref[i][:, None] * acc + seam_dot(kt_ref[i], inner)
         acc = dot(t_ref[row], acc) + s_ref[row]
-        o_ref[i] = acc
+        if not incoming:
+            o_ref[i] = acc
         return acc
 
     def split(i, acc):
         row = slot_ref[i] if pooled else i
+        if incoming:
+            o_ref[i] = acc
         t = t_ref[row]
         t_kt = dot(t, kt_ref[i])  # [K, c]
         offset = dot(t_kt, u_ref[i]) + s_ref[row]
-        acc = dot(t * d_ref[i][None, :], acc) - dot(t_kt, dot(w_ref[i], acc)) + offset
-        o_ref[i] = acc
+        acc = dot(t * d_ref[i][None, :], acc) - dot(t_kt, seam_dot(w_ref[i], acc)) + offset
+        if not incoming:
+            o_ref[i] = acc
         return acc
 
     body = {"nested": nested, "split": split}[seam_step]
 
-    lax.fori_loop(0, num_groups, body, jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32))
+    acc = lax.fori_loop(0, num_groups, body, jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32))
+    if incoming:
+        final_ref[...] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "incoming"))
 def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, config: FoldConfig = FoldConfig(),
-                     interpret: bool = False):
+                     interpret: bool = False, incoming: bool = False):
     """The state after each of n groups "fresh span of c <= chunk tokens, then a cached interior (T, S)", from zero.
 
     w [n, ..., c, K] (zeros for families without a delta rule), u [n, ..., c, V], k_to_end [n, ..., c, K]: the
@@ -387,6 +407,10 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
     slots: None, or int32 [n]: then transfers [P, ..., K, K] and states [P, ..., K, V] are entry pools (float32) and
     group i's interior is pool row slots[i], read where it lies (no gathered copy of n interiors first: at the PIC
     request's shape that copy is 268 MB per layer).
+    incoming: return (the state before each group [n, ..., K, V]: zero, then the states after groups 0 .. n-2;
+    the state after the last group [..., K, V]) instead. That is what the fresh spans start from, written by the
+    kernel as it goes; shifting the states afterwards costs a copy of all of them (136 MB per layer at the PIC
+    request's shape).
 
     Why: composing each fresh span's dense summary with its interior (T_int T_span, T_int S_span + S_int) before a
     fold costs one batched 128 x 128 x 256 product per group and layer plus the copies that feed it, all memory-bound
@@ -421,7 +445,8 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
     if config.seam_step not in ("nested", "split"):
         raise ValueError(f"FoldConfig.seam_step must be 'nested' or 'split', got {config.seam_step!r}")
     kernel = functools.partial(_span_fold_kernel, num_groups=n, prec=_KERNEL_PRECISION[config.algorithm],
-                               pooled=pooled, seam_step=config.seam_step)
+                               seam_prec=_KERNEL_PRECISION[config.seam_algorithm or config.algorithm], pooled=pooled,
+                               seam_step=config.seam_step, incoming=incoming)
     in_specs = [
         pl.BlockSpec((n, None, rows, key_dim), lambda j, i: (0, i, 0, 0)),
         pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j)),
@@ -434,17 +459,24 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
     if pooled:
         in_specs.append(pl.BlockSpec((n,), lambda j, i: (0,)))
         args.append(slots.astype(jnp.int32))
+    out_specs = [pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j))]
+    out_shape = [jax.ShapeDtypeStruct((n, b, key_dim, value_dim), jnp.float32)]
+    if incoming:
+        out_specs.append(pl.BlockSpec((None, key_dim, bw), lambda j, i: (i, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((b, key_dim, value_dim), jnp.float32))
     out = pl.pallas_call(
         kernel,
         grid=(value_dim // bw, b),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((n, b, key_dim, value_dim), jnp.float32),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="span_fold_pooled" if pooled else "span_fold",
     )(*args)
-    return out.reshape((n,) + batch + (key_dim, value_dim))
+    if incoming:
+        return out[0].reshape((n,) + batch + (key_dim, value_dim)), out[1].reshape(batch + (key_dim, value_dim))
+    return out[0].reshape((n,) + batch + (key_dim, value_dim))
 
 
 __all__ += ["span_fold_reference", "span_fold_pallas"]

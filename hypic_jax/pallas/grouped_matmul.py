@@ -25,7 +25,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["BlockLayout", "GMMConfig", "block_layout", "gmm", "default_interpret"]
+__all__ = ["BlockLayout", "GMMConfig", "ONE_HOT_ROUTING_MAX", "block_layout", "copy_layout", "gmm", "default_interpret"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,46 @@ def block_layout(group_sizes: Array, num_rows: int, block_m: int) -> BlockLayout
     owner = _ends_passed(block_end, num_blocks)
     block_expert = jnp.where(block_ids < block_end[-1], owner, -1)
     return BlockLayout(positions, block_expert, block_m)
+
+
+# Largest rows x experts for which `copy_layout` ranks the copies with a one-hot running count ([rows, experts]
+# int32, 64 MiB at this bound) instead of sorting them: a PIC request's seams and query (4,608 copies x 256
+# experts at the 35B-A3B shape) take the one-hot path; a 32k-token prefill (262,144 copies) sorts.
+ONE_HOT_ROUTING_MAX = 1 << 24
+
+
+def copy_layout(experts: Array, num_experts: int, block_m: int) -> tuple[Array, BlockLayout]:
+    """Where each (token, slot) copy goes in the expert-aligned row blocks, without a sort when it is small.
+
+    experts: [T, k] expert ids. Returns (slot_rows [T * k]: padded row of each copy, in row-major (token, slot)
+    order; the BlockLayout of the expert-sorted copies). Copies of one expert keep token order (a stable sort), so
+    this equals `block_layout` applied to the stably sorted copies. For rows x experts up to ONE_HOT_ROUTING_MAX a
+    copy's rank inside its expert is a running count over a one-hot [rows, experts] matrix: a handful of fused
+    kernels, where two argsorts cost four radix-sort launches plus scatters per MoE layer (the PIC request runs
+    40 such layers, and its time is launch-bound). Above it the copies are sorted.
+    """
+    flat = experts.reshape(-1).astype(jnp.int32)
+    num_rows = flat.shape[0]
+    if num_rows * num_experts > ONE_HOT_ROUTING_MAX:
+        order = jnp.argsort(flat, stable=True)  # sorted position -> copy
+        inverse = jnp.argsort(order)  # copy -> sorted position
+        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        layout = block_layout(group_sizes, num_rows, block_m)
+        return layout.positions[inverse], layout
+    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    running = jnp.cumsum(one_hot, axis=0)  # copies of each expert among rows 0..i
+    group_sizes = running[-1]
+    rank = jnp.take_along_axis(running, flat[:, None], axis=1)[:, 0] - 1
+    blocks = (group_sizes + block_m - 1) // block_m
+    block_end = jnp.cumsum(blocks)
+    padded_start = (block_end - blocks) * block_m
+    slot_rows = padded_start[flat] + rank
+    num_blocks = -(-num_rows // block_m) + num_experts
+    block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
+    block_expert = jnp.where(block_ids < block_end[-1], _ends_passed(block_end, num_blocks), -1)
+    sorted_positions = jnp.zeros((num_rows,), jnp.int32).at[
+        jnp.cumsum(group_sizes)[flat] - group_sizes[flat] + rank].set(slot_rows)
+    return slot_rows, BlockLayout(sorted_positions, block_expert, block_m)
 
 
 def _ends_passed(ends: Array, length: int) -> Array:
