@@ -10,6 +10,7 @@
 #   bash bench/h200.sh tune      # the request's GPU kernels alone with launch variants, then trr + full, traced
 #   bash bench/h200.sh bars      # the three modes the PIC bars compare, one process, with the host split, traced
 #   bash bench/h200.sh sweeps    # MoE tiling and span fold variants alone, then the GDN/KDA kernel table
+#   bash bench/h200.sh close     # the bars' three modes, then GDN at 32k against fla (default launch, +TS, pieces)
 
 # Output goes to $OUT (the device tool's result folder) or ./bench-out. Peaks are the ones measured on the H200
 # on 2026-11-29 (bf16 8192^3 matmul 793 TFLOP/s, 4.19 TB/s copy bandwidth); re-measure them if the machine differs.
@@ -66,6 +67,23 @@ case "${1:-}" in
     timeout 50 python3 bench/trace_summary.py /tmp/pic-trace/transition_rope_recompute --top 60 \
       > "$OUT/pic_trace_summary.txt" 2>&1
     ;;
+  close)
+    # one command for both issues: the three modes the PIC bars compare (traced), then the GDN forward at 32k,
+    # fla's chunk_gated_delta_rule (from the carried wheels) and the default Pallas launch with (T, S) and pieces
+    timeout "${PIC_TIMEOUT:-340}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
+      --modes transition_rope_recompute prefix_cache full_recompute ${PIC_ARGS:-} --profile-dir /tmp/pic-trace 2>&1 \
+      | tee "$OUT/pic_ttft.txt"
+    timeout 40 python3 bench/trace_summary.py /tmp/pic-trace/transition_rope_recompute --top 60 \
+      > "$OUT/pic_trace_summary.txt" 2>&1
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl
+      PYTHONPATH=.:/tmp/site timeout 90 python3 bench/kernels.py --fla-only --out "$OUT" --lengths 32768
+    fi
+    timeout 120 python3 bench/kernels.py --out "$OUT" --lengths 32768 --check-length 32768 --budget-s 90 \
+      --only "pallas tile c32 bv32 bf16 s3,pallas tile c32 bv32 bf16 s3 +TS,pallas P2 tile c32 bv32 bf16 s3,pallas P4 tile c32 bv32 bf16 s3,pallas P4 tile c32 bv32 bf16 s3 +TS" \
+      > "$OUT/kernels.txt" 2>&1
+    ;;
   sweeps)
     # MoE first: the span fold variants compile for 6-12 s each and used up the last run's budget
     timeout 200 python3 bench/pic_kernels.py --out "$OUT" --sections moe span --budget-s 170 --skip-compose-bar \
@@ -92,7 +110,7 @@ case "${1:-}" in
     timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
     ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close" >&2
     exit 2
     ;;
 esac

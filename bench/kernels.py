@@ -211,6 +211,11 @@ def variants():
         "pallas doubling solve-bf16x3 bv32 s3": (C(solve="doubling", solve_precision="bf16x3", **b16), False),
         "pallas doubling bv32 bf16 s3 +TS": (C(solve="doubling", **b16), True),
         "pallas doubling bv32 tf32 f32-inter +TS": (C(solve="doubling", inter_dtype="float32", **t32), True),
+        # The default launch (tile, chunk 32) emitting (T, S), and split into pieces (third session's follow-up).
+        "pallas tile c32 bv32 bf16 s3 +TS": (C(chunk=32, solve="tile", **b16), True),
+        "pallas P2 tile c32 bv32 bf16 s3": (C(chunk=32, solve="tile", pieces=2, **b16), False),
+        "pallas P4 tile c32 bv32 bf16 s3": (C(chunk=32, solve="tile", pieces=4, **b16), False),
+        "pallas P4 tile c32 bv32 bf16 s3 +TS": (C(chunk=32, solve="tile", pieces=4, **b16), True),
     }
 
 

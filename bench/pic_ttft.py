@@ -42,13 +42,14 @@ VARIANTS = {
     "attn1": dict(attention_programs=1),
     "attn1024": dict(attention_programs=1024),  # the engine's default
     "attn512": dict(attention_programs=512),
-    "stack": dict(stack_entries=True),
+    "stack": dict(stack_entries=True),  # the engine's default
+    "nostack": dict(stack_entries=False),
     "noseamfold": dict(seam_fold=False),
     "nopool": dict(pool_entries=False),
     "graphs": dict(command_buffers=True),  # XLA's CUDA-graph capture of the span program (its default)
     "all": dict(prefix_block=0, stack_entries=True),
 }
-KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=False, seam_fold=True,
+KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=True, seam_fold=True,
                      pool_entries=True, command_buffers=False)
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
@@ -73,7 +74,8 @@ def main(argv=None) -> None:
                         help="block size of the Pallas fold (0: about sqrt(n); default: one fold)")
     parser.add_argument("--attention-programs", type=int, default=1024,
                         help="split the fresh queries' attention over key ranges until this many programs run")
-    parser.add_argument("--stack-entries", action="store_true", help="store cache entries with stacked layers")
+    parser.add_argument("--no-stack-entries", dest="stack_entries", action="store_false",
+                        help="store cache entries layer by layer (Engine(stack_entries=False))")
     parser.add_argument("--no-seam-fold", action="store_true",
                         help="compose each seam with its interior before the fold (the path before the seam fold)")
     parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),

@@ -179,9 +179,10 @@ class Engine:
     `seam_fold` (default True: with the Pallas fold, short seams enter it as chunk steps instead of being composed
     with their interiors first, `spans.SpanMode.seam_fold`; 119.6 vs 132.2 ms per request), `attention_programs`
     (default 1024: the fresh queries' attention split over key ranges, 0.83 vs 1.08 ms per layer), `prefix_block`
-    (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `stack_entries` (each cache entry stored with
-    its layers stacked, `spans.StackedLayers`: fewer arrays to dispatch, but the request's compile did not finish
-    in 200 s; off by default), `pool_entries` (default True: the linear layers' pieces of PIC entries live in one
+    (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `stack_entries` (default True: each cache
+    entry's pieces outside the pool, the full-attention K/V, stored with the layers stacked, `spans.StackedLayers`:
+    128 arrays per request at 64 entries instead of 1,280; 79.6 vs 81.8 ms per request. Without the pool, the
+    request's compile did not finish in 200 s), `pool_entries` (default True: the linear layers' pieces of PIC entries live in one
     device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots instead of every
     entry's arrays, and the seam fold reads the cached interiors in place; 133.9 vs 177.2 ms per request with
     command buffers on), `command_buffers` (default False; 88.9 ms per request without, 113.1 with).
@@ -202,7 +203,7 @@ class Engine:
         prefix_impl: str = "auto",
         prefix_block: int | None = None,
         attention_programs: int = 1024,
-        stack_entries: bool = False,
+        stack_entries: bool = True,
         seam_fold: bool = True,
         pool_entries: bool = True,
         command_buffers: bool = False,
@@ -363,7 +364,7 @@ class Engine:
              slots=None):
         """One span forward. `cached`: per cached span its entry's layers; `slots`: their pool slots (None or -1
         for entries without pooled pieces)."""
-        tokens = jnp.asarray(np.asarray(fresh_tokens, np.int32))
+        tokens = np.asarray(fresh_tokens, np.int32)  # host arrays go to the device inside the jit call (one step)
         with self.pool.lock:  # the pools handed to this dispatch are not donated to a write before it is enqueued
             cached = self._cached_arg(cached, slots)
             call = _span_call_graphs if self.command_buffers else _span_call
@@ -375,8 +376,8 @@ class Engine:
         pools and the entries' slots when any of them keeps pieces in the pool (hold `pool.lock` until dispatch)."""
         cached = tuple(cached)
         if slots is not None and any(s is not None for s in slots):
-            cached = spans.CachedSegments(cached, self.pool.pools, jnp.asarray(
-                np.asarray([-1 if s is None else s for s in slots], np.int32)))
+            cached = spans.CachedSegments(cached, self.pool.pools,
+                                          np.asarray([-1 if s is None else s for s in slots], np.int32))
         return cached
 
     def _plan_full(self, segs):

@@ -182,7 +182,7 @@ def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
     model, vocab = build(arch)
     segs = _request(vocab, seed=3)
     shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
-    base = Engine(model, seam=SEAM, pool_entries=False)
+    base = Engine(model, seam=SEAM, pool_entries=False, stack_entries=False)  # every entry piece by piece
     seam_fold = Engine(model, seam=SEAM, prefix_impl="pallas")
     unpooled = Engine(model, seam=SEAM, prefix_impl="pallas", pool_entries=False, command_buffers=True)
     tuned = Engine(model, seam=SEAM, stack_entries=True, prefix_impl="pallas", prefix_block=0, attention_programs=64)

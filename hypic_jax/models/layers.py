@@ -76,7 +76,9 @@ def softmax_topk_router(
 # rows (decode, a PIC request's seams and query) are better served by the kernel, which reads only the experts
 # that own rows.
 PALLAS_MOE_MIN_ROWS = 1
-MOE_GMM_CONFIG = GMMConfig()  # the Pallas grouped matmul's tiling on the MoE path
+# The Pallas grouped matmul's tiling on the MoE path: None picks the measured launch for the row count
+# (`grouped_matmul.default_config`); a GMMConfig forces one.
+MOE_GMM_CONFIG: GMMConfig | None = None
 MOE_IMPLS = ("auto", "ragged", "pallas")
 
 
@@ -111,14 +113,15 @@ def grouped_swiglu_experts(
     if _use_pallas_moe(impl, num_rows):
         from hypic_jax.pallas import grouped_matmul as gm
 
+        config = MOE_GMM_CONFIG or gm.default_config(num_rows)
         # padded row of each (token, slot) copy; a one-hot running count rather than two sorts for few copies
-        slot_rows, layout = gm.copy_layout(experts, num_experts, MOE_GMM_CONFIG.block_m)
+        slot_rows, layout = gm.copy_layout(experts, num_experts, config.block_m)
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
-        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up, config=MOE_GMM_CONFIG)
+        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up, config=config)
         gate, up = jnp.split(hidden, 2, axis=-1)
-        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, config=MOE_GMM_CONFIG)
+        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, config=config)
         per_slot = out_rows[slot_rows]
     else:
         flat_experts = experts.reshape(-1)

@@ -25,20 +25,38 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["BlockLayout", "GMMConfig", "ONE_HOT_ROUTING_MAX", "block_layout", "copy_layout", "gmm", "default_interpret"]
+__all__ = ["BlockLayout", "GMMConfig", "FEW_ROWS_CONFIG", "ONE_HOT_ROUTING_MAX", "block_layout", "copy_layout", "default_config",
+           "gmm", "default_interpret"]
 
 
 @dataclasses.dataclass(frozen=True)
 class GMMConfig:
     """Tiling of the MoE grouped matmul: block_m rows per expert block (each expert's rows are padded to a multiple
-    of it), block_n / block_k the weight tile, Triton warps and pipeline stages. The default is the launch the MoE
-    layers have run with; `bench/pic_kernels.py` times the alternatives at the PIC request's shape."""
+    of it), block_n / block_k the weight tile, Triton warps and pipeline stages. The class defaults are the launch
+    the long prefills run with (about a thousand copies per expert at 32k tokens); `default_config` picks per row
+    count, and `bench/pic_kernels.py --sections moe` times the alternatives at the PIC request's shape."""
 
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+
+
+# Few copies per expert (a PIC request's seams and query: 576 tokens x top-8 of 256 experts, ~18 copies each) make
+# the matmul a read of every used expert's weights. Fastest of 12 launches timed on the H200 at that shape (hidden
+# 2048, expert width 512; bench/RESULTS.md): gate_up 0.293 ms (3.67 TB/s of weights) and down 0.159 ms, against
+# 0.375 / 0.199 ms with the class defaults. A wider weight tile with 8 warps keeps more bytes in flight, and 32-row
+# blocks waste less work on padding. Not timed at long-prefill row counts, where block_m 64 reuses each weight tile
+# for twice the rows; hence the split.
+FEW_ROWS_CONFIG = GMMConfig(block_m=32, block_n=256, block_k=64, num_warps=8, num_stages=3)
+FEW_ROWS_MAX = 16384
+
+
+def default_config(num_rows: int) -> GMMConfig:
+    """The measured launch for `num_rows` (token, expert) copies: FEW_ROWS_CONFIG up to FEW_ROWS_MAX, else
+    GMMConfig()."""
+    return FEW_ROWS_CONFIG if num_rows <= FEW_ROWS_MAX else GMMConfig()
 
 
 def default_interpret() -> bool:
