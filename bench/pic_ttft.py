@@ -47,10 +47,11 @@ VARIANTS = {
     "noseamfold": dict(seam_fold=False),
     "nopool": dict(pool_entries=False),
     "graphs": dict(command_buffers=True),  # XLA's CUDA-graph capture of the span program (its default)
+    "seamexact": dict(seam_precision=None),  # seam products inside the fold at the composition's bf16x3
     "all": dict(prefix_block=0, stack_entries=True),
 }
 KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=True, seam_fold=True,
-                     pool_entries=True, command_buffers=False)
+                     pool_entries=True, command_buffers=False, seam_precision="auto")
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 
@@ -159,6 +160,7 @@ def main(argv=None) -> None:
         knobs = {**KNOB_DEFAULTS, **VARIANTS[name]}
         engine.prefix_block, engine.attention_programs = knobs["prefix_block"], knobs["attention_programs"]
         engine.seam_fold, engine.command_buffers = knobs["seam_fold"], knobs["command_buffers"]
+        engine.seam_precision = knobs["seam_precision"]
         if (knobs["stack_entries"], knobs["pool_entries"]) != (engine.stack_entries, engine.pool_entries):
             engine.stack_entries, engine.pool_entries = knobs["stack_entries"], knobs["pool_entries"]
             engine.clear_cache()  # entries are stored in the new form by the next (cold) request
@@ -181,7 +183,7 @@ def main(argv=None) -> None:
                    compose=engine.compose_algorithm, prefix=engine.prefix_impl, prefix_block=args.prefix_block,
                    attention_programs=args.attention_programs, stack_entries=args.stack_entries,
                    seam_fold=not args.no_seam_fold, pool_entries=True,
-                   command_buffers=False)
+                   command_buffers=False, seam_precision=engine.seam_precision)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")

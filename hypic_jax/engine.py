@@ -185,7 +185,10 @@ class Engine:
     request's compile did not finish in 200 s), `pool_entries` (default True: the linear layers' pieces of PIC entries live in one
     device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots instead of every
     entry's arrays, and the seam fold reads the cached interiors in place; 133.9 vs 177.2 ms per request with
-    command buffers on), `command_buffers` (default False; 88.9 ms per request without, 113.1 with).
+    command buffers on), `command_buffers` (default False; 88.9 ms per request without, 113.1 with),
+    `seam_precision` (`spans.SpanMode.seam_precision`; "auto": the seams' own products inside the seam fold run
+    single-pass bf16 for bfloat16 models on tensor-core composition, as the model's GDN kernel does for every token;
+    None keeps the composition algorithm).
     """
 
     def __init__(
@@ -207,6 +210,7 @@ class Engine:
         seam_fold: bool = True,
         pool_entries: bool = True,
         command_buffers: bool = False,
+        seam_precision: str | None = "auto",
     ):
         if not hasattr(model.arch, "span_forward"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward; the engine cannot run it")
@@ -237,6 +241,10 @@ class Engine:
             raise ValueError(f"attention_programs must be a positive integer, got {attention_programs!r}")
         self.prefix_block, self.attention_programs, self.stack_entries = prefix_block, attention_programs, stack_entries
         self.seam_fold = bool(seam_fold)
+        if seam_precision not in ("auto", None) and seam_precision not in ALGORITHMS + ("bf16",):
+            raise ValueError(f"seam_precision must be 'auto', None, 'bf16' or one of {ALGORITHMS}, got "
+                             f"{seam_precision!r}")
+        self.seam_precision = seam_precision
         self.command_buffers = bool(command_buffers)
         self.vocab_size = int(self.config.vocab_size)
         self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)
@@ -358,7 +366,7 @@ class Engine:
     def _span_mode(self, mode: str) -> spans.SpanMode:
         return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm, prefix=self.prefix_impl,
                                    prefix_block=self.prefix_block, attention_programs=self.attention_programs,
-                                   seam_fold=self.seam_fold)
+                                   seam_fold=self.seam_fold, seam_precision=self.seam_precision)
 
     def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False,
              slots=None):

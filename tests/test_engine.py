@@ -17,6 +17,7 @@ import functools
 import json
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -196,9 +197,41 @@ def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
     assert seam_fold.pool.in_use == NUM_DOCS and unpooled.pool.in_use == 0
     entry = next(iter(tuned.cache._entries.values()))
     assert len(entry.layers) == len(model.params["layers"])  # a StackedLayers still reads as one piece per layer
-    for bad in (dict(prefix_block=1), dict(prefix_block=-2), dict(attention_programs=0), dict(prefix_impl="x")):
+    for bad in (dict(prefix_block=1), dict(prefix_block=-2), dict(attention_programs=0), dict(prefix_impl="x"),
+                dict(seam_precision="fp8")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Engine(model, **bad)
+
+
+def test_seam_precision_follows_the_model_dtype(build, monkeypatch):
+    """The seam fold's seam products run single-pass bf16 only for a bfloat16 model on tensor-core composition (the
+    precision of that model's own GDN kernel for the same tokens); float32 models and SpanMode(seam_precision=None)
+    keep the composition's algorithm, and the request's results stay those of the plain engine."""
+    from hypic_jax.pallas import compose
+
+    seen = []
+    original = compose.span_fold_pallas
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["config"].seam_algorithm)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(compose, "span_fold_pallas", spy)
+    model, vocab = build("qwen_moe")
+    segs = _request(vocab, seed=5)
+    low = type(model)(model.arch, model.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params))
+    for m, want in ((model, None), (low, "bf16")):
+        engine = Engine(m, seam=SEAM, prefix_impl="pallas", compose_algorithm="bf16x3")
+        seen.clear()  # the fold is traced once per layout (the cold request's combine), then reused
+        engine.prefill(segs)
+        got = engine.prefill([segs[i] for i in (2, 0, 1)] + [segs[-1]])
+        assert seen and set(seen) == {want}
+        assert np.isfinite(np.asarray(got.logits)).all()
+    exact = Engine(low, seam=SEAM, prefix_impl="pallas", compose_algorithm="bf16x3", seam_precision=None)
+    seen.clear()
+    exact.prefill(segs)
+    exact.prefill([segs[i] for i in (2, 0, 1)] + [segs[-1]])
+    assert set(seen) == {None}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
