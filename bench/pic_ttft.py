@@ -155,6 +155,7 @@ def main(argv=None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    main_seam_precision = engine.seam_precision  # the variants below change the engine's knobs
     variant_rows = []
     for name in args.variants:  # on the cache the last trr measurement left (or a cold request fills it)
         knobs = {**KNOB_DEFAULTS, **VARIANTS[name]}
@@ -183,7 +184,7 @@ def main(argv=None) -> None:
                    compose=engine.compose_algorithm, prefix=engine.prefix_impl, prefix_block=args.prefix_block,
                    attention_programs=args.attention_programs, stack_entries=args.stack_entries,
                    seam_fold=not args.no_seam_fold, pool_entries=True,
-                   command_buffers=False, seam_precision=engine.seam_precision)
+                   command_buffers=False, seam_precision=main_seam_precision)
     if "transition_rope_recompute" in by_mode:
         pic = by_mode["transition_rope_recompute"]
         fresh = next(r["recomputed_tokens"] for r in rows if r["mode"] == "transition_rope_recompute")

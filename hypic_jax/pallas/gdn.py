@@ -56,12 +56,15 @@ Nothing per chunk of state size is ever written: the per-chunk states that a two
 design stores ([L/c, H, K, V] float32, 1 GB at L = 32k) are kept in registers because the output read is fused
 into the state pass. States are float32 always.
 
-Measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md), solve="rows": 2.2 to 2.6 ms against fla's
-1.92 ms, the chunk-local kernel (1.4 to 1.7 ms) being the bottleneck. The "doubling"/"tile" solves, the per-key
-path, `gdn_varlen` and the decode step (`hypic_jax.pallas.decode`) are checked in interpret mode and lowered for
-CUDA on the CPU, not yet timed (bench/kernels.py --all times them). Lowering: Triton, because it compiled and ran
-first time through Pallas at both jax 0.10 (interpret/lowering checks on the CPU) and 0.11 (the H200); Mosaic GPU
-was not tried.
+Measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md): the default launch (solve "tile", chunk 32)
+1.79 ms against fla's chunk_gated_delta_rule at 1.93 ms in the same run (1.08x); its chunk-local kernel takes
+0.51 ms, so the state pass (1,024 sequential chunk steps on 128 programs) is now the larger part. "rows" at
+chunk 64, the first default, took 2.39 ms (its serial reductions made the chunk-local kernel the bottleneck).
+Emitting (T, S) costs +51% on the default launch; the pieces split, 2.77 to 2.82 ms, does not pay at 32 heads.
+Per-key gates (doubling, chunk 32): 14.0 ms against fla's chunk_kda at 3.87 ms (an earlier run). `gdn_varlen` and the decode step
+(`hypic_jax.pallas.decode`) are checked in interpret mode and lowered for CUDA on the CPU, not yet timed.
+Lowering: Triton, because it compiled and ran first time through Pallas at both jax 0.10 (interpret/lowering
+checks on the CPU) and 0.11 (the H200); Mosaic GPU was not tried.
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
 float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
