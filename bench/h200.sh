@@ -22,6 +22,14 @@ export XLA_FLAGS="${XLA_FLAGS:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 
+bar_modes() {  # the three modes the PIC bars compare, one process, traced; $1: its time limit, $2: the summary's
+  timeout "$1" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
+    --modes transition_rope_recompute prefix_cache full_recompute ${PIC_ARGS:-} --profile-dir /tmp/pic-trace 2>&1 \
+    | tee "$OUT/pic_ttft.txt"
+  timeout "$2" python3 bench/trace_summary.py /tmp/pic-trace/transition_rope_recompute --top 60 \
+    > "$OUT/pic_trace_summary.txt" 2>&1
+}
+
 case "${1:-}" in
   models)
     # the Pallas grouped matmul against ragged_dot, compiled for the GPU (the MoE path of every prefill below)
@@ -61,20 +69,12 @@ case "${1:-}" in
     timeout 60 python3 bench/trace_summary.py /tmp/pic-trace --top 45 --hlo /tmp/pic-hlo > "$OUT/pic_trace_summary.txt" 2>&1
     ;;
   bars)
-    timeout "${PIC_TIMEOUT:-530}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
-      --modes transition_rope_recompute prefix_cache full_recompute ${PIC_ARGS:-} --profile-dir /tmp/pic-trace 2>&1 \
-      | tee "$OUT/pic_ttft.txt"
-    timeout 50 python3 bench/trace_summary.py /tmp/pic-trace/transition_rope_recompute --top 60 \
-      > "$OUT/pic_trace_summary.txt" 2>&1
+    bar_modes "${PIC_TIMEOUT:-530}" 50
     ;;
   close)
     # one command for both issues: the three modes the PIC bars compare (traced), then the GDN forward at 32k,
     # fla's chunk_gated_delta_rule (from the carried wheels) and the default Pallas launch with (T, S) and pieces
-    timeout "${PIC_TIMEOUT:-340}" python3 bench/pic_ttft.py --bandwidth-tbs 4.19 --peak-tflops 793 \
-      --modes transition_rope_recompute prefix_cache full_recompute ${PIC_ARGS:-} --profile-dir /tmp/pic-trace 2>&1 \
-      | tee "$OUT/pic_ttft.txt"
-    timeout 40 python3 bench/trace_summary.py /tmp/pic-trace/transition_rope_recompute --top 60 \
-      > "$OUT/pic_trace_summary.txt" 2>&1
+    bar_modes "${PIC_TIMEOUT:-340}" 40
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl
