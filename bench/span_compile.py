@@ -44,7 +44,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefix-impl", default="auto", help="Engine(prefix_impl=...): 'pallas' takes the seam fold "
                         "(interpret mode off a GPU)")
-    parser.add_argument("--stack-entries", action="store_true", help="Engine(stack_entries=True)")
+    parser.add_argument("--no-stack-entries", dest="stack_entries", action="store_false",
+                        help="Engine(stack_entries=False): entries stored layer by layer")
     args = parser.parse_args(argv)
 
     config = dataclasses.replace(small_config(), layer_types=qwen3_5.default_layer_types(args.layers),
@@ -80,7 +81,8 @@ def main(argv=None) -> None:
         times.append(engine.prefill([docs[i] for i in order] + [query], mode=MODE).stats.ttft_s)
     print(json.dumps(dict(
         backend=jax.default_backend(), layers=args.layers, segments=args.segments, segment_len=args.segment_len,
-        query_len=args.query_len, prefix_impl=engine.prefix_impl, stack_entries=engine.stack_entries, cached_leaves=len(jax.tree.leaves(cached)),
+        query_len=args.query_len, prefix_impl=engine.prefix_impl, stack_entries=engine.stack_entries,
+        cached_leaves=len(jax.tree.leaves(cached)),
         trace_s=round(traced_s, 2), lower_s=round(lowered_s, 2), compile_s=round(compiled_s, 2),
         hlo_instructions=sum(ops.values()), fusions=ops["fusion"], warm_ttft_ms=round(1e3 * min(times), 1),
     )))

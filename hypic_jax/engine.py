@@ -182,8 +182,8 @@ class Engine:
     (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `stack_entries` (default True: each cache
     entry's pieces outside the pool, the full-attention K/V, stored with the layers stacked, `spans.StackedLayers`:
     128 arrays per request at 64 entries instead of 1,280; 79.6 vs 81.8 ms per request. Without the pool, the
-    request's compile did not finish in 200 s), `pool_entries` (default True: the linear layers' pieces of PIC entries live in one
-    device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots instead of every
+    request's compile did not finish in 200 s), `pool_entries` (default True: the linear layers' pieces of PIC
+    entries live in one device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots instead of every
     entry's arrays, and the seam fold reads the cached interiors in place; 133.9 vs 177.2 ms per request with
     command buffers on), `command_buffers` (default False; 88.9 ms per request without, 113.1 with, measured before
     the other changes of the fourth session),

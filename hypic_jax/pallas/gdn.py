@@ -61,8 +61,9 @@ Measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md): the default 
 0.51 ms, so the state pass (1,024 sequential chunk steps on 128 programs) is now the larger part. "rows" at
 chunk 64, the first default, took 2.39 ms (its serial reductions made the chunk-local kernel the bottleneck).
 Emitting (T, S) costs +51% on the default launch; the pieces split, 2.77 to 2.82 ms, does not pay at 32 heads.
-Per-key gates (doubling, chunk 32): 14.0 ms against fla's chunk_kda at 3.87 ms (an earlier run). `gdn_varlen` and the decode step
-(`hypic_jax.pallas.decode`) are checked in interpret mode and lowered for CUDA on the CPU, not yet timed.
+Per-key gates (doubling, chunk 32): 14.0 ms against fla's chunk_kda at 3.87 ms (an earlier run). `gdn_varlen`
+and the decode step (`hypic_jax.pallas.decode`) are checked in interpret mode and lowered for CUDA on the CPU, not
+yet timed.
 Lowering: Triton, because it compiled and ran first time through Pallas at both jax 0.10 (interpret/lowering
 checks on the CPU) and 0.11 (the H200); Mosaic GPU was not tried.
 
