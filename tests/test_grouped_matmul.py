@@ -103,3 +103,21 @@ def test_copy_layout_one_hot_equals_the_stable_sort(seed, monkeypatch):
         expected[members] = start + np.arange(members.size)
         start += -(-members.size // block_m) * block_m
     np.testing.assert_array_equal(np.asarray(rows_one_hot), expected)
+
+
+def test_gmm_narrows_its_tile_to_widths_the_config_does_not_divide():
+    """A launch tuned for one model (256-wide weight tiles) still runs another model's widths: N = 96 and K = 48
+    take 32- and 16-wide tiles and match ragged_dot; tile edges stay powers of two."""
+    from hypic_jax.pallas import grouped_matmul as gm
+
+    assert [gm._tile(256, d) for d in (2048, 1536, 384, 96, 8)] == [256, 256, 128, 32, 8]
+    rng = np.random.RandomState(3)
+    sizes = np.array([7, 0, 20, 3], np.int32)
+    rows = int(sizes.sum())
+    x = jnp.asarray(rng.randn(rows, 48), jnp.float32)
+    w = jnp.asarray(rng.randn(4, 48, 96), jnp.float32)
+    layout = block_layout(jnp.asarray(sizes), rows, block_m=gm.FEW_ROWS_CONFIG.block_m)
+    padded = jnp.zeros((layout.num_padded, 48), jnp.float32).at[layout.positions].set(x)
+    out = gmm(padded, layout.block_expert, w, config=gm.FEW_ROWS_CONFIG)[layout.positions]
+    ref = jax.lax.ragged_dot(x, w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)

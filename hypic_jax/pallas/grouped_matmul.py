@@ -158,6 +158,16 @@ def _gmm_kernel(expert_ref, x_ref, w_ref, o_ref, *, block_k, num_k):
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _tile(block: int, dim: int) -> int:
+    """The widest power-of-two tile edge <= block that divides dim (down to 16; a dim below the block is its own
+    tile when it is a power of two), so that a launch tuned for one model still fits another model's widths
+    (an expert width of 768 takes 256-wide tiles, 384 takes 128)."""
+    edge = 1 << (min(block, dim).bit_length() - 1)
+    while edge > 16 and dim % edge:
+        edge //= 2
+    return edge
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def gmm(
     x: Array,
@@ -169,8 +179,8 @@ def gmm(
 ) -> Array:
     """x [num_blocks * block_m, K] (expert-aligned row blocks) @ weights[block_expert] [E, K, N] -> [rows, N].
 
-    block_m is x.shape[0] / len(block_expert) (the layout's, see `block_layout`). K must be a multiple of
-    config.block_k and N of config.block_n (powers of two); the output has x's dtype, accumulation is float32.
+    block_m is x.shape[0] / len(block_expert) (the layout's, see `block_layout`). The weight tile is the config's,
+    narrowed to a power of two that divides K and N (`_tile`); the output has x's dtype, accumulation is float32.
     """
     if interpret is None:
         interpret = default_interpret()
@@ -178,7 +188,7 @@ def gmm(
     num_experts, k_w, n_dim = weights.shape
     num_blocks = block_expert.shape[0]
     block_m = rows // num_blocks
-    block_n, block_k = min(config.block_n, n_dim), min(config.block_k, k_dim)
+    block_n, block_k = _tile(config.block_n, n_dim), _tile(config.block_k, k_dim)
     num_warps, num_stages = config.num_warps, config.num_stages
     if k_w != k_dim or rows != num_blocks * block_m or n_dim % block_n or k_dim % block_k:
         raise ValueError(
