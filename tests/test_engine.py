@@ -463,3 +463,50 @@ def test_concurrent_requests_under_a_tight_budget_match_sequential_ones(build):
             np.testing.assert_allclose(one, want[j], rtol=1e-5, atol=1e-5)
     stats = tight.cache.stats
     assert stats.bytes <= stats.capacity_bytes and tight.pool.in_use == stats.entries  # no slot leaked
+
+
+_COMPILE_CACHE_SCRIPT = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jax import monitoring
+sys.path.insert(0, {tests!r})
+import hypic_jax
+from hypic_jax.engine import Engine
+from qwen_helpers import build, save
+hits = []
+monitoring.register_event_listener(lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
+save(build("moe"), {folder!r})
+engine = Engine.from_pretrained({folder!r}, dtype="float32", seam=4, compile_cache={cache!r})
+rng = np.random.default_rng(0)
+segs = [rng.integers(3, 128, 12).tolist() for _ in range(3)] + [rng.integers(3, 128, 5).tolist()]
+first = np.asarray(engine.prefill(segs).logits)
+jax.clear_caches()  # in-memory programs gone: the next request must come from the folder
+engine.clear_cache()
+again = np.asarray(engine.prefill(segs).logits)
+print("HITS", len(hits), "SAME", bool(np.array_equal(first, again)))
+"""
+
+
+def test_compile_cache_serves_programs_from_disk(tmp_path):
+    """Engine(compile_cache=...) keeps compiled programs in a folder (JAX's persistent cache, process-wide, hence a
+    child process here): after the in-memory caches are cleared the same request loads them from the folder and
+    gives the same logits; a path that cannot be a folder is refused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cache = tmp_path / "programs"
+    script = _COMPILE_CACHE_SCRIPT.format(tests=str(Path(__file__).parent), folder=str(tmp_path / "model"),
+                                          cache=str(cache))
+    env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("HITS"))
+    _, hits, _, same = line.split()
+    assert int(hits) > 0 and same == "True"
+    assert any(cache.iterdir())
+    (tmp_path / "file").write_text("x")
+    from hypic_jax.engine import use_compile_cache
+
+    with pytest.raises(ValueError, match="compile_cache"):
+        use_compile_cache(tmp_path / "file" / "sub")
