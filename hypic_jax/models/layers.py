@@ -13,7 +13,7 @@ from jax import Array
 
 # causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
 from hypic_jax.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
-from hypic_jax.pallas.grouped_matmul import GMMConfig
+from hypic_jax.pallas.grouped_matmul import GMMConfig, sorted_copies
 from hypic_jax.rope import apply_rope
 
 
@@ -124,10 +124,7 @@ def grouped_swiglu_experts(
         out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, config=config)
         per_slot = out_rows[slot_rows]
     else:
-        flat_experts = experts.reshape(-1)
-        order = jnp.argsort(flat_experts, stable=True)  # sorted position -> (token, slot) copy
-        inverse = jnp.argsort(order)  # (token, slot) copy -> sorted position
-        group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+        order, inverse, group_sizes = sorted_copies(experts.reshape(-1), num_experts)
         # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes
         rows = x[order // top_k]  # [T*k, H], grouped by expert
         hidden = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)

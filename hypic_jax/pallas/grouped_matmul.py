@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["BlockLayout", "GMMConfig", "FEW_ROWS_CONFIG", "ONE_HOT_ROUTING_MAX", "block_layout", "copy_layout",
-           "default_config", "gmm", "default_interpret"]
+           "default_config", "gmm", "default_interpret", "sorted_copies"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,14 @@ def block_layout(group_sizes: Array, num_rows: int, block_m: int) -> BlockLayout
 ONE_HOT_ROUTING_MAX = 1 << 24
 
 
+def sorted_copies(flat_experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
+    """The (token, slot) copies stably sorted by expert: (order: sorted position -> copy, inverse: copy -> sorted
+    position, group sizes [E] int32)."""
+    order = jnp.argsort(flat_experts, stable=True)
+    inverse = jnp.argsort(order)
+    return order, inverse, jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+
+
 def copy_layout(experts: Array, num_experts: int, block_m: int) -> tuple[Array, BlockLayout]:
     """Where each (token, slot) copy goes in the expert-aligned row blocks, without a sort when it is small.
 
@@ -114,9 +122,7 @@ def copy_layout(experts: Array, num_experts: int, block_m: int) -> tuple[Array, 
     flat = experts.reshape(-1).astype(jnp.int32)
     num_rows = flat.shape[0]
     if num_rows * num_experts > ONE_HOT_ROUTING_MAX:
-        order = jnp.argsort(flat, stable=True)  # sorted position -> copy
-        inverse = jnp.argsort(order)  # copy -> sorted position
-        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        _, inverse, group_sizes = sorted_copies(flat, num_experts)
         layout = block_layout(group_sizes, num_rows, block_m)
         return layout.positions[inverse], layout
     one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]).astype(jnp.int32)
