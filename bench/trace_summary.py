@@ -79,11 +79,13 @@ def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = 
         device = collections.Counter()
         device_count = collections.Counter()
         host = collections.Counter()
+        device_events = []
         for event in events:
             where = threads.get((event["pid"], event["tid"]), "")
             if "/device:" in where.lower() or "stream" in where.lower() or "gpu" in where.lower():
                 device[event["name"]] += event.get("dur", 0)
                 device_count[event["name"]] += 1
+                device_events.append(event)
             else:
                 host[event["name"]] += event.get("dur", 0)
         total = sum(device.values())
@@ -91,7 +93,7 @@ def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = 
               f"of device time (summed over streams)")
         for name, dur in device.most_common(top):
             print(f"  {dur / 1e3:9.3f} ms  {100 * dur / max(total, 1):5.1f}%  x{device_count[name]:<5d} {name[:110]}")
-        device_events = [e for e in events if e["name"] in device]
+        # (by thread, not by name: the host's launch events can carry a kernel's name too, and counted them twice)
         if device_events:
             print(f"  arguments of a device event: {sorted((device_events[0].get('args') or {}).keys())}")
         if modules:
