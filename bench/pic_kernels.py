@@ -170,20 +170,24 @@ def main(argv=None) -> None:
             want = jax.jit(pattn.positioned_attention_reference, static_argnames="scale")(q, k, v, pos, scale=scale)
             reach = float(sum(p + 1 for p in positions))
             flops = 16 * reach * 256 * 4  # QK and PV, exact causal need
-            # every variant timed so far, the engine's default first (block_k 128 exceeds shared memory at this head width)
-            attention_variants = [(64, 64, 4, 2, 1024), (64, 64, 4, 2, 1), (64, 64, 4, 2, 288), (64, 64, 4, 3, 1),
-                                  (64, 64, 8, 2, 1), (64, 64, 8, 2, 256), (64, 64, 8, 2, 1024), (64, 64, 8, 3, 1),
-                                  (64, 128, 8, 2, 1), (32, 64, 4, 2, 1), (32, 64, 4, 2, 512), (16, 64, 4, 2, 1),
-                                  (128, 64, 8, 2, 1), (64, 32, 4, 2, 1), (64, 32, 2, 2, 1), (32, 64, 2, 2, 1)]
-            for bq, bk, warps, stages, programs in attention_variants[:2] if small else attention_variants:
+            # (block_q, block_k, warps, stages, target programs, pack_gqa): the engine's default first, then the packed
+            # layout (untimed so), then every variant timed so far (block_k 128 exceeds shared memory at this width)
+            attention_variants = [(64, 64, 4, 2, 1024, False), (128, 64, 8, 2, 1024, True), (128, 64, 4, 2, 1024, True),
+                                  (64, 64, 4, 2, 1024, True), (128, 64, 8, 2, 256, True), (128, 64, 8, 3, 1024, True),
+                                  (64, 64, 4, 2, 1, False), (64, 64, 4, 2, 288, False), (64, 64, 4, 3, 1, False),
+                                  (64, 64, 8, 2, 1, False), (64, 64, 8, 2, 256, False), (64, 64, 8, 2, 1024, False),
+                                  (64, 64, 8, 3, 1, False), (64, 128, 8, 2, 1, False), (32, 64, 4, 2, 1, False),
+                                  (32, 64, 4, 2, 512, False), (16, 64, 4, 2, 1, False), (128, 64, 8, 2, 1, False),
+                                  (64, 32, 4, 2, 1, False), (64, 32, 2, 2, 1, False), (32, 64, 2, 2, 1, False)]
+            for bq, bk, warps, stages, programs, pack in attention_variants[:2] if small else attention_variants:
                 if over():
                     break
                 config = pattn.AttentionConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages,
-                                               target_programs=programs)
+                                               target_programs=programs, pack_gqa=pack)
                 fn = jax.jit(lambda q, k, v, p, c=config: pattn.positioned_attention(q, k, v, p, scale=scale, config=c,
                                                                                            interpret=interpret))
                 name = dict(kernel="positioned_attention layer", block_q=bq, block_k=bk, warps=warps, stages=stages,
-                            target_programs=programs)
+                            target_programs=programs, pack_gqa=pack)
                 try:
                     ms, compile_s = timeit(fn, q, k, v, pos)
                     log(dict(name, ms=round(ms, 4), TFLOPs_needed=round(flops / ms / 1e9, 1), err=rel(fn(q, k, v, pos), want),

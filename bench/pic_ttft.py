@@ -47,11 +47,12 @@ VARIANTS = {
     "noseamfold": dict(seam_fold=False),
     "nopool": dict(pool_entries=False),
     "graphs": dict(command_buffers=True),  # XLA's CUDA-graph capture of the span program (its default)
-    "seamexact": dict(seam_precision=None),  # seam products inside the fold at the composition's bf16x3
+    "seamexact": dict(seam_precision=None),
+    "packgqa": dict(attention_pack_gqa=True),  # query heads of a kv head in one attention program (untimed so far)  # seam products inside the fold at the composition's bf16x3
     "all": dict(prefix_block=0, stack_entries=True),
 }
 KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=True, seam_fold=True,
-                     pool_entries=True, command_buffers=False, seam_precision="auto")
+                     pool_entries=True, command_buffers=False, seam_precision="auto", attention_pack_gqa=False)
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 
@@ -161,7 +162,7 @@ def main(argv=None) -> None:
         knobs = {**KNOB_DEFAULTS, **VARIANTS[name]}
         engine.prefix_block, engine.attention_programs = knobs["prefix_block"], knobs["attention_programs"]
         engine.seam_fold, engine.command_buffers = knobs["seam_fold"], knobs["command_buffers"]
-        engine.seam_precision = knobs["seam_precision"]
+        engine.seam_precision, engine.attention_pack_gqa = knobs["seam_precision"], knobs["attention_pack_gqa"]
         if (knobs["stack_entries"], knobs["pool_entries"]) != (engine.stack_entries, engine.pool_entries):
             engine.stack_entries, engine.pool_entries = knobs["stack_entries"], knobs["pool_entries"]
             engine.clear_cache()  # entries are stored in the new form by the next (cold) request

@@ -209,6 +209,9 @@ class Engine:
     single-pass bf16 for bfloat16 models on tensor-core composition, as the model's GDN kernel does for every token;
     None keeps the composition algorithm; 68.9 vs 70.5 ms per request).
 
+    `attention_pack_gqa` (default False; `spans.SpanMode.attention_pack_gqa`: the query heads of a key/value head
+    share one attention program; checked on the CPU, not yet timed).
+
     compile_cache: a folder where compiled programs are kept across processes (`use_compile_cache`): each new
     request layout compiles for minutes at the 35B-A3B shape, and a restarted engine would pay that again.
     """
@@ -228,6 +231,7 @@ class Engine:
         prefix_impl: str = "auto",
         prefix_block: int | None = None,
         attention_programs: int = 1024,
+        attention_pack_gqa: bool = False,
         stack_entries: bool = True,
         seam_fold: bool = True,
         pool_entries: bool = True,
@@ -263,6 +267,7 @@ class Engine:
         if not isinstance(attention_programs, int) or attention_programs < 1:
             raise ValueError(f"attention_programs must be a positive integer, got {attention_programs!r}")
         self.prefix_block, self.attention_programs, self.stack_entries = prefix_block, attention_programs, stack_entries
+        self.attention_pack_gqa = bool(attention_pack_gqa)
         self.seam_fold = bool(seam_fold)
         if seam_precision not in ("auto", None) and seam_precision not in ALGORITHMS + ("bf16",):
             raise ValueError(f"seam_precision must be 'auto', None, 'bf16' or one of {ALGORITHMS}, got "
@@ -390,6 +395,7 @@ class Engine:
     def _span_mode(self, mode: str) -> spans.SpanMode:
         return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm, prefix=self.prefix_impl,
                                    prefix_block=self.prefix_block, attention_programs=self.attention_programs,
+                                   attention_pack_gqa=self.attention_pack_gqa,
                                    seam_fold=self.seam_fold, seam_precision=self.seam_precision)
 
     def _run(self, fresh_tokens, cached, layout, mode, *, want_logits, want_decode=False, want_hidden=False,

@@ -208,6 +208,9 @@ class SpanMode:
     prefix: how the prefix over span groups runs for dense transfers (`linear_attn.prefix_states` impl:
       "associative", "fold", or "pallas", the engine's choice on a GPU); prefix_block: the Pallas fold's block size
       (None: one fold; 0: about sqrt(n)).
+    attention_pack_gqa: on a GPU, the fresh queries' attention runs one program per key/value head with the query
+      heads that share it packed into its rows (`pallas.attention.AttentionConfig.pack_gqa`: 128 rows, 8 warps),
+      where the heads per key/value head are a power of two up to 128; not yet timed, off by default.
     attention_programs: on a GPU, split the fresh queries' attention over key ranges until about this many programs
       run (`pallas.attention.AttentionConfig.target_programs`; 1: no split).
     seam_fold: with prefix "pallas" (one fold), a layout whose groups are each a fresh span of at most one chunk and
@@ -226,6 +229,7 @@ class SpanMode:
     prefix: str = "associative"
     prefix_block: int | None = None
     attention_programs: int = 1
+    attention_pack_gqa: bool = False
     seam_fold: bool = True
     seam_precision: str | None = "auto"
 
@@ -1039,6 +1043,9 @@ def attention_over_spans(
     if _positioned_kernel_fits(q, keys, values):  # GPU: flash attention over the positions, no logits in memory
         with jax.named_scope("span_flash"):
             config = AttentionConfig(target_programs=mode.attention_programs)
+            group = q.shape[1] // keys.shape[1]
+            if mode.attention_pack_gqa and group > 1 and not group & (group - 1) and group <= 128:
+                config = dataclasses.replace(config, block_q=128, num_warps=8, pack_gqa=True)
             out = positioned_attention(q, keys, values, jnp.asarray(positions), scale=scale, config=config)
         return out, keys, values, records
     key_positions = np.arange(layout.total_length, dtype=np.int32)

@@ -203,6 +203,38 @@ def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
             Engine(model, **bad)
 
 
+def test_positioned_attention_path_with_and_without_packed_heads(build, monkeypatch):
+    """The GPU's attention path of the combine (the positioned flash kernel, run here in the Pallas interpreter),
+    with the query heads of a key/value head packed into one program or not, gives the XLA path's logits."""
+    import functools
+
+    from hypic_jax import spans
+    from hypic_jax.pallas import attention as pattn
+
+    model, vocab = build("qwen_moe")
+    segs = _request(vocab, seed=7)
+    shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
+    plain = Engine(model, seam=SEAM)
+    want = [plain.prefill(r).logits for r in (segs, shuffled)]
+    used = []
+
+    def interpreted(*args, config, **kwargs):
+        used.append(config.pack_gqa)
+        return pattn.positioned_attention(*args, config=config, interpret=True, **kwargs)
+
+    monkeypatch.setattr(spans, "_positioned_kernel_fits", lambda q, k, v: True)
+    monkeypatch.setattr(spans, "positioned_attention", interpreted)
+    jax.clear_caches()  # the plain engine's compiled programs (XLA path) share these engines' jit keys
+    try:
+        for pack in (False, True):
+            engine = Engine(model, seam=SEAM, attention_pack_gqa=pack)
+            for request, logits in zip((segs, shuffled), want):
+                assert _rel(engine.prefill(request).logits, logits) < 1e-5
+    finally:
+        jax.clear_caches()  # no program compiled with the interpreted kernel outlives the patch
+    assert set(used) == {False, True}
+
+
 def test_seam_precision_follows_the_model_dtype(build, monkeypatch):
     """The seam fold's seam products run single-pass bf16 only for a bfloat16 model on tensor-core composition (the
     precision of that model's own GDN kernel for the same tokens); float32 models and SpanMode(seam_precision=None)

@@ -230,11 +230,17 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
     # bfloat16 outputs: both sides are rounded to bf16 (one ulp = 2**-8 relative) and the kernel feeds the softmax
     # weights to the value product in bf16, as flash kernels do; two ulps of the output bound the difference
     tol = TOL32 if dtype == jnp.float32 else 2 * 2.0**-8
-    for programs in (1, 10**6):  # one key range per program row; as many ranges as key tiles
-        config = pattn.AttentionConfig(block_q=block, block_k=block, target_programs=programs)
+    for programs, pack in ((1, False), (10**6, False), (1, True), (10**6, True)):
+        # one key range per program row; as many ranges as key tiles; each with the query heads of a kv head packed
+        # into one program's rows (block_q rows = block_q / G queries x G heads)
+        config = pattn.AttentionConfig(block_q=block, block_k=block, target_programs=programs, pack_gqa=pack)
         got = pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, config=config, interpret=True)
         assert rel(got, want) < tol
         assert not np.asarray(got[0], np.float32).any()
+    if hq // hkv > 1:
+        with pytest.raises(ValueError, match="pack_gqa"):
+            pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, interpret=True,
+                                       config=pattn.AttentionConfig(block_q=hq // hkv + 1, pack_gqa=True))
     # the same attention as the engine's XLA path (span_attention over keys at positions 0..Lk-1)
     from hypic_jax.spans import span_attention
 
@@ -409,11 +415,12 @@ def test_kernels_lower_to_triton():
             w, u, kt, d, t, s, slots, config=c, incoming=c.seam_step == "nested"))
         assert "xla.gpu.triton" in jax.export.export(pooled, platforms=["cuda"], disabled_checks=check)(
             *span_args[:4], pool, pool, sd((4,), jnp.int32)).mlir_module()
-    attend = jax.jit(lambda q, k, v, p: pattn.positioned_attention(q, k, v, p, scale=0.0625))
     att_args = (sd((100, 16, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16),
                 sd((100,), jnp.int32))
-    assert "xla.gpu.triton" in jax.export.export(attend, platforms=["cuda"], disabled_checks=check)(*att_args) \
-        .mlir_module()
+    for config in (pattn.AttentionConfig(), pattn.AttentionConfig(block_q=128, num_warps=8, pack_gqa=True)):
+        attend = jax.jit(lambda q, k, v, p, c=config: pattn.positioned_attention(q, k, v, p, scale=0.0625, config=c))
+        assert "xla.gpu.triton" in jax.export.export(attend, platforms=["cuda"], disabled_checks=check)(*att_args) \
+            .mlir_module()
 
 
 def test_linear_attn_impl_dispatch():

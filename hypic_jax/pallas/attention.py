@@ -40,13 +40,19 @@ class AttentionConfig:
     hundred fresh queries make only (queries / block_q) x heads programs, and the one holding the query at the end
     of the prompt walks all the keys alone. Defaults: the fastest variant timed on the H200 for 576 fresh queries
     over 32k keys (`bench/pic_kernels.py`: 4 warps 1.09 ms per layer, 8 warps 1.58 ms, 8 warps split to 1024
-    programs 1.15 ms)."""
+    programs 1.15 ms).
+
+    pack_gqa: one program per key/value head instead of per query head; its block_q rows are block_q / G queries
+    times the G query heads that share the key/value head (block_q must be a multiple of G). Each key/value tile is
+    then loaded once for all G heads (8 at the Qwen3.5 shapes), with G-times taller products; the kernel is the same,
+    only the rows are arranged differently. Checked in interpret mode and lowered for CUDA; not yet timed."""
 
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     target_programs: int = 1
+    pack_gqa: bool = False
 
 
 def positioned_attention_reference(q: Array, k: Array, v: Array, q_positions: Array, *, scale: float) -> Array:
@@ -114,20 +120,31 @@ def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, sc
     if q_positions.shape != (lq,):
         raise ValueError(f"q_positions must be [Lq] = [{lq}], got {q_positions.shape}")
     bq, bk = config.block_q, config.block_k
-    lq_pad, lk_pad = -(-lq // bq) * bq, -(-lk // bk) * bk
     group = hq // hkv
+    if config.pack_gqa:
+        if bq % group:
+            raise ValueError(f"pack_gqa: block_q {bq} must be a multiple of the {group} query heads per kv head")
+        queries_per_block = bq // group
+    else:
+        queries_per_block = bq
+    lq_pad, lk_pad = -(-lq // queries_per_block) * queries_per_block, -(-lk // bk) * bk
     pos = jnp.pad(q_positions.astype(jnp.int32), (0, lq_pad - lq), constant_values=-1)
     qh = jnp.pad(jnp.moveaxis(q, 1, 0), ((0, 0), (0, lq_pad - lq), (0, 0)))  # [Hq, Lq, D]
+    heads = hq
+    if config.pack_gqa:  # rows (query i, head g of the group) of kv head h: [Hkv, Lq * G, D], positions repeated
+        qh = qh.reshape(hkv, group, lq_pad, d).swapaxes(1, 2).reshape(hkv, lq_pad * group, d)
+        pos = jnp.repeat(pos, group)
+        heads, group, lq_pad = hkv, 1, lq_pad * group
     kh = jnp.pad(jnp.moveaxis(k, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
     vh = jnp.pad(jnp.moveaxis(v, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
     q_blocks, tiles = lq_pad // bq, lk_pad // bk
-    splits = max(1, min(tiles, -(-config.target_programs // (q_blocks * hq))))
+    splits = max(1, min(tiles, -(-config.target_programs // (q_blocks * heads))))
     per_split = -(-tiles // splits)
     splits = -(-tiles // per_split)
     kernel = functools.partial(_kernel, scale=scale, block_k=bk, num_keys=lk, tiles_per_split=per_split)
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
-        grid=(q_blocks, hq, splits),
+        grid=(q_blocks, heads, splits),
         in_specs=[
             pl.BlockSpec((bq,), lambda i, h, r: (i,)),
             pl.BlockSpec((None, bq, d), lambda i, h, r: (h, i, 0)),
@@ -140,9 +157,9 @@ def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, sc
             pl.BlockSpec((None, None, bq), lambda i, h, r: (h, r, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((hq, splits, lq_pad, dv), jnp.float32),
-            jax.ShapeDtypeStruct((hq, splits, lq_pad), jnp.float32),
-            jax.ShapeDtypeStruct((hq, splits, lq_pad), jnp.float32),
+            jax.ShapeDtypeStruct((heads, splits, lq_pad, dv), jnp.float32),
+            jax.ShapeDtypeStruct((heads, splits, lq_pad), jnp.float32),
+            jax.ShapeDtypeStruct((heads, splits, lq_pad), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
@@ -151,6 +168,8 @@ def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, sc
     # combine the key ranges: rescale each range's partial sums to the common row maximum
     top = jnp.max(row_max, axis=1, keepdims=True)
     weight = jnp.where(row_max == -jnp.inf, 0.0, jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top)))
-    total = jnp.sum(weight * row_sum, axis=1)  # [Hq, Lq]
+    total = jnp.sum(weight * row_sum, axis=1)  # [heads, rows]
     out = jnp.sum(weight[..., None] * acc, axis=1) / jnp.where(total == 0.0, 1.0, total)[..., None]
+    if config.pack_gqa:  # [Hkv, Lq * G, Dv] -> [Hq, Lq, Dv]
+        out = out.reshape(hkv, lq_pad // (hq // hkv), hq // hkv, dv).swapaxes(1, 2).reshape(hq, -1, dv)
     return jnp.moveaxis(out[:, :lq], 0, 1).astype(q.dtype)
