@@ -11,6 +11,7 @@
 #   bash bench/h200.sh bars      # the three modes the PIC bars compare, one process, with the host split, traced
 #   bash bench/h200.sh sweeps    # MoE tiling and span fold variants alone, then the GDN/KDA kernel table
 #   bash bench/h200.sh close     # the bars' three modes, then GDN at 32k against fla (default launch, +TS, pieces)
+#   bash bench/h200.sh pending   # what is untimed so far: packed-heads attention alone, then in the request
 
 # Output goes to $OUT (the device tool's result folder) or ./bench-out. Peaks are the ones measured on the H200
 # on 2026-11-29 (bf16 8192^3 matmul 793 TFLOP/s, 4.19 TB/s copy bandwidth); re-measure them if the machine differs.
@@ -84,6 +85,13 @@ case "${1:-}" in
       --only "pallas tile c32 bv32 bf16 s3,pallas tile c32 bv32 bf16 s3 +TS,pallas P2 tile c32 bv32 bf16 s3,pallas P4 tile c32 bv32 bf16 s3,pallas P4 tile c32 bv32 bf16 s3 +TS" \
       > "$OUT/kernels.txt" 2>&1
     ;;
+  pending)
+    # added after the last device run, untimed: the packed-heads attention alone (its launch variants), then the
+    # bars' three modes with trr again under attention_pack_gqa
+    timeout 150 python3 bench/pic_kernels.py --out "$OUT" --sections attention --budget-s 120 --skip-compose-bar \
+      > "$OUT/pic_kernels.txt" 2>&1
+    PIC_ARGS="--variants packgqa ${PIC_ARGS:-}" bar_modes "${PIC_TIMEOUT:-400}" 40
+    ;;
   sweeps)
     # MoE first: the span fold variants compile for 6-12 s each and used up the last run's budget
     timeout 200 python3 bench/pic_kernels.py --out "$OUT" --sections moe span --budget-s 170 --skip-compose-bar \
@@ -110,7 +118,7 @@ case "${1:-}" in
     timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
     ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close|pending" >&2
     exit 2
     ;;
 esac
