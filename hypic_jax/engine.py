@@ -201,8 +201,8 @@ class Engine:
     entry's pieces outside the pool, the full-attention K/V, stored with the layers stacked, `spans.StackedLayers`:
     128 arrays per request at 64 entries instead of 1,280; 79.6 vs 81.8 ms per request. Without the pool, the
     request's compile did not finish in 200 s), `pool_entries` (default True: the linear layers' pieces of PIC
-    entries live in one device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots instead of every
-    entry's arrays, and the seam fold reads the cached interiors in place; 133.9 vs 177.2 ms per request with
+    entries live in one device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots
+    instead of every entry's arrays, and the seam fold reads the cached interiors in place; 133.9 vs 177.2 ms per request with
     command buffers on), `command_buffers` (default False; 88.9 ms per request without, 113.1 with, measured before
     the other changes of the fourth session),
     `seam_precision` (`spans.SpanMode.seam_precision`; "auto": the seams' own products inside the seam fold run
@@ -387,7 +387,7 @@ class Engine:
 
     def _run_prefill(self, tokens) -> spans.SpanResult:
         """A whole prompt through `arch.prefill`, returned in the span forward's result form."""
-        tokens = jnp.asarray(np.asarray(tokens, np.int32))[None]
+        tokens = np.asarray(tokens, np.int32)[None]  # a host array: it goes to the device inside the jit call
         call = _prefill_call_graphs if self.command_buffers else _prefill_call
         logits, cache = call(self.params, tokens, arch=self.arch, config=self.config, max_len=tokens.shape[1])
         return spans.SpanResult(logits=logits[0], records=(), decode=tuple(cache.layers), hidden=None)

@@ -9,7 +9,7 @@ interior where it lies (`pallas.compose.span_fold_pallas(..., slots)`).
 
 Memory: the pool grows when a request stores more entries than it has free slots, to at least twice its size
 (so n entries cost log2 n growths) but not past what the cache's byte budget can hold unless pinned entries need
-it; it never shrinks (`clear` frees slots only). Every growth changes the pools' shapes, so the next request of each
+it; freeing slots (`release`) never shrinks it. Every growth changes the pools' shapes, so the next request of each
 layout compiles again; requests over a stable working set do not grow it. Writes donate the pools (in place).
 `Engine.clear_cache()` empties the cache and then gives the pools' memory back (`trim`).
 
@@ -51,7 +51,8 @@ class EntryPool:
 
     `store(layers, budget_entries)` moves an entry's linear-layer pieces into a free slot and returns (slot, the
     layers with those pieces replaced by `PoolSlot`); entries whose pieces do not match the pool's layout are left
-    as they are (slot None). `segments(entries, slots)` builds the `spans.CachedSegments` a request passes to jit.
+    as they are (slot None). The engine wraps a request's entries, `pools` and their slots in a
+    `spans.CachedSegments` for jit (`Engine._cached_arg`).
     """
 
     def __init__(self):

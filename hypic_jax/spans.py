@@ -720,12 +720,12 @@ def linear_over_spans(
     outs, finals_by_group = [], []
     for g, rows in enumerate(groups):
         if reuse is not None and reuse[0] == g:  # outputs from the seam fold's chunk-local pass, no second one
-            start = _prefix_rows(prefix, [incoming_rows[i] for i in rows])
+            start = prefix.rows([incoming_rows[i] for i in rows])
             o, f = jax.vmap(lambda one, chunk, s0: one.span_chunk_outputs(chunk, s0))(padded[g], reuse[1], start)
         elif incoming_rows is None or all(incoming_rows[i] == -1 for i in rows):
             o, f = jax.vmap(lambda one: one.chunked(chunk_size=chunks[g]))(padded[g])
         else:
-            start = _prefix_rows(prefix, [incoming_rows[i] for i in rows])
+            start = prefix.rows([incoming_rows[i] for i in rows])
             o, f = jax.vmap(lambda one, s0: one.chunked(initial_state=s0, chunk_size=chunks[g]))(padded[g], start)
         outs.append(o.reshape((-1,) + o.shape[2:]))  # [rows * Lp_g, H, V]
         finals_by_group.append(f)
@@ -741,7 +741,7 @@ def linear_over_spans(
     if layout.spans[-1].kind == FRESH:
         final_state = final_of(layout.spans[-1])
     elif prefix is not None:
-        final_state = prefix.final if isinstance(prefix, _FoldStates) else prefix[-1]
+        final_state = prefix.final
     else:
         final_state = zero_state
 
@@ -825,7 +825,7 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     moved = mode.rope and rotate is not None and any(s.start != s.canonical_start for s in interior_spans)
     if pooled is not None and not moved:  # the kernel reads every interior where it lies in the pool
         pool, slots = pooled
-        transfers, states, slots = pool.transfer, pool.state, slots
+        transfers, states = pool.transfer, pool.state
     else:
         interiors = _stack_cached(cached, interior_spans, mode, rotate)
         transfers, states, slots = interiors.transfer, interiors.state, None
@@ -834,10 +834,24 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     return _FoldStates(before, final), (group, span_chunks)
 
 
+class _GroupStates(NamedTuple):
+    """The states after the scan groups, stacked ([n, H, K, V], from `linear_attn.prefix_states`)."""
+
+    after: Array
+
+    @property
+    def final(self) -> Array:
+        return self.after[-1]
+
+    def rows(self, rows: Sequence[int]) -> Array:
+        """The states after groups `rows`, stacked; -1 is the zero state."""
+        return _rows(self.after, rows)
+
+
 class _FoldStates(NamedTuple):
-    """The seam fold's states: `before` [n, H, K, V] the state before each group (zero first), `final` the state
-    after the last. Group i's outgoing state is before[i + 1] (final for the last), so the seams' incoming states
-    are `before` itself, not a shifted copy of the outgoing ones."""
+    """The seam fold's states, read like `_GroupStates`: `before` [n, H, K, V] the state before each group (zero
+    first), `final` the state after the last. Group i's outgoing state is before[i + 1] (final for the last), so
+    the seams' incoming states are `before` itself, not a shifted copy of the outgoing ones."""
 
     before: Array
     final: Array
@@ -853,13 +867,8 @@ class _FoldStates(NamedTuple):
         return _rows(jnp.concatenate([self.before, self.final[None]]), shifted)
 
 
-def _prefix_rows(prefix, rows: Sequence[int]) -> Array:
-    """Rows of the states after the scan groups (stacked, or the seam fold's `_FoldStates`); -1 is the zero state."""
-    return prefix.rows(rows) if isinstance(prefix, _FoldStates) else _rows(prefix, rows)
-
-
 def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate):
-    """(the state after each scan group (see `linear_over_spans`): [len(needed), H, K, V], or the seam fold's
+    """(the states after the scan groups (see `linear_over_spans`): `_GroupStates`, or the seam fold's
     `_FoldStates`; None or the seam fold's (length group, `SpanChunk`s) for that group's outputs)."""
     folded = _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fresh_index, rotate)
     if folded is not None:
@@ -911,7 +920,8 @@ def _group_prefix(inputs, cached, layout, mode, needed, padded, groups, chunks, 
             acc = linear_attn.compose(acc, nxt, algorithm=mode.compose)
             continue
         acc = _splice(acc, linear_attn.compose(_select(acc, members), nxt, algorithm=mode.compose), members)
-    return linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix, block=mode.prefix_block), None
+    states = linear_attn.prefix_states(acc, algorithm=mode.compose, impl=mode.prefix, block=mode.prefix_block)
+    return _GroupStates(states), None
 
 
 # ----------------------------------------------------------------------------------------------------------------
