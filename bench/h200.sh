@@ -11,7 +11,8 @@
 #   bash bench/h200.sh bars      # the three modes the PIC bars compare, one process, with the host split, traced
 #   bash bench/h200.sh sweeps    # MoE tiling and span fold variants alone, then the GDN/KDA kernel table
 #   bash bench/h200.sh close     # the bars' three modes, then GDN at 32k against fla (default launch, +TS, pieces)
-#   bash bench/h200.sh pending   # what is untimed so far: packed-heads attention alone, then in the request
+#   bash bench/h200.sh pending   # what is untimed so far: final-state compose fold, packed-heads attention alone,
+#                                # then in the request
 
 # Output goes to $OUT (the device tool's result folder) or ./bench-out. Peaks are the ones measured on the H200
 # on 2026-11-29 (bf16 8192^3 matmul 793 TFLOP/s, 4.19 TB/s copy bandwidth); re-measure them if the machine differs.
@@ -86,9 +87,9 @@ case "${1:-}" in
       > "$OUT/kernels.txt" 2>&1
     ;;
   pending)
-    # added after the last device run, untimed: the packed-heads attention alone (its launch variants), then the
-    # bars' three modes with trr again under attention_pack_gqa
-    timeout 150 python3 bench/pic_kernels.py --out "$OUT" --sections attention --budget-s 120 --skip-compose-bar \
+    # added after the last device run, untimed: the final-state fold at the composition bar and the packed-heads
+    # attention alone (their launch variants), then the bars' three modes with trr again under attention_pack_gqa
+    timeout 200 python3 bench/pic_kernels.py --out "$OUT" --sections bar attention --budget-s 170 \
       > "$OUT/pic_kernels.txt" 2>&1
     PIC_ARGS="--variants packgqa ${PIC_ARGS:-}" bar_modes "${PIC_TIMEOUT:-400}" 40
     ;;
