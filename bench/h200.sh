@@ -5,6 +5,7 @@
 #                                # times), the same prefill through transformers (needs the fla wheels in .whl/)
 #   bash bench/h200.sh pic       # TTFT of every PIC mode, 64 x 512 + 64 tokens, warm cache
 #   bash bench/h200.sh kernels   # fla side by side (needs its wheels in .whl/) + every Pallas variant
+#                                # (ALL_SECTIONS="varlen decode" picks run_all's sections)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
 #   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
 #   bash bench/h200.sh tune      # the request's GPU kernels alone with launch variants, then trr + full, traced
@@ -30,6 +31,8 @@ bar_modes() {  # the three modes the PIC bars compare, one process, traced; $1: 
     | tee "$OUT/pic_ttft.txt"
   timeout "$2" python3 bench/trace_summary.py /tmp/pic-trace/transition_rope_recompute --top 60 \
     > "$OUT/pic_trace_summary.txt" 2>&1
+  # the trr trace itself, for per-layer kernel counts
+  find /tmp/pic-trace/transition_rope_recompute -name "*.json.gz" -exec cp {} "$OUT/trr_trace.json.gz" \; -quit
 }
 
 case "${1:-}" in
@@ -112,7 +115,8 @@ case "${1:-}" in
         .whl/*.whl && export PYTHONPATH=.:/tmp/site
       timeout 120 python3 bench/kernels.py --fla-only --out "$OUT" --lengths 32768
     fi
-    timeout 450 python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --budget-s 420
+    timeout 450 python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --budget-s 420 \
+      ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
     ;;
   focus)
     # the compose fold variants (block_w 128 reads each T once), the GDN per-kernel breakdown, slow-gate T check

@@ -37,6 +37,7 @@ HEADS, KEY_HEADS, DIM = 32, 16, 128
 PEAK_TFLOPS_BF16 = 793.0  # measured on this H200 (ENVIRONMENT.md): bf16 8192^3 matmul
 PEAK_TBS = 4.19  # measured elementwise pass, bytes read + written
 COMPOSE = (64, 30, 512)  # segments, layers, tokens per segment
+ALL_SECTIONS = ("gdn", "locals", "per-key", "varlen", "decode")  # run_all's sections, in run order
 INTERPRET = False  # --smoke: tiny shapes through the Pallas interpreter (CPU check of this script)
 
 
@@ -518,7 +519,7 @@ def compose_pairs(la, segments, layers, seg_len):
     return transfers, states, np.stack(ref_states), tt
 
 
-def run_all(out_dir, length, budget_s):
+def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
     """Every kernel added for issue 5's second round in one run, one table (Qwen3.5 / Kimi shapes, batch 1, bf16
     inputs, float32 state). Errors are relative to the core in float32 HIGHEST on the same bf16-rounded inputs.
 
@@ -529,11 +530,6 @@ def run_all(out_dir, length, budget_s):
     """
     import jax
     import jax.numpy as jnp
-
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import decode as dec
-    from hypic_jax.pallas import gdn
-    C = named_config
 
     start = time.perf_counter()
     path = os.path.join(out_dir, "all.jsonl")
@@ -574,21 +570,42 @@ def run_all(out_dir, length, budget_s):
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     rep = lambda x: jnp.repeat(up(x), group, 1)  # noqa: E731
 
-    # 1. GDN forward, 16 key heads -> 32 value heads.
-    q, k, v, g, beta = gdn_inputs(length)
-    ref_o, ref_s = jax.jit(lambda q, k, v, g, b: la.chunked(rep(q), rep(k), up(v), g=g, beta=b, scale=scale))(
-        q, k, v, g, beta)
-    ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
-    record("gdn", "xla chunked", jax.jit(lambda q, k, v, g, b: la.chunked(
-        jnp.repeat(q, group, 1), jnp.repeat(k, group, 1), v, g=g, beta=b, scale=scale)), (q, k, v, g, beta), ref,
-        fla_name="fla chunk_gated_delta_rule")
-    for name, (cfg, emit) in variants().items():
-        if " s3" not in name or not any(x in name for x in ("rows", "doubling", "tile")):
-            continue
-        fn = jax.jit(lambda q, k, v, g, b, cfg=cfg, emit=emit: gdn.gdn_forward(
-            q, k, v, g=g, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
-        record("gdn", name, fn, (q, k, v, g, beta), ref, fla_name="fla chunk_gated_delta_rule")
+    if "gdn" in sections or "locals" in sections:  # 1-2. GDN forward, 16 key heads -> 32 value heads
+        _all_gdn(record, sections, length, *gdn_inputs(length), scale, group, b16, up, rep)
+    if "per-key" in sections:
+        _all_per_key(record, length, scale, group, b16, up)
+    if "varlen" in sections:
+        _all_varlen(record, length, scale, b16)
+    if "decode" in sections:
+        _all_decode(record, scale)
+    log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
+    _all_table(rows, fla, length)
 
+
+def _all_gdn(record, sections, length, q, k, v, g, beta, scale, group, b16, up, rep):
+    """run_all 1-2: the GDN forward per solve variant (+TS), then the chunk-local kernel alone per solve."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import gdn
+    C = named_config
+    if "gdn" in sections:
+        ref_o, ref_s = jax.jit(lambda q, k, v, g, b: la.chunked(rep(q), rep(k), up(v), g=g, beta=b, scale=scale))(
+            q, k, v, g, beta)
+        ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
+        record("gdn", "xla chunked", jax.jit(lambda q, k, v, g, b: la.chunked(
+            jnp.repeat(q, group, 1), jnp.repeat(k, group, 1), v, g=g, beta=b, scale=scale)), (q, k, v, g, beta),
+            ref, fla_name="fla chunk_gated_delta_rule")
+        for name, (cfg, emit) in variants().items():
+            if " s3" not in name or not any(x in name for x in ("rows", "doubling", "tile")):
+                continue
+            fn = jax.jit(lambda q, k, v, g, b, cfg=cfg, emit=emit: gdn.gdn_forward(
+                q, k, v, g=g, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
+            record("gdn", name, fn, (q, k, v, g, beta), ref, fla_name="fla chunk_gated_delta_rule")
+        del ref_o, ref_s
+    if "locals" not in sections:
+        return
     # 2. The chunk-local kernel alone, per solve.
     for solve in ("rows", "doubling", "tile"):
         for chunk in (64, 32):
@@ -598,8 +615,16 @@ def run_all(out_dir, length, budget_s):
                 q, k, v, b, bt, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
                 interpret=INTERPRET))
             record("locals", f"locals {solve} c{chunk}", fn, (q, k, v, b, beta.T))
-    del q, k, v, g, beta, ref_o, ref_s
 
+
+def _all_per_key(record, length, scale, group, b16, up):
+    """run_all 3: per-key gates (KDA with beta, GLA without), q/k at 32 heads."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import gdn
+    C = named_config
     # 3. Per-key gates (KDA with beta, GLA without), q/k at 32 heads.
     ks = jax.random.split(jax.random.PRNGKey(3), 2)
     q, k, v, _, beta = gdn_inputs(length, seed=2)
@@ -623,9 +648,15 @@ def run_all(out_dir, length, budget_s):
             fn = jax.jit(lambda q, k, v, gk, b, cfg=cfg: gdn.gdn_forward(
                 q, k, v, gk=gk, beta=b, scale=scale, config=cfg, interpret=INTERPRET))
             record(family, name, fn, (q, k, v, gk, bt), ref, fla_name=fla_name)
-    del q, k, v, gk, beta
 
-    # 4. Packed segments: 64 uneven segments, outputs and each segment's dense (T, S).
+
+def _all_varlen(record, length, scale, b16):
+    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax.pallas import gdn
+    C = named_config
     segments = min(64, max(2, length // 16))
     cu_list = varlen_offsets(length, segments)
     cu = jnp.asarray(cu_list, jnp.int32)
@@ -654,9 +685,15 @@ def run_all(out_dir, length, budget_s):
     fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale,
                                                        config=C(solve="doubling", **b16), interpret=INTERPRET))
     record("varlen", "pallas doubling bf16 s3, unsegmented (baseline)", fn, (q, k, v, g, beta))
-    del q, k, v, g, beta, ref_o, ref_sum
 
-    # 5. Decode step, all heads: batch 1 and a serving batch (vmapped), GDN and KDA gates.
+
+def _all_decode(record, scale):
+    """run_all 5: the decode step, all heads, batch 1 and a serving batch (vmapped), GDN and KDA gates."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import decode as dec
     for batch in (1, 64 if not INTERPRET else 2):
         kb = jax.random.split(jax.random.PRNGKey(9), 6)
         shape = (batch,)
@@ -681,9 +718,10 @@ def run_all(out_dir, length, budget_s):
                     q, k, v, s, scale=scale, config=dec.DecodeConfig(block_v=bv), interpret=INTERPRET,
                     **dict(zip(names, gs)))))
                 record(f"decode B={batch}", f"pallas {family} bv{bv}", fn, args, ref, tokens=batch, nbytes=nbytes)
-    log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
 
-    # One table.
+
+def _all_table(rows, fla, length):
+    """run_all's one table."""
     print(f"\n| section | implementation | L | ms | Mtok/s | vs fla | errors |\n|---|---|---|---|---|---|---|")
     for r in rows:
         errs = " ".join(f"{key} {r[key]:.2e}" for key in ("o", "state", "S", "T") if key in r)
@@ -704,6 +742,8 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     ap.add_argument("--focus", action="store_true", help="second-round measurements (see run_focus)")
     ap.add_argument("--all", action="store_true", help="every kernel variant in one run and one table (run_all)")
+    ap.add_argument("--sections", nargs="+", default=list(ALL_SECTIONS), choices=ALL_SECTIONS,
+                    help="run_all's sections (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     args = ap.parse_args()
     global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE
@@ -716,7 +756,7 @@ def main():
     elif args.focus:
         run_focus(args.out, args.budget_s)
     elif args.all:
-        run_all(args.out, args.check_length if not args.smoke else 128, args.budget_s)
+        run_all(args.out, args.check_length if not args.smoke else 128, args.budget_s, tuple(args.sections))
     else:
         run_jax(args.out, lengths, args.check_length, args.budget_s, [x for x in args.only.split(",") if x])
 
