@@ -12,6 +12,7 @@
 #   bash bench/h200.sh bars      # the three modes the PIC bars compare, one process, with the host split, traced
 #   bash bench/h200.sh sweeps    # MoE tiling and span fold variants alone, then the GDN/KDA kernel table
 #   bash bench/h200.sh close     # the bars' three modes, then GDN at 32k against fla (default launch, +TS, pieces)
+#   bash bench/h200.sh layers    # compose bar variants, then the bars with the span program's HLO and trace kept
 #   bash bench/h200.sh pending   # what is untimed so far: final-state compose fold, packed-heads attention alone,
 #                                # then in the request
 
@@ -96,6 +97,18 @@ case "${1:-}" in
       > "$OUT/pic_kernels.txt" 2>&1
     PIC_ARGS="--variants packgqa ${PIC_ARGS:-}" bar_modes "${PIC_TIMEOUT:-400}" 40
     ;;
+  layers)
+    # the composition bar's final-state fold variants, then the bars' three modes (PIC_ARGS adds trr variants) with
+    # the span program's optimized HLO kept beside the trace: fusion names in the trace map to ops and layers there
+    timeout 100 python3 bench/pic_kernels.py --out "$OUT" --sections bar --budget-s 70 > "$OUT/pic_kernels.txt" 2>&1
+    saved_flags=$XLA_FLAGS
+    export XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_forward.*"
+    bar_modes "${PIC_TIMEOUT:-450}" 40
+    export XLA_FLAGS=$saved_flags
+    for f in $(ls -t /tmp/pic-hlo/*span_forward*after_optimizations.txt 2>/dev/null | head -2); do
+      gzip -c "$f" > "$OUT/$(basename "$f").gz"
+    done
+    ;;
   sweeps)
     # MoE first: the span fold variants compile for 6-12 s each and used up the last run's budget
     timeout 200 python3 bench/pic_kernels.py --out "$OUT" --sections moe span --budget-s 170 --skip-compose-bar \
@@ -123,7 +136,7 @@ case "${1:-}" in
     timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
     ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close|pending" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close|pending|layers" >&2
     exit 2
     ;;
 esac

@@ -203,8 +203,8 @@ def main(argv=None) -> None:
             t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
             # the bar's own output, the composed state after all 64 segments (`fold_pallas` without the transfer:
             # T and S read once, one state written), then every prefix state (what a PIC request needs), best first
-            bar_variants = [("final", None, 128, 8, 3), ("final", None, 128, 8, 2), ("final", None, 128, 8, 4),
-                            ("final", None, 128, 4, 3), ("final", None, 64, 4, 3),
+            bar_variants = [("final", None, 128, 8, 2), ("final", None, 128, 16, 2), ("final", None, 128, 8, 1),
+                            ("final", None, 128, 16, 1), ("final", None, 128, 8, 3), ("final", None, 64, 8, 2),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
             for kind, block, bw, warps, stages in bar_variants[:2] if small else bar_variants:

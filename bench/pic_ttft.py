@@ -47,12 +47,12 @@ VARIANTS = {
     "noseamfold": dict(seam_fold=False),
     "nopool": dict(pool_entries=False),
     "graphs": dict(command_buffers=True),  # XLA's CUDA-graph capture of the span program (its default)
-    "seamexact": dict(seam_precision=None),
-    "packgqa": dict(attention_pack_gqa=True),  # query heads of a kv head in one attention program (untimed so far)  # seam products inside the fold at the composition's bf16x3
+    "seamexact": dict(seam_precision=None),  # seam products inside the fold at the composition's bf16x3
+    "nopackgqa": dict(attention_pack_gqa=False),  # one attention program per query head (default before)
     "all": dict(prefix_block=0, stack_entries=True),
 }
 KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=True, seam_fold=True,
-                     pool_entries=True, command_buffers=False, seam_precision="auto", attention_pack_gqa=False)
+                     pool_entries=True, command_buffers=False, seam_precision="auto", attention_pack_gqa=True)
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 

@@ -210,7 +210,8 @@ class SpanMode:
       (None: one fold; 0: about sqrt(n)).
     attention_pack_gqa: on a GPU, the fresh queries' attention runs one program per key/value head with the query
       heads that share it packed into its rows (`pallas.attention.AttentionConfig.pack_gqa`: 128 rows, 8 warps),
-      where the heads per key/value head are a power of two up to 128; not yet timed, off by default.
+      where the heads per key/value head are a power of two up to 128 (each K/V tile is loaded once, not once per
+      query head). On the H200, one 35B-A3B full-attention layer of the PIC request: 0.617 vs 0.823 ms.
     attention_programs: on a GPU, split the fresh queries' attention over key ranges until about this many programs
       run (`pallas.attention.AttentionConfig.target_programs`; 1: no split).
     seam_fold: with prefix "pallas" (one fold), a layout whose groups are each a fresh span of at most one chunk and
@@ -229,7 +230,7 @@ class SpanMode:
     prefix: str = "associative"
     prefix_block: int | None = None
     attention_programs: int = 1
-    attention_pack_gqa: bool = False
+    attention_pack_gqa: bool = True
     seam_fold: bool = True
     seam_precision: str | None = "auto"
 

@@ -144,13 +144,21 @@ class FoldConfig:
     seam_algorithm: str | None = None
 
 
-def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, prec):
+def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, prec, with_transfer):
     """One (column block j, batch entry): acc <- T_i acc + S_i[:, cols] for i = 0 .. n-1.
 
     Column blocks j < value_blocks are state columns (start at zero, add S_i); the others are identity-widened
     transfer columns (start at the identity's columns, add nothing), so the same loop yields T_n ... T_1.
     Columns are independent (T_i multiplies from the left), which is what splits one head's fold over programs.
+    Without the transfer every program is a state block: no selects in the loop.
     """
+    if not with_transfer:
+        def plain(i, acc):
+            return lax.dot_general(t_ref[i].astype(jnp.float32), acc, (((1,), (0,)), ((), ())), precision=prec,
+                                   preferred_element_type=jnp.float32) + s_ref[i].astype(jnp.float32)
+
+        o_ref[...] = lax.fori_loop(0, num_segments, plain, jnp.zeros(o_ref.shape, jnp.float32))
+        return
     j = pl.program_id(0)
     is_state = j < value_blocks
     key_dim = t_ref.shape[-1]
@@ -188,7 +196,7 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
     value_blocks = value_dim // bw
     width = value_dim + (key_dim if with_transfer else 0)
     kernel = functools.partial(_fold_kernel, num_segments=n, value_blocks=value_blocks, block_w=bw,
-                               prec=_KERNEL_PRECISION[config.algorithm])
+                               prec=_KERNEL_PRECISION[config.algorithm], with_transfer=with_transfer)
     out = pl.pallas_call(
         kernel,
         grid=(width // bw, b),
