@@ -6,6 +6,11 @@ TRACE_DIR is what `jax.profiler.trace(..., create_perfetto_trace=True)` wrote (b
 every `perfetto_trace.json.gz` under it is read. Events on device threads (GPU streams) are grouped by kernel
 name; host threads are summarised separately, so a request that is launch- or dispatch-bound shows it.
 
+    python bench/trace_summary.py TRACE_DIR --periods span_fold_pooled positioned_attention
+
+cuts the device timeline after each kernel so named (one per layer) and counts the kernels between them; TRACE_DIR
+may also be one trace file.
+
     python bench/trace_summary.py TRACE_DIR --hlo HLO_DIR
 
 also groups device time by the named scopes of the model code (gdn_core, span_prefix, attn_core, ffn, ...): HLO_DIR
@@ -70,8 +75,9 @@ def scope_of(op_name: str) -> str:
     return "/".join(parts[:2]) or "(no metadata)"
 
 
-def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = None) -> None:
-    files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = None,
+              markers: list[str] | None = None, detail: int = 1) -> None:
+    files = [trace_dir] if trace_dir.is_file() else sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
         raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
     for path in files:
@@ -89,7 +95,7 @@ def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = 
             else:
                 host[event["name"]] += event.get("dur", 0)
         total = sum(device.values())
-        print(f"{path.relative_to(trace_dir)}: {sum(device_count.values())} device events, {total / 1e3:.2f} ms "
+        print(f"{path.name if path == trace_dir else path.relative_to(trace_dir)}: {sum(device_count.values())} device events, {total / 1e3:.2f} ms "
               f"of device time (summed over streams)")
         for name, dur in device.most_common(top):
             print(f"  {dur / 1e3:9.3f} ms  {100 * dur / max(total, 1):5.1f}%  x{device_count[name]:<5d} {name[:110]}")
@@ -116,6 +122,8 @@ def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = 
         for name, dur in host.most_common(min(top, 10)):
             print(f"  {dur / 1e3:9.3f} ms  {name[:110]}")
         timeline(events, threads, device_events)
+        if markers:
+            periods(device_events, markers, detail)
 
 
 def timeline(events: list[dict], threads: dict, device_events: list[dict], anchor: str = "prefill") -> None:
@@ -150,13 +158,43 @@ def timeline(events: list[dict], threads: dict, device_events: list[dict], ancho
         print(f"      {1e-3 * gap:8.2f} ms at {1e-3 * (at - t0):8.2f}  after {before[:40]}  before {after[:40]}")
 
 
+def periods(device_events: list[dict], markers: list[str], detail: int = 1) -> None:
+    """The device timeline cut after every kernel whose name starts with one of `markers` (one per layer, e.g. the
+    span fold of each linear layer and the attention kernel of each full-attention layer): per kind of period
+    (which marker opens and which closes it) the number of periods, kernels and device time in each, and the
+    kernels of `detail` periods of each kind in launch order. This is where per-layer launch counts come from."""
+    kernels = sorted(device_events, key=lambda e: e["ts"])
+    marked = [i for i, e in enumerate(kernels) if any(e["name"].startswith(m) for m in markers)]
+    if len(marked) < 2:
+        print(f"  periods: fewer than two kernels named {markers}")
+        return
+    kinds: dict[tuple[str, str], list[list[dict]]] = collections.defaultdict(list)
+    for a, b in zip(marked, marked[1:]):
+        opened = next(m for m in markers if kernels[a]["name"].startswith(m))
+        closed = next(m for m in markers if kernels[b]["name"].startswith(m))
+        kinds[(opened, closed)].append(kernels[a + 1:b + 1])
+    print(f"  periods between {markers} kernels ({len(marked)} markers; before the first: {marked[0]} kernels, "
+          f"after the last: {len(kernels) - marked[-1] - 1}):")
+    for (opened, closed), runs in kinds.items():
+        counts = [len(r) for r in runs]
+        times = [sum(e.get("dur", 0) for e in r) / 1e3 for r in runs]
+        print(f"    {opened} -> {closed}: {len(runs)} periods, {min(counts)}-{max(counts)} kernels, "
+              f"{min(times):.3f}-{max(times):.3f} ms of kernel time each")
+        for run in runs[:detail]:
+            for e in run:
+                print(f"      {e.get('dur', 0):8.1f} us  {e['name'][:100]}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--hlo", type=Path, default=None, help="folder of XLA's optimized HLO text dumps")
+    parser.add_argument("--periods", nargs="+", default=None, metavar="KERNEL",
+                        help="cut the device timeline after each kernel named so (per-layer launch counts)")
+    parser.add_argument("--detail", type=int, default=1, help="periods of each kind listed kernel by kernel")
     args = parser.parse_args(argv)
-    summarise(args.trace_dir, args.top, load_scopes(args.hlo))
+    summarise(args.trace_dir, args.top, load_scopes(args.hlo), args.periods, args.detail)
 
 
 if __name__ == "__main__":

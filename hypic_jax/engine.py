@@ -61,9 +61,14 @@ _SPAN_STATIC = ("arch", "config", "layout", "mode", "want_logits", "want_decode"
 # and output buffers move from request to request, so a captured graph is re-patched before every launch (41 ms
 # of host time per PIC request at the 35B-A3B shape, bench/RESULTS.md) and the device waits for all of it; plain
 # launches stream out while the device already runs the first kernels.
+# Without XLA's dot merger: it joins the products that share an input (a layer's q/k/v or qkv/z projections) into
+# one by concatenating their weights, and for a few hundred fresh tokens that copy (50 MB per GDN layer, 28 us on
+# the H200) costs more than the second product it saves; 100 such copies ran in every PIC request.
+_SPAN_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 _span_call = jax.jit(_span_forward, static_argnames=_SPAN_STATIC,
-                     compiler_options={"xla_gpu_enable_command_buffer": ""})
-_span_call_graphs = jax.jit(_span_forward, static_argnames=_SPAN_STATIC)  # XLA's default (command buffers on)
+                     compiler_options={**_SPAN_OPTIONS, "xla_gpu_enable_command_buffer": ""})
+_span_call_graphs = jax.jit(_span_forward, static_argnames=_SPAN_STATIC,
+                            compiler_options=_SPAN_OPTIONS)  # command buffers on (XLA's default)
 
 
 def _prefill(params, tokens, *, arch, config, max_len):

@@ -720,7 +720,10 @@ def linear_over_spans(
 
     outs, finals_by_group = [], []
     for g, rows in enumerate(groups):
-        if reuse is not None and reuse[0] == g:  # outputs from the seam fold's chunk-local pass, no second one
+        if reuse is not None and reuse[0] == g and reuse[2] is not None:  # the seam fold's own outputs
+            o = jnp.moveaxis(reuse[2], -2, 1) * padded[g].scale  # [rows, H, Lp, V] -> [rows, Lp, H, V]
+            o, f = o.astype(padded[g].v.dtype), None  # no final state of these spans is read (see _seam_fold)
+        elif reuse is not None and reuse[0] == g:  # outputs from the seam fold's chunk-local pass, no second one
             start = prefix.rows([incoming_rows[i] for i in rows])
             o, f = jax.vmap(lambda one, chunk, s0: one.span_chunk_outputs(chunk, s0))(padded[g], reuse[1], start)
         elif incoming_rows is None or all(incoming_rows[i] == -1 for i in rows):
@@ -732,12 +735,10 @@ def linear_over_spans(
         finals_by_group.append(f)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
     out = out[jnp.asarray(_unpadded_rows(fresh, groups, lengths))]
-    finals_flat = finals_by_group[0] if len(groups) == 1 else jnp.concatenate(finals_by_group)
-    flat_of = {i: int(sum(len(r) for r in groups[: where[i][0]]) + where[i][1]) for i in range(len(fresh))}
 
     def final_of(span):
-        row = flat_of[fresh_index[id(span)]]
-        return finals_flat[row]
+        g, row = where[fresh_index[id(span)]]
+        return finals_by_group[g][row]
 
     if layout.spans[-1].kind == FRESH:
         final_state = final_of(layout.spans[-1])
@@ -796,8 +797,10 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     one cached interior with a dense transfer. The fresh spans enter the fold as chunk steps
     (`pallas.compose.span_fold_pallas`), so no group pair is formed. Returns None when the layout is not of this
     shape (the general path composes the groups), else (states after the groups, (length group, its spans'
-    `linear_attn.SpanChunk`s)): one chunk-local pass over the seams' length group serves the fold and, from the
-    states the fold gives, the seams' outputs."""
+    `linear_attn.SpanChunk`s, the seams' unscaled outputs or None)): one chunk-local pass over the seams' length
+    group serves the fold and the seams' outputs. When the fold's seams are that whole length group and none of
+    them is the last span or recorded (the PIC request), the fold computes their outputs itself from the state each
+    starts from (`span_fold_pallas(q_decayed=, scores=)`), and no incoming state is written or read back."""
     spans_ = layout.spans
     if not mode.seam_fold or mode.prefix != "pallas" or not mode.transfer or mode.prefix_block is not None:
         return None
@@ -830,9 +833,16 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     else:
         interiors = _stack_cached(cached, interior_spans, mode, rotate)
         transfers, states, slots = interiors.transfer, interiors.state, None
+    rows = [row for _, row in fresh_rows]
+    finals_needed = {id(layout.spans[-1])} | {id(s) for s in layout.recorded}
+    if rows == list(range(padded[group].k.shape[0])) and not any(id(spans_[g[0]]) in finals_needed for g in needed):
+        q_decayed, scores = _select(tuple(span_chunks[4:6]), rows)
+        outs, final = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots, config=config,
+                                                      interpret=not on_gpu, q_decayed=q_decayed, scores=scores)
+        return _FoldStates(None, final, len(needed)), (group, span_chunks, outs)
     before, final = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots, config=config,
                                                     interpret=not on_gpu, incoming=True)
-    return _FoldStates(before, final), (group, span_chunks)
+    return _FoldStates(before, final, len(needed)), (group, span_chunks, None)
 
 
 class _GroupStates(NamedTuple):
@@ -852,19 +862,23 @@ class _GroupStates(NamedTuple):
 class _FoldStates(NamedTuple):
     """The seam fold's states, read like `_GroupStates`: `before` [n, H, K, V] the state before each group (zero
     first), `final` the state after the last. Group i's outgoing state is before[i + 1] (final for the last), so
-    the seams' incoming states are `before` itself, not a shifted copy of the outgoing ones."""
+    the seams' incoming states are `before` itself, not a shifted copy of the outgoing ones. `before` is None when
+    the fold computed the seams' outputs itself: then only the state after the last group can be read."""
 
-    before: Array
+    before: Array | None
     final: Array
+    groups: int
 
     def rows(self, rows: Sequence[int]) -> Array:
         """The states after groups `rows` (-1: the zero state), like `_rows` on the stacked outgoing states."""
-        n = self.before.shape[0]
+        n = self.groups
         shifted = [r + 1 for r in rows]
-        if all(r < n for r in shifted):
-            return _rows(self.before, shifted)
         if all(r == n for r in shifted):
             return jnp.broadcast_to(self.final, (len(rows),) + self.final.shape)
+        if self.before is None:  # _seam_fold keeps only the final state when no other is read
+            raise AssertionError(f"the seam fold kept only its final state; groups {rows} were asked for")
+        if all(r < n for r in shifted):
+            return _rows(self.before, shifted)
         return _rows(jnp.concatenate([self.before, self.final[None]]), shifted)
 
 

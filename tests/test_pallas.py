@@ -183,6 +183,21 @@ def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n
         assert not np.asarray(before[0]).any()
         assert rel(before[1:], want[:-1]) < TOL32 and rel(final, want[-1]) < TOL32
     assert rel(cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=jnp.asarray(slots)), want) < TOL32
+    # in-kernel outputs: each seam's outputs from the state before its group equal `chunked` from that state
+    chunks = [x.span_chunk() for x in seams]
+    q_dec = jnp.stack([ch.q_decayed for ch in chunks]).reshape(w.shape)
+    scores = jnp.stack([ch.scores for ch in chunks]).reshape(w.shape[:-1] + (seam,))
+    before = [np.zeros((heads, dim, width))] + [x.reshape(heads, dim, width) for x in want[:-1]]
+    want_out = np.stack([np.moveaxis(np.asarray(x.chunked(initial_state=jnp.asarray(b, jnp.float32),
+                                                          chunk_size=32)[0]), 0, 1) / x.scale
+                         for x, b in zip(seams, before)]).reshape((n,) + batch_shape + (seam, width))
+    out, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots),
+                                      config=cmp.FoldConfig(block_w=16, algorithm="f32"), interpret=True,
+                                      q_decayed=q_dec, scores=scores)
+    assert out.shape == want_out.shape and rel(out, want_out) < TOL32 and rel(final, want[-1]) < TOL32
+    ref_out, ref_final = cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=jnp.asarray(slots),
+                                                 q_decayed=q_dec, scores=scores)
+    assert rel(ref_out, want_out) < TOL32 and rel(ref_final, want[-1]) < TOL32
     with pytest.raises(ValueError, match="disagree"):
         cmp.span_fold_pallas(w[..., 1:], u, kt, d, t, s, interpret=True)
     with pytest.raises(ValueError, match="disagree"):

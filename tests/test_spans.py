@@ -132,11 +132,18 @@ def test_seams_before_cached_interiors_enter_the_fold_as_chunk_steps(family, fol
 
     calls = []
     original = compose.span_fold_pallas
-    monkeypatch.setattr(compose, "span_fold_pallas", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(compose, "span_fold_pallas",
+                        lambda *a, **k: calls.append(k.get("q_decayed") is not None) or original(*a, **k))
+    # the query pads to the seams' length: the fold hands back incoming states and the seams' outputs come after it
     plan = [(spans.FRESH, 3), (spans.CACHED, 6), (spans.FRESH, 5), (spans.CACHED, 4), (spans.FRESH, 2),
             (spans.CACHED, 9), (spans.FRESH, 4)]
     _check_cached_spans_equal_the_whole(family, plan, seed=3, mode=spans.SpanMode(prefix="pallas"))
-    assert bool(calls) == folds
+    assert calls == ([False] if folds else [])
+    # a longer query: the seams are a length group of their own and the fold computes their outputs itself
+    calls.clear()
+    plan = plan[:-1] + [(spans.FRESH, 11)]
+    _check_cached_spans_equal_the_whole(family, plan, seed=4, mode=spans.SpanMode(prefix="pallas"))
+    assert calls == ([True] if folds else [])
 
 
 def test_rows_takes_runs_and_zero_rows():

@@ -331,32 +331,44 @@ __all__ += ["prefix_fold_pallas"]
 # Seam fold: the PIC request's groups (a short fresh span, then a cached interior) folded without composing them.
 
 
-def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=None, slots=None):
+def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=None, slots=None, q_decayed=None,
+                        scores=None):
     """Pure-JAX reference of `span_fold_pallas` (float32 HIGHEST, sequential): for each group i,
     state <- T_i (Diag(decay_i) state + k_to_end_i^T (u_i - w_i state)) + S_i, and every state is returned.
-    With `slots`, group i's interior is row slots[i] of the pools `transfers` and `states`."""
+    With `slots`, group i's interior is row slots[i] of the pools `transfers` and `states`. With `q_decayed` and
+    `scores`, returns (each fresh span's outputs q_decayed S_in + scores (u - w S_in), the last state) instead."""
     hi = lax.Precision.HIGHEST
     if slots is not None:
         transfers, states = transfers[slots], states[slots]
     init = jnp.zeros(states.shape[1:], jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
+    outputs = q_decayed is not None
+    if not outputs:  # placeholders the steps ignore
+        q_decayed, scores = w, jnp.zeros(w.shape[:-1] + (w.shape[-2],), w.dtype)
+
     def step(state, group):
-        w_i, u_i, kt_i, d_i, t_i, s_i = group
+        w_i, u_i, kt_i, d_i, t_i, s_i, q_i, sc_i = group
         inner = u_i - jnp.einsum("...ck,...kv->...cv", w_i, state, precision=hi)
+        out = (jnp.einsum("...ck,...kv->...cv", q_i, state, precision=hi)
+               + jnp.einsum("...cj,...jv->...cv", sc_i, inner, precision=hi))
         state = d_i[..., None] * state + jnp.einsum("...ck,...cv->...kv", kt_i, inner, precision=hi)
         state = jnp.einsum("...ij,...jv->...iv", t_i, state, precision=hi) + s_i
-        return state, state
+        return state, out if outputs else state
 
-    return lax.scan(step, init, (w, u, k_to_end, decay, transfers, states))[1]
+    final, per_group = lax.scan(step, init, (w, u, k_to_end, decay, transfers, states, q_decayed, scores))
+    return (per_group, final) if outputs else per_group
 
 
 def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_groups, prec, seam_prec, pooled,
-                      seam_step, incoming):
+                      seam_step, incoming, outputs):
     """One (column block, batch entry): per group the fresh span's chunk step, then the interior's transfer.
     The group's operands do not depend on the running state, so their loads can run ahead of the products.
     pooled: t_ref / s_ref are whole entry pools and group i's interior is row slot_ref[i] (read in place).
     incoming: o_ref[i] gets the state before group i (zero for group 0) and final_ref the state after the last
     group, instead of o_ref[i] = the state after group i.
+    outputs: q_ref [n, rows, K] / sc_ref [n, rows, rows] hold each fresh span's decayed queries and causal scores;
+    o_ref[i] gets its (unscaled) outputs q_i acc + scores_i (U_i - W_i acc) from the state it starts from, which is
+    in registers at that step anyway, and final_ref the last state: no state but the final one is written.
 
     seam_step "nested": acc <- T (d * acc + Kt (U - W acc)) + S, three dependent products per group.
     "split": the same map regrouped so that only two products wait for acc, side by side, plus one rank-c one:
@@ -364,9 +376,10 @@ def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_grou
     so they are off the sequential chain (at the price of one extra [K, K] x [K, c] product per group).
     """
     rest = list(rest)
+    q_ref, sc_ref = (rest.pop(0), rest.pop(0)) if outputs else (None, None)
     slot_ref = rest.pop(0) if pooled else None
     o_ref = rest.pop(0)
-    final_ref = rest.pop(0) if incoming else None
+    final_ref = rest.pop(0) if incoming or outputs else None
     key_dim = t_ref.shape[-1]
     dims = (((1,), (0,)), ((), ()))
     dot = functools.partial(lax.dot_general, dimension_numbers=dims, precision=prec,
@@ -379,9 +392,11 @@ def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_grou
         if incoming:
             o_ref[i] = acc
         inner = u_ref[i] - seam_dot(w_ref[i], acc)
+        if outputs:
+            o_ref[i] = seam_dot(q_ref[i], acc) + seam_dot(sc_ref[i], inner)
         acc = d_ref[i][:, None] * acc + seam_dot(kt_ref[i], inner)
         acc = dot(t_ref[row], acc) + s_ref[row]
-        if not incoming:
+        if not incoming and not outputs:
             o_ref[i] = acc
         return acc
 
@@ -400,13 +415,13 @@ def _span_fold_kernel(w_ref, u_ref, kt_ref, d_ref, t_ref, s_ref, *rest, num_grou
     body = {"nested": nested, "split": split}[seam_step]
 
     acc = lax.fori_loop(0, num_groups, body, jnp.zeros((key_dim, o_ref.shape[-1]), jnp.float32))
-    if incoming:
+    if final_ref is not None:
         final_ref[...] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "incoming"))
 def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, config: FoldConfig = FoldConfig(),
-                     interpret: bool = False, incoming: bool = False):
+                     interpret: bool = False, incoming: bool = False, q_decayed=None, scores=None):
     """The state after each of n groups "fresh span of c <= chunk tokens, then a cached interior (T, S)", from zero.
 
     w [n, ..., c, K] (zeros for families without a delta rule), u [n, ..., c, V], k_to_end [n, ..., c, K]: the
@@ -419,6 +434,11 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
     the state after the last group [..., K, V]) instead. That is what the fresh spans start from, written by the
     kernel as it goes; shifting the states afterwards costs a copy of all of them (136 MB per layer at the PIC
     request's shape).
+    q_decayed [n, ..., c, K] and scores [n, ..., c, c] (`linear_attn.SpanChunk`'s output operands): return (the
+    fresh spans' outputs [n, ..., c, V] float32, unscaled: q_decayed S_in + scores (u - w S_in) from each span's
+    incoming state S_in; the state after the last group) instead. The incoming states are never written: at the
+    PIC request's shape they are 134 MB per layer, which the outputs would otherwise read back (seam_step
+    "nested" only).
 
     Why: composing each fresh span's dense summary with its interior (T_int T_span, T_int S_span + S_int) before a
     fold costs one batched 128 x 128 x 256 product per group and layer plus the copies that feed it, all memory-bound
@@ -437,6 +457,12 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
         raise ValueError(f"span fold operands disagree: w {w.shape}, u {u.shape}, k_to_end {k_to_end.shape}, "
                          f"decay {decay.shape}, transfers {transfers.shape}, states {states.shape}, "
                          f"slots {None if slots is None else slots.shape}")
+    outputs = q_decayed is not None
+    if outputs and (scores is None or q_decayed.shape != w.shape or scores.shape != w.shape[:-1] + (c,)):
+        raise ValueError(f"span fold outputs need q_decayed like w {w.shape} and scores [n, ..., c, c]: got "
+                         f"{None if q_decayed is None else q_decayed.shape}, {None if scores is None else scores.shape}")
+    if outputs and incoming:
+        raise ValueError("span fold: incoming states and in-kernel outputs are exclusive")
     rows = max(16, -(-c // 16) * 16)  # Triton dots need 16 rows; zero rows add nothing
     pad = [(0, 0)] * (w.ndim - 2) + [(0, rows - c), (0, 0)]
     flat = lambda x, tail: x.reshape((n, -1) + tail).astype(jnp.float32)  # noqa: E731
@@ -452,9 +478,11 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
     pooled = slots is not None
     if config.seam_step not in ("nested", "split"):
         raise ValueError(f"FoldConfig.seam_step must be 'nested' or 'split', got {config.seam_step!r}")
+    if outputs and config.seam_step != "nested":
+        raise ValueError("span fold outputs need FoldConfig.seam_step 'nested'")
     kernel = functools.partial(_span_fold_kernel, num_groups=n, prec=_KERNEL_PRECISION[config.algorithm],
                                seam_prec=_KERNEL_PRECISION[config.seam_algorithm or config.algorithm], pooled=pooled,
-                               seam_step=config.seam_step, incoming=incoming)
+                               seam_step=config.seam_step, incoming=incoming, outputs=outputs)
     in_specs = [
         pl.BlockSpec((n, None, rows, key_dim), lambda j, i: (0, i, 0, 0)),
         pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j)),
@@ -464,12 +492,21 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
         pl.BlockSpec((interiors, None, key_dim, bw), lambda j, i: (0, i, 0, j)),
     ]
     args = [w_, u_, kt, d, t, s]
+    if outputs:
+        in_specs += [pl.BlockSpec((n, None, rows, key_dim), lambda j, i: (0, i, 0, 0)),
+                     pl.BlockSpec((n, None, rows, rows), lambda j, i: (0, i, 0, 0))]
+        args += [flat(jnp.pad(q_decayed, pad), (rows, key_dim)),
+                 flat(jnp.pad(scores, [(0, 0)] * (w.ndim - 2) + [(0, rows - c), (0, rows - c)]), (rows, rows))]
     if pooled:
         in_specs.append(pl.BlockSpec((n,), lambda j, i: (0,)))
         args.append(slots.astype(jnp.int32))
-    out_specs = [pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j))]
-    out_shape = [jax.ShapeDtypeStruct((n, b, key_dim, value_dim), jnp.float32)]
-    if incoming:
+    if outputs:
+        out_specs = [pl.BlockSpec((n, None, rows, bw), lambda j, i: (0, i, 0, j))]
+        out_shape = [jax.ShapeDtypeStruct((n, b, rows, value_dim), jnp.float32)]
+    else:
+        out_specs = [pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j))]
+        out_shape = [jax.ShapeDtypeStruct((n, b, key_dim, value_dim), jnp.float32)]
+    if incoming or outputs:
         out_specs.append(pl.BlockSpec((None, key_dim, bw), lambda j, i: (i, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((b, key_dim, value_dim), jnp.float32))
     out = pl.pallas_call(
@@ -482,6 +519,8 @@ def span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots=None, *, co
         interpret=interpret,
         name="span_fold_pooled" if pooled else "span_fold",
     )(*args)
+    if outputs:
+        return out[0][:, :, :c].reshape((n,) + batch + (c, value_dim)), out[1].reshape(batch + (key_dim, value_dim))
     if incoming:
         return out[0].reshape((n,) + batch + (key_dim, value_dim)), out[1].reshape(batch + (key_dim, value_dim))
     return out[0].reshape((n,) + batch + (key_dim, value_dim))
