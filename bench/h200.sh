@@ -13,6 +13,7 @@
 #   bash bench/h200.sh sweeps    # MoE tiling and span fold variants alone, then the GDN/KDA kernel table
 #   bash bench/h200.sh close     # the bars' three modes, then GDN at 32k against fla (default launch, +TS, pieces)
 #   bash bench/h200.sh layers    # compose bar variants, then the bars with the span program's HLO and trace kept
+#   bash bench/h200.sh final     # the bars' three modes, then the varlen and decode kernels
 #   bash bench/h200.sh pending   # what is untimed so far: final-state compose fold, packed-heads attention alone,
 #                                # then in the request
 
@@ -109,6 +110,12 @@ case "${1:-}" in
       gzip -c "$f" > "$OUT/$(basename "$f").gz"
     done
     ;;
+  final)
+    # the bars' three modes (traced), then the packed-segment and decode kernels of issue 5 (untimed so far)
+    bar_modes "${PIC_TIMEOUT:-300}" 30
+    timeout 120 python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --budget-s 90 \
+      --sections varlen decode > "$OUT/kernels_varlen_decode.txt" 2>&1
+    ;;
   sweeps)
     # MoE first: the span fold variants compile for 6-12 s each and used up the last run's budget
     timeout 200 python3 bench/pic_kernels.py --out "$OUT" --sections moe span --budget-s 170 --skip-compose-bar \
@@ -136,7 +143,7 @@ case "${1:-}" in
     timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
     ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close|pending|layers" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close|pending|layers|final" >&2
     exit 2
     ;;
 esac

@@ -27,6 +27,19 @@ def test_gmm_matches_ragged_dot_with_empty_and_partial_groups(dtype):
     ref = jax.lax.ragged_dot(x, w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
     tol = 1e-5 if dtype == np.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=tol, atol=tol * 8)
+    # the kernel gathering the rows itself (rows of padding blocks read row 0): the same products, bit for bit
+    source = jnp.zeros((layout.num_padded,), jnp.int32).at[layout.positions].set(jnp.arange(rows, dtype=jnp.int32))
+    gathered = gmm(x, layout.block_expert, w, config=GMMConfig(block_n=16, block_k=32), rows=source)
+    np.testing.assert_array_equal(np.asarray(gathered[layout.positions], np.float32), np.asarray(out, np.float32))
+    with pytest.raises(ValueError, match="rows"):
+        gmm(x, layout.block_expert, w, rows=source[:, None])
+    # the fused activation: silu(x W_gate) * (x W_up) from the accumulators, against the two halves' products
+    act = gmm(x, layout.block_expert, w, config=GMMConfig(block_n=16, block_k=32), rows=source, swiglu=True)
+    gate, up = np.split(np.asarray(ref, np.float64), 2, axis=-1)
+    np.testing.assert_allclose(np.asarray(act[layout.positions], np.float32), gate / (1 + np.exp(-gate)) * up,
+                               rtol=tol, atol=tol * 8)
+    with pytest.raises(ValueError, match="even width"):
+        gmm(x, layout.block_expert, w[..., 1:], swiglu=True)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -77,6 +90,10 @@ def test_gmm_lowers_to_triton():
         args = (sd((64 * 40, k_dim), jnp.bfloat16), sd((40,), jnp.int32), sd((256, k_dim, n_dim), jnp.bfloat16))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
         assert "xla.gpu.triton" in text
+    gather = jax.jit(lambda x, e, w, r: gmm(x, e, w, interpret=False, rows=r, swiglu=True))  # gathered rows, SwiGLU
+    args = (sd((576, 2048), jnp.bfloat16), sd((400,), jnp.int32), sd((256, 2048, 1024), jnp.bfloat16),
+            sd((400 * 32,), jnp.int32))
+    assert "xla.gpu.triton" in jax.export.export(gather, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -119,9 +119,13 @@ def grouped_swiglu_experts(
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
-        hidden = gm.gmm(x[padded_token], layout.block_expert, gate_up, config=config)
-        gate, up = jnp.split(hidden, 2, axis=-1)
-        out_rows = gm.gmm(jax.nn.silu(gate) * up, layout.block_expert, down, config=config)
+        if num_rows <= gm.FEW_ROWS_MAX:  # a PIC request: the kernel gathers each block's token rows and applies
+            # the activation itself (long prefills keep the separate steps: the fused launch was not timed there)
+            act = gm.gmm(x, layout.block_expert, gate_up, config=config, rows=padded_token, swiglu=True)
+        else:
+            gate, up = jnp.split(gm.gmm(x[padded_token], layout.block_expert, gate_up, config=config), 2, axis=-1)
+            act = jax.nn.silu(gate) * up
+        out_rows = gm.gmm(act, layout.block_expert, down, config=config)
         per_slot = out_rows[slot_rows]
     else:
         order, inverse, group_sizes = sorted_copies(experts.reshape(-1), num_experts)

@@ -285,7 +285,10 @@ def gdn_projections(x: Array, p: dict, config: Config) -> tuple[Array, Array, Ar
     """The GDN input projections of x [..., H]: (pre-conv [q|k|v] [..., conv_dim], z [..., Hv, Dv], a, b [..., Hv])."""
     mixed = x @ p["in_proj_qkv"]  # conv runs over q, k, v only
     z = (x @ p["in_proj_z"]).reshape(*x.shape[:-1], config.linear_num_value_heads, config.linear_value_head_dim)
-    return mixed, z, x @ p["in_proj_a"], x @ p["in_proj_b"]
+    # a and b (one value per head each) as one product: two [H, Hv] products would be two launches of a few
+    # microseconds' work each (the span program is compiled without XLA's dot merger, see hypic_jax.engine)
+    a, b = jnp.split(x @ jnp.concatenate([p["in_proj_a"], p["in_proj_b"]], axis=1), 2, axis=-1)
+    return mixed, z, a, b
 
 
 def gdn_inputs(conv_out: Array, a: Array, b: Array, p: dict, config: Config) -> linear_attn.LinearInputs:

@@ -149,19 +149,27 @@ def _ends_passed(ends: Array, length: int) -> Array:
     return jnp.cumsum(marks).astype(jnp.int32)
 
 
-def _gmm_kernel(expert_ref, x_ref, w_ref, o_ref, *, block_k, num_k):
+def _gmm_kernel(expert_ref, *refs, block_k, num_k, gather, swiglu):
+    """One (row block, column block): x rows @ the block's expert's weight columns, over K in block_k steps.
+    gather: the first ref holds the block's source rows of x, which is then the whole unpadded x.
+    swiglu: the weights come as a gate tile and the matching up tile (two refs); the block's output is
+    silu(x W_gate) * (x W_up), computed from the float32 accumulators."""
+    rows_ref, x_ref, *w_refs, o_ref = refs if gather else (None, *refs)
     expert = jnp.sum(expert_ref[...])  # the block's expert as a scalar (a [1] tile summed: no register indexing)
+    rows = rows_ref[...] if gather else slice(None)
+    dims = (((1,), (0,)), ((), ()))
 
     @pl.when(expert >= 0)
     def _():
-        def body(t, acc):
+        def body(t, accs):
             cols = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-            return acc + lax.dot_general(
-                x_ref[:, cols], w_ref[expert, cols, :], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
+            x = x_ref[rows, cols]
+            return tuple(acc + lax.dot_general(x, w_ref[expert, cols, :], dims, preferred_element_type=jnp.float32)
+                         for acc, w_ref in zip(accs, w_refs))
 
-        acc = lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape, jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        accs = lax.fori_loop(0, num_k, body, tuple(jnp.zeros(o_ref.shape, jnp.float32) for _ in w_refs))
+        out = accs[0] * jax.nn.sigmoid(accs[0]) * accs[1] if swiglu else accs[0]
+        o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _tile(block: int, dim: int) -> int:
@@ -174,7 +182,7 @@ def _tile(block: int, dim: int) -> int:
     return edge
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "swiglu"))
 def gmm(
     x: Array,
     block_expert: Array,
@@ -182,37 +190,62 @@ def gmm(
     *,
     config: GMMConfig = GMMConfig(),
     interpret: bool | None = None,
+    rows: Array | None = None,
+    swiglu: bool = False,
 ) -> Array:
     """x [num_blocks * block_m, K] (expert-aligned row blocks) @ weights[block_expert] [E, K, N] -> [rows, N].
 
     block_m is x.shape[0] / len(block_expert) (the layout's, see `block_layout`). The weight tile is the config's,
     narrowed to a power of two that divides K and N (`_tile`); the output has x's dtype, accumulation is float32.
+    rows: None, or int32 [num_blocks * block_m]: padded row r is x[rows[r]] (x is then [T, K], unpadded) and the
+    kernel gathers the rows as it loads them. A gathered copy of x first would write every padded row (52 MB per
+    MoE layer at a PIC request's shape, where x itself is 2.4 MB) and each column block would read it back.
+    swiglu: weights are [E, K, 2I] fused [gate | up] and the result is silu(x W_gate) * (x W_up) [rows, I], the
+    activation applied to the float32 accumulators: the [rows, 2I] product is never written and read back.
     """
     if interpret is None:
         interpret = default_interpret()
-    rows, k_dim = x.shape
+    gather = rows is not None
+    source_rows = x.shape[0]
+    if gather:
+        if rows.ndim != 1:
+            raise ValueError(f"gmm rows must be a vector of source rows, got shape {rows.shape}")
+        x_rows = x
+        rows = rows.astype(jnp.int32)
+        x = jax.ShapeDtypeStruct((rows.shape[0], x.shape[1]), x.dtype)  # the padded operand, for the checks below
+    rows_total, k_dim = x.shape
     num_experts, k_w, n_dim = weights.shape
+    if swiglu:
+        if n_dim % 2:
+            raise ValueError(f"gmm swiglu needs fused [gate | up] weights of even width, got {weights.shape}")
+        n_dim //= 2
     num_blocks = block_expert.shape[0]
-    block_m = rows // num_blocks
+    block_m = rows_total // num_blocks
     block_n, block_k = _tile(config.block_n, n_dim), _tile(config.block_k, k_dim)
     num_warps, num_stages = config.num_warps, config.num_stages
-    if k_w != k_dim or rows != num_blocks * block_m or n_dim % block_n or k_dim % block_k:
+    if k_w != k_dim or rows_total != num_blocks * block_m or n_dim % block_n or k_dim % block_k:
         raise ValueError(
             f"gmm shapes: x {x.shape}, weights {weights.shape}, {num_blocks} blocks, block_n {block_n}, "
             f"block_k {block_k}"
         )
-    kernel = functools.partial(_gmm_kernel, block_k=block_k, num_k=k_dim // block_k)
+    kernel = functools.partial(_gmm_kernel, block_k=block_k, num_k=k_dim // block_k, gather=gather, swiglu=swiglu)
+    n_blocks = n_dim // block_n
+    w_specs = [pl.BlockSpec((num_experts, k_dim, block_n), lambda i, j: (0, 0, j))]
+    if swiglu:  # the up tile is the gate tile's partner n_blocks column blocks further on
+        w_specs.append(pl.BlockSpec((num_experts, k_dim, block_n), lambda i, j: (0, 0, j + n_blocks)))
+    if gather:
+        x_specs = [pl.BlockSpec((block_m,), lambda i, j: (i,)),
+                   pl.BlockSpec((source_rows, k_dim), lambda i, j: (0, 0))]
+        x_args = [rows, x_rows]
+    else:
+        x_specs, x_args = [pl.BlockSpec((block_m, k_dim), lambda i, j: (i, 0))], [x]
     return pl.pallas_call(
         kernel,
-        grid=(num_blocks, n_dim // block_n),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((block_m, k_dim), lambda i, j: (i, 0)),
-            pl.BlockSpec((num_experts, k_dim, block_n), lambda i, j: (0, 0, j)),
-        ],
+        grid=(num_blocks, n_blocks),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)), *x_specs, *w_specs],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, n_dim), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows_total, n_dim), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="moe_grouped_matmul",
-    )(block_expert.astype(jnp.int32), x, weights.astype(x.dtype))
+    )(block_expert.astype(jnp.int32), *x_args, *[weights.astype(x.dtype)] * len(w_specs))
