@@ -226,6 +226,13 @@ def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block
         assert rel(la.prefix_states(summaries, init, impl=impl), la.prefix_states(summaries, init)) < TOL32
     with pytest.raises(ValueError, match="impl"):
         la.prefix_states(summaries, impl="sideways")
+    # the composed state alone (no transfer, no states in between): every impl, with and without a start state
+    for start in (None, init):
+        last = la.prefix_states(summaries, start)[-1]
+        for impl in la.PREFIX_IMPLS:
+            assert rel(la.composed_state(summaries, start, impl=impl), last) < TOL32, impl
+    with pytest.raises(ValueError, match="impl"):
+        la.composed_state(summaries, impl="sideways")
 
 
 @pytest.mark.parametrize("lq, lk, hq, hkv, dim, dtype, block", [

@@ -144,6 +144,13 @@ class FoldConfig:
     seam_algorithm: str | None = None
 
 
+# The launch of `fold_pallas` for the composed state of many heads and layers at once (the composition bar: 64
+# segments x 30 layers x 32 heads of dense 128 x 128 pairs), fastest of the variants timed on the H200
+# (bench/RESULTS.md): whole 128-column states per program, 3.79 ms against 4.05 with 2 stages, 5.1 with block_w 64
+# and 9.3 with 4 warps.
+FINAL_STATE_CONFIG = FoldConfig(block_w=128, num_warps=8, num_stages=3)
+
+
 def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, prec, with_transfer):
     """One (column block j, batch entry): acc <- T_i acc + S_i[:, cols] for i = 0 .. n-1.
 
@@ -215,7 +222,7 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
     return transfer, state
 
 
-__all__ += ["FoldConfig", "fold_pallas"]
+__all__ += ["FoldConfig", "FINAL_STATE_CONFIG", "fold_pallas"]
 
 
 def _block_width(block_w: int, width: int) -> int:
