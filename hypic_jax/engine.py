@@ -382,7 +382,7 @@ class Engine:
                 result = self._run(plan["fresh"], plan["cached"], plan["layout"], self._span_mode(mode),
                                    want_logits=True, want_decode=True, want_hidden=_want_hidden,
                                    slots=plan.get("slots"))
-            result.logits.copy_to_host_async()  # the copy is queued behind the last kernel, not after a host wake-up
+            result.logits.copy_to_host_async()  # queue the copy now, not once the host has seen the device finish
             dispatch_s = time.perf_counter() - combine_start
             logits = np.asarray(result.logits)
             self._store_records(plan.get("record_as", []), result.records, pins)

@@ -119,8 +119,9 @@ def grouped_swiglu_experts(
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
-        if num_rows <= gm.FEW_ROWS_MAX:  # a PIC request: the kernel gathers each block's token rows and applies
-            # the activation itself (long prefills keep the separate steps: the fused launch was not timed there)
+        if num_rows <= gm.FEW_ROWS_MAX:  # few copies (a PIC request's seams and query): the kernel gathers each
+            # block's token rows and applies the activation itself (long prefills keep the separate steps: the fused
+            # launch was not timed there)
             act = gm.gmm(x, layout.block_expert, gate_up, config=config, rows=padded_token, swiglu=True)
         else:
             gate, up = jnp.split(gm.gmm(x[padded_token], layout.block_expert, gate_up, config=config), 2, axis=-1)

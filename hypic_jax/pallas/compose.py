@@ -350,19 +350,20 @@ def span_fold_reference(w, u, k_to_end, decay, transfers, states, initial_state=
     init = jnp.zeros(states.shape[1:], jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
     outputs = q_decayed is not None
-    if not outputs:  # placeholders the steps ignore
-        q_decayed, scores = w, jnp.zeros(w.shape[:-1] + (w.shape[-2],), w.dtype)
 
     def step(state, group):
-        w_i, u_i, kt_i, d_i, t_i, s_i, q_i, sc_i = group
+        w_i, u_i, kt_i, d_i, t_i, s_i, *out_operands = group
         inner = u_i - jnp.einsum("...ck,...kv->...cv", w_i, state, precision=hi)
-        out = (jnp.einsum("...ck,...kv->...cv", q_i, state, precision=hi)
-               + jnp.einsum("...cj,...jv->...cv", sc_i, inner, precision=hi))
+        if outputs:
+            q_i, sc_i = out_operands
+            out = (jnp.einsum("...ck,...kv->...cv", q_i, state, precision=hi)
+                   + jnp.einsum("...cj,...jv->...cv", sc_i, inner, precision=hi))
         state = d_i[..., None] * state + jnp.einsum("...ck,...cv->...kv", kt_i, inner, precision=hi)
         state = jnp.einsum("...ij,...jv->...iv", t_i, state, precision=hi) + s_i
         return state, out if outputs else state
 
-    final, per_group = lax.scan(step, init, (w, u, k_to_end, decay, transfers, states, q_decayed, scores))
+    xs = (w, u, k_to_end, decay, transfers, states) + ((q_decayed, scores) if outputs else ())
+    final, per_group = lax.scan(step, init, xs)
     return (per_group, final) if outputs else per_group
 
 
