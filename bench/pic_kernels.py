@@ -197,14 +197,18 @@ def main(argv=None) -> None:
             del q, k, v, want
 
         elif section == "bar":
-            # 3. the composition bar: every prefix state of 64 segments x 30 layers x 32 heads
+            # 3. the composition bar: 64 segments x 30 layers x 32 heads
             if args.skip_compose_bar or over():
                 continue
             t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
-            # the bar's own output, the composed state after all 64 segments (`fold_pallas` without the transfer:
-            # T and S read once, one state written), then every prefix state (what a PIC request needs), best first
+            # "final": the bar's own output, the composed state after all 64 segments (`fold_pallas` without the
+            # transfer: T and S read once, one state written); "pairs": with the composed transfer; "prefix": every
+            # prefix state (what a PIC request needs). Every variant bench/RESULTS.md reports; --budget-s may cut
+            # the tail.
             bar_variants = [("final", None, 128, 8, 3), ("final", None, 128, 8, 2), ("pairs", None, 128, 8, 3),
-                            ("pairs", None, 64, 8, 3),
+                            ("pairs", None, 64, 8, 3), ("final", None, 128, 8, 1), ("final", None, 128, 16, 1),
+                            ("final", None, 128, 16, 2), ("final", None, 128, 4, 3), ("final", None, 64, 8, 2),
+                            ("final", None, 64, 4, 3),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
             for kind, block, bw, warps, stages in bar_variants[:2] if small else bar_variants:

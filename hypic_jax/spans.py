@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -703,7 +703,7 @@ def linear_over_spans(
 
     incoming_rows = None  # per fresh span its row of `prefix` (-1: zero state); None: every span starts at zero
     prefix = None
-    reuse = None  # (length group, its SpanChunks) when the seam fold already ran that group's chunk-local pass
+    reuse = None  # a _SeamPass when the seam fold already ran a length group's chunk-local pass
     if not layout.isolated and len(layout.spans) > 1:
         scan = _scan_groups(layout)
         last = len(layout.spans) - 1
@@ -720,12 +720,12 @@ def linear_over_spans(
 
     outs, finals_by_group = [], []
     for g, rows in enumerate(groups):
-        if reuse is not None and reuse[0] == g and reuse[2] is not None:  # the seam fold's own outputs
-            o = jnp.moveaxis(reuse[2], -2, 1) * padded[g].scale  # [rows, H, Lp, V] -> [rows, Lp, H, V]
+        if reuse is not None and reuse.group == g and reuse.outputs is not None:  # the seam fold's own outputs
+            o = jnp.moveaxis(reuse.outputs, -2, 1) * padded[g].scale  # [rows, H, Lp, V] -> [rows, Lp, H, V]
             o, f = o.astype(padded[g].v.dtype), None  # no final state of these spans is read (see _seam_fold)
-        elif reuse is not None and reuse[0] == g:  # outputs from the seam fold's chunk-local pass, no second one
+        elif reuse is not None and reuse.group == g:  # outputs from the seam fold's chunk-local pass, no second one
             start = prefix.rows([incoming_rows[i] for i in rows])
-            o, f = jax.vmap(lambda one, chunk, s0: one.span_chunk_outputs(chunk, s0))(padded[g], reuse[1], start)
+            o, f = jax.vmap(lambda one, chunk, s0: one.span_chunk_outputs(chunk, s0))(padded[g], reuse.chunks, start)
         elif incoming_rows is None or all(incoming_rows[i] == -1 for i in rows):
             o, f = jax.vmap(lambda one: one.chunked(chunk_size=chunks[g]))(padded[g])
         else:
@@ -796,9 +796,8 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
     """The PIC request's regular case on the Pallas fold: every group is one fresh span that fits one chunk, then
     one cached interior with a dense transfer. The fresh spans enter the fold as chunk steps
     (`pallas.compose.span_fold_pallas`), so no group pair is formed. Returns None when the layout is not of this
-    shape (the general path composes the groups), else (states after the groups, (length group, its spans'
-    `linear_attn.SpanChunk`s, the seams' unscaled outputs or None)): one chunk-local pass over the seams' length
-    group serves the fold and the seams' outputs. When the fold's seams are that whole length group and none of
+    shape (the general path composes the groups), else (states after the groups, a `_SeamPass`): one chunk-local
+    pass over the seams' length group serves the fold and the seams' outputs. When the fold's seams are that whole length group and none of
     them is the last span or recorded (the PIC request), the fold computes their outputs itself from the state each
     starts from (`span_fold_pallas(q_decayed=, scores=)`), and no incoming state is written or read back."""
     spans_ = layout.spans
@@ -839,10 +838,20 @@ def _seam_fold(cached, layout, mode, needed, padded, groups, chunks, where, fres
         q_decayed, scores = _select(tuple(span_chunks[4:6]), rows)
         outs, final = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots, config=config,
                                                       interpret=not on_gpu, q_decayed=q_decayed, scores=scores)
-        return _FoldStates(None, final, len(needed)), (group, span_chunks, outs)
+        return _FoldStates(None, final, len(needed)), _SeamPass(group, span_chunks, outs)
     before, final = pallas_compose.span_fold_pallas(w, u, k_to_end, decay, transfers, states, slots, config=config,
                                                     interpret=not on_gpu, incoming=True)
-    return _FoldStates(before, final, len(needed)), (group, span_chunks, None)
+    return _FoldStates(before, final, len(needed)), _SeamPass(group, span_chunks, None)
+
+
+class _SeamPass(NamedTuple):
+    """What the seam fold leaves for the seams' outputs: their length group, its spans' `linear_attn.SpanChunk`s,
+    and the outputs the fold computed itself ([rows, H, Lp, V] unscaled), or None when they are still to be read
+    from the incoming states."""
+
+    group: int
+    chunks: Any
+    outputs: Array | None
 
 
 class _GroupStates(NamedTuple):

@@ -206,14 +206,10 @@ def gmm(
     if interpret is None:
         interpret = default_interpret()
     gather = rows is not None
-    source_rows = x.shape[0]
-    if gather:
-        if rows.ndim != 1:
-            raise ValueError(f"gmm rows must be a vector of source rows, got shape {rows.shape}")
-        x_rows = x
-        rows = rows.astype(jnp.int32)
-        x = jax.ShapeDtypeStruct((rows.shape[0], x.shape[1]), x.dtype)  # the padded operand, for the checks below
-    rows_total, k_dim = x.shape
+    if gather and rows.ndim != 1:
+        raise ValueError(f"gmm rows must be a vector of source rows, got shape {rows.shape}")
+    rows_total = rows.shape[0] if gather else x.shape[0]  # padded rows
+    k_dim = x.shape[1]
     num_experts, k_w, n_dim = weights.shape
     if swiglu:
         if n_dim % 2:
@@ -225,8 +221,8 @@ def gmm(
     num_warps, num_stages = config.num_warps, config.num_stages
     if k_w != k_dim or rows_total != num_blocks * block_m or n_dim % block_n or k_dim % block_k:
         raise ValueError(
-            f"gmm shapes: x {x.shape}, weights {weights.shape}, {num_blocks} blocks, block_n {block_n}, "
-            f"block_k {block_k}"
+            f"gmm shapes: x {x.shape} ({rows_total} padded rows), weights {weights.shape}, {num_blocks} blocks, "
+            f"block_n {block_n}, block_k {block_k}"
         )
     kernel = functools.partial(_gmm_kernel, block_k=block_k, num_k=k_dim // block_k, gather=gather, swiglu=swiglu)
     n_blocks = n_dim // block_n
@@ -234,9 +230,8 @@ def gmm(
     if swiglu:  # the up tile is the gate tile's partner n_blocks column blocks further on
         w_specs.append(pl.BlockSpec((num_experts, k_dim, block_n), lambda i, j: (0, 0, j + n_blocks)))
     if gather:
-        x_specs = [pl.BlockSpec((block_m,), lambda i, j: (i,)),
-                   pl.BlockSpec((source_rows, k_dim), lambda i, j: (0, 0))]
-        x_args = [rows, x_rows]
+        x_specs = [pl.BlockSpec((block_m,), lambda i, j: (i,)), pl.BlockSpec(x.shape, lambda i, j: (0, 0))]
+        x_args = [rows.astype(jnp.int32), x]
     else:
         x_specs, x_args = [pl.BlockSpec((block_m, k_dim), lambda i, j: (i, 0))], [x]
     return pl.pallas_call(
