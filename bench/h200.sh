@@ -5,7 +5,8 @@
 #                                # times), the same prefill through transformers (needs the fla wheels in .whl/)
 #   bash bench/h200.sh pic       # TTFT of every PIC mode, 64 x 512 + 64 tokens, warm cache
 #   bash bench/h200.sh kernels   # fla side by side (needs its wheels in .whl/) + every Pallas variant
-#                                # (ALL_SECTIONS="varlen decode" picks run_all's sections)
+#                                # (ALL_SECTIONS="varlen decode" picks run_all's sections; FLA_TIMEOUT and
+#                                # KERNEL_TIMEOUT bound the two processes)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
 #   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
 #   bash bench/h200.sh tune      # the request's GPU kernels alone with launch variants, then trr + full, traced
@@ -133,10 +134,10 @@ case "${1:-}" in
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=.:/tmp/site
-      timeout 120 python3 bench/kernels.py --fla-only --out "$OUT" --lengths 32768
+      timeout "${FLA_TIMEOUT:-120}" python3 bench/kernels.py --fla-only --out "$OUT" --lengths 32768
     fi
-    timeout 450 python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --budget-s 420 \
-      ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
+    timeout "${KERNEL_TIMEOUT:-450}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
+      --budget-s "$(( ${KERNEL_TIMEOUT:-450} - 30 ))" ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
     ;;
   focus)
     # the compose fold variants (block_w 128 reads each T once), the GDN per-kernel breakdown, slow-gate T check

@@ -37,7 +37,7 @@ HEADS, KEY_HEADS, DIM = 32, 16, 128
 PEAK_TFLOPS_BF16 = 793.0  # measured on this H200 (ENVIRONMENT.md): bf16 8192^3 matmul
 PEAK_TBS = 4.19  # measured elementwise pass, bytes read + written
 COMPOSE = (64, 30, 512)  # segments, layers, tokens per segment
-ALL_SECTIONS = ("gdn", "locals", "per-key", "varlen", "decode")  # run_all's sections, in run order
+ALL_SECTIONS = ("gdn", "locals", "per-key", "varlen", "decode", "steps")  # run_all's sections, in run order
 INTERPRET = False  # --smoke: tiny shapes through the Pallas interpreter (CPU check of this script)
 
 
@@ -92,14 +92,14 @@ def run_fla(out_dir, lengths):
             cases["fla chunk_kda"] = lambda: chunk_kda(q, k, v, gk, beta, scale=DIM**-0.5, output_final_state=True)
         except Exception as e:  # noqa: BLE001
             log(path, dict(impl="fla chunk_kda", error=repr(e)[:300]))
+        cases["fla chunk_gated_delta_rule varlen"] = lambda: chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, scale=DIM**-0.5, output_final_state=True, cu_seqlens=cu)
         try:
             from fla.ops.gla import chunk_gla
 
             cases["fla chunk_gla"] = lambda: chunk_gla(q, k, v, gk, scale=DIM**-0.5, output_final_state=True)
         except Exception as e:  # noqa: BLE001
             log(path, dict(impl="fla chunk_gla", error=repr(e)[:300]))
-        cases["fla chunk_gated_delta_rule varlen"] = lambda: chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, scale=DIM**-0.5, output_final_state=True, cu_seqlens=cu)
         for name, fn in cases.items():
             try:
                 ms = do_bench(fn, warmup=50, rep=200, return_mode="median")
@@ -578,6 +578,8 @@ def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
         _all_varlen(record, length, scale, b16)
     if "decode" in sections:
         _all_decode(record, scale)
+    if "steps" in sections:
+        _all_steps(record, length, *gdn_inputs(length), scale, b16, up, rep)
     log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
     _all_table(rows, fla, length)
 
@@ -718,6 +720,75 @@ def _all_decode(record, scale):
                     q, k, v, s, scale=scale, config=dec.DecodeConfig(block_v=bv), interpret=INTERPRET,
                     **dict(zip(names, gs)))))
                 record(f"decode B={batch}", f"pallas {family} bv{bv}", fn, args, ref, tokens=batch, nbytes=nbytes)
+
+
+def step_variants():
+    """run_all 6: the state pass's chunk step ("wy" against "transfer", `GDNConfig.step`) with the solves and
+    launches it pairs with; name -> (config, emit (T, S)). Priority order: a run cut by its budget drops the last."""
+    from hypic_jax.pallas.gdn import GDNConfig
+
+    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
+    return {
+        "wy tile c32 bv32 s3 (default)": (C(), False),
+        "transfer tile c32 bv32 s3": (C(step="transfer"), False),
+        "transfer tile c32 bv32 s3 lw4": (C(step="transfer", locals_warps=4), False),
+        "transfer doubling c64 sub32 bv32 s3 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
+                                                      locals_warps=4), False),
+        "transfer doubling c64 sub32 bv32 s3 lw2": (C(step="transfer", chunk=64, solve="doubling", sub=32), False),
+        "transfer doubling c64 sub32 bv32 s2 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
+                                                      locals_warps=4, state_stages=2), False),
+        "transfer doubling c64 sub32 bv64 s3 w8 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
+                                                         block_v=64, state_warps=8, locals_warps=4), False),
+        "transfer doubling c64 sub32 bv64 s3 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
+                                                      block_v=64, locals_warps=4), False),
+        "transfer tile c64 bv32 s3 lw4": (C(step="transfer", chunk=64, solve="tile", locals_warps=4), False),
+        "transfer doubling c64 sub16 bv32 s3 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=16,
+                                                      locals_warps=4), False),
+        "wy doubling c64 sub32 bv32 s3": (C(chunk=64, solve="doubling", sub=32), False),
+        "wy doubling c64 sub32 bv32 s3 lw4": (C(chunk=64, solve="doubling", sub=32, locals_warps=4), False),
+        "transfer tile c32 bv32 s3 +TS": (C(step="transfer"), True),
+        "transfer doubling c64 sub32 bv32 s3 lw4 +TS": (C(step="transfer", chunk=64, solve="doubling", sub=32,
+                                                          locals_warps=4), True),
+        "wy tile c32 bv32 s3 (default) +TS": (C(), True),
+        "transfer doubling c64 sub32 bv32 s3 w8 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
+                                                         state_warps=8, locals_warps=4), False),
+        "transfer doubling c128 sub32 bv32 s1 lw8": (C(step="transfer", chunk=128, solve="doubling", sub=32,
+                                                       locals_warps=8, state_stages=1), False),
+    }
+
+
+def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):
+    """run_all 6: the GDN forward at each `step_variants` entry (errors vs the float32 core), then the chunk-local
+    kernel and the state pass alone for the first few, for the per-kernel split."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import gdn
+    ref_o, ref_s = jax.jit(lambda q, k, v, g, b: la.chunked(rep(q), rep(k), up(v), g=g, beta=b, scale=scale))(
+        q, k, v, g, beta)
+    ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
+    variants_ = step_variants()
+    for name, (cfg, emit) in variants_.items():
+        fn = jax.jit(lambda q, k, v, g, b, cfg=cfg, emit=emit: gdn.gdn_forward(
+            q, k, v, g=g, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
+        record("steps", name, fn, (q, k, v, g, beta), ref, fla_name="fla chunk_gated_delta_rule")
+    del ref_o, ref_s
+    split = ("wy tile c32 bv32 s3 (default)", "transfer tile c32 bv32 s3", "transfer doubling c64 sub32 bv32 s3 lw4",
+             "wy doubling c64 sub32 bv32 s3")
+    for name in split:
+        cfg = variants_[name][0].resolved(jnp.bfloat16)
+        locals_fn = jax.jit(lambda q, k, v, g, b, cfg=cfg: gdn._locals(q, k, v, g, None, b, scale=scale, config=cfg,
+                                                                       interpret=INTERPRET))
+        record("steps", f"locals only: {name}", locals_fn, (q, k, v, g, beta))
+        loc = locals_fn(q, k, v, g, beta)
+        init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
+        state_fn = jax.jit(lambda loc, k, init, cfg=cfg: gdn._state_pass(
+            *loc.state_args(k), init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale,
+            config=cfg, interpret=INTERPRET, transfer=loc.transfer))
+        record("steps", f"state pass only: {name}", state_fn, (loc, k, init))
+        del loc
 
 
 def _all_table(rows, fla, length):

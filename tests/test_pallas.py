@@ -401,13 +401,14 @@ def test_kernels_lower_to_triton():
         assert "xla.gpu.triton" in text
     per_key = sd((length, 32, dim), jnp.float32)
     lowered = []
-    for solve in ("doubling", "tile"):  # the default ("rows") is lowered above
-        config = GDNConfig(solve=solve)
+    transfer_configs = (GDNConfig(step="transfer"), GDNConfig(step="transfer", chunk=64, solve="doubling", sub=32))
+    for config in (GDNConfig(solve="doubling"), GDNConfig(solve="rows", chunk=64)) + transfer_configs:
         lowered.append((lambda q, k, v, g, b, c=config: _forward(q, k, v, g, b, None, scale=0.1, config=c,
                                                                  emit_summary=False, interpret=False), args[:5]))
-    kda = lambda q, k, v, gk, b: _forward(q, k, v, None, b, None, gk, scale=0.1, config=GDNConfig(),  # noqa: E731
-                                          emit_summary=True, interpret=False)
-    lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))
+    for config in (GDNConfig(), GDNConfig(step="transfer", solve="doubling")):
+        kda = lambda q, k, v, gk, b, c=config: _forward(q, k, v, None, b, None, gk, scale=0.1,  # noqa: E731
+                                                        config=c, emit_summary=True, interpret=False)
+        lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))
     cu = sd((6,), jnp.int32)  # 5 segments: the slot-indexed final states need no power-of-two count
     varlen = lambda q, k, v, cu, g, b: gdn._varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731
                                                    config=GDNConfig(), emit_summary=True, interpret=False)
