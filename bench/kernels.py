@@ -723,72 +723,79 @@ def _all_decode(record, scale):
 
 
 def step_variants():
-    """run_all 6: the state pass's chunk step ("wy" against "transfer", `GDNConfig.step`) with the solves and
-    launches it pairs with; name -> (config, emit (T, S)). Priority order: a run cut by its budget drops the last."""
+    """run_all 6: launches of the state pass and chunk-local kernel around the default (chunk 32, tile solve) and at
+    chunk 64 with 32 x 32 diagonal blocks (`GDNConfig.sub`); name -> (config, emit (T, S), per-key gates).
+    Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
+    c64 = dict(chunk=64, solve="doubling", sub=32)
     return {
-        "wy tile c32 bv32 s3 (default)": (C(), False),
-        "transfer tile c32 bv32 s3": (C(step="transfer"), False),
-        "transfer tile c32 bv32 s3 lw4": (C(step="transfer", locals_warps=4), False),
-        "transfer doubling c64 sub32 bv32 s3 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
-                                                      locals_warps=4), False),
-        "transfer doubling c64 sub32 bv32 s3 lw2": (C(step="transfer", chunk=64, solve="doubling", sub=32), False),
-        "transfer doubling c64 sub32 bv32 s2 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
-                                                      locals_warps=4, state_stages=2), False),
-        "transfer doubling c64 sub32 bv64 s3 w8 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
-                                                         block_v=64, state_warps=8, locals_warps=4), False),
-        "transfer doubling c64 sub32 bv64 s3 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
-                                                      block_v=64, locals_warps=4), False),
-        "transfer tile c64 bv32 s3 lw4": (C(step="transfer", chunk=64, solve="tile", locals_warps=4), False),
-        "transfer doubling c64 sub16 bv32 s3 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=16,
-                                                      locals_warps=4), False),
-        "wy doubling c64 sub32 bv32 s3": (C(chunk=64, solve="doubling", sub=32), False),
-        "wy doubling c64 sub32 bv32 s3 lw4": (C(chunk=64, solve="doubling", sub=32, locals_warps=4), False),
-        "transfer tile c32 bv32 s3 +TS": (C(step="transfer"), True),
-        "transfer doubling c64 sub32 bv32 s3 lw4 +TS": (C(step="transfer", chunk=64, solve="doubling", sub=32,
-                                                          locals_warps=4), True),
-        "wy tile c32 bv32 s3 (default) +TS": (C(), True),
-        "transfer doubling c64 sub32 bv32 s3 w8 lw4": (C(step="transfer", chunk=64, solve="doubling", sub=32,
-                                                         state_warps=8, locals_warps=4), False),
-        "transfer doubling c128 sub32 bv32 s1 lw8": (C(step="transfer", chunk=128, solve="doubling", sub=32,
-                                                       locals_warps=8, state_stages=1), False),
+        "tile c32 bv32 s3 (default)": (C(), False, False),
+        "doubling c64 sub32 lw4": (C(**c64, locals_warps=4), False, False),
+        "doubling c64 sub32 lw8": (C(**c64, locals_warps=8), False, False),
+        "doubling c64 sub32 lw4 sw8": (C(**c64, locals_warps=4, state_warps=8), False, False),
+        "doubling c64 sub32 lw4 bv64 sw8": (C(**c64, locals_warps=4, block_v=64, state_warps=8), False, False),
+        "doubling c64 sub32 lw4 s2": (C(**c64, locals_warps=4, state_stages=2), False, False),
+        "tile c64 lw4": (C(chunk=64, solve="tile", locals_warps=4), False, False),
+        "rows c64 lw4": (C(chunk=64, solve="rows", locals_warps=4), False, False),
+        "tile c32 lw4": (C(locals_warps=4), False, False),
+        "tile c32 bv16": (C(block_v=16), False, False),
+        "tile c32 (default) +TS": (C(), True, False),
+        "doubling c64 sub32 lw4 +TS": (C(**c64, locals_warps=4), True, False),
+        "P2 doubling c64 sub32 lw4": (C(**c64, locals_warps=4, pieces=2), False, False),
+        "KDA doubling c32 (default)": (C(chunk=32, solve="doubling"), False, True),
+        "KDA doubling c32 sub32": (C(chunk=32, solve="doubling", sub=32), False, True),
+        "KDA doubling c32 sub32 lw4": (C(chunk=32, solve="doubling", sub=32, locals_warps=4), False, True),
+        "KDA doubling c16": (C(chunk=16, solve="doubling"), False, True),
+        "KDA doubling c64 sub32 lw4": (C(**c64, locals_warps=4), False, True),
     }
 
 
+SPLIT = ("tile c32 bv32 s3 (default)", "doubling c64 sub32 lw4", "KDA doubling c32 (default)",
+         "KDA doubling c32 sub32")
+
+
 def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):
-    """run_all 6: the GDN forward at each `step_variants` entry (errors vs the float32 core), then the chunk-local
-    kernel and the state pass alone for the first few, for the per-kernel split."""
+    """run_all 6: the GDN (and KDA) forward at each `step_variants` entry, errors vs the float32 core, then the
+    chunk-local kernel and the state pass alone for `SPLIT`: where the time goes."""
     import jax
     import jax.numpy as jnp
 
     from hypic_jax import linear_attn as la
     from hypic_jax.pallas import gdn
-    ref_o, ref_s = jax.jit(lambda q, k, v, g, b: la.chunked(rep(q), rep(k), up(v), g=g, beta=b, scale=scale))(
-        q, k, v, g, beta)
-    ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
+    group = HEADS // KEY_HEADS
+    gk = -jax.random.uniform(jax.random.PRNGKey(3), (length, HEADS, DIM), jnp.float32) * 0.1
+    qk, kk = jnp.repeat(q, group, 1), jnp.repeat(k, group, 1)  # KDA: q/k at 32 heads, as in Kimi-Linear
+    refs = {}
     variants_ = step_variants()
-    for name, (cfg, emit) in variants_.items():
-        fn = jax.jit(lambda q, k, v, g, b, cfg=cfg, emit=emit: gdn.gdn_forward(
-            q, k, v, g=g, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
-        record("steps", name, fn, (q, k, v, g, beta), ref, fla_name="fla chunk_gated_delta_rule")
-    del ref_o, ref_s
-    split = ("wy tile c32 bv32 s3 (default)", "transfer tile c32 bv32 s3", "transfer doubling c64 sub32 bv32 s3 lw4",
-             "wy doubling c64 sub32 bv32 s3")
-    for name in split:
-        cfg = variants_[name][0].resolved(jnp.bfloat16)
-        locals_fn = jax.jit(lambda q, k, v, g, b, cfg=cfg: gdn._locals(q, k, v, g, None, b, scale=scale, config=cfg,
-                                                                       interpret=INTERPRET))
-        record("steps", f"locals only: {name}", locals_fn, (q, k, v, g, beta))
-        loc = locals_fn(q, k, v, g, beta)
+    for name, (cfg, emit, per_key) in variants_.items():
+        if per_key not in refs:
+            args = (qk, kk, v, None, gk, beta) if per_key else (q, k, v, g, None, beta)
+            ro, rs = jax.jit(lambda q, k, v, g, gk, b: la.chunked(rep(q) if q.shape[1] != HEADS else up(q),
+                                                                  rep(k) if k.shape[1] != HEADS else up(k), up(v),
+                                                                  g=g, gk=gk, beta=b, scale=scale))(*args)
+            refs[per_key] = (args, {"o": (lambda r: r[0], ro), "state": (lambda r: r[1], rs)})
+        args, ref = refs[per_key]
+        fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg, emit=emit: gdn.gdn_forward(
+            q, k, v, g=g, gk=gk, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
+        record("steps", name, fn, args, ref, fla_name="fla chunk_kda" if per_key else "fla chunk_gated_delta_rule")
+    refs.clear()
+    for name in SPLIT:
+        cfg, _, per_key = variants_[name]
+        cfg = cfg.resolved(jnp.bfloat16)
+        args = (qk, kk, v, None, gk, beta) if per_key else (q, k, v, g, None, beta)
+        locals_fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: gdn._locals(q, k, v, g, gk, b, scale=scale,
+                                                                           config=cfg, interpret=INTERPRET))
+        record("steps", f"locals only: {name}", locals_fn, args)
+        b, p, w, u = locals_fn(*args)
         init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
-        state_fn = jax.jit(lambda loc, k, init, cfg=cfg: gdn._state_pass(
-            *loc.state_args(k), init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale,
-            config=cfg, interpret=INTERPRET, transfer=loc.transfer))
-        record("steps", f"state pass only: {name}", state_fn, (loc, k, init))
-        del loc
+        state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
+            w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale,
+            config=cfg, interpret=INTERPRET))
+        record("steps", f"state pass only: {name}", state_fn, (w, u, args[1], b, args[0], p, init))
+        del b, p, w, u
 
 
 def _all_table(rows, fla, length):

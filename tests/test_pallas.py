@@ -8,10 +8,14 @@ kernel to Triton IR for the GPU (no GPU needed) so that CPU CI also catches cons
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hypic_jax import linear_attn as la
 from hypic_jax.pallas import attention as pattn
@@ -299,6 +303,42 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Property test over families, chunk sizes, solves, sub-blocks, splits and lengths.
+
+
+@settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
+       chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
+       sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), length=st.integers(1, 90),
+       with_init=st.booleans(), seed=st.integers(0, 2**16))
+def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, length, with_init, seed):
+    """Outputs, final state and the emitted summary against the token-by-token recurrence and
+    `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits and lengths
+    (odd ones and ones shorter than a chunk included)."""
+    delta = family not in ("gla", "decay")
+    q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
+                              delta=delta)
+    gk = per_key_gates(length, 2, 16, seed=seed + 1, strength=2.0) if family in ("kda", "kda+g", "gla") else None
+    rng = np.random.default_rng(seed + 2)
+    init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
+    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16)
+    o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
+                                emit_summary=True, interpret=True)
+    ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
+                                scale=0.5)
+    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    ref_sum = la.summarize(k.repeat(2, 1), v, g=g, gk=gk, beta=beta, chunk_size=16)
+    assert summary.form == ref_sum.form
+    assert rel(summary.transfer, ref_sum.transfer) < TOL32 and rel(summary.state, ref_sum.state) < TOL32
+
+
+def test_config_refuses_bad_sub():
+    with pytest.raises(ValueError, match="sub"):
+        GDNConfig(sub=8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Per-key (diagonal) decays: KDA (gk and beta), GLA (gk only).
 
 
@@ -401,11 +441,11 @@ def test_kernels_lower_to_triton():
         assert "xla.gpu.triton" in text
     per_key = sd((length, 32, dim), jnp.float32)
     lowered = []
-    transfer_configs = (GDNConfig(step="transfer"), GDNConfig(step="transfer", chunk=64, solve="doubling", sub=32))
-    for config in (GDNConfig(solve="doubling"), GDNConfig(solve="rows", chunk=64)) + transfer_configs:
+    for config in (GDNConfig(solve="doubling"), GDNConfig(solve="rows", chunk=64),
+                   GDNConfig(chunk=64, solve="doubling", sub=32)):
         lowered.append((lambda q, k, v, g, b, c=config: _forward(q, k, v, g, b, None, scale=0.1, config=c,
                                                                  emit_summary=False, interpret=False), args[:5]))
-    for config in (GDNConfig(), GDNConfig(step="transfer", solve="doubling")):
+    for config in (GDNConfig(), GDNConfig(solve="doubling", sub=32)):
         kda = lambda q, k, v, gk, b, c=config: _forward(q, k, v, None, b, None, gk, scale=0.1,  # noqa: E731
                                                         config=c, emit_summary=True, interpret=False)
         lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))

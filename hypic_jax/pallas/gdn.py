@@ -93,7 +93,6 @@ __all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "defaul
 
 _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
 _SOLVES = ("rows", "doubling", "tile")
-_STEPS = ("wy", "transfer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +107,8 @@ class GDNConfig:
     pieces: sequence pieces summarised in parallel (the transfer-operator split); 1 runs a single direct pass.
     inter_dtype: dtype of W, U, P between the launches ("bfloat16" | "float32" | None = bfloat16 iff the inputs are).
     solve: how the chunk-local (I + M)^-1 is built: "rows", "doubling" or "tile" (module docstring).
-    sub: diagonal block edge of the "rows" and "doubling" solves (16, 32 or 64, at most the chunk): larger blocks
+    sub: diagonal block edge of the "rows" and "doubling" solves (16, 32 or 64; at most the chunk): larger blocks
       mean fewer, larger dots in the block substitution and a deeper diagonal inverse.
-    step: the chunk step of the state pass (delta rules only; decay-only families always run "wy"):
-      "wy"        two products on the sequential chain, W S and then Khat^T (U - W S), from W, U, P stored by the
-                  chunk-local kernel;
-      "transfer"  the chunk-local kernel also forms each chunk's transfer operator A = Diag(e^{b_c}) - Khat^T W
-                  [K, K] and the folded queries Q' = scale Q e^b - P W, and stores them instead of W; the state
-                  pass then runs S <- A S + Khat^T U (one product on the chain, the other off it) and reads its
-                  outputs o = Q' S + P U off the chain as well (module docstring).
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -139,7 +131,6 @@ class GDNConfig:
     inter_dtype: str | None = None
     solve: str = "tile"
     sub: int = 16
-    step: str = "wy"
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -159,8 +150,6 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
-        if self.step not in _STEPS:
-            raise ValueError(f"step must be one of {_STEPS}, got {self.step!r}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
             if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
@@ -322,44 +311,26 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, transfer):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
-    (float32); outputs p [c, c], w [c, K], u [c, V], or with `transfer` p, a [K, K], qw [c, K], u (the chunk's
-    transfer operator and folded queries in place of W, see `GDNConfig.step`). Every exponent is a difference
-    b_t - b_j with t >= j (or split at a reference token between them), so <= 0 for decaying gates.
+    (float32); outputs p [c, c], w [c, K], u [c, V]. Every exponent is a difference b_t - b_j with t >= j (or
+    split at a reference token between them), so <= 0 for decaying gates.
     """
-    if delta and transfer:
-        q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, a_ref, qw_ref, u_ref = refs
-    elif delta:
+    if delta:
         q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
     else:
         q_ref, k_ref, b_ref, p_ref = refs
     c = chunk
     nb = c // sub
-    tile = solve == "tile" and not per_key
-    p_blocks = {}  # [sub, sub] blocks of P (j <= i), kept for the folded queries of the blockwise solves
-    if per_key or (transfer and delta and not tile):  # scores by blocks (zeros above the diagonal)
-        srows, scols = _iotas(sub)
+    if per_key:  # scores by 16 x 16 blocks (zeros above the diagonal)
         for i in range(nb):
             for j in range(nb):
-                if j > i:
-                    blk = jnp.zeros((sub, sub), jnp.float32)
-                elif per_key:
+                if j <= i:
                     blk = scale * _pair_block_per_key(q_ref, k_ref, b_ref, i, j, sub, False, prec)
                 else:
-                    b_i, b_j = b_ref[pl.ds(i * sub, sub)], b_ref[pl.ds(j * sub, sub)]
-                    d = b_i[:, None] - b_j[None, :]
-                    if i == j:
-                        keep = srows >= scols
-                        d = jnp.where(keep, d, 0.0)
-                    qk = _dot(q_ref[pl.ds(i * sub, sub), :], k_ref[pl.ds(j * sub, sub), :], prec, trans_b=True)
-                    blk = scale * qk * jnp.exp(d)
-                    if i == j:
-                        blk = jnp.where(keep, blk, 0.0)
-                if j <= i:
-                    p_blocks[i, j] = blk
+                    blk = jnp.zeros((sub, sub), jnp.float32)
                 p_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = blk.astype(p_ref.dtype)
     else:  # scores against the full chunk (one [c, K] x [K, c] dot)
         b_all = b_ref[...]
@@ -367,50 +338,18 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
         scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
-        p_full = scale * scores
-        p_ref[...] = p_full.astype(p_ref.dtype)
+        p_ref[...] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
 
-    def transfer_parts(rows_of, w_blocks):
-        """A = Diag(e^{b_c}) - Khat^T W and Q' = scale Q e^b - P W from W by row blocks (`rows_of(i)` = the
-        pl.ds of block i; w_blocks[i] its [rows, K] rows of W)."""
-        key_dim = k_ref.shape[-1]
-        if per_key:
-            b_last = b_ref[pl.ds(c - 1, 1), :]  # [1, K]
-        else:
-            b_last = b_ref[pl.ds(c - 1, 1)]  # [1]
-        krows, kcols = _iotas(key_dim)
-        decay_diag = jnp.exp(b_last) if per_key else jnp.exp(b_last)[:, None]
-        a = jnp.where(krows == kcols, decay_diag, 0.0)
-        for i, w_i in enumerate(w_blocks):
-            blk = rows_of(i)
-            k_i = k_ref[blk, :].astype(jnp.float32)
-            b_i = b_ref[blk, :] if per_key else b_ref[blk]
-            to_end = jnp.exp(b_last - b_i) if per_key else jnp.exp(b_last - b_i)[:, None]
-            a = a - _dot(k_i * to_end, w_i, prec, trans_a=True)
-            decay = jnp.exp(b_i) if per_key else jnp.exp(b_i)[:, None]
-            qd = scale * decay * q_ref[blk, :].astype(jnp.float32)
-            if p_blocks:
-                for j in range(i + 1):
-                    qd = qd - _dot(p_blocks[i, j], w_blocks[j], prec)
-            else:  # the tile solve: one row block, P as one tile
-                qd = qd - _dot(p_full, w_i, prec)
-            qw_ref[blk, :] = qd.astype(qw_ref.dtype)
-        a_ref[...] = a.astype(a_ref.dtype)
-
-    if tile:  # the whole [c, c] inverse by doubling, then W, U as one dot each
+    if solve == "tile" and not per_key:  # the whole [c, c] inverse by doubling, then W, U as one dot each
         k_all, beta_all = k_ref[...], beta_ref[...]
         strict = rows > cols
         kk = _dot(k_all, k_all, prec, trans_b=True)
         m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
         x = _inverse_doubling(m, solve_prec)
         rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
-        w = _dot(x, rhs_k, prec)
-        if transfer:
-            transfer_parts(lambda i: pl.ds(0, c), [w])
-        else:
-            w_ref[...] = w.astype(w_ref.dtype)
+        w_ref[...] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
         u_ref[...] = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec).astype(u_ref.dtype)
         return
 
@@ -453,7 +392,6 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
                 acc = acc + _dot(m[i, mid], x[mid, j], prec)
             x[i, j] = -_dot(x[i, i], acc, prec)
 
-    w_blocks = []
     for i in range(nb):
         w_i = _dot(x[i, 0], rhs_k[0], prec)
         u_i = _dot(x[i, 0], rhs_v[0], prec)
@@ -461,21 +399,15 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
             w_i = w_i + _dot(x[i, j], rhs_k[j], prec)
             u_i = u_i + _dot(x[i, j], rhs_v[j], prec)
         blk = pl.ds(i * sub, sub)
-        if transfer:
-            w_blocks.append(w_i)
-        else:
-            w_ref[blk, :] = w_i.astype(w_ref.dtype)
+        w_ref[blk, :] = w_i.astype(w_ref.dtype)
         u_ref[blk, :] = u_i.astype(u_ref.dtype)
-    if transfer:
-        transfer_parts(lambda i: pl.ds(i * sub, sub), w_blocks)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Kernel 2: the state pass over the chunks of one piece (parallel over state column blocks, heads and pieces).
 
 
-def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  transfer):
+def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K]; with `segments` the int32 tables start
@@ -483,8 +415,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     chunk, else -1); init [K, BV]; outputs o [Lp, BV], final [K, BV] (or [N, K, BV] slots with segments). Column
     blocks j >= value_blocks are identity-widened columns (their values are zero) and write no outputs.
     The output read o = (scale Q e^b) S + P (U - W S) is fused into the same step, so per-chunk states never
-    leave registers. With `transfer` the first ref is the chunks' transfer operators a [Nc_p, K, K] and q holds the
-    folded queries Q' [Lp, K]: S <- A S + Khat^T U and o = Q' S + P U (`GDNConfig.step`).
+    leave registers.
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -507,16 +438,16 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         u = u_ref[rows, :].astype(jnp.float32)
         if value_blocks is not None:
             u = jnp.where(is_value, u, 0.0)
-        if delta and not transfer:
+        if delta:
             u = u - _dot(w_ref[rows, :], state, prec)
-        decay = jnp.exp(b) if per_key else jnp.exp(b)[:, None]
         if outputs:
 
             def write():
-                if transfer:
-                    o = _dot(q_ref[rows, :], state, prec)
-                else:
-                    o = _dot(q_ref[rows, :].astype(jnp.float32) * (scale * decay), state, prec)
+                if per_key:
+                    qd = q_ref[rows, :].astype(jnp.float32) * (scale * jnp.exp(b))
+                    o = _dot(qd, state, prec)
+                else:  # a row scale commutes with the product: scale the [c, BV] result, not the [c, K] queries
+                    o = _dot(q_ref[rows, :], state, prec) * (scale * jnp.exp(b))[:, None]
                 o = o + _dot(p_ref[rows, :], u, prec)
                 o_ref[rows, :] = o.astype(o_ref.dtype)
 
@@ -525,13 +456,11 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
             else:
                 pl.when(is_value)(write)
         b_last = _last_row(b)  # [K] or a scalar
-        to_end = jnp.exp(b_last - b) if per_key else jnp.exp(b_last - b)[:, None]
-        k_hat = k.astype(jnp.float32) * to_end
-        if transfer:
-            carry = _dot(w_ref[n], state, prec)
-        else:
-            carry = (jnp.exp(b_last)[:, None] if per_key else jnp.exp(b_last)) * state
-        state = carry + _dot(k_hat, u, prec, trans_a=True)
+        if per_key:
+            k_hat = k.astype(jnp.float32) * jnp.exp(b_last - b)
+            state = jnp.exp(b_last)[:, None] * state + _dot(k_hat, u, prec, trans_a=True)
+        else:  # Khat^T U = K^T (Diag(e^{b_c - b}) U): the decay scales the [c, BV] values, not the [c, K] keys
+            state = jnp.exp(b_last) * state + _dot(k, u * jnp.exp(b_last - b)[:, None], prec, trans_a=True)
         if segments:
             slot = slot_ref[n]
 
@@ -568,28 +497,21 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
-    transfer = delta and config.step == "transfer"
     if delta:
         value_dim = v.shape[-1]
         in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
                     beta_spec]
         args = (q, k, v, b, beta)
-        rows_k = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
-        rows_k_shape = jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)
-        out_specs, out_shape = [p_spec], [p_shape]
-        if transfer:  # a [Nc, H, K, K], then the folded queries in W's place
-            out_specs.append(pl.BlockSpec((None, None, key_dim, key_dim), lambda n, h: (n, h, 0, 0)))
-            out_shape.append(jax.ShapeDtypeStruct((num_chunks, heads, key_dim, key_dim), inter_dtype))
-        out_specs.append(rows_k)
-        out_shape.append(rows_k_shape)
-        out_specs.append(pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype))
+        out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
+                     pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
+        out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
+                     jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
-    kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta,
-                               per_key=per_key, scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision, transfer=transfer)
+    kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
+                               scale=scale, prec=config.locals_precision, solve=config.solve,
+                               solve_prec=config.solve_precision)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -603,13 +525,12 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
 
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
-                segments=None, transfer=False):
+                segments=None):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
     n) runs packed segments instead (pieces must be 1): the int32 per-chunk tables of `_state_kernel`; final is
-    then [n, H, K, Wd]. `transfer`: w is the chunks' transfer operators [Nc, H, K, K] and q the folded queries
-    [L, H, K] (`ChunkLocals`).
+    then [n, H, K, Wd].
     """
     length, key_heads, key_dim = k.shape
     per_key = b.ndim == 3
@@ -629,11 +550,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         return jnp.minimum(j, value_blocks - 1) if widened else j
 
     in_specs, args = [], []
-    piece_chunks = piece_len // chunk
-    if transfer:
-        in_specs.append(pl.BlockSpec((piece_chunks, None, key_dim, key_dim), lambda j, h, s: (s, h, 0, 0)))
-        args.append(w)
-    elif delta:
+    if delta:
         in_specs.append(pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)))
         args.append(w)
     in_specs += [
@@ -644,8 +561,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     ]
     args += [u, k, b]
     if outputs:
-        q_head = (lambda h: h) if transfer else (lambda h: h // group)  # folded queries are per value head
-        in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, q_head(h), 0)),
+        in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
                      pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
         args += [q, p]
     if segments is not None:
@@ -671,7 +587,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     kernel = functools.partial(
         _state_kernel,
         chunk=chunk,
-        num_chunks=piece_chunks,
+        num_chunks=piece_len // chunk,
         delta=delta,
         per_key=per_key,
         outputs=outputs,
@@ -679,7 +595,6 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         value_blocks=value_blocks if widened else None,
         scale=scale,
         prec=config.state_precision,
-        transfer=transfer,
     )
     res = pl.pallas_call(
         kernel,
@@ -712,30 +627,9 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
     return jnp.cumsum(gc, axis=1).reshape(log_decay.shape)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["b", "p", "mix", "u", "queries"],
-                   meta_fields=["transfer"])
-@dataclasses.dataclass(frozen=True)
-class ChunkLocals:
-    """What the chunk-local kernel hands the state pass: b (chunk-local log-decay cumsums), P (scores), U, and
-    either W (`step="wy"`; `mix`) with the raw queries or the chunks' transfer operators A (`step="transfer"`;
-    `mix` [Nc, H, K, K]) with the folded queries (`queries` [L, H, K]). W is None and U = V without the delta rule.
-    A pytree (`transfer` static), so it can cross a jit boundary.
-    """
-
-    b: Array
-    p: Array
-    mix: Array | None
-    u: Array
-    queries: Array
-    transfer: bool
-
-    def state_args(self, k):
-        """Positional (w, u, k, b, q, p) for `_state_pass`."""
-        return self.mix, self.u, k, self.b, self.queries, self.p
-
-
-def _locals(q, k, v, g, gk, beta, *, scale, config, interpret) -> ChunkLocals:
-    """Gates and chunk-local kernel on a chunk-aligned (padded) sequence."""
+def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
+    """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u); w is None and
+    u = v without the delta rule."""
     length = k.shape[0]
     heads = v.shape[1]
     if config.inter_dtype is None:
@@ -749,13 +643,11 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret) -> ChunkLocals:
     beta_t = None if beta is None else beta.astype(jnp.float32).T
     res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
                         interpret=interpret)
-    if beta is None:
-        return ChunkLocals(b, res[0], None, v, q, False)
-    if config.step == "transfer":
-        p, a, qw, u = res
-        return ChunkLocals(b, p, a, u, qw, True)
-    p, w, u = res
-    return ChunkLocals(b, p, w, u, q, False)
+    if beta is not None:
+        p, w, u = res
+    else:
+        (p,), w, u = res, None, v
+    return b, p, w, u
 
 
 def _log_transfer(g, gk, seg_ids=None, n_seg=None):
@@ -792,18 +684,17 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
 
     q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
     out_dtype = jnp.result_type(q, v)
-    loc = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret)
-    w, u, _, b, qs, p = loc.state_args(k)
+    b, p, w, u = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret)
     state0 = (jnp.zeros((heads, key_dim, value_dim), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (heads, key_dim, key_dim))
     run = functools.partial(_state_pass, chunk=chunk, value_dim=value_dim, out_dtype=out_dtype, scale=scale,
-                            config=config, interpret=interpret, transfer=loc.transfer)
+                            config=config, interpret=interpret)
     dense_summary = emit_summary and beta is not None
     summary = None
     if pieces == 1:
         init = jnp.concatenate([state0, eye], axis=-1) if dense_summary else state0
-        o, final = run(w, u, k, b, qs, p, init[None], pieces=1)
+        o, final = run(w, u, k, b, q, p, init[None], pieces=1)
         final = final[0]
         state = final[..., :value_dim]
         if dense_summary:
@@ -818,7 +709,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         prefixes = lax.associative_scan(la.compose, pairs, axis=0)
         before = jax.tree_util.tree_map(lambda x: x[:-1], prefixes)
         incoming = jnp.concatenate([state0[None], la.advance(before, jnp.broadcast_to(state0, before.state.shape))])
-        o, finals = run(w, u, k, b, qs, p, incoming, pieces=pieces)
+        o, finals = run(w, u, k, b, q, p, incoming, pieces=pieces)
         state = finals[-1]
         if dense_summary:
             summary = jax.tree_util.tree_map(lambda x: x[-1], prefixes)
@@ -959,15 +850,15 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
         return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[src]
 
     qp, kp, vp, gp, gkp, betap = map(gather, (q, k, v, g, gk, beta))
-    loc = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret)
+    b, p, w, u = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret)
     dense = emit_summary and beta is not None
     init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     if dense:
         init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
                                                        (heads, key_dim, key_dim))], axis=-1)
-    o, finals = _state_pass(*loc.state_args(kp), init[None], chunk=chunk, pieces=1, value_dim=value_dim,
+    o, finals = _state_pass(w, u, kp, b, qp, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
                             out_dtype=jnp.result_type(q, v), scale=scale, config=config, interpret=interpret,
-                            segments=(start, slot, n_seg), transfer=loc.transfer)
+                            segments=(start, slot, n_seg))
     finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
     o = o[pos]
     states = finals[..., :value_dim]
