@@ -733,28 +733,28 @@ def step_variants():
     c64 = dict(chunk=64, solve="doubling", sub=32)
     return {
         "tile c32 bv32 s3 (default)": (C(), False, False),
-        "doubling c64 sub32 lw4": (C(**c64, locals_warps=4), False, False),
-        "doubling c64 sub32 lw8": (C(**c64, locals_warps=8), False, False),
-        "doubling c64 sub32 lw4 sw8": (C(**c64, locals_warps=4, state_warps=8), False, False),
-        "doubling c64 sub32 lw4 bv64 sw8": (C(**c64, locals_warps=4, block_v=64, state_warps=8), False, False),
-        "doubling c64 sub32 lw4 s2": (C(**c64, locals_warps=4, state_stages=2), False, False),
         "tile c64 lw4": (C(chunk=64, solve="tile", locals_warps=4), False, False),
-        "rows c64 lw4": (C(chunk=64, solve="rows", locals_warps=4), False, False),
-        "tile c32 lw4": (C(locals_warps=4), False, False),
-        "tile c32 bv16": (C(block_v=16), False, False),
+        "doubling c64 sub32 lw4": (C(**c64, locals_warps=4), False, False),
+        "tile c64 lw4 ls2": (C(chunk=64, solve="tile", locals_warps=4, locals_stages=2), False, False),
+        "tile c64 lw4 bv16": (C(chunk=64, solve="tile", locals_warps=4, block_v=16), False, False),
+        "tile c64 lw4 sw2": (C(chunk=64, solve="tile", locals_warps=4, state_warps=2), False, False),
         "tile c32 (default) +TS": (C(), True, False),
-        "doubling c64 sub32 lw4 +TS": (C(**c64, locals_warps=4), True, False),
-        "P2 doubling c64 sub32 lw4": (C(**c64, locals_warps=4, pieces=2), False, False),
+        "tile c32 +TS group16": (C(transfer_group=16), True, False),
+        "tile c32 +TS group32": (C(transfer_group=32), True, False),
+        "tile c32 +TS group8": (C(transfer_group=8), True, False),
+        "tile c64 lw4 +TS group8": (C(chunk=64, solve="tile", locals_warps=4, transfer_group=8), True, False),
+        "tile c64 lw4 +TS group16": (C(chunk=64, solve="tile", locals_warps=4, transfer_group=16), True, False),
+        "tile c64 lw4 +TS": (C(chunk=64, solve="tile", locals_warps=4), True, False),
         "KDA doubling c32 (default)": (C(chunk=32, solve="doubling"), False, True),
-        "KDA doubling c32 sub32": (C(chunk=32, solve="doubling", sub=32), False, True),
-        "KDA doubling c32 sub32 lw4": (C(chunk=32, solve="doubling", sub=32, locals_warps=4), False, True),
         "KDA doubling c16": (C(chunk=16, solve="doubling"), False, True),
-        "KDA doubling c64 sub32 lw4": (C(**c64, locals_warps=4), False, True),
+        "KDA doubling c32 lw4": (C(chunk=32, solve="doubling", locals_warps=4), False, True),
+        "KDA rows c32": (C(chunk=32, solve="rows"), False, True),
+        "KDA doubling c32 +TS group16": (C(chunk=32, solve="doubling", transfer_group=16), True, True),
+        "KDA doubling c32 +TS": (C(chunk=32, solve="doubling"), True, True),
     }
 
 
-SPLIT = ("tile c32 bv32 s3 (default)", "doubling c64 sub32 lw4", "KDA doubling c32 (default)",
-         "KDA doubling c32 sub32")
+SPLIT = ("tile c32 +TS group16", "tile c64 lw4 +TS group8", "KDA doubling c32 +TS group16")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):
@@ -781,7 +781,30 @@ def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):
         fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg, emit=emit: gdn.gdn_forward(
             q, k, v, g=g, gk=gk, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
         record("steps", name, fn, args, ref, fla_name="fla chunk_kda" if per_key else "fla chunk_gated_delta_rule")
+    # (T, S(C|0)) of the emitting variants: at 32k the fast gates above drive T to 0, so check T on 4k tokens with
+    # slow gates (g, gk = -U(0, 1e-3)) against `linear_attn.summarize` in float32.
+    slow_len = min(length, 4096)
+    ks_ = jax.random.split(jax.random.PRNGKey(5), 2)
+    sq, sk, sv, _, sbeta = gdn_inputs(slow_len, seed=6)
+    sg = -jax.random.uniform(ks_[0], (slow_len, HEADS), jnp.float32) * 1e-3
+    sgk = -jax.random.uniform(ks_[1], (slow_len, HEADS, DIM), jnp.float32) * 1e-3
+    slow_refs = {}
+    for name, (cfg, emit, per_key) in variants_.items():
+        if not emit:
+            continue
+        if per_key not in slow_refs:
+            args = ((jnp.repeat(sq, group, 1), jnp.repeat(sk, group, 1), sv, None, sgk, sbeta) if per_key
+                    else (sq, sk, sv, sg, None, sbeta))
+            summ = jax.jit(lambda k, v, g, gk, b: la.summarize(rep(k) if k.shape[1] != HEADS else up(k), up(v), g=g,
+                                                               gk=gk, beta=b))(*args[1:])
+            slow_refs[per_key] = (args, {"T": (lambda r: r[2].transfer, summ.transfer),
+                                         "S": (lambda r: r[2].state, summ.state)})
+        args, ref = slow_refs[per_key]
+        fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: gdn.gdn_forward(
+            q, k, v, g=g, gk=gk, beta=b, scale=scale, config=cfg, emit_summary=True, interpret=INTERPRET))
+        record("steps T check", f"{name} (L={slow_len}, slow gates)", fn, args, ref, tokens=slow_len)
     refs.clear()
+    slow_refs.clear()
     for name in SPLIT:
         cfg, _, per_key = variants_[name]
         cfg = cfg.resolved(jnp.bfloat16)
@@ -789,13 +812,17 @@ def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):
         locals_fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: gdn._locals(q, k, v, g, gk, b, scale=scale,
                                                                            config=cfg, interpret=INTERPRET))
         record("steps", f"locals only: {name}", locals_fn, args)
-        b, p, w, u = locals_fn(*args)
+        b, p, w, u, ks, qs = locals_fn(*args)
         init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
         state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
             w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale,
             config=cfg, interpret=INTERPRET))
-        record("steps", f"state pass only: {name}", state_fn, (w, u, args[1], b, args[0], p, init))
-        del b, p, w, u
+        record("steps", f"state pass only: {name}", state_fn, (w, u, ks, b, qs, p, init))
+        if cfg.transfer_group:
+            transfer_fn = jax.jit(lambda w, k, b, cfg=cfg: gdn._transfer_pass(
+                w, k, b, chunk=cfg.chunk, group=cfg.transfer_group, config=cfg, interpret=INTERPRET))
+            record("steps", f"transfer pass only: {name}", transfer_fn, (w, ks, b))
+        del b, p, w, u, ks, qs
 
 
 def _all_table(rows, fla, length):

@@ -109,6 +109,9 @@ class GDNConfig:
     solve: how the chunk-local (I + M)^-1 is built: "rows", "doubling" or "tile" (module docstring).
     sub: diagonal block edge of the "rows" and "doubling" solves (16, 32 or 64; at most the chunk): larger blocks
       mean fewer, larger dots in the block substitution and a deeper diagonal inverse.
+    transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C: 0 widens its state by K identity
+      columns; N > 0 runs a separate launch over groups of N chunks in parallel and multiplies the groups'
+      products in a tree (`_transfer_pass`).
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -131,6 +134,7 @@ class GDNConfig:
     inter_dtype: str | None = None
     solve: str = "tile"
     sub: int = 16
+    transfer_group: int = 0
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -150,6 +154,8 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
+        if self.transfer_group < 0:
+            raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
             if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
@@ -295,16 +301,15 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
         return _dot(x * jnp.exp(b_i - b_r), k_j, precision, trans_b=True)
     _, cols = _iotas(sub)
     token = lax.iota(jnp.int32, sub)
-
-    def column(col, acc):
+    acc = jnp.zeros((sub, sub), jnp.float32)
+    for col in range(sub):  # unrolled: the row loads are static and independent, so they issue ahead of the math
         row = pl.ds(i * sub + col, 1)
         k_c, b_c = k_ref[row, :].astype(jnp.float32), b_ref[row, :]  # [1, K]
         keep = token > col if strict else token >= col
         decay = jnp.exp(jnp.where(keep[:, None], b_i - b_c, 0.0))
         value = jnp.where(keep, jnp.sum(x * k_c * decay, axis=1), 0.0)
-        return acc + jnp.where(cols == col, value[:, None], 0.0)
-
-    return lax.fori_loop(0, sub, column, jnp.zeros((sub, sub), jnp.float32))
+        acc = acc + jnp.where(cols == col, value[:, None], 0.0)
+    return acc
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -315,15 +320,23 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
-    (float32); outputs p [c, c], w [c, K], u [c, V]. Every exponent is a difference b_t - b_j with t >= j (or
-    split at a reference token between them), so <= 0 for decaying gates.
+    (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
+    k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
+    t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     """
+    if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
+        refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
     if delta:
         q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
     else:
         q_ref, k_ref, b_ref, p_ref = refs
     c = chunk
     nb = c // sub
+    if per_key:
+        b_chunk = b_ref[...]
+        b_end = b_ref[pl.ds(c - 1, 1), :]  # [1, K]
+        kd_ref[...] = (k_ref[...].astype(jnp.float32) * jnp.exp(b_end - b_chunk)).astype(kd_ref.dtype)
+        qd_ref[...] = (scale * q_ref[...].astype(jnp.float32) * jnp.exp(b_chunk)).astype(qd_ref.dtype)
     if per_key:  # scores by 16 x 16 blocks (zeros above the diagonal)
         for i in range(nb):
             for j in range(nb):
@@ -407,19 +420,23 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 # Kernel 2: the state pass over the chunks of one piece (parallel over state column blocks, heads and pieces).
 
 
-def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec):
+def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
+                  values=True):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
-    Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K]; with `segments` the int32 tables start
+    Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
+    chunk-local kernel, and only b's last row per chunk is read); with `segments` the int32 tables start
     [Nc] (1: reset the state to init before this chunk) and slot [Nc] (segment whose state is final after this
     chunk, else -1); init [K, BV]; outputs o [Lp, BV], final [K, BV] (or [N, K, BV] slots with segments). Column
     blocks j >= value_blocks are identity-widened columns (their values are zero) and write no outputs.
     The output read o = (scale Q e^b) S + P (U - W S) is fused into the same step, so per-chunk states never
-    leave registers.
+    leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
+    identity columns and the pass returns the product of the chunks' transfer operators.
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
-    u_ref, k_ref, b_ref = next(it), next(it), next(it)
+    u_ref = next(it) if values else None
+    k_ref, b_ref = next(it), next(it)
     q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
     init_ref = next(it)
@@ -433,19 +450,25 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         rows = pl.ds(pl.multiple_of(n * c, c), c)
         if segments:
             state = jnp.where(start_ref[n] != 0, init, state)
-        k = k_ref[rows, :]
-        b = b_ref[rows, :] if per_key else b_ref[rows]  # [c, K] or [c]
-        u = u_ref[rows, :].astype(jnp.float32)
-        if value_blocks is not None:
-            u = jnp.where(is_value, u, 0.0)
-        if delta:
-            u = u - _dot(w_ref[rows, :], state, prec)
+        k = k_ref[rows, :]  # per-key gates: already decayed to the chunk's end (k e^{b_c - b})
+        if per_key:
+            b_last = jnp.sum(b_ref[pl.ds(n * c + c - 1, 1), :], axis=0)  # [K]
+        else:
+            b = b_ref[rows]  # [c]
+            b_last = _last_row(b)
+        if values:
+            u = u_ref[rows, :].astype(jnp.float32)
+            if value_blocks is not None:
+                u = jnp.where(is_value, u, 0.0)
+            if delta:
+                u = u - _dot(w_ref[rows, :], state, prec)
+        else:  # transfer columns only: zero values
+            u = -_dot(w_ref[rows, :], state, prec)
         if outputs:
 
             def write():
-                if per_key:
-                    qd = q_ref[rows, :].astype(jnp.float32) * (scale * jnp.exp(b))
-                    o = _dot(qd, state, prec)
+                if per_key:  # queries already scaled and decayed (scale q e^b)
+                    o = _dot(q_ref[rows, :], state, prec)
                 else:  # a row scale commutes with the product: scale the [c, BV] result, not the [c, K] queries
                     o = _dot(q_ref[rows, :], state, prec) * (scale * jnp.exp(b))[:, None]
                 o = o + _dot(p_ref[rows, :], u, prec)
@@ -455,10 +478,8 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
                 write()
             else:
                 pl.when(is_value)(write)
-        b_last = _last_row(b)  # [K] or a scalar
         if per_key:
-            k_hat = k.astype(jnp.float32) * jnp.exp(b_last - b)
-            state = jnp.exp(b_last)[:, None] * state + _dot(k_hat, u, prec, trans_a=True)
+            state = jnp.exp(b_last)[:, None] * state + _dot(k, u, prec, trans_a=True)
         else:  # Khat^T U = K^T (Diag(e^{b_c - b}) U): the decay scales the [c, BV] values, not the [c, K] keys
             state = jnp.exp(b_last) * state + _dot(k, u * jnp.exp(b_last - b)[:, None], prec, trans_a=True)
         if segments:
@@ -509,6 +530,10 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
+    if per_key:  # decayed keys and queries for the state pass, per value head
+        decayed = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
+        out_specs += [decayed, decayed]
+        out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
                                solve_prec=config.solve_precision)
@@ -530,7 +555,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
     n) runs packed segments instead (pieces must be 1): the int32 per-chunk tables of `_state_kernel`; final is
-    then [n, H, K, Wd].
+    then [n, H, K, Wd]. u None (delta rule, no outputs): transfer columns only (`_transfer_pass`).
     """
     length, key_heads, key_dim = k.shape
     per_key = b.ndim == 3
@@ -545,6 +570,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     widened = col_blocks > value_blocks
     outputs = q is not None
     delta = w is not None
+    values = u is not None
+    if not values and (outputs or not delta):
+        raise ValueError("a pass without values runs transfer columns only: delta rule, no outputs")
 
     def vcol(j):  # value column block of program j (identity-widened programs read block 0 and mask it)
         return jnp.minimum(j, value_blocks - 1) if widened else j
@@ -553,13 +581,15 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     if delta:
         in_specs.append(pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)))
         args.append(w)
+    if values:
+        in_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
+        args.append(u)
     in_specs += [
-        pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))),
         pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
         pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)) if per_key
         else pl.BlockSpec((None, piece_len), lambda j, h, s: (h, s)),
     ]
-    args += [u, k, b]
+    args += [k, b]
     if outputs:
         in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
                      pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
@@ -595,6 +625,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         value_blocks=value_blocks if widened else None,
         scale=scale,
         prec=config.state_precision,
+        values=values,
     )
     res = pl.pallas_call(
         kernel,
@@ -607,6 +638,35 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         name="gdn_state_pass",
     )(*args)
     return (res[0], res[1]) if outputs else (None, res[0])
+
+
+def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
+    """T_C = A_N ... A_1 of a whole (chunk-aligned) sequence, A_c = Diag(e^{b_c}) - Khat_c^T W_c, as [H, K, K].
+
+    Why not widen the forward's own state by K identity columns: that doubles the programs of a pass whose time is
+    set by its sequential depth and its per-SM work (bench/RESULTS.md), so T would cost about as much as the forward's
+    state pass again. Here the product splits at `group`-chunk boundaries instead: one launch steps every group's
+    identity columns through its chunks (zero values: S <- A S), all groups in parallel (depth `group` instead of
+    L / c), and a log-depth tree multiplies the groups' [K, K] products in order (associativity of the matrix
+    product; float32-level "bf16x3" dots unless the state dots are exact "ieee"). Zero tokens pad the sequence to
+    whole groups: they have A = I.
+    """
+    length, _, key_dim = k.shape
+    heads = w.shape[1]
+    groups = -(-(length // chunk) // group)
+    pad = groups * group * chunk - length
+    if pad:
+        w, k = (jnp.pad(x, [(0, pad), (0, 0), (0, 0)]) for x in (w, k))
+        b = jnp.pad(b, [(0, 0), (0, pad)] if b.ndim == 2 else [(0, pad), (0, 0), (0, 0)])
+    eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
+    _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
+                        out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret)
+    algorithm = None if config.state_precision == "ieee" else "bf16x3"
+    while ts.shape[0] > 1:  # pairs (earlier, later) -> later @ earlier
+        if ts.shape[0] % 2:
+            ts = jnp.concatenate([ts, eye[:1]])
+        ts = la._dense_product(ts[1::2], ts[0::2], algorithm)
+    return ts[0]
 
 
 def _chunk_cumsum(g: Array | None, length: int, heads: int, chunk: int) -> Array:
@@ -628,8 +688,9 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
 
 
 def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
-    """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u); w is None and
-    u = v without the delta rule."""
+    """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
+    and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
+    the decayed k e^{b_c - b} and scale q e^b per value head)."""
     length = k.shape[0]
     heads = v.shape[1]
     if config.inter_dtype is None:
@@ -641,13 +702,14 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     else:
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
-    res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
-                        interpret=interpret)
+    res = list(_chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
+                             interpret=interpret))
+    ks, qs = (res.pop(), res.pop())[::-1] if gk is not None else (k, q)
     if beta is not None:
         p, w, u = res
     else:
         (p,), w, u = res, None, v
-    return b, p, w, u
+    return b, p, w, u, ks, qs
 
 
 def _log_transfer(g, gk, seg_ids=None, n_seg=None):
@@ -684,7 +746,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
 
     q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
     out_dtype = jnp.result_type(q, v)
-    b, p, w, u = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret)
+    b, p, w, u, ks, qs = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret)
     state0 = (jnp.zeros((heads, key_dim, value_dim), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (heads, key_dim, key_dim))
@@ -693,23 +755,28 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
     dense_summary = emit_summary and beta is not None
     summary = None
     if pieces == 1:
-        init = jnp.concatenate([state0, eye], axis=-1) if dense_summary else state0
-        o, final = run(w, u, k, b, q, p, init[None], pieces=1)
+        widen = dense_summary and not config.transfer_group
+        init = jnp.concatenate([state0, eye], axis=-1) if widen else state0
+        o, final = run(w, u, ks, b, qs, p, init[None], pieces=1)
         final = final[0]
         state = final[..., :value_dim]
         if dense_summary:
-            transfer = final[..., value_dim:]
+            if widen:
+                transfer = final[..., value_dim:]
+            else:
+                transfer = _transfer_pass(w, ks, b, chunk=chunk, group=config.transfer_group, config=config,
+                                          interpret=interpret)
             zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
             summary = la.Summary("dense", zero_start, transfer)
     else:
         widened0 = jnp.broadcast_to(jnp.concatenate([jnp.zeros_like(state0), eye], axis=-1),
                                     (pieces, heads, key_dim, value_dim + key_dim))
-        _, pairs = run(w, u, k, b, None, None, widened0, pieces=pieces)
+        _, pairs = run(w, u, ks, b, None, None, widened0, pieces=pieces)
         pairs = la.Summary("dense", pairs[..., :value_dim], pairs[..., value_dim:])
         prefixes = lax.associative_scan(la.compose, pairs, axis=0)
         before = jax.tree_util.tree_map(lambda x: x[:-1], prefixes)
         incoming = jnp.concatenate([state0[None], la.advance(before, jnp.broadcast_to(state0, before.state.shape))])
-        o, finals = run(w, u, k, b, q, p, incoming, pieces=pieces)
+        o, finals = run(w, u, ks, b, qs, p, incoming, pieces=pieces)
         state = finals[-1]
         if dense_summary:
             summary = jax.tree_util.tree_map(lambda x: x[-1], prefixes)
@@ -850,13 +917,13 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
         return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[src]
 
     qp, kp, vp, gp, gkp, betap = map(gather, (q, k, v, g, gk, beta))
-    b, p, w, u = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret)
+    b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret)
     dense = emit_summary and beta is not None
     init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     if dense:
         init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
                                                        (heads, key_dim, key_dim))], axis=-1)
-    o, finals = _state_pass(w, u, kp, b, qp, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
+    o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
                             out_dtype=jnp.result_type(q, v), scale=scale, config=config, interpret=interpret,
                             segments=(start, slot, n_seg))
     finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
