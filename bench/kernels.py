@@ -723,38 +723,31 @@ def _all_decode(record, scale):
 
 
 def step_variants():
-    """run_all 6: launches of the state pass and chunk-local kernel around the default (chunk 32, tile solve) and at
-    chunk 64 with 32 x 32 diagonal blocks (`GDNConfig.sub`); name -> (config, emit (T, S), per-key gates).
-    Priority order: a run cut by its budget drops the last ones."""
+    """run_all 6: the default launch (chunk 64, tile solve, 4-warp chunk-local kernel), the previous one (chunk 32),
+    the ways of emitting (T, S) (`GDNConfig.transfer_group`), and KDA; name -> (config, emit (T, S), per-key
+    gates). Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
-    c64 = dict(chunk=64, solve="doubling", sub=32)
+    c32 = dict(chunk=32, solve="tile", locals_warps=2)
     return {
-        "tile c32 bv32 s3 (default)": (C(), False, False),
-        "tile c64 lw4": (C(chunk=64, solve="tile", locals_warps=4), False, False),
-        "doubling c64 sub32 lw4": (C(**c64, locals_warps=4), False, False),
-        "tile c64 lw4 ls2": (C(chunk=64, solve="tile", locals_warps=4, locals_stages=2), False, False),
-        "tile c64 lw4 bv16": (C(chunk=64, solve="tile", locals_warps=4, block_v=16), False, False),
-        "tile c64 lw4 sw2": (C(chunk=64, solve="tile", locals_warps=4, state_warps=2), False, False),
-        "tile c32 (default) +TS": (C(), True, False),
-        "tile c32 +TS group16": (C(transfer_group=16), True, False),
-        "tile c32 +TS group32": (C(transfer_group=32), True, False),
-        "tile c32 +TS group8": (C(transfer_group=8), True, False),
-        "tile c64 lw4 +TS group8": (C(chunk=64, solve="tile", locals_warps=4, transfer_group=8), True, False),
-        "tile c64 lw4 +TS group16": (C(chunk=64, solve="tile", locals_warps=4, transfer_group=16), True, False),
-        "tile c64 lw4 +TS": (C(chunk=64, solve="tile", locals_warps=4), True, False),
-        "KDA doubling c32 (default)": (C(chunk=32, solve="doubling"), False, True),
-        "KDA doubling c16": (C(chunk=16, solve="doubling"), False, True),
-        "KDA doubling c32 lw4": (C(chunk=32, solve="doubling", locals_warps=4), False, True),
-        "KDA rows c32": (C(chunk=32, solve="rows"), False, True),
-        "KDA doubling c32 +TS group16": (C(chunk=32, solve="doubling", transfer_group=16), True, True),
-        "KDA doubling c32 +TS": (C(chunk=32, solve="doubling"), True, True),
+        "tile c64 lw4 (default)": (C(), False, False),
+        "tile c32 lw2 (previous default)": (C(**c32), False, False),
+        "tile c64 lw4 +TS group16 (default)": (C(), True, False),
+        "tile c64 lw4 +TS group32": (C(transfer_group=32), True, False),
+        "tile c64 lw4 +TS group64": (C(transfer_group=64), True, False),
+        "tile c64 lw4 +TS widened": (C(transfer_group=0), True, False),
+        "tile c32 lw2 +TS group32": (C(**c32, transfer_group=32), True, False),
+        "KDA doubling c32 (default)": (C(chunk=32, solve="doubling", locals_warps=2), False, True),
+        "KDA doubling c16": (C(chunk=16, solve="doubling", locals_warps=2), False, True),
+        "KDA doubling c32 +TS group16": (C(chunk=32, solve="doubling", locals_warps=2), True, True),
+        "KDA doubling c32 +TS widened": (C(chunk=32, solve="doubling", locals_warps=2, transfer_group=0), True,
+                                         True),
     }
 
 
-SPLIT = ("tile c32 +TS group16", "tile c64 lw4 +TS group8", "KDA doubling c32 +TS group16")
+SPLIT = ("tile c64 lw4 +TS group16 (default)", "KDA doubling c32 +TS group16")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):

@@ -360,6 +360,23 @@ def test_per_key_decays_float32(chunk, length, pieces, delta, with_g):
     assert rel(summary.transfer, ref_sum.transfer) < TOL32 and rel(summary.state, ref_sum.state) < TOL32
 
 
+def test_per_key_diagonal_blocks_take_both_forms():
+    """Weak gates in the first half (diagonal blocks in the factored one-dot form), gates so strong in the second
+    half that the factored form would overflow (a block's log-decay span far over 88): those blocks must take the
+    column loop, and both halves must match the recurrence."""
+    length = 64
+    q, k, v, _, beta = inputs(length, key_heads=2, seed=31)
+    rng = np.random.default_rng(32)
+    strength = np.where(np.arange(length)[:, None, None] < 32, 0.1, 14.0)
+    gk = -jnp.asarray(rng.uniform(0.0, 1.0, (length, 2, 16)) * strength, jnp.float32)
+    for chunk in (16, 32):
+        o, s = gdn_forward(q, k, v, gk=gk, beta=beta, scale=0.5, config=GDNConfig(chunk=chunk, block_v=16),
+                           interpret=True)
+        assert np.all(np.isfinite(np.asarray(o)))
+        ref_o, ref_s = la.recurrent(q, k, v, gk=gk, beta=beta, scale=0.5)
+        assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+
+
 def test_per_key_bfloat16():
     q, k, v, _, beta = inputs(37, seed=15, dtype=jnp.bfloat16)
     gk = per_key_gates(37, 2, 16, seed=16)

@@ -128,17 +128,17 @@ class GDNConfig:
     program and 3 stages, as measured before with "rows". Per-key gates (KDA) take `default_config(per_key=True)`.
     """
 
-    chunk: int = 32
+    chunk: int = 64
     block_v: int = 32
     pieces: int = 1
     inter_dtype: str | None = None
     solve: str = "tile"
     sub: int = 16
-    transfer_group: int = 0
+    transfer_group: int = 16
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
-    locals_warps: int = 2
+    locals_warps: int = 4
     locals_stages: int = 1
     state_warps: int = 4
     state_stages: int = 3
@@ -175,7 +175,7 @@ def default_config(per_key: bool = False) -> GDNConfig:
     """The measured default launch. per_key (KDA, GLA: per-key decays): the doubling solve at chunk 32, because
     "rows" and "doubling" at chunk 64 request 233,472 bytes of shared memory with per-key gates, over the H200's
     232,448 (measured), and "tile" with per-key gates has not been timed; scalar gates: `GDNConfig()`."""
-    return GDNConfig(solve="doubling") if per_key else GDNConfig()
+    return GDNConfig(chunk=32, solve="doubling", locals_warps=2) if per_key else GDNConfig()
 
 
 def _pow2(d: int) -> bool:
@@ -284,12 +284,18 @@ def _last_row(x: Array) -> Array:
     return jnp.sum(jnp.where(rows == n - 1, x, 0.0), axis=0)
 
 
+_FACTORED_SPAN = 40.0  # largest log-decay inside one diagonal block that the factored pair form takes
+
+
 def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
     """[sub, sub] block (i, j) of x_t^T Diag(e^{b_t - b_j}) k_j for rows of block i, columns of block j <= i.
 
     Off-diagonal blocks: one dot of both sides decayed to the first token r of block i (b_t - b_r <= 0 and
-    b_r - b_j <= 0 since j < r <= t). Diagonal block: one column per step, [sub, K] elementwise with exponents
-    b_t - b_j (t >= j) and zero above the diagonal (or on it, `strict`).
+    b_r - b_j <= 0 since j < r <= t). Diagonal block: the same with r the block's own first token, where the key
+    side's exponent b_r - b_j >= 0 is bounded by the decay accumulated inside the block; when that exceeds
+    `_FACTORED_SPAN` the block is formed one column per step instead ([sub, K] elementwise with exponents
+    b_t - b_j, t >= j). Zero above the diagonal (or on it, `strict`). The column loop costs sub x sub x K
+    exponentials against the factored form's 2 sub x K and one tensor-core dot.
     """
     rows_i = pl.ds(i * sub, sub)
     x = x_ref[rows_i, :].astype(jnp.float32)
@@ -299,17 +305,31 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
         b_r = b_ref[pl.ds(i * sub, 1), :]  # [1, K]
         k_j = k_ref[rows_j, :].astype(jnp.float32) * jnp.exp(b_r - b_ref[rows_j, :])
         return _dot(x * jnp.exp(b_i - b_r), k_j, precision, trans_b=True)
-    _, cols = _iotas(sub)
+    rows, cols = _iotas(sub)
     token = lax.iota(jnp.int32, sub)
-    acc = jnp.zeros((sub, sub), jnp.float32)
-    for col in range(sub):  # unrolled: the row loads are static and independent, so they issue ahead of the math
-        row = pl.ds(i * sub + col, 1)
-        k_c, b_c = k_ref[row, :].astype(jnp.float32), b_ref[row, :]  # [1, K]
-        keep = token > col if strict else token >= col
-        decay = jnp.exp(jnp.where(keep[:, None], b_i - b_c, 0.0))
-        value = jnp.where(keep, jnp.sum(x * k_c * decay, axis=1), 0.0)
-        acc = acc + jnp.where(cols == col, value[:, None], 0.0)
-    return acc
+    b_r = b_ref[pl.ds(i * sub, 1), :]  # [1, K]: the block's first token
+
+    def factored():  # one dot, both sides decayed against the first token: e^{b_t - b_r} <= 1 <= e^{b_r - b_j}
+        k_i = k_ref[rows_i, :].astype(jnp.float32)
+        blk = _dot(x * jnp.exp(b_i - b_r), k_i * jnp.exp(b_r - b_i), precision, trans_b=True)
+        return jnp.where(rows > cols if strict else rows >= cols, blk, 0.0)
+
+    def columns():  # one key column at a time, every exponent b_t - b_j <= 0 (any gate strength)
+
+        def column(col, acc):  # a loop, not unrolled: unrolling made the whole kernel 1.5x slower on the H200
+            row = pl.ds(i * sub + col, 1)
+            k_c, b_c = k_ref[row, :].astype(jnp.float32), b_ref[row, :]  # [1, K]
+            keep = token > col if strict else token >= col
+            decay = jnp.exp(jnp.where(keep[:, None], b_i - b_c, 0.0))
+            value = jnp.where(keep, jnp.sum(x * k_c * decay, axis=1), 0.0)
+            return acc + jnp.where(cols == col, value[:, None], 0.0)
+
+        return lax.fori_loop(0, sub, column, jnp.zeros((sub, sub), jnp.float32))
+
+    # The factored form needs e^{span} representable with room to spare (e^40 ~ 2e17); stronger decays inside one
+    # block take the column loop.
+    span = jnp.max(jnp.abs(b_r - b_i))
+    return lax.cond(span <= _FACTORED_SPAN, factored, columns)
 
 
 # ----------------------------------------------------------------------------------------------------------------
