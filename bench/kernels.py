@@ -171,10 +171,11 @@ def gdn_inputs(length, seed=0):
 
 def named_config(**kwargs):
     """A GDNConfig as the variant names read: chunk 64 and the "rows" solve unless a name says otherwise (cN, the
-    solve's name). The library's defaults moved (tile, chunk 32), the names and the RESULTS rows they label did not."""
+    solve's name), a 2-warp chunk-local kernel and (T, S) from the widened pass, the defaults when these names were
+    measured. The library's defaults moved since; the names and the RESULTS rows they label did not."""
     from hypic_jax.pallas.gdn import GDNConfig
 
-    return GDNConfig(**{"chunk": 64, "solve": "rows", **kwargs})
+    return GDNConfig(**{"chunk": 64, "solve": "rows", "locals_warps": 2, "transfer_group": 0, **kwargs})
 
 
 def variants():
@@ -723,31 +724,34 @@ def _all_decode(record, scale):
 
 
 def step_variants():
-    """run_all 6: the default launch (chunk 64, tile solve, 4-warp chunk-local kernel), the previous one (chunk 32),
-    the ways of emitting (T, S) (`GDNConfig.transfer_group`), and KDA; name -> (config, emit (T, S), per-key
-    gates). Priority order: a run cut by its budget drops the last ones."""
+    """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), the previous
+    one (chunk 32), the ways of emitting (T, S) (`GDNConfig.transfer_group`; the default is 64-chunk groups), and KDA
+    (`default_config(per_key=True)` is the chunk-16 row); name -> (config, emit (T, S), per-key gates), every config
+    spelled out so that a name keeps meaning what it measured when defaults move. Priority order: a run cut by its
+    budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
     c32 = dict(chunk=32, solve="tile", locals_warps=2)
+    c64 = dict(chunk=64, solve="tile", locals_warps=4)
+    kda = dict(solve="doubling", locals_warps=2)
     return {
-        "tile c64 lw4 (default)": (C(), False, False),
-        "tile c32 lw2 (previous default)": (C(**c32), False, False),
-        "tile c64 lw4 +TS group16 (default)": (C(), True, False),
-        "tile c64 lw4 +TS group32": (C(transfer_group=32), True, False),
-        "tile c64 lw4 +TS group64": (C(transfer_group=64), True, False),
-        "tile c64 lw4 +TS widened": (C(transfer_group=0), True, False),
+        "tile c64 lw4": (C(**c64), False, False),
+        "tile c32 lw2": (C(**c32), False, False),
+        "tile c64 lw4 +TS group16": (C(**c64, transfer_group=16), True, False),
+        "tile c64 lw4 +TS group32": (C(**c64, transfer_group=32), True, False),
+        "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
+        "tile c64 lw4 +TS widened": (C(**c64, transfer_group=0), True, False),
         "tile c32 lw2 +TS group32": (C(**c32, transfer_group=32), True, False),
-        "KDA doubling c32 (default)": (C(chunk=32, solve="doubling", locals_warps=2), False, True),
-        "KDA doubling c16": (C(chunk=16, solve="doubling", locals_warps=2), False, True),
-        "KDA doubling c32 +TS group16": (C(chunk=32, solve="doubling", locals_warps=2), True, True),
-        "KDA doubling c32 +TS widened": (C(chunk=32, solve="doubling", locals_warps=2, transfer_group=0), True,
-                                         True),
+        "KDA doubling c32": (C(chunk=32, **kda), False, True),
+        "KDA doubling c16": (C(chunk=16, **kda), False, True),
+        "KDA doubling c32 +TS group16": (C(chunk=32, **kda, transfer_group=16), True, True),
+        "KDA doubling c32 +TS widened": (C(chunk=32, **kda, transfer_group=0), True, True),
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group16 (default)", "KDA doubling c32 +TS group16")
+SPLIT = ("tile c64 lw4 +TS group64", "KDA doubling c16")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):

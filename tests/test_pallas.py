@@ -310,19 +310,20 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
           suppress_health_check=[HealthCheck.too_slow])
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
-       sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), length=st.integers(1, 90),
-       with_init=st.booleans(), seed=st.integers(0, 2**16))
-def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, length, with_init, seed):
+       sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
+       length=st.integers(1, 150), with_init=st.booleans(), seed=st.integers(0, 2**16))
+def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, seed):
     """Outputs, final state and the emitted summary against the token-by-token recurrence and
-    `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits and lengths
-    (odd ones and ones shorter than a chunk included)."""
+    `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
+    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree)
+    and lengths (odd ones and ones shorter than a chunk included)."""
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
     gk = per_key_gates(length, 2, 16, seed=seed + 1, strength=2.0) if family in ("kda", "kda+g", "gla") else None
     rng = np.random.default_rng(seed + 2)
     init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
-    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16)
+    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
@@ -333,9 +334,22 @@ def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, l
     assert rel(summary.transfer, ref_sum.transfer) < TOL32 and rel(summary.state, ref_sum.state) < TOL32
 
 
-def test_config_refuses_bad_sub():
+def test_transfer_groups_product_tree():
+    """Seven chunks in groups of 2 (four groups, the last padded with zero tokens): the tree's product equals the
+    summary of the whole sequence, and so does every other grouping."""
+    q, k, v, g, beta = inputs(7 * 16 - 5, key_heads=1, seed=41)
+    ref = la.summarize(k.repeat(2, 1), v, g=g, beta=beta, chunk_size=16)
+    for group in (0, 1, 2, 3, 7, 100):
+        config = GDNConfig(chunk=16, block_v=16, transfer_group=group)
+        _, _, summary = gdn_forward(q, k, v, g=g, beta=beta, config=config, emit_summary=True, interpret=True)
+        assert rel(summary.transfer, ref.transfer) < TOL32 and rel(summary.state, ref.state) < TOL32
+
+
+def test_config_refuses_bad_sub_and_group():
     with pytest.raises(ValueError, match="sub"):
         GDNConfig(sub=8)
+    with pytest.raises(ValueError, match="transfer_group"):
+        GDNConfig(transfer_group=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ call, q and k may have fewer (key) heads than v (each key head serves H / Hk con
 Qwen3.5), and the head repeat is never materialised. A leading batch axis goes through `jax.vmap` (the
 pallas_call batching rule adds a grid axis); many segments packed in one sequence go through `gdn_varlen`.
 
-Pipeline (two launches plus a few cheap XLA ops):
+Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tree when T_C is asked for):
 
 1. gates (XLA): b = chunk-local cumsum of the log decays, [H, L] for a scalar gate or [L, H, K] per key.
 2. `_locals_kernel`, grid (chunks, heads), fully parallel: the WY/UT chunk form of `linear_attn._chunk_locals`,
@@ -34,36 +34,47 @@ Pipeline (two launches plus a few cheap XLA ops):
    Per-key decays (KDA, GLA) cannot factor e^{b_t - b_j} into a row and a column factor without a positive
    exponent (that is what overflows for strong gates), so the pairwise blocks use a reference point r between
    the two 16-token blocks: for t in block i > j, q_t^T Diag(e^{b_t - b_j}) k_j = (q_t e^{b_t - b_r})^T
-   (k_j e^{b_r - b_j}) with r the first token of block i, both exponents <= 0 and one 16 x 16 dot; inside a
-   diagonal block the pairs are formed one column at a time ([16, K] elementwise, exponents b_t - b_j, t >= j)
-   rather than as a [16, 16, K] tensor that would not fit in registers.
+   (k_j e^{b_r - b_j}) with r the first token of block i, both exponents <= 0 and one 16 x 16 dot. A diagonal
+   block takes the same one-dot form with r its own first token when the decay accumulated inside the block is
+   at most 40 (then e^{b_r - b_j} <= e^40 cannot overflow); stronger decays form it one column at a time
+   ([16, K] elementwise, exponents b_t - b_j, t >= j), sub x sub x K exponentials instead of 2 sub x K. With
+   per-key gates the kernel also writes the state pass's keys decayed to the chunk's end and its scaled, decayed
+   queries, so that the sequential pass does no per-key exponentials.
 3. `_state_kernel`, grid (state column blocks, heads, pieces): the chunk-to-chunk recurrence
    S <- Diag(e^{b_c}) S + Khat^T (U - W S). Columns of the state are independent (every operation left-multiplies
    S), so the state is split into column blocks of `block_v`: that alone gives heads x V / block_v programs at
-   batch 1 instead of heads. On top of that the sequence is cut into `pieces`: each piece's (T, S(piece|0)) comes
+   batch 1 instead of heads. A scalar gate's decays scale the [c, block_v] tiles (the new values before the
+   Khat^T product, the outputs after the query product) rather than the [c, K] keys and queries: a quarter of the
+   elementwise work per step at K = 128, block_v = 32, and that work sits on the sequential chain.
+   On top of that the sequence is cut into `pieces`: each piece's (T, S(piece|0)) comes
    from a first pass over the identity-widened state [S | M] (M_0 = I, zero values in the M columns), the pieces'
    pairs are composed by an associative scan in XLA (`linear_attn.compose`, float32 HIGHEST; P pairs only), and a
    second pass restarts every piece from its true incoming state and writes the outputs. The sequential depth
    drops from L/c to 2 L/(c P) chunk steps at the price of 3x the state-pass arithmetic; the segment's own
    (T_C, S(C|0)) is the last scan prefix, so emitting it is free in this mode. With pieces = 1 (direct mode)
-   emitting (T_C, S) widens the single pass by K columns (K / block_v more programs, same depth).
+   S(C|0) is the pass's own final state and T_C comes from `_transfer_pass` (`GDNConfig.transfer_group`): the
+   same kernel steps identity columns with zero values through groups of chunks, all groups at once, and a
+   log-depth tree multiplies the groups' products; or, with transfer_group = 0, from K identity columns that
+   widen the single pass (K / block_v more programs at the full depth L / c).
    Packed segments (`gdn_varlen`) use the same kernel with two int32 per-chunk tables: reset the state at a
    segment's first chunk, store it to the segment's slot after its last chunk.
 
 Memory between launches: W, U ([L, H, K] and [L, H, V]) and P ([H, L, c]) in `inter_dtype` (bfloat16 for
-bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates).
+bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates, with
+the decayed keys and queries [L, H, K] in `inter_dtype`).
 Nothing per chunk of state size is ever written: the per-chunk states that a two-kernel (state pass, then outputs)
 design stores ([L/c, H, K, V] float32, 1 GB at L = 32k) are kept in registers because the output read is fused
 into the state pass. States are float32 always.
 
-Measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md): the default launch (solve "tile", chunk 32)
-1.79 ms against fla's chunk_gated_delta_rule at 1.93 ms in the same run (1.08x); its chunk-local kernel takes
-0.51 ms, so the state pass (1,024 sequential chunk steps on 128 programs) is now the larger part. "rows" at
-chunk 64, the first default, took 2.39 ms (its serial reductions made the chunk-local kernel the bottleneck).
-Emitting (T, S) costs +51% on the default launch; the pieces split, 2.77 to 2.82 ms, does not pay at 32 heads.
-Per-key gates (doubling, chunk 32): 14.0 ms against fla's chunk_kda at 3.87 ms (an earlier run). `gdn_varlen`
-and the decode step (`hypic_jax.pallas.decode`) are checked in interpret mode and lowered for CUDA on the CPU, not
-yet timed.
+Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
+2026-11-30, one run beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.502 ms against fla's
+chunk_gated_delta_rule at 1.924 ms (1.28x faster; the issue's bar is 1.5x); emitting (T, S) through the transfer
+pass adds 23% (1.847 ms); KDA (chunk 16) 4.78 ms against fla's chunk_kda at 3.87 ms. The state pass is
+latency-bound: at chunk 64 it is 512 dependent steps on 128 programs (0.76 ms alone in an earlier run), and more
+programs per SM (the pieces split, narrower column blocks) lengthen each step instead of hiding it. A chunk step
+that materialises each chunk's [K, K] transfer operator (one product on the chain instead of two) was measured
+slower and removed: its loads are four times W's. `gdn_varlen` and the decode step were timed with the older
+defaults (bench/RESULTS.md).
 Lowering: Triton, because it compiled and ran first time through Pallas at both jax 0.10 (interpret/lowering
 checks on the CPU) and 0.11 (the H200); Mosaic GPU was not tried.
 
@@ -121,11 +132,14 @@ class GDNConfig:
       precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
 
-    Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 32 value heads (bench/RESULTS.md,
-    third session of 2026-11-29, one run): solve "tile" with chunk 32, 1.78 ms (fla's chunk_gated_delta_rule: 1.92 ms
-    in an earlier run on the same machine type); "doubling" c32 1.81, "rows" c64 2.39, "doubling" c64 2.82. The
-    chunk-local kernel alone: tile c32 0.51 ms, rows c64 1.44. Locals with 2 warps, state pass with 32 columns per
-    program and 3 stages, as measured before with "rows". Per-key gates (KDA) take `default_config(per_key=True)`.
+    Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
+    bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
+    at chunk 64 with a 4-warp chunk-local kernel, 1.502 ms (chunk 32, 2 warps: 1.673; in an earlier run of the same
+    session "doubling" with 32 x 32 blocks at chunk 64 took 1.573, 8 local warps 2.197, 8 state warps 2.040, block_v
+    64 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state warps 3.739). Emitting (T, S) through the transfer
+    pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups 1.904, 16-chunk 2.023, the widened pass 2.241).
+    Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
+    H200's shared memory (measured), so do not use `GDNConfig()` there.
     """
 
     chunk: int = 64
@@ -134,7 +148,7 @@ class GDNConfig:
     inter_dtype: str | None = None
     solve: str = "tile"
     sub: int = 16
-    transfer_group: int = 16
+    transfer_group: int = 64
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -172,10 +186,11 @@ class GDNConfig:
 
 
 def default_config(per_key: bool = False) -> GDNConfig:
-    """The measured default launch. per_key (KDA, GLA: per-key decays): the doubling solve at chunk 32, because
-    "rows" and "doubling" at chunk 64 request 233,472 bytes of shared memory with per-key gates, over the H200's
-    232,448 (measured), and "tile" with per-key gates has not been timed; scalar gates: `GDNConfig()`."""
-    return GDNConfig(chunk=32, solve="doubling", locals_warps=2) if per_key else GDNConfig()
+    """The measured default launch. per_key (KDA, GLA: per-key decays): chunk 16 (one 16 x 16 diagonal block, so
+    "doubling" is one doubling inverse), 4.78 ms against 9.90 ms at chunk 32 for KDA at L = 32k on the H200
+    (bench/RESULTS.md, 2026-11-30); "rows" and "doubling" at chunk 64 request 233,472 bytes of shared memory with
+    per-key gates, over the H200's 232,448, and "tile" takes scalar gates only. Scalar gates: `GDNConfig()`."""
+    return GDNConfig(chunk=16, solve="doubling", locals_warps=2) if per_key else GDNConfig()
 
 
 def _pow2(d: int) -> bool:
@@ -673,6 +688,7 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     """
     length, _, key_dim = k.shape
     heads = w.shape[1]
+    group = min(group, length // chunk)  # a short sequence is one group, not one padded to `group` chunks
     groups = -(-(length // chunk) // group)
     pad = groups * group * chunk - length
     if pad:
