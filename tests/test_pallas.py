@@ -465,7 +465,7 @@ def test_kernels_lower_to_triton():
     args = (sd((length, 16, dim), jnp.bfloat16), sd((length, 16, dim), jnp.bfloat16),
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for config, emit in ((GDNConfig(), False), (GDNConfig(pieces=2), True)):
+    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
@@ -476,7 +476,7 @@ def test_kernels_lower_to_triton():
                    GDNConfig(chunk=64, solve="doubling", sub=32)):
         lowered.append((lambda q, k, v, g, b, c=config: _forward(q, k, v, g, b, None, scale=0.1, config=c,
                                                                  emit_summary=False, interpret=False), args[:5]))
-    for config in (GDNConfig(), GDNConfig(solve="doubling", sub=32)):
+    for config in (gdn.default_config(per_key=True), GDNConfig(chunk=32, solve="doubling", sub=32)):
         kda = lambda q, k, v, gk, b, c=config: _forward(q, k, v, None, b, None, gk, scale=0.1,  # noqa: E731
                                                         config=c, emit_summary=True, interpret=False)
         lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))
