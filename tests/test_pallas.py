@@ -128,6 +128,11 @@ def test_compose_fold_kernel():
     ref_states = la.prefix_states(summaries)
     total_t, total_s = cmp.compose_all(t, s, "f32")
     assert rel(total_s, ref_states[-1]) < TOL32
+    product, none = cmp.compose_all(t, None, "f32")  # the transfers alone: T_7 ... T_1, an odd count
+    want = np.eye(dim)
+    for i in range(n):
+        want = np.asarray(t[i], np.float64) @ want
+    assert none is None and rel(product, want) < TOL32
     assert rel(cmp.prefix_states(t, s, None, "f32"), ref_states) < TOL32
     pt, ps = cmp.prefix_pairs(t, s, "f32")
     assert rel(ps, ref_states) < TOL32 and rel(pt[-1], total_t) < TOL32

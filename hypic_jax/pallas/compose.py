@@ -68,20 +68,25 @@ def compose_pair(first: tuple[Array, Array], second: tuple[Array, Array], algori
     return both[..., :key_dim], both[..., key_dim:] + s2
 
 
-def compose_all(transfers: Array, states: Array, algorithm: str = "bf16x3") -> tuple[Array, Array]:
-    """The pair of the whole ordered sequence (segment axis 0), by a balanced tree of batched compositions."""
+def compose_all(transfers: Array, states: Array | None, algorithm: str = "bf16x3") -> tuple[Array, Array | None]:
+    """The pair of the whole ordered sequence (segment axis 0), by a balanced tree of batched compositions.
+    states None: the transfers' ordered product T_n ... T_1 alone (returned with None)."""
     t, s = transfers, states
     while t.shape[0] > 1:
         n = t.shape[0]
         if n % 2:  # carry the last pair up unchanged
-            t_last, s_last = t[-1:], s[-1:]
-            t, s = t[:-1], s[:-1]
-        t_new, s_new = compose_pair((t[0::2], s[0::2]), (t[1::2], s[1::2]), algorithm)
+            t_last, t = t[-1:], t[:-1]
+            if s is not None:
+                s_last, s = s[-1:], s[:-1]
+        if s is None:
+            t_new, s_new = matmul(t[1::2], t[0::2], algorithm), None
+        else:
+            t_new, s_new = compose_pair((t[0::2], s[0::2]), (t[1::2], s[1::2]), algorithm)
         if n % 2:
             t_new = jnp.concatenate([t_new, t_last])
-            s_new = jnp.concatenate([s_new, s_last])
+            s_new = None if s is None else jnp.concatenate([s_new, s_last])
         t, s = t_new, s_new
-    return t[0], s[0]
+    return t[0], None if s is None else s[0]
 
 
 def prefix_states(transfers: Array, states: Array, initial_state: Array | None = None,

@@ -99,6 +99,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hypic_jax import linear_attn as la
+from hypic_jax.pallas.compose import compose_all
 
 __all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "default_interpret", "flops", "supports"]
 
@@ -682,9 +683,9 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     set by its sequential depth and its per-SM work (bench/RESULTS.md), so T would cost about as much as the forward's
     state pass again. Here the product splits at `group`-chunk boundaries instead: one launch steps every group's
     identity columns through its chunks (zero values: S <- A S), all groups in parallel (depth `group` instead of
-    L / c), and a log-depth tree multiplies the groups' [K, K] products in order (associativity of the matrix
-    product; float32-level "bf16x3" dots unless the state dots are exact "ieee"). Zero tokens pad the sequence to
-    whole groups: they have A = I.
+    L / c), and `compose.compose_all`'s log-depth tree multiplies the groups' [K, K] products in order
+    (associativity of the matrix product; float32-level "bf16x3" dots unless the state dots are exact "ieee").
+    Zero tokens pad the sequence to whole groups: they have A = I.
     """
     length, _, key_dim = k.shape
     heads = w.shape[1]
@@ -697,12 +698,8 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
                         out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret)
-    algorithm = None if config.state_precision == "ieee" else "bf16x3"
-    while ts.shape[0] > 1:  # pairs (earlier, later) -> later @ earlier
-        if ts.shape[0] % 2:
-            ts = jnp.concatenate([ts, eye[:1]])
-        ts = la._dense_product(ts[1::2], ts[0::2], algorithm)
-    return ts[0]
+    transfer, _ = compose_all(ts, None, "f32" if config.state_precision == "ieee" else "bf16x3")
+    return transfer
 
 
 def _chunk_cumsum(g: Array | None, length: int, heads: int, chunk: int) -> Array:
