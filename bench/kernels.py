@@ -580,7 +580,7 @@ def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
     if "decode" in sections:
         _all_decode(record, scale)
     if "steps" in sections:
-        _all_steps(record, length, *gdn_inputs(length), scale, b16, up, rep)
+        _all_steps(record, length, *gdn_inputs(length), scale, up, rep)
     log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
     _all_table(rows, fla, length)
 
@@ -754,9 +754,10 @@ def step_variants():
 SPLIT = ("tile c64 lw4 +TS group64", "KDA doubling c16")
 
 
-def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):
-    """run_all 6: the GDN (and KDA) forward at each `step_variants` entry, errors vs the float32 core, then the
-    chunk-local kernel and the state pass alone for `SPLIT`: where the time goes."""
+def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
+    """run_all 6: the GDN (and KDA) forward at each `step_variants` entry, errors vs the float32 core; T and S of
+    the emitting ones on slow gates; then the chunk-local kernel, the state pass and the transfer pass alone for
+    `SPLIT`: where the time goes."""
     import jax
     import jax.numpy as jnp
 
@@ -781,10 +782,10 @@ def _all_steps(record, length, q, k, v, g, beta, scale, b16, up, rep):
     # (T, S(C|0)) of the emitting variants: at 32k the fast gates above drive T to 0, so check T on 4k tokens with
     # slow gates (g, gk = -U(0, 1e-3)) against `linear_attn.summarize` in float32.
     slow_len = min(length, 4096)
-    ks_ = jax.random.split(jax.random.PRNGKey(5), 2)
+    gate_keys = jax.random.split(jax.random.PRNGKey(5), 2)
     sq, sk, sv, _, sbeta = gdn_inputs(slow_len, seed=6)
-    sg = -jax.random.uniform(ks_[0], (slow_len, HEADS), jnp.float32) * 1e-3
-    sgk = -jax.random.uniform(ks_[1], (slow_len, HEADS, DIM), jnp.float32) * 1e-3
+    sg = -jax.random.uniform(gate_keys[0], (slow_len, HEADS), jnp.float32) * 1e-3
+    sgk = -jax.random.uniform(gate_keys[1], (slow_len, HEADS, DIM), jnp.float32) * 1e-3
     slow_refs = {}
     for name, (cfg, emit, per_key) in variants_.items():
         if not emit:

@@ -735,9 +735,11 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     else:
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
-    res = list(_chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
-                             interpret=interpret))
-    ks, qs = (res.pop(), res.pop())[::-1] if gk is not None else (k, q)
+    res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
+                        interpret=interpret)
+    ks, qs = k, q
+    if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
+        res, (ks, qs) = res[:-2], res[-2:]
     if beta is not None:
         p, w, u = res
     else:
