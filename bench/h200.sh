@@ -8,6 +8,7 @@
 #                                # (ALL_SECTIONS="varlen decode" picks run_all's sections; FLA_TIMEOUT and
 #                                # KERNEL_TIMEOUT bound the two processes)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
+#   bash bench/h200.sh profile   # Nsight Compute counters of the GDN forward (Pallas folds, fla), then run_all
 #   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
 #   bash bench/h200.sh tune      # the request's GPU kernels alone with launch variants, then trr + full, traced
 #   bash bench/h200.sh bars      # the three modes the PIC bars compare, one process, with the host split, traced
@@ -139,12 +140,32 @@ case "${1:-}" in
     timeout "${KERNEL_TIMEOUT:-450}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
       --budget-s "$(( ${KERNEL_TIMEOUT:-450} - 30 ))" ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
     ;;
+  profile)
+    # Nsight Compute's counters for one warm GDN forward at 32k (the default launch, then FOLDS' fold variants),
+    # then fla's chunk_gated_delta_rule, as text; then KERNEL_TIMEOUT of run_all's sections (ALL_SECTIONS)
+    sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
+    sections="$sections --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats"
+    for fold in ${FOLDS:-none stacked}; do
+      timeout "${NCU_TIMEOUT:-100}" ncu --profile-from-start off --clock-control none $sections \
+        python3 bench/ncu_gdn.py --impl pallas --fold "$fold" > "$OUT/ncu_pallas_$fold.txt" 2>&1
+    done
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl
+      PYTHONPATH=.:/tmp/site timeout "${NCU_TIMEOUT:-100}" ncu --profile-from-start off --clock-control none \
+        $sections python3 bench/ncu_gdn.py --impl fla > "$OUT/ncu_fla.txt" 2>&1
+      PYTHONPATH=.:/tmp/site timeout "${FLA_TIMEOUT:-120}" python3 bench/kernels.py --fla-only --out "$OUT" \
+        --lengths 32768
+    fi
+    timeout "${KERNEL_TIMEOUT:-250}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
+      --budget-s "$(( ${KERNEL_TIMEOUT:-250} - 30 ))" --sections ${ALL_SECTIONS:-steps}
+    ;;
   focus)
     # the compose fold variants (block_w 128 reads each T once), the GDN per-kernel breakdown, slow-gate T check
     timeout 300 python3 bench/kernels.py --focus --out "$OUT" --budget-s 240
     ;;
   *)
-    echo "usage: bash bench/h200.sh models|pic|kernels|focus|variants|tune|bars|sweeps|close|pending|layers|final" >&2
+    echo "usage: bash bench/h200.sh models|pic|kernels|focus|profile|variants|tune|bars|sweeps|close|pending|layers|final" >&2
     exit 2
     ;;
 esac

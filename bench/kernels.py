@@ -724,34 +724,34 @@ def _all_decode(record, scale):
 
 
 def step_variants():
-    """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), the previous
-    one (chunk 32), the ways of emitting (T, S) (`GDNConfig.transfer_group`; the default is 64-chunk groups), and KDA
-    (`default_config(per_key=True)` is the chunk-16 row); name -> (config, emit (T, S), per-key gates), every config
-    spelled out so that a name keeps meaning what it measured when defaults move. Priority order: a run cut by its
-    budget drops the last ones."""
+    """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), its output
+    folds (`GDNConfig.fold`), launch variants, the ways of emitting (T, S) (`GDNConfig.transfer_group`; the default
+    is 64-chunk groups; "tf32 f32-inter" = tf32 dots and float32 W, U, P: the cache-grade T), and KDA (`default_config(per_key=True)` is the
+    chunk-16 row); name -> (config, emit (T, S), per-key gates), every config spelled out so that a name keeps
+    meaning what it measured when defaults move. Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
-    c32 = dict(chunk=32, solve="tile", locals_warps=2)
     c64 = dict(chunk=64, solve="tile", locals_warps=4)
     kda = dict(solve="doubling", locals_warps=2)
     return {
         "tile c64 lw4": (C(**c64), False, False),
-        "tile c32 lw2": (C(**c32), False, False),
-        "tile c64 lw4 +TS group16": (C(**c64, transfer_group=16), True, False),
-        "tile c64 lw4 +TS group32": (C(**c64, transfer_group=32), True, False),
+        "tile c64 lw4 fold stacked": (C(**c64, fold="stacked"), False, False),
+        "tile c64 lw4 fold separate": (C(**c64, fold="separate"), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
-        "tile c64 lw4 +TS widened": (C(**c64, transfer_group=0), True, False),
-        "tile c32 lw2 +TS group32": (C(**c32, transfer_group=32), True, False),
-        "KDA doubling c32": (C(chunk=32, **kda), False, True),
+        "tile c64 lw4 fold stacked +TS group64": (C(**c64, fold="stacked", transfer_group=64), True, False),
+        "tile c64 lw4 bv64": (C(**c64, block_v=64), False, False),
+        "tile c64 lw4 fold stacked bv64": (C(**c64, fold="stacked", block_v=64), False, False),
+        "tile c64 lw4 fold stacked s2": (C(**c64, fold="stacked", state_stages=2), False, False),
+        "tile c64 lw4 +TS group64 tf32 f32-inter": (C(**c64, transfer_group=64, inter_dtype="float32",
+                                                      locals_precision="tf32", state_precision="tf32"), True, False),
         "KDA doubling c16": (C(chunk=16, **kda), False, True),
-        "KDA doubling c32 +TS group16": (C(chunk=32, **kda, transfer_group=16), True, True),
-        "KDA doubling c32 +TS widened": (C(chunk=32, **kda, transfer_group=0), True, True),
+        "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64", "KDA doubling c16")
+SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 fold stacked +TS group64")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
@@ -811,14 +811,15 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
                                                                            config=cfg, interpret=INTERPRET))
         record("steps", f"locals only: {name}", locals_fn, args)
         b, p, w, u, ks, qs = locals_fn(*args)
+        fold = gdn._fold_mode(cfg, True, per_key)
         init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
-        state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
+        state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg, fold=fold: gdn._state_pass(
             w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale,
-            config=cfg, interpret=INTERPRET))
+            config=cfg, interpret=INTERPRET, fold=fold, outputs=True))
         record("steps", f"state pass only: {name}", state_fn, (w, u, ks, b, qs, p, init))
         if cfg.transfer_group:
-            transfer_fn = jax.jit(lambda w, k, b, cfg=cfg: gdn._transfer_pass(
-                w, k, b, chunk=cfg.chunk, group=cfg.transfer_group, config=cfg, interpret=INTERPRET))
+            transfer_fn = jax.jit(lambda w, k, b, cfg=cfg, fold=fold: gdn._transfer_pass(
+                w, k, b, chunk=cfg.chunk, group=cfg.transfer_group, config=cfg, interpret=INTERPRET, fold=fold))
             record("steps", f"transfer pass only: {name}", transfer_fn, (w, ks, b))
         del b, p, w, u, ks, qs
 

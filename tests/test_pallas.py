@@ -470,7 +470,8 @@ def test_kernels_lower_to_triton():
     args = (sd((length, 16, dim), jnp.bfloat16), sd((length, 16, dim), jnp.bfloat16),
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True)):
+    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True),
+                         (GDNConfig(fold="stacked"), True), (GDNConfig(fold="separate", pieces=2), True)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()

@@ -1,0 +1,102 @@
+"""One warm Gated DeltaNet forward between cudaProfilerStart/Stop, for Nsight Compute's hardware counters.
+
+    ncu --profile-from-start off --clock-control none --section ... python3 bench/ncu_gdn.py --impl pallas
+    ncu --profile-from-start off ... python3 bench/ncu_gdn.py --impl fla        # fla's chunk_gated_delta_rule
+
+Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
+autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
+`bash bench/h200.sh profile` runs it under ncu for the default launch, a fold variant and fla.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def _cudart():
+    """The CUDA runtime, for cudaProfilerStart/Stop (JAX has no binding of its own)."""
+    names = [ctypes.util.find_library("cudart")] + [f"libcudart.so.{v}" for v in (13, 12)] + ["libcudart.so"]
+    try:
+        import nvidia.cuda_runtime as rt  # the pip package JAX's CUDA plugin depends on
+
+        lib_dir = os.path.join(list(rt.__path__)[0], "lib")
+        names = [os.path.join(lib_dir, f) for f in sorted(os.listdir(lib_dir)) if f.startswith("libcudart.so")] + names
+    except (ImportError, OSError):
+        pass
+    for name in names:
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError("libcudart not found: cannot bracket the profiled range")
+
+
+def run_pallas(length, config_kwargs, emit):
+    import jax
+
+    from kernels import DIM, gdn_inputs
+    from hypic_jax.pallas import gdn
+
+    q, k, v, g, beta = gdn_inputs(length)
+    config = gdn.GDNConfig(**config_kwargs)
+    fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=DIM**-0.5, config=config,
+                                                       emit_summary=emit, interpret=False))
+    for _ in range(3):
+        jax.block_until_ready(fn(q, k, v, g, beta))
+    rt = _cudart()
+    rt.cudaProfilerStart()
+    jax.block_until_ready(fn(q, k, v, g, beta))
+    rt.cudaProfilerStop()
+    print("profiled one pallas forward:", config, "emit" if emit else "", flush=True)
+
+
+def run_fla(length):
+    import torch
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from kernels import DIM, HEADS, KEY_HEADS
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    q = torch.nn.functional.normalize(torch.randn(1, length, KEY_HEADS, DIM, device=dev), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, length, KEY_HEADS, DIM, device=dev), dim=-1).bfloat16()
+    v = torch.randn(1, length, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    g = -torch.rand(1, length, HEADS, device=dev, dtype=torch.float32) * 0.1
+    beta = torch.rand(1, length, HEADS, device=dev, dtype=torch.float32).sigmoid()
+    fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=DIM**-0.5,  # noqa: E731
+                                        output_final_state=True)
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled one fla chunk_gated_delta_rule forward", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--impl", choices=("pallas", "fla"), default="pallas")
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--fold", default="none", help="GDNConfig.fold of the Pallas launch")
+    ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
+    args = ap.parse_args()
+    if args.impl == "fla":
+        run_fla(args.length)
+    else:
+        run_pallas(args.length, dict(fold=args.fold), args.emit)
+
+
+if __name__ == "__main__":
+    main()
