@@ -76,7 +76,9 @@ def run_fla(out_dir, lengths):
                 log(path, dict(impl="fla chunk_gated_delta_rule", L=length, key_heads=key_heads, error=repr(e)[:300]))
             del q, k, v, g, beta
             torch.cuda.empty_cache()
-    for length in lengths:  # per-key families and packed segments (32 heads of 128 everywhere)
+    for length in lengths:  # per-key families and packed segments (32 heads of 128 everywhere), at 32k only
+        if length != 32768 and len(lengths) > 1:
+            continue
         torch.manual_seed(0)
         q = torch.nn.functional.normalize(torch.randn(1, length, HEADS, DIM, device=dev), dim=-1).bfloat16()
         k = torch.nn.functional.normalize(torch.randn(1, length, HEADS, DIM, device=dev), dim=-1).bfloat16()
@@ -737,21 +739,18 @@ def step_variants():
     kda = dict(solve="doubling", locals_warps=2)
     return {
         "tile c64 lw4": (C(**c64), False, False),
-        "tile c64 lw4 fold stacked": (C(**c64, fold="stacked"), False, False),
-        "tile c64 lw4 fold separate": (C(**c64, fold="separate"), False, False),
+        "tile c64 lw4 share": (C(**c64, share_keys=True), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
+        "tile c64 lw4 share +TS group64": (C(**c64, share_keys=True, transfer_group=64), True, False),
         "tile c64 lw4 fold stacked +TS group64": (C(**c64, fold="stacked", transfer_group=64), True, False),
-        "tile c64 lw4 bv64": (C(**c64, block_v=64), False, False),
-        "tile c64 lw4 fold stacked bv64": (C(**c64, fold="stacked", block_v=64), False, False),
-        "tile c64 lw4 fold stacked s2": (C(**c64, fold="stacked", state_stages=2), False, False),
-        "tile c64 lw4 +TS group64 tf32 f32-inter": (C(**c64, transfer_group=64, inter_dtype="float32",
-                                                      locals_precision="tf32", state_precision="tf32"), True, False),
-        "KDA doubling c16": (C(chunk=16, **kda), False, True),
+        "tile c64 lw4 share ls2": (C(**c64, share_keys=True, locals_stages=2), False, False),
         "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 fold stacked +TS group64")
+SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 share +TS group64", "tile c64 lw4 fold stacked +TS group64")
+STEP_LENGTHS = ()  # --step-lengths: other lengths at which the first LENGTH_VARIANTS are timed after the split
+LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 share", "tile c64 lw4 +TS group64", "tile c64 lw4 share +TS group64")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
@@ -781,7 +780,7 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         record("steps", name, fn, args, ref, fla_name="fla chunk_kda" if per_key else "fla chunk_gated_delta_rule")
     # (T, S(C|0)) of the emitting variants: at 32k the fast gates above drive T to 0, so check T on 4k tokens with
     # slow gates (g, gk = -U(0, 1e-3)) against `linear_attn.summarize` in float32.
-    slow_len = min(length, 4096)
+    slow_len = min(length, 4096)  # per-key gates: 1,024 (the float32 per-key summary compiled for minutes at 4k)
     gate_keys = jax.random.split(jax.random.PRNGKey(5), 2)
     sq, sk, sv, _, sbeta = gdn_inputs(slow_len, seed=6)
     sg = -jax.random.uniform(gate_keys[0], (slow_len, HEADS), jnp.float32) * 1e-3
@@ -793,6 +792,8 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         if per_key not in slow_refs:
             args = ((jnp.repeat(sq, group, 1), jnp.repeat(sk, group, 1), sv, None, sgk, sbeta) if per_key
                     else (sq, sk, sv, sg, None, sbeta))
+            if per_key:
+                args = tuple(None if x is None else x[:min(slow_len, 1024)] for x in args)
             summ = jax.jit(lambda k, v, g, gk, b: la.summarize(rep(k) if k.shape[1] != HEADS else up(k), up(v), g=g,
                                                                gk=gk, beta=b))(*args[1:])
             slow_refs[per_key] = (args, {"T": (lambda r: r[2].transfer, summ.transfer),
@@ -800,7 +801,7 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         args, ref = slow_refs[per_key]
         fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: gdn.gdn_forward(
             q, k, v, g=g, gk=gk, beta=b, scale=scale, config=cfg, emit_summary=True, interpret=INTERPRET))
-        record("steps T check", f"{name} (L={slow_len}, slow gates)", fn, args, ref, tokens=slow_len)
+        record("steps T check", f"{name} (L={args[1].shape[0]}, slow gates)", fn, args, ref, tokens=args[1].shape[0])
     refs.clear()
     slow_refs.clear()
     for name in SPLIT:
@@ -822,6 +823,14 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
                 w, k, b, chunk=cfg.chunk, group=cfg.transfer_group, config=cfg, interpret=INTERPRET, fold=fold))
             record("steps", f"transfer pass only: {name}", transfer_fn, (w, ks, b))
         del b, p, w, u, ks, qs
+    for other in STEP_LENGTHS:  # the default and its variants at other lengths (no error check: timing only)
+        oq, ok, ov, og, obeta = gdn_inputs(other)
+        for name in LENGTH_VARIANTS:
+            cfg, emit, _ = variants_[name]
+            fn = jax.jit(lambda q, k, v, g, b, cfg=cfg, emit=emit: gdn.gdn_forward(
+                q, k, v, g=g, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
+            record("steps", f"{name} (L={other})", fn, (oq, ok, ov, og, obeta), tokens=other)
+        del oq, ok, ov, og, obeta
 
 
 def _all_table(rows, fla, length):
@@ -848,9 +857,11 @@ def main():
     ap.add_argument("--all", action="store_true", help="every kernel variant in one run and one table (run_all)")
     ap.add_argument("--sections", nargs="+", default=list(ALL_SECTIONS), choices=ALL_SECTIONS,
                     help="run_all's sections (default: all)")
+    ap.add_argument("--step-lengths", default="", help="steps section: also time LENGTH_VARIANTS at these lengths")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     args = ap.parse_args()
-    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE
+    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE, STEP_LENGTHS
+    STEP_LENGTHS = tuple(int(x) for x in args.step_lengths.split(",") if x)
     if args.smoke:
         HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE = 4, 2, 16, True, (5, 2, 40)
     os.makedirs(args.out, exist_ok=True)

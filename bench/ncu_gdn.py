@@ -5,7 +5,7 @@
 
 Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
 autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
-`bash bench/h200.sh profile` runs it under ncu for the default launch, a fold variant and fla.
+`bash bench/h200.sh profile` runs it under ncu for the default launch, its variants and fla.
 """
 
 from __future__ import annotations
@@ -90,12 +90,13 @@ def main():
     ap.add_argument("--impl", choices=("pallas", "fla"), default="pallas")
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--fold", default="none", help="GDNConfig.fold of the Pallas launch")
+    ap.add_argument("--share-keys", action="store_true", help="GDNConfig.share_keys of the Pallas launch")
     ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
     args = ap.parse_args()
     if args.impl == "fla":
         run_fla(args.length)
     else:
-        run_pallas(args.length, dict(fold=args.fold), args.emit)
+        run_pallas(args.length, dict(fold=args.fold, share_keys=args.share_keys), args.emit)
 
 
 if __name__ == "__main__":

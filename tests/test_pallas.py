@@ -316,19 +316,22 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
-       length=st.integers(1, 150), with_init=st.booleans(), seed=st.integers(0, 2**16))
-def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, seed):
+       fold=st.sampled_from(["none", "separate", "stacked"]), length=st.integers(1, 150), with_init=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, fold, length, with_init, seed):
     """Outputs, final state and the emitted summary against the token-by-token recurrence and
     `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
-    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree)
-    and lengths (odd ones and ones shorter than a chunk included)."""
+    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree),
+    output folds (with the tile solve; families other than the scalar-gate delta rule ignore them) and lengths
+    (odd ones and ones shorter than a chunk included)."""
+    fold = fold if solve == "tile" else "none"
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
     gk = per_key_gates(length, 2, 16, seed=seed + 1, strength=2.0) if family in ("kda", "kda+g", "gla") else None
     rng = np.random.default_rng(seed + 2)
     init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
-    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group)
+    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group, fold=fold)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
@@ -355,6 +358,10 @@ def test_config_refuses_bad_sub_and_group():
         GDNConfig(sub=8)
     with pytest.raises(ValueError, match="transfer_group"):
         GDNConfig(transfer_group=-1)
+    with pytest.raises(ValueError, match="fold"):
+        GDNConfig(fold="both")
+    with pytest.raises(ValueError, match="tile"):
+        GDNConfig(fold="stacked", solve="doubling")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -396,6 +403,18 @@ def test_per_key_diagonal_blocks_take_both_forms():
         assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
 
 
+def test_per_key_launch_over_shared_memory_is_refused():
+    """Per-key gates at chunk 64 and K = 128 do not fit a GPU's shared memory: a clear error before Triton's."""
+    length, dim = 64, 128
+    q = k = jnp.zeros((length, 1, dim), jnp.bfloat16)
+    v = jnp.zeros((length, 2, dim), jnp.bfloat16)
+    gk = jnp.zeros((length, 2, dim), jnp.float32)
+    with pytest.raises(ValueError, match="per-key gates"):
+        gdn_forward(q, k, v, gk=gk, config=GDNConfig(), interpret=False)
+    with pytest.raises(ValueError, match="per-key gates"):
+        gdn.gdn_varlen(q, k, v, [0, length], gk=gk, config=GDNConfig(chunk=64, solve="doubling"), interpret=False)
+
+
 def test_per_key_bfloat16():
     q, k, v, _, beta = inputs(37, seed=15, dtype=jnp.bfloat16)
     gk = per_key_gates(37, 2, 16, seed=16)
@@ -411,13 +430,14 @@ def test_per_key_bfloat16():
 # Variable-length packed segments.
 
 
-@pytest.mark.parametrize("gates,chunk,traced", [("gdn", 16, True), ("kda", 32, False), ("decay", 16, False)])
-def test_varlen_matches_reference(gates, chunk, traced):
+@pytest.mark.parametrize("gates,chunk,traced,fold", [("gdn", 16, True, "none"), ("gdn", 32, False, "stacked"),
+                                                     ("kda", 32, False, "none"), ("decay", 16, False, "none")])
+def test_varlen_matches_reference(gates, chunk, traced, fold):
     length = 61
     cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
     gk = per_key_gates(length, 2, 16, seed=18) if gates == "kda" else None
-    config = GDNConfig(chunk=chunk, block_v=16)
+    config = GDNConfig(chunk=chunk, block_v=16, fold=fold)
     offsets = jnp.asarray(cu, jnp.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
@@ -471,7 +491,8 @@ def test_kernels_lower_to_triton():
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True),
-                         (GDNConfig(fold="stacked"), True), (GDNConfig(fold="separate", pieces=2), True)):
+                         (GDNConfig(fold="stacked"), True), (GDNConfig(fold="separate", pieces=2), True),
+                         (GDNConfig(share_keys=True), True)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()

@@ -131,6 +131,10 @@ class GDNConfig:
       o = Qt S + P U with Qt = scale e^b Q - P W (exact algebra), so that a step has three dots ("separate": Qt and
       P U as their own arrays) or two ("stacked": [W; -Qt] and [U; P U] interleaved per chunk, so that one
       [2c, K] x [K, BV] dot gives [U'; o]); the chunk-local kernel does two more [c, c] x [c, K or V] dots.
+    share_keys: one chunk-local program per (chunk, key head), looping over the key head's value heads (16 key ->
+      32 value heads in Qwen3.5): the q, k loads and Q K^T, K K^T once per key head instead of once per value
+      head. Scalar gates with the "tile" solve or no delta rule, no fold, a power-of-two head group; elsewhere
+      ignored.
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -147,7 +151,7 @@ class GDNConfig:
     64 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state warps 3.739). Emitting (T, S) through the transfer
     pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups 1.904, 16-chunk 2.023, the widened pass 2.241).
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
-    H200's shared memory (measured), so do not use `GDNConfig()` there.
+    H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
     """
 
     chunk: int = 64
@@ -158,6 +162,7 @@ class GDNConfig:
     sub: int = 16
     transfer_group: int = 64
     fold: str = "none"
+    share_keys: bool = False
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -490,6 +495,36 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         u_ref[blk, :] = u_i.astype(u_ref.dtype)
 
 
+def _locals_kernel_shared(*refs, chunk, group, delta, scale, prec, solve_prec):
+    """`_locals_kernel` for one (chunk, key head) and its `group` value heads (`GDNConfig.share_keys`; scalar
+    gates, "tile" solve). Q K^T and K K^T do not depend on the value head's gates, so they are formed once and each
+    value head applies its own decays and beta to them.
+
+    Refs: q, k [c, K]; v [c, G, V]; b, beta [G, c]; outputs p [G, c, c], w [c, G, K], u [c, G, V] (G = group).
+    """
+    if delta:
+        q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
+    else:
+        q_ref, k_ref, b_ref, p_ref = refs
+    rows, cols = _iotas(chunk)
+    causal, strict = rows >= cols, rows > cols
+    k_all = k_ref[...]
+    qk = _dot(q_ref[...], k_all, prec, trans_b=True)
+    kk = _dot(k_all, k_all, prec, trans_b=True) if delta else None
+    for i in range(group):
+        b_all = b_ref[i, :]
+        diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
+        p_ref[i, :, :] = (scale * qk * jnp.where(causal, jnp.exp(diff), 0.0)).astype(p_ref.dtype)
+        if not delta:
+            continue
+        beta_all = beta_ref[i, :]
+        m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+        x = _inverse_doubling(m, solve_prec)
+        rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
+        w_ref[:, i, :] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
+        u_ref[:, i, :] = _dot(x, beta_all[:, None] * v_ref[:, i, :].astype(jnp.float32), prec).astype(u_ref.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernel 2: the state pass over the chunks of one piece (parallel over state column blocks, heads and pieces).
 
@@ -602,6 +637,49 @@ def _fold_mode(config: GDNConfig, delta: bool, per_key: bool) -> str:
     return config.fold if delta and not per_key and config.solve == "tile" else "none"
 
 
+def _shares_keys(config: GDNConfig, delta: bool, per_key: bool, group: int) -> bool:
+    """Whether `config.share_keys` applies (see `GDNConfig.share_keys`)."""
+    return (config.share_keys and not per_key and group > 1 and not group & (group - 1)
+            and (not delta or config.solve == "tile") and _fold_mode(config, delta, per_key) == "none")
+
+
+def _chunk_locals_shared(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
+    """`_chunk_locals` with one program per (chunk, key head) (`_locals_kernel_shared`); same outputs."""
+    length, key_heads, key_dim = k.shape
+    heads = b.shape[0]
+    group = heads // key_heads
+    delta = beta is not None
+    qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
+    gate_spec = pl.BlockSpec((group, chunk), lambda n, h: (h, n))
+    p_spec = pl.BlockSpec((group, chunk, chunk), lambda n, h: (h, n, 0))
+    p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
+    in_specs, args = [qk_spec, qk_spec], [q, k]
+    out_specs, out_shape = [p_spec], [p_shape]
+    if delta:
+        value_dim = v.shape[-1]
+        v_spec = pl.BlockSpec((chunk, group, value_dim), lambda n, h: (n, h, 0))
+        in_specs += [v_spec, gate_spec, gate_spec]
+        args += [v, b, beta]
+        out_specs += [pl.BlockSpec((chunk, group, key_dim), lambda n, h: (n, h, 0)), v_spec]
+        out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
+                      jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
+    else:
+        in_specs.append(gate_spec)
+        args.append(b)
+    kernel = functools.partial(_locals_kernel_shared, chunk=chunk, group=group, delta=delta, scale=scale,
+                               prec=config.locals_precision, solve_prec=config.solve_precision)
+    return pl.pallas_call(
+        kernel,
+        grid=(length // chunk, key_heads),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(config.locals_warps, config.locals_stages),
+        interpret=interpret,
+        name="gdn_chunk_locals_shared",
+    )(*args)
+
+
 def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
     """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
     With a fold (`GDNConfig.fold`): W, U, Qt, P U ("separate") or [W; -Qt], [U; P U] ("stacked")."""
@@ -618,6 +696,9 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
     fold = _fold_mode(config, delta, per_key)
+    if _shares_keys(config, delta, per_key, group):
+        return _chunk_locals_shared(q, k, v, b, beta, chunk=chunk, scale=scale, inter_dtype=inter_dtype,
+                                    config=config, interpret=interpret)
     if delta:
         value_dim = v.shape[-1]
         in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
@@ -929,6 +1010,15 @@ def _check(q, k, v, g, gk, beta):
     return length, key_heads, key_dim, heads, value_dim
 
 
+def _check_per_key_launch(config: GDNConfig, key_dim: int, interpret: bool) -> None:
+    """Refuse a per-key launch that cannot fit a GPU's shared memory, before Triton fails with a bare resource
+    error: with per-key gates at K >= 128, chunk 64 requests 233,472 bytes (measured on the H200, whose limit is
+    232,448; "tile" falls back to "doubling" there)."""
+    if not interpret and config.chunk >= 64 and key_dim >= 128:
+        raise ValueError(f"per-key gates (gk) at chunk {config.chunk} and K = {key_dim} need more shared memory than "
+                         "an H100/H200 has; use gdn.default_config(per_key=True) (chunk 16) or chunk <= 32")
+
+
 def _common_dtype(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
     """q and k in v's dtype: the kernels hold every token tile in one dtype, and float32 q/k tiles beside bf16
     values (q, k straight out of a float32 L2 norm) doubled the chunk kernel's shared memory past an H200's 227 KiB
@@ -973,6 +1063,8 @@ def gdn_forward(
         raise ValueError(f"initial_state must be [{heads}, {key_dim}, {value_dim}], got {initial_state.shape}")
     if interpret is None:
         interpret = default_interpret()
+    if gk is not None:
+        _check_per_key_launch(config, key_dim, bool(interpret))
     o, state, summary = _forward(q, k, v, g, beta, initial_state, gk, scale=float(scale), config=config,
                                  emit_summary=emit_summary, interpret=bool(interpret))
     return (o, state, summary) if emit_summary else (o, state)
@@ -1089,12 +1181,14 @@ def gdn_varlen(
     extra zero tokens) and the outputs gathered back, one extra read and write of q, k, v, gates and o in XLA, so
     the kernels stay the ones of `gdn_forward` with two int32 tables of one entry per chunk.
     """
-    length, _, _, _, _ = _check(q, k, v, g, gk, beta)
+    length, _, key_dim, _, _ = _check(q, k, v, g, gk, beta)
     config = default_config(gk is not None) if config is None else config
     q, k = _common_dtype(q, k, v)
     cu = _cu_array(cu_seqlens, length)
     if interpret is None:
         interpret = default_interpret()
+    if gk is not None:
+        _check_per_key_launch(config, key_dim, bool(interpret))
     return _varlen(q, k, v, cu, g, gk, beta, scale=float(scale), config=config, emit_summary=emit_summary,
                    interpret=bool(interpret))
 
