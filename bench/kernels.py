@@ -656,12 +656,12 @@ def _all_per_key(record, length, scale, group, b16, up):
 
 
 def _all_varlen(record, length, scale, b16):
-    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S)."""
+    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S) (the widened state)."""
     import jax
     import jax.numpy as jnp
 
     from hypic_jax.pallas import gdn
-    C = named_config
+    from hypic_jax.pallas.gdn import GDNConfig
     segments = min(64, max(2, length // 16))
     cu_list = varlen_offsets(length, segments)
     cu = jnp.asarray(cu_list, jnp.int32)
@@ -675,21 +675,19 @@ def _all_varlen(record, length, scale, b16):
         lambda q, k, v, cu, g, b: gdn.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
-    for name, cfg in (("pallas doubling bf16 s3 +TS", C(solve="doubling", **b16)),
-                      ("pallas doubling tf32 f32-inter s3 +TS", C(solve="doubling", inter_dtype="float32",
-                                                                  locals_precision="tf32", state_precision="tf32")),
-                      ("pallas rows bf16 s3 +TS", C(solve="rows", **b16))):
+    for name, cfg in (("pallas tile c64 lw4 +TS", GDNConfig(locals_warps=4, stack=0, **b16)),
+                      ("pallas tile c64 lw4 stack16 +TS", GDNConfig(locals_warps=4, stack=16, **b16))):
         fn = jax.jit(lambda q, k, v, cu, g, b, cfg=cfg: gdn.gdn_varlen(
             q, k, v, cu, g=g, beta=b, scale=scale, config=cfg, interpret=INTERPRET))
         record("varlen", name, fn, (q, k, v, cu, g, beta), ref, fla_name="fla chunk_gated_delta_rule varlen")
-    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale,
-                                                          config=C(solve="doubling", **b16), emit_summary=False,
-                                                          interpret=INTERPRET))
-    record("varlen", "pallas doubling bf16 s3 (states only)", fn, (q, k, v, cu, g, beta),
+    cfg = GDNConfig(locals_warps=4, stack=16, **b16)
+    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
+                                                          emit_summary=False, interpret=INTERPRET))
+    record("varlen", "pallas tile c64 lw4 stack16 (states only)", fn, (q, k, v, cu, g, beta),
            fla_name="fla chunk_gated_delta_rule varlen")
-    fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale,
-                                                       config=C(solve="doubling", **b16), interpret=INTERPRET))
-    record("varlen", "pallas doubling bf16 s3, unsegmented (baseline)", fn, (q, k, v, g, beta))
+    fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=cfg,
+                                                       interpret=INTERPRET))
+    record("varlen", "pallas tile c64 lw4 stack16, unsegmented (baseline)", fn, (q, k, v, g, beta))
 
 
 def _all_decode(record, scale):
@@ -726,11 +724,11 @@ def _all_decode(record, scale):
 
 
 def step_variants():
-    """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), its output
-    folds (`GDNConfig.fold`), launch variants, the ways of emitting (T, S) (`GDNConfig.transfer_group`; the default
-    is 64-chunk groups; "tf32 f32-inter" = tf32 dots and float32 W, U, P: the cache-grade T), and KDA (`default_config(per_key=True)` is the
-    chunk-16 row); name -> (config, emit (T, S), per-key gates), every config spelled out so that a name keeps
-    meaning what it measured when defaults move. Priority order: a run cut by its budget drops the last ones."""
+    """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), its doubling
+    inverse with stacked low levels (`GDNConfig.stack`), emitting (T, S) through the transfer pass
+    (`GDNConfig.transfer_group`, 64-chunk groups), and KDA (`default_config(per_key=True)` is the chunk-16 row);
+    name -> (config, emit (T, S), per-key gates), every config spelled out so that a name keeps meaning what it
+    measured when defaults move. Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
@@ -739,18 +737,18 @@ def step_variants():
     kda = dict(solve="doubling", locals_warps=2)
     return {
         "tile c64 lw4": (C(**c64), False, False),
-        "tile c64 lw4 share": (C(**c64, share_keys=True), False, False),
+        "tile c64 lw4 stack16": (C(**c64, stack=16), False, False),
+        "tile c64 lw4 stack32": (C(**c64, stack=32), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
-        "tile c64 lw4 share +TS group64": (C(**c64, share_keys=True, transfer_group=64), True, False),
-        "tile c64 lw4 fold stacked +TS group64": (C(**c64, fold="stacked", transfer_group=64), True, False),
-        "tile c64 lw4 share ls2": (C(**c64, share_keys=True, locals_stages=2), False, False),
-        "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
+        "tile c64 lw4 stack16 +TS group64": (C(**c64, stack=16, transfer_group=64), True, False),
+        "KDA doubling c16": (C(chunk=16, **kda), False, True),
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 share +TS group64", "tile c64 lw4 fold stacked +TS group64")
-STEP_LENGTHS = ()  # --step-lengths: other lengths at which the first LENGTH_VARIANTS are timed after the split
-LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 share", "tile c64 lw4 +TS group64", "tile c64 lw4 share +TS group64")
+SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 stack16 +TS group64")
+STEP_LENGTHS = ()  # --step-lengths: other lengths at which LENGTH_VARIANTS are timed after the split
+LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 stack16", "tile c64 lw4 +TS group64",
+                   "tile c64 lw4 stack16 +TS group64")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
@@ -812,15 +810,14 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
                                                                            config=cfg, interpret=INTERPRET))
         record("steps", f"locals only: {name}", locals_fn, args)
         b, p, w, u, ks, qs = locals_fn(*args)
-        fold = gdn._fold_mode(cfg, True, per_key)
         init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
-        state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg, fold=fold: gdn._state_pass(
+        state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
             w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale,
-            config=cfg, interpret=INTERPRET, fold=fold, outputs=True))
+            config=cfg, interpret=INTERPRET))
         record("steps", f"state pass only: {name}", state_fn, (w, u, ks, b, qs, p, init))
         if cfg.transfer_group:
-            transfer_fn = jax.jit(lambda w, k, b, cfg=cfg, fold=fold: gdn._transfer_pass(
-                w, k, b, chunk=cfg.chunk, group=cfg.transfer_group, config=cfg, interpret=INTERPRET, fold=fold))
+            transfer_fn = jax.jit(lambda w, k, b, cfg=cfg: gdn._transfer_pass(
+                w, k, b, chunk=cfg.chunk, group=cfg.transfer_group, config=cfg, interpret=INTERPRET))
             record("steps", f"transfer pass only: {name}", transfer_fn, (w, ks, b))
         del b, p, w, u, ks, qs
     for other in STEP_LENGTHS:  # the default and its variants at other lengths (no error check: timing only)

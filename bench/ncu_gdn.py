@@ -89,14 +89,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=("pallas", "fla"), default="pallas")
     ap.add_argument("--length", type=int, default=32768)
-    ap.add_argument("--fold", default="none", help="GDNConfig.fold of the Pallas launch")
-    ap.add_argument("--share-keys", action="store_true", help="GDNConfig.share_keys of the Pallas launch")
+    ap.add_argument("--stack", type=int, default=0, help="GDNConfig.stack of the Pallas launch")
     ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
     args = ap.parse_args()
     if args.impl == "fla":
         run_fla(args.length)
     else:
-        run_pallas(args.length, dict(fold=args.fold, share_keys=args.share_keys), args.emit)
+        run_pallas(args.length, dict(stack=args.stack), args.emit)
 
 
 if __name__ == "__main__":

@@ -316,22 +316,21 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
-       fold=st.sampled_from(["none", "separate", "stacked"]), length=st.integers(1, 150), with_init=st.booleans(),
+       stack=st.sampled_from([0, 16, 32]), length=st.integers(1, 150), with_init=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, fold, length, with_init, seed):
+def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, stack, length, with_init, seed):
     """Outputs, final state and the emitted summary against the token-by-token recurrence and
     `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
     groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree),
-    output folds (with the tile solve; families other than the scalar-gate delta rule ignore them) and lengths
-    (odd ones and ones shorter than a chunk included)."""
-    fold = fold if solve == "tile" else "none"
+    stacked doubling levels (`GDNConfig.stack`; off where the doubled block is not larger) and lengths (odd ones
+    and ones shorter than a chunk included)."""
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
     gk = per_key_gates(length, 2, 16, seed=seed + 1, strength=2.0) if family in ("kda", "kda+g", "gla") else None
     rng = np.random.default_rng(seed + 2)
     init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
-    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group, fold=fold)
+    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group, stack=stack)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
@@ -339,7 +338,24 @@ def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, g
     assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
     ref_sum = la.summarize(k.repeat(2, 1), v, g=g, gk=gk, beta=beta, chunk_size=16)
     assert summary.form == ref_sum.form
-    assert rel(summary.transfer, ref_sum.transfer) < TOL32 and rel(summary.state, ref_sum.state) < TOL32
+    assert rel(summary.transfer, ref_sum.transfer) < transfer_tolerance(g, gk, chunk)
+    assert rel(summary.state, ref_sum.state) < TOL32
+
+
+def transfer_tolerance(g, gk, chunk):
+    """TOL32, or float32's resolution of the decays where the gates are extreme. A kernel takes e^{b_t - b_j} from
+    chunk-local cumulative log decays b, which float32 holds to |b| 2^-24 absolute; T is a product of such decays
+    with cancelling low-rank corrections, and per-key gates of -2 per token reach |b| = 80 in a 64-token chunk,
+    where T (entries near 1e-29) came out 3.4e-5 from a float64 reference (the chunk-16 reference: 4e-6). The
+    bound allows 16 such roundings; real errors (a wrong mask, decay or block) are orders of magnitude larger."""
+    log_decay = np.zeros(1) if g is None else np.asarray(g, np.float64)[..., None]
+    if gk is not None:
+        log_decay = log_decay + np.asarray(gk, np.float64)
+    length = log_decay.shape[0]
+    pad = -length % chunk
+    padded = np.pad(log_decay, [(0, pad)] + [(0, 0)] * (log_decay.ndim - 1))
+    span = np.abs(padded.reshape((-1, chunk) + padded.shape[1:]).sum(axis=1)).max()
+    return max(TOL32, 16 * span * 2.0**-24)
 
 
 def test_transfer_groups_product_tree():
@@ -358,10 +374,22 @@ def test_config_refuses_bad_sub_and_group():
         GDNConfig(sub=8)
     with pytest.raises(ValueError, match="transfer_group"):
         GDNConfig(transfer_group=-1)
-    with pytest.raises(ValueError, match="fold"):
-        GDNConfig(fold="both")
-    with pytest.raises(ValueError, match="tile"):
-        GDNConfig(fold="stacked", solve="doubling")
+    with pytest.raises(ValueError, match="stack"):
+        GDNConfig(stack=8)
+
+
+@pytest.mark.parametrize("n,stack", [(16, 4), (32, 8), (64, 16), (64, 32)])
+def test_stacked_doubling_inverse(n, stack):
+    """The doubling inverse with its low levels on stacked diagonal blocks equals the exact inverse (float32 dots)
+    and stays within bf16 rounding of it with bf16 dots, on correlated keys."""
+    rng = np.random.default_rng(n + stack)
+    keys = rng.standard_normal((n, 16))
+    keys = 0.7 * keys / np.linalg.norm(keys, axis=1, keepdims=True) + 0.3 * keys[:1] / np.linalg.norm(keys[0])
+    strict = np.tril(0.8 * keys @ keys.T, -1)
+    want = np.linalg.inv(np.eye(n) + strict)
+    for precision, tol in (("ieee", 1e-6), ("bf16", 5e-3)):
+        got = gdn._inverse_doubling(jnp.asarray(strict, jnp.float32), precision, stack)
+        assert rel(got, want) < tol, (precision, rel(got, want))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -430,14 +458,13 @@ def test_per_key_bfloat16():
 # Variable-length packed segments.
 
 
-@pytest.mark.parametrize("gates,chunk,traced,fold", [("gdn", 16, True, "none"), ("gdn", 32, False, "stacked"),
-                                                     ("kda", 32, False, "none"), ("decay", 16, False, "none")])
-def test_varlen_matches_reference(gates, chunk, traced, fold):
+@pytest.mark.parametrize("gates,chunk,traced", [("gdn", 16, True), ("kda", 32, False), ("decay", 16, False)])
+def test_varlen_matches_reference(gates, chunk, traced):
     length = 61
     cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
     gk = per_key_gates(length, 2, 16, seed=18) if gates == "kda" else None
-    config = GDNConfig(chunk=chunk, block_v=16, fold=fold)
+    config = GDNConfig(chunk=chunk, block_v=16)
     offsets = jnp.asarray(cu, jnp.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
@@ -491,8 +518,7 @@ def test_kernels_lower_to_triton():
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True),
-                         (GDNConfig(fold="stacked"), True), (GDNConfig(fold="separate", pieces=2), True),
-                         (GDNConfig(share_keys=True), True)):
+                         (GDNConfig(stack=16), False)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()

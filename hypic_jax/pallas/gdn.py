@@ -105,7 +105,6 @@ __all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "defaul
 
 _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
 _SOLVES = ("rows", "doubling", "tile")
-_FOLDS = ("none", "separate", "stacked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +124,10 @@ class GDNConfig:
     transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C: 0 widens its state by K identity
       columns; N > 0 runs a separate launch over groups of N chunks in parallel and multiplies the groups'
       products in a tree (`_transfer_pass`).
-    fold: how the state pass reads its outputs' inputs ("none", "separate" or "stacked"; scalar-gate delta rule with
-      the "tile" solve only, other families ignore it). "none": o = (scale e^b Q) S + P (U - W S), four dots per
-      chunk step (W S, Q S, P U', Khat^T U'). The other two fold the intra-chunk term into the chunk-local kernel,
-      o = Qt S + P U with Qt = scale e^b Q - P W (exact algebra), so that a step has three dots ("separate": Qt and
-      P U as their own arrays) or two ("stacked": [W; -Qt] and [U; P U] interleaved per chunk, so that one
-      [2c, K] x [K, BV] dot gives [U'; o]); the chunk-local kernel does two more [c, c] x [c, K or V] dots.
-    share_keys: one chunk-local program per (chunk, key head), looping over the key head's value heads (16 key ->
-      32 value heads in Qwen3.5): the q, k loads and Q K^T, K K^T once per key head instead of once per value
-      head. Scalar gates with the "tile" solve or no delta rule, no fold, a power-of-two head group; elsewhere
-      ignored.
+    stack: the doubling inverse's levels inside stack x stack diagonal blocks run on those blocks stacked as a
+      [c, stack] tile (`_inverse_doubling`): 0 (off) or a power of two >= 16 (Triton's smallest dot edge), below
+      the doubled block's edge (the tile solve's chunk, else `sub`); at chunk 64, stack 16 does levels 2, 4 and 8
+      as [64, 64] x [64, 16] dots, about 7.5 instead of 10 [64, 64]^3 dot equivalents.
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -161,8 +154,7 @@ class GDNConfig:
     solve: str = "tile"
     sub: int = 16
     transfer_group: int = 64
-    fold: str = "none"
-    share_keys: bool = False
+    stack: int = 0
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -182,10 +174,8 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
-        if self.fold not in _FOLDS:
-            raise ValueError(f"fold must be one of {_FOLDS}, got {self.fold!r}")
-        if self.fold != "none" and self.solve != "tile":
-            raise ValueError(f"fold={self.fold!r} needs solve='tile' (the whole [c, c] tile in registers)")
+        if self.stack and (self.stack < 16 or self.stack & (self.stack - 1)):
+            raise ValueError(f"stack must be 0 or a power of two >= 16 (Triton's smallest dot), got {self.stack}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -286,25 +276,47 @@ def _inverse_rows(strict: Array) -> Array:
     return lax.fori_loop(1, s, step, eye)
 
 
-def _inverse_doubling(strict: Array, precision: str) -> Array:
+def _inverse_doubling(strict: Array, precision: str, stack: int = 0) -> Array:
     """(I + strict)^-1 for a strictly lower-triangular [n, n] float32 tile (n a power of two) by recursive doubling.
 
     X_s = inverse of the block-diagonal part of I + strict at granularity s (X_1 = I). With E_s the entries of
     `strict` in the lower-left s x s block of each 2s x 2s diagonal block, X_2s = X_s - X_s (E_s X_s) (exact: see
     the module docstring). The first level is elementwise, then log2(n) - 1 levels of two [n, n] dots; the block
     masks come from iotas, so no register tensor is ever sliced.
+
+    stack (a power of two < n, 0: off): the levels below `stack` act inside stack x stack diagonal blocks, so they
+    carry X's blocks stacked as an [n, stack] tile, st(X) = X J with J = [I; I; ...]. A level is then
+    st(X_2s) = st(X_s) - X_s (E_s st(X_s)), two [n, n] x [n, stack] dots, plus X_2s = mask(st(X_2s) J^T) for the
+    next level's left factor: 3 stack / n of a full level's work. The two conversions whose values feed the float32
+    sums (st(X_2) and the last X_2s) run at "bf16x3" when the dots are "bf16"; the others only feed dot operands.
     """
     n = strict.shape[0]
     rows, cols = _iotas(n)
     # Level 1 needs no dot: X_1 = I, so X_2 = I - E_1 (E_1: the entries just below the diagonal in even columns).
     x = _eye(n) - jnp.where(jnp.logical_and((rows >> 1) == (cols >> 1), rows != cols), strict, 0.0)
-    s = 2
-    while s < n:
+
+    def lower_left_of_pairs(s):  # E_s as a masked [n, n] tile
         shift = int(math.log2(s))
         same_pair = (rows >> (shift + 1)) == (cols >> (shift + 1))
         lower_left = (rows >> shift) != (cols >> shift)  # rows in the pair's second half, columns in its first
-        e = jnp.where(jnp.logical_and(same_pair, lower_left), strict, 0.0)
-        x = x - _dot(x, _dot(e, x, precision), precision)
+        return jnp.where(jnp.logical_and(same_pair, lower_left), strict, 0.0)
+
+    s = 2
+    if 2 < stack < n:
+        exact = "bf16x3" if precision == "bf16" else precision
+        srow, scol = _iotas(n, stack)
+        j = jnp.where((srow & (stack - 1)) == scol, 1.0, 0.0)  # [n, stack]: J = [I; I; ...]
+        trow, tcol = _iotas(stack, n)
+        jt = jnp.where((tcol & (stack - 1)) == trow, 1.0, 0.0)  # [stack, n]: J^T
+        shift = int(math.log2(stack))
+        in_block = (rows >> shift) == (cols >> shift)
+        xs = _dot(x, j, exact)  # st(X_2)
+        while s < stack:
+            xs = xs - _dot(x, _dot(lower_left_of_pairs(s), xs, precision), precision)
+            s *= 2
+            x = jnp.where(in_block, _dot(xs, jt, exact if s == stack else precision), 0.0)
+    while s < n:
+        x = x - _dot(x, _dot(lower_left_of_pairs(s), x, precision), precision)
         s *= 2
     return x
 
@@ -370,25 +382,17 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, fold="none"):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, stack=0):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
     (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
     k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
-    t >= j (or split at a reference token between them), so <= 0 for decaying gates. With `fold` (`GDNConfig.fold`)
-    the outputs are w, u, qt [c, K], pu [c, V] ("separate") or w = [W; -Qt] [2c, K], u = [U; P U] [2c, V]
-    ("stacked"), and no p.
+    t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     """
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
-    if fold == "separate":
-        q_ref, k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, qt_ref, pu_ref = refs
-        p_ref = None
-    elif fold == "stacked":
-        q_ref, k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref = refs
-        p_ref = None
-    elif delta:
+    if delta:
         q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
     else:
         q_ref, k_ref, b_ref, p_ref = refs
@@ -412,9 +416,8 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        p_all = scale * _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
-        if p_ref is not None:
-            p_ref[...] = p_all.astype(p_ref.dtype)
+        scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
+        p_ref[...] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
 
@@ -423,26 +426,10 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         strict = rows > cols
         kk = _dot(k_all, k_all, prec, trans_b=True)
         m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-        x = _inverse_doubling(m, solve_prec)
+        x = _inverse_doubling(m, solve_prec, stack)
         rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
-        w = _dot(x, rhs_k, prec)
-        u = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec)
-        if fold == "none":
-            w_ref[...] = w.astype(w_ref.dtype)
-            u_ref[...] = u.astype(u_ref.dtype)
-            return
-        # o = (scale e^b Q) S + P (U - W S) = Qt S + P U: the intra-chunk products move here, off the state chain
-        w = w.astype(w_ref.dtype)  # Qt takes the W that the state pass will read
-        qt = (scale * jnp.exp(b_all))[:, None] * q_ref[...].astype(jnp.float32) - _dot(p_all, w, prec)
-        pu = _dot(p_all, u.astype(u_ref.dtype), prec)
-        if fold == "separate":
-            w_ref[...], u_ref[...] = w, u.astype(u_ref.dtype)
-            qt_ref[...], pu_ref[...] = qt.astype(qt_ref.dtype), pu.astype(pu_ref.dtype)
-        else:  # stacked: rows [0, c) feed U' = U - W S, rows [c, 2c) the outputs o = P U + Qt S
-            w_ref[pl.ds(0, c), :] = w
-            w_ref[pl.ds(c, c), :] = (-qt).astype(w_ref.dtype)
-            u_ref[pl.ds(0, c), :] = u.astype(u_ref.dtype)
-            u_ref[pl.ds(c, c), :] = pu.astype(u_ref.dtype)
+        w_ref[...] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
+        u_ref[...] = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec).astype(u_ref.dtype)
         return
 
     srows, scols = _iotas(sub)
@@ -477,7 +464,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     # X = (I + M)^-1 by blocks: X_ii = (I + M_ii)^-1, X_ij = -X_ii sum_{j<=m<i} M_im X_mj.
     x = {}
     for i in range(nb):
-        x[i, i] = _inverse_rows(m[i, i]) if solve == "rows" else _inverse_doubling(m[i, i], solve_prec)
+        x[i, i] = _inverse_rows(m[i, i]) if solve == "rows" else _inverse_doubling(m[i, i], solve_prec, stack)
         for j in range(i - 1, -1, -1):
             acc = _dot(m[i, j], x[j, j], prec)
             for mid in range(j + 1, i):
@@ -495,42 +482,12 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         u_ref[blk, :] = u_i.astype(u_ref.dtype)
 
 
-def _locals_kernel_shared(*refs, chunk, group, delta, scale, prec, solve_prec):
-    """`_locals_kernel` for one (chunk, key head) and its `group` value heads (`GDNConfig.share_keys`; scalar
-    gates, "tile" solve). Q K^T and K K^T do not depend on the value head's gates, so they are formed once and each
-    value head applies its own decays and beta to them.
-
-    Refs: q, k [c, K]; v [c, G, V]; b, beta [G, c]; outputs p [G, c, c], w [c, G, K], u [c, G, V] (G = group).
-    """
-    if delta:
-        q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
-    else:
-        q_ref, k_ref, b_ref, p_ref = refs
-    rows, cols = _iotas(chunk)
-    causal, strict = rows >= cols, rows > cols
-    k_all = k_ref[...]
-    qk = _dot(q_ref[...], k_all, prec, trans_b=True)
-    kk = _dot(k_all, k_all, prec, trans_b=True) if delta else None
-    for i in range(group):
-        b_all = b_ref[i, :]
-        diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        p_ref[i, :, :] = (scale * qk * jnp.where(causal, jnp.exp(diff), 0.0)).astype(p_ref.dtype)
-        if not delta:
-            continue
-        beta_all = beta_ref[i, :]
-        m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-        x = _inverse_doubling(m, solve_prec)
-        rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
-        w_ref[:, i, :] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
-        u_ref[:, i, :] = _dot(x, beta_all[:, None] * v_ref[:, i, :].astype(jnp.float32), prec).astype(u_ref.dtype)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Kernel 2: the state pass over the chunks of one piece (parallel over state column blocks, heads and pieces).
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, fold="none"):
+                  values=True):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -541,14 +498,12 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     The output read o = (scale Q e^b) S + P (U - W S) is fused into the same step, so per-chunk states never
     leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
     identity columns and the pass returns the product of the chunks' transfer operators.
-    `fold` (`GDNConfig.fold`): "separate" reads q as Qt [Lp, K] and p as P U [Lp, BV], o = Qt S + P U;
-    "stacked" reads w as [W; -Qt] and u as [U; P U] ([2c] rows per chunk, no q or p refs), one dot giving [U'; o].
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
     u_ref = next(it) if values else None
     k_ref, b_ref = next(it), next(it)
-    q_ref, p_ref = (next(it), next(it)) if outputs and fold != "stacked" else (None, None)
+    q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
     init_ref = next(it)
     o_ref = next(it) if outputs else None
@@ -557,11 +512,8 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
     init = init_ref[...].astype(jnp.float32)
 
-    stride = 2 if fold == "stacked" else 1  # rows per token of the w and u refs
-
     def body(n, state):
         rows = pl.ds(pl.multiple_of(n * c, c), c)
-        wu_rows = pl.ds(pl.multiple_of(n * stride * c, stride * c), c)  # W and U of chunk n
         if segments:
             state = jnp.where(start_ref[n] != 0, init, state)
         k = k_ref[rows, :]  # per-key gates: already decayed to the chunk's end (k e^{b_c - b})
@@ -570,31 +522,17 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         else:
             b = b_ref[rows]  # [c]
             b_last = _last_row(b)
-        o_stacked = None
-        if values and outputs and fold == "stacked":  # [U; P U] - [W; -Qt] S = [U'; o] in one dot
-            both = pl.ds(pl.multiple_of(n * 2 * c, 2 * c), 2 * c)
-            r = u_ref[both, :].astype(jnp.float32)
-            if value_blocks is not None:
-                r = jnp.where(is_value, r, 0.0)
-            u, o_stacked = jnp.split(r - _dot(w_ref[both, :], state, prec), 2, axis=0)
-        elif values:
-            u = u_ref[wu_rows, :].astype(jnp.float32)
+        if values:
+            u = u_ref[rows, :].astype(jnp.float32)
             if value_blocks is not None:
                 u = jnp.where(is_value, u, 0.0)
             if delta:
-                u = u - _dot(w_ref[wu_rows, :], state, prec)
+                u = u - _dot(w_ref[rows, :], state, prec)
         else:  # transfer columns only: zero values
-            u = -_dot(w_ref[wu_rows, :], state, prec)
+            u = -_dot(w_ref[rows, :], state, prec)
         if outputs:
 
             def write():
-                if fold == "stacked":
-                    o_ref[rows, :] = o_stacked.astype(o_ref.dtype)
-                    return
-                if fold == "separate":  # o = Qt S + P U, both from the chunk-local kernel
-                    o_ref[rows, :] = (_dot(q_ref[rows, :], state, prec)
-                                      + p_ref[rows, :].astype(jnp.float32)).astype(o_ref.dtype)
-                    return
                 if per_key:  # queries already scaled and decayed (scale q e^b)
                     o = _dot(q_ref[rows, :], state, prec)
                 else:  # a row scale commutes with the product: scale the [c, BV] result, not the [c, K] queries
@@ -632,57 +570,8 @@ def _compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _fold_mode(config: GDNConfig, delta: bool, per_key: bool) -> str:
-    """`config.fold` where it applies (scalar-gate delta rule, "tile" solve), else "none"."""
-    return config.fold if delta and not per_key and config.solve == "tile" else "none"
-
-
-def _shares_keys(config: GDNConfig, delta: bool, per_key: bool, group: int) -> bool:
-    """Whether `config.share_keys` applies (see `GDNConfig.share_keys`)."""
-    return (config.share_keys and not per_key and group > 1 and not group & (group - 1)
-            and (not delta or config.solve == "tile") and _fold_mode(config, delta, per_key) == "none")
-
-
-def _chunk_locals_shared(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
-    """`_chunk_locals` with one program per (chunk, key head) (`_locals_kernel_shared`); same outputs."""
-    length, key_heads, key_dim = k.shape
-    heads = b.shape[0]
-    group = heads // key_heads
-    delta = beta is not None
-    qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
-    gate_spec = pl.BlockSpec((group, chunk), lambda n, h: (h, n))
-    p_spec = pl.BlockSpec((group, chunk, chunk), lambda n, h: (h, n, 0))
-    p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
-    in_specs, args = [qk_spec, qk_spec], [q, k]
-    out_specs, out_shape = [p_spec], [p_shape]
-    if delta:
-        value_dim = v.shape[-1]
-        v_spec = pl.BlockSpec((chunk, group, value_dim), lambda n, h: (n, h, 0))
-        in_specs += [v_spec, gate_spec, gate_spec]
-        args += [v, b, beta]
-        out_specs += [pl.BlockSpec((chunk, group, key_dim), lambda n, h: (n, h, 0)), v_spec]
-        out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
-                      jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
-    else:
-        in_specs.append(gate_spec)
-        args.append(b)
-    kernel = functools.partial(_locals_kernel_shared, chunk=chunk, group=group, delta=delta, scale=scale,
-                               prec=config.locals_precision, solve_prec=config.solve_precision)
-    return pl.pallas_call(
-        kernel,
-        grid=(length // chunk, key_heads),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_compiler_params(config.locals_warps, config.locals_stages),
-        interpret=interpret,
-        name="gdn_chunk_locals_shared",
-    )(*args)
-
-
 def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
-    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
-    With a fold (`GDNConfig.fold`): W, U, Qt, P U ("separate") or [W; -Qt], [U; P U] ("stacked")."""
+    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None."""
     length, key_heads, key_dim = k.shape
     per_key = b.ndim == 3
     heads = b.shape[1] if per_key else b.shape[0]
@@ -695,26 +584,15 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
-    fold = _fold_mode(config, delta, per_key)
-    if _shares_keys(config, delta, per_key, group):
-        return _chunk_locals_shared(q, k, v, b, beta, chunk=chunk, scale=scale, inter_dtype=inter_dtype,
-                                    config=config, interpret=interpret)
     if delta:
         value_dim = v.shape[-1]
         in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
                     beta_spec]
         args = (q, k, v, b, beta)
-        rows = 2 if fold == "stacked" else 1  # stacked: [W; -Qt] and [U; P U] per chunk
-        wu_specs = [pl.BlockSpec((rows * chunk, None, key_dim), lambda n, h: (n, h, 0)),
-                    pl.BlockSpec((rows * chunk, None, value_dim), lambda n, h: (n, h, 0))]
-        wu_shapes = [jax.ShapeDtypeStruct((rows * length, heads, key_dim), inter_dtype),
-                     jax.ShapeDtypeStruct((rows * length, heads, value_dim), inter_dtype)]
-        if fold == "none":
-            out_specs, out_shape = [p_spec] + wu_specs, [p_shape] + wu_shapes
-        elif fold == "separate":  # + Qt [L, H, K] and P U [L, H, V]
-            out_specs, out_shape = wu_specs * 2, wu_shapes * 2
-        else:
-            out_specs, out_shape = wu_specs, wu_shapes
+        out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
+                     pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
+        out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
+                     jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
@@ -724,7 +602,7 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision, fold=fold)
+                               solve_prec=config.solve_precision, stack=config.stack)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -738,28 +616,25 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
 
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
-                segments=None, fold="none", outputs=None):
+                segments=None):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
-    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). outputs (default: q given) -> also write o. `segments`
-    = (start, slot, n) runs packed segments instead (pieces must be 1): the int32 per-chunk tables of
-    `_state_kernel`; final is then [n, H, K, Wd]. u None (delta rule, no outputs): transfer columns only
-    (`_transfer_pass`). `fold` ("none", "separate", "stacked": the layout `_locals` produced, see `GDNConfig.fold`):
-    "separate" takes q = Qt [L, H, K] and p = P U [L, H, V]; "stacked" takes w, u with [2c] rows per chunk.
+    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
+    n) runs packed segments instead (pieces must be 1): the int32 per-chunk tables of `_state_kernel`; final is
+    then [n, H, K, Wd]. u None (delta rule, no outputs): transfer columns only (`_transfer_pass`).
     """
     length, key_heads, key_dim = k.shape
     per_key = b.ndim == 3
     heads, width = init.shape[1], init.shape[-1]
     group = heads // key_heads
     piece_len = length // pieces
-    stride = 2 if fold == "stacked" else 1
     block_v = min(config.block_v, value_dim)
     if value_dim % block_v or width % block_v:
         raise ValueError(f"block_v={block_v} must divide V={value_dim} and the state width {width}")
     value_blocks = value_dim // block_v
     col_blocks = width // block_v
     widened = col_blocks > value_blocks
-    outputs = q is not None if outputs is None else outputs
+    outputs = q is not None
     delta = w is not None
     values = u is not None
     if not values and (outputs or not delta):
@@ -770,10 +645,10 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
 
     in_specs, args = [], []
     if delta:
-        in_specs.append(pl.BlockSpec((stride * piece_len, None, key_dim), lambda j, h, s: (s, h, 0)))
+        in_specs.append(pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)))
         args.append(w)
     if values:
-        in_specs.append(pl.BlockSpec((stride * piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
+        in_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
         args.append(u)
     in_specs += [
         pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
@@ -781,11 +656,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         else pl.BlockSpec((None, piece_len), lambda j, h, s: (h, s)),
     ]
     args += [k, b]
-    if outputs and fold == "separate":  # Qt per value head, P U by value columns
-        in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)),
-                     pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j)))]
-        args += [q, p]
-    elif outputs and fold == "none":
+    if outputs:
         in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
                      pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
         args += [q, p]
@@ -821,7 +692,6 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         scale=scale,
         prec=config.state_precision,
         values=values,
-        fold=fold,
     )
     res = pl.pallas_call(
         kernel,
@@ -836,7 +706,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     return (res[0], res[1]) if outputs else (None, res[0])
 
 
-def _transfer_pass(w, k, b, *, chunk, group, config, interpret, fold="none"):
+def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     """T_C = A_N ... A_1 of a whole (chunk-aligned) sequence, A_c = Diag(e^{b_c}) - Khat_c^T W_c, as [H, K, K].
 
     Why not widen the forward's own state by K identity columns: that doubles the programs of a pass whose time is
@@ -853,12 +723,11 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret, fold="none"):
     groups = -(-(length // chunk) // group)
     pad = groups * group * chunk - length
     if pad:
-        w = jnp.pad(w, [(0, pad * w.shape[0] // length), (0, 0), (0, 0)])  # [2c] rows per chunk when stacked
-        k = jnp.pad(k, [(0, pad), (0, 0), (0, 0)])
+        w, k = (jnp.pad(x, [(0, pad), (0, 0), (0, 0)]) for x in (w, k))
         b = jnp.pad(b, [(0, 0), (0, pad)] if b.ndim == 2 else [(0, pad), (0, 0), (0, 0)])
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
-                        out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret, fold=fold)
+                        out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret)
     transfer, _ = compose_all(ts, None, "f32" if config.state_precision == "ieee" else "bf16x3")
     return transfer
 
@@ -884,8 +753,7 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
 def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
     and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
-    the decayed k e^{b_c - b} and scale q e^b per value head). With a fold (`GDNConfig.fold`, `_fold_mode`) p, qs
-    are P U and Qt ("separate") or None ("stacked": folded into w and u)."""
+    the decayed k e^{b_c - b} and scale q e^b per value head)."""
     length = k.shape[0]
     heads = v.shape[1]
     if config.inter_dtype is None:
@@ -902,12 +770,7 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     ks, qs = k, q
     if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
         res, (ks, qs) = res[:-2], res[-2:]
-    fold = _fold_mode(config, beta is not None, gk is not None)
-    if fold == "separate":  # the state pass reads Qt in q's place and P U in p's
-        w, u, qs, p = res
-    elif fold == "stacked":
-        (w, u), qs, p = res, None, None
-    elif beta is not None:
+    if beta is not None:
         p, w, u = res
     else:
         (p,), w, u = res, None, v
@@ -949,18 +812,17 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
     q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
     out_dtype = jnp.result_type(q, v)
     b, p, w, u, ks, qs = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret)
-    fold = _fold_mode(config, beta is not None, gk is not None)
     state0 = (jnp.zeros((heads, key_dim, value_dim), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (heads, key_dim, key_dim))
     run = functools.partial(_state_pass, chunk=chunk, value_dim=value_dim, out_dtype=out_dtype, scale=scale,
-                            config=config, interpret=interpret, fold=fold)
+                            config=config, interpret=interpret)
     dense_summary = emit_summary and beta is not None
     summary = None
     if pieces == 1:
         widen = dense_summary and not config.transfer_group
         init = jnp.concatenate([state0, eye], axis=-1) if widen else state0
-        o, final = run(w, u, ks, b, qs, p, init[None], pieces=1, outputs=True)
+        o, final = run(w, u, ks, b, qs, p, init[None], pieces=1)
         final = final[0]
         state = final[..., :value_dim]
         if dense_summary:
@@ -968,18 +830,18 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
                 transfer = final[..., value_dim:]
             else:
                 transfer = _transfer_pass(w, ks, b, chunk=chunk, group=config.transfer_group, config=config,
-                                          interpret=interpret, fold=fold)
+                                          interpret=interpret)
             zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
             summary = la.Summary("dense", zero_start, transfer)
     else:
         widened0 = jnp.broadcast_to(jnp.concatenate([jnp.zeros_like(state0), eye], axis=-1),
                                     (pieces, heads, key_dim, value_dim + key_dim))
-        _, pairs = run(w, u, ks, b, None, None, widened0, pieces=pieces, outputs=False)
+        _, pairs = run(w, u, ks, b, None, None, widened0, pieces=pieces)
         pairs = la.Summary("dense", pairs[..., :value_dim], pairs[..., value_dim:])
         prefixes = lax.associative_scan(la.compose, pairs, axis=0)
         before = jax.tree_util.tree_map(lambda x: x[:-1], prefixes)
         incoming = jnp.concatenate([state0[None], la.advance(before, jnp.broadcast_to(state0, before.state.shape))])
-        o, finals = run(w, u, ks, b, qs, p, incoming, pieces=pieces, outputs=True)
+        o, finals = run(w, u, ks, b, qs, p, incoming, pieces=pieces)
         state = finals[-1]
         if dense_summary:
             summary = jax.tree_util.tree_map(lambda x: x[-1], prefixes)
@@ -1139,8 +1001,7 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
                                                        (heads, key_dim, key_dim))], axis=-1)
     o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
                             out_dtype=jnp.result_type(q, v), scale=scale, config=config, interpret=interpret,
-                            segments=(start, slot, n_seg), fold=_fold_mode(config, beta is not None, gk is not None),
-                            outputs=True)
+                            segments=(start, slot, n_seg))
     finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
     o = o[pos]
     states = finals[..., :value_dim]
