@@ -144,8 +144,8 @@ case "${1:-}" in
   profile)
     # fla's timings at 8k, 32k and 128k (from the carried wheels); run_all's sections (ALL_SECTIONS, default: steps,
     # with the default launch also timed at 8k and 128k) for KERNEL_TIMEOUT; the decode step through Mosaic GPU
-    # beside the Triton kernel; then Nsight Compute's counters of one warm GDN forward at 32k per PROFILES entry
-    # ("default", "stack16"; our kernels only, XLA's memory pool and command buffers off) as text
+    # beside the Triton kernel (with MOSAIC_TIMEOUT); then Nsight Compute's counters of one warm GDN forward at 32k
+    # per PROFILES entry ("default", "lc4"; our kernels only, XLA's memory pool and command buffers off) as text
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl
@@ -155,12 +155,14 @@ case "${1:-}" in
     timeout "${KERNEL_TIMEOUT:-250}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
       --budget-s "$(( ${KERNEL_TIMEOUT:-250} - 30 ))" --sections ${ALL_SECTIONS:-steps} \
       --step-lengths ${STEP_LENGTHS:-8192,131072}
-    timeout "${MOSAIC_TIMEOUT:-90}" python3 bench/mosaic_decode.py --out "$OUT" > "$OUT/mosaic_decode.txt" 2>&1
+    if [ -n "${MOSAIC_TIMEOUT:-}" ]; then
+      timeout "$MOSAIC_TIMEOUT" python3 bench/mosaic_decode.py --out "$OUT" > "$OUT/mosaic_decode.txt" 2>&1
+    fi
     sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
     sections="$sections --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats"
-    for variant in ${PROFILES:-default stack16}; do
+    for variant in ${PROFILES:-}; do  # "default", "lc4" (4 chunks per chunk-local program, 2 stages)
       case "$variant" in
-        stack16) flags="--stack 16" ;;
+        lc4) flags="--locals-chunks 4 --locals-stages 2" ;;
         *) flags="" ;;
       esac
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" \

@@ -112,7 +112,10 @@ def main():
                 log(path, dict(impl=name, batch=batch, ms=ms, compile_s=comp, TBs=nbytes / ms / 1e9,
                                o=rel(o, ref_o), state=rel(s, ref_s)))
             except Exception as e:  # noqa: BLE001
-                log(path, dict(impl=name, batch=batch, error=repr(e)[:800]))
+                import traceback
+
+                log(path, dict(impl=name, batch=batch, error=repr(e)[:800],
+                               where=traceback.format_exc()[-1500:]))
 
 
 if __name__ == "__main__":

@@ -89,13 +89,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=("pallas", "fla"), default="pallas")
     ap.add_argument("--length", type=int, default=32768)
-    ap.add_argument("--stack", type=int, default=0, help="GDNConfig.stack of the Pallas launch")
+    ap.add_argument("--locals-chunks", type=int, default=1, help="GDNConfig.locals_chunks of the Pallas launch")
+    ap.add_argument("--locals-stages", type=int, default=1, help="GDNConfig.locals_stages of the Pallas launch")
     ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
     args = ap.parse_args()
     if args.impl == "fla":
         run_fla(args.length)
     else:
-        run_pallas(args.length, dict(stack=args.stack), args.emit)
+        run_pallas(args.length, dict(locals_chunks=args.locals_chunks, locals_stages=args.locals_stages), args.emit)
 
 
 if __name__ == "__main__":

@@ -124,10 +124,9 @@ class GDNConfig:
     transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C: 0 widens its state by K identity
       columns; N > 0 runs a separate launch over groups of N chunks in parallel and multiplies the groups'
       products in a tree (`_transfer_pass`).
-    stack: the doubling inverse's levels inside stack x stack diagonal blocks run on those blocks stacked as a
-      [c, stack] tile (`_inverse_doubling`): 0 (off) or a power of two >= 16 (Triton's smallest dot edge), below
-      the doubled block's edge (the tile solve's chunk, else `sub`); at chunk 64, stack 16 does levels 2, 4 and 8
-      as [64, 64] x [64, 16] dots, about 7.5 instead of 10 [64, 64]^3 dot equivalents.
+    locals_chunks: consecutive chunks per chunk-local program, run as a loop that Triton software-pipelines (with
+      locals_stages >= 2 the next chunk's loads overlap this chunk's dots); the sequence is padded with zero tokens
+      to a multiple of this many chunks (at most locals_chunks - 1 extra chunks).
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -154,7 +153,7 @@ class GDNConfig:
     solve: str = "tile"
     sub: int = 16
     transfer_group: int = 64
-    stack: int = 0
+    locals_chunks: int = 1
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -174,8 +173,8 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
-        if self.stack and (self.stack < 16 or self.stack & (self.stack - 1)):
-            raise ValueError(f"stack must be 0 or a power of two >= 16 (Triton's smallest dot), got {self.stack}")
+        if self.locals_chunks < 1:
+            raise ValueError(f"locals_chunks must be >= 1, got {self.locals_chunks}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -276,47 +275,27 @@ def _inverse_rows(strict: Array) -> Array:
     return lax.fori_loop(1, s, step, eye)
 
 
-def _inverse_doubling(strict: Array, precision: str, stack: int = 0) -> Array:
+def _inverse_doubling(strict: Array, precision: str) -> Array:
     """(I + strict)^-1 for a strictly lower-triangular [n, n] float32 tile (n a power of two) by recursive doubling.
 
     X_s = inverse of the block-diagonal part of I + strict at granularity s (X_1 = I). With E_s the entries of
     `strict` in the lower-left s x s block of each 2s x 2s diagonal block, X_2s = X_s - X_s (E_s X_s) (exact: see
-    the module docstring). The first level is elementwise, then log2(n) - 1 levels of two [n, n] dots; the block
-    masks come from iotas, so no register tensor is ever sliced.
-
-    stack (a power of two < n, 0: off): the levels below `stack` act inside stack x stack diagonal blocks, so they
-    carry X's blocks stacked as an [n, stack] tile, st(X) = X J with J = [I; I; ...]. A level is then
-    st(X_2s) = st(X_s) - X_s (E_s st(X_s)), two [n, n] x [n, stack] dots, plus X_2s = mask(st(X_2s) J^T) for the
-    next level's left factor: 3 stack / n of a full level's work. The two conversions whose values feed the float32
-    sums (st(X_2) and the last X_2s) run at "bf16x3" when the dots are "bf16"; the others only feed dot operands.
+    the module docstring). The first level is elementwise (X_2 = I - E_1), then log2(n) - 1 levels of two [n, n]
+    dots; the block masks come from iotas, so no register tensor is ever sliced. On the H200 the chunk-local
+    kernel's time follows the number of these dots, not their size: dropping the first level's two dots took the
+    forward from 1.50 to 1.41 ms, while doing levels 2 to 8 as [64, 64] x [64, 16] dots on stacked diagonal blocks
+    (fewer flops, more dots) made it slower, 1.44 -> 1.54 ms (bench/RESULTS.md).
     """
     n = strict.shape[0]
     rows, cols = _iotas(n)
-    # Level 1 needs no dot: X_1 = I, so X_2 = I - E_1 (E_1: the entries just below the diagonal in even columns).
     x = _eye(n) - jnp.where(jnp.logical_and((rows >> 1) == (cols >> 1), rows != cols), strict, 0.0)
-
-    def lower_left_of_pairs(s):  # E_s as a masked [n, n] tile
+    s = 2
+    while s < n:
         shift = int(math.log2(s))
         same_pair = (rows >> (shift + 1)) == (cols >> (shift + 1))
         lower_left = (rows >> shift) != (cols >> shift)  # rows in the pair's second half, columns in its first
-        return jnp.where(jnp.logical_and(same_pair, lower_left), strict, 0.0)
-
-    s = 2
-    if 2 < stack < n:
-        exact = "bf16x3" if precision == "bf16" else precision
-        srow, scol = _iotas(n, stack)
-        j = jnp.where((srow & (stack - 1)) == scol, 1.0, 0.0)  # [n, stack]: J = [I; I; ...]
-        trow, tcol = _iotas(stack, n)
-        jt = jnp.where((tcol & (stack - 1)) == trow, 1.0, 0.0)  # [stack, n]: J^T
-        shift = int(math.log2(stack))
-        in_block = (rows >> shift) == (cols >> shift)
-        xs = _dot(x, j, exact)  # st(X_2)
-        while s < stack:
-            xs = xs - _dot(x, _dot(lower_left_of_pairs(s), xs, precision), precision)
-            s *= 2
-            x = jnp.where(in_block, _dot(xs, jt, exact if s == stack else precision), 0.0)
-    while s < n:
-        x = x - _dot(x, _dot(lower_left_of_pairs(s), x, precision), precision)
+        e = jnp.where(jnp.logical_and(same_pair, lower_left), strict, 0.0)
+        x = x - _dot(x, _dot(e, x, precision), precision)
         s *= 2
     return x
 
@@ -333,7 +312,7 @@ def _last_row(x: Array) -> Array:
 _FACTORED_SPAN = 40.0  # largest log-decay inside one diagonal block that the factored pair form takes
 
 
-def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
+def _pair_block_per_key(x_ref, k_ref, b_ref, off, i, j, sub, strict, precision):
     """[sub, sub] block (i, j) of x_t^T Diag(e^{b_t - b_j}) k_j for rows of block i, columns of block j <= i.
 
     Off-diagonal blocks: one dot of both sides decayed to the first token r of block i (b_t - b_r <= 0 and
@@ -343,17 +322,17 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
     b_t - b_j, t >= j). Zero above the diagonal (or on it, `strict`). The column loop costs sub x sub x K
     exponentials against the factored form's 2 sub x K and one tensor-core dot.
     """
-    rows_i = pl.ds(i * sub, sub)
+    rows_i = pl.ds(off + i * sub, sub)  # the chunk's rows start at `off`
     x = x_ref[rows_i, :].astype(jnp.float32)
     b_i = b_ref[rows_i, :]
     if i > j:
-        rows_j = pl.ds(j * sub, sub)
-        b_r = b_ref[pl.ds(i * sub, 1), :]  # [1, K]
+        rows_j = pl.ds(off + j * sub, sub)
+        b_r = b_ref[pl.ds(off + i * sub, 1), :]  # [1, K]
         k_j = k_ref[rows_j, :].astype(jnp.float32) * jnp.exp(b_r - b_ref[rows_j, :])
         return _dot(x * jnp.exp(b_i - b_r), k_j, precision, trans_b=True)
     rows, cols = _iotas(sub)
     token = lax.iota(jnp.int32, sub)
-    b_r = b_ref[pl.ds(i * sub, 1), :]  # [1, K]: the block's first token
+    b_r = b_ref[pl.ds(off + i * sub, 1), :]  # [1, K]: the block's first token
 
     def factored():  # one dot, both sides decayed against the first token: e^{b_t - b_r} <= 1 <= e^{b_r - b_j}
         k_i = k_ref[rows_i, :].astype(jnp.float32)
@@ -363,7 +342,7 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
     def columns():  # one key column at a time, every exponent b_t - b_j <= 0 (any gate strength)
 
         def column(col, acc):  # a loop, not unrolled: unrolling made the whole kernel 1.5x slower on the H200
-            row = pl.ds(i * sub + col, 1)
+            row = pl.ds(off + i * sub + col, 1)
             k_c, b_c = k_ref[row, :].astype(jnp.float32), b_ref[row, :]  # [1, K]
             keep = token > col if strict else token >= col
             decay = jnp.exp(jnp.where(keep[:, None], b_i - b_c, 0.0))
@@ -382,13 +361,29 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, stack=0):
+def _locals_kernel(*refs, chunks, chunk, **kwargs):
+    """`chunks` consecutive chunks of one head, one after the other (`GDNConfig.locals_chunks`): a loop, so that
+    Triton's software pipelining (`locals_stages` >= 2) loads the next chunk's q, k, v while this one computes.
+    With one chunk per program the loads had no work to hide behind: Nsight Compute put 40% of the kernel's warp
+    stalls on them (bench/RESULTS.md)."""
+    if chunks == 1:
+        _locals_chunk(refs, 0, chunk=chunk, **kwargs)
+        return
+
+    def body(n, carry):
+        _locals_chunk(refs, pl.multiple_of(n * chunk, chunk), chunk=chunk, **kwargs)
+        return carry
+
+    lax.fori_loop(0, chunks, body, 0)
+
+
+def _locals_chunk(refs, off, *, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
-    Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
-    (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
-    k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
-    t >= j (or split at a reference token between them), so <= 0 for decaying gates.
+    Refs (head axis squeezed by the BlockSpecs; the chunk's rows start at `off`): q, k [c, K]; v [c, V]; b [c] or
+    [c, K] (per key), beta [c] (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state
+    pass's decayed keys k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a
+    difference b_t - b_j with t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     """
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
@@ -398,44 +393,47 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         q_ref, k_ref, b_ref, p_ref = refs
     c = chunk
     nb = c // sub
+    rows_c = pl.ds(off, c)
     if per_key:
-        b_chunk = b_ref[...]
-        b_end = b_ref[pl.ds(c - 1, 1), :]  # [1, K]
-        kd_ref[...] = (k_ref[...].astype(jnp.float32) * jnp.exp(b_end - b_chunk)).astype(kd_ref.dtype)
-        qd_ref[...] = (scale * q_ref[...].astype(jnp.float32) * jnp.exp(b_chunk)).astype(qd_ref.dtype)
+        b_chunk = b_ref[rows_c, :]
+        b_end = b_ref[pl.ds(off + c - 1, 1), :]  # [1, K]
+        kd_ref[rows_c, :] = (k_ref[rows_c, :].astype(jnp.float32) * jnp.exp(b_end - b_chunk)).astype(kd_ref.dtype)
+        qd_ref[rows_c, :] = (scale * q_ref[rows_c, :].astype(jnp.float32) * jnp.exp(b_chunk)).astype(qd_ref.dtype)
     if per_key:  # scores by 16 x 16 blocks (zeros above the diagonal)
         for i in range(nb):
             for j in range(nb):
                 if j <= i:
-                    blk = scale * _pair_block_per_key(q_ref, k_ref, b_ref, i, j, sub, False, prec)
+                    blk = scale * _pair_block_per_key(q_ref, k_ref, b_ref, off, i, j, sub, False, prec)
                 else:
                     blk = jnp.zeros((sub, sub), jnp.float32)
-                p_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = blk.astype(p_ref.dtype)
+                p_ref[pl.ds(off + i * sub, sub), pl.ds(j * sub, sub)] = blk.astype(p_ref.dtype)
     else:  # scores against the full chunk (one [c, K] x [K, c] dot)
-        b_all = b_ref[...]
+        b_all = b_ref[rows_c]
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
-        p_ref[...] = (scale * scores).astype(p_ref.dtype)
+        scores = _dot(q_ref[rows_c, :], k_ref[rows_c, :], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff),
+                                                                                          0.0)
+        p_ref[rows_c, :] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
 
     if solve == "tile" and not per_key:  # the whole [c, c] inverse by doubling, then W, U as one dot each
-        k_all, beta_all = k_ref[...], beta_ref[...]
+        k_all, beta_all = k_ref[rows_c, :], beta_ref[rows_c]
         strict = rows > cols
         kk = _dot(k_all, k_all, prec, trans_b=True)
         m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-        x = _inverse_doubling(m, solve_prec, stack)
+        x = _inverse_doubling(m, solve_prec)
         rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
-        w_ref[...] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
-        u_ref[...] = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec).astype(u_ref.dtype)
+        w_ref[rows_c, :] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
+        rhs_v = beta_all[:, None] * v_ref[rows_c, :].astype(jnp.float32)
+        u_ref[rows_c, :] = _dot(x, rhs_v, prec).astype(u_ref.dtype)
         return
 
     srows, scols = _iotas(sub)
     ks, bs, betas, rhs_k, rhs_v = [], [], [], [], []
     for i in range(nb):
-        blk = pl.ds(i * sub, sub)
+        blk = pl.ds(off + i * sub, sub)
         k_i, beta_i = k_ref[blk, :], beta_ref[blk]
         b_i = b_ref[blk, :] if per_key else b_ref[blk]
         ks.append(k_i)
@@ -450,7 +448,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     for i in range(nb):
         for j in range(i + 1):
             if per_key:
-                pair = _pair_block_per_key(k_ref, k_ref, b_ref, i, j, sub, True, prec)
+                pair = _pair_block_per_key(k_ref, k_ref, b_ref, off, i, j, sub, True, prec)
             else:
                 kk = _dot(ks[i], ks[j], prec, trans_b=True)
                 d = bs[i][:, None] - bs[j][None, :]
@@ -464,7 +462,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     # X = (I + M)^-1 by blocks: X_ii = (I + M_ii)^-1, X_ij = -X_ii sum_{j<=m<i} M_im X_mj.
     x = {}
     for i in range(nb):
-        x[i, i] = _inverse_rows(m[i, i]) if solve == "rows" else _inverse_doubling(m[i, i], solve_prec, stack)
+        x[i, i] = _inverse_rows(m[i, i]) if solve == "rows" else _inverse_doubling(m[i, i], solve_prec)
         for j in range(i - 1, -1, -1):
             acc = _dot(m[i, j], x[j, j], prec)
             for mid in range(j + 1, i):
@@ -477,7 +475,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         for j in range(1, i + 1):
             w_i = w_i + _dot(x[i, j], rhs_k[j], prec)
             u_i = u_i + _dot(x[i, j], rhs_v[j], prec)
-        blk = pl.ds(i * sub, sub)
+        blk = pl.ds(off + i * sub, sub)
         w_ref[blk, :] = w_i.astype(w_ref.dtype)
         u_ref[blk, :] = u_i.astype(u_ref.dtype)
 
@@ -579,33 +577,35 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     num_chunks = length // chunk
     delta = beta is not None
     config = config.resolved(k.dtype)
-    qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
-    beta_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))
-    b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
-    p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
+    chunks = math.gcd(num_chunks, config.locals_chunks)  # callers pad to a multiple (`_padded_chunks`)
+    rows = chunks * chunk  # token rows per program
+    qk_spec = pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h // group, 0))
+    beta_spec = pl.BlockSpec((None, rows), lambda n, h: (h, n))
+    b_spec = pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
+    p_spec = pl.BlockSpec((None, rows, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
     if delta:
         value_dim = v.shape[-1]
-        in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
+        in_specs = [qk_spec, qk_spec, pl.BlockSpec((rows, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
                     beta_spec]
         args = (q, k, v, b, beta)
-        out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
-                     pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
+        out_specs = [p_spec, pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h, 0)),
+                     pl.BlockSpec((rows, None, value_dim), lambda n, h: (n, h, 0))]
         out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
                      jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
     if per_key:  # decayed keys and queries for the state pass, per value head
-        decayed = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
+        decayed = pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h, 0))
         out_specs += [decayed, decayed]
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
-    kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
-                               scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision, stack=config.stack)
+    kernel = functools.partial(_locals_kernel, chunks=chunks, chunk=chunk, sub=min(config.sub, chunk), delta=delta,
+                               per_key=per_key, scale=scale, prec=config.locals_precision, solve=config.solve,
+                               solve_prec=config.solve_precision)
     return pl.pallas_call(
         kernel,
-        grid=(num_chunks, heads),
+        grid=(num_chunks // chunks, heads),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -732,6 +732,14 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     return transfer
 
 
+def _padded_chunks(num_chunks: int, config: GDNConfig, multiple: int = 1) -> int:
+    """num_chunks rounded up so that the chunk-local kernel's programs (`locals_chunks` chunks each, fewer for a
+    short sequence) and `multiple` (the pieces) divide it."""
+    per_program = min(config.locals_chunks, num_chunks)
+    step = per_program * multiple // math.gcd(per_program, multiple)
+    return -(-num_chunks // step) * step
+
+
 def _chunk_cumsum(g: Array | None, length: int, heads: int, chunk: int) -> Array:
     """b = cumsum of the log gates inside each chunk, as [H, L] float32 (zeros without a gate)."""
     if g is None:
@@ -800,7 +808,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
     chunk = config.chunk
     num_chunks = -(-length // chunk)
     pieces = max(1, min(config.pieces, num_chunks))
-    chunks_per_piece = -(-num_chunks // pieces)
+    chunks_per_piece = _padded_chunks(num_chunks, config, pieces) // pieces
     padded = chunks_per_piece * pieces * chunk
     pad = padded - length
 
@@ -936,7 +944,7 @@ def gdn_forward(
 # Variable-length packed segments.
 
 
-def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
+def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, num_chunks: int | None = None):
     """Chunk-aligned layout of packed segments (all int32, traced-friendly; only the sizes are static).
 
     Every segment is padded to whole chunks so that a chunk never straddles a boundary: the chunk-local kernel
@@ -944,9 +952,10 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
     last. The padded length is bounded statically by sum_i ceil(len_i / c) <= floor((L + n (c - 1)) / c) chunks.
 
     Returns (src [Lp]: packed token of each padded position, `length` for padding; pos [L]: padded position of
-    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]).
+    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]). `num_chunks`
+    (at least that bound) pads the layout with empty chunks past the last segment.
     """
-    num_chunks = (length + n_seg * (chunk - 1)) // chunk
+    num_chunks = max(num_chunks or 0, (length + n_seg * (chunk - 1)) // chunk)
     lens = cu[1:] - cu[:-1]
     seg_chunks = (lens + chunk - 1) // chunk
     chunk_end = jnp.cumsum(seg_chunks)
@@ -985,7 +994,9 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     n_seg = cu.shape[0] - 1
     config = config.resolved(k.dtype)
     chunk = config.chunk
-    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk)
+    bound = (length + n_seg * (chunk - 1)) // chunk
+    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk,
+                                                               _padded_chunks(bound, config))
 
     def gather(x):  # padded positions read a zero row: A = I, nothing added
         if x is None:
