@@ -8,8 +8,8 @@
 #                                # (ALL_SECTIONS="varlen decode" picks run_all's sections; FLA_TIMEOUT and
 #                                # KERNEL_TIMEOUT bound the two processes)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
-#   bash bench/h200.sh profile   # fla at 8k/32k/128k, run_all's steps (the default also at 8k and 128k), the
-#                                # decode step through Mosaic GPU, then Nsight Compute counters of the GDN forward
+#   bash bench/h200.sh profile   # fla at 8k/32k/128k, run_all's steps (the default also at 8k and 128k), then
+#                                # Nsight Compute counters of the GDN forward (PROFILES="default emit", NCU_FLA=1)
 #   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
 #   bash bench/h200.sh tune      # the request's GPU kernels alone with launch variants, then trr + full, traced
 #   bash bench/h200.sh bars      # the three modes the PIC bars compare, one process, with the host split, traced
@@ -142,10 +142,10 @@ case "${1:-}" in
       --budget-s "$(( ${KERNEL_TIMEOUT:-450} - 30 ))" ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
     ;;
   profile)
-    # fla's timings at 8k, 32k and 128k (from the carried wheels); run_all's sections (ALL_SECTIONS, default: steps,
-    # with the default launch also timed at 8k and 128k) for KERNEL_TIMEOUT; the decode step through Mosaic GPU
-    # beside the Triton kernel (with MOSAIC_TIMEOUT); then Nsight Compute's counters of one warm GDN forward at 32k
-    # per PROFILES entry ("default", "lc4"; our kernels only, XLA's memory pool and command buffers off) as text
+    # fla's timings (FLA_LENGTHS, default 8k, 32k and 128k; from the carried wheels), run_all's sections
+    # (ALL_SECTIONS, default: steps, with the default launch also timed at STEP_LENGTHS) for KERNEL_TIMEOUT, then
+    # Nsight Compute's counters of one warm GDN forward at 32k per PROFILES entry ("default"; "emit" adds (T, S);
+    # our kernels only, XLA's memory pool and command buffers off) and, with NCU_FLA=1, of fla's, as text
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl
@@ -155,21 +155,20 @@ case "${1:-}" in
     timeout "${KERNEL_TIMEOUT:-250}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
       --budget-s "$(( ${KERNEL_TIMEOUT:-250} - 30 ))" --sections ${ALL_SECTIONS:-steps} \
       --step-lengths ${STEP_LENGTHS:-8192,131072}
-    if [ -n "${MOSAIC_TIMEOUT:-}" ]; then
-      timeout "$MOSAIC_TIMEOUT" python3 bench/mosaic_decode.py --out "$OUT" > "$OUT/mosaic_decode.txt" 2>&1
-    fi
     sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
     sections="$sections --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats"
-    for variant in ${PROFILES:-}; do  # "default", "lc4" (4 chunks per chunk-local program, 2 stages)
-      case "$variant" in
-        lc4) flags="--locals-chunks 4 --locals-stages 2" ;;
-        *) flags="" ;;
-      esac
+    for variant in ${PROFILES:-}; do
+      flags=""
+      [ "$variant" = emit ] && flags="--emit"
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" \
         timeout "${NCU_TIMEOUT:-100}" ncu --profile-from-start off --clock-control none --kernel-name regex:gdn \
         --print-details all $sections python3 bench/ncu_gdn.py --impl pallas $flags \
         > "$OUT/ncu_pallas_$variant.txt" 2>&1
     done
+    if [ -n "${NCU_FLA:-}" ] && [ -d /tmp/site ]; then
+      PYTHONPATH=.:/tmp/site timeout "${NCU_TIMEOUT:-100}" ncu --profile-from-start off --clock-control none \
+        --print-details all $sections python3 bench/ncu_gdn.py --impl fla > "$OUT/ncu_fla.txt" 2>&1
+    fi
     ;;
   focus)
     # the compose fold variants (block_w 128 reads each T once), the GDN per-kernel breakdown, slow-gate T check

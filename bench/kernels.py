@@ -675,20 +675,18 @@ def _all_varlen(record, length, scale, b16):
         lambda q, k, v, cu, g, b: gdn.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
-    lc4 = dict(locals_chunks=4, locals_stages=2)
-    for name, cfg in (("pallas tile c64 lw4 +TS", GDNConfig(locals_warps=4, **b16)),
-                      ("pallas tile c64 lw4 lc4 ls2 +TS", GDNConfig(locals_warps=4, **lc4, **b16))):
-        fn = jax.jit(lambda q, k, v, cu, g, b, cfg=cfg: gdn.gdn_varlen(
-            q, k, v, cu, g=g, beta=b, scale=scale, config=cfg, interpret=INTERPRET))
-        record("varlen", name, fn, (q, k, v, cu, g, beta), ref, fla_name="fla chunk_gated_delta_rule varlen")
-    cfg = GDNConfig(locals_warps=4, **lc4, **b16)
+    cfg = GDNConfig(**b16)  # the default launch (tile solve, chunk 64); T through the widened state
+    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
+                                                          interpret=INTERPRET))
+    record("varlen", "pallas tile c64 lw4 +TS", fn, (q, k, v, cu, g, beta), ref,
+           fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
                                                           emit_summary=False, interpret=INTERPRET))
-    record("varlen", "pallas tile c64 lw4 lc4 ls2 (states only)", fn, (q, k, v, cu, g, beta),
+    record("varlen", "pallas tile c64 lw4 (states only)", fn, (q, k, v, cu, g, beta),
            fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=cfg,
                                                        interpret=INTERPRET))
-    record("varlen", "pallas tile c64 lw4 lc4 ls2, unsegmented (baseline)", fn, (q, k, v, g, beta))
+    record("varlen", "pallas tile c64 lw4, unsegmented (baseline)", fn, (q, k, v, g, beta))
 
 
 def _all_decode(record, scale):
@@ -725,12 +723,13 @@ def _all_decode(record, scale):
 
 
 def step_variants():
-    """run_all 6: the launch that was the default (chunk 64, tile solve, 4-warp chunk-local kernel, one chunk per
-    chunk-local program), several chunks per chunk-local program (`lcN` = `GDNConfig.locals_chunks`, `lsN` =
-    `locals_stages`), emitting (T, S) through the transfer pass (`GDNConfig.transfer_group`, 64-chunk groups), and
-    KDA (chunk 16);
-    name -> (config, emit (T, S), per-key gates), every config spelled out so that a name keeps meaning what it
-    measured when defaults move. Priority order: a run cut by its budget drops the last ones."""
+    """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), emitting
+    (T, S) through the transfer pass (`GDNConfig.transfer_group`, 64-chunk groups; "tf32 f32-inter" = tf32 dots and
+    float32 W, U, P, the cache-grade T), and KDA (`default_config(per_key=True)` is the chunk-16 row); name ->
+    (config, emit (T, S), per-key gates), every config spelled out so that a name keeps meaning what it measured
+    when defaults move. The variants measured slower on 2026-11-30 (output folds, shared key heads, stacked doubling
+    levels, several chunks per chunk-local program) are in bench/RESULTS.md with the commits that ran them.
+    Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
@@ -739,22 +738,18 @@ def step_variants():
     kda = dict(solve="doubling", locals_warps=2)
     return {
         "tile c64 lw4": (C(**c64), False, False),
-        "tile c64 lw4 lc4 ls2": (C(**c64, locals_chunks=4, locals_stages=2), False, False),
-        "tile c64 lw4 lc2 ls2": (C(**c64, locals_chunks=2, locals_stages=2), False, False),
-        "tile c64 lw4 lc8 ls2": (C(**c64, locals_chunks=8, locals_stages=2), False, False),
-        "tile c64 lw4 lc4 ls3": (C(**c64, locals_chunks=4, locals_stages=3), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
-        "tile c64 lw4 lc4 ls2 +TS group64": (C(**c64, locals_chunks=4, locals_stages=2, transfer_group=64), True,
-                                             False),
+        "tile c64 lw4 bv64": (C(**c64, block_v=64), False, False),
+        "tile c64 lw4 +TS group64 tf32 f32-inter": (C(**c64, transfer_group=64, inter_dtype="float32",
+                                                      locals_precision="tf32", state_precision="tf32"), True, False),
         "KDA doubling c16": (C(chunk=16, **kda), False, True),
-        "KDA doubling c16 lc4 ls2": (C(chunk=16, **kda, locals_chunks=4, locals_stages=2), False, True),
+        "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 lc4 ls2 +TS group64")
+SPLIT = ("tile c64 lw4 +TS group64",)
 STEP_LENGTHS = ()  # --step-lengths: other lengths at which LENGTH_VARIANTS are timed after the split
-LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 lc4 ls2", "tile c64 lw4 +TS group64",
-                   "tile c64 lw4 lc4 ls2 +TS group64")
+LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 +TS group64")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):

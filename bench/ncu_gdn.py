@@ -5,7 +5,7 @@
 
 Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
 autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
-`bash bench/h200.sh profile` runs it under ncu for the default launch, its variants and fla.
+`PROFILES="default emit" bash bench/h200.sh profile` runs it under ncu (fla: NCU_FLA=1).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ def _cudart():
     raise RuntimeError("libcudart not found: cannot bracket the profiled range")
 
 
-def run_pallas(length, config_kwargs, emit):
+def run_pallas(length, emit):
     import jax
 
     from kernels import DIM, gdn_inputs
     from hypic_jax.pallas import gdn
 
     q, k, v, g, beta = gdn_inputs(length)
-    config = gdn.GDNConfig(**config_kwargs)
+    config = gdn.GDNConfig()
     fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=DIM**-0.5, config=config,
                                                        emit_summary=emit, interpret=False))
     for _ in range(3):
@@ -89,14 +89,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=("pallas", "fla"), default="pallas")
     ap.add_argument("--length", type=int, default=32768)
-    ap.add_argument("--locals-chunks", type=int, default=1, help="GDNConfig.locals_chunks of the Pallas launch")
-    ap.add_argument("--locals-stages", type=int, default=1, help="GDNConfig.locals_stages of the Pallas launch")
     ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
     args = ap.parse_args()
     if args.impl == "fla":
         run_fla(args.length)
     else:
-        run_pallas(args.length, dict(locals_chunks=args.locals_chunks, locals_stages=args.locals_stages), args.emit)
+        run_pallas(args.length, args.emit)
 
 
 if __name__ == "__main__":

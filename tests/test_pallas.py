@@ -316,23 +316,19 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
-       locals_chunks=st.sampled_from([1, 2, 3, 4]), length=st.integers(1, 150), with_init=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, locals_chunks, length, with_init,
-                                            seed):
+       length=st.integers(1, 150), with_init=st.booleans(), seed=st.integers(0, 2**16))
+def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, seed):
     """Outputs, final state and the emitted summary against the token-by-token recurrence and
     `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
-    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree),
-    chunks per chunk-local program (the sequence padded to a multiple; fewer chunks than that) and lengths (odd
-    ones and ones shorter than a chunk included)."""
+    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree)
+    and lengths (odd ones and ones shorter than a chunk included)."""
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
     gk = per_key_gates(length, 2, 16, seed=seed + 1, strength=2.0) if family in ("kda", "kda+g", "gla") else None
     rng = np.random.default_rng(seed + 2)
     init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
-    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group,
-                       locals_chunks=locals_chunks)
+    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
@@ -360,6 +356,17 @@ def transfer_tolerance(g, gk, chunk):
     return max(TOL32, 16 * span * 2.0**-24)
 
 
+@pytest.mark.parametrize("n", [2, 4, 16, 64])
+def test_doubling_inverse_is_exact(n):
+    """`_inverse_doubling` (its first level elementwise, the rest by dots) against numpy's inverse, correlated keys."""
+    rng = np.random.default_rng(n)
+    keys = rng.standard_normal((n, 8))
+    keys = 0.6 * keys / np.linalg.norm(keys, axis=1, keepdims=True) + 0.4 * keys[:1] / np.linalg.norm(keys[0])
+    strict = np.tril(0.9 * keys @ keys.T, -1)
+    got = gdn._inverse_doubling(jnp.asarray(strict, jnp.float32), "ieee")
+    assert rel(got, np.linalg.inv(np.eye(n) + strict)) < TOL32
+
+
 def test_transfer_groups_product_tree():
     """Seven chunks in groups of 2 (four groups, the last padded with zero tokens): the tree's product equals the
     summary of the whole sequence, and so does every other grouping."""
@@ -376,8 +383,6 @@ def test_config_refuses_bad_sub_and_group():
         GDNConfig(sub=8)
     with pytest.raises(ValueError, match="transfer_group"):
         GDNConfig(transfer_group=-1)
-    with pytest.raises(ValueError, match="locals_chunks"):
-        GDNConfig(locals_chunks=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -505,8 +510,7 @@ def test_kernels_lower_to_triton():
     args = (sd((length, 16, dim), jnp.bfloat16), sd((length, 16, dim), jnp.bfloat16),
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True),
-                         (GDNConfig(locals_chunks=4, locals_stages=2), True)):
+    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()

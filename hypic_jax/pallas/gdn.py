@@ -67,16 +67,22 @@ design stores ([L/c, H, K, V] float32, 1 GB at L = 32k) are kept in registers be
 into the state pass. States are float32 always.
 
 Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
-2026-11-30, one run beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.502 ms against fla's
-chunk_gated_delta_rule at 1.924 ms (1.28x faster; the issue's bar is 1.5x); emitting (T, S) through the transfer
-pass adds 23% (1.847 ms); KDA (chunk 16) 4.78 ms against fla's chunk_kda at 3.87 ms. The state pass is
-latency-bound: at chunk 64 it is 512 dependent steps on 128 programs (0.76 ms alone in an earlier run), and more
-programs per SM (the pieces split, narrower column blocks) lengthen each step instead of hiding it. A chunk step
-that materialises each chunk's [K, K] transfer operator (one product on the chain instead of two) was measured
-slower and removed: its loads are four times W's. `gdn_varlen` and the decode step were timed with the older
-defaults (bench/RESULTS.md).
-Lowering: Triton, because it compiled and ran first time through Pallas at both jax 0.10 (interpret/lowering
-checks on the CPU) and 0.11 (the H200); Mosaic GPU was not tried.
+2026-11-30, four runs each beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.41 to 1.44 ms against
+fla's chunk_gated_delta_rule at 1.93 ms (1.34x to 1.37x faster; the issue's bar is 1.5x); emitting (T, S) through
+the transfer pass adds 24 to 26%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. The two
+launches split the time about evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both
+are latency-bound. Nsight Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an
+SM, and 40% of its warp stalls wait on global loads; the state pass is one 4-warp program per SM (166 registers,
+189 KB of shared memory for its load pipeline) issuing on 20% of cycles, stalled on barriers and loads. The
+chunk-local kernel's time follows its number of dots rather than their flops (see `_inverse_doubling`). Measured
+slower and removed (bench/RESULTS.md): a chunk step on materialised [K, K] transfer operators; folding the
+outputs' intra-chunk term into the chunk-local kernel (the state pass then ran 0.66 instead of 0.74 ms, the
+chunk-local kernel 1.03 instead of 0.82); one chunk-local program per key head; the doubling's low levels on
+stacked blocks; several chunks per chunk-local program as a software-pipelined loop (1.65 to 1.84 ms).
+Lowering: Triton. It compiled and ran first time through Pallas at jax 0.10 (interpret and lowering checks on the
+CPU) and 0.11 (the H200). A Mosaic GPU kernel (the decode step, as the smallest comparison) lowered with jax 0.10
+on the CPU but its pallas_call found no GPU lowering rule on the H200's jax 0.11.2, so no kernel here was timed
+under Mosaic GPU; the choice is not yet made by measurement.
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
 float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
@@ -124,9 +130,6 @@ class GDNConfig:
     transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C: 0 widens its state by K identity
       columns; N > 0 runs a separate launch over groups of N chunks in parallel and multiplies the groups'
       products in a tree (`_transfer_pass`).
-    locals_chunks: consecutive chunks per chunk-local program, run as a loop that Triton software-pipelines (with
-      locals_stages >= 2 the next chunk's loads overlap this chunk's dots); the sequence is padded with zero tokens
-      to a multiple of this many chunks (at most locals_chunks - 1 extra chunks).
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -138,10 +141,12 @@ class GDNConfig:
 
     Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
     bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
-    at chunk 64 with a 4-warp chunk-local kernel, 1.502 ms (chunk 32, 2 warps: 1.673; in an earlier run of the same
-    session "doubling" with 32 x 32 blocks at chunk 64 took 1.573, 8 local warps 2.197, 8 state warps 2.040, block_v
-    64 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state warps 3.739). Emitting (T, S) through the transfer
-    pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups 1.904, 16-chunk 2.023, the widened pass 2.241).
+    at chunk 64 with a 4-warp chunk-local kernel, 1.502 ms (1.41 to 1.44 ms in later runs, once the doubling's
+    first level lost its dots; block_v 64 with 4 state warps: 1.62 beside 1.41). In the first run: chunk 32 with 2
+    warps 1.673; in an earlier run of the same day "doubling" with 32 x 32 blocks at chunk 64 took 1.573, 8 local
+    warps 2.197, 8 state warps 2.040, block_v 64 (8 warps) 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state
+    warps 3.739. Emitting (T, S) through the transfer pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups
+    1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 26% in the later runs.
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
     H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
     """
@@ -153,7 +158,6 @@ class GDNConfig:
     solve: str = "tile"
     sub: int = 16
     transfer_group: int = 64
-    locals_chunks: int = 1
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -173,8 +177,6 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
-        if self.locals_chunks < 1:
-            raise ValueError(f"locals_chunks must be >= 1, got {self.locals_chunks}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -312,7 +314,7 @@ def _last_row(x: Array) -> Array:
 _FACTORED_SPAN = 40.0  # largest log-decay inside one diagonal block that the factored pair form takes
 
 
-def _pair_block_per_key(x_ref, k_ref, b_ref, off, i, j, sub, strict, precision):
+def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
     """[sub, sub] block (i, j) of x_t^T Diag(e^{b_t - b_j}) k_j for rows of block i, columns of block j <= i.
 
     Off-diagonal blocks: one dot of both sides decayed to the first token r of block i (b_t - b_r <= 0 and
@@ -322,17 +324,17 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, off, i, j, sub, strict, precision):
     b_t - b_j, t >= j). Zero above the diagonal (or on it, `strict`). The column loop costs sub x sub x K
     exponentials against the factored form's 2 sub x K and one tensor-core dot.
     """
-    rows_i = pl.ds(off + i * sub, sub)  # the chunk's rows start at `off`
+    rows_i = pl.ds(i * sub, sub)
     x = x_ref[rows_i, :].astype(jnp.float32)
     b_i = b_ref[rows_i, :]
     if i > j:
-        rows_j = pl.ds(off + j * sub, sub)
-        b_r = b_ref[pl.ds(off + i * sub, 1), :]  # [1, K]
+        rows_j = pl.ds(j * sub, sub)
+        b_r = b_ref[pl.ds(i * sub, 1), :]  # [1, K]
         k_j = k_ref[rows_j, :].astype(jnp.float32) * jnp.exp(b_r - b_ref[rows_j, :])
         return _dot(x * jnp.exp(b_i - b_r), k_j, precision, trans_b=True)
     rows, cols = _iotas(sub)
     token = lax.iota(jnp.int32, sub)
-    b_r = b_ref[pl.ds(off + i * sub, 1), :]  # [1, K]: the block's first token
+    b_r = b_ref[pl.ds(i * sub, 1), :]  # [1, K]: the block's first token
 
     def factored():  # one dot, both sides decayed against the first token: e^{b_t - b_r} <= 1 <= e^{b_r - b_j}
         k_i = k_ref[rows_i, :].astype(jnp.float32)
@@ -342,7 +344,7 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, off, i, j, sub, strict, precision):
     def columns():  # one key column at a time, every exponent b_t - b_j <= 0 (any gate strength)
 
         def column(col, acc):  # a loop, not unrolled: unrolling made the whole kernel 1.5x slower on the H200
-            row = pl.ds(off + i * sub + col, 1)
+            row = pl.ds(i * sub + col, 1)
             k_c, b_c = k_ref[row, :].astype(jnp.float32), b_ref[row, :]  # [1, K]
             keep = token > col if strict else token >= col
             decay = jnp.exp(jnp.where(keep[:, None], b_i - b_c, 0.0))
@@ -361,29 +363,13 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, off, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunks, chunk, **kwargs):
-    """`chunks` consecutive chunks of one head, one after the other (`GDNConfig.locals_chunks`): a loop, so that
-    Triton's software pipelining (`locals_stages` >= 2) loads the next chunk's q, k, v while this one computes.
-    With one chunk per program the loads had no work to hide behind: Nsight Compute put 40% of the kernel's warp
-    stalls on them (bench/RESULTS.md)."""
-    if chunks == 1:
-        _locals_chunk(refs, 0, chunk=chunk, **kwargs)
-        return
-
-    def body(n, carry):
-        _locals_chunk(refs, pl.multiple_of(n * chunk, chunk), chunk=chunk, **kwargs)
-        return carry
-
-    lax.fori_loop(0, chunks, body, 0)
-
-
-def _locals_chunk(refs, off, *, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
-    Refs (head axis squeezed by the BlockSpecs; the chunk's rows start at `off`): q, k [c, K]; v [c, V]; b [c] or
-    [c, K] (per key), beta [c] (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state
-    pass's decayed keys k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a
-    difference b_t - b_j with t >= j (or split at a reference token between them), so <= 0 for decaying gates.
+    Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
+    (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
+    k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
+    t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     """
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
@@ -393,47 +379,44 @@ def _locals_chunk(refs, off, *, chunk, sub, delta, per_key, scale, prec, solve, 
         q_ref, k_ref, b_ref, p_ref = refs
     c = chunk
     nb = c // sub
-    rows_c = pl.ds(off, c)
     if per_key:
-        b_chunk = b_ref[rows_c, :]
-        b_end = b_ref[pl.ds(off + c - 1, 1), :]  # [1, K]
-        kd_ref[rows_c, :] = (k_ref[rows_c, :].astype(jnp.float32) * jnp.exp(b_end - b_chunk)).astype(kd_ref.dtype)
-        qd_ref[rows_c, :] = (scale * q_ref[rows_c, :].astype(jnp.float32) * jnp.exp(b_chunk)).astype(qd_ref.dtype)
+        b_chunk = b_ref[...]
+        b_end = b_ref[pl.ds(c - 1, 1), :]  # [1, K]
+        kd_ref[...] = (k_ref[...].astype(jnp.float32) * jnp.exp(b_end - b_chunk)).astype(kd_ref.dtype)
+        qd_ref[...] = (scale * q_ref[...].astype(jnp.float32) * jnp.exp(b_chunk)).astype(qd_ref.dtype)
     if per_key:  # scores by 16 x 16 blocks (zeros above the diagonal)
         for i in range(nb):
             for j in range(nb):
                 if j <= i:
-                    blk = scale * _pair_block_per_key(q_ref, k_ref, b_ref, off, i, j, sub, False, prec)
+                    blk = scale * _pair_block_per_key(q_ref, k_ref, b_ref, i, j, sub, False, prec)
                 else:
                     blk = jnp.zeros((sub, sub), jnp.float32)
-                p_ref[pl.ds(off + i * sub, sub), pl.ds(j * sub, sub)] = blk.astype(p_ref.dtype)
+                p_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = blk.astype(p_ref.dtype)
     else:  # scores against the full chunk (one [c, K] x [K, c] dot)
-        b_all = b_ref[rows_c]
+        b_all = b_ref[...]
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        scores = _dot(q_ref[rows_c, :], k_ref[rows_c, :], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff),
-                                                                                          0.0)
-        p_ref[rows_c, :] = (scale * scores).astype(p_ref.dtype)
+        scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
+        p_ref[...] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
 
     if solve == "tile" and not per_key:  # the whole [c, c] inverse by doubling, then W, U as one dot each
-        k_all, beta_all = k_ref[rows_c, :], beta_ref[rows_c]
+        k_all, beta_all = k_ref[...], beta_ref[...]
         strict = rows > cols
         kk = _dot(k_all, k_all, prec, trans_b=True)
         m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
         x = _inverse_doubling(m, solve_prec)
         rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
-        w_ref[rows_c, :] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
-        rhs_v = beta_all[:, None] * v_ref[rows_c, :].astype(jnp.float32)
-        u_ref[rows_c, :] = _dot(x, rhs_v, prec).astype(u_ref.dtype)
+        w_ref[...] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
+        u_ref[...] = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec).astype(u_ref.dtype)
         return
 
     srows, scols = _iotas(sub)
     ks, bs, betas, rhs_k, rhs_v = [], [], [], [], []
     for i in range(nb):
-        blk = pl.ds(off + i * sub, sub)
+        blk = pl.ds(i * sub, sub)
         k_i, beta_i = k_ref[blk, :], beta_ref[blk]
         b_i = b_ref[blk, :] if per_key else b_ref[blk]
         ks.append(k_i)
@@ -448,7 +431,7 @@ def _locals_chunk(refs, off, *, chunk, sub, delta, per_key, scale, prec, solve, 
     for i in range(nb):
         for j in range(i + 1):
             if per_key:
-                pair = _pair_block_per_key(k_ref, k_ref, b_ref, off, i, j, sub, True, prec)
+                pair = _pair_block_per_key(k_ref, k_ref, b_ref, i, j, sub, True, prec)
             else:
                 kk = _dot(ks[i], ks[j], prec, trans_b=True)
                 d = bs[i][:, None] - bs[j][None, :]
@@ -475,7 +458,7 @@ def _locals_chunk(refs, off, *, chunk, sub, delta, per_key, scale, prec, solve, 
         for j in range(1, i + 1):
             w_i = w_i + _dot(x[i, j], rhs_k[j], prec)
             u_i = u_i + _dot(x[i, j], rhs_v[j], prec)
-        blk = pl.ds(off + i * sub, sub)
+        blk = pl.ds(i * sub, sub)
         w_ref[blk, :] = w_i.astype(w_ref.dtype)
         u_ref[blk, :] = u_i.astype(u_ref.dtype)
 
@@ -577,35 +560,33 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     num_chunks = length // chunk
     delta = beta is not None
     config = config.resolved(k.dtype)
-    chunks = math.gcd(num_chunks, config.locals_chunks)  # callers pad to a multiple (`_padded_chunks`)
-    rows = chunks * chunk  # token rows per program
-    qk_spec = pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h // group, 0))
-    beta_spec = pl.BlockSpec((None, rows), lambda n, h: (h, n))
-    b_spec = pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
-    p_spec = pl.BlockSpec((None, rows, chunk), lambda n, h: (h, n, 0))
+    qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
+    beta_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))
+    b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
+    p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
     if delta:
         value_dim = v.shape[-1]
-        in_specs = [qk_spec, qk_spec, pl.BlockSpec((rows, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
+        in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
                     beta_spec]
         args = (q, k, v, b, beta)
-        out_specs = [p_spec, pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h, 0)),
-                     pl.BlockSpec((rows, None, value_dim), lambda n, h: (n, h, 0))]
+        out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
+                     pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
         out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
                      jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
     if per_key:  # decayed keys and queries for the state pass, per value head
-        decayed = pl.BlockSpec((rows, None, key_dim), lambda n, h: (n, h, 0))
+        decayed = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
         out_specs += [decayed, decayed]
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
-    kernel = functools.partial(_locals_kernel, chunks=chunks, chunk=chunk, sub=min(config.sub, chunk), delta=delta,
-                               per_key=per_key, scale=scale, prec=config.locals_precision, solve=config.solve,
+    kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
+                               scale=scale, prec=config.locals_precision, solve=config.solve,
                                solve_prec=config.solve_precision)
     return pl.pallas_call(
         kernel,
-        grid=(num_chunks // chunks, heads),
+        grid=(num_chunks, heads),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -732,14 +713,6 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     return transfer
 
 
-def _padded_chunks(num_chunks: int, config: GDNConfig, multiple: int = 1) -> int:
-    """num_chunks rounded up so that the chunk-local kernel's programs (`locals_chunks` chunks each, fewer for a
-    short sequence) and `multiple` (the pieces) divide it."""
-    per_program = min(config.locals_chunks, num_chunks)
-    step = per_program * multiple // math.gcd(per_program, multiple)
-    return -(-num_chunks // step) * step
-
-
 def _chunk_cumsum(g: Array | None, length: int, heads: int, chunk: int) -> Array:
     """b = cumsum of the log gates inside each chunk, as [H, L] float32 (zeros without a gate)."""
     if g is None:
@@ -808,7 +781,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
     chunk = config.chunk
     num_chunks = -(-length // chunk)
     pieces = max(1, min(config.pieces, num_chunks))
-    chunks_per_piece = _padded_chunks(num_chunks, config, pieces) // pieces
+    chunks_per_piece = -(-num_chunks // pieces)
     padded = chunks_per_piece * pieces * chunk
     pad = padded - length
 
@@ -944,7 +917,7 @@ def gdn_forward(
 # Variable-length packed segments.
 
 
-def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, num_chunks: int | None = None):
+def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
     """Chunk-aligned layout of packed segments (all int32, traced-friendly; only the sizes are static).
 
     Every segment is padded to whole chunks so that a chunk never straddles a boundary: the chunk-local kernel
@@ -952,10 +925,9 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, num_chunks: i
     last. The padded length is bounded statically by sum_i ceil(len_i / c) <= floor((L + n (c - 1)) / c) chunks.
 
     Returns (src [Lp]: packed token of each padded position, `length` for padding; pos [L]: padded position of
-    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]). `num_chunks`
-    (at least that bound) pads the layout with empty chunks past the last segment.
+    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]).
     """
-    num_chunks = max(num_chunks or 0, (length + n_seg * (chunk - 1)) // chunk)
+    num_chunks = (length + n_seg * (chunk - 1)) // chunk
     lens = cu[1:] - cu[:-1]
     seg_chunks = (lens + chunk - 1) // chunk
     chunk_end = jnp.cumsum(seg_chunks)
@@ -994,9 +966,7 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     n_seg = cu.shape[0] - 1
     config = config.resolved(k.dtype)
     chunk = config.chunk
-    bound = (length + n_seg * (chunk - 1)) // chunk
-    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk,
-                                                               _padded_chunks(bound, config))
+    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk)
 
     def gather(x):  # padded positions read a zero row: A = I, nothing added
         if x is None:
