@@ -13,7 +13,9 @@ once, and writes the new block and its slice of the output. The products are row
 one token gives [K] x [K, block_v] vector work, below Triton's 16-wide dot tiles. The state can be updated in
 place (`donate=True` aliases the input and output buffers), so a decode loop does not copy it.
 
-Not yet timed on a GPU (bench/kernels.py --all).
+Measured on the H200 (bench/RESULTS.md, 2026-11-30; 32 heads of 128): 0.047 to 0.061 ms at batch 1, where the
+launch dominates, and 0.082 ms at batch 64 (GDN), whose 268 MB of state read and written move at 3.29 TB/s, 79% of
+the 4.19 TB/s a device copy reached.
 """
 
 from __future__ import annotations
