@@ -51,6 +51,20 @@ def log(path, record):
 # fla (torch) timing, run in its own process so that torch and JAX do not share the GPU's memory pools.
 
 
+def fla_gdn_inputs(length, key_heads, dev="cuda"):
+    """fla's Gated DeltaNet inputs at the bench shapes (torch, seed 0): q, k [1, L, Hk, K] normalized bf16,
+    v [1, L, H, V] bf16, g = -U(0, 0.1) and beta float32 [1, L, H]."""
+    import torch
+
+    torch.manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(1, length, key_heads, DIM, device=dev), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(1, length, key_heads, DIM, device=dev), dim=-1).bfloat16()
+    v = torch.randn(1, length, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    g = -torch.rand(1, length, HEADS, device=dev, dtype=torch.float32) * 0.1
+    beta = torch.rand(1, length, HEADS, device=dev, dtype=torch.float32).sigmoid()
+    return q, k, v, g, beta
+
+
 def run_fla(out_dir, lengths):
     import torch
     from triton.testing import do_bench
@@ -61,12 +75,7 @@ def run_fla(out_dir, lengths):
     dev = "cuda"
     for length in lengths:
         for key_heads in (HEADS, KEY_HEADS):
-            torch.manual_seed(0)
-            q = torch.nn.functional.normalize(torch.randn(1, length, key_heads, DIM, device=dev), dim=-1).bfloat16()
-            k = torch.nn.functional.normalize(torch.randn(1, length, key_heads, DIM, device=dev), dim=-1).bfloat16()
-            v = torch.randn(1, length, HEADS, DIM, device=dev, dtype=torch.bfloat16)
-            g = -torch.rand(1, length, HEADS, device=dev, dtype=torch.float32) * 0.1
-            beta = torch.rand(1, length, HEADS, device=dev, dtype=torch.float32).sigmoid()
+            q, k, v, g, beta = fla_gdn_inputs(length, key_heads, dev)
             fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=DIM**-0.5,  # noqa: E731
                                                 output_final_state=True)
             try:
@@ -734,6 +743,7 @@ def step_variants():
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
+    c32 = dict(chunk=32, solve="tile", locals_warps=2)
     c64 = dict(chunk=64, solve="tile", locals_warps=4)
     kda = dict(solve="doubling", locals_warps=2)
     return {
@@ -744,6 +754,15 @@ def step_variants():
                                                       locals_precision="tf32", state_precision="tf32"), True, False),
         "KDA doubling c16": (C(chunk=16, **kda), False, True),
         "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
+        # the sixth session's other rows (bench/RESULTS.md), last: they run only when the budget allows
+        "tile c32 lw2": (C(**c32), False, False),
+        "tile c64 lw4 +TS group16": (C(**c64, transfer_group=16), True, False),
+        "tile c64 lw4 +TS group32": (C(**c64, transfer_group=32), True, False),
+        "tile c64 lw4 +TS widened": (C(**c64, transfer_group=0), True, False),
+        "tile c32 lw2 +TS group32": (C(**c32, transfer_group=32), True, False),
+        "KDA doubling c32": (C(chunk=32, **kda), False, True),
+        "KDA doubling c32 +TS group16": (C(chunk=32, **kda, transfer_group=16), True, True),
+        "KDA doubling c32 +TS widened": (C(chunk=32, **kda, transfer_group=0), True, True),
     }
 
 

@@ -64,15 +64,9 @@ def run_fla(length):
     import torch
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from kernels import DIM, HEADS, KEY_HEADS
+    from kernels import DIM, KEY_HEADS, fla_gdn_inputs
 
-    torch.manual_seed(0)
-    dev = "cuda"
-    q = torch.nn.functional.normalize(torch.randn(1, length, KEY_HEADS, DIM, device=dev), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(torch.randn(1, length, KEY_HEADS, DIM, device=dev), dim=-1).bfloat16()
-    v = torch.randn(1, length, HEADS, DIM, device=dev, dtype=torch.bfloat16)
-    g = -torch.rand(1, length, HEADS, device=dev, dtype=torch.float32) * 0.1
-    beta = torch.rand(1, length, HEADS, device=dev, dtype=torch.float32).sigmoid()
+    q, k, v, g, beta = fla_gdn_inputs(length, KEY_HEADS)
     fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=DIM**-0.5,  # noqa: E731
                                         output_final_state=True)
     for _ in range(5):
