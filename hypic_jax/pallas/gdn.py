@@ -69,7 +69,7 @@ into the state pass. States are float32 always.
 Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
 2026-11-30, four runs each beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.41 to 1.44 ms against
 fla's chunk_gated_delta_rule at 1.93 ms (1.34x to 1.37x faster; the issue's bar is 1.5x); emitting (T, S) through
-the transfer pass adds 24 to 26%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. The two
+the transfer pass adds 24 to 25%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. The two
 launches split the time about evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both
 are latency-bound. Nsight Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an
 SM, and 40% of its warp stalls wait on global loads; the state pass is one 4-warp program per SM (166 registers,
@@ -146,7 +146,7 @@ class GDNConfig:
     warps 1.673; in an earlier run of the same day "doubling" with 32 x 32 blocks at chunk 64 took 1.573, 8 local
     warps 2.197, 8 state warps 2.040, block_v 64 (8 warps) 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state
     warps 3.739. Emitting (T, S) through the transfer pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups
-    1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 26% in the later runs.
+    1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 25% in the later runs.
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
     H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
     """
