@@ -143,8 +143,8 @@ case "${1:-}" in
     ;;
   profile)
     # fla's timings (FLA_LENGTHS, default 8k, 32k and 128k; from the carried wheels), run_all's sections
-    # (ALL_SECTIONS, default: steps, with the default launch also timed at STEP_LENGTHS) for KERNEL_TIMEOUT, then
-    # Nsight Compute's counters of one warm GDN forward at 32k per PROFILES entry ("default"; "emit" adds (T, S);
+    # (ALL_SECTIONS, default: steps, with the default launch also timed at STEP_LENGTHS) for KERNEL_TIMEOUT, the
+    # decode step under Mosaic GPU (with MOSAIC_TIMEOUT), then Nsight Compute's counters of one warm GDN forward at 32k per PROFILES entry ("default"; "emit" adds (T, S);
     # our kernels only, XLA's memory pool and command buffers off) and, with NCU_FLA=1, of fla's, as text
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -155,6 +155,9 @@ case "${1:-}" in
     timeout "${KERNEL_TIMEOUT:-250}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
       --budget-s "$(( ${KERNEL_TIMEOUT:-250} - 30 ))" --sections ${ALL_SECTIONS:-steps} \
       --step-lengths ${STEP_LENGTHS:-8192,131072}
+    if [ -n "${MOSAIC_TIMEOUT:-}" ]; then  # the decode step under Mosaic GPU beside the Triton kernel
+      timeout "$MOSAIC_TIMEOUT" python3 bench/mosaic_decode.py --out "$OUT" > "$OUT/mosaic_decode.txt" 2>&1
+    fi
     sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
     sections="$sections --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats"
     for variant in ${PROFILES:-}; do

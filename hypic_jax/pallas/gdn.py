@@ -80,9 +80,10 @@ outputs' intra-chunk term into the chunk-local kernel (the state pass then ran 0
 chunk-local kernel 1.03 instead of 0.82); one chunk-local program per key head; the doubling's low levels on
 stacked blocks; several chunks per chunk-local program as a software-pipelined loop (1.65 to 1.84 ms).
 Lowering: Triton. It compiled and ran first time through Pallas at jax 0.10 (interpret and lowering checks on the
-CPU) and 0.11 (the H200). A Mosaic GPU kernel (the decode step, as the smallest comparison) lowered with jax 0.10
-on the CPU but its pallas_call found no GPU lowering rule on the H200's jax 0.11.2, so no kernel here was timed
-under Mosaic GPU; the choice is not yet made by measurement.
+CPU) and 0.11 (the H200). A Mosaic GPU version of the decode step (the smallest comparison) was written as a
+`pl.pallas_call` with Mosaic GPU compiler parameters, which jax 0.10 lowers with a deprecation warning and the
+H200's jax 0.11.2 no longer lowers; `bench/mosaic_decode.py` now builds it with `plgpu.kernel` (it lowers for CUDA
+on the CPU) and awaits its first timing, so the choice is not yet made by measurement.
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
 float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
