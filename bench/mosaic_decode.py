@@ -29,8 +29,8 @@ def mosaic_decode(q, k, v, state, g, beta, *, scale, block_v=64):
     """q, k [H, K] (per value head), v [H, V], state [H, K, V] float32, g, beta [H] -> (o [H, V], state).
 
     `plgpu.kernel` over (head, column block); inside, `plgpu.emit_pipeline` with one step moves the blocks between
-    global and shared memory. (JAX 0.10 still lowered Mosaic GPU kernels written as `pl.pallas_call` with
-    `plgpu.CompilerParams`, with a deprecation warning; JAX 0.11.2 does not: that form failed on the H200.)
+    global and shared memory. (JAX 0.10 still lowers Mosaic GPU kernels written as `pl.pallas_call` with
+    `plgpu.CompilerParams`, with a deprecation warning; that form found no GPU lowering rule on the H200's 0.11.2.)
     """
     import jax
     import jax.numpy as jnp

@@ -82,7 +82,7 @@ stacked blocks; several chunks per chunk-local program as a software-pipelined l
 Lowering: Triton. It compiled and ran first time through Pallas at jax 0.10 (interpret and lowering checks on the
 CPU) and 0.11 (the H200). A Mosaic GPU version of the decode step (the smallest comparison) was written as a
 `pl.pallas_call` with Mosaic GPU compiler parameters, which jax 0.10 lowers with a deprecation warning and the
-H200's jax 0.11.2 no longer lowers; `bench/mosaic_decode.py` now builds it with `plgpu.kernel` (it lowers for CUDA
+H200's jax 0.11.2 failed to lower (no GPU lowering rule); `bench/mosaic_decode.py` now builds it with `plgpu.kernel` (it lowers for CUDA
 on the CPU) and awaits its first timing, so the choice is not yet made by measurement.
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
