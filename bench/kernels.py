@@ -665,7 +665,8 @@ def _all_per_key(record, length, scale, group, b16, up):
 
 
 def _all_varlen(record, length, scale, b16):
-    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S) (the widened state)."""
+    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S) (the transfer pass, then
+    the widened state, which the seventh session timed at 3.53 ms)."""
     import jax
     import jax.numpy as jnp
 
@@ -684,11 +685,12 @@ def _all_varlen(record, length, scale, b16):
         lambda q, k, v, cu, g, b: gdn.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
-    cfg = GDNConfig(**b16)  # the default launch (tile solve, chunk 64); T through the widened state
-    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
-                                                          interpret=INTERPRET))
-    record("varlen", "pallas tile c64 lw4 +TS", fn, (q, k, v, cu, g, beta), ref,
-           fla_name="fla chunk_gated_delta_rule varlen")
+    cfg = GDNConfig(**b16)  # the default launch (tile solve, chunk 64); T through 64-chunk transfer groups
+    for name, tcfg in (("pallas tile c64 lw4 +TS group64", cfg),
+                       ("pallas tile c64 lw4 +TS widened", GDNConfig(transfer_group=0, **b16))):
+        fn = jax.jit(lambda q, k, v, cu, g, b, tcfg=tcfg: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale,
+                                                                         config=tcfg, interpret=INTERPRET))
+        record("varlen", name, fn, (q, k, v, cu, g, beta), ref, fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
                                                           emit_summary=False, interpret=INTERPRET))
     record("varlen", "pallas tile c64 lw4 (states only)", fn, (q, k, v, cu, g, beta),

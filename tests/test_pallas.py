@@ -451,13 +451,17 @@ def test_per_key_bfloat16():
 # Variable-length packed segments.
 
 
-@pytest.mark.parametrize("gates,chunk,traced", [("gdn", 16, True), ("kda", 32, False), ("decay", 16, False)])
-def test_varlen_matches_reference(gates, chunk, traced):
+@pytest.mark.parametrize("gates,chunk,traced,group", [("gdn", 16, True, 64), ("gdn", 16, False, 0),
+                                                      ("gdn", 16, True, 1), ("kda", 32, False, 64),
+                                                      ("kda", 16, False, 2), ("decay", 16, False, 64)])
+def test_varlen_matches_reference(gates, chunk, traced, group):
+    """Packed segments against the vmapped core, T through the transfer pass (group > 0; 1 and 2 put segments
+    across several groups) or the widened state (0)."""
     length = 61
     cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
     gk = per_key_gates(length, 2, 16, seed=18) if gates == "kda" else None
-    config = GDNConfig(chunk=chunk, block_v=16)
+    config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group)
     offsets = jnp.asarray(cu, jnp.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
@@ -472,6 +476,23 @@ def test_varlen_matches_reference(gates, chunk, traced):
         o2, states = gdn.gdn_varlen(q, k, v, offsets, g=g, scale=0.5, config=config, emit_summary=False,
                                     interpret=True)
         assert rel(o2, ref_o) < TOL32 and rel(states, ref_sum.state) < TOL32
+
+
+@settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cuts=st.lists(st.integers(0, 120), min_size=0, max_size=6), chunk=st.sampled_from([16, 32]),
+       group=st.sampled_from([0, 1, 2, 3, 64]), seed=st.integers(0, 2**16))
+def test_varlen_property(cuts, chunk, group, seed):
+    """Random splits of 120 tokens (empty and one-chunk segments, segments across several transfer groups): outputs,
+    S(C|0) and T of every segment against the vmapped core."""
+    length = 120
+    cu = [0] + sorted(cuts) + [length]
+    q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
+    config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group)
+    o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
+    ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
+    assert rel(o, ref_o) < TOL32
+    assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
 
 # ----------------------------------------------------------------------------------------------------------------

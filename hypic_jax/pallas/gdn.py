@@ -57,7 +57,10 @@ Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tr
    log-depth tree multiplies the groups' products; or, with transfer_group = 0, from K identity columns that
    widen the single pass (K / block_v more programs at the full depth L / c).
    Packed segments (`gdn_varlen`) use the same kernel with two int32 per-chunk tables: reset the state at a
-   segment's first chunk, store it to the segment's slot after its last chunk.
+   segment's first chunk, store it to the segment's slot after its last chunk. Their dense T comes from the
+   transfer pass too, resetting identity columns at segment starts within each group, and a segmented product
+   scan over the groups joins the segments that span several (`_varlen_transfer`); transfer_group = 0 widens the
+   packed pass instead.
 
 Memory between launches: W, U ([L, H, K] and [L, H, V]) and P ([H, L, c]) in `inter_dtype` (bfloat16 for
 bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates, with
@@ -82,8 +85,9 @@ stacked blocks; several chunks per chunk-local program as a software-pipelined l
 Lowering: Triton. It compiled and ran first time through Pallas at jax 0.10 (interpret and lowering checks on the
 CPU) and 0.11 (the H200). A Mosaic GPU version of the decode step (the smallest comparison) was written as a
 `pl.pallas_call` with Mosaic GPU compiler parameters, which jax 0.10 lowers with a deprecation warning and the
-H200's jax 0.11.2 failed to lower (no GPU lowering rule); `bench/mosaic_decode.py` now builds it with `plgpu.kernel` (it lowers for CUDA
-on the CPU) and awaits its first timing, so the choice is not yet made by measurement.
+H200's jax 0.11.2 failed to lower (no GPU lowering rule); `bench/mosaic_decode.py` now builds it with
+`plgpu.kernel` (it lowers for CUDA on the CPU) and awaits its first timing, so the choice is not yet made by
+measurement.
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
 float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
@@ -128,9 +132,10 @@ class GDNConfig:
     solve: how the chunk-local (I + M)^-1 is built: "rows", "doubling" or "tile" (module docstring).
     sub: diagonal block edge of the "rows" and "doubling" solves (16, 32 or 64; at most the chunk): larger blocks
       mean fewer, larger dots in the block substitution and a deeper diagonal inverse.
-    transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C: 0 widens its state by K identity
-      columns; N > 0 runs a separate launch over groups of N chunks in parallel and multiplies the groups'
-      products in a tree (`_transfer_pass`).
+    transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C, and `gdn_varlen` each packed
+      segment's: 0 widens the state by K identity columns; N > 0 runs a separate launch over groups of N chunks in
+      parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). Timed on the H200 for
+      `gdn_forward` (+23 to 25% against +49% widened); the packed-segment transfer pass is not timed yet.
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -469,7 +474,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True):
+                  values=True, tails=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -479,7 +484,9 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     blocks j >= value_blocks are identity-widened columns (their values are zero) and write no outputs.
     The output read o = (scale Q e^b) S + P (U - W S) is fused into the same step, so per-chunk states never
     leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
-    identity columns and the pass returns the product of the chunks' transfer operators.
+    identity columns and the pass returns the product of the chunks' transfer operators. With `tails` (segments
+    over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
+    reset (`_varlen_transfer`).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -490,6 +497,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     init_ref = next(it)
     o_ref = next(it) if outputs else None
     final_ref = next(it)
+    tail_ref = next(it) if tails else None
     c = chunk
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
     init = init_ref[...].astype(jnp.float32)
@@ -542,6 +550,8 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     state = lax.fori_loop(0, num_chunks, body, init)
     if not segments:
         final_ref[...] = state
+    if tails:
+        tail_ref[...] = state
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -598,12 +608,13 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
 
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
-                segments=None):
+                segments=None, tails=False):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
-    n) runs packed segments instead (pieces must be 1): the int32 per-chunk tables of `_state_kernel`; final is
-    then [n, H, K, Wd]. u None (delta rule, no outputs): transfer columns only (`_transfer_pass`).
+    n) runs packed segments: the int32 per-chunk tables of `_state_kernel`; final is then [n, H, K, Wd], and with
+    `tails` a third result holds each piece's final state [pieces, H, K, Wd]. u None (delta rule, no outputs):
+    transfer columns only (`_transfer_pass`, `_varlen_transfer`).
     """
     length, key_heads, key_dim = k.shape
     per_key = b.ndim == 3
@@ -644,11 +655,11 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         args += [q, p]
     if segments is not None:
         start, slot, n_seg = segments
-        if pieces != 1:
-            raise ValueError("packed segments run with pieces = 1")
-        table = pl.BlockSpec((start.shape[0],), lambda j, h, s: (0,))
+        table = pl.BlockSpec((start.shape[0] // pieces,), lambda j, h, s: (s,))
         in_specs += [table, table]
         args += [start, slot]
+    elif tails:
+        raise ValueError("tails are the pieces' final states beside the segments' slots: segments needed")
     state_spec = pl.BlockSpec((None, None, key_dim, block_v), lambda j, h, s: (s, h, 0, j))
     in_specs.append(state_spec)
     args.append(init)
@@ -662,6 +673,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     else:
         out_specs.append(pl.BlockSpec((n_seg, None, key_dim, block_v), lambda j, h, s: (0, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((n_seg, heads, key_dim, width), jnp.float32))
+        if tails:
+            out_specs.append(state_spec)
+            out_shape.append(jax.ShapeDtypeStruct(init.shape, jnp.float32))
     kernel = functools.partial(
         _state_kernel,
         chunk=chunk,
@@ -674,6 +688,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         scale=scale,
         prec=config.state_precision,
         values=values,
+        tails=tails,
     )
     res = pl.pallas_call(
         kernel,
@@ -685,7 +700,8 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         interpret=interpret,
         name="gdn_state_pass",
     )(*args)
-    return (res[0], res[1]) if outputs else (None, res[0])
+    res = list(res) if outputs else [None] + list(res)
+    return tuple(res)
 
 
 def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
@@ -918,7 +934,7 @@ def gdn_forward(
 # Variable-length packed segments.
 
 
-def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
+def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, num_chunks: int | None = None):
     """Chunk-aligned layout of packed segments (all int32, traced-friendly; only the sizes are static).
 
     Every segment is padded to whole chunks so that a chunk never straddles a boundary: the chunk-local kernel
@@ -926,9 +942,10 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
     last. The padded length is bounded statically by sum_i ceil(len_i / c) <= floor((L + n (c - 1)) / c) chunks.
 
     Returns (src [Lp]: packed token of each padded position, `length` for padding; pos [L]: padded position of
-    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]).
+    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]). A larger
+    `num_chunks` than that bound adds empty chunks past the last segment (zero tokens, a reset at each).
     """
-    num_chunks = (length + n_seg * (chunk - 1)) // chunk
+    num_chunks = max(num_chunks or 0, _varlen_chunks(length, n_seg, chunk))
     lens = cu[1:] - cu[:-1]
     seg_chunks = (lens + chunk - 1) // chunk
     chunk_end = jnp.cumsum(seg_chunks)
@@ -950,6 +967,46 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
     return src, pos, start, slot, seg_of_token, lens
 
 
+def _varlen_chunks(length: int, n_seg: int, chunk: int) -> int:
+    """Static bound on the chunks of n_seg packed segments of L tokens, each padded to whole chunks."""
+    return (length + n_seg * (chunk - 1)) // chunk
+
+
+def _varlen_transfer(w, k, b, start, slot, lens, *, n_seg, chunk, group, config, interpret):
+    """Each packed segment's dense T = A_last ... A_first ([n, H, K, K]) through `group`-chunk groups, as
+    `_transfer_pass` does for one sequence, instead of K identity columns widening the packed state pass.
+
+    One launch steps identity columns through every group in parallel, resetting them at each segment's first
+    chunk: a segment that ends in group e stores Q (its product since the later of its start and e's start) in its
+    slot, and every group g leaves its tail P_g (the product since its last reset). A segment that started in an
+    earlier group s then has T = Q P_{e-1} ... P_s: the groups strictly between hold no reset (the segment covers
+    them), and s's tail starts at the segment's first chunk (no later segment starts in s). A segmented product
+    scan over the groups (reset where a group holds a segment start) gives every such product at once.
+    The layout's chunk count must be a multiple of `group`.
+    """
+    length, _, key_dim = k.shape
+    heads = w.shape[1]
+    num_chunks = length // chunk
+    groups = num_chunks // group
+    eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
+    _, ends, tails = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
+                                 out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret,
+                                 segments=(start, slot, n_seg), tails=True)
+    resets = jnp.any(start.reshape(groups, group) != 0, axis=1)
+    mm = functools.partial(jnp.einsum, "...ij,...jk->...ik", precision=lax.Precision.HIGHEST)
+
+    def later_after(a, b):  # segmented product, b after a: restart at b when b holds a reset
+        (reset_a, prod_a), (reset_b, prod_b) = a, b
+        return reset_a | reset_b, jnp.where(reset_b[:, None, None, None], prod_b, mm(prod_b, prod_a))
+
+    _, running = lax.associative_scan(later_after, (resets, tails))
+    seg_chunks = (lens + chunk - 1) // chunk
+    last = jnp.cumsum(seg_chunks) - 1
+    first_group, last_group = (last - seg_chunks + 1) // group, jnp.maximum(last, 0) // group
+    before = running[jnp.maximum(last_group - 1, 0)]
+    return jnp.where((last_group > first_group)[:, None, None, None], mm(ends, before), ends)
+
+
 def _cu_array(cu_seqlens, length: int) -> Array:
     if isinstance(cu_seqlens, (list, tuple, np.ndarray)):
         cu = np.asarray(cu_seqlens, np.int64)
@@ -967,7 +1024,11 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     n_seg = cu.shape[0] - 1
     config = config.resolved(k.dtype)
     chunk = config.chunk
-    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk)
+    dense = emit_summary and beta is not None
+    bound = _varlen_chunks(length, n_seg, chunk)
+    group = min(config.transfer_group, bound) if dense else 0  # 0: T from the widened state
+    num_chunks = -(-bound // group) * group if group else bound
+    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk, num_chunks)
 
     def gather(x):  # padded positions read a zero row: A = I, nothing added
         if x is None:
@@ -976,9 +1037,8 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
 
     qp, kp, vp, gp, gkp, betap = map(gather, (q, k, v, g, gk, beta))
     b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret)
-    dense = emit_summary and beta is not None
     init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
-    if dense:
+    if dense and not group:
         init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
                                                        (heads, key_dim, key_dim))], axis=-1)
     o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
@@ -989,6 +1049,11 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     states = finals[..., :value_dim]
     if not emit_summary:
         return o, states
+    if dense and group:
+        transfer = _varlen_transfer(w, ks, b, start, slot, lens, n_seg=n_seg, chunk=chunk, group=group,
+                                    config=config, interpret=interpret)
+        eye = jnp.eye(key_dim, dtype=jnp.float32)
+        return o, la.Summary("dense", states, jnp.where((lens > 0)[:, None, None, None], transfer, eye))
     if dense:
         return o, la.Summary("dense", states, finals[..., value_dim:])
     form, log = _log_transfer(g, gk, seg_of_token, n_seg)
@@ -1015,8 +1080,9 @@ def gdn_varlen(
       q, k: [L, Hk, K]; v: [L, H, V]; g, beta: [L, H]; gk: [L, H, K] (as `gdn_forward`).
       cu_seqlens: N + 1 segment offsets rising from 0 to L, static (a list) or an int32 array (traced: only N is
         static, so one compilation serves every split of L tokens into N segments); empty segments are allowed.
-      emit_summary: return each segment's `linear_attn.Summary` (leading axis N): dense T for delta rules (the
-        state widened by an identity block, as in `gdn_forward`), log sums of the gates otherwise.
+      emit_summary: return each segment's `linear_attn.Summary` (leading axis N): dense T for delta rules (through
+        the transfer pass over `config.transfer_group`-chunk groups, or with 0 the state widened by an identity
+        block), log sums of the gates otherwise.
 
     Returns (o [L, H, V], summary) with emit_summary, else (o, states [N, H, K, V]); the states are S(C_i|0).
 
