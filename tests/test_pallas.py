@@ -480,17 +480,18 @@ def test_varlen_matches_reference(gates, chunk, traced, group):
 
 @settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
-@given(cuts=st.lists(st.integers(0, 120), min_size=0, max_size=6), chunk=st.sampled_from([16, 32]),
-       group=st.sampled_from([0, 1, 2, 3, 64]), seed=st.integers(0, 2**16))
-def test_varlen_property(cuts, chunk, group, seed):
-    """Random splits of 120 tokens (empty and one-chunk segments, segments across several transfer groups): outputs,
-    S(C|0) and T of every segment against the vmapped core."""
+@given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
+       seed=st.integers(0, 2**16))
+def test_varlen_property(cuts, group, seed):
+    """Random splits of 120 tokens into 4 segments (empty ones, one-chunk ones, segments across several transfer
+    groups): outputs, S(C|0) and T of every segment against the vmapped core. The segment count and the
+    reference's row length stay fixed, so examples reuse the compiled functions."""
     length = 120
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
-    config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group)
+    config = GDNConfig(chunk=16, block_v=16, transfer_group=group)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
-    ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
+    ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
