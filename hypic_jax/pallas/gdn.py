@@ -934,7 +934,7 @@ def gdn_forward(
 # Variable-length packed segments.
 
 
-def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, num_chunks: int | None = None):
+def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
     """Chunk-aligned layout of packed segments (all int32, traced-friendly; only the sizes are static).
 
     Every segment is padded to whole chunks so that a chunk never straddles a boundary: the chunk-local kernel
@@ -942,10 +942,10 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, num_chunks: i
     last. The padded length is bounded statically by sum_i ceil(len_i / c) <= floor((L + n (c - 1)) / c) chunks.
 
     Returns (src [Lp]: packed token of each padded position, `length` for padding; pos [L]: padded position of
-    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]). A larger
-    `num_chunks` than that bound adds empty chunks past the last segment (zero tokens, a reset at each).
+    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]; chunk_begin,
+    chunk_end [n]: each segment's first chunk and one past its last).
     """
-    num_chunks = max(num_chunks or 0, _varlen_chunks(length, n_seg, chunk))
+    num_chunks = (length + n_seg * (chunk - 1)) // chunk
     lens = cu[1:] - cu[:-1]
     seg_chunks = (lens + chunk - 1) // chunk
     chunk_end = jnp.cumsum(seg_chunks)
@@ -964,15 +964,10 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, num_chunks: i
     tokens = jnp.arange(length, dtype=jnp.int32)
     seg_of_token = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), n_seg - 1).astype(jnp.int32)
     pos = (chunk_begin[seg_of_token] * chunk + tokens - cu[seg_of_token]).astype(jnp.int32)
-    return src, pos, start, slot, seg_of_token, lens
+    return src, pos, start, slot, seg_of_token, lens, chunk_begin, chunk_end
 
 
-def _varlen_chunks(length: int, n_seg: int, chunk: int) -> int:
-    """Static bound on the chunks of n_seg packed segments of L tokens, each padded to whole chunks."""
-    return (length + n_seg * (chunk - 1)) // chunk
-
-
-def _varlen_transfer(w, k, b, start, slot, lens, *, n_seg, chunk, group, config, interpret):
+def _varlen_transfer(w, k, b, start, slot, chunk_begin, chunk_end, *, n_seg, chunk, group, config, interpret):
     """Each packed segment's dense T = A_last ... A_first ([n, H, K, K]) through `group`-chunk groups, as
     `_transfer_pass` does for one sequence, instead of K identity columns widening the packed state pass.
 
@@ -982,12 +977,20 @@ def _varlen_transfer(w, k, b, start, slot, lens, *, n_seg, chunk, group, config,
     earlier group s then has T = Q P_{e-1} ... P_s: the groups strictly between hold no reset (the segment covers
     them), and s's tail starts at the segment's first chunk (no later segment starts in s). A segmented product
     scan over the groups (reset where a group holds a segment start) gives every such product at once.
-    The layout's chunk count must be a multiple of `group`.
+    Only this launch's inputs are padded to whole groups (empty chunks: zero tokens, a reset, no slot), not the
+    packed pass's. Empty segments (chunk_begin = chunk_end) get no slot; the caller replaces their T.
     """
     length, _, key_dim = k.shape
     heads = w.shape[1]
     num_chunks = length // chunk
-    groups = num_chunks // group
+    group = min(group, num_chunks)
+    groups = -(-num_chunks // group)
+    pad = groups * group - num_chunks
+    if pad:
+        w, k = (jnp.pad(x, [(0, pad * chunk), (0, 0), (0, 0)]) for x in (w, k))
+        b = jnp.pad(b, [(0, 0), (0, pad * chunk)] if b.ndim == 2 else [(0, pad * chunk), (0, 0), (0, 0)])
+        start = jnp.pad(start, (0, pad), constant_values=1)
+        slot = jnp.pad(slot, (0, pad), constant_values=-1)
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ends, tails = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
                                  out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret,
@@ -1000,9 +1003,7 @@ def _varlen_transfer(w, k, b, start, slot, lens, *, n_seg, chunk, group, config,
         return reset_a | reset_b, jnp.where(reset_b[:, None, None, None], prod_b, mm(prod_b, prod_a))
 
     _, running = lax.associative_scan(later_after, (resets, tails))
-    seg_chunks = (lens + chunk - 1) // chunk
-    last = jnp.cumsum(seg_chunks) - 1
-    first_group, last_group = (last - seg_chunks + 1) // group, jnp.maximum(last, 0) // group
+    first_group, last_group = chunk_begin // group, jnp.maximum(chunk_end - 1, 0) // group
     before = running[jnp.maximum(last_group - 1, 0)]
     return jnp.where((last_group > first_group)[:, None, None, None], mm(ends, before), ends)
 
@@ -1025,10 +1026,8 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     config = config.resolved(k.dtype)
     chunk = config.chunk
     dense = emit_summary and beta is not None
-    bound = _varlen_chunks(length, n_seg, chunk)
-    group = min(config.transfer_group, bound) if dense else 0  # 0: T from the widened state
-    num_chunks = -(-bound // group) * group if group else bound
-    src, pos, start, slot, seg_of_token, lens = _varlen_layout(cu, length, n_seg, chunk, num_chunks)
+    group = config.transfer_group if dense else 0  # 0: T from the widened state
+    src, pos, start, slot, seg_of_token, lens, chunk_begin, chunk_end = _varlen_layout(cu, length, n_seg, chunk)
 
     def gather(x):  # padded positions read a zero row: A = I, nothing added
         if x is None:
@@ -1050,8 +1049,8 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     if not emit_summary:
         return o, states
     if dense and group:
-        transfer = _varlen_transfer(w, ks, b, start, slot, lens, n_seg=n_seg, chunk=chunk, group=group,
-                                    config=config, interpret=interpret)
+        transfer = _varlen_transfer(w, ks, b, start, slot, chunk_begin, chunk_end, n_seg=n_seg, chunk=chunk,
+                                    group=group, config=config, interpret=interpret)
         eye = jnp.eye(key_dim, dtype=jnp.float32)
         return o, la.Summary("dense", states, jnp.where((lens > 0)[:, None, None, None], transfer, eye))
     if dense:
