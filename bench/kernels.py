@@ -748,9 +748,18 @@ def step_variants():
     c32 = dict(chunk=32, solve="tile", locals_warps=2)
     c64 = dict(chunk=64, solve="tile", locals_warps=4)
     kda = dict(solve="doubling", locals_warps=2)
+    st = dict(scores="state")
     return {
         "tile c64 lw4": (C(**c64), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
+        # the eighth session's trials: P formed in the state pass; 8 chunk-local warps; 2 state programs an SM
+        "tile c64 lw4 scores-state": (C(**c64, **st), False, False),
+        "tile c64 lw8": (C(**{**c64, "locals_warps": 8}), False, False),
+        "tile c64 lw8 scores-state": (C(**{**c64, "locals_warps": 8}, **st), False, False),
+        "tile c64 lw4 scores-state +TS group64": (C(**c64, **st, transfer_group=64), True, False),
+        "tile c64 lw4 scores-state bv16 ss2": (C(**c64, **st, block_v=16, state_stages=2), False, False),
+        "tile c64 lw4 sw8": (C(**c64, state_warps=8), False, False),
+        "tile c64 lw4 scores-state ss2": (C(**c64, **st, state_stages=2), False, False),
         "tile c64 lw4 bv64": (C(**c64, block_v=64), False, False),
         "tile c64 lw4 +TS group64 tf32 f32-inter": (C(**c64, transfer_group=64, inter_dtype="float32",
                                                       locals_precision="tf32", state_precision="tf32"), True, False),
@@ -768,7 +777,7 @@ def step_variants():
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64",)
+SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 scores-state +TS group64")
 STEP_LENGTHS = ()  # --step-lengths: other lengths at which LENGTH_VARIANTS are timed after the split
 LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 +TS group64")
 

@@ -136,6 +136,12 @@ class GDNConfig:
       segment's: 0 widens the state by K identity columns; N > 0 runs a separate launch over groups of N chunks in
       parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). Timed on the H200 for
       `gdn_forward` (+23 to 25% against +49% widened); the packed-segment transfer pass is not timed yet.
+    scores: where the masked decayed scores P of the outputs' intra-chunk term are formed. "locals": by the
+      chunk-local kernel, written as [H, L, c] and read back by the state pass. "state" (scalar gates and no gate):
+      by the state pass from the queries and keys it loads anyway, one extra [c, K] x [K, c] dot a step, off the
+      recurrence's chain; the chunk-local kernel then reads no queries and writes no P (a quarter less traffic), the
+      state pass loads no P (8 KB less shared memory a pipeline stage at chunk 64), and a decay-only family needs
+      no chunk-local launch at all. Per-key gates always take "locals".
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -164,6 +170,7 @@ class GDNConfig:
     solve: str = "tile"
     sub: int = 16
     transfer_group: int = 64
+    scores: str = "locals"
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -183,6 +190,8 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
+        if self.scores not in ("locals", "state"):
+            raise ValueError(f"scores must be 'locals' or 'state', got {self.scores!r}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -369,17 +378,20 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, scores=True):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
     (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
     k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
-    t >= j (or split at a reference token between them), so <= 0 for decaying gates.
+    t >= j (or split at a reference token between them), so <= 0 for decaying gates. Without `scores` (scalar
+    gates, delta rule; `GDNConfig.scores` = "state") there is no q ref and no p output: the state pass forms P.
     """
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
-    if delta:
+    if not scores:
+        k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref = refs
+    elif delta:
         q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
     else:
         q_ref, k_ref, b_ref, p_ref = refs
@@ -403,8 +415,9 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
-        p_ref[...] = (scale * scores).astype(p_ref.dtype)
+        if scores:
+            qk = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
+            p_ref[...] = (scale * qk).astype(p_ref.dtype)
     if not delta:
         return
 
@@ -474,7 +487,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, tails=False):
+                  values=True, tails=False, form_scores=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -486,13 +499,15 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
     identity columns and the pass returns the product of the chunks' transfer operators. With `tails` (segments
     over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
-    reset (`_varlen_transfer`).
+    reset (`_varlen_transfer`). With `form_scores` (scalar gates; `GDNConfig.scores` = "state") there is no p ref:
+    each step forms P = scale mask(Q K^T e^{b_t - b_j}) from the q and k tiles it loads for the state anyway.
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
     u_ref = next(it) if values else None
     k_ref, b_ref = next(it), next(it)
-    q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
+    q_ref = next(it) if outputs else None
+    p_ref = next(it) if outputs and not form_scores else None
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
     init_ref = next(it)
     o_ref = next(it) if outputs else None
@@ -527,7 +542,14 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
                     o = _dot(q_ref[rows, :], state, prec)
                 else:  # a row scale commutes with the product: scale the [c, BV] result, not the [c, K] queries
                     o = _dot(q_ref[rows, :], state, prec) * (scale * jnp.exp(b))[:, None]
-                o = o + _dot(p_ref[rows, :], u, prec)
+                if form_scores:  # P from the loaded tiles; every exponent b_t - b_j <= 0 under the causal mask
+                    t_idx, j_idx = _iotas(c)
+                    causal = t_idx >= j_idx
+                    decay = jnp.where(causal, jnp.exp(jnp.where(causal, b[:, None] - b[None, :], 0.0)), 0.0)
+                    p = _dot(q_ref[rows, :], k, prec, trans_b=True) * (scale * decay)
+                else:
+                    p = p_ref[rows, :]
+                o = o + _dot(p, u, prec)
                 o_ref[rows, :] = o.astype(o_ref.dtype)
 
             if value_blocks is None:
@@ -562,8 +584,14 @@ def _compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
+def _state_scores(config: GDNConfig, per_key: bool) -> bool:
+    """Whether the state pass forms P itself (`GDNConfig.scores`; per-key gates never)."""
+    return config.scores == "state" and not per_key
+
+
 def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
-    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None."""
+    """P, W, U for every (chunk, head) (W, U only when the state pass forms P). b: [H, L] (scalar gate) or
+    [L, H, K] (per key); beta [H, L] or None."""
     length, key_heads, key_dim = k.shape
     per_key = b.ndim == 3
     heads = b.shape[1] if per_key else b.shape[0]
@@ -576,15 +604,20 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
+    scores = not _state_scores(config, per_key)
     if delta:
         value_dim = v.shape[-1]
         in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
                     beta_spec]
-        args = (q, k, v, b, beta)
+        args = [q, k, v, b, beta]
         out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
                      pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
         out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
                      jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
+        if not scores:  # no queries in, no P out
+            in_specs, args, out_specs, out_shape = in_specs[1:], args[1:], out_specs[1:], out_shape[1:]
+    elif not scores:
+        raise ValueError("a decay-only family with scores formed in the state pass has no chunk-local work")
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
@@ -594,7 +627,7 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision)
+                               solve_prec=config.solve_precision, scores=scores)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -611,7 +644,8 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
                 segments=None, tails=False):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
-    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
+    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q None -> no outputs; q given and p None -> the
+    kernel forms P itself (scalar gates). `segments` = (start, slot,
     n) runs packed segments: the int32 per-chunk tables of `_state_kernel`; final is then [n, H, K, Wd], and with
     `tails` a third result holds each piece's final state [pieces, H, K, Wd]. u None (delta rule, no outputs):
     transfer columns only (`_transfer_pass`, `_varlen_transfer`).
@@ -628,6 +662,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     col_blocks = width // block_v
     widened = col_blocks > value_blocks
     outputs = q is not None
+    form_scores = outputs and p is None
+    if form_scores and per_key:
+        raise ValueError("the state pass forms P for scalar gates only (per-key P comes from the chunk-local kernel)")
     delta = w is not None
     values = u is not None
     if not values and (outputs or not delta):
@@ -650,9 +687,11 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     ]
     args += [k, b]
     if outputs:
-        in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
-                     pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
-        args += [q, p]
+        in_specs.append(pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)))
+        args.append(q)
+    if outputs and not form_scores:
+        in_specs.append(pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0)))
+        args.append(p)
     if segments is not None:
         start, slot, n_seg = segments
         table = pl.BlockSpec((start.shape[0] // pieces,), lambda j, h, s: (s,))
@@ -689,6 +728,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         prec=config.state_precision,
         values=values,
         tails=tails,
+        form_scores=form_scores,
     )
     res = pl.pallas_call(
         kernel,
@@ -750,7 +790,7 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
 
 def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
-    and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
+    and u = v without the delta rule; p is None when the state pass forms P (`GDNConfig.scores`); ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
     the decayed k e^{b_c - b} and scale q e^b per value head)."""
     length = k.shape[0]
     heads = v.shape[1]
@@ -763,12 +803,17 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     else:
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
+    state_scores = _state_scores(config, gk is not None)
+    if state_scores and beta is None:  # nothing chunk-local left: the state pass forms P from q, k, b
+        return b, None, None, v, k, q
     res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
                         interpret=interpret)
     ks, qs = k, q
     if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
         res, (ks, qs) = res[:-2], res[-2:]
-    if beta is not None:
+    if state_scores:
+        (w, u), p = res, None
+    elif beta is not None:
         p, w, u = res
     else:
         (p,), w, u = res, None, v
