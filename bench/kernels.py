@@ -752,14 +752,20 @@ def step_variants():
     return {
         "tile c64 lw4": (C(**c64), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
-        # the eighth session's trials: P formed in the state pass; 8 chunk-local warps; 2 state programs an SM
+        # the eighth session's trials: the transposed state ([BV, K], "vk") at several column blocks and warps
+        "tile c64 lw4 vk": (C(**c64, state_layout="vk"), False, False),
+        "tile c64 lw4 vk +TS group64": (C(**c64, state_layout="vk", transfer_group=64), True, False),
+        "tile c64 lw4 vk bv64": (C(**c64, state_layout="vk", block_v=64), False, False),
+        "tile c64 lw4 vk sw2": (C(**c64, state_layout="vk", state_warps=2), False, False),
+        "tile c64 lw4 vk bv16 sw2": (C(**c64, state_layout="vk", block_v=16, state_warps=2), False, False),
+        "tile c64 lw4 vk bv16": (C(**c64, state_layout="vk", block_v=16), False, False),
+        "tile c64 lw4 vk ss2": (C(**c64, state_layout="vk", state_stages=2), False, False),
+        "tile c64 lw4 vk scores-state": (C(**c64, state_layout="vk", **st), False, False),
+        "tile c64 lw4 vk bv64 sw8": (C(**c64, state_layout="vk", block_v=64, state_warps=8), False, False),
+        # the same session's first trials (P formed in the state pass; 8 chunk-local warps; 2 state programs an
+        # SM): all slower than the default, bench/RESULTS.md
         "tile c64 lw4 scores-state": (C(**c64, **st), False, False),
         "tile c64 lw8": (C(**{**c64, "locals_warps": 8}), False, False),
-        "tile c64 lw8 scores-state": (C(**{**c64, "locals_warps": 8}, **st), False, False),
-        "tile c64 lw4 scores-state +TS group64": (C(**c64, **st, transfer_group=64), True, False),
-        "tile c64 lw4 scores-state bv16 ss2": (C(**c64, **st, block_v=16, state_stages=2), False, False),
-        "tile c64 lw4 sw8": (C(**c64, state_warps=8), False, False),
-        "tile c64 lw4 scores-state ss2": (C(**c64, **st, state_stages=2), False, False),
         "tile c64 lw4 bv64": (C(**c64, block_v=64), False, False),
         "tile c64 lw4 +TS group64 tf32 f32-inter": (C(**c64, transfer_group=64, inter_dtype="float32",
                                                       locals_precision="tf32", state_precision="tf32"), True, False),
@@ -777,9 +783,9 @@ def step_variants():
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 scores-state +TS group64")
+SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 vk +TS group64")
 STEP_LENGTHS = ()  # --step-lengths: other lengths at which LENGTH_VARIANTS are timed after the split
-LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 +TS group64")
+LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 +TS group64", "tile c64 lw4 vk")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):

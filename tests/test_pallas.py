@@ -317,14 +317,14 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
        length=st.integers(1, 150), with_init=st.booleans(), scores=st.sampled_from(["locals", "state"]),
-       seed=st.integers(0, 2**16))
+       layout=st.sampled_from(["kv", "vk"]), seed=st.integers(0, 2**16))
 def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, scores,
-                                            seed):
+                                            layout, seed):
     """Outputs, final state and the emitted summary against the token-by-token recurrence and
     `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
     groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree),
-    where P is formed (`GDNConfig.scores`; per-key gates always in the chunk-local kernel) and lengths (odd ones
-    and ones shorter than a chunk included)."""
+    where P is formed (`GDNConfig.scores`; per-key gates always in the chunk-local kernel), the state pass's state
+    layout and lengths (odd ones and ones shorter than a chunk included)."""
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
@@ -332,7 +332,7 @@ def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, g
     rng = np.random.default_rng(seed + 2)
     init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
     config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group,
-                       scores=scores)
+                       scores=scores, state_layout=layout)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
@@ -485,15 +485,16 @@ def test_varlen_matches_reference(gates, chunk, traced, group):
 @settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
-       scores=st.sampled_from(["locals", "state"]), seed=st.integers(0, 2**16))
-def test_varlen_property(cuts, group, scores, seed):
+       scores=st.sampled_from(["locals", "state"]), layout=st.sampled_from(["kv", "vk"]),
+       seed=st.integers(0, 2**16))
+def test_varlen_property(cuts, group, scores, layout, seed):
     """Random splits of 120 tokens into 4 segments (empty ones, one-chunk ones, segments across several transfer
     groups): outputs, S(C|0) and T of every segment against the vmapped core. The segment count and the
     reference's row length stay fixed, so examples reuse the compiled functions."""
     length = 120
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
-    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, scores=scores)
+    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, scores=scores, state_layout=layout)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
     assert rel(o, ref_o) < TOL32
@@ -537,7 +538,7 @@ def test_kernels_lower_to_triton():
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True),
-                         (GDNConfig(scores="state"), True)):
+                         (GDNConfig(scores="state"), True), (GDNConfig(state_layout="vk", pieces=2), True)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()

@@ -150,6 +150,9 @@ class GDNConfig:
       error from 4.5e-3 to 4.6e-3 (random keys) and 1.27e-2 to 1.31e-2 (keys 90% correlated), i.e. the inverse's
       precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
+    state_layout: how the state pass holds its state block: "kv" ([K, BV], the state and the new values are the
+      right operands of the chain's dots) or "vk" (transposed, [BV, K]: they are the left operands, which tensor
+      cores read from registers, so no step result goes through shared memory; see `_state_kernel`).
 
     Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
     bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
@@ -178,6 +181,7 @@ class GDNConfig:
     locals_stages: int = 1
     state_warps: int = 4
     state_stages: int = 3
+    state_layout: str = "kv"
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -192,6 +196,8 @@ class GDNConfig:
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
         if self.scores not in ("locals", "state"):
             raise ValueError(f"scores must be 'locals' or 'state', got {self.scores!r}")
+        if self.state_layout not in ("kv", "vk"):
+            raise ValueError(f"state_layout must be 'kv' or 'vk', got {self.state_layout!r}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -487,7 +493,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, tails=False, form_scores=False):
+                  values=True, tails=False, form_scores=False, transposed=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -515,7 +521,24 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     tail_ref = next(it) if tails else None
     c = chunk
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
+    # The state lives as [K, BV] ("kv") or transposed, [BV, K] ("vk"). In "vk" every product on the recurrence's
+    # chain has the state or the new values as its left operand, which a tensor-core dot takes from registers, and
+    # a loaded tile as its right operand, which it takes from shared memory: no step result is staged through
+    # shared memory. In "kv" the state and the new values are right operands, so each step stores them to shared
+    # memory and waits on a barrier twice. The helpers below keep one body for both layouts.
+    vk = transposed
     init = init_ref[...].astype(jnp.float32)
+    if vk:
+        init = init.T
+
+    def times(tile, state):  # tile [c, K] times the state: [c, BV] ("kv") or its transpose [BV, c] ("vk")
+        return _dot(state, tile, prec, trans_b=True) if vk else _dot(tile, state, prec)
+
+    def per_token(x):  # a [c] vector along the token axis of a [c, BV] / [BV, c] tile
+        return x[None, :] if vk else x[:, None]
+
+    def per_key_axis(x):  # a [K] vector along the key axis of the state
+        return x[None, :] if vk else x[:, None]
 
     def body(n, state):
         rows = pl.ds(pl.multiple_of(n * c, c), c)
@@ -529,19 +552,21 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
             b_last = _last_row(b)
         if values:
             u = u_ref[rows, :].astype(jnp.float32)
+            if vk:
+                u = u.T
             if value_blocks is not None:
                 u = jnp.where(is_value, u, 0.0)
             if delta:
-                u = u - _dot(w_ref[rows, :], state, prec)
+                u = u - times(w_ref[rows, :], state)
         else:  # transfer columns only: zero values
-            u = -_dot(w_ref[rows, :], state, prec)
+            u = -times(w_ref[rows, :], state)
         if outputs:
 
             def write():
                 if per_key:  # queries already scaled and decayed (scale q e^b)
-                    o = _dot(q_ref[rows, :], state, prec)
+                    o = times(q_ref[rows, :], state)
                 else:  # a row scale commutes with the product: scale the [c, BV] result, not the [c, K] queries
-                    o = _dot(q_ref[rows, :], state, prec) * (scale * jnp.exp(b))[:, None]
+                    o = times(q_ref[rows, :], state) * per_token(scale * jnp.exp(b))
                 if form_scores:  # P from the loaded tiles; every exponent b_t - b_j <= 0 under the causal mask
                     t_idx, j_idx = _iotas(c)
                     causal = t_idx >= j_idx
@@ -549,27 +574,31 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
                     p = _dot(q_ref[rows, :], k, prec, trans_b=True) * (scale * decay)
                 else:
                     p = p_ref[rows, :]
-                o = o + _dot(p, u, prec)
-                o_ref[rows, :] = o.astype(o_ref.dtype)
+                o = o + (_dot(u, p, prec, trans_b=True) if vk else _dot(p, u, prec))
+                o_ref[rows, :] = (o.T if vk else o).astype(o_ref.dtype)
 
             if value_blocks is None:
                 write()
             else:
                 pl.when(is_value)(write)
         if per_key:
-            state = jnp.exp(b_last)[:, None] * state + _dot(k, u, prec, trans_a=True)
+            decayed_u, decay = u, per_key_axis(jnp.exp(b_last))
         else:  # Khat^T U = K^T (Diag(e^{b_c - b}) U): the decay scales the [c, BV] values, not the [c, K] keys
-            state = jnp.exp(b_last) * state + _dot(k, u * jnp.exp(b_last - b)[:, None], prec, trans_a=True)
+            decayed_u, decay = u * per_token(jnp.exp(b_last - b)), jnp.exp(b_last)
+        added = _dot(decayed_u, k, prec) if vk else _dot(k, decayed_u, prec, trans_a=True)
+        state = decay * state + added
         if segments:
             slot = slot_ref[n]
 
             @pl.when(slot >= 0)
             def _():
-                final_ref[slot] = state
+                final_ref[slot] = state.T if vk else state
 
         return state
 
     state = lax.fori_loop(0, num_chunks, body, init)
+    if vk:
+        state = state.T
     if not segments:
         final_ref[...] = state
     if tails:
@@ -729,6 +758,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         values=values,
         tails=tails,
         form_scores=form_scores,
+        transposed=config.state_layout == "vk",
     )
     res = pl.pallas_call(
         kernel,
