@@ -686,7 +686,9 @@ def _all_varlen(record, length, scale, b16):
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
     cfg = GDNConfig(**b16)  # the default launch (tile solve, chunk 64); T through 64-chunk transfer groups
-    for name, tcfg in (("pallas tile c64 lw4 +TS group64", cfg),
+    for name, tcfg in (("pallas tile c64 lw4 +TS group64", GDNConfig(transfer_group=64, **b16)),
+                       ("pallas tile c64 lw4 +TS group16", GDNConfig(transfer_group=16, **b16)),
+                       ("pallas tile c64 lw4 +TS group8", GDNConfig(transfer_group=8, **b16)),
                        ("pallas tile c64 lw4 +TS widened", GDNConfig(transfer_group=0, **b16))):
         fn = jax.jit(lambda q, k, v, cu, g, b, tcfg=tcfg: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale,
                                                                          config=tcfg, interpret=INTERPRET))
@@ -748,24 +750,11 @@ def step_variants():
     c32 = dict(chunk=32, solve="tile", locals_warps=2)
     c64 = dict(chunk=64, solve="tile", locals_warps=4)
     kda = dict(solve="doubling", locals_warps=2)
-    st = dict(scores="state")
     return {
         "tile c64 lw4": (C(**c64), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
-        # the eighth session's trials: the transposed state ([BV, K], "vk") at several column blocks and warps
-        "tile c64 lw4 vk": (C(**c64, state_layout="vk"), False, False),
-        "tile c64 lw4 vk +TS group64": (C(**c64, state_layout="vk", transfer_group=64), True, False),
-        "tile c64 lw4 vk bv64": (C(**c64, state_layout="vk", block_v=64), False, False),
-        "tile c64 lw4 vk sw2": (C(**c64, state_layout="vk", state_warps=2), False, False),
-        "tile c64 lw4 vk bv16 sw2": (C(**c64, state_layout="vk", block_v=16, state_warps=2), False, False),
-        "tile c64 lw4 vk bv16": (C(**c64, state_layout="vk", block_v=16), False, False),
-        "tile c64 lw4 vk ss2": (C(**c64, state_layout="vk", state_stages=2), False, False),
-        "tile c64 lw4 vk scores-state": (C(**c64, state_layout="vk", **st), False, False),
-        "tile c64 lw4 vk bv64 sw8": (C(**c64, state_layout="vk", block_v=64, state_warps=8), False, False),
-        # the same session's first trials (P formed in the state pass; 8 chunk-local warps; 2 state programs an
-        # SM): all slower than the default, bench/RESULTS.md
-        "tile c64 lw4 scores-state": (C(**c64, **st), False, False),
-        "tile c64 lw8": (C(**{**c64, "locals_warps": 8}), False, False),
+        # a decay-only layer (g, no beta: the chunk-local kernel forms P only)
+        "decay tile c64 lw4": (C(**c64), False, "decay"),
         "tile c64 lw4 bv64": (C(**c64, block_v=64), False, False),
         "tile c64 lw4 +TS group64 tf32 f32-inter": (C(**c64, transfer_group=64, inter_dtype="float32",
                                                       locals_precision="tf32", state_precision="tf32"), True, False),
@@ -783,9 +772,10 @@ def step_variants():
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64", "tile c64 lw4 vk +TS group64")
+SPLIT = ("tile c64 lw4 +TS group64",)
+ONLY = set()  # --only: run_all's steps section times these step_variants names only (default: all)
 STEP_LENGTHS = ()  # --step-lengths: other lengths at which LENGTH_VARIANTS are timed after the split
-LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 +TS group64", "tile c64 lw4 vk")
+LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 +TS group64")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
@@ -803,8 +793,11 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
     refs = {}
     variants_ = step_variants()
     for name, (cfg, emit, per_key) in variants_.items():
-        if per_key not in refs:
-            args = (qk, kk, v, None, gk, beta) if per_key else (q, k, v, g, None, beta)
+        if ONLY and name not in ONLY:
+            continue
+        if per_key not in refs:  # per_key: True (KDA), False (GDN) or "decay" (g only, no beta)
+            args = ((qk, kk, v, None, gk, beta) if per_key is True
+                    else (q, k, v, g, None, None if per_key == "decay" else beta))
             ro, rs = jax.jit(lambda q, k, v, g, gk, b: la.chunked(rep(q) if q.shape[1] != HEADS else up(q),
                                                                   rep(k) if k.shape[1] != HEADS else up(k), up(v),
                                                                   g=g, gk=gk, beta=b, scale=scale))(*args)
@@ -812,7 +805,8 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         args, ref = refs[per_key]
         fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg, emit=emit: gdn.gdn_forward(
             q, k, v, g=g, gk=gk, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
-        record("steps", name, fn, args, ref, fla_name="fla chunk_kda" if per_key else "fla chunk_gated_delta_rule")
+        record("steps", name, fn, args, ref, fla_name={True: "fla chunk_kda", False: "fla chunk_gated_delta_rule"}.get(
+            per_key))
     # (T, S(C|0)) of the emitting variants: at 32k the fast gates above drive T to 0, so check T on 4k tokens with
     # slow gates (g, gk = -U(0, 1e-3)) against `linear_attn.summarize` in float32.
     slow_len = min(length, 4096)  # per-key gates: 1,024 (the float32 per-key summary compiled for minutes at 4k)
@@ -822,7 +816,7 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
     sgk = -jax.random.uniform(gate_keys[1], (slow_len, HEADS, DIM), jnp.float32) * 1e-3
     slow_refs = {}
     for name, (cfg, emit, per_key) in variants_.items():
-        if not emit:
+        if not emit or (ONLY and name not in ONLY):
             continue
         if per_key not in slow_refs:
             args = ((jnp.repeat(sq, group, 1), jnp.repeat(sk, group, 1), sv, None, sgk, sbeta) if per_key
@@ -840,6 +834,8 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
     refs.clear()
     slow_refs.clear()
     for name in SPLIT:
+        if ONLY and name not in ONLY:
+            continue
         cfg, _, per_key = variants_[name]
         cfg = cfg.resolved(jnp.bfloat16)
         args = (qk, kk, v, None, gk, beta) if per_key else (q, k, v, g, None, beta)
@@ -886,7 +882,8 @@ def main():
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--check-length", type=int, default=32768)
     ap.add_argument("--budget-s", type=float, default=380.0, help="stop starting new timings after this long")
-    ap.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated variant names (default: all; with --all: the steps "
+                    "section's step_variants names)")
     ap.add_argument("--focus", action="store_true", help="second-round measurements (see run_focus)")
     ap.add_argument("--all", action="store_true", help="every kernel variant in one run and one table (run_all)")
     ap.add_argument("--sections", nargs="+", default=list(ALL_SECTIONS), choices=ALL_SECTIONS,
@@ -894,8 +891,9 @@ def main():
     ap.add_argument("--step-lengths", default="", help="steps section: also time LENGTH_VARIANTS at these lengths")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     args = ap.parse_args()
-    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE, STEP_LENGTHS
+    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE, STEP_LENGTHS, ONLY
     STEP_LENGTHS = tuple(int(x) for x in args.step_lengths.split(",") if x)
+    ONLY = {x for x in args.only.split(",") if x}
     if args.smoke:
         HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE = 4, 2, 16, True, (5, 2, 40)
     os.makedirs(args.out, exist_ok=True)

@@ -58,9 +58,9 @@ Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tr
    widen the single pass (K / block_v more programs at the full depth L / c).
    Packed segments (`gdn_varlen`) use the same kernel with two int32 per-chunk tables: reset the state at a
    segment's first chunk, store it to the segment's slot after its last chunk. Their dense T comes from the
-   transfer pass too, resetting identity columns at segment starts within each group, and a segmented product
-   scan over the groups joins the segments that span several (`_varlen_transfer`); transfer_group = 0 widens the
-   packed pass instead.
+   widened packed pass by default (`default_varlen_config`, measured faster there), or with transfer_group > 0
+   from the transfer pass, resetting identity columns at segment starts within each group, and a segmented
+   product scan over the groups joins the segments that span several (`_varlen_transfer`).
 
 Memory between launches: W, U ([L, H, K] and [L, H, V]) and P ([H, L, c]) in `inter_dtype` (bfloat16 for
 bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates, with
@@ -81,13 +81,16 @@ chunk-local kernel's time follows its number of dots rather than their flops (se
 slower and removed (bench/RESULTS.md): a chunk step on materialised [K, K] transfer operators; folding the
 outputs' intra-chunk term into the chunk-local kernel (the state pass then ran 0.66 instead of 0.74 ms, the
 chunk-local kernel 1.03 instead of 0.82); one chunk-local program per key head; the doubling's low levels on
-stacked blocks; several chunks per chunk-local program as a software-pipelined loop (1.65 to 1.84 ms).
+stacked blocks; several chunks per chunk-local program as a software-pipelined loop (1.65 to 1.84 ms); P formed
+in the state pass from the q and k tiles it loads (chunk-local kernel 0.65 ms, but state pass 0.95); the state
+held transposed, [BV, K], so that the chain's dots read it from registers (state pass 0.84 ms); 8 warps in either
+kernel; the chunk-local kernel of the next piece on a second GPU stream (XLA did not overlap them); launching the
+chunk-local kernel heads-first, so that value heads sharing a key head read its tile together (1.445 against
+1.450 ms).
 Lowering: Triton. It compiled and ran first time through Pallas at jax 0.10 (interpret and lowering checks on the
-CPU) and 0.11 (the H200). A Mosaic GPU version of the decode step (the smallest comparison) was written as a
-`pl.pallas_call` with Mosaic GPU compiler parameters, which jax 0.10 lowers with a deprecation warning and the
-H200's jax 0.11.2 failed to lower (no GPU lowering rule); `bench/mosaic_decode.py` now builds it with
-`plgpu.kernel` (it lowers for CUDA on the CPU) and awaits its first timing, so the choice is not yet made by
-measurement.
+CPU) and 0.11 (the H200). The decode step, the smallest comparison, also exists for the Mosaic GPU lowering
+(`bench/mosaic_decode.py`); there Triton was 12% faster at batch 64 (see `pallas.decode`). These two kernels have
+no Mosaic GPU version, so for them Triton is the default, not a measured choice.
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
 float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
@@ -112,7 +115,8 @@ from jax.experimental.pallas import triton as pltriton
 from hypic_jax import linear_attn as la
 from hypic_jax.pallas.compose import compose_all
 
-__all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "default_interpret", "flops", "supports"]
+__all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "default_config", "default_varlen_config",
+           "default_interpret", "flops", "supports"]
 
 _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
 _SOLVES = ("rows", "doubling", "tile")
@@ -134,14 +138,9 @@ class GDNConfig:
       mean fewer, larger dots in the block substitution and a deeper diagonal inverse.
     transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C, and `gdn_varlen` each packed
       segment's: 0 widens the state by K identity columns; N > 0 runs a separate launch over groups of N chunks in
-      parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). Timed on the H200 for
-      `gdn_forward` (+23 to 25% against +49% widened); the packed-segment transfer pass is not timed yet.
-    scores: where the masked decayed scores P of the outputs' intra-chunk term are formed. "locals": by the
-      chunk-local kernel, written as [H, L, c] and read back by the state pass. "state" (scalar gates and no gate):
-      by the state pass from the queries and keys it loads anyway, one extra [c, K] x [K, c] dot a step, off the
-      recurrence's chain; the chunk-local kernel then reads no queries and writes no P (a quarter less traffic), the
-      state pass loads no P (8 KB less shared memory a pipeline stage at chunk 64), and a decay-only family needs
-      no chunk-local launch at all. Per-key gates always take "locals".
+      parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). On the H200 the
+      transfer pass wins for `gdn_forward` (+23 to 25% against +49% widened) and loses for packed segments (3.99
+      against 3.55 ms for 64 segments in 32k tokens), so `default_varlen_config` widens.
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -150,9 +149,6 @@ class GDNConfig:
       error from 4.5e-3 to 4.6e-3 (random keys) and 1.27e-2 to 1.31e-2 (keys 90% correlated), i.e. the inverse's
       precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
-    state_layout: how the state pass holds its state block: "kv" ([K, BV], the state and the new values are the
-      right operands of the chain's dots) or "vk" (transposed, [BV, K]: they are the left operands, which tensor
-      cores read from registers, so no step result goes through shared memory; see `_state_kernel`).
 
     Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
     bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
@@ -173,7 +169,6 @@ class GDNConfig:
     solve: str = "tile"
     sub: int = 16
     transfer_group: int = 64
-    scores: str = "locals"
     locals_precision: str | None = None
     state_precision: str | None = None
     solve_precision: str | None = None
@@ -181,7 +176,6 @@ class GDNConfig:
     locals_stages: int = 1
     state_warps: int = 4
     state_stages: int = 3
-    state_layout: str = "kv"
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -194,10 +188,6 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
-        if self.scores not in ("locals", "state"):
-            raise ValueError(f"scores must be 'locals' or 'state', got {self.scores!r}")
-        if self.state_layout not in ("kv", "vk"):
-            raise ValueError(f"state_layout must be 'kv' or 'vk', got {self.state_layout!r}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -221,6 +211,15 @@ def default_config(per_key: bool = False) -> GDNConfig:
     (bench/RESULTS.md, 2026-11-30); "rows" and "doubling" at chunk 64 request 233,472 bytes of shared memory with
     per-key gates, over the H200's 232,448, and "tile" takes scalar gates only. Scalar gates: `GDNConfig()`."""
     return GDNConfig(chunk=16, solve="doubling", locals_warps=2) if per_key else GDNConfig()
+
+
+def default_varlen_config(per_key: bool = False) -> GDNConfig:
+    """`default_config` with each packed segment's T from the widened state (transfer_group = 0): for 64 segments
+    in 32k tokens on the H200 (bench/RESULTS.md, 2026-11-30) the widened pass took 3.55 ms against 3.99 ms for the
+    transfer pass over 64-chunk groups (16-chunk groups 4.47, 8-chunk 5.08), the reverse of `gdn_forward`'s
+    ranking on one 32k sequence (transfer pass 1.79, widened 2.15 ms). Where the packed transfer pass loses (its
+    launch, or the segmented product scan and slot gathers in XLA after it) was not profiled."""
+    return dataclasses.replace(default_config(per_key), transfer_group=0)
 
 
 def _pow2(d: int) -> bool:
@@ -384,20 +383,17 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, scores=True):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
     (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
     k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
-    t >= j (or split at a reference token between them), so <= 0 for decaying gates. Without `scores` (scalar
-    gates, delta rule; `GDNConfig.scores` = "state") there is no q ref and no p output: the state pass forms P.
+    t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     """
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
-    if not scores:
-        k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref = refs
-    elif delta:
+    if delta:
         q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
     else:
         q_ref, k_ref, b_ref, p_ref = refs
@@ -421,9 +417,8 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        if scores:
-            qk = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
-            p_ref[...] = (scale * qk).astype(p_ref.dtype)
+        scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
+        p_ref[...] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
 
@@ -493,7 +488,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, tails=False, form_scores=False, transposed=False):
+                  values=True, tails=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -505,15 +500,13 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
     identity columns and the pass returns the product of the chunks' transfer operators. With `tails` (segments
     over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
-    reset (`_varlen_transfer`). With `form_scores` (scalar gates; `GDNConfig.scores` = "state") there is no p ref:
-    each step forms P = scale mask(Q K^T e^{b_t - b_j}) from the q and k tiles it loads for the state anyway.
+    reset (`_varlen_transfer`).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
     u_ref = next(it) if values else None
     k_ref, b_ref = next(it), next(it)
-    q_ref = next(it) if outputs else None
-    p_ref = next(it) if outputs and not form_scores else None
+    q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
     init_ref = next(it)
     o_ref = next(it) if outputs else None
@@ -521,24 +514,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     tail_ref = next(it) if tails else None
     c = chunk
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
-    # The state lives as [K, BV] ("kv") or transposed, [BV, K] ("vk"). In "vk" every product on the recurrence's
-    # chain has the state or the new values as its left operand, which a tensor-core dot takes from registers, and
-    # a loaded tile as its right operand, which it takes from shared memory: no step result is staged through
-    # shared memory. In "kv" the state and the new values are right operands, so each step stores them to shared
-    # memory and waits on a barrier twice. The helpers below keep one body for both layouts.
-    vk = transposed
     init = init_ref[...].astype(jnp.float32)
-    if vk:
-        init = init.T
-
-    def times(tile, state):  # tile [c, K] times the state: [c, BV] ("kv") or its transpose [BV, c] ("vk")
-        return _dot(state, tile, prec, trans_b=True) if vk else _dot(tile, state, prec)
-
-    def per_token(x):  # a [c] vector along the token axis of a [c, BV] / [BV, c] tile
-        return x[None, :] if vk else x[:, None]
-
-    def per_key_axis(x):  # a [K] vector along the key axis of the state
-        return x[None, :] if vk else x[:, None]
 
     def body(n, state):
         rows = pl.ds(pl.multiple_of(n * c, c), c)
@@ -552,53 +528,40 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
             b_last = _last_row(b)
         if values:
             u = u_ref[rows, :].astype(jnp.float32)
-            if vk:
-                u = u.T
             if value_blocks is not None:
                 u = jnp.where(is_value, u, 0.0)
             if delta:
-                u = u - times(w_ref[rows, :], state)
+                u = u - _dot(w_ref[rows, :], state, prec)
         else:  # transfer columns only: zero values
-            u = -times(w_ref[rows, :], state)
+            u = -_dot(w_ref[rows, :], state, prec)
         if outputs:
 
             def write():
                 if per_key:  # queries already scaled and decayed (scale q e^b)
-                    o = times(q_ref[rows, :], state)
+                    o = _dot(q_ref[rows, :], state, prec)
                 else:  # a row scale commutes with the product: scale the [c, BV] result, not the [c, K] queries
-                    o = times(q_ref[rows, :], state) * per_token(scale * jnp.exp(b))
-                if form_scores:  # P from the loaded tiles; every exponent b_t - b_j <= 0 under the causal mask
-                    t_idx, j_idx = _iotas(c)
-                    causal = t_idx >= j_idx
-                    decay = jnp.where(causal, jnp.exp(jnp.where(causal, b[:, None] - b[None, :], 0.0)), 0.0)
-                    p = _dot(q_ref[rows, :], k, prec, trans_b=True) * (scale * decay)
-                else:
-                    p = p_ref[rows, :]
-                o = o + (_dot(u, p, prec, trans_b=True) if vk else _dot(p, u, prec))
-                o_ref[rows, :] = (o.T if vk else o).astype(o_ref.dtype)
+                    o = _dot(q_ref[rows, :], state, prec) * (scale * jnp.exp(b))[:, None]
+                o = o + _dot(p_ref[rows, :], u, prec)
+                o_ref[rows, :] = o.astype(o_ref.dtype)
 
             if value_blocks is None:
                 write()
             else:
                 pl.when(is_value)(write)
         if per_key:
-            decayed_u, decay = u, per_key_axis(jnp.exp(b_last))
+            state = jnp.exp(b_last)[:, None] * state + _dot(k, u, prec, trans_a=True)
         else:  # Khat^T U = K^T (Diag(e^{b_c - b}) U): the decay scales the [c, BV] values, not the [c, K] keys
-            decayed_u, decay = u * per_token(jnp.exp(b_last - b)), jnp.exp(b_last)
-        added = _dot(decayed_u, k, prec) if vk else _dot(k, decayed_u, prec, trans_a=True)
-        state = decay * state + added
+            state = jnp.exp(b_last) * state + _dot(k, u * jnp.exp(b_last - b)[:, None], prec, trans_a=True)
         if segments:
             slot = slot_ref[n]
 
             @pl.when(slot >= 0)
             def _():
-                final_ref[slot] = state.T if vk else state
+                final_ref[slot] = state
 
         return state
 
     state = lax.fori_loop(0, num_chunks, body, init)
-    if vk:
-        state = state.T
     if not segments:
         final_ref[...] = state
     if tails:
@@ -613,14 +576,8 @@ def _compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _state_scores(config: GDNConfig, per_key: bool) -> bool:
-    """Whether the state pass forms P itself (`GDNConfig.scores`; per-key gates never)."""
-    return config.scores == "state" and not per_key
-
-
 def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
-    """P, W, U for every (chunk, head) (W, U only when the state pass forms P). b: [H, L] (scalar gate) or
-    [L, H, K] (per key); beta [H, L] or None."""
+    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None."""
     length, key_heads, key_dim = k.shape
     per_key = b.ndim == 3
     heads = b.shape[1] if per_key else b.shape[0]
@@ -633,20 +590,15 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
-    scores = not _state_scores(config, per_key)
     if delta:
         value_dim = v.shape[-1]
         in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
                     beta_spec]
-        args = [q, k, v, b, beta]
+        args = (q, k, v, b, beta)
         out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
                      pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
         out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
                      jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
-        if not scores:  # no queries in, no P out
-            in_specs, args, out_specs, out_shape = in_specs[1:], args[1:], out_specs[1:], out_shape[1:]
-    elif not scores:
-        raise ValueError("a decay-only family with scores formed in the state pass has no chunk-local work")
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
@@ -656,7 +608,7 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision, scores=scores)
+                               solve_prec=config.solve_precision)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -673,8 +625,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
                 segments=None, tails=False):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
-    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q None -> no outputs; q given and p None -> the
-    kernel forms P itself (scalar gates). `segments` = (start, slot,
+    Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
     n) runs packed segments: the int32 per-chunk tables of `_state_kernel`; final is then [n, H, K, Wd], and with
     `tails` a third result holds each piece's final state [pieces, H, K, Wd]. u None (delta rule, no outputs):
     transfer columns only (`_transfer_pass`, `_varlen_transfer`).
@@ -691,9 +642,6 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     col_blocks = width // block_v
     widened = col_blocks > value_blocks
     outputs = q is not None
-    form_scores = outputs and p is None
-    if form_scores and per_key:
-        raise ValueError("the state pass forms P for scalar gates only (per-key P comes from the chunk-local kernel)")
     delta = w is not None
     values = u is not None
     if not values and (outputs or not delta):
@@ -716,11 +664,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     ]
     args += [k, b]
     if outputs:
-        in_specs.append(pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)))
-        args.append(q)
-    if outputs and not form_scores:
-        in_specs.append(pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0)))
-        args.append(p)
+        in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
+                     pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
+        args += [q, p]
     if segments is not None:
         start, slot, n_seg = segments
         table = pl.BlockSpec((start.shape[0] // pieces,), lambda j, h, s: (s,))
@@ -757,8 +703,6 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         prec=config.state_precision,
         values=values,
         tails=tails,
-        form_scores=form_scores,
-        transposed=config.state_layout == "vk",
     )
     res = pl.pallas_call(
         kernel,
@@ -820,7 +764,7 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
 
 def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
-    and u = v without the delta rule; p is None when the state pass forms P (`GDNConfig.scores`); ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
+    and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
     the decayed k e^{b_c - b} and scale q e^b per value head)."""
     length = k.shape[0]
     heads = v.shape[1]
@@ -833,17 +777,12 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
     else:
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
-    state_scores = _state_scores(config, gk is not None)
-    if state_scores and beta is None:  # nothing chunk-local left: the state pass forms P from q, k, b
-        return b, None, None, v, k, q
     res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
                         interpret=interpret)
     ks, qs = k, q
     if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
         res, (ks, qs) = res[:-2], res[-2:]
-    if state_scores:
-        (w, u), p = res, None
-    elif beta is not None:
+    if beta is not None:
         p, w, u = res
     else:
         (p,), w, u = res, None, v
@@ -1154,9 +1093,10 @@ def gdn_varlen(
       q, k: [L, Hk, K]; v: [L, H, V]; g, beta: [L, H]; gk: [L, H, K] (as `gdn_forward`).
       cu_seqlens: N + 1 segment offsets rising from 0 to L, static (a list) or an int32 array (traced: only N is
         static, so one compilation serves every split of L tokens into N segments); empty segments are allowed.
+      config: `GDNConfig` (None: `default_varlen_config`, which takes T from the widened state).
       emit_summary: return each segment's `linear_attn.Summary` (leading axis N): dense T for delta rules (through
-        the transfer pass over `config.transfer_group`-chunk groups, or with 0 the state widened by an identity
-        block), log sums of the gates otherwise.
+        the state widened by an identity block when `config.transfer_group` is 0, or the transfer pass over
+        groups of that many chunks), log sums of the gates otherwise.
 
     Returns (o [L, H, V], summary) with emit_summary, else (o, states [N, H, K, V]); the states are S(C_i|0).
 
@@ -1165,7 +1105,7 @@ def gdn_varlen(
     the kernels stay the ones of `gdn_forward` with two int32 tables of one entry per chunk.
     """
     length, _, key_dim, _, _ = _check(q, k, v, g, gk, beta)
-    config = default_config(gk is not None) if config is None else config
+    config = default_varlen_config(gk is not None) if config is None else config
     q, k = _common_dtype(q, k, v)
     cu = _cu_array(cu_seqlens, length)
     if interpret is None:
