@@ -665,8 +665,9 @@ def _all_per_key(record, length, scale, group, b16, up):
 
 
 def _all_varlen(record, length, scale, b16):
-    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S) (the transfer pass, then
-    the widened state, which the seventh session timed at 3.53 ms)."""
+    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S) (the transfer pass over
+    groups of 64, 16 and 8 chunks, then the widened state, `gdn.default_varlen_config`: 3.31 ms in the eighth
+    session), then final states only and the unsegmented forward on the same tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -685,21 +686,22 @@ def _all_varlen(record, length, scale, b16):
         lambda q, k, v, cu, g, b: gdn.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
-    cfg = GDNConfig(**b16)  # the default launch (tile solve, chunk 64); T through 64-chunk transfer groups
-    for name, tcfg in (("pallas tile c64 lw4 +TS group64", GDNConfig(transfer_group=64, **b16)),
-                       ("pallas tile c64 lw4 +TS group16", GDNConfig(transfer_group=16, **b16)),
-                       ("pallas tile c64 lw4 +TS group8", GDNConfig(transfer_group=8, **b16)),
-                       ("pallas tile c64 lw4 +TS widened", GDNConfig(transfer_group=0, **b16))):
+    pf = dict(b16, state_prefetch=True)  # the default launch since the eighth session (tile solve, chunk 64)
+    cfg = GDNConfig(**pf)
+    for name, tcfg in (("pallas tile c64 lw4 prefetch +TS group64", GDNConfig(transfer_group=64, **pf)),
+                       ("pallas tile c64 lw4 prefetch +TS group16", GDNConfig(transfer_group=16, **pf)),
+                       ("pallas tile c64 lw4 prefetch +TS group8", GDNConfig(transfer_group=8, **pf)),
+                       ("pallas tile c64 lw4 prefetch +TS widened", GDNConfig(transfer_group=0, **pf))):
         fn = jax.jit(lambda q, k, v, cu, g, b, tcfg=tcfg: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale,
                                                                          config=tcfg, interpret=INTERPRET))
         record("varlen", name, fn, (q, k, v, cu, g, beta), ref, fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
                                                           emit_summary=False, interpret=INTERPRET))
-    record("varlen", "pallas tile c64 lw4 (states only)", fn, (q, k, v, cu, g, beta),
+    record("varlen", "pallas tile c64 lw4 prefetch (states only)", fn, (q, k, v, cu, g, beta),
            fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=cfg,
                                                        interpret=INTERPRET))
-    record("varlen", "pallas tile c64 lw4, unsegmented (baseline)", fn, (q, k, v, g, beta))
+    record("varlen", "pallas tile c64 lw4 prefetch, unsegmented (baseline)", fn, (q, k, v, g, beta))
 
 
 def _all_decode(record, scale):
@@ -738,7 +740,8 @@ def _all_decode(record, scale):
 def step_variants():
     """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), emitting
     (T, S) through the transfer pass (`GDNConfig.transfer_group`, 64-chunk groups; "tf32 f32-inter" = tf32 dots and
-    float32 W, U, P, the cache-grade T), and KDA (`default_config(per_key=True)` is the chunk-16 row); name ->
+    float32 W, U, P, the cache-grade T), and KDA (`default_config(per_key=True)`, less the prefetch, is the chunk-16
+    row); name ->
     (config, emit (T, S), per-key gates), every config spelled out so that a name keeps meaning what it measured
     when defaults move. The variants measured slower on 2026-11-30 (output folds, shared key heads, stacked doubling
     levels, several chunks per chunk-local program) are in bench/RESULTS.md with the commits that ran them.
@@ -747,10 +750,14 @@ def step_variants():
 
     b16 = dict(locals_precision="bf16", state_precision="bf16")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
-    c32 = dict(chunk=32, solve="tile", locals_warps=2)
-    c64 = dict(chunk=64, solve="tile", locals_warps=4)
-    kda = dict(solve="doubling", locals_warps=2)
+    c32 = dict(chunk=32, solve="tile", locals_warps=2, state_prefetch=False)
+    c64 = dict(chunk=64, solve="tile", locals_warps=4, state_prefetch=False)
+    kda = dict(solve="doubling", locals_warps=2, state_prefetch=False)
     return {
+        # the default launch since the eighth session: the state pass's small loads one step ahead
+        "tile c64 lw4 prefetch": (C(**{**c64, "state_prefetch": True}), False, False),
+        "tile c64 lw4 prefetch +TS group64": (C(**{**c64, "state_prefetch": True}, transfer_group=64), True, False),
+        # the default launch of the sixth and seventh sessions, without the prefetch
         "tile c64 lw4": (C(**c64), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
         # a decay-only layer (g, no beta: the chunk-local kernel forms P only)
@@ -772,10 +779,10 @@ def step_variants():
     }
 
 
-SPLIT = ("tile c64 lw4 +TS group64",)
+SPLIT = ("tile c64 lw4 prefetch +TS group64",)
 ONLY = set()  # --only: run_all's steps section times these step_variants names only (default: all)
 STEP_LENGTHS = ()  # --step-lengths: other lengths at which LENGTH_VARIANTS are timed after the split
-LENGTH_VARIANTS = ("tile c64 lw4", "tile c64 lw4 +TS group64")
+LENGTH_VARIANTS = ("tile c64 lw4 prefetch", "tile c64 lw4 prefetch +TS group64")
 
 
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):

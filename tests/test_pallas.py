@@ -316,19 +316,22 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
-       length=st.integers(1, 150), with_init=st.booleans(), seed=st.integers(0, 2**16))
-def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, seed):
+       length=st.integers(1, 150), with_init=st.booleans(), prefetch=st.booleans(), seed=st.integers(0, 2**16))
+def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, prefetch,
+                                            seed):
     """Outputs, final state and the emitted summary against the token-by-token recurrence and
     `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
-    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree)
-    and lengths (odd ones and ones shorter than a chunk included)."""
+    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree),
+    the state pass with and without its prefetched small loads, and lengths (odd ones and ones shorter than a
+    chunk included)."""
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
     gk = per_key_gates(length, 2, 16, seed=seed + 1, strength=2.0) if family in ("kda", "kda+g", "gla") else None
     rng = np.random.default_rng(seed + 2)
     init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
-    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group)
+    config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group,
+                       state_prefetch=prefetch)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
@@ -493,15 +496,15 @@ def test_varlen_default_config_widens():
 @settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
-       seed=st.integers(0, 2**16))
-def test_varlen_property(cuts, group, seed):
+       prefetch=st.booleans(), seed=st.integers(0, 2**16))
+def test_varlen_property(cuts, group, prefetch, seed):
     """Random splits of 120 tokens into 4 segments (empty ones, one-chunk ones, segments across several transfer
     groups): outputs, S(C|0) and T of every segment against the vmapped core. The segment count and the
     reference's row length stay fixed, so examples reuse the compiled functions."""
     length = 120
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
-    config = GDNConfig(chunk=16, block_v=16, transfer_group=group)
+    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
     assert rel(o, ref_o) < TOL32
@@ -544,7 +547,8 @@ def test_kernels_lower_to_triton():
     args = (sd((length, 16, dim), jnp.bfloat16), sd((length, 16, dim), jnp.bfloat16),
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True)):
+    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True),
+                         (GDNConfig(state_prefetch=False), True)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()

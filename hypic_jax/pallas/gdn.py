@@ -70,8 +70,8 @@ design stores ([L/c, H, K, V] float32, 1 GB at L = 32k) are kept in registers be
 into the state pass. States are float32 always.
 
 Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
-2026-11-30, four runs each beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.41 to 1.44 ms against
-fla's chunk_gated_delta_rule at 1.93 ms (1.34x to 1.37x faster; the issue's bar is 1.5x); emitting (T, S) through
+2026-11-30, eight runs each beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.41 to 1.45 ms against
+fla's chunk_gated_delta_rule at 1.92 to 1.94 ms (1.33x to 1.37x faster; the issue's bar is 1.5x); emitting (T, S) through
 the transfer pass adds 24 to 25%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. The two
 launches split the time about evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both
 are latency-bound. Nsight Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an
@@ -149,6 +149,11 @@ class GDNConfig:
       error from 4.5e-3 to 4.6e-3 (random keys) and 1.27e-2 to 1.31e-2 (keys 90% correlated), i.e. the inverse's
       precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
+    state_prefetch: the state pass issues each step's decay and segment-table loads one step ahead, carried in the
+      loop. Triton's software pipeline prefetches the tiles that feed dots; these small loads feed only
+      elementwise work, and without the carry each step may wait on one before its first product. On the H200
+      (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only) and 3.31 against 3.46
+      (with T), both repeated; the 32k forward 1.430 against 1.444, inside its run-to-run spread.
 
     Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
     bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
@@ -157,7 +162,8 @@ class GDNConfig:
     warps 1.673; in an earlier run of the same day "doubling" with 32 x 32 blocks at chunk 64 took 1.573, 8 local
     warps 2.197, 8 state warps 2.040, block_v 64 (8 warps) 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state
     warps 3.739. Emitting (T, S) through the transfer pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups
-    1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 25% in the later runs.
+    1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 25% in the later runs. The state pass's prefetched
+    small loads (`state_prefetch`) are on by default for packed segments' sake (-3 to -4% there).
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
     H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
     """
@@ -176,6 +182,7 @@ class GDNConfig:
     locals_stages: int = 1
     state_warps: int = 4
     state_stages: int = 3
+    state_prefetch: bool = True
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -488,7 +495,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, tails=False):
+                  values=True, tails=False, prefetch=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -516,15 +523,25 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
     init = init_ref[...].astype(jnp.float32)
 
-    def body(n, state):
+    def small_loads(n):  # the step's loads that feed no dot directly: decays and segment tables
+        first = n * c if isinstance(n, int) else pl.multiple_of(n * c, c)
+        decays = b_ref[pl.ds(first + c - 1, 1), :] if per_key else b_ref[pl.ds(first, c)]
+        return (decays,) + ((start_ref[n], slot_ref[n]) if segments else ())
+
+    def body(n, carry):
+        if prefetch:  # this step's small loads were issued one step earlier; issue the next step's now
+            state, small = carry
+            ahead = small_loads(jnp.minimum(n + 1, num_chunks - 1))
+        else:
+            state, small, ahead = carry, small_loads(n), None
         rows = pl.ds(pl.multiple_of(n * c, c), c)
         if segments:
-            state = jnp.where(start_ref[n] != 0, init, state)
+            state = jnp.where(small[1] != 0, init, state)
         k = k_ref[rows, :]  # per-key gates: already decayed to the chunk's end (k e^{b_c - b})
         if per_key:
-            b_last = jnp.sum(b_ref[pl.ds(n * c + c - 1, 1), :], axis=0)  # [K]
+            b_last = jnp.sum(small[0], axis=0)  # [K]
         else:
-            b = b_ref[rows]  # [c]
+            b = small[0]  # [c]
             b_last = _last_row(b)
         if values:
             u = u_ref[rows, :].astype(jnp.float32)
@@ -553,15 +570,18 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         else:  # Khat^T U = K^T (Diag(e^{b_c - b}) U): the decay scales the [c, BV] values, not the [c, K] keys
             state = jnp.exp(b_last) * state + _dot(k, u * jnp.exp(b_last - b)[:, None], prec, trans_a=True)
         if segments:
-            slot = slot_ref[n]
+            slot = small[2]
 
             @pl.when(slot >= 0)
             def _():
                 final_ref[slot] = state
 
-        return state
+        return (state, ahead) if prefetch else state
 
-    state = lax.fori_loop(0, num_chunks, body, init)
+    if prefetch:
+        state, _ = lax.fori_loop(0, num_chunks, body, (init, small_loads(0)))
+    else:
+        state = lax.fori_loop(0, num_chunks, body, init)
     if not segments:
         final_ref[...] = state
     if tails:
@@ -703,6 +723,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         prec=config.state_precision,
         values=values,
         tails=tails,
+        prefetch=config.state_prefetch,
     )
     res = pl.pallas_call(
         kernel,
