@@ -667,7 +667,8 @@ def _all_per_key(record, length, scale, group, b16, up):
 def _all_varlen(record, length, scale, b16):
     """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S) (the transfer pass over
     groups of 64, 16 and 8 chunks, then the widened state, `gdn.default_varlen_config`: 3.31 ms in the eighth
-    session), then final states only and the unsegmented forward on the same tokens."""
+    session, and the same without the state pass's prefetch), then final states only (with and without the
+    prefetch) and the unsegmented forward on the same tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -691,13 +692,20 @@ def _all_varlen(record, length, scale, b16):
     for name, tcfg in (("pallas tile c64 lw4 prefetch +TS group64", GDNConfig(transfer_group=64, **pf)),
                        ("pallas tile c64 lw4 prefetch +TS group16", GDNConfig(transfer_group=16, **pf)),
                        ("pallas tile c64 lw4 prefetch +TS group8", GDNConfig(transfer_group=8, **pf)),
-                       ("pallas tile c64 lw4 prefetch +TS widened", GDNConfig(transfer_group=0, **pf))):
+                       ("pallas tile c64 lw4 prefetch +TS widened", GDNConfig(transfer_group=0, **pf)),
+                       ("pallas tile c64 lw4 +TS widened (no prefetch)",
+                        GDNConfig(transfer_group=0, state_prefetch=False, **b16))):
         fn = jax.jit(lambda q, k, v, cu, g, b, tcfg=tcfg: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale,
                                                                          config=tcfg, interpret=INTERPRET))
         record("varlen", name, fn, (q, k, v, cu, g, beta), ref, fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
                                                           emit_summary=False, interpret=INTERPRET))
     record("varlen", "pallas tile c64 lw4 prefetch (states only)", fn, (q, k, v, cu, g, beta),
+           fla_name="fla chunk_gated_delta_rule varlen")
+    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, emit_summary=False,
+                                                          config=GDNConfig(state_prefetch=False, **b16),
+                                                          interpret=INTERPRET))
+    record("varlen", "pallas tile c64 lw4 (states only, no prefetch)", fn, (q, k, v, cu, g, beta),
            fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=cfg,
                                                        interpret=INTERPRET))

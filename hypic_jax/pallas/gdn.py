@@ -71,8 +71,8 @@ into the state pass. States are float32 always.
 
 Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
 2026-11-30, eight runs each beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.41 to 1.45 ms against
-fla's chunk_gated_delta_rule at 1.92 to 1.94 ms (1.33x to 1.37x faster; the issue's bar is 1.5x); emitting (T, S) through
-the transfer pass adds 24 to 25%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. The two
+fla's chunk_gated_delta_rule at 1.92 to 1.94 ms (1.33x to 1.37x faster; the issue's bar is 1.5x); emitting (T, S)
+through the transfer pass adds 23 to 25%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. The two
 launches split the time about evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both
 are latency-bound. Nsight Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an
 SM, and 40% of its warp stalls wait on global loads; the state pass is one 4-warp program per SM (166 registers,
