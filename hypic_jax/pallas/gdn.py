@@ -739,6 +739,20 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     return tuple(res)
 
 
+def _pad_to_groups(w, k, b, chunk, group):
+    """Chunk-aligned W, K, b padded with zero tokens (A = I) to whole groups of `group` chunks; a sequence shorter
+    than one group is one group, not one padded to `group` chunks. Returns (w, k, b, group, groups, padded
+    chunks)."""
+    num_chunks = k.shape[0] // chunk
+    group = min(group, num_chunks)
+    groups = -(-num_chunks // group)
+    pad = groups * group - num_chunks
+    if pad:
+        w, k = (jnp.pad(x, [(0, pad * chunk), (0, 0), (0, 0)]) for x in (w, k))
+        b = jnp.pad(b, [(0, 0), (0, pad * chunk)] if b.ndim == 2 else [(0, pad * chunk), (0, 0), (0, 0)])
+    return w, k, b, group, groups, pad
+
+
 def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     """T_C = A_N ... A_1 of a whole (chunk-aligned) sequence, A_c = Diag(e^{b_c}) - Khat_c^T W_c, as [H, K, K].
 
@@ -750,14 +764,8 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     (associativity of the matrix product; float32-level "bf16x3" dots unless the state dots are exact "ieee").
     Zero tokens pad the sequence to whole groups: they have A = I.
     """
-    length, _, key_dim = k.shape
-    heads = w.shape[1]
-    group = min(group, length // chunk)  # a short sequence is one group, not one padded to `group` chunks
-    groups = -(-(length // chunk) // group)
-    pad = groups * group * chunk - length
-    if pad:
-        w, k = (jnp.pad(x, [(0, pad), (0, 0), (0, 0)]) for x in (w, k))
-        b = jnp.pad(b, [(0, 0), (0, pad)] if b.ndim == 2 else [(0, pad), (0, 0), (0, 0)])
+    key_dim, heads = k.shape[-1], w.shape[1]
+    w, k, b, _, groups, _ = _pad_to_groups(w, k, b, chunk, group)
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
                         out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret)
@@ -1015,15 +1023,9 @@ def _varlen_transfer(w, k, b, start, slot, chunk_begin, chunk_end, *, n_seg, chu
     Only this launch's inputs are padded to whole groups (empty chunks: zero tokens, a reset, no slot), not the
     packed pass's. Empty segments (chunk_begin = chunk_end) get no slot; the caller replaces their T.
     """
-    length, _, key_dim = k.shape
-    heads = w.shape[1]
-    num_chunks = length // chunk
-    group = min(group, num_chunks)
-    groups = -(-num_chunks // group)
-    pad = groups * group - num_chunks
-    if pad:
-        w, k = (jnp.pad(x, [(0, pad * chunk), (0, 0), (0, 0)]) for x in (w, k))
-        b = jnp.pad(b, [(0, 0), (0, pad * chunk)] if b.ndim == 2 else [(0, pad * chunk), (0, 0), (0, 0)])
+    key_dim, heads = k.shape[-1], w.shape[1]
+    w, k, b, group, groups, pad = _pad_to_groups(w, k, b, chunk, group)
+    if pad:  # the padded chunks reset and store nothing
         start = jnp.pad(start, (0, pad), constant_values=1)
         slot = jnp.pad(slot, (0, pad), constant_values=-1)
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
