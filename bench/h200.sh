@@ -8,6 +8,7 @@
 #                                # (ALL_SECTIONS="varlen decode" picks run_all's sections; FLA_TIMEOUT and
 #                                # KERNEL_TIMEOUT bound the two processes)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
+#   bash bench/h200.sh explore   # PTX census of the kernels, chunk-128 launches, joint pair fold, overlap under LHS
 #   bash bench/h200.sh profile   # fla at 8k/32k/128k, run_all's steps (the default also at 8k and 128k), then
 #                                # Nsight Compute counters of the GDN forward (PROFILES="default emit", NCU_FLA=1)
 #   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
@@ -140,6 +141,25 @@ case "${1:-}" in
     fi
     timeout "${KERNEL_TIMEOUT:-450}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
       --budget-s "$(( ${KERNEL_TIMEOUT:-450} - 30 ))" ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
+    ;;
+  explore)
+    # what the kernels compile to (PTX census, ptxas registers and spills), fla at 32k, the chunk-128 launches
+    # beside the default (whole forward and kernel by kernel), the joint pair fold at the composition bar, and the
+    # stream-overlap trial under XLA's latency-hiding scheduler
+    timeout "${ISA_TIMEOUT:-100}" python3 bench/kernel_isa.py --out "$OUT" > "$OUT/kernel_isa.txt" 2>&1
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl
+      PYTHONPATH=.:/tmp/site timeout "${FLA_TIMEOUT:-80}" python3 bench/kernels.py --fla-only --out "$OUT" \
+        --lengths 32768 > "$OUT/fla.txt" 2>&1
+    fi
+    steps="tile c64 lw4 prefetch,tile c128 lw8 ss1,doubling c128 sub64 lw4 ss1,doubling c128 sub64 lw8 ss1"
+    timeout "${KERNEL_TIMEOUT:-170}" python3 bench/kernels.py --all --sections steps --out "$OUT" --check-length 32768 \
+      --budget-s "$(( ${KERNEL_TIMEOUT:-170} - 20 ))" --only "$steps" --split "$steps" > "$OUT/kernels_steps.txt" 2>&1
+    timeout "${BAR_TIMEOUT:-130}" python3 bench/pic_kernels.py --out "$OUT" --sections bar \
+      --budget-s "$(( ${BAR_TIMEOUT:-130} - 40 ))" > "$OUT/pic_kernels.txt" 2>&1
+    XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_latency_hiding_scheduler=true" OVERLAP_SCHEDULE=1 \
+      timeout "${OVERLAP_TIMEOUT:-70}" python3 bench/overlap_gdn.py --out "$OUT" --parts 1,2,4 > "$OUT/overlap.txt" 2>&1
     ;;
   profile)
     # fla's timings (FLA_LENGTHS, default 8k, 32k and 128k; from the carried wheels), run_all's sections

@@ -773,6 +773,12 @@ def step_variants():
         "tile c64 lw4 bv64": (C(**c64, block_v=64), False, False),
         "tile c64 lw4 +TS group64 tf32 f32-inter": (C(**c64, transfer_group=64, inter_dtype="float32",
                                                       locals_precision="tf32", state_precision="tf32"), True, False),
+        # chunk 128: half the state pass's sequential steps; one state stage (two exceed the shared memory)
+        "tile c128 lw8 ss1": (C(chunk=128, solve="tile", locals_warps=8, state_stages=1), False, False),
+        "doubling c128 sub64 lw4 ss1": (C(chunk=128, solve="doubling", sub=64, locals_warps=4, state_stages=1),
+                                        False, False),
+        "doubling c128 sub64 lw8 ss1": (C(chunk=128, solve="doubling", sub=64, locals_warps=8, state_stages=1),
+                                        False, False),
         "KDA doubling c16": (C(chunk=16, **kda), False, True),
         "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
         # the sixth session's other rows (bench/RESULTS.md), last: they run only when the budget allows
@@ -904,9 +910,12 @@ def main():
     ap.add_argument("--sections", nargs="+", default=list(ALL_SECTIONS), choices=ALL_SECTIONS,
                     help="run_all's sections (default: all)")
     ap.add_argument("--step-lengths", default="", help="steps section: also time LENGTH_VARIANTS at these lengths")
+    ap.add_argument("--split", default="", help="steps section: step_variants names timed kernel by kernel "
+                    "(default: the SPLIT tuple)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     args = ap.parse_args()
-    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE, STEP_LENGTHS, ONLY
+    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE, STEP_LENGTHS, ONLY, SPLIT
+    SPLIT = tuple(x for x in args.split.split(",") if x) or SPLIT
     STEP_LENGTHS = tuple(int(x) for x in args.step_lengths.split(",") if x)
     ONLY = {x for x in args.only.split(",") if x}
     if args.smoke:

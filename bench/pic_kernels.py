@@ -200,23 +200,29 @@ def main(argv=None) -> None:
             # 3. the composition bar: 64 segments x 30 layers x 32 heads
             if args.skip_compose_bar or over():
                 continue
-            t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
+            t, s, ref_states, ref_transfer = compose_pairs(la, segments, layers, 64 if small else 512)
             # "final": the bar's own output, the composed state after all 64 segments (`fold_pallas` without the
             # transfer: T and S read once, one state written); "pairs": with the composed transfer; "prefix": every
             # prefix state (what a PIC request needs). Every variant bench/RESULTS.md reports; --budget-s may cut
             # the tail.
-            bar_variants = [("final", None, 128, 8, 3), ("final", None, 128, 8, 2), ("pairs", None, 128, 8, 3),
+            # "pairs joint": `FoldConfig(pair_layout="joint")`, a state block and the same transfer columns in one
+            # program (each T_i loaded and split once for both products)
+            bar_variants = [("final", None, 128, 8, 3), ("pairs", None, 128, 8, 3), ("pairs joint", None, 128, 8, 3),
+                            ("pairs joint", None, 128, 8, 2), ("pairs joint", None, 128, 16, 2),
+                            ("pairs joint", None, 128, 16, 1), ("pairs joint", None, 64, 8, 3),
+                            ("pairs joint", None, 64, 4, 3), ("final", None, 128, 8, 2),
                             ("pairs", None, 64, 8, 3), ("final", None, 128, 8, 1), ("final", None, 128, 16, 1),
                             ("final", None, 128, 16, 2), ("final", None, 128, 4, 3), ("final", None, 64, 8, 2),
                             ("final", None, 64, 4, 3),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
-            for kind, block, bw, warps, stages in bar_variants[:2] if small else bar_variants:
+            for kind, block, bw, warps, stages in bar_variants[:3] if small else bar_variants:
                 if over():
                     break
-                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
-                if kind in ("final", "pairs"):  # pairs: the composed transfer too (identity-widened columns)
-                    fn = jax.jit(lambda t, s, c=config, p=kind == "pairs": cmp.fold_pallas(
+                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages,
+                                        pair_layout="joint" if kind == "pairs joint" else "widened")
+                if kind != "prefix":  # pairs: the composed transfer too
+                    fn = jax.jit(lambda t, s, c=config, p=kind != "final": cmp.fold_pallas(
                         t, s, with_transfer=p, config=c, interpret=interpret)[1][None])
                 else:
                     fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
@@ -228,8 +234,12 @@ def main(argv=None) -> None:
                     got = fn(t, s)[:, 0]  # layer 0 is the unpermuted one
                     worst = rel(got[-1], ref_states[-1]) if kind != "prefix" else max(
                         rel(got[i], ref_states[i]) for i in range(segments))
+                    extra = {}
+                    if kind.startswith("pairs"):  # the composed transfer of layer 0 against the float64 product
+                        extra["T_err"] = rel(cmp.fold_pallas(t[:, :1], s[:, :1], config=config,
+                                                             interpret=interpret)[0][0], ref_transfer)
                     log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]), S_worst=worst,
-                             compile_s=round(compile_s, 1)))
+                             compile_s=round(compile_s, 1), **extra))
                 except Exception as error:  # noqa: BLE001
                     log(dict(name, error=repr(error)[:300]))
 
