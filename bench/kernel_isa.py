@@ -122,7 +122,7 @@ def main():
                                               if per_key is False and not emit}}
     results = {}
     for name in [x.strip() for x in args.configs.split(",") if x.strip()]:
-        before = set(glob.glob(os.path.join(DUMP, "*.ptx")))
+        before = set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True))
         fn = jax.jit(lambda q, k, v, g, b, cfg=configs[name]: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=dim**-0.5,
                                                                               config=cfg))
         try:
@@ -131,27 +131,28 @@ def main():
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(name, results[name], flush=True)
             continue
-        new = sorted(set(glob.glob(os.path.join(DUMP, "*.ptx"))) - before)
+        new = sorted(set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True)) - before)
         results[name] = {"ptx_files": [os.path.basename(p) for p in new], "census": {}, "ptxas": {}}
         for path in new:
             results[name]["census"].update(census(open(path).read(), "gdn"))
             results[name]["ptxas"].update(ptxas_report(path, "gdn"))
         print(name, json.dumps(results[name]["census"]), json.dumps(results[name]["ptxas"]), flush=True)
     if not args.no_fold:
-        before = set(glob.glob(os.path.join(DUMP, "*.ptx")))
+        before = set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True))
         t = jax.random.normal(keys[0], (4, 8, dim, dim)) * 0.05
         s = jax.random.normal(keys[1], (4, 8, dim, dim))
         for with_transfer in (False, True):
             jax.block_until_ready(compose.fold_pallas(t, s, with_transfer=with_transfer,
                                                       config=compose.FINAL_STATE_CONFIG))
-        new = sorted(set(glob.glob(os.path.join(DUMP, "*.ptx"))) - before)
+        new = sorted(set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True)) - before)
         results["compose fold"] = {"census": {}, "ptxas": {}}
         for path in new:
             results["compose fold"]["census"].update(census(open(path).read(), "compose|fold"))
             results["compose fold"]["ptxas"].update(ptxas_report(path, "compose|fold"))
         print("compose fold", json.dumps(results["compose fold"]), flush=True)
-    if not any(glob.glob(os.path.join(DUMP, "*.ptx"))):
-        print("no PTX in the dump:", sorted(os.listdir(DUMP))[:20], flush=True)
+    if not any(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True)):
+        files = sorted(glob.glob(os.path.join(DUMP, "**", "*"), recursive=True))
+        print("no PTX in the dump:", [os.path.relpath(f, DUMP) for f in files if "jit_" in f][:40], flush=True)
     with open(os.path.join(args.out, "kernel_isa.json"), "w") as fh:
         json.dump(results, fh, indent=1)
 
