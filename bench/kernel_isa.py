@@ -25,7 +25,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DUMP = tempfile.mkdtemp(prefix="kernel-isa-")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP}"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_gpu_dump_llvmir=true"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,13 +51,19 @@ PATTERNS = {  # instruction class -> PTX regex (counted per kernel entry, static
 def census(ptx_text: str, name_filter: str) -> dict:
     """Per `.entry` whose name matches `name_filter`: counts of each PATTERNS class."""
     out = {}
-    parts = re.split(r"(?m)^\s*\.(?:visible\s+)?entry\s+", ptx_text)
+    parts = re.split(r"(?m)^\s*(?:\.(?:visible\s+)?entry\s+|define\s+[^@]*@)", ptx_text)
     for part in parts[1:]:
-        name = part.split("(", 1)[0].strip()
+        name = part.split("(", 1)[0].strip().strip('"')
         if not re.search(name_filter, name):
             continue
         out[name] = {k: len(re.findall(p, part)) for k, p in PATTERNS.items()}
     return out
+
+
+def _kernel_texts() -> list[str]:
+    """Dumped files that hold kernel code: PTX, or LLVM IR (Triton writes its MMA instructions as inline PTX)."""
+    return [f for f in glob.glob(os.path.join(DUMP, "**", "*"), recursive=True)
+            if f.endswith((".ptx", ".ll")) and os.path.isfile(f)]
 
 
 def _ptxas() -> str | None:
@@ -122,7 +128,7 @@ def main():
                                               if per_key is False and not emit}}
     results = {}
     for name in [x.strip() for x in args.configs.split(",") if x.strip()]:
-        before = set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True))
+        before = set(_kernel_texts())
         fn = jax.jit(lambda q, k, v, g, b, cfg=configs[name]: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=dim**-0.5,
                                                                               config=cfg))
         try:
@@ -131,28 +137,33 @@ def main():
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(name, results[name], flush=True)
             continue
-        new = sorted(set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True)) - before)
+        new = sorted(set(_kernel_texts()) - before)
         results[name] = {"ptx_files": [os.path.basename(p) for p in new], "census": {}, "ptxas": {}}
         for path in new:
             results[name]["census"].update(census(open(path).read(), "gdn"))
-            results[name]["ptxas"].update(ptxas_report(path, "gdn"))
+            if path.endswith(".ptx"):
+                results[name]["ptxas"].update(ptxas_report(path, "gdn"))
         print(name, json.dumps(results[name]["census"]), json.dumps(results[name]["ptxas"]), flush=True)
     if not args.no_fold:
-        before = set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True))
+        before = set(_kernel_texts())
         t = jax.random.normal(keys[0], (4, 8, dim, dim)) * 0.05
         s = jax.random.normal(keys[1], (4, 8, dim, dim))
         for with_transfer in (False, True):
             jax.block_until_ready(compose.fold_pallas(t, s, with_transfer=with_transfer,
                                                       config=compose.FINAL_STATE_CONFIG))
-        new = sorted(set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True)) - before)
+        new = sorted(set(_kernel_texts()) - before)
         results["compose fold"] = {"census": {}, "ptxas": {}}
         for path in new:
             results["compose fold"]["census"].update(census(open(path).read(), "compose|fold"))
-            results["compose fold"]["ptxas"].update(ptxas_report(path, "compose|fold"))
+            if path.endswith(".ptx"):
+                results["compose fold"]["ptxas"].update(ptxas_report(path, "compose|fold"))
         print("compose fold", json.dumps(results["compose fold"]), flush=True)
-    if not any(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True)):
+    if not any(_kernel_texts()):
         files = sorted(glob.glob(os.path.join(DUMP, "**", "*"), recursive=True))
-        print("no PTX in the dump:", [os.path.relpath(f, DUMP) for f in files if "jit_" in f][:40], flush=True)
+        kinds = sorted({os.path.basename(f).split(".")[-1] for f in files})
+        print("no PTX or LLVM IR in the dump; file kinds:", kinds,
+              [os.path.relpath(f, DUMP) for f in files if "gdn" in f or "triton" in f or "pallas" in f][:30],
+              flush=True)
     with open(os.path.join(args.out, "kernel_isa.json"), "w") as fh:
         json.dump(results, fh, indent=1)
 

@@ -200,7 +200,7 @@ def main(argv=None) -> None:
             # 3. the composition bar: 64 segments x 30 layers x 32 heads
             if args.skip_compose_bar or over():
                 continue
-            t, s, ref_states, ref_transfer = compose_pairs(la, segments, layers, 64 if small else 512)
+            t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
             # "final": the bar's own output, the composed state after all 64 segments (`fold_pallas` without the
             # transfer: T and S read once, one state written); "pairs": with the composed transfer; "prefix": every
             # prefix state (what a PIC request needs). Every variant bench/RESULTS.md reports; --budget-s may cut
@@ -235,9 +235,15 @@ def main(argv=None) -> None:
                     worst = rel(got[-1], ref_states[-1]) if kind != "prefix" else max(
                         rel(got[i], ref_states[i]) for i in range(segments))
                     extra = {}
-                    if kind.startswith("pairs"):  # the composed transfer of layer 0 against the float64 product
-                        extra["T_err"] = rel(cmp.fold_pallas(t[:, :1], s[:, :1], config=config,
-                                                             interpret=interpret)[0][0], ref_transfer)
+                    if kind.startswith("pairs"):  # the composed transfer against the float64 product, on the
+                        # first 8 segments of layer 0: all 64 multiply to ~1e-40, below float32's normal range
+                        few = min(8, segments)
+                        t8 = np.asarray(t[:few, 0], np.float64)
+                        want = t8[0]
+                        for i in range(1, few):
+                            want = t8[i] @ want
+                        extra["T8_err"] = rel(cmp.fold_pallas(t[:few, :1], s[:few, :1], config=config,
+                                                              interpret=interpret)[0][0], want)
                     log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]), S_worst=worst,
                              compile_s=round(compile_s, 1), **extra))
                 except Exception as error:  # noqa: BLE001
