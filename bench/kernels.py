@@ -665,10 +665,11 @@ def _all_per_key(record, length, scale, group, b16, up):
 
 
 def _all_varlen(record, length, scale, b16):
-    """run_all 4: packed segments (64 uneven ones), outputs and each segment's dense (T, S) (the transfer pass over
-    groups of 64, 16 and 8 chunks, then the widened state, `gdn.default_varlen_config`: 3.31 ms in the eighth
-    session, and the same without the state pass's prefetch), then final states only (with and without the
-    prefetch) and the unsegmented forward on the same tokens."""
+    """run_all 4: packed segments (64 uneven ones): the unsegmented forward on the same tokens, then outputs and
+    each segment's dense (T, S) from the widened state (`gdn.default_varlen_config`) with q, k, v read in place
+    (`GDNConfig.varlen_reads="packed"`, the default) and gathered (the eighth session's 3.31 ms), final states
+    only both ways, then the transfer pass over groups of 64, 16 and 8 chunks and the rows without the prefetch.
+    Rows whose names lack "packed reads" gather (they kept their names from the sessions that measured them)."""
     import jax
     import jax.numpy as jnp
 
@@ -688,28 +689,31 @@ def _all_varlen(record, length, scale, b16):
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
     pf = dict(b16, state_prefetch=True)  # the default launch since the eighth session (tile solve, chunk 64)
+    gat = dict(pf, varlen_reads="gather")  # q, k, v gathered into the chunk-aligned layout, o gathered back
+    ref_states = {"o": (lambda r: r[0], ref_o), "S": (lambda r: r[1], ref_sum.state)}
+    rows = (  # name -> (config, emit (T, S)); the default (packed reads, widened T) and its gathering twin first
+        ("pallas packed reads +TS widened", GDNConfig(transfer_group=0, **pf), True),
+        ("pallas tile c64 lw4 prefetch +TS widened", GDNConfig(transfer_group=0, **gat), True),
+        ("pallas packed reads (states only)", GDNConfig(**pf), False),
+        ("pallas tile c64 lw4 prefetch (states only)", GDNConfig(**gat), False),
+        ("pallas packed reads +TS group64", GDNConfig(transfer_group=64, **pf), True),
+        ("pallas tile c64 lw4 prefetch +TS group64", GDNConfig(transfer_group=64, **gat), True),
+        ("pallas tile c64 lw4 prefetch +TS group16", GDNConfig(transfer_group=16, **gat), True),
+        ("pallas tile c64 lw4 prefetch +TS group8", GDNConfig(transfer_group=8, **gat), True),
+        ("pallas tile c64 lw4 +TS widened (no prefetch)",
+         GDNConfig(transfer_group=0, state_prefetch=False, varlen_reads="gather", **b16), True),
+        ("pallas tile c64 lw4 (states only, no prefetch)",
+         GDNConfig(state_prefetch=False, varlen_reads="gather", **b16), False),
+    )
     cfg = GDNConfig(**pf)
-    for name, tcfg in (("pallas tile c64 lw4 prefetch +TS group64", GDNConfig(transfer_group=64, **pf)),
-                       ("pallas tile c64 lw4 prefetch +TS group16", GDNConfig(transfer_group=16, **pf)),
-                       ("pallas tile c64 lw4 prefetch +TS group8", GDNConfig(transfer_group=8, **pf)),
-                       ("pallas tile c64 lw4 prefetch +TS widened", GDNConfig(transfer_group=0, **pf)),
-                       ("pallas tile c64 lw4 +TS widened (no prefetch)",
-                        GDNConfig(transfer_group=0, state_prefetch=False, **b16))):
-        fn = jax.jit(lambda q, k, v, cu, g, b, tcfg=tcfg: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale,
-                                                                         config=tcfg, interpret=INTERPRET))
-        record("varlen", name, fn, (q, k, v, cu, g, beta), ref, fla_name="fla chunk_gated_delta_rule varlen")
-    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, config=cfg,
-                                                          emit_summary=False, interpret=INTERPRET))
-    record("varlen", "pallas tile c64 lw4 prefetch (states only)", fn, (q, k, v, cu, g, beta),
-           fla_name="fla chunk_gated_delta_rule varlen")
-    fn = jax.jit(lambda q, k, v, cu, g, b: gdn.gdn_varlen(q, k, v, cu, g=g, beta=b, scale=scale, emit_summary=False,
-                                                          config=GDNConfig(state_prefetch=False, **b16),
-                                                          interpret=INTERPRET))
-    record("varlen", "pallas tile c64 lw4 (states only, no prefetch)", fn, (q, k, v, cu, g, beta),
-           fla_name="fla chunk_gated_delta_rule varlen")
     fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=cfg,
                                                        interpret=INTERPRET))
     record("varlen", "pallas tile c64 lw4 prefetch, unsegmented (baseline)", fn, (q, k, v, g, beta))
+    for name, tcfg, emit in rows:
+        fn = jax.jit(lambda q, k, v, cu, g, b, tcfg=tcfg, emit=emit: gdn.gdn_varlen(
+            q, k, v, cu, g=g, beta=b, scale=scale, config=tcfg, emit_summary=emit, interpret=INTERPRET))
+        record("varlen", name, fn, (q, k, v, cu, g, beta), ref if emit else ref_states,
+               fla_name="fla chunk_gated_delta_rule varlen")
 
 
 def _all_decode(record, scale):

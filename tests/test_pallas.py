@@ -457,17 +457,19 @@ def test_per_key_bfloat16():
 # Variable-length packed segments.
 
 
-@pytest.mark.parametrize("gates,chunk,traced,group", [("gdn", 16, True, 64), ("gdn", 16, False, 0),
-                                                      ("gdn", 16, True, 1), ("kda", 32, False, 64),
-                                                      ("kda", 16, False, 2), ("decay", 16, False, 64)])
-def test_varlen_matches_reference(gates, chunk, traced, group):
+@pytest.mark.parametrize("gates,chunk,traced,group,reads", [
+    ("gdn", 16, True, 64, "packed"), ("gdn", 16, False, 0, "packed"), ("gdn", 16, True, 1, "packed"),
+    ("gdn", 32, False, 0, "gather"), ("gdn", 16, True, 2, "gather"), ("kda", 32, False, 64, "packed"),
+    ("kda", 16, False, 2, "packed"), ("decay", 16, False, 64, "packed"), ("decay", 32, False, 64, "gather")])
+def test_varlen_matches_reference(gates, chunk, traced, group, reads):
     """Packed segments against the vmapped core, T through the transfer pass (group > 0; 1 and 2 put segments
-    across several groups) or the widened state (0)."""
+    across several groups) or the widened state (0); q, k, v read in place ("packed": scalar gates; per-key gates
+    fall back to gathering) or gathered into the chunk-aligned layout."""
     length = 61
     cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
     gk = per_key_gates(length, 2, 16, seed=18) if gates == "kda" else None
-    config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group)
+    config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group, varlen_reads=reads)
     offsets = jnp.asarray(cu, jnp.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
@@ -499,15 +501,15 @@ def test_varlen_default_config_widens():
 @settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
-       prefetch=st.booleans(), seed=st.integers(0, 2**16))
-def test_varlen_property(cuts, group, prefetch, seed):
+       prefetch=st.booleans(), reads=st.sampled_from(["packed", "gather"]), seed=st.integers(0, 2**16))
+def test_varlen_property(cuts, group, prefetch, reads, seed):
     """Random splits of 120 tokens into 4 segments (empty ones, one-chunk ones, segments across several transfer
     groups): outputs, S(C|0) and T of every segment against the vmapped core. The segment count and the
     reference's row length stay fixed, so examples reuse the compiled functions."""
     length = 120
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
-    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch)
+    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch, varlen_reads=reads)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
     assert rel(o, ref_o) < TOL32
@@ -567,9 +569,10 @@ def test_kernels_lower_to_triton():
                                                         config=c, emit_summary=True, interpret=False)
         lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))
     cu = sd((6,), jnp.int32)  # 5 segments: the slot-indexed final states need no power-of-two count
-    varlen = lambda q, k, v, cu, g, b: gdn._varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731
-                                                   config=GDNConfig(), emit_summary=True, interpret=False)
-    lowered.append((varlen, (args[0], args[1], args[2], cu, args[3], args[4])))
+    for config in (GDNConfig(), gdn.default_varlen_config(), GDNConfig(varlen_reads="gather")):
+        varlen = lambda q, k, v, cu, g, b, c=config: gdn._varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731
+                                                                 config=c, emit_summary=True, interpret=False)
+        lowered.append((varlen, (args[0], args[1], args[2], cu, args[3], args[4])))
     step = lambda q, k, v, s, gk, b: dec._decode(q, k, v, s, None, gk, b, scale=0.1,  # noqa: E731
                                                  config=dec.DecodeConfig(), interpret=False, donate=True)
     lowered.append((step, (sd((16, dim), jnp.bfloat16), sd((16, dim), jnp.bfloat16), sd((32, dim), jnp.bfloat16),
@@ -579,8 +582,10 @@ def test_kernels_lower_to_triton():
         assert "xla.gpu.triton" in text
     pairs = sd((4, 2, dim, dim), jnp.float32)
     fold = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
+    joint = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3",
+                                                                               pair_layout="joint")))
     prefix = jax.jit(lambda t, s: cmp.prefix_fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3"), block=2))
-    for fn in (fold, prefix):
+    for fn in (fold, joint, prefix):
         assert "xla.gpu.triton" in jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
             .mlir_module()
     seam = sd((4, 2, 8, dim), jnp.float32)

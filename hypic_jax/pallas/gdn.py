@@ -154,6 +154,11 @@ class GDNConfig:
       elementwise work, and without the carry each step may wait on one before its first product. On the H200
       (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only) and 3.31 against 3.46
       (with T), both repeated; the 32k forward 1.430 against 1.444, inside its run-to-run spread.
+    varlen_reads: how `gdn_varlen` feeds its chunk-aligned layout. "packed": the kernels read q, k, v and write o
+      in place in the packed arrays, chunk n being rows src[n] .. src[n] + cnt[n] (masked loads and stores; two
+      int32 tables), and only the gates are gathered; "gather": q, k, v are gathered into the layout and o back
+      out of it in XLA (one extra read and write of each). Packed reads serve scalar gates with the "tile" solve
+      (and decay-only families); other launches gather.
 
     Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
     bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
@@ -183,6 +188,7 @@ class GDNConfig:
     state_warps: int = 4
     state_stages: int = 3
     state_prefetch: bool = True
+    varlen_reads: str = "packed"
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -195,6 +201,8 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
+        if self.varlen_reads not in ("packed", "gather"):
+            raise ValueError(f"varlen_reads must be 'packed' or 'gather', got {self.varlen_reads!r}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -390,14 +398,30 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
+def _packed_rows(ref, src_ref, cnt_ref, n, chunk):
+    """Chunk n's [chunk, D] tile read in place from a packed sequence ref [L, D]: rows src[n] .. src[n] + cnt[n],
+    zeros after them (zero tokens: A = I, nothing added), so no chunk-aligned copy of the sequence is needed."""
+    valid = lax.broadcasted_iota(jnp.int32, (chunk, ref.shape[-1]), 0) < cnt_ref[n]
+    return pltriton.load(ref.at[pl.ds(src_ref[n], chunk), :], mask=valid, other=0)
+
+
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
     (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
     k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
     t >= j (or split at a reference token between them), so <= 0 for decaying gates.
+    With `packed` (scalar gates, "tile" solve: the paths that read whole tiles) two int32 tables src, cnt [Nc]
+    come first and q, k, v are the whole packed sequence [L, D]: chunk n is rows src[n] .. src[n] + cnt[n].
     """
+    if packed:
+        if per_key or (delta and solve != "tile"):
+            raise ValueError("packed reads serve scalar gates with the 'tile' solve")
+        (src_ref, cnt_ref), refs = refs[:2], refs[2:]
+        whole = functools.partial(_packed_rows, src_ref=src_ref, cnt_ref=cnt_ref, n=pl.program_id(0), chunk=chunk)
+    else:
+        whole = lambda ref: ref[...]  # noqa: E731
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
     if delta:
@@ -424,20 +448,21 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        scores = _dot(q_ref[...], k_ref[...], prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
+        k_all = whole(k_ref)
+        scores = _dot(whole(q_ref), k_all, prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
         p_ref[...] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
 
     if solve == "tile" and not per_key:  # the whole [c, c] inverse by doubling, then W, U as one dot each
-        k_all, beta_all = k_ref[...], beta_ref[...]
+        beta_all = beta_ref[...]
         strict = rows > cols
         kk = _dot(k_all, k_all, prec, trans_b=True)
         m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
         x = _inverse_doubling(m, solve_prec)
         rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
         w_ref[...] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
-        u_ref[...] = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec).astype(u_ref.dtype)
+        u_ref[...] = _dot(x, beta_all[:, None] * whole(v_ref).astype(jnp.float32), prec).astype(u_ref.dtype)
         return
 
     srows, scols = _iotas(sub)
@@ -495,7 +520,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, tails=False, prefetch=False):
+                  values=True, tails=False, prefetch=False, packed=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -507,7 +532,8 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
     identity columns and the pass returns the product of the chunks' transfer operators. With `tails` (segments
     over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
-    reset (`_varlen_transfer`).
+    reset (`_varlen_transfer`). With `packed` (scalar gates) two more int32 tables src, cnt [Nc] follow the
+    segment tables, and k, q, o are whole packed sequences [L, D] read and written in place (`_packed_rows`).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -515,6 +541,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     k_ref, b_ref = next(it), next(it)
     q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
+    src_ref, cnt_ref = (next(it), next(it)) if packed else (None, None)
     init_ref = next(it)
     o_ref = next(it) if outputs else None
     final_ref = next(it)
@@ -526,7 +553,8 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     def small_loads(n):  # the step's loads that feed no dot directly: decays and segment tables
         first = n * c if isinstance(n, int) else pl.multiple_of(n * c, c)
         decays = b_ref[pl.ds(first + c - 1, 1), :] if per_key else b_ref[pl.ds(first, c)]
-        return (decays,) + ((start_ref[n], slot_ref[n]) if segments else ())
+        return ((decays,) + ((start_ref[n], slot_ref[n]) if segments else ())
+                + ((src_ref[n], cnt_ref[n]) if packed else ()))
 
     def body(n, carry):
         if prefetch:  # this step's small loads were issued one step earlier; issue the next step's now
@@ -537,7 +565,18 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         rows = pl.ds(pl.multiple_of(n * c, c), c)
         if segments:
             state = jnp.where(small[1] != 0, init, state)
-        k = k_ref[rows, :]  # per-key gates: already decayed to the chunk's end (k e^{b_c - b})
+        if packed:  # this chunk's rows of the packed k, q, o: src .. src + cnt
+            src, cnt = small[-2:]
+            packed_rows = pl.ds(src, c)
+
+            def valid(width):
+                return lax.broadcasted_iota(jnp.int32, (c, width), 0) < cnt
+
+            k = pltriton.load(k_ref.at[packed_rows, :], mask=valid(k_ref.shape[-1]), other=0)
+            q_rows = lambda: pltriton.load(q_ref.at[packed_rows, :], mask=valid(q_ref.shape[-1]), other=0)  # noqa
+        else:
+            k = k_ref[rows, :]  # per-key gates: already decayed to the chunk's end (k e^{b_c - b})
+            q_rows = lambda: q_ref[rows, :]  # noqa: E731
         if per_key:
             b_last = jnp.sum(small[0], axis=0)  # [K]
         else:
@@ -555,11 +594,14 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
 
             def write():
                 if per_key:  # queries already scaled and decayed (scale q e^b)
-                    o = _dot(q_ref[rows, :], state, prec)
+                    o = _dot(q_rows(), state, prec)
                 else:  # a row scale commutes with the product: scale the [c, BV] result, not the [c, K] queries
-                    o = _dot(q_ref[rows, :], state, prec) * (scale * jnp.exp(b))[:, None]
-                o = o + _dot(p_ref[rows, :], u, prec)
-                o_ref[rows, :] = o.astype(o_ref.dtype)
+                    o = _dot(q_rows(), state, prec) * (scale * jnp.exp(b))[:, None]
+                o = (o + _dot(p_ref[rows, :], u, prec)).astype(o_ref.dtype)
+                if packed:
+                    pltriton.store(o_ref.at[packed_rows, :], o, mask=valid(o.shape[-1]))
+                else:
+                    o_ref[rows, :] = o
 
             if value_blocks is None:
                 write()
@@ -596,24 +638,32 @@ def _compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret):
-    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None."""
-    length, key_heads, key_dim = k.shape
+def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None):
+    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
+    packed: None, or the int32 tables (src, cnt) [Nc] of a chunk-aligned layout whose q, k, v stay packed
+    (`_locals_kernel`); L is then the layout's length (b's), not q's."""
+    key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
     heads = b.shape[1] if per_key else b.shape[0]
+    length = b.shape[0] if per_key else b.shape[1]
     group = heads // key_heads
     num_chunks = length // chunk
     delta = beta is not None
     config = config.resolved(k.dtype)
-    qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
+    if packed is not None:  # whole packed sequences; the kernel reads each chunk's rows through the tables
+        qk_spec = pl.BlockSpec((k.shape[0], None, key_dim), lambda n, h: (0, h // group, 0))
+        v_spec = pl.BlockSpec((v.shape[0], None, v.shape[-1]), lambda n, h: (0, h, 0))
+        table = pl.BlockSpec((num_chunks,), lambda n, h: (0,))
+    else:
+        qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
+        v_spec = None if v is None else pl.BlockSpec((chunk, None, v.shape[-1]), lambda n, h: (n, h, 0))
     beta_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))
     b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
     if delta:
         value_dim = v.shape[-1]
-        in_specs = [qk_spec, qk_spec, pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0)), b_spec,
-                    beta_spec]
+        in_specs = [qk_spec, qk_spec, v_spec, b_spec, beta_spec]
         args = (q, k, v, b, beta)
         out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
                      pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
@@ -626,9 +676,11 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
         decayed = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
         out_specs += [decayed, decayed]
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
+    if packed is not None:
+        in_specs, args = [table, table] + list(in_specs), tuple(packed) + tuple(args)
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision)
+                               solve_prec=config.solve_precision, packed=packed is not None)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -642,16 +694,21 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
 
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
-                segments=None, tails=False):
+                segments=None, tails=False, packed=None):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
     n) runs packed segments: the int32 per-chunk tables of `_state_kernel`; final is then [n, H, K, Wd], and with
     `tails` a third result holds each piece's final state [pieces, H, K, Wd]. u None (delta rule, no outputs):
-    transfer columns only (`_transfer_pass`, `_varlen_transfer`).
+    transfer columns only (`_transfer_pass`, `_varlen_transfer`). packed: None, or the int32 tables (src, cnt)
+    [Nc] of a chunk-aligned layout whose k, q and outputs stay packed (scalar gates; L is then b's length, the
+    layout's, and o is [len(k), H, V]).
     """
-    length, key_heads, key_dim = k.shape
+    key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
+    length = b.shape[0] if per_key else b.shape[1]
+    if packed is not None and per_key:
+        raise ValueError("packed reads serve scalar gates")
     heads, width = init.shape[1], init.shape[-1]
     group = heads // key_heads
     piece_len = length // pieces
@@ -677,15 +734,17 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     if values:
         in_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
         args.append(u)
+    # keys and queries: the piece's rows, or with packed reads the whole packed sequence
+    qk_spec = (pl.BlockSpec((k.shape[0], None, key_dim), lambda j, h, s: (0, h // group, 0)) if packed is not None
+               else pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)))
     in_specs += [
-        pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
+        qk_spec,
         pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)) if per_key
         else pl.BlockSpec((None, piece_len), lambda j, h, s: (h, s)),
     ]
     args += [k, b]
     if outputs:
-        in_specs += [pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)),
-                     pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
+        in_specs += [qk_spec, pl.BlockSpec((None, piece_len, chunk), lambda j, h, s: (h, s, 0))]
         args += [q, p]
     if segments is not None:
         start, slot, n_seg = segments
@@ -694,11 +753,18 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         args += [start, slot]
     elif tails:
         raise ValueError("tails are the pieces' final states beside the segments' slots: segments needed")
+    if packed is not None:
+        table = pl.BlockSpec((packed[0].shape[0] // pieces,), lambda j, h, s: (s,))
+        in_specs += [table, table]
+        args += list(packed)
     state_spec = pl.BlockSpec((None, None, key_dim, block_v), lambda j, h, s: (s, h, 0, j))
     in_specs.append(state_spec)
     args.append(init)
     out_specs, out_shape = [], []
-    if outputs:
+    if outputs and packed is not None:
+        out_specs.append(pl.BlockSpec((k.shape[0], None, block_v), lambda j, h, s: (0, h, vcol(j))))
+        out_shape.append(jax.ShapeDtypeStruct((k.shape[0], heads, value_dim), out_dtype))
+    elif outputs:
         out_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
         out_shape.append(jax.ShapeDtypeStruct((length, heads, value_dim), out_dtype))
     if segments is None:
@@ -724,6 +790,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         values=values,
         tails=tails,
         prefetch=config.state_prefetch,
+        packed=packed is not None,
     )
     res = pl.pallas_call(
         kernel,
@@ -791,11 +858,12 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
     return jnp.cumsum(gc, axis=1).reshape(log_decay.shape)
 
 
-def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
+def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
     and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
-    the decayed k e^{b_c - b} and scale q e^b per value head)."""
-    length = k.shape[0]
+    the decayed k e^{b_c - b} and scale q e^b per value head). packed: the tables (src, cnt) of `_chunk_locals`;
+    q, k, v then stay packed while g and beta come chunk-aligned."""
+    length = k.shape[0] if packed is None else packed[0].shape[0] * config.chunk
     heads = v.shape[1]
     if config.inter_dtype is None:
         inter = jnp.bfloat16 if k.dtype == jnp.bfloat16 else jnp.float32
@@ -807,7 +875,7 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret):
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
     res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
-                        interpret=interpret)
+                        interpret=interpret, packed=packed)
     ks, qs = k, q
     if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
         res, (ks, qs) = res[:-2], res[-2:]
@@ -1071,17 +1139,32 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
             return None
         return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[src]
 
-    qp, kp, vp, gp, gkp, betap = map(gather, (q, k, v, g, gk, beta))
-    b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret)
+    packed = None
+    if config.varlen_reads == "packed" and gk is None and (beta is None or config.solve == "tile"):
+        # q, k, v and o stay packed: the kernels read chunk n as rows src .. src + cnt of the packed arrays
+        first = src.reshape(-1, chunk)
+        cnt = jnp.sum(first < length, axis=1).astype(jnp.int32)
+        packed = (jnp.where(cnt > 0, first[:, 0], 0).astype(jnp.int32), cnt)
+        qp, kp, vp = q, k, v
+    else:
+        qp, kp, vp = map(gather, (q, k, v))
+    gp, gkp, betap = map(gather, (g, gk, beta))
+    b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret,
+                                 packed=packed)
+    if packed is not None and w is None:  # decay-only: the state pass reads the values as U, chunk-aligned
+        u = gather(v)
     init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     if dense and not group:
         init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
                                                        (heads, key_dim, key_dim))], axis=-1)
     o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
                             out_dtype=jnp.result_type(q, v), scale=scale, config=config, interpret=interpret,
-                            segments=(start, slot, n_seg))
+                            segments=(start, slot, n_seg), packed=packed)
     finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
-    o = o[pos]
+    if packed is None:
+        o = o[pos]
+    else:  # the transfer pass below reads chunk-aligned keys
+        ks = None if not (dense and group) else gather(k)
     states = finals[..., :value_dim]
     if not emit_summary:
         return o, states
