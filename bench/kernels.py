@@ -96,15 +96,14 @@ def run_fla(out_dir, lengths):
         g = -torch.rand(1, length, HEADS, device=dev, dtype=torch.float32) * 0.1
         beta = torch.rand(1, length, HEADS, device=dev, dtype=torch.float32).sigmoid()
         cu = torch.tensor(varlen_offsets(length), device=dev, dtype=torch.long)
-        cases = {}
+        cases = {"fla chunk_gated_delta_rule varlen": lambda: chunk_gated_delta_rule(  # first: the packed rows
+            q, k, v, g=g, beta=beta, scale=DIM**-0.5, output_final_state=True, cu_seqlens=cu)}
         try:
             from fla.ops.kda import chunk_kda
 
             cases["fla chunk_kda"] = lambda: chunk_kda(q, k, v, gk, beta, scale=DIM**-0.5, output_final_state=True)
         except Exception as e:  # noqa: BLE001
             log(path, dict(impl="fla chunk_kda", error=repr(e)[:300]))
-        cases["fla chunk_gated_delta_rule varlen"] = lambda: chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, scale=DIM**-0.5, output_final_state=True, cu_seqlens=cu)
         try:
             from fla.ops.gla import chunk_gla
 
