@@ -9,6 +9,7 @@
 #                                # KERNEL_TIMEOUT bound the two processes)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
 #   bash bench/h200.sh explore   # PTX census of the kernels, chunk-128 launches, joint pair fold, overlap under LHS
+#   bash bench/h200.sh tensorpipe  # Nsight Compute: tensor-core instruction kinds (gmma / hmma) per GDN kernel
 #   bash bench/h200.sh profile   # fla at 8k/32k/128k, run_all's steps (the default also at 8k and 128k), then
 #                                # Nsight Compute counters of the GDN forward (PROFILES="default emit", NCU_FLA=1)
 #   bash bench/h200.sh variants  # trr and full recompute, then trr under each speed knob of the engine
@@ -160,6 +161,22 @@ case "${1:-}" in
       --budget-s "$(( ${BAR_TIMEOUT:-130} - 40 ))" > "$OUT/pic_kernels.txt" 2>&1
     XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_latency_hiding_scheduler=true" OVERLAP_SCHEDULE=1 \
       timeout "${OVERLAP_TIMEOUT:-70}" python3 bench/overlap_gdn.py --out "$OUT" --parts 1,2,4 > "$OUT/overlap.txt" 2>&1
+    ;;
+  tensorpipe)
+    # which tensor-core instructions each GDN kernel issues (Hopper's warpgroup MMA "gmma" against the per-warp
+    # "hmma") and how busy each pipe is: one warm forward of ours, then fla's, under Nsight Compute (no PTX is
+    # dumped by this XLA, see bench/kernel_isa.py)
+    metrics="regex:sm__inst_executed_pipe_tensor.*\.sum$,regex:sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active$"
+    metrics="$metrics,smsp__inst_executed.sum,gpu__time_duration.sum"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" \
+      timeout "${NCU_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none --kernel-name regex:gdn \
+      --metrics "$metrics" python3 bench/ncu_gdn.py --impl pallas > "$OUT/ncu_tensorpipe_pallas.txt" 2>&1
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl
+      PYTHONPATH=.:/tmp/site timeout "${NCU_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none \
+        --metrics "$metrics" python3 bench/ncu_gdn.py --impl fla > "$OUT/ncu_tensorpipe_fla.txt" 2>&1
+    fi
     ;;
   profile)
     # fla's timings (FLA_LENGTHS, default 8k, 32k and 128k; from the carried wheels), run_all's sections
