@@ -8,7 +8,7 @@
 #                                # (ALL_SECTIONS="varlen decode" picks run_all's sections; FLA_TIMEOUT and
 #                                # KERNEL_TIMEOUT bound the two processes)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
-#   bash bench/h200.sh explore   # PTX census of the kernels, chunk-128 launches, joint pair fold, overlap under LHS
+#   bash bench/h200.sh explore   # chunk-128 launches, joint pair fold, stream overlap under the latency-hiding scheduler
 #   bash bench/h200.sh tensorpipe  # Nsight Compute: tensor-core instruction kinds (gmma / hmma) per GDN kernel
 #   bash bench/h200.sh profile   # fla at 8k/32k/128k, run_all's steps (the default also at 8k and 128k), then
 #                                # Nsight Compute counters of the GDN forward (PROFILES="default emit", NCU_FLA=1)
@@ -144,10 +144,8 @@ case "${1:-}" in
       --budget-s "$(( ${KERNEL_TIMEOUT:-450} - 30 ))" ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
     ;;
   explore)
-    # what the kernels compile to (PTX census, ptxas registers and spills), fla at 32k, the chunk-128 launches
-    # beside the default (whole forward and kernel by kernel), the joint pair fold at the composition bar, and the
-    # stream-overlap trial under XLA's latency-hiding scheduler
-    timeout "${ISA_TIMEOUT:-100}" python3 bench/kernel_isa.py --out "$OUT" > "$OUT/kernel_isa.txt" 2>&1
+    # fla at 32k, the chunk-128 launches beside the default (whole forward and kernel by kernel), the joint pair
+    # fold at the composition bar, and the stream-overlap trial under XLA's latency-hiding scheduler
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl
@@ -164,8 +162,8 @@ case "${1:-}" in
     ;;
   tensorpipe)
     # which tensor-core instructions each GDN kernel issues (Hopper's warpgroup MMA "gmma" against the per-warp
-    # "hmma") and how busy each pipe is: one warm forward of ours, then fla's, under Nsight Compute (no PTX is
-    # dumped by this XLA, see bench/kernel_isa.py)
+    # "hmma") and how busy each pipe is: one warm forward of ours, then fla's, under Nsight Compute (jax 0.11.2's
+    # XLA dumps no PTX or LLVM IR of the Triton kernels with --xla_dump_to, so the counters answer it)
     metrics="regex:sm__inst_executed_pipe_tensor.*\.sum$,regex:sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active$"
     metrics="$metrics,smsp__inst_executed.sum,gpu__time_duration.sum"
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" \

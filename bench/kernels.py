@@ -666,7 +666,7 @@ def _all_per_key(record, length, scale, group, b16, up):
 def _all_varlen(record, length, scale, b16):
     """run_all 4: packed segments (64 uneven ones): the unsegmented forward on the same tokens, then outputs and
     each segment's dense (T, S) from the widened state (`gdn.default_varlen_config`) with q, k, v read in place
-    (`GDNConfig.varlen_reads="packed"`, the default) and gathered (the eighth session's 3.31 ms), final states
+    (`GDNConfig.packed_reads`, the default) and gathered (the eighth session's 3.31 ms), final states
     only both ways, then the transfer pass over groups of 64, 16 and 8 chunks and the rows without the prefetch.
     Rows whose names lack "packed reads" gather (they kept their names from the sessions that measured them)."""
     import jax
@@ -688,7 +688,7 @@ def _all_varlen(record, length, scale, b16):
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
     pf = dict(b16, state_prefetch=True)  # the default launch since the eighth session (tile solve, chunk 64)
-    gat = dict(pf, varlen_reads="gather")  # q, k, v gathered into the chunk-aligned layout, o gathered back
+    gat = dict(pf, packed_reads=False)  # q, k, v gathered into the chunk-aligned layout, o gathered back
     ref_states = {"o": (lambda r: r[0], ref_o), "S": (lambda r: r[1], ref_sum.state)}
     rows = (  # name -> (config, emit (T, S)); the default (packed reads, widened T) and its gathering twin first
         ("pallas packed reads +TS widened", GDNConfig(transfer_group=0, **pf), True),
@@ -700,9 +700,9 @@ def _all_varlen(record, length, scale, b16):
         ("pallas tile c64 lw4 prefetch +TS group16", GDNConfig(transfer_group=16, **gat), True),
         ("pallas tile c64 lw4 prefetch +TS group8", GDNConfig(transfer_group=8, **gat), True),
         ("pallas tile c64 lw4 +TS widened (no prefetch)",
-         GDNConfig(transfer_group=0, state_prefetch=False, varlen_reads="gather", **b16), True),
+         GDNConfig(transfer_group=0, state_prefetch=False, packed_reads=False, **b16), True),
         ("pallas tile c64 lw4 (states only, no prefetch)",
-         GDNConfig(state_prefetch=False, varlen_reads="gather", **b16), False),
+         GDNConfig(state_prefetch=False, packed_reads=False, **b16), False),
     )
     cfg = GDNConfig(**pf)
     fn = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=cfg,
@@ -768,6 +768,10 @@ def step_variants():
         # the default launch since the eighth session: the state pass's small loads one step ahead
         "tile c64 lw4 prefetch": (C(**{**c64, "state_prefetch": True}), False, False),
         "tile c64 lw4 prefetch +TS group64": (C(**{**c64, "state_prefetch": True}, transfer_group=64), True, False),
+        # the same with q, k, v zero-padded to whole chunks when L is not a multiple of 64 (before packed reads)
+        "tile c64 lw4 prefetch pad": (C(**{**c64, "state_prefetch": True}, packed_reads=False), False, False),
+        "tile c64 lw4 prefetch +TS group64 pad": (C(**{**c64, "state_prefetch": True}, transfer_group=64,
+                                                    packed_reads=False), True, False),
         # the default launch of the sixth and seventh sessions, without the prefetch
         "tile c64 lw4": (C(**c64), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
@@ -913,11 +917,14 @@ def main():
     ap.add_argument("--sections", nargs="+", default=list(ALL_SECTIONS), choices=ALL_SECTIONS,
                     help="run_all's sections (default: all)")
     ap.add_argument("--step-lengths", default="", help="steps section: also time LENGTH_VARIANTS at these lengths")
+    ap.add_argument("--length-variants", default="", help="steps section: the step_variants names timed at "
+                    "--step-lengths (default: the LENGTH_VARIANTS tuple)")
     ap.add_argument("--split", default="", help="steps section: step_variants names timed kernel by kernel "
                     "(default: the SPLIT tuple)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU check of the script)")
     args = ap.parse_args()
-    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE, STEP_LENGTHS, ONLY, SPLIT
+    global HEADS, KEY_HEADS, DIM, INTERPRET, COMPOSE, STEP_LENGTHS, ONLY, SPLIT, LENGTH_VARIANTS
+    LENGTH_VARIANTS = tuple(x for x in args.length_variants.split(",") if x) or LENGTH_VARIANTS
     SPLIT = tuple(x for x in args.split.split(",") if x) or SPLIT
     STEP_LENGTHS = tuple(int(x) for x in args.step_lengths.split(",") if x)
     ONLY = {x for x in args.only.split(",") if x}

@@ -319,14 +319,15 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
-       length=st.integers(1, 150), with_init=st.booleans(), prefetch=st.booleans(), seed=st.integers(0, 2**16))
+       length=st.integers(1, 150), with_init=st.booleans(), prefetch=st.booleans(), packed=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, prefetch,
-                                            seed):
+                                            packed, seed):
     """Outputs, final state and the emitted summary against the token-by-token recurrence and
     `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
     groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree),
-    the state pass with and without its prefetched small loads, and lengths (odd ones and ones shorter than a
-    chunk included)."""
+    the state pass with and without its prefetched small loads, lengths (odd ones and ones shorter than a chunk
+    included) and, for lengths that do not fill the last chunk, q, k, v read in place or zero-padded."""
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
@@ -334,7 +335,7 @@ def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, g
     rng = np.random.default_rng(seed + 2)
     init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
     config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group,
-                       state_prefetch=prefetch)
+                       state_prefetch=prefetch, packed_reads=packed)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = la.recurrent(q.repeat(2, 1), k.repeat(2, 1), v, g=g, gk=gk, beta=beta, initial_state=init,
@@ -469,7 +470,7 @@ def test_varlen_matches_reference(gates, chunk, traced, group, reads):
     cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
     gk = per_key_gates(length, 2, 16, seed=18) if gates == "kda" else None
-    config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group, varlen_reads=reads)
+    config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group, packed_reads=reads == "packed")
     offsets = jnp.asarray(cu, jnp.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
@@ -509,7 +510,7 @@ def test_varlen_property(cuts, group, prefetch, reads, seed):
     length = 120
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
-    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch, varlen_reads=reads)
+    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch, packed_reads=reads == "packed")
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
     assert rel(o, ref_o) < TOL32
@@ -552,11 +553,14 @@ def test_kernels_lower_to_triton():
     args = (sd((length, 16, dim), jnp.bfloat16), sd((length, 16, dim), jnp.bfloat16),
             sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32), None)
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for config, emit in ((GDNConfig(), False), (GDNConfig(), True), (GDNConfig(pieces=2), True),
-                         (GDNConfig(state_prefetch=False), True)):
+    odd = tuple(None if a is None else sd((length - 3,) + a.shape[1:], a.dtype) for a in args)  # packed reads
+    for config, emit, fn_args in ((GDNConfig(), False, args), (GDNConfig(), True, args),
+                                  (GDNConfig(pieces=2), True, args), (GDNConfig(state_prefetch=False), True, args),
+                                  (GDNConfig(), True, odd), (GDNConfig(pieces=2), True, odd),
+                                  (GDNConfig(packed_reads=False), True, odd)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
                                                             interpret=False))
-        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*fn_args).mlir_module()
         assert "xla.gpu.triton" in text
     per_key = sd((length, 32, dim), jnp.float32)
     lowered = []
@@ -569,7 +573,7 @@ def test_kernels_lower_to_triton():
                                                         config=c, emit_summary=True, interpret=False)
         lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))
     cu = sd((6,), jnp.int32)  # 5 segments: the slot-indexed final states need no power-of-two count
-    for config in (GDNConfig(), gdn.default_varlen_config(), GDNConfig(varlen_reads="gather")):
+    for config in (GDNConfig(), gdn.default_varlen_config(), GDNConfig(packed_reads=False)):
         varlen = lambda q, k, v, cu, g, b, c=config: gdn._varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731
                                                                  config=c, emit_summary=True, interpret=False)
         lowered.append((varlen, (args[0], args[1], args[2], cu, args[3], args[4])))

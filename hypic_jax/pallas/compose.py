@@ -150,6 +150,9 @@ class FoldConfig:
     # fold_pallas with the transfer: "widened" runs the transfer's columns as extra programs (each reads T_i
     # again; L2 serves the repeat); "joint" keeps a state block and the same columns of the transfer in one
     # program, so each T_i is loaded and split for the dot algorithm once for both products (needs K == V).
+    # On the H200 at the composition bar (bench/RESULTS.md, 2026-11-30) joint took 7.82 to 8.04 ms against
+    # widened's 7.98 to 8.02 (16 warps: 18 to 21 ms; 3 stages at block_w 128 exceed the shared memory): the
+    # pairs are not bound by reading T, so widened stays the default.
     pair_layout: str = "widened"
 
 

@@ -60,7 +60,13 @@ Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tr
    segment's first chunk, store it to the segment's slot after its last chunk. Their dense T comes from the
    widened packed pass by default (`default_varlen_config`, measured faster there), or with transfer_group > 0
    from the transfer pass, resetting identity columns at segment starts within each group, and a segmented
-   product scan over the groups joins the segments that span several (`_varlen_transfer`).
+   product scan over the groups joins the segments that span several (`_varlen_transfer`). Every segment is
+   padded to whole chunks so that no chunk straddles a boundary, but only in the index space: two more tables
+   (each chunk's first packed token and its count of real tokens) let both kernels read q, k, v and write o in
+   place in the packed arrays with masked loads and stores (`GDNConfig.packed_reads`), so the only XLA copies are
+   the gates'. On the H200 (64 segments in 32k tokens) that took the states-only call from 2.44 to 1.81 ms, 1.08x
+   faster than fla's varlen chunk_gated_delta_rule (1.96 ms, same run), and the call with each segment's dense
+   (T, S) from 3.32 to 2.75 ms.
 
 Memory between launches: W, U ([L, H, K] and [L, H, V]) and P ([H, L, c]) in `inter_dtype` (bfloat16 for
 bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates, with
@@ -86,7 +92,10 @@ in the state pass from the q and k tiles it loads (chunk-local kernel 0.65 ms, b
 held transposed, [BV, K], so that the chain's dots read it from registers (state pass 0.84 ms); 8 warps in either
 kernel; the chunk-local kernel of the next piece on a second GPU stream (XLA did not overlap them); launching the
 chunk-local kernel heads-first, so that value heads sharing a key head read its tile together (1.445 against
-1.450 ms).
+1.450 ms); chunk 128 (3.9 to 4.1 ms: only one state-pass stage fits the shared memory, and unpipelined steps took
+7.3 us each against 1.4 us at chunk 64; the chunk-local kernel 2.2 to 2.4 ms); the second stream again under XLA's
+latency-hiding scheduler (still no overlap). Both kernels already issue Hopper's warpgroup MMA (Nsight Compute
+counts only gmma instructions on their tensor pipes, busy 24% and 18% of their active cycles).
 Lowering: Triton. It compiled and ran first time through Pallas at jax 0.10 (interpret and lowering checks on the
 CPU) and 0.11 (the H200). The decode step, the smallest comparison, also exists for the Mosaic GPU lowering
 (`bench/mosaic_decode.py`); there Triton was 12% faster at batch 64 (see `pallas.decode`). These two kernels have
@@ -154,11 +163,12 @@ class GDNConfig:
       elementwise work, and without the carry each step may wait on one before its first product. On the H200
       (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only) and 3.31 against 3.46
       (with T), both repeated; the 32k forward 1.430 against 1.444, inside its run-to-run spread.
-    varlen_reads: how `gdn_varlen` feeds its chunk-aligned layout. "packed": the kernels read q, k, v and write o
-      in place in the packed arrays, chunk n being rows src[n] .. src[n] + cnt[n] (masked loads and stores; two
-      int32 tables), and only the gates are gathered; "gather": q, k, v are gathered into the layout and o back
-      out of it in XLA (one extra read and write of each). Packed reads serve scalar gates with the "tile" solve
-      (and decay-only families); other launches gather.
+    packed_reads: how the kernels see a chunk-aligned layout that the tokens do not fill (packed segments in
+      `gdn_varlen`; a length that is not a multiple of the chunk in `gdn_forward`). True: they read q, k, v and
+      write o in place in the given arrays, chunk n being rows src[n] .. src[n] + cnt[n] (masked loads and stores,
+      two int32 tables), and only the gates are copied into the layout; False: q, k, v are copied (gathered or
+      zero-padded) into the layout and o back out of it in XLA, one extra read and write of each. Packed reads
+      serve scalar gates with the "tile" solve and the decay-only families; other launches copy.
 
     Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
     bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
@@ -188,7 +198,7 @@ class GDNConfig:
     state_warps: int = 4
     state_stages: int = 3
     state_prefetch: bool = True
-    varlen_reads: str = "packed"
+    packed_reads: bool = True
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -201,8 +211,6 @@ class GDNConfig:
             raise ValueError(f"solve must be one of {_SOLVES}, got {self.solve!r}")
         if self.sub not in (16, 32, 64):
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
-        if self.varlen_reads not in ("packed", "gather"):
-            raise ValueError(f"varlen_reads must be 'packed' or 'gather', got {self.varlen_reads!r}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -230,10 +238,11 @@ def default_config(per_key: bool = False) -> GDNConfig:
 
 def default_varlen_config(per_key: bool = False) -> GDNConfig:
     """`default_config` with each packed segment's T from the widened state (transfer_group = 0): for 64 segments
-    in 32k tokens on the H200 (bench/RESULTS.md, 2026-11-30) the widened pass took 3.55 ms against 3.99 ms for the
-    transfer pass over 64-chunk groups (16-chunk groups 4.47, 8-chunk 5.08), the reverse of `gdn_forward`'s
-    ranking on one 32k sequence (transfer pass 1.79, widened 2.15 ms). Where the packed transfer pass loses (its
-    launch, or the segmented product scan and slot gathers in XLA after it) was not profiled."""
+    in 32k tokens on the H200 (bench/RESULTS.md, 2026-11-30) the widened pass took 2.75 ms against 3.02 to 3.05 ms
+    for the transfer pass over 64-chunk groups with packed reads (3.32 to 3.55 against 3.64 to 3.99 when q, k, v
+    were gathered; 16-chunk groups 4.07 to 4.47, 8-chunk 4.60 to 5.08), the reverse of `gdn_forward`'s ranking on
+    one 32k sequence (transfer pass 1.79, widened 2.15 ms). Where the packed transfer pass loses (its launch, or
+    the segmented product scan and slot gathers in XLA after it) was not profiled."""
     return dataclasses.replace(default_config(per_key), transfer_group=0)
 
 
@@ -533,7 +542,8 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     identity columns and the pass returns the product of the chunks' transfer operators. With `tails` (segments
     over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
     reset (`_varlen_transfer`). With `packed` (scalar gates) two more int32 tables src, cnt [Nc] follow the
-    segment tables, and k, q, o are whole packed sequences [L, D] read and written in place (`_packed_rows`).
+    segment tables, and k, q, o (and u, which is v, without the delta rule) are whole packed sequences [L, D]
+    read and written in place (`_packed_rows`).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -583,7 +593,11 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
             b = small[0]  # [c]
             b_last = _last_row(b)
         if values:
-            u = u_ref[rows, :].astype(jnp.float32)
+            if packed and not delta:  # decay families: the values are v itself, packed like k and q
+                u = pltriton.load(u_ref.at[packed_rows, :], mask=valid(u_ref.shape[-1]), other=0)
+            else:
+                u = u_ref[rows, :]
+            u = u.astype(jnp.float32)
             if value_blocks is not None:
                 u = jnp.where(is_value, u, 0.0)
             if delta:
@@ -731,7 +745,10 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     if delta:
         in_specs.append(pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h, 0)))
         args.append(w)
-    if values:
+    if values and packed is not None and not delta:  # v itself, packed
+        in_specs.append(pl.BlockSpec((u.shape[0], None, block_v), lambda j, h, s: (0, h, vcol(j))))
+        args.append(u)
+    elif values:
         in_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
         args.append(u)
     # keys and queries: the piece's rows, or with packed reads the whole packed sequence
@@ -809,18 +826,19 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
 def _pad_to_groups(w, k, b, chunk, group):
     """Chunk-aligned W, K, b padded with zero tokens (A = I) to whole groups of `group` chunks; a sequence shorter
     than one group is one group, not one padded to `group` chunks. Returns (w, k, b, group, groups, padded
-    chunks)."""
-    num_chunks = k.shape[0] // chunk
+    chunks); k None (keys read in place) stays None."""
+    num_chunks = w.shape[0] // chunk
     group = min(group, num_chunks)
     groups = -(-num_chunks // group)
     pad = groups * group - num_chunks
     if pad:
-        w, k = (jnp.pad(x, [(0, pad * chunk), (0, 0), (0, 0)]) for x in (w, k))
+        w = jnp.pad(w, [(0, pad * chunk), (0, 0), (0, 0)])
+        k = None if k is None else jnp.pad(k, [(0, pad * chunk), (0, 0), (0, 0)])
         b = jnp.pad(b, [(0, 0), (0, pad * chunk)] if b.ndim == 2 else [(0, pad * chunk), (0, 0), (0, 0)])
     return w, k, b, group, groups, pad
 
 
-def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
+def _transfer_pass(w, k, b, *, chunk, group, config, interpret, packed=None):
     """T_C = A_N ... A_1 of a whole (chunk-aligned) sequence, A_c = Diag(e^{b_c}) - Khat_c^T W_c, as [H, K, K].
 
     Why not widen the forward's own state by K identity columns: that doubles the programs of a pass whose time is
@@ -829,13 +847,18 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret):
     identity columns through its chunks (zero values: S <- A S), all groups in parallel (depth `group` instead of
     L / c), and `compose.compose_all`'s log-depth tree multiplies the groups' [K, K] products in order
     (associativity of the matrix product; float32-level "bf16x3" dots unless the state dots are exact "ieee").
-    Zero tokens pad the sequence to whole groups: they have A = I.
+    Zero tokens pad the sequence to whole groups: they have A = I. packed: the (src, cnt) tables of keys read in
+    place (`_state_pass`); the padded chunks get empty entries.
     """
     key_dim, heads = k.shape[-1], w.shape[1]
-    w, k, b, _, groups, _ = _pad_to_groups(w, k, b, chunk, group)
+    w, k_padded, b, _, groups, pad = _pad_to_groups(w, None if packed is not None else k, b, chunk, group)
+    if packed is None:
+        k = k_padded
+    elif pad:
+        packed = tuple(jnp.pad(t, (0, pad)) for t in packed)
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
-                        out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret)
+                        out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret, packed=packed)
     transfer, _ = compose_all(ts, None, "f32" if config.state_precision == "ieee" else "bf16x3")
     return transfer
 
@@ -856,6 +879,20 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
     length = log_decay.shape[0]
     gc = log_decay.reshape((length // chunk, chunk) + log_decay.shape[1:])
     return jnp.cumsum(gc, axis=1).reshape(log_decay.shape)
+
+
+def _packable(config: GDNConfig, gk, beta) -> bool:
+    """Whether this launch reads q, k, v in place (`GDNConfig.packed_reads`): scalar gates, and for the delta rule
+    the "tile" solve (the chunk-local paths that read whole tiles)."""
+    return config.packed_reads and gk is None and (beta is None or config.solve == "tile")
+
+
+def _prefix_tables(length: int, num_chunks: int, chunk: int) -> tuple[Array, Array]:
+    """The (src, cnt) tables of a sequence of `length` tokens laid out as `num_chunks` chunks from token 0: chunk
+    n is rows n c .. n c + cnt[n], and the chunks past the tokens are empty."""
+    first = np.arange(num_chunks, dtype=np.int64) * chunk
+    cnt = np.clip(length - first, 0, chunk)
+    return jnp.asarray(np.where(cnt > 0, first, 0), jnp.int32), jnp.asarray(cnt, jnp.int32)
 
 
 def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
@@ -918,14 +955,20 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
             return x
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
-    q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
+    packed = None
+    if pad and _packable(config, gk, beta):  # q, k, v, o stay as given: the kernels mask the last chunk's rows
+        packed = _prefix_tables(length, padded // chunk, chunk)
+        g, beta = map(pad_tokens, (g, beta))
+    else:
+        q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
     out_dtype = jnp.result_type(q, v)
-    b, p, w, u, ks, qs = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret)
+    b, p, w, u, ks, qs = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret,
+                                 packed=packed)
     state0 = (jnp.zeros((heads, key_dim, value_dim), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (heads, key_dim, key_dim))
     run = functools.partial(_state_pass, chunk=chunk, value_dim=value_dim, out_dtype=out_dtype, scale=scale,
-                            config=config, interpret=interpret)
+                            config=config, interpret=interpret, packed=packed)
     dense_summary = emit_summary and beta is not None
     summary = None
     if pieces == 1:
@@ -939,7 +982,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
                 transfer = final[..., value_dim:]
             else:
                 transfer = _transfer_pass(w, ks, b, chunk=chunk, group=config.transfer_group, config=config,
-                                          interpret=interpret)
+                                          interpret=interpret, packed=packed)
             zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
             summary = la.Summary("dense", zero_start, transfer)
     else:
@@ -1140,7 +1183,7 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
         return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[src]
 
     packed = None
-    if config.varlen_reads == "packed" and gk is None and (beta is None or config.solve == "tile"):
+    if _packable(config, gk, beta):
         # q, k, v and o stay packed: the kernels read chunk n as rows src .. src + cnt of the packed arrays
         first = src.reshape(-1, chunk)
         cnt = jnp.sum(first < length, axis=1).astype(jnp.int32)
@@ -1151,8 +1194,6 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     gp, gkp, betap = map(gather, (g, gk, beta))
     b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret,
                                  packed=packed)
-    if packed is not None and w is None:  # decay-only: the state pass reads the values as U, chunk-aligned
-        u = gather(v)
     init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     if dense and not group:
         init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
@@ -1206,9 +1247,11 @@ def gdn_varlen(
 
     Returns (o [L, H, V], summary) with emit_summary, else (o, states [N, H, K, V]); the states are S(C_i|0).
 
-    Memory: the segments are gathered into a chunk-aligned layout (each padded to whole chunks; at most N (c - 1)
-    extra zero tokens) and the outputs gathered back, one extra read and write of q, k, v, gates and o in XLA, so
-    the kernels stay the ones of `gdn_forward` with two int32 tables of one entry per chunk.
+    Memory: the kernels step a chunk-aligned layout (each segment padded to whole chunks; at most N (c - 1) extra
+    zero tokens) through per-chunk int32 tables, reading q, k, v and writing o in place in the packed arrays
+    (`GDNConfig.packed_reads`, scalar gates with the "tile" solve); only the gates, [L, H] each, are
+    gathered into the layout. Per-key gates and the other solves gather q, k, v in and o out in XLA instead (one
+    extra read and write of each).
     """
     length, _, key_dim, _, _ = _check(q, k, v, g, gk, beta)
     config = default_varlen_config(gk is not None) if config is None else config
