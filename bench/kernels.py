@@ -867,6 +867,8 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         cfg, _, per_key = variants_[name]
         cfg = cfg.resolved(jnp.bfloat16)
         args = (qk, kk, v, None, gk, beta) if per_key else (q, k, v, g, None, beta)
+        whole = length // cfg.chunk * cfg.chunk  # the kernels alone take chunk-aligned tokens
+        args = tuple(None if x is None else x[:whole] for x in args)
         locals_fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: gdn._locals(q, k, v, g, gk, b, scale=scale,
                                                                            config=cfg, interpret=INTERPRET))
         record("steps", f"locals only: {name}", locals_fn, args)
