@@ -407,18 +407,11 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _packed_rows(ref, src, cnt, chunk):
-    """A chunk's [chunk, D] tile read in place from a packed sequence ref [L, D]: rows src .. src + cnt, zeros after
-    them (zero tokens: A = I, nothing added), so no chunk-aligned copy of the sequence is needed."""
-    valid = lax.broadcasted_iota(jnp.int32, (chunk, ref.shape[-1]), 0) < cnt
-    return pltriton.load(ref.at[pl.ds(src, chunk), :], mask=valid, other=0)
-
-
-def _prefix_rows(chunk_id, valid_length: int, chunk: int):
-    """(src, cnt) of chunk `chunk_id` when the tokens are one sequence of `valid_length` from row 0: no table to
-    load, and the row offset is a known multiple of the chunk."""
-    first = chunk_id * chunk
-    return pl.multiple_of(first, chunk), jnp.clip(valid_length - first, 0, chunk)
+def _packed_rows(ref, src_ref, cnt_ref, n, chunk):
+    """Chunk n's [chunk, D] tile read in place from a packed sequence ref [L, D]: rows src[n] .. src[n] + cnt[n],
+    zeros after them (zero tokens: A = I, nothing added), so no chunk-aligned copy of the sequence is needed."""
+    valid = lax.broadcasted_iota(jnp.int32, (chunk, ref.shape[-1]), 0) < cnt_ref[n]
+    return pltriton.load(ref.at[pl.ds(src_ref[n], chunk), :], mask=valid, other=0)
 
 
 def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False):
@@ -428,20 +421,14 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
     k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
     t >= j (or split at a reference token between them), so <= 0 for decaying gates.
-    With `packed` (scalar gates, "tile" solve: the paths that read whole tiles) q, k, v are whole packed
-    sequences [L, D]: "tables" puts two int32 tables src, cnt [Nc] first, chunk n being rows src[n] .. src[n] +
-    cnt[n]; an int is the valid length of one sequence from row 0 (`_prefix_rows`).
+    With `packed` (scalar gates, "tile" solve: the paths that read whole tiles) two int32 tables src, cnt [Nc]
+    come first and q, k, v are the whole packed sequence [L, D]: chunk n is rows src[n] .. src[n] + cnt[n].
     """
     if packed:
         if per_key or (delta and solve != "tile"):
             raise ValueError("packed reads serve scalar gates with the 'tile' solve")
-        n = pl.program_id(0)
-        if packed == "tables":
-            (src_ref, cnt_ref), refs = refs[:2], refs[2:]
-            src, cnt = src_ref[n], cnt_ref[n]
-        else:
-            src, cnt = _prefix_rows(n, packed, chunk)
-        whole = functools.partial(_packed_rows, src=src, cnt=cnt, chunk=chunk)
+        (src_ref, cnt_ref), refs = refs[:2], refs[2:]
+        whole = functools.partial(_packed_rows, src_ref=src_ref, cnt_ref=cnt_ref, n=pl.program_id(0), chunk=chunk)
     else:
         whole = lambda ref: ref[...]  # noqa: E731
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
@@ -554,9 +541,9 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
     identity columns and the pass returns the product of the chunks' transfer operators. With `tails` (segments
     over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
-    reset (`_varlen_transfer`). With `packed` (scalar gates) k, q, o (and u, which is v, without the delta rule)
-    are whole packed sequences [L, D] read and written in place (`_packed_rows`): "tables" adds two int32 tables
-    src, cnt [Nc] after the segment tables; an int is the valid length of one sequence from row 0.
+    reset (`_varlen_transfer`). With `packed` (scalar gates) two more int32 tables src, cnt [Nc] follow the
+    segment tables, and k, q, o (and u, which is v, without the delta rule) are whole packed sequences [L, D]
+    read and written in place (`_packed_rows`).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -564,9 +551,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     k_ref, b_ref = next(it), next(it)
     q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
-    tables = packed == "tables"
-    src_ref, cnt_ref = (next(it), next(it)) if tables else (None, None)
-    first_chunk = pl.program_id(2) * num_chunks  # this piece's first chunk (read here: not inside the loop)
+    src_ref, cnt_ref = (next(it), next(it)) if packed else (None, None)
     init_ref = next(it)
     o_ref = next(it) if outputs else None
     final_ref = next(it)
@@ -579,7 +564,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         first = n * c if isinstance(n, int) else pl.multiple_of(n * c, c)
         decays = b_ref[pl.ds(first + c - 1, 1), :] if per_key else b_ref[pl.ds(first, c)]
         return ((decays,) + ((start_ref[n], slot_ref[n]) if segments else ())
-                + ((src_ref[n], cnt_ref[n]) if tables else ()))
+                + ((src_ref[n], cnt_ref[n]) if packed else ()))
 
     def body(n, carry):
         if prefetch:  # this step's small loads were issued one step earlier; issue the next step's now
@@ -591,7 +576,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         if segments:
             state = jnp.where(small[1] != 0, init, state)
         if packed:  # this chunk's rows of the packed k, q, o: src .. src + cnt
-            src, cnt = small[-2:] if tables else _prefix_rows(first_chunk + n, packed, c)
+            src, cnt = small[-2:]
             packed_rows = pl.ds(src, c)
 
             def valid(width):
@@ -669,8 +654,8 @@ def _compiler_params(warps, stages):
 
 def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None):
     """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
-    packed: None, the int32 tables (src, cnt) [Nc] of a chunk-aligned layout whose q, k, v stay packed, or the
-    valid length of one sequence read in place (`_locals_kernel`); L is then the layout's length (b's), not q's."""
+    packed: None, or the int32 tables (src, cnt) [Nc] of a chunk-aligned layout whose q, k, v stay packed
+    (`_locals_kernel`); L is then the layout's length (b's), not q's."""
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
     heads = b.shape[1] if per_key else b.shape[0]
@@ -682,7 +667,7 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     if packed is not None:  # whole packed sequences; the kernel reads each chunk's rows through the tables
         qk_spec = pl.BlockSpec((k.shape[0], None, key_dim), lambda n, h: (0, h // group, 0))
         v_spec = pl.BlockSpec((v.shape[0], None, v.shape[-1]), lambda n, h: (0, h, 0))
-        table = pl.BlockSpec((num_chunks,), lambda n, h: (0,)) if isinstance(packed, tuple) else None
+        table = pl.BlockSpec((num_chunks,), lambda n, h: (0,))
     else:
         qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
         v_spec = None if v is None else pl.BlockSpec((chunk, None, v.shape[-1]), lambda n, h: (n, h, 0))
@@ -705,11 +690,11 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
         decayed = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
         out_specs += [decayed, decayed]
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
-    if isinstance(packed, tuple):
+    if packed is not None:
         in_specs, args = [table, table] + list(in_specs), tuple(packed) + tuple(args)
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision, packed=_packed_mode(packed))
+                               solve_prec=config.solve_precision, packed=packed is not None)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -729,9 +714,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
     n) runs packed segments: the int32 per-chunk tables of `_state_kernel`; final is then [n, H, K, Wd], and with
     `tails` a third result holds each piece's final state [pieces, H, K, Wd]. u None (delta rule, no outputs):
-    transfer columns only (`_transfer_pass`, `_varlen_transfer`). packed: None, the int32 tables (src, cnt) [Nc]
-    of a chunk-aligned layout whose k, q and outputs stay packed, or the valid length of one sequence read in
-    place (scalar gates; L is then b's length, the layout's, and o is [len(k), H, V]).
+    transfer columns only (`_transfer_pass`, `_varlen_transfer`). packed: None, or the int32 tables (src, cnt)
+    [Nc] of a chunk-aligned layout whose k, q and outputs stay packed (scalar gates; L is then b's length, the
+    layout's, and o is [len(k), H, V]).
     """
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
@@ -785,7 +770,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         args += [start, slot]
     elif tails:
         raise ValueError("tails are the pieces' final states beside the segments' slots: segments needed")
-    if isinstance(packed, tuple):
+    if packed is not None:
         table = pl.BlockSpec((packed[0].shape[0] // pieces,), lambda j, h, s: (s,))
         in_specs += [table, table]
         args += list(packed)
@@ -822,7 +807,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         values=values,
         tails=tails,
         prefetch=config.state_prefetch,
-        packed=_packed_mode(packed),
+        packed=packed is not None,
     )
     res = pl.pallas_call(
         kernel,
@@ -862,14 +847,14 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret, packed=None):
     identity columns through its chunks (zero values: S <- A S), all groups in parallel (depth `group` instead of
     L / c), and `compose.compose_all`'s log-depth tree multiplies the groups' [K, K] products in order
     (associativity of the matrix product; float32-level "bf16x3" dots unless the state dots are exact "ieee").
-    Zero tokens pad the sequence to whole groups: they have A = I. packed: keys read in place (`_state_pass`);
-    with tables the padded chunks get empty entries, a valid length leaves them empty by itself.
+    Zero tokens pad the sequence to whole groups: they have A = I. packed: the (src, cnt) tables of keys read in
+    place (`_state_pass`); the padded chunks get empty entries.
     """
     key_dim, heads = k.shape[-1], w.shape[1]
     w, k_padded, b, _, groups, pad = _pad_to_groups(w, None if packed is not None else k, b, chunk, group)
     if packed is None:
         k = k_padded
-    elif pad and isinstance(packed, tuple):
+    elif pad:
         packed = tuple(jnp.pad(t, (0, pad)) for t in packed)
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
@@ -902,21 +887,20 @@ def _packable(config: GDNConfig, gk, beta) -> bool:
     return config.packed_reads and gk is None and (beta is None or config.solve == "tile")
 
 
-def _packed_mode(packed) -> str | int | bool:
-    """The kernels' `packed` argument for a wrapper's: tables (a tuple of arrays) -> "tables", a valid length
-    stays an int, None -> False."""
-    if packed is None:
-        return False
-    return "tables" if isinstance(packed, tuple) else int(packed)
+def _prefix_tables(length: int, num_chunks: int, chunk: int) -> tuple[Array, Array]:
+    """The (src, cnt) tables of a sequence of `length` tokens laid out as `num_chunks` chunks from token 0: chunk
+    n is rows n c .. n c + cnt[n], and the chunks past the tokens are empty."""
+    first = np.arange(num_chunks, dtype=np.int64) * chunk
+    cnt = np.clip(length - first, 0, chunk)
+    return jnp.asarray(np.where(cnt > 0, first, 0), jnp.int32), jnp.asarray(cnt, jnp.int32)
 
 
-def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None, length=None):
+def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
     and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
-    the decayed k e^{b_c - b} and scale q e^b per value head). packed: as `_chunk_locals`; q, k, v then stay
-    packed while g and beta come chunk-aligned, `length` tokens long (default: the tables' chunks, or k's)."""
-    if length is None:
-        length = k.shape[0] if not isinstance(packed, tuple) else packed[0].shape[0] * config.chunk
+    the decayed k e^{b_c - b} and scale q e^b per value head). packed: the tables (src, cnt) of `_chunk_locals`;
+    q, k, v then stay packed while g and beta come chunk-aligned."""
+    length = k.shape[0] if packed is None else packed[0].shape[0] * config.chunk
     heads = v.shape[1]
     if config.inter_dtype is None:
         inter = jnp.bfloat16 if k.dtype == jnp.bfloat16 else jnp.float32
@@ -973,13 +957,13 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
 
     packed = None
     if pad and _packable(config, gk, beta):  # q, k, v, o stay as given: the kernels mask the last chunk's rows
-        packed = length
+        packed = _prefix_tables(length, padded // chunk, chunk)
         g, beta = map(pad_tokens, (g, beta))
     else:
         q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
     out_dtype = jnp.result_type(q, v)
     b, p, w, u, ks, qs = _locals(q, k, v, g, gk, beta, scale=scale, config=config, interpret=interpret,
-                                 packed=packed, length=padded)
+                                 packed=packed)
     state0 = (jnp.zeros((heads, key_dim, value_dim), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (heads, key_dim, key_dim))
