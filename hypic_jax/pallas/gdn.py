@@ -66,7 +66,9 @@ Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tr
    place in the packed arrays with masked loads and stores (`GDNConfig.packed_reads`), so the only XLA copies are
    the gates'. On the H200 (64 segments in 32k tokens) that took the states-only call from 2.44 to 1.81 ms, 1.08x
    faster than fla's varlen chunk_gated_delta_rule (1.96 ms, same run), and the call with each segment's dense
-   (T, S) from 3.32 to 2.75 ms.
+   (T, S) from 3.32 to 2.75 ms. `gdn_forward` uses the same tables when L is not a multiple of the chunk (the
+   last chunk partly empty) instead of zero-padding q, k, v: 1.44 against 1.87 ms at L = 32,767, 0.37 against
+   0.48 at 8,191, 6.15 against 7.73 at 131,071 (1.40, 1.41 and 5.58 ms at the aligned lengths).
 
 Memory between launches: W, U ([L, H, K] and [L, H, V]) and P ([H, L, c]) in `inter_dtype` (bfloat16 for
 bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates, with
@@ -148,8 +150,8 @@ class GDNConfig:
     transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C, and `gdn_varlen` each packed
       segment's: 0 widens the state by K identity columns; N > 0 runs a separate launch over groups of N chunks in
       parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). On the H200 the
-      transfer pass wins for `gdn_forward` (+23 to 25% against +49% widened) and loses for packed segments (3.99
-      against 3.55 ms for 64 segments in 32k tokens), so `default_varlen_config` widens.
+      transfer pass wins for `gdn_forward` (+23 to 25% against +49% widened) and loses for packed segments (3.02
+      to 3.05 against 2.75 ms for 64 segments in 32k tokens), so `default_varlen_config` widens.
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -161,7 +163,7 @@ class GDNConfig:
     state_prefetch: the state pass issues each step's decay and segment-table loads one step ahead, carried in the
       loop. Triton's software pipeline prefetches the tiles that feed dots; these small loads feed only
       elementwise work, and without the carry each step may wait on one before its first product. On the H200
-      (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only) and 3.31 against 3.46
+      (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only, q, k, v gathered) and 3.31 against 3.46
       (with T), both repeated; the 32k forward 1.430 against 1.444, inside its run-to-run spread.
     packed_reads: how the kernels see a chunk-aligned layout that the tokens do not fill (packed segments in
       `gdn_varlen`; a length that is not a multiple of the chunk in `gdn_forward`). True: they read q, k, v and
