@@ -510,7 +510,8 @@ def test_varlen_property(cuts, group, prefetch, reads, seed):
     length = 120
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
-    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch, packed_reads=reads == "packed")
+    config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch,
+                       packed_reads=reads == "packed")
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
     assert rel(o, ref_o) < TOL32

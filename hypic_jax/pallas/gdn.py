@@ -163,8 +163,8 @@ class GDNConfig:
     state_prefetch: the state pass issues each step's decay and segment-table loads one step ahead, carried in the
       loop. Triton's software pipeline prefetches the tiles that feed dots; these small loads feed only
       elementwise work, and without the carry each step may wait on one before its first product. On the H200
-      (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only, q, k, v gathered) and 3.31 against 3.46
-      (with T), both repeated; the 32k forward 1.430 against 1.444, inside its run-to-run spread.
+      (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only, q, k, v gathered) and
+      3.31 against 3.46 (with T), both repeated; the 32k forward 1.430 against 1.444, inside its run-to-run spread.
     packed_reads: how the kernels see a chunk-aligned layout that the tokens do not fill (packed segments in
       `gdn_varlen`; a length that is not a multiple of the chunk in `gdn_forward`). True: they read q, k, v and
       write o in place in the given arrays, chunk n being rows src[n] .. src[n] + cnt[n] (masked loads and stores,
