@@ -787,6 +787,7 @@ def step_variants():
         "doubling c128 sub64 lw8 ss1": (C(chunk=128, solve="doubling", sub=64, locals_warps=8, state_stages=1),
                                         False, False),
         "KDA doubling c16": (C(chunk=16, **kda), False, True),
+        "KDA doubling c16 pad": (C(chunk=16, **kda, packed_reads=False), False, True),  # odd lengths: copies
         "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
         # the sixth session's other rows (bench/RESULTS.md), last: they run only when the budget allows
         "tile c32 lw2": (C(**c32), False, False),
@@ -885,12 +886,15 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         del b, p, w, u, ks, qs
     for other in STEP_LENGTHS:  # the default and its variants at other lengths (no error check: timing only)
         oq, ok, ov, og, obeta = gdn_inputs(other)
+        ogk = -jax.random.uniform(jax.random.PRNGKey(3), (other, HEADS, DIM), jnp.float32) * 0.1
         for name in LENGTH_VARIANTS:
-            cfg, emit, _ = variants_[name]
-            fn = jax.jit(lambda q, k, v, g, b, cfg=cfg, emit=emit: gdn.gdn_forward(
-                q, k, v, g=g, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
-            record("steps", f"{name} (L={other})", fn, (oq, ok, ov, og, obeta), tokens=other)
-        del oq, ok, ov, og, obeta
+            cfg, emit, per_key = variants_[name]
+            args = ((jnp.repeat(oq, group, 1), jnp.repeat(ok, group, 1), ov, None, ogk, obeta) if per_key is True
+                    else (oq, ok, ov, og, None, None if per_key == "decay" else obeta))
+            fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg, emit=emit: gdn.gdn_forward(
+                q, k, v, g=g, gk=gk, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
+            record("steps", f"{name} (L={other})", fn, args, tokens=other)
+        del oq, ok, ov, og, obeta, ogk
 
 
 def _all_table(rows, fla, length):

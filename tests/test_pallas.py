@@ -573,6 +573,12 @@ def test_kernels_lower_to_triton():
         kda = lambda q, k, v, gk, b, c=config: _forward(q, k, v, None, b, None, gk, scale=0.1,  # noqa: E731
                                                         config=c, emit_summary=True, interpret=False)
         lowered.append((kda, (args[0], args[1], args[2], per_key, args[3])))
+    kda = lambda q, k, v, gk, b: _forward(q, k, v, None, b, None, gk, scale=0.1,  # noqa: E731
+                                          config=gdn.default_config(per_key=True), emit_summary=True, interpret=False)
+    lowered.append((kda, (odd[0], odd[1], odd[2], sd((length - 3, 32, dim), jnp.float32), odd[3])))  # read in place
+    for config in (GDNConfig(solve="doubling"), GDNConfig(chunk=32, solve="rows")):  # the other solves, in place
+        lowered.append((lambda q, k, v, g, b, c=config: _forward(q, k, v, g, b, None, scale=0.1, config=c,
+                                                                 emit_summary=False, interpret=False), odd[:5]))
     cu = sd((6,), jnp.int32)  # 5 segments: the slot-indexed final states need no power-of-two count
     for config in (GDNConfig(), gdn.default_varlen_config(), GDNConfig(packed_reads=False)):
         varlen = lambda q, k, v, cu, g, b, c=config: gdn._varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731

@@ -169,8 +169,9 @@ class GDNConfig:
       `gdn_varlen`; a length that is not a multiple of the chunk in `gdn_forward`). True: they read q, k, v and
       write o in place in the given arrays, chunk n being rows src[n] .. src[n] + cnt[n] (masked loads and stores,
       two int32 tables), and only the gates are copied into the layout; False: q, k, v are copied (gathered or
-      zero-padded) into the layout and o back out of it in XLA, one extra read and write of each. Packed reads
-      serve scalar gates with the "tile" solve and the decay-only families; other launches copy.
+      zero-padded) into the layout and o back out of it in XLA, one extra read and write of each. Every family
+      and solve reads in place (per-key gates: q, k, v in the chunk-local kernel, o in the state pass, which
+      takes that kernel's decayed keys and queries).
 
     Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
     bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
@@ -409,11 +410,18 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 # Kernel 1: chunk-local quantities (parallel over chunks and heads).
 
 
-def _packed_rows(ref, src_ref, cnt_ref, n, chunk):
-    """Chunk n's [chunk, D] tile read in place from a packed sequence ref [L, D]: rows src[n] .. src[n] + cnt[n],
-    zeros after them (zero tokens: A = I, nothing added), so no chunk-aligned copy of the sequence is needed."""
-    valid = lax.broadcasted_iota(jnp.int32, (chunk, ref.shape[-1]), 0) < cnt_ref[n]
-    return pltriton.load(ref.at[pl.ds(src_ref[n], chunk), :], mask=valid, other=0)
+class _PackedChunk:
+    """One chunk of a packed sequence ref [L, D], indexed like the chunk's own [chunk, D] block: rows src .. src +
+    cnt are the chunk's tokens, rows past cnt read as zeros (zero tokens: A = I, nothing added), so the kernels
+    need no chunk-aligned copy of the sequence. Supports `x[...]` and `x[pl.ds(start, size), :]`."""
+
+    def __init__(self, ref, src, cnt, chunk):
+        self.ref, self.src, self.cnt, self.chunk = ref, src, cnt, chunk
+
+    def __getitem__(self, idx):
+        start, size = (0, self.chunk) if idx is Ellipsis else (idx[0].start, idx[0].size)
+        valid = start + lax.broadcasted_iota(jnp.int32, (size, self.ref.shape[-1]), 0) < self.cnt
+        return pltriton.load(self.ref.at[pl.ds(self.src + start, size), :], mask=valid, other=0)
 
 
 def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False):
@@ -423,16 +431,14 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
     k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
     t >= j (or split at a reference token between them), so <= 0 for decaying gates.
-    With `packed` (scalar gates, "tile" solve: the paths that read whole tiles) two int32 tables src, cnt [Nc]
-    come first and q, k, v are the whole packed sequence [L, D]: chunk n is rows src[n] .. src[n] + cnt[n].
+    With `packed` two int32 tables src, cnt [Nc] come first and q, k, v are the whole packed sequence [L, D]:
+    chunk n is rows src[n] .. src[n] + cnt[n] (`_PackedChunk`).
     """
     if packed:
-        if per_key or (delta and solve != "tile"):
-            raise ValueError("packed reads serve scalar gates with the 'tile' solve")
         (src_ref, cnt_ref), refs = refs[:2], refs[2:]
-        whole = functools.partial(_packed_rows, src_ref=src_ref, cnt_ref=cnt_ref, n=pl.program_id(0), chunk=chunk)
-    else:
-        whole = lambda ref: ref[...]  # noqa: E731
+        n = pl.program_id(0)
+        chunk_rows = functools.partial(_PackedChunk, src=src_ref[n], cnt=cnt_ref[n], chunk=chunk)
+        refs = tuple(chunk_rows(r) for r in refs[:3 if delta else 2]) + tuple(refs[3 if delta else 2:])
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
     if delta:
@@ -459,8 +465,8 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
-        k_all = whole(k_ref)
-        scores = _dot(whole(q_ref), k_all, prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
+        k_all = k_ref[...]
+        scores = _dot(q_ref[...], k_all, prec, trans_b=True) * jnp.where(causal, jnp.exp(diff), 0.0)
         p_ref[...] = (scale * scores).astype(p_ref.dtype)
     if not delta:
         return
@@ -473,7 +479,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         x = _inverse_doubling(m, solve_prec)
         rhs_k = (beta_all * jnp.exp(b_all))[:, None] * k_all.astype(jnp.float32)
         w_ref[...] = _dot(x, rhs_k, prec).astype(w_ref.dtype)
-        u_ref[...] = _dot(x, beta_all[:, None] * whole(v_ref).astype(jnp.float32), prec).astype(u_ref.dtype)
+        u_ref[...] = _dot(x, beta_all[:, None] * v_ref[...].astype(jnp.float32), prec).astype(u_ref.dtype)
         return
 
     srows, scols = _iotas(sub)
@@ -543,9 +549,9 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     leave registers. Without `values` (no u ref; delta rule only) every column is a transfer column: S starts from
     identity columns and the pass returns the product of the chunks' transfer operators. With `tails` (segments
     over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
-    reset (`_varlen_transfer`). With `packed` (scalar gates) two more int32 tables src, cnt [Nc] follow the
-    segment tables, and k, q, o (and u, which is v, without the delta rule) are whole packed sequences [L, D]
-    read and written in place (`_packed_rows`).
+    reset (`_varlen_transfer`). With `packed` two more int32 tables src, cnt [Nc] follow the segment tables, and
+    o (and u, which is v, without the delta rule; k and q with scalar gates) are whole packed sequences [L, D]
+    read and written in place, chunk n being rows src[n] .. src[n] + cnt[n] (masked).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -577,13 +583,14 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         rows = pl.ds(pl.multiple_of(n * c, c), c)
         if segments:
             state = jnp.where(small[1] != 0, init, state)
-        if packed:  # this chunk's rows of the packed k, q, o: src .. src + cnt
+        if packed:  # this chunk's rows of the packed arrays: src .. src + cnt
             src, cnt = small[-2:]
             packed_rows = pl.ds(src, c)
 
             def valid(width):
                 return lax.broadcasted_iota(jnp.int32, (c, width), 0) < cnt
 
+        if packed and not per_key:  # per-key gates read the chunk-local kernel's decayed k, q (chunk-aligned)
             k = pltriton.load(k_ref.at[packed_rows, :], mask=valid(k_ref.shape[-1]), other=0)
             q_rows = lambda: pltriton.load(q_ref.at[packed_rows, :], mask=valid(q_ref.shape[-1]), other=0)  # noqa
         else:
@@ -710,21 +717,20 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
 
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
-                segments=None, tails=False, packed=None):
+                segments=None, tails=False, packed=None, packed_length=None):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
     n) runs packed segments: the int32 per-chunk tables of `_state_kernel`; final is then [n, H, K, Wd], and with
     `tails` a third result holds each piece's final state [pieces, H, K, Wd]. u None (delta rule, no outputs):
     transfer columns only (`_transfer_pass`, `_varlen_transfer`). packed: None, or the int32 tables (src, cnt)
-    [Nc] of a chunk-aligned layout whose k, q and outputs stay packed (scalar gates; L is then b's length, the
-    layout's, and o is [len(k), H, V]).
+    [Nc] of a chunk-aligned layout whose outputs stay packed (and k, q with scalar gates: per-key gates pass the
+    chunk-local kernel's decayed k, q, chunk-aligned); L is then b's length, the layout's, and o is
+    [packed_length, H, V].
     """
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
     length = b.shape[0] if per_key else b.shape[1]
-    if packed is not None and per_key:
-        raise ValueError("packed reads serve scalar gates")
     heads, width = init.shape[1], init.shape[-1]
     group = heads // key_heads
     piece_len = length // pieces
@@ -754,7 +760,8 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         in_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
         args.append(u)
     # keys and queries: the piece's rows, or with packed reads the whole packed sequence
-    qk_spec = (pl.BlockSpec((k.shape[0], None, key_dim), lambda j, h, s: (0, h // group, 0)) if packed is not None
+    qk_spec = (pl.BlockSpec((k.shape[0], None, key_dim), lambda j, h, s: (0, h // group, 0))
+               if packed is not None and not per_key
                else pl.BlockSpec((piece_len, None, key_dim), lambda j, h, s: (s, h // group, 0)))
     in_specs += [
         qk_spec,
@@ -781,8 +788,8 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     args.append(init)
     out_specs, out_shape = [], []
     if outputs and packed is not None:
-        out_specs.append(pl.BlockSpec((k.shape[0], None, block_v), lambda j, h, s: (0, h, vcol(j))))
-        out_shape.append(jax.ShapeDtypeStruct((k.shape[0], heads, value_dim), out_dtype))
+        out_specs.append(pl.BlockSpec((packed_length, None, block_v), lambda j, h, s: (0, h, vcol(j))))
+        out_shape.append(jax.ShapeDtypeStruct((packed_length, heads, value_dim), out_dtype))
     elif outputs:
         out_specs.append(pl.BlockSpec((piece_len, None, block_v), lambda j, h, s: (s, h, vcol(j))))
         out_shape.append(jax.ShapeDtypeStruct((length, heads, value_dim), out_dtype))
@@ -883,12 +890,6 @@ def _chunk_cumsum_per_key(g: Array | None, gk: Array, chunk: int) -> Array:
     return jnp.cumsum(gc, axis=1).reshape(log_decay.shape)
 
 
-def _packable(config: GDNConfig, gk, beta) -> bool:
-    """Whether this launch reads q, k, v in place (`GDNConfig.packed_reads`): scalar gates, and for the delta rule
-    the "tile" solve (the chunk-local paths that read whole tiles)."""
-    return config.packed_reads and gk is None and (beta is None or config.solve == "tile")
-
-
 def _prefix_tables(length: int, num_chunks: int, chunk: int) -> tuple[Array, Array]:
     """The (src, cnt) tables of a sequence of `length` tokens laid out as `num_chunks` chunks from token 0: chunk
     n is rows n c .. n c + cnt[n], and the chunks past the tokens are empty."""
@@ -958,9 +959,9 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
     packed = None
-    if pad and _packable(config, gk, beta):  # q, k, v, o stay as given: the kernels mask the last chunk's rows
+    if pad and config.packed_reads:  # q, k, v, o stay as given: the kernels mask the last chunk's rows
         packed = _prefix_tables(length, padded // chunk, chunk)
-        g, beta = map(pad_tokens, (g, beta))
+        g, gk, beta = map(pad_tokens, (g, gk, beta))
     else:
         q, k, v, g, gk, beta = map(pad_tokens, (q, k, v, g, gk, beta))
     out_dtype = jnp.result_type(q, v)
@@ -970,7 +971,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
               else initial_state.astype(jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (heads, key_dim, key_dim))
     run = functools.partial(_state_pass, chunk=chunk, value_dim=value_dim, out_dtype=out_dtype, scale=scale,
-                            config=config, interpret=interpret, packed=packed)
+                            config=config, interpret=interpret, packed=packed, packed_length=length)
     dense_summary = emit_summary and beta is not None
     summary = None
     if pieces == 1:
@@ -984,7 +985,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
                 transfer = final[..., value_dim:]
             else:
                 transfer = _transfer_pass(w, ks, b, chunk=chunk, group=config.transfer_group, config=config,
-                                          interpret=interpret, packed=packed)
+                                          interpret=interpret, packed=packed if gk is None else None)
             zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
             summary = la.Summary("dense", zero_start, transfer)
     else:
@@ -1185,7 +1186,7 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
         return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[src]
 
     packed = None
-    if _packable(config, gk, beta):
+    if config.packed_reads:
         # q, k, v and o stay packed: the kernels read chunk n as rows src .. src + cnt of the packed arrays
         first = src.reshape(-1, chunk)
         cnt = jnp.sum(first < length, axis=1).astype(jnp.int32)
@@ -1202,12 +1203,12 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
                                                        (heads, key_dim, key_dim))], axis=-1)
     o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
                             out_dtype=jnp.result_type(q, v), scale=scale, config=config, interpret=interpret,
-                            segments=(start, slot, n_seg), packed=packed)
+                            segments=(start, slot, n_seg), packed=packed, packed_length=length)
     finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
     if packed is None:
         o = o[pos]
-    else:  # the transfer pass below reads chunk-aligned keys
-        ks = None if not (dense and group) else gather(k)
+    elif gk is None:  # scalar gates read k in place; the transfer pass below takes chunk-aligned keys
+        ks = gather(k) if dense and group else None
     states = finals[..., :value_dim]
     if not emit_summary:
         return o, states
@@ -1251,9 +1252,8 @@ def gdn_varlen(
 
     Memory: the kernels step a chunk-aligned layout (each segment padded to whole chunks; at most N (c - 1) extra
     zero tokens) through per-chunk int32 tables, reading q, k, v and writing o in place in the packed arrays
-    (`GDNConfig.packed_reads`, scalar gates with the "tile" solve); only the gates, [L, H] each, are
-    gathered into the layout. Per-key gates and the other solves gather q, k, v in and o out in XLA instead (one
-    extra read and write of each).
+    (`GDNConfig.packed_reads`); only the gates are gathered into the layout. With `packed_reads=False` q, k, v
+    are gathered in and o out in XLA instead (one extra read and write of each).
     """
     length, _, key_dim, _, _ = _check(q, k, v, g, gk, beta)
     config = default_varlen_config(gk is not None) if config is None else config
