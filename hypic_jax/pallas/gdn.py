@@ -676,7 +676,7 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     config = config.resolved(k.dtype)
     if packed is not None:  # whole packed sequences; the kernel reads each chunk's rows through the tables
         qk_spec = pl.BlockSpec((k.shape[0], None, key_dim), lambda n, h: (0, h // group, 0))
-        v_spec = pl.BlockSpec((v.shape[0], None, v.shape[-1]), lambda n, h: (0, h, 0))
+        v_spec = None if v is None else pl.BlockSpec((v.shape[0], None, v.shape[-1]), lambda n, h: (0, h, 0))
         table = pl.BlockSpec((num_chunks,), lambda n, h: (0,))
     else:
         qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
@@ -903,7 +903,7 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
     and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
     the decayed k e^{b_c - b} and scale q e^b per value head). packed: the tables (src, cnt) of `_chunk_locals`;
-    q, k, v then stay packed while g and beta come chunk-aligned."""
+    q, k, v then stay packed while the gates (g, gk, beta) come chunk-aligned."""
     length = k.shape[0] if packed is None else packed[0].shape[0] * config.chunk
     heads = v.shape[1]
     if config.inter_dtype is None:
