@@ -8,7 +8,8 @@
 #                                # (ALL_SECTIONS="varlen decode" picks run_all's sections; FLA_TIMEOUT and
 #                                # KERNEL_TIMEOUT bound the two processes)
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
-#   bash bench/h200.sh explore   # chunk-128 launches, joint pair fold, stream overlap under the latency-hiding scheduler
+#   bash bench/h200.sh explore   # chunk-128 launches, composition bar folds, stream overlap under the latency-hiding
+#                                # scheduler
 #   bash bench/h200.sh tensorpipe  # Nsight Compute: tensor-core instruction kinds (gmma / hmma) per GDN kernel
 #   bash bench/h200.sh profile   # fla at 8k/32k/128k, run_all's steps (the default also at 8k and 128k), then
 #                                # Nsight Compute counters of the GDN forward (PROFILES="default emit", NCU_FLA=1)
@@ -144,8 +145,9 @@ case "${1:-}" in
       --budget-s "$(( ${KERNEL_TIMEOUT:-450} - 30 ))" ${ALL_SECTIONS:+--sections $ALL_SECTIONS}
     ;;
   explore)
-    # fla at 32k, the chunk-128 launches beside the default (whole forward and kernel by kernel), the joint pair
-    # fold at the composition bar, and the stream-overlap trial under XLA's latency-hiding scheduler
+    # fla at 32k, the chunk-128 launches beside the default (whole forward and kernel by kernel), the composition
+    # bar's folds (the joint pair layout it timed in the ninth session is at commit 1fe9e81), and the stream-overlap
+    # trial under XLA's latency-hiding scheduler
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl

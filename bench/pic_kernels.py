@@ -205,22 +205,17 @@ def main(argv=None) -> None:
             # transfer: T and S read once, one state written); "pairs": with the composed transfer; "prefix": every
             # prefix state (what a PIC request needs). Every variant bench/RESULTS.md reports; --budget-s may cut
             # the tail.
-            # "pairs joint": `FoldConfig(pair_layout="joint")`, a state block and the same transfer columns in one
-            # program (each T_i loaded and split once for both products)
-            bar_variants = [("final", None, 128, 8, 3), ("pairs", None, 128, 8, 3), ("pairs joint", None, 128, 8, 3),
-                            ("pairs joint", None, 128, 8, 2), ("pairs joint", None, 128, 16, 2),
-                            ("pairs joint", None, 128, 16, 1), ("pairs joint", None, 64, 8, 3),
-                            ("pairs joint", None, 64, 4, 3), ("final", None, 128, 8, 2),
+            # (the "pairs joint" rows of bench/RESULTS.md's ninth session ran at commit 1fe9e81)
+            bar_variants = [("final", None, 128, 8, 3), ("pairs", None, 128, 8, 3), ("final", None, 128, 8, 2),
                             ("pairs", None, 64, 8, 3), ("final", None, 128, 8, 1), ("final", None, 128, 16, 1),
                             ("final", None, 128, 16, 2), ("final", None, 128, 4, 3), ("final", None, 64, 8, 2),
                             ("final", None, 64, 4, 3),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
-            for kind, block, bw, warps, stages in bar_variants[:3] if small else bar_variants:
+            for kind, block, bw, warps, stages in bar_variants[:2] if small else bar_variants:
                 if over():
                     break
-                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages,
-                                        pair_layout="joint" if kind == "pairs joint" else "widened")
+                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
                 if kind != "prefix":  # pairs: the composed transfer too
                     fn = jax.jit(lambda t, s, c=config, p=kind != "final": cmp.fold_pallas(
                         t, s, with_transfer=p, config=c, interpret=interpret)[1][None])
@@ -235,7 +230,7 @@ def main(argv=None) -> None:
                     worst = rel(got[-1], ref_states[-1]) if kind != "prefix" else max(
                         rel(got[i], ref_states[i]) for i in range(segments))
                     extra = {}
-                    if kind.startswith("pairs"):  # the composed transfer against the float64 product, on the
+                    if kind == "pairs":  # the composed transfer against the float64 product, on the
                         # first 8 segments of layer 0: all 64 multiply to ~1e-40, below float32's normal range
                         few = min(8, segments)
                         t8 = np.asarray(t[:few, 0], np.float64)

@@ -136,15 +136,12 @@ def test_compose_fold_kernel():
     assert rel(cmp.prefix_states(t, s, None, "f32"), ref_states) < TOL32
     pt, ps = cmp.prefix_pairs(t, s, "f32")
     assert rel(ps, ref_states) < TOL32 and rel(pt[-1], total_t) < TOL32
-    for with_t, layout, block_w in ((True, "widened", 16), (False, "widened", 16), (True, "joint", 16),
-                                    (True, "joint", 8)):
-        config = cmp.FoldConfig(block_w=block_w, algorithm="f32", pair_layout=layout)
-        kt, ks = cmp.fold_pallas(t, s, with_transfer=with_t, config=config, interpret=True)
+    for with_t in (True, False):
+        kt, ks = cmp.fold_pallas(t, s, with_transfer=with_t, config=cmp.FoldConfig(block_w=16, algorithm="f32"),
+                                 interpret=True)
         assert rel(ks, total_s) < TOL32
         if with_t:
             assert kt.shape == total_t.shape and rel(kt, total_t) < TOL32
-    with pytest.raises(ValueError, match="pair_layout"):
-        cmp.fold_pallas(t, s, config=cmp.FoldConfig(pair_layout="stacked"), interpret=True)
 
 
 @pytest.mark.parametrize("family", ("gated_delta_net", "kda", "gla"))
@@ -593,10 +590,8 @@ def test_kernels_lower_to_triton():
         assert "xla.gpu.triton" in text
     pairs = sd((4, 2, dim, dim), jnp.float32)
     fold = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3")))
-    joint = jax.jit(lambda t, s: cmp.fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3",
-                                                                               pair_layout="joint")))
     prefix = jax.jit(lambda t, s: cmp.prefix_fold_pallas(t, s, config=cmp.FoldConfig(algorithm="bf16x3"), block=2))
-    for fn in (fold, joint, prefix):
+    for fn in (fold, prefix):
         assert "xla.gpu.triton" in jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
             .mlir_module()
     seam = sd((4, 2, 8, dim), jnp.float32)

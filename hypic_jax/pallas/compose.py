@@ -147,13 +147,6 @@ class FoldConfig:
     # span fold only: dot algorithm of the seam's two rank-c products (None: `algorithm`). "bf16" is the precision
     # of the GDN kernel's own state dots for bfloat16 models; the interior's T product keeps `algorithm`.
     seam_algorithm: str | None = None
-    # fold_pallas with the transfer: "widened" runs the transfer's columns as extra programs (each reads T_i
-    # again; L2 serves the repeat); "joint" keeps a state block and the same columns of the transfer in one
-    # program, so each T_i is loaded and split for the dot algorithm once for both products (needs K == V).
-    # On the H200 at the composition bar (bench/RESULTS.md, 2026-11-30) joint took 7.82 to 8.04 ms against
-    # widened's 7.98 to 8.02 (16 warps: 18 to 21 ms; 3 stages at block_w 128 exceed the shared memory): the
-    # pairs are not bound by reading T, so widened stays the default.
-    pair_layout: str = "widened"
 
 
 # The launch of `fold_pallas` for the composed state of many heads and layers at once (the composition bar: 64
@@ -195,47 +188,6 @@ def _fold_kernel(t_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, pr
     o_ref[...] = lax.fori_loop(0, num_segments, body, acc0.astype(jnp.float32))
 
 
-def _pair_fold_kernel(t_ref, s_ref, t_out_ref, s_out_ref, *, num_segments, block_w, prec):
-    """One (column block j, batch entry) of the joint pair layout: (A, B) <- (T_i A, T_i B + S_i[:, cols]) with A
-    the identity's columns j and B the state's: both products take the same T_i tile, loaded once per step."""
-    key_dim = t_ref.shape[-1]
-    rows = lax.broadcasted_iota(jnp.int32, (key_dim, block_w), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (key_dim, block_w), 1)
-    eye = jnp.where(rows == cols + pl.program_id(0) * block_w, 1.0, 0.0).astype(jnp.float32)
-    dims = (((1,), (0,)), ((), ()))
-
-    def body(i, carry):
-        acc_t, acc_s = carry
-        t = t_ref[i].astype(jnp.float32)
-        acc_t = lax.dot_general(t, acc_t, dims, precision=prec, preferred_element_type=jnp.float32)
-        acc_s = lax.dot_general(t, acc_s, dims, precision=prec, preferred_element_type=jnp.float32)
-        return acc_t, acc_s + s_ref[i].astype(jnp.float32)
-
-    acc_t, acc_s = lax.fori_loop(0, num_segments, body, (eye, jnp.zeros(s_out_ref.shape, jnp.float32)))
-    t_out_ref[...] = acc_t
-    s_out_ref[...] = acc_s
-
-
-def _fold_pairs_joint(t, s, *, config, interpret):
-    """t [n, B, K, K], s [n, B, K, K] -> (T [B, K, K], S [B, K, K]) with the joint pair layout."""
-    n, b, key_dim, _ = t.shape
-    bw = _block_width(config.block_w, key_dim)
-    kernel = functools.partial(_pair_fold_kernel, num_segments=n, block_w=bw,
-                               prec=_KERNEL_PRECISION[config.algorithm])
-    out_spec = pl.BlockSpec((None, key_dim, bw), lambda j, i: (i, 0, j))
-    return pl.pallas_call(
-        kernel,
-        grid=(key_dim // bw, b),
-        in_specs=[pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0)),
-                  pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, j))],
-        out_specs=[out_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, key_dim, key_dim), jnp.float32)] * 2,
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="compose_pair_fold",
-    )(t, s)
-
-
 @functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
 def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, config: FoldConfig = FoldConfig(),
                 interpret: bool = False):
@@ -244,7 +196,10 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
     transfers [n, ..., K, K], states [n, ..., K, V] (batch axes: layers, heads). Returns (T [..., K, K] or None,
     S [..., K, V]): T = T_n ... T_1 and S the state after segment n from a zero start. The fold is sequential
     (n steps of one [K, K] x [K, block_w] product per program) but every batch entry and column block runs in
-    parallel, and each T_i is read from memory once per column block (L2 serves the repeats).
+    parallel, and each T_i is read from memory once per column block (L2 serves the repeats). Keeping a state block
+    and the same transfer columns in one program, so that each T_i is loaded and split once for both products, was
+    measured on the H200 at the composition bar (bench/RESULTS.md, 2026-11-30, commit 1fe9e81): 7.82 to 8.04 ms
+    against 7.98 to 8.02, i.e. the pairs are bound by the dependent products, not by reading T; it was removed.
     """
     n = transfers.shape[0]
     batch = transfers.shape[1:-2]
@@ -252,11 +207,6 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
     t = transfers.reshape((n, -1, key_dim, key_dim))
     s = states.reshape((n, -1, key_dim, value_dim))
     b = t.shape[1]
-    if config.pair_layout not in ("widened", "joint"):
-        raise ValueError(f"pair_layout must be 'widened' or 'joint', got {config.pair_layout!r}")
-    if with_transfer and config.pair_layout == "joint" and key_dim == value_dim:
-        transfer, state = _fold_pairs_joint(t, s, config=config, interpret=interpret)
-        return transfer.reshape(batch + (key_dim, key_dim)), state.reshape(batch + (key_dim, value_dim))
     bw = min(config.block_w, value_dim)
     value_blocks = value_dim // bw
     width = value_dim + (key_dim if with_transfer else 0)

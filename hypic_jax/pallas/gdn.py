@@ -414,15 +414,23 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 class _PackedChunk:
     """One chunk of a packed sequence ref [L, D], indexed like the chunk's own [chunk, D] block: rows src .. src +
     cnt are the chunk's tokens, rows past cnt read as zeros (zero tokens: A = I, nothing added), so the kernels
-    need no chunk-aligned copy of the sequence. Supports `x[...]` and `x[pl.ds(start, size), :]`."""
+    need no chunk-aligned copy of the sequence. Supports `x[...]`, `x[pl.ds(start, size), :]` and `x.store(tile)`
+    (the chunk's real rows only)."""
 
     def __init__(self, ref, src, cnt, chunk):
         self.ref, self.src, self.cnt, self.chunk = ref, src, cnt, chunk
 
-    def __getitem__(self, idx):
-        start, size = (0, self.chunk) if idx is Ellipsis else (idx[0].start, idx[0].size)
+    def _rows(self, start, size):
         valid = start + lax.broadcasted_iota(jnp.int32, (size, self.ref.shape[-1]), 0) < self.cnt
-        return pltriton.load(self.ref.at[pl.ds(self.src + start, size), :], mask=valid, other=0)
+        return self.ref.at[pl.ds(self.src + start, size), :], valid
+
+    def __getitem__(self, idx):
+        rows, valid = self._rows(*((0, self.chunk) if idx is Ellipsis else (idx[0].start, idx[0].size)))
+        return pltriton.load(rows, mask=valid, other=0)
+
+    def store(self, tile):
+        rows, valid = self._rows(0, self.chunk)
+        pltriton.store(rows, tile, mask=valid)
 
 
 def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False):
@@ -552,7 +560,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     over several pieces) a last output [K, BV] also takes each piece's final state: the product since its last
     reset (`_varlen_transfer`). With `packed` two more int32 tables src, cnt [Nc] follow the segment tables, and
     o (and u, which is v, without the delta rule; k and q with scalar gates) are whole packed sequences [L, D]
-    read and written in place, chunk n being rows src[n] .. src[n] + cnt[n] (masked).
+    read and written in place, chunk n being rows src[n] .. src[n] + cnt[n] (`_PackedChunk`).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -585,15 +593,10 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         if segments:
             state = jnp.where(small[1] != 0, init, state)
         if packed:  # this chunk's rows of the packed arrays: src .. src + cnt
-            src, cnt = small[-2:]
-            packed_rows = pl.ds(src, c)
-
-            def valid(width):
-                return lax.broadcasted_iota(jnp.int32, (c, width), 0) < cnt
-
+            in_place = functools.partial(_PackedChunk, src=small[-2], cnt=small[-1], chunk=c)
         if packed and not per_key:  # per-key gates read the chunk-local kernel's decayed k, q (chunk-aligned)
-            k = pltriton.load(k_ref.at[packed_rows, :], mask=valid(k_ref.shape[-1]), other=0)
-            q_rows = lambda: pltriton.load(q_ref.at[packed_rows, :], mask=valid(q_ref.shape[-1]), other=0)  # noqa
+            k = in_place(k_ref)[...]
+            q_rows = lambda: in_place(q_ref)[...]  # noqa: E731
         else:
             k = k_ref[rows, :]  # per-key gates: already decayed to the chunk's end (k e^{b_c - b})
             q_rows = lambda: q_ref[rows, :]  # noqa: E731
@@ -604,7 +607,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
             b_last = _last_row(b)
         if values:
             if packed and not delta:  # decay families: the values are v itself, packed like k and q
-                u = pltriton.load(u_ref.at[packed_rows, :], mask=valid(u_ref.shape[-1]), other=0)
+                u = in_place(u_ref)[...]
             else:
                 u = u_ref[rows, :]
             u = u.astype(jnp.float32)
@@ -623,7 +626,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
                     o = _dot(q_rows(), state, prec) * (scale * jnp.exp(b))[:, None]
                 o = (o + _dot(p_ref[rows, :], u, prec)).astype(o_ref.dtype)
                 if packed:
-                    pltriton.store(o_ref.at[packed_rows, :], o, mask=valid(o.shape[-1]))
+                    in_place(o_ref).store(o)
                 else:
                     o_ref[rows, :] = o
 
