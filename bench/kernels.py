@@ -807,6 +807,17 @@ STEP_LENGTHS = ()  # --step-lengths: other lengths at which LENGTH_VARIANTS are 
 LENGTH_VARIANTS = ("tile c64 lw4 prefetch", "tile c64 lw4 prefetch +TS group64")
 
 
+def _step_args(per_key, q, k, v, g, gk, beta):
+    """The (q, k, v, g, gk, beta) a `step_variants` kind takes: True = KDA (q, k repeated to the value heads, as in
+    Kimi-Linear, and per-key gates gk), "decay" = g only (no beta), False = Gated DeltaNet."""
+    import jax.numpy as jnp
+
+    if per_key is True:
+        group = v.shape[1] // k.shape[1]
+        return jnp.repeat(q, group, 1), jnp.repeat(k, group, 1), v, None, gk, beta
+    return q, k, v, g, None, None if per_key == "decay" else beta
+
+
 def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
     """run_all 6: the GDN (and KDA) forward at each `step_variants` entry, errors vs the float32 core; T and S of
     the emitting ones on slow gates; then the chunk-local kernel, the state pass and the transfer pass alone for
@@ -816,17 +827,14 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
 
     from hypic_jax import linear_attn as la
     from hypic_jax.pallas import gdn
-    group = HEADS // KEY_HEADS
     gk = -jax.random.uniform(jax.random.PRNGKey(3), (length, HEADS, DIM), jnp.float32) * 0.1
-    qk, kk = jnp.repeat(q, group, 1), jnp.repeat(k, group, 1)  # KDA: q/k at 32 heads, as in Kimi-Linear
     refs = {}
     variants_ = step_variants()
     for name, (cfg, emit, per_key) in variants_.items():
         if ONLY and name not in ONLY:
             continue
         if per_key not in refs:  # per_key: True (KDA), False (GDN) or "decay" (g only, no beta)
-            args = ((qk, kk, v, None, gk, beta) if per_key is True
-                    else (q, k, v, g, None, None if per_key == "decay" else beta))
+            args = _step_args(per_key, q, k, v, g, gk, beta)
             ro, rs = jax.jit(lambda q, k, v, g, gk, b: la.chunked(rep(q) if q.shape[1] != HEADS else up(q),
                                                                   rep(k) if k.shape[1] != HEADS else up(k), up(v),
                                                                   g=g, gk=gk, beta=b, scale=scale))(*args)
@@ -848,9 +856,8 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         if not emit or (ONLY and name not in ONLY):
             continue
         if per_key not in slow_refs:
-            args = ((jnp.repeat(sq, group, 1), jnp.repeat(sk, group, 1), sv, None, sgk, sbeta) if per_key
-                    else (sq, sk, sv, sg, None, sbeta))
-            if per_key:
+            args = _step_args(per_key, sq, sk, sv, sg, sgk, sbeta)
+            if per_key is True:
                 args = tuple(None if x is None else x[:min(slow_len, 1024)] for x in args)
             summ = jax.jit(lambda k, v, g, gk, b: la.summarize(rep(k) if k.shape[1] != HEADS else up(k), up(v), g=g,
                                                                gk=gk, beta=b))(*args[1:])
@@ -867,7 +874,7 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
             continue
         cfg, _, per_key = variants_[name]
         cfg = cfg.resolved(jnp.bfloat16)
-        args = (qk, kk, v, None, gk, beta) if per_key else (q, k, v, g, None, beta)
+        args = _step_args(per_key, q, k, v, g, gk, beta)
         whole = length // cfg.chunk * cfg.chunk  # the kernels alone take chunk-aligned tokens
         args = tuple(None if x is None else x[:whole] for x in args)
         locals_fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: gdn._locals(q, k, v, g, gk, b, scale=scale,
@@ -889,8 +896,7 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         ogk = -jax.random.uniform(jax.random.PRNGKey(3), (other, HEADS, DIM), jnp.float32) * 0.1
         for name in LENGTH_VARIANTS:
             cfg, emit, per_key = variants_[name]
-            args = ((jnp.repeat(oq, group, 1), jnp.repeat(ok, group, 1), ov, None, ogk, obeta) if per_key is True
-                    else (oq, ok, ov, og, None, None if per_key == "decay" else obeta))
+            args = _step_args(per_key, oq, ok, ov, og, ogk, obeta)
             fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg, emit=emit: gdn.gdn_forward(
                 q, k, v, g=g, gk=gk, beta=b, scale=scale, config=cfg, emit_summary=emit, interpret=INTERPRET))
             record("steps", f"{name} (L={other})", fn, args, tokens=other)

@@ -458,11 +458,12 @@ def test_per_key_bfloat16():
 @pytest.mark.parametrize("gates,chunk,traced,group,reads", [
     ("gdn", 16, True, 64, "packed"), ("gdn", 16, False, 0, "packed"), ("gdn", 16, True, 1, "packed"),
     ("gdn", 32, False, 0, "gather"), ("gdn", 16, True, 2, "gather"), ("kda", 32, False, 64, "packed"),
-    ("kda", 16, False, 2, "packed"), ("decay", 16, False, 64, "packed"), ("decay", 32, False, 64, "gather")])
+    ("kda", 16, False, 2, "packed"), ("kda", 16, True, 0, "gather"), ("decay", 16, False, 64, "packed"),
+    ("decay", 32, False, 64, "gather")])
 def test_varlen_matches_reference(gates, chunk, traced, group, reads):
     """Packed segments against the vmapped core, T through the transfer pass (group > 0; 1 and 2 put segments
-    across several groups) or the widened state (0); q, k, v read in place ("packed": scalar gates; per-key gates
-    fall back to gathering) or gathered into the chunk-aligned layout."""
+    across several groups) or the widened state (0); q, k, v read in place ("packed", every family) or gathered
+    into the chunk-aligned layout."""
     length = 61
     cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
