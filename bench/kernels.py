@@ -24,6 +24,7 @@ each burst closed by block_until_ready. Inputs of the timed sizes are far larger
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -713,6 +714,17 @@ def _all_varlen(record, length, scale, b16):
             q, k, v, cu, g=g, beta=b, scale=scale, config=tcfg, emit_summary=emit, interpret=INTERPRET))
         record("varlen", name, fn, (q, k, v, cu, g, beta), ref if emit else ref_states,
                fla_name="fla chunk_gated_delta_rule varlen")
+    # per-key gates (KDA: `default_varlen_config(per_key=True)`), in place against gathered, timed only: the
+    # float32 per-key reference compiles for minutes at this length (the CPU tests check these paths)
+    gk = -jax.random.uniform(jax.random.PRNGKey(5), g.shape + (q.shape[-1],), jnp.float32) * 0.1
+    kda = gdn.default_varlen_config(per_key=True)
+    for name, tcfg, emit in (("kda packed reads +TS widened", kda, True),
+                             ("kda gathered +TS widened", dataclasses.replace(kda, packed_reads=False), True),
+                             ("kda packed reads (states only)", kda, False),
+                             ("kda gathered (states only)", dataclasses.replace(kda, packed_reads=False), False)):
+        fn = jax.jit(lambda q, k, v, cu, gk, b, tcfg=tcfg, emit=emit: gdn.gdn_varlen(
+            q, k, v, cu, gk=gk, beta=b, scale=scale, config=tcfg, emit_summary=emit, interpret=INTERPRET))
+        record("varlen", name, fn, (q, k, v, cu, gk, beta))
 
 
 def _all_decode(record, scale):

@@ -65,6 +65,8 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-compose-bar", action="store_true")
     parser.add_argument("--sections", nargs="+", default=["prefix", "span", "moe", "attention", "bar"],
                         choices=["prefix", "span", "moe", "attention", "bar"], help="which kernels to time, in order")
+    parser.add_argument("--bar-kinds", nargs="*", default=None,
+                        help="composition bar: only these kinds (final, pairs, prefix, 'split final', 'split pairs')")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke test: interpret mode, small shapes, one variant each")
     args = parser.parse_args(argv)
@@ -212,11 +214,38 @@ def main(argv=None) -> None:
                             ("final", None, 64, 4, 3),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
-            for kind, block, bw, warps, stages in bar_variants[:2] if small else bar_variants:
+            # the split-operand fold (`fold_split_pallas` on `split_operands`' format): kind, state layout, block_w,
+            # warps, stages
+            split_variants = [("split pairs", ("vk", tune), bw, warps, stages)
+                              for tune, bw, warps, stages in ((("peel",), 128, 8, 3), (("joint",), 64, 8, 3),
+                                                              (("joint",), 64, 8, 2), (("joint",), 64, 4, 3),
+                                                              (("joint",), 32, 4, 3), (("joint",), 128, 8, 2),
+                                                              (("joint",), 128, 8, 1), (("joint",), 64, 8, 1))]
+            split_variants += [("split final", ("vk", tune), 128, 8, 3) for tune in ((), ("peel",))]
+            variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
+            split = {}
+
+            def split_inputs(layout):
+                if layout not in split:
+                    split.clear()  # one layout's copies at a time (4 GB each)
+                    convert = jax.jit(lambda t, s: cmp.split_operands(t, s, layout))
+                    ms, _ = timeit(convert, t, s)
+                    log(dict(kernel=f"split_operands {segments}x{layers}x32, layout {layout} (once per cache entry)",
+                             ms=round(ms, 4)))
+                    split[layout] = convert(t, s)
+                return split[layout]
+
+            for kind, block, bw, warps, stages in variants[:2] if small else variants:
                 if over():
                     break
                 config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
-                if kind != "prefix":  # pairs: the composed transfer too
+                args_in = (t, s)
+                if kind.startswith("split"):
+                    args_in = split_inputs(block[0])
+                    fn = jax.jit(lambda a, b, c, cfg=config, l=block, p=kind == "split pairs": cmp.fold_split_pallas(
+                        a, b, c, with_transfer=p, state_layout=l[0], tune=l[1], config=cfg,
+                        interpret=interpret)[1][None])
+                elif kind != "prefix":  # pairs: the composed transfer too
                     fn = jax.jit(lambda t, s, c=config, p=kind != "final": cmp.fold_pallas(
                         t, s, with_transfer=p, config=c, interpret=interpret)[1][None])
                 else:
@@ -225,26 +254,29 @@ def main(argv=None) -> None:
                 name = dict(kernel=f"{kind} fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw,
                             warps=warps, stages=stages)
                 try:
-                    ms, compile_s = timeit(fn, t, s)
-                    got = fn(t, s)[:, 0]  # layer 0 is the unpermuted one
+                    ms, compile_s = timeit(fn, *args_in)
+                    got = fn(*args_in)[:, 0]  # layer 0 is the unpermuted one
                     worst = rel(got[-1], ref_states[-1]) if kind != "prefix" else max(
                         rel(got[i], ref_states[i]) for i in range(segments))
                     extra = {}
-                    if kind == "pairs":  # the composed transfer against the float64 product, on the
+                    if kind.endswith("pairs"):  # the composed transfer against the float64 product, on the
                         # first 8 segments of layer 0: all 64 multiply to ~1e-40, below float32's normal range
                         few = min(8, segments)
                         t8 = np.asarray(t[:few, 0], np.float64)
                         want = t8[0]
                         for i in range(1, few):
                             want = t8[i] @ want
-                        extra["T8_err"] = rel(cmp.fold_pallas(t[:few, :1], s[:few, :1], config=config,
-                                                              interpret=interpret)[0][0], want)
+                        if kind == "pairs":
+                            got_t = cmp.fold_pallas(t[:few, :1], s[:few, :1], config=config, interpret=interpret)[0]
+                        else:
+                            got_t = cmp.fold_split_pallas(*(a[:few, :1] for a in args_in), with_transfer=True,
+                                                          state_layout=block[0], tune=block[1], config=config,
+                                                          interpret=interpret)[0]
+                        extra["T8_err"] = rel(got_t[0], want)
                     log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]), S_worst=worst,
                              compile_s=round(compile_s, 1), **extra))
                 except Exception as error:  # noqa: BLE001
                     log(dict(name, error=repr(error)[:300]))
-
-
 
 
 def moe(log, over, small, interpret) -> None:
