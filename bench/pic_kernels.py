@@ -214,26 +214,20 @@ def main(argv=None) -> None:
                             ("final", None, 64, 4, 3),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
-            # the split-operand fold (`fold_split_pallas` on `split_operands`' format): kind, state layout, block_w,
-            # warps, stages
-            split_variants = [("split pairs", ("vk", tune), bw, warps, stages)
-                              for tune, bw, warps, stages in ((("peel",), 128, 8, 3), (("joint",), 64, 8, 3),
-                                                              (("joint",), 64, 8, 2), (("joint",), 64, 4, 3),
-                                                              (("joint",), 32, 4, 3), (("joint",), 128, 8, 2),
-                                                              (("joint",), 128, 8, 1), (("joint",), 64, 8, 1))]
-            split_variants += [("split final", ("vk", tune), 128, 8, 3) for tune in ((), ("peel",))]
+            # the split-operand fold (`fold_split_pallas` on `split_operands`' format); the rows of its layout and
+            # tuning variants in bench/RESULTS.md ran at commit 1bdb9d6
+            split_variants = [(kind, None, bw, warps, stages) for kind in ("split final", "split pairs")
+                              for bw, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2))]
             variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
-            split = {}
+            split = []
 
-            def split_inputs(layout):
-                if layout not in split:
-                    split.clear()  # one layout's copies at a time (4 GB each)
-                    convert = jax.jit(lambda t, s: cmp.split_operands(t, s, layout))
+            def split_inputs():
+                if not split:
+                    convert = jax.jit(cmp.split_operands)
                     ms, _ = timeit(convert, t, s)
-                    log(dict(kernel=f"split_operands {segments}x{layers}x32, layout {layout} (once per cache entry)",
-                             ms=round(ms, 4)))
-                    split[layout] = convert(t, s)
-                return split[layout]
+                    log(dict(kernel=f"split_operands {segments}x{layers}x32 (once per cache entry)", ms=round(ms, 4)))
+                    split.extend(convert(t, s))
+                return tuple(split)
 
             for kind, block, bw, warps, stages in variants[:2] if small else variants:
                 if over():
@@ -241,10 +235,9 @@ def main(argv=None) -> None:
                 config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
                 args_in = (t, s)
                 if kind.startswith("split"):
-                    args_in = split_inputs(block[0])
-                    fn = jax.jit(lambda a, b, c, cfg=config, l=block, p=kind == "split pairs": cmp.fold_split_pallas(
-                        a, b, c, with_transfer=p, state_layout=l[0], tune=l[1], config=cfg,
-                        interpret=interpret)[1][None])
+                    args_in = split_inputs()
+                    fn = jax.jit(lambda a, b, c, cfg=config, p=kind == "split pairs": cmp.fold_split_pallas(
+                        a, b, c, with_transfer=p, config=cfg, interpret=interpret)[1][None])
                 elif kind != "prefix":  # pairs: the composed transfer too
                     fn = jax.jit(lambda t, s, c=config, p=kind != "final": cmp.fold_pallas(
                         t, s, with_transfer=p, config=c, interpret=interpret)[1][None])
@@ -270,8 +263,7 @@ def main(argv=None) -> None:
                             got_t = cmp.fold_pallas(t[:few, :1], s[:few, :1], config=config, interpret=interpret)[0]
                         else:
                             got_t = cmp.fold_split_pallas(*(a[:few, :1] for a in args_in), with_transfer=True,
-                                                          state_layout=block[0], tune=block[1], config=config,
-                                                          interpret=interpret)[0]
+                                                          config=config, interpret=interpret)[0]
                         extra["T8_err"] = rel(got_t[0], want)
                     log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]), S_worst=worst,
                              compile_s=round(compile_s, 1), **extra))

@@ -238,19 +238,17 @@ __all__ += ["FoldConfig", "FINAL_STATE_CONFIG", "fold_pallas"]
 # Split-operand fold: the pairs stored as the tensor cores read them.
 
 
-def split_operands(transfers: Array, states: Array, state_layout: str = "vk") -> tuple[Array, Array, Array]:
-    """Float32 pairs -> the operands of `fold_split_pallas`: T as two bfloat16 planes (hi = bf16(T), lo = bf16(T -
-    hi)) and S float32, transposed to [..., V, K] for state_layout "vk" (kept [..., K, V] for "kv").
+def split_operands(transfers: Array, states: Array) -> tuple[Array, Array, Array]:
+    """Float32 pairs -> the operands of `fold_split_pallas`: T [n, ..., K, K] as two bfloat16 planes (hi = T
+    rounded to bfloat16, lo = the rest rounded to bfloat16) and S [n, ..., K, V] float32, transposed to
+    [n, ..., V, K].
 
-    The planes are what a bf16x3 product computes from T anyway, so the fold's arithmetic is unchanged; they take
-    the same 4 bytes per entry as float32. A cache converts each entry once when it stores it, and every request
-    that composes it then skips the split (and, in "vk", the staging of its running state, see `fold_split_pallas`).
+    The planes are what a bf16x3 product splits T into anyway, so the fold's arithmetic is unchanged, and they take
+    the same 4 bytes per entry as float32. A cache converts each entry once when it stores it (3.9 ms for the
+    composition bar's 64 x 30 x 32 pairs on the H200); every request that composes it then skips the split.
     """
-    if state_layout not in ("vk", "kv"):
-        raise ValueError(f"state_layout must be 'vk' or 'kv', got {state_layout!r}")
     hi, lo = _split_bf16(transfers.astype(jnp.float32))
-    s = states.astype(jnp.float32)
-    return hi, lo, (jnp.swapaxes(s, -1, -2) if state_layout == "vk" else s)
+    return hi, lo, jnp.swapaxes(states.astype(jnp.float32), -1, -2)
 
 
 def _split_bf16(x: Array) -> tuple[Array, Array]:
@@ -258,172 +256,99 @@ def _split_bf16(x: Array) -> tuple[Array, Array]:
     zero), lo the exact rest rounded to bfloat16, as a bf16x3 product splits its operands. The rounding goes
     through the bits because a float32 -> bfloat16 -> float32 round trip may be simplified away by the compiler
     (XLA's excess-precision rewrite does so on GPUs: measured, lo came out 0), and truncating instead of rounding
-    would lose one bit (4x the error of a 64-step fold in the interpret-mode check)."""
+    would lose one bit (about 4x the error of a 5-step fold in the interpret-mode check)."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     top = lax.bitcast_convert_type((bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000), jnp.float32)
     return top.astype(jnp.bfloat16), (x - top).astype(jnp.bfloat16)
 
 
-def _dot(a, b, contract_b: int):
-    """a [m, k] against b, contracting a's last axis with b's axis `contract_b`: one bf16 tensor-core product."""
-    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+def _dot_t(a, b):
+    """a [m, k] @ b[n, k]^T as one bfloat16 tensor-core product, float32 result."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _split_fold_kernel(th_ref, tl_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, with_transfer,
-                       state_layout, tune):
-    """One (column block j, batch entry) of the fold on split operands, bf16x3: three bf16 products per step, the
-    two small correction terms first.
+def _split_fold_kernel(th_ref, tl_ref, s_ref, o_ref, *, num_segments, value_blocks, block_w, with_transfer):
+    """One (column block j, batch entry) of the fold on split operands at bf16x3.
 
-    "vk": the program holds X^T [block_w, K] (X = a block of state columns, or of the composed transfer's columns)
-    and steps X^T <- X^T T_i^T + S_i^T. The running value is the products' left operand, which Hopper's warpgroup
-    MMA reads from registers, and each warpgroup's rows evolve on their own: no step result is staged in shared
-    memory, and the only shared-memory operands are T_i's planes, which the loop prefetches. "kv": X <- T_i X +
-    S_i as in `fold_pallas`, the running value being the right operand (staged in shared memory every step).
+    The program holds X^T [block_w, K] (X: a block of state columns, or of the composed transfer's columns) and
+    steps X^T <- X^T T_i^T + S_i^T: three bfloat16 products a step, the two small correction terms first. The
+    running value is the products' left operand, which Hopper's warpgroup MMA reads from registers, and each
+    warpgroup's rows evolve on their own, so no step result passes through shared memory; T_i's planes are the
+    only shared-memory operands, and the loop prefetches them (no split of T in the loop). Holding X instead (X <-
+    T_i X + S_i, the running value the right operand, staged in shared memory every step) measured 2.86 against
+    2.72 ms for the composed state and 4.48 against 4.19 for the pair (bench/RESULTS.md, commit 1bdb9d6).
+    The first step is a load (X_1 = S_1, or T_1's columns), not a product.
     """
-    key_dim = th_ref.shape[-1]
-    vk = state_layout == "vk"
-    shape = (block_w, key_dim) if vk else (key_dim, block_w)
-    hints = "hints" in tune
-    t_policy, s_policy = ("evict_last", "evict_first") if hints else (None, None)
-    is_state = True
-    if with_transfer:
-        j = pl.program_id(0)
-        is_state = j < value_blocks
-        offset = (j - value_blocks) * block_w
-        read_s = jnp.broadcast_to(is_state, shape)
-    else:
-        read_s = None
+    shape = (block_w, th_ref.shape[-1])
+    j = pl.program_id(0)
+    is_state = j < value_blocks
+    read_s = jnp.broadcast_to(is_state, shape) if with_transfer else None
 
     def load_s(i):  # a transfer program's S loads are masked off, so they move no memory
-        return pltriton.load(s_ref.at[i], mask=read_s, other=0.0 if with_transfer else None,
-                             eviction_policy=s_policy)
+        return pltriton.load(s_ref.at[i], mask=read_s, other=0.0 if with_transfer else None)
 
     def step(i, acc):
         hi, lo = _split_bf16(acc)
-        th = pltriton.load(th_ref.at[i], eviction_policy=t_policy)
-        tl = pltriton.load(tl_ref.at[i], eviction_policy=t_policy)
-        if vk:  # X^T T^T: contract with T's input (second) axis
-            new = _dot(lo, th, 1) + _dot(hi, tl, 1) + _dot(hi, th, 1)
-        else:
-            new = _dot(tl, hi, 0) + _dot(th, lo, 0) + _dot(th, hi, 0)
-        return new + load_s(i)  # one loop for both kinds of program: one set of prefetch buffers
-
-    if "peel" in tune:  # the first step from zero (states) or the identity (transfers) is a load, not a product
-        acc0 = load_s(jnp.asarray(0, jnp.int32))
-        if with_transfer:
-            first = pl.ds(jnp.maximum(offset, 0), block_w)
-            t0 = th_ref[0, :, first].astype(jnp.float32) + tl_ref[0, :, first].astype(jnp.float32)  # [K, bw]
-            acc0 = jnp.where(is_state, acc0, t0.T if vk else t0)
-        o_ref[...] = lax.fori_loop(1, num_segments, step, acc0)
-        return
-    if with_transfer:
-        rows = lax.broadcasted_iota(jnp.int32, shape, 0)
-        cols = lax.broadcasted_iota(jnp.int32, shape, 1)
-        on_diagonal = cols == rows + offset if vk else rows == cols + offset
-        acc0 = jnp.where(jnp.logical_and(jnp.logical_not(is_state), on_diagonal), 1.0, 0.0).astype(jnp.float32)
-    else:
-        acc0 = jnp.zeros(shape, jnp.float32)
-    o_ref[...] = lax.fori_loop(0, num_segments, step, acc0)
-
-
-def _split_pair_kernel(th_ref, tl_ref, s_ref, so_ref, to_ref, *, num_segments, block_w):
-    """One (column block j, batch entry) of the composed pair, "vk" layout: state columns j and the composed
-    transfer's columns j in one program, two independent running values X_s^T, X_t^T [block_w, K] against the same
-    T_i planes, loaded once for both. Separate programs for the two kinds run at different speeds (only one reads
-    S), so the second reader of a T_i finds it evicted from L2 more often than not; here each T_i is read once per
-    column block, and the two products of a step are independent work for the tensor cores."""
-    j = pl.program_id(0)
-    cols = pl.ds(j * block_w, block_w)
-    state0 = s_ref[jnp.asarray(0, jnp.int32)]
-    transfer0 = (th_ref[0, :, cols].astype(jnp.float32) + tl_ref[0, :, cols].astype(jnp.float32)).T
-
-    def step(i, carry):
-        xs, xt = carry
         th, tl = th_ref[i], tl_ref[i]
-        hs, ls = _split_bf16(xs)
-        ht, lt = _split_bf16(xt)
-        new_s = _dot(ls, th, 1) + _dot(hs, tl, 1) + _dot(hs, th, 1) + s_ref[i]
-        new_t = _dot(lt, th, 1) + _dot(ht, tl, 1) + _dot(ht, th, 1)
-        return new_s, new_t
+        return _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + load_s(i)  # one loop, one set of prefetch buffers
 
-    xs, xt = lax.fori_loop(1, num_segments, step, (state0, transfer0))
-    so_ref[...] = xs
-    to_ref[...] = xt
+    acc0 = load_s(jnp.asarray(0, jnp.int32))
+    if with_transfer:
+        first = pl.ds(jnp.maximum(j - value_blocks, 0) * block_w, block_w)
+        t0 = th_ref[0, :, first].astype(jnp.float32) + tl_ref[0, :, first].astype(jnp.float32)  # [K, block_w]
+        acc0 = jnp.where(is_state, acc0, t0.T)
+    o_ref[...] = lax.fori_loop(1, num_segments, step, acc0)
 
 
-@functools.partial(jax.jit, static_argnames=("with_transfer", "state_layout", "config", "interpret", "tune"))
-def fold_split_pallas(t_hi: Array, t_lo: Array, states: Array, *, with_transfer: bool = False,
-                      state_layout: str = "vk", config: FoldConfig = FINAL_STATE_CONFIG, interpret: bool = False,
-                      tune: tuple[str, ...] = ()):
-    """`fold_pallas` at bf16x3 on pairs in the split format of `split_operands` (same arguments' layout there).
+@functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
+def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False,
+                      config: FoldConfig = FINAL_STATE_CONFIG, interpret: bool = False):
+    """`fold_pallas` at bf16x3 on pairs in the format of `split_operands`: t_hi, t_lo [n, ..., K, K] bfloat16,
+    states_t [n, ..., V, K] float32 (S transposed).
 
-    t_hi, t_lo [n, ..., K, K] bfloat16; states [n, ..., V, K] ("vk") or [n, ..., K, V] ("kv") float32. Returns
-    (T_n ... T_1 [..., K, K] or None, the state after segment n from zero [..., K, V]), like `fold_pallas`.
-    Each (batch entry, column block) is one program; with the transfer, programs past the state columns run the
-    same loop from the identity's columns, their S loads masked off.
+    Returns (T_n ... T_1 [..., K, K] or None, the state after segment n from zero [..., K, V]), like
+    `fold_pallas`, with the same arithmetic: 2.68 to 2.75 ms for the composed state of the composition bar's 64
+    segments x 30 layers x 32 heads on the H200 against 3.79 for `fold_pallas` on float32 pairs, 4.11 to 4.20 ms
+    for the pair against 7.97 (bench/RESULTS.md). Each (batch entry, column block) is one program; with the
+    transfer, programs past the state columns run the same loop from the identity's columns.
+    Measured and not kept (commit 1bdb9d6): L2 eviction hints, and one program per column block holding both its
+    state and transfer columns (each T_i loaded once for both: 4.42 ms at best).
     """
     if config.algorithm != "bf16x3":
         raise ValueError(f"the split-operand fold computes bf16x3 products, got algorithm {config.algorithm!r}")
-    if state_layout not in ("vk", "kv"):
-        raise ValueError(f"state_layout must be 'vk' or 'kv', got {state_layout!r}")
     n = t_hi.shape[0]
     key_dim = t_hi.shape[-1]
-    value_dim = states.shape[-2] if state_layout == "vk" else states.shape[-1]
-    expect = states.shape[:-2] + ((value_dim, key_dim) if state_layout == "vk" else (key_dim, value_dim))
-    if (t_hi.shape != t_lo.shape or t_hi.shape[-2:] != (key_dim, key_dim) or t_hi.shape[:-2] != states.shape[:-2]
-            or states.shape != expect or t_hi.dtype != jnp.bfloat16 or t_lo.dtype != jnp.bfloat16):
+    value_dim = states_t.shape[-2]
+    if (t_hi.shape != t_lo.shape or t_hi.shape[-2:] != (key_dim, key_dim) or t_hi.shape[:-2] != states_t.shape[:-2]
+            or states_t.shape[-1] != key_dim or t_hi.dtype != jnp.bfloat16 or t_lo.dtype != jnp.bfloat16):
         raise ValueError(f"split operands disagree: t_hi {t_hi.shape} {t_hi.dtype}, t_lo {t_lo.shape} {t_lo.dtype}, "
-                         f"states {states.shape} (state_layout {state_layout!r}; see split_operands)")
+                         f"states_t {states_t.shape} (expected [n, ..., V, K]; see split_operands)")
+    if n < 1:
+        raise ValueError("fold_split_pallas needs at least one segment")
     batch = t_hi.shape[1:-2]
     th = t_hi.reshape((n, -1, key_dim, key_dim))
     tl = t_lo.reshape((n, -1, key_dim, key_dim))
-    s = states.reshape((n, -1) + states.shape[-2:]).astype(jnp.float32)
+    s = states_t.reshape((n, -1, value_dim, key_dim)).astype(jnp.float32)
     b = th.shape[1]
     bw = _block_width(config.block_w, value_dim)
     if with_transfer and key_dim % bw:
         bw = math.gcd(bw, key_dim)
     value_blocks = value_dim // bw
     width = value_dim + (key_dim if with_transfer else 0)
-    vk = state_layout == "vk"
-    clamp = lambda j: jnp.minimum(j, value_blocks - 1)  # noqa: E731  (transfer programs read no S)
-    if vk:
-        s_spec = pl.BlockSpec((n, None, bw, key_dim), lambda j, i: (0, i, clamp(j), 0))
-        out_spec = pl.BlockSpec((None, bw, key_dim), lambda j, i: (i, j, 0))
-        out_shape = (b, width, key_dim)
-    else:
-        s_spec = pl.BlockSpec((n, None, key_dim, bw), lambda j, i: (0, i, 0, clamp(j)))
-        out_spec = pl.BlockSpec((None, key_dim, bw), lambda j, i: (i, 0, j))
-        out_shape = (b, key_dim, width)
     t_spec = pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0))
-    if with_transfer and "joint" in tune and vk and key_dim == value_dim:
-        bw = _block_width(config.block_w, value_dim)
-        rows = pl.BlockSpec((None, bw, key_dim), lambda j, i: (i, j, 0))
-        out_s, out_t = pl.pallas_call(
-            functools.partial(_split_pair_kernel, num_segments=n, block_w=bw),
-            grid=(value_dim // bw, b),
-            in_specs=[t_spec, t_spec, pl.BlockSpec((n, None, bw, key_dim), lambda j, i: (0, i, j, 0))],
-            out_specs=[rows, rows],
-            out_shape=[jax.ShapeDtypeStruct((b, value_dim, key_dim), jnp.float32)] * 2,
-            compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-            interpret=interpret,
-            name="compose_split_pair",
-        )(th, tl, s)
-        return (jnp.swapaxes(out_t, -1, -2).reshape(batch + (key_dim, key_dim)),
-                jnp.swapaxes(out_s, -1, -2).reshape(batch + (key_dim, value_dim)))
-    kernel = functools.partial(_split_fold_kernel, num_segments=n, value_blocks=value_blocks, block_w=bw,
-                               with_transfer=with_transfer, state_layout=state_layout, tune=tune)
+    s_spec = pl.BlockSpec((n, None, bw, key_dim), lambda j, i: (0, i, jnp.minimum(j, value_blocks - 1), 0))
     out = pl.pallas_call(
-        kernel,
+        functools.partial(_split_fold_kernel, num_segments=n, value_blocks=value_blocks, block_w=bw,
+                          with_transfer=with_transfer),
         grid=(width // bw, b),
         in_specs=[t_spec, t_spec, s_spec],
-        out_specs=out_spec,
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        out_specs=pl.BlockSpec((None, bw, key_dim), lambda j, i: (i, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, width, key_dim), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="compose_split_fold",
     )(th, tl, s)
-    if vk:  # [b, width, K] holds X^T
-        out = jnp.swapaxes(out, -1, -2)
+    out = jnp.swapaxes(out, -1, -2)  # X^T -> X
     state = out[..., :value_dim].reshape(batch + (key_dim, value_dim))
     transfer = out[..., value_dim:].reshape(batch + (key_dim, key_dim)) if with_transfer else None
     return transfer, state
