@@ -217,7 +217,7 @@ def main(argv=None) -> None:
             # the split-operand fold (`fold_split_pallas` on `split_operands`' format); the rows of its layout and
             # tuning variants in bench/RESULTS.md ran at commit 1bdb9d6
             split_variants = [(kind, None, bw, warps, stages) for kind in ("split final", "split pairs")
-                              for bw, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2))]
+                              for bw, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 1), (64, 4, 2))]
             variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
             split = []
 

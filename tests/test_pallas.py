@@ -144,6 +144,75 @@ def test_compose_fold_kernel():
             assert kt.shape == total_t.shape and rel(kt, total_t) < TOL32
 
 
+def _bf16(x):
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 8)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
+       value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_split_fold_is_bf16x3_of_the_pairs(n, batch, key_dim, value_dim, block_w, with_t, seed):
+    """`fold_split_pallas` on `split_operands` equals the same bf16x3 arithmetic done in float64 with explicit
+    bfloat16 roundings (X <- T_hi X_hi + T_hi X_lo + T_lo X_hi + S) within 5e-6 (the kernel accumulates in float32,
+    and a last-bit difference can flip the next step's rounding of X_lo: 1.8e-6 at worst over 12 random cases), and
+    the exact float64 fold to bf16x3's accuracy (1.1e-5 at worst there); the composed transfer likewise. Dropping
+    a correction term would be off by ~1e-3."""
+    rng = np.random.default_rng(seed)
+    t = (rng.standard_normal((n,) + batch + (key_dim, key_dim)) * 0.9 / np.sqrt(key_dim)).astype(np.float32)
+    s = rng.standard_normal((n,) + batch + (key_dim, value_dim)).astype(np.float32)
+    t_hi, t_lo, s_t = cmp.split_operands(jnp.asarray(t), jnp.asarray(s))
+    assert s_t.shape == (n,) + batch + (value_dim, key_dim) and t_hi.dtype == t_lo.dtype == jnp.bfloat16
+    th, tl = np.asarray(t_hi, np.float64), np.asarray(t_lo, np.float64)
+    exact_t, exact_s = np.broadcast_to(np.eye(key_dim), batch + (key_dim, key_dim)), np.zeros(s.shape[1:])
+    emu_t, emu_s = exact_t, exact_s
+
+    def emulate(x, i):
+        hi = _bf16(x)
+        lo = _bf16(x - hi)
+        return th[i] @ hi + th[i] @ lo + tl[i] @ hi
+
+    for i in range(n):
+        exact_t, exact_s = t[i] @ exact_t, t[i] @ exact_s + s[i]
+        emu_t = th[i] + tl[i] if i == 0 else np.asarray(emulate(emu_t, i), np.float32)  # first step: a load
+        emu_s = s[i] if i == 0 else np.asarray(emulate(emu_s, i) + s[i], np.float32)
+    config = cmp.FoldConfig(block_w=block_w, num_warps=4, num_stages=2)
+    got_t, got_s = cmp.fold_split_pallas(t_hi, t_lo, s_t, with_transfer=with_t, config=config, interpret=True)
+    assert got_s.shape == s.shape[1:] and rel(got_s, emu_s) < 5e-6 and rel(got_s, exact_s) < 5e-5
+    if with_t:
+        assert got_t.shape == t.shape[1:] and rel(got_t, emu_t) < 5e-6 and rel(got_t, exact_t) < 5e-5
+    else:
+        assert got_t is None
+
+
+def test_split_operands_round_and_keep_the_rest():
+    """hi is T rounded to bfloat16, lo carries the rest (a float32 -> bfloat16 -> float32 round trip that a
+    compiler simplified away would leave lo = 0), and the pair holds T to about 2^-16 relative."""
+    rng = np.random.default_rng(2)
+    t = rng.standard_normal((3, 64, 64)).astype(np.float32)
+    hi, lo, s_t = cmp.split_operands(jnp.asarray(t), jnp.asarray(t[..., :32]))
+    hi, lo = np.asarray(hi, np.float64), np.asarray(lo, np.float64)
+    assert np.all(np.abs(hi - t) <= 2.0**-8 * np.abs(t))  # within half a bfloat16 ulp (8 significant bits)
+    assert np.mean(lo != 0) > 0.9
+    assert np.all(np.abs(hi + lo - t) <= 2.0**-16 * np.abs(t))
+    assert np.array_equal(np.asarray(s_t), np.swapaxes(t[..., :32], -1, -2))
+    # rounding, not truncation: the split keeps one more bit than cutting the top 16 bits off would
+    truncated = (t.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    assert np.max(np.abs(hi - t) / np.abs(t)) < np.max(np.abs(truncated - t) / np.abs(t))
+
+
+def test_split_fold_rejects_bad_operands():
+    t = jnp.zeros((2, 3, 16, 16), jnp.bfloat16)
+    s = jnp.zeros((2, 3, 32, 16), jnp.float32)
+    with pytest.raises(ValueError, match="bf16x3"):
+        cmp.fold_split_pallas(t, t, s, config=cmp.FoldConfig(algorithm="f32"), interpret=True)
+    with pytest.raises(ValueError, match="split operands disagree"):
+        cmp.fold_split_pallas(t, t, jnp.zeros((2, 3, 16, 32), jnp.float32), interpret=True)  # S not transposed
+    with pytest.raises(ValueError, match="split operands disagree"):
+        cmp.fold_split_pallas(t.astype(jnp.float32), t, s, interpret=True)
+
+
 @pytest.mark.parametrize("family", ("gated_delta_net", "kda", "gla"))
 @pytest.mark.parametrize("n, seam, batch_shape, width", [(5, 3, (2,), 16), (1, 8, (1, 2), 32), (4, 17, (3,), 16)])
 def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n, seam, batch_shape, width):
@@ -595,6 +664,11 @@ def test_kernels_lower_to_triton():
     for fn in (fold, prefix):
         assert "xla.gpu.triton" in jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
             .mlir_module()
+    planes = sd((4, 2, dim, dim), jnp.bfloat16)
+    for with_t in (False, True):
+        split = jax.jit(lambda a, b, c, w=with_t: cmp.fold_split_pallas(a, b, c, with_transfer=w))
+        assert "xla.gpu.triton" in jax.export.export(split, platforms=["cuda"], disabled_checks=check)(
+            planes, planes, pairs).mlir_module()
     seam = sd((4, 2, 8, dim), jnp.float32)
     span_fold = jax.jit(lambda w, u, kt, d, t, s: cmp.span_fold_pallas(w, u, kt, d, t, s))
     span_args = (seam, seam, seam, sd((4, 2, dim), jnp.float32), pairs, pairs)
