@@ -21,6 +21,10 @@ products of composing pairs, and exactly the states a request needs), `prefix_pa
 (every prefix pair, about 2n compositions). Rounding differs between bracketings only at the algorithm's own level.
 All functions take T [n, ..., K, K] and S [n, ..., K, V] with the segment axis first and any batch axes (layers,
 heads) after it.
+
+The Pallas folds below run every (layer, head) in one launch. `fold_split_pallas` takes the pairs as
+`split_operands` stores them (T as bfloat16 hi/lo planes, S transposed): the same bf16x3 arithmetic, with T's
+split done once per cache entry instead of in every step, and the running state kept in registers.
 """
 
 from __future__ import annotations
