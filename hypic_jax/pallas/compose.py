@@ -248,7 +248,7 @@ def split_operands(transfers: Array, states: Array) -> tuple[Array, Array, Array
     [n, ..., V, K].
 
     The planes are what a bf16x3 product splits T into anyway, so the fold's arithmetic is unchanged, and they take
-    the same 4 bytes per entry as float32. A cache converts each entry once when it stores it (3.9 ms for the
+    the same 4 bytes per entry as float32. A cache converts each entry once when it stores it (3.8 to 3.9 ms for the
     composition bar's 64 x 30 x 32 pairs on the H200); every request that composes it then skips the split.
     """
     hi, lo = _split_bf16(transfers.astype(jnp.float32))
@@ -257,10 +257,11 @@ def split_operands(transfers: Array, states: Array) -> tuple[Array, Array, Array
 
 def _split_bf16(x: Array) -> tuple[Array, Array]:
     """float32 x -> bfloat16 (hi, lo) with x ~ hi + lo: hi is x rounded to bfloat16 (to nearest, ties away from
-    zero), lo the exact rest rounded to bfloat16, as a bf16x3 product splits its operands. The rounding goes
-    through the bits because a float32 -> bfloat16 -> float32 round trip may be simplified away by the compiler
-    (XLA's excess-precision rewrite does so on GPUs: measured, lo came out 0), and truncating instead of rounding
-    would lose one bit (about 4x the error of a 5-step fold in the interpret-mode check)."""
+    zero; finite x below bfloat16's largest value), lo the exact rest rounded to bfloat16, as a bf16x3 product
+    splits its operands. The rounding goes through the bits because a float32 -> bfloat16 -> float32 round trip may
+    be simplified away by the compiler (XLA's excess-precision rewrite does so on GPUs: measured, lo came out 0),
+    and truncating instead of rounding would lose one bit (about 4x the error of a 5-step fold in the
+    interpret-mode check)."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     top = lax.bitcast_convert_type((bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000), jnp.float32)
     return top.astype(jnp.bfloat16), (x - top).astype(jnp.bfloat16)
@@ -294,7 +295,8 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, o_ref, *, num_segments, value_bloc
     def step(i, acc):
         hi, lo = _split_bf16(acc)
         th, tl = th_ref[i], tl_ref[i]
-        return _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + load_s(i)  # one loop, one set of prefetch buffers
+        # one loop for both kinds of program: one set of prefetch buffers
+        return _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + load_s(i)
 
     acc0 = load_s(jnp.asarray(0, jnp.int32))
     if with_transfer:
@@ -311,10 +313,10 @@ def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfe
     states_t [n, ..., V, K] float32 (S transposed).
 
     Returns (T_n ... T_1 [..., K, K] or None, the state after segment n from zero [..., K, V]), like
-    `fold_pallas`, with the same arithmetic: 2.68 to 2.75 ms for the composed state of the composition bar's 64
-    segments x 30 layers x 32 heads on the H200 against 3.79 for `fold_pallas` on float32 pairs, 4.11 to 4.20 ms
-    for the pair against 7.97 (bench/RESULTS.md). Each (batch entry, column block) is one program; with the
-    transfer, programs past the state columns run the same loop from the identity's columns.
+    `fold_pallas`, with the same arithmetic: 2.68 to 2.73 ms for the composed state of the composition bar's 64
+    segments x 30 layers x 32 heads on the H200 against 3.78 for `fold_pallas` on float32 pairs, 4.11 to 4.19 ms
+    for the pair against 8.00 (bench/RESULTS.md, tenth session). Each (batch entry, column block) is one program;
+    with the transfer, programs past the state columns run the same loop from the identity's columns.
     Measured and not kept (commit 1bdb9d6): L2 eviction hints, and one program per column block holding both its
     state and transfer columns (each T_i loaded once for both: 4.42 ms at best).
     """
