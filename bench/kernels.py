@@ -111,6 +111,9 @@ def run_fla(out_dir, lengths):
             cases["fla chunk_gla"] = lambda: chunk_gla(q, k, v, gk, scale=DIM**-0.5, output_final_state=True)
         except Exception as e:  # noqa: BLE001
             log(path, dict(impl="fla chunk_gla", error=repr(e)[:300]))
+        if "fla chunk_kda" in cases:  # last: on the H200 it ran past a 240 s limit (compile or run, not known)
+            cases["fla chunk_kda varlen"] = lambda: chunk_kda(q, k, v, gk, beta, scale=DIM**-0.5,
+                                                              output_final_state=True, cu_seqlens=cu)
         for name, fn in cases.items():
             try:
                 ms = do_bench(fn, warmup=50, rep=200, return_mode="median")
@@ -724,7 +727,7 @@ def _all_varlen(record, length, scale, b16):
                              ("kda gathered (states only)", dataclasses.replace(kda, packed_reads=False), False)):
         fn = jax.jit(lambda q, k, v, cu, gk, b, tcfg=tcfg, emit=emit: gdn.gdn_varlen(
             q, k, v, cu, gk=gk, beta=b, scale=scale, config=tcfg, emit_summary=emit, interpret=INTERPRET))
-        record("varlen", name, fn, (q, k, v, cu, gk, beta))
+        record("varlen", name, fn, (q, k, v, cu, gk, beta), fla_name="fla chunk_kda varlen")
 
 
 def _all_decode(record, scale):
