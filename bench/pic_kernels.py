@@ -66,7 +66,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sections", nargs="+", default=["prefix", "span", "moe", "attention", "bar"],
                         choices=["prefix", "span", "moe", "attention", "bar"], help="which kernels to time, in order")
     parser.add_argument("--bar-kinds", nargs="*", default=None,
-                        help="composition bar: only these kinds (final, pairs, prefix, 'split final', 'split pairs')")
+                        help="composition bar: only these kinds (final, pairs, prefix, 'split final', 'split pairs', "
+                        "'split prefix')")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke test: interpret mode, small shapes, one variant each")
     args = parser.parse_args(argv)
@@ -218,6 +219,8 @@ def main(argv=None) -> None:
             # tuning variants in bench/RESULTS.md ran at commit 1bdb9d6
             split_variants = [(kind, None, bw, warps, stages) for kind in ("split final", "split pairs")
                               for bw, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 1), (64, 4, 2))]
+            split_variants += [("split prefix", None, bw, warps, stages)
+                               for bw, warps, stages in ((128, 8, 3), (64, 4, 3), (128, 8, 2))]
             variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
             split = []
 
@@ -234,7 +237,11 @@ def main(argv=None) -> None:
                     break
                 config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
                 args_in = (t, s)
-                if kind.startswith("split"):
+                if kind == "split prefix":  # every prefix state, returned transposed like the split S
+                    args_in = split_inputs()
+                    fn = jax.jit(lambda a, b, c, cfg=config: cmp.prefix_fold_split_pallas(a, b, c, config=cfg,
+                                                                                          interpret=interpret))
+                elif kind.startswith("split"):
                     args_in = split_inputs()
                     fn = jax.jit(lambda a, b, c, cfg=config, p=kind == "split pairs": cmp.fold_split_pallas(
                         a, b, c, with_transfer=p, config=cfg, interpret=interpret)[1][None])
@@ -249,7 +256,9 @@ def main(argv=None) -> None:
                 try:
                     ms, compile_s = timeit(fn, *args_in)
                     got = fn(*args_in)[:, 0]  # layer 0 is the unpermuted one
-                    worst = rel(got[-1], ref_states[-1]) if kind != "prefix" else max(
+                    if kind == "split prefix":
+                        got = jnp.swapaxes(got, -1, -2)
+                    worst = rel(got[-1], ref_states[-1]) if not kind.endswith("prefix") else max(
                         rel(got[i], ref_states[i]) for i in range(segments))
                     extra = {}
                     if kind.endswith("pairs"):  # the composed transfer against the float64 product, on the

@@ -186,6 +186,35 @@ def test_split_fold_is_bf16x3_of_the_pairs(n, batch, key_dim, value_dim, block_w
         assert got_t is None
 
 
+@pytest.mark.parametrize("n, batch, key_dim, value_dim, block_w, with_initial",
+                         [(5, (2,), 32, 48, 16, False), (4, (1, 2), 16, 16, 128, True), (1, (3,), 32, 16, 32, True),
+                          (1, (2,), 16, 32, 16, False)])
+def test_split_prefix_fold_gives_every_state(n, batch, key_dim, value_dim, block_w, with_initial):
+    """`prefix_fold_split_pallas`: every state S_i = T_i S_{i-1} + S_i (from an initial state or zeros), transposed
+    like its input, within bf16x3's accuracy of the float64 fold, and its last state that of `fold_split_pallas`."""
+    rng = np.random.default_rng(n + key_dim + value_dim)
+    t = (rng.standard_normal((n,) + batch + (key_dim, key_dim)) * 0.9 / np.sqrt(key_dim)).astype(np.float32)
+    s = rng.standard_normal((n,) + batch + (key_dim, value_dim)).astype(np.float32)
+    init = rng.standard_normal(batch + (key_dim, value_dim)).astype(np.float32) if with_initial else None
+    state = np.zeros(s.shape[1:]) if init is None else init.astype(np.float64)
+    want = []
+    for i in range(n):
+        state = t[i] @ state + s[i]
+        want.append(state)
+    want = np.stack(want)
+    t_hi, t_lo, s_t = cmp.split_operands(jnp.asarray(t), jnp.asarray(s))
+    config = cmp.FoldConfig(block_w=block_w, num_warps=4, num_stages=2)
+    got = cmp.prefix_fold_split_pallas(t_hi, t_lo, s_t, None if init is None else jnp.asarray(init), config=config,
+                                       interpret=True)
+    assert got.shape == (n,) + batch + (value_dim, key_dim)
+    got = np.swapaxes(np.asarray(got), -1, -2)
+    assert max(rel(got[i], want[i]) for i in range(n)) < 5e-5
+    if init is None:
+        assert rel(got[0], s[0]) == 0.0  # the first state is S_1 itself
+        _, last = cmp.fold_split_pallas(t_hi, t_lo, s_t, config=config, interpret=True)
+        assert rel(got[-1], last) < 1e-6
+
+
 def test_split_operands_round_and_keep_the_rest():
     """hi is T rounded to bfloat16, lo carries the rest (a float32 -> bfloat16 -> float32 round trip that a
     compiler simplified away would leave lo = 0), and the pair holds T to about 2^-16 relative."""
@@ -669,6 +698,10 @@ def test_kernels_lower_to_triton():
         split = jax.jit(lambda a, b, c, w=with_t: cmp.fold_split_pallas(a, b, c, with_transfer=w))
         assert "xla.gpu.triton" in jax.export.export(split, platforms=["cuda"], disabled_checks=check)(
             planes, planes, pairs).mlir_module()
+    for init in (None, sd((2, dim, dim), jnp.float32)):
+        split_prefix = jax.jit(lambda a, b, c, *i: cmp.prefix_fold_split_pallas(a, b, c, *i))
+        assert "xla.gpu.triton" in jax.export.export(split_prefix, platforms=["cuda"], disabled_checks=check)(
+            planes, planes, pairs, *([] if init is None else [init])).mlir_module()
     seam = sd((4, 2, 8, dim), jnp.float32)
     span_fold = jax.jit(lambda w, u, kt, d, t, s: cmp.span_fold_pallas(w, u, kt, d, t, s))
     span_args = (seam, seam, seam, sd((4, 2, dim), jnp.float32), pairs, pairs)
