@@ -321,6 +321,22 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks,
     o_ref[...] = lax.fori_loop(1, num_segments, step, acc0)
 
 
+def _split_args(t_hi, t_lo, states_t, config):
+    """Checks split operands (see `split_operands`) and flattens their batch axes: (n, batch shape, T planes
+    [n, B, K, K], S^T [n, B, V, K] float32)."""
+    if config.algorithm != "bf16x3":
+        raise ValueError(f"the split-operand fold computes bf16x3 products, got algorithm {config.algorithm!r}")
+    n, key_dim, value_dim = t_hi.shape[0], t_hi.shape[-1], states_t.shape[-2]
+    if (t_hi.shape != t_lo.shape or t_hi.shape[-2:] != (key_dim, key_dim) or t_hi.shape[:-2] != states_t.shape[:-2]
+            or states_t.shape[-1] != key_dim or t_hi.dtype != jnp.bfloat16 or t_lo.dtype != jnp.bfloat16):
+        raise ValueError(f"split operands disagree: t_hi {t_hi.shape} {t_hi.dtype}, t_lo {t_lo.shape} {t_lo.dtype}, "
+                         f"states_t {states_t.shape} (expected [n, ..., V, K]; see split_operands)")
+    if n < 1:
+        raise ValueError("the split-operand fold needs at least one segment")
+    flat = lambda x, rows: x.reshape((n, -1, rows, key_dim))  # noqa: E731
+    return n, t_hi.shape[1:-2], flat(t_hi, key_dim), flat(t_lo, key_dim), flat(states_t, value_dim).astype(jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
 def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False,
                       config: FoldConfig = FINAL_STATE_CONFIG, interpret: bool = False):
@@ -335,22 +351,8 @@ def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfe
     Measured and not kept (commit 1bdb9d6): L2 eviction hints, and one program per column block holding both its
     state and transfer columns (each T_i loaded once for both: 4.42 ms at best).
     """
-    if config.algorithm != "bf16x3":
-        raise ValueError(f"the split-operand fold computes bf16x3 products, got algorithm {config.algorithm!r}")
-    n = t_hi.shape[0]
-    key_dim = t_hi.shape[-1]
-    value_dim = states_t.shape[-2]
-    if (t_hi.shape != t_lo.shape or t_hi.shape[-2:] != (key_dim, key_dim) or t_hi.shape[:-2] != states_t.shape[:-2]
-            or states_t.shape[-1] != key_dim or t_hi.dtype != jnp.bfloat16 or t_lo.dtype != jnp.bfloat16):
-        raise ValueError(f"split operands disagree: t_hi {t_hi.shape} {t_hi.dtype}, t_lo {t_lo.shape} {t_lo.dtype}, "
-                         f"states_t {states_t.shape} (expected [n, ..., V, K]; see split_operands)")
-    if n < 1:
-        raise ValueError("fold_split_pallas needs at least one segment")
-    batch = t_hi.shape[1:-2]
-    th = t_hi.reshape((n, -1, key_dim, key_dim))
-    tl = t_lo.reshape((n, -1, key_dim, key_dim))
-    s = states_t.reshape((n, -1, value_dim, key_dim)).astype(jnp.float32)
-    b = th.shape[1]
+    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, config)
+    b, value_dim, key_dim = s.shape[1:]
     bw = _block_width(config.block_w, value_dim)
     if with_transfer and key_dim % bw:
         bw = math.gcd(bw, key_dim)
@@ -391,22 +393,8 @@ def prefix_fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, initial_
     Every prefix state of the composition bar's 64 segments x 30 layers x 32 heads: 4.19 ms on the H200 against
     5.49 for `prefix_fold_pallas` on float32 pairs (8 GB read and 4 GB written at 2.9 TB/s).
     """
-    if config.algorithm != "bf16x3":
-        raise ValueError(f"the split-operand fold computes bf16x3 products, got algorithm {config.algorithm!r}")
-    n = t_hi.shape[0]
-    key_dim = t_hi.shape[-1]
-    value_dim = states_t.shape[-2]
-    if (t_hi.shape != t_lo.shape or t_hi.shape[-2:] != (key_dim, key_dim) or t_hi.shape[:-2] != states_t.shape[:-2]
-            or states_t.shape[-1] != key_dim or t_hi.dtype != jnp.bfloat16 or t_lo.dtype != jnp.bfloat16):
-        raise ValueError(f"split operands disagree: t_hi {t_hi.shape} {t_hi.dtype}, t_lo {t_lo.shape} {t_lo.dtype}, "
-                         f"states_t {states_t.shape} (expected [n, ..., V, K]; see split_operands)")
-    if n < 1:
-        raise ValueError("prefix_fold_split_pallas needs at least one segment")
-    batch = t_hi.shape[1:-2]
-    th = t_hi.reshape((n, -1, key_dim, key_dim))
-    tl = t_lo.reshape((n, -1, key_dim, key_dim))
-    s = states_t.reshape((n, -1, value_dim, key_dim)).astype(jnp.float32)
-    b = th.shape[1]
+    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, config)
+    b, value_dim, key_dim = s.shape[1:]
     bw = _block_width(config.block_w, value_dim)
     t_spec = pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0))
     rows = pl.BlockSpec((n, None, bw, key_dim), lambda j, i: (0, i, j, 0))
