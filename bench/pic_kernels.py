@@ -9,8 +9,9 @@ launch variant alone says which parameters to give the engine without a full req
 compiles for minutes). Each list holds every variant timed so far (`bench/RESULTS.md`), best first, so
 --budget-s decides how many run.
 
-Also timed, for the composition bar of the kernel issue: 64 segments x 30 layers x 32 heads of dense pairs, every
-prefix state, at several column widths; and the MoE layer's two grouped matmuls at the request's 576 tokens with
+Also timed, for the composition bar of the kernel issue: 64 segments x 30 layers x 32 heads of dense pairs (the
+composed state, the composed pair, every prefix state; from float32 pairs and from `split_operands`' format), at
+several column widths; and the MoE layer's two grouped matmuls at the request's 576 tokens with
 tiling variants (`pallas.grouped_matmul.GMMConfig`). `--sections` picks which of these run, in that order.
 
     python bench/pic_kernels.py --out DIR          # GPU; one JSON line per variant in DIR/pic_kernels.jsonl
