@@ -5,7 +5,8 @@
 
 Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
 autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
-`PROFILES="default emit" bash bench/h200.sh profile` runs it under ncu (fla: NCU_FLA=1).
+`PROFILES="default emit" bash bench/h200.sh profile` runs it under ncu (fla: NCU_FLA=1). `--impl compose` profiles
+the split-operand composition fold at the composition bar's shape instead (`bash bench/h200.sh ncucompose`).
 """
 
 from __future__ import annotations
@@ -79,14 +80,43 @@ def run_fla(length):
     print("profiled one fla chunk_gated_delta_rule forward", flush=True)
 
 
+def run_compose(kind, segments=64, batch=30 * 32, dim=128):
+    """One warm `fold_split_pallas` at the composition bar's shape: the composed state ("final"), or the pair in
+    the widened or paired layout. T_i = 0.95 I + noise keeps 64-step products in float32's normal range."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax.pallas import compose as cmp
+
+    key_t, key_s = jax.random.split(jax.random.PRNGKey(0))
+    noise = jax.random.normal(key_t, (segments, batch, dim, dim), jnp.float32) * (0.02 / dim**0.5)
+    t = 0.95 * jnp.eye(dim, dtype=jnp.float32) + noise
+    s = jax.random.normal(key_s, (segments, batch, dim, dim), jnp.float32)
+    args = jax.block_until_ready(jax.jit(cmp.split_operands)(t, s))
+    del t, s, noise
+    layout = "widened" if kind == "widened" else "paired"
+    fn = jax.jit(lambda a, b, c: cmp.fold_split_pallas(a, b, c, with_transfer=kind != "final", pair_layout=layout))
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    rt = _cudart()
+    rt.cudaProfilerStart()
+    jax.block_until_ready(fn(*args))
+    rt.cudaProfilerStop()
+    print("profiled one split fold:", kind, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", choices=("pallas", "fla"), default="pallas")
+    ap.add_argument("--impl", choices=("pallas", "fla", "compose"), default="pallas")
+    ap.add_argument("--compose-kind", choices=("final", "widened", "paired"), default="widened",
+                    help="--impl compose: the composed state, or the pair in either layout")
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
     args = ap.parse_args()
     if args.impl == "fla":
         run_fla(args.length)
+    elif args.impl == "compose":
+        run_compose(args.compose_kind)
     else:
         run_pallas(args.length, args.emit)
 
