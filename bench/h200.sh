@@ -10,7 +10,7 @@
 #   bash bench/h200.sh focus     # compose fold variants, GDN per-kernel breakdown
 #   bash bench/h200.sh explore   # chunk-128 launches, composition bar folds, stream overlap under the latency-hiding
 #                                # scheduler
-#   bash bench/h200.sh ncucompose  # Nsight Compute: the split-operand composition fold (state, pair layouts)
+#   bash bench/h200.sh ncucompose  # Nsight Compute: the split-operand composition fold (Triton, Mosaic GPU)
 #   bash bench/h200.sh tensorpipe  # Nsight Compute: tensor-core instruction kinds (gmma / hmma) per GDN kernel
 #   bash bench/h200.sh profile   # fla at 8k/32k/128k, run_all's steps (the default also at 8k and 128k), then
 #                                # Nsight Compute counters of the GDN forward (PROFILES="default emit", NCU_FLA=1)
@@ -164,14 +164,14 @@ case "${1:-}" in
       timeout "${OVERLAP_TIMEOUT:-70}" python3 bench/overlap_gdn.py --out "$OUT" --parts 1,2,4 > "$OUT/overlap.txt" 2>&1
     ;;
   ncucompose)
-    # Nsight Compute on one warm split-operand composition fold at the composition bar's shape: the composed state,
-    # then the pair in the widened and the paired layout (COMPOSE_KINDS), one text report each
-    for kind in ${COMPOSE_KINDS:-final widened paired}; do
+    # Nsight Compute on one warm split-operand composition fold at the composition bar's shape: the composed state
+    # and the pair under Triton, then under Mosaic GPU (COMPOSE_KINDS), one text report each
+    for kind in ${COMPOSE_KINDS:-final pairs mgpu-final mgpu-pairs}; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=" \
         timeout "${NCU_TIMEOUT:-120}" ncu --profile-from-start off --clock-control none --kernel-name regex:compose \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python3 bench/ncu_gdn.py --impl compose --compose-kind "$kind" > "$OUT/ncu_compose_$kind.txt" 2>&1
+        python3 bench/ncu_gdn.py --impl compose --compose-kind "${kind/-/ }" > "$OUT/ncu_compose_$kind.txt" 2>&1
     done
     ;;
   tensorpipe)

@@ -81,12 +81,14 @@ def run_fla(length):
 
 
 def run_compose(kind, segments=64, batch=30 * 32, dim=128):
-    """One warm `fold_split_pallas` at the composition bar's shape: the composed state ("final"), or the pair in
-    the widened or paired layout. T_i = 0.95 I + noise keeps 64-step products in float32's normal range."""
+    """One warm split-operand fold at the composition bar's shape: the composed state ("final") or the pair
+    ("pairs"), under Triton (`fold_split_pallas`) or, with an "mgpu " prefix, Mosaic GPU (`fold_split_mgpu`).
+    T_i = 0.95 I + noise keeps 64-step products in float32's normal range."""
     import jax
     import jax.numpy as jnp
 
     from hypic_jax.pallas import compose as cmp
+    from hypic_jax.pallas import compose_mgpu
 
     key_t, key_s = jax.random.split(jax.random.PRNGKey(0))
     noise = jax.random.normal(key_t, (segments, batch, dim, dim), jnp.float32) * (0.02 / dim**0.5)
@@ -94,8 +96,8 @@ def run_compose(kind, segments=64, batch=30 * 32, dim=128):
     s = jax.random.normal(key_s, (segments, batch, dim, dim), jnp.float32)
     args = jax.block_until_ready(jax.jit(cmp.split_operands)(t, s))
     del t, s, noise
-    layout = "widened" if kind == "widened" else "paired"
-    fn = jax.jit(lambda a, b, c: cmp.fold_split_pallas(a, b, c, with_transfer=kind != "final", pair_layout=layout))
+    fold = compose_mgpu.fold_split_mgpu if kind.startswith("mgpu") else cmp.fold_split_pallas
+    fn = jax.jit(lambda a, b, c: fold(a, b, c, with_transfer=kind.endswith("pairs")))
     for _ in range(3):
         jax.block_until_ready(fn(*args))
     rt = _cudart()
@@ -108,8 +110,8 @@ def run_compose(kind, segments=64, batch=30 * 32, dim=128):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=("pallas", "fla", "compose"), default="pallas")
-    ap.add_argument("--compose-kind", choices=("final", "widened", "paired"), default="widened",
-                    help="--impl compose: the composed state, or the pair in either layout")
+    ap.add_argument("--compose-kind", choices=("final", "pairs", "mgpu final", "mgpu pairs"), default="pairs",
+                    help="--impl compose: the composed state or the pair, under Triton or Mosaic GPU")
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
     args = ap.parse_args()

@@ -24,6 +24,7 @@ HIGHEST reference (`span_fold_reference`), the attention against its float32 pur
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from kernels import compose_pairs, timeit  # noqa: E402
 from hypic_jax import linear_attn as la  # noqa: E402
 from hypic_jax.pallas import attention as pattn  # noqa: E402
 from hypic_jax.pallas import compose as cmp  # noqa: E402
+from hypic_jax.pallas import compose_mgpu as cmp_mgpu  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -68,12 +70,9 @@ def main(argv=None) -> None:
                         choices=["prefix", "span", "moe", "attention", "bar"], help="which kernels to time, in order")
     parser.add_argument("--bar-kinds", nargs="*", default=None,
                         help="composition bar: only these kinds (final, pairs, prefix, 'split final', 'split pairs', "
-                        "'split pairs paired', 'split prefix')")
+                        "'split prefix', 'mgpu final', 'mgpu pairs')")
     parser.add_argument("--split-launches", nargs="*", default=None,
                         help="composition bar, split-operand folds: only these launches, 'block_w,warps,stages'")
-    parser.add_argument("--split-tunes", nargs="*", default=[""],
-                        help="composition bar, split-operand folds: `fold_split_pallas` tune sets to time, each a "
-                        "comma-separated list ('' is the default loop; see compose._split_fold_kernel)")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke test: interpret mode, small shapes, one variant each")
     args = parser.parse_args(argv)
@@ -222,17 +221,19 @@ def main(argv=None) -> None:
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
             # the split-operand fold (`fold_split_pallas` on `split_operands`' format); the rows of its layout and
-            # tuning variants in bench/RESULTS.md ran at commit 1bdb9d6
+            # tuning variants in bench/RESULTS.md ran at commits 1bdb9d6 and 2aa72bc
             launches = [(128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 1), (64, 4, 2)]
             if args.split_launches:
                 launches = [tuple(int(x) for x in launch.split(",")) for launch in args.split_launches]
-            tunes = [tuple(x for x in tune.split(",") if x) for tune in args.split_tunes]
-            split_variants = [(kind, tune, bw, warps, stages)
-                              for kind in ("split final", "split pairs", "split pairs paired")
-                              for bw, warps, stages in launches for tune in tunes]
-            split_variants += [("split prefix", tune, bw, warps, stages)
+            split_variants = [(kind, None, bw, warps, stages) for kind in ("split final", "split pairs")
+                              for bw, warps, stages in launches]
+            split_variants += [("split prefix", None, bw, warps, stages)
                                for bw, warps, stages in (launches if args.split_launches else
-                                                         ((128, 8, 3), (64, 4, 3), (128, 8, 2))) for tune in tunes]
+                                                         ((128, 8, 3), (64, 4, 3), (128, 8, 2)))]
+            # the same fold under the Mosaic GPU lowering (`compose_mgpu.fold_split_mgpu`: 128 rows a block, two
+            # compute warpgroups and a TMA warpgroup; `stages` is its count of T slots, the rest is fixed)
+            split_variants += [(kind, None, 128, 12, stages) for kind in ("mgpu final", "mgpu pairs")
+                               for stages in (2, 1)]
             variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
             split = []
 
@@ -249,26 +250,25 @@ def main(argv=None) -> None:
                     break
                 config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
                 args_in = (t, s)
-                tune = block if kind.startswith("split") else ()  # split rows: the tune set in `block`'s place
+                mosaic = kind.startswith("mgpu")
+                split_fold = functools.partial(cmp_mgpu.fold_split_mgpu, config=cmp_mgpu.MosaicFoldConfig(
+                    stages=stages)) if mosaic else functools.partial(cmp.fold_split_pallas, config=config)
                 if kind == "split prefix":  # every prefix state, returned transposed like the split S
                     args_in = split_inputs()
-                    fn = jax.jit(lambda a, b, c, cfg=config, tu=tune: cmp.prefix_fold_split_pallas(
-                        a, b, c, config=cfg, interpret=interpret, tune=tu))
-                elif kind.startswith("split"):
+                    fn = jax.jit(lambda a, b, c, cfg=config: cmp.prefix_fold_split_pallas(a, b, c, config=cfg,
+                                                                                          interpret=interpret))
+                elif kind.startswith("split") or mosaic:
                     args_in = split_inputs()
-                    layout = "paired" if kind.endswith("paired") else "widened"
-                    fn = jax.jit(lambda a, b, c, cfg=config, p=kind != "split final", lay=layout, tu=tune:
-                                 cmp.fold_split_pallas(a, b, c, with_transfer=p, config=cfg, pair_layout=lay,
-                                                       interpret=interpret, tune=tu)[1][None])
+                    fn = jax.jit(lambda a, b, c, p=not kind.endswith("final"), f=split_fold: f(
+                        a, b, c, with_transfer=p, interpret=interpret)[1][None])
                 elif kind != "prefix":  # pairs: the composed transfer too
                     fn = jax.jit(lambda t, s, c=config, p=kind != "final": cmp.fold_pallas(
                         t, s, with_transfer=p, config=c, interpret=interpret)[1][None])
                 else:
                     fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
                                                                                          interpret=interpret))
-                name = dict(kernel=f"{kind} fold {segments}x{layers}x32 (composition bar)", block_w=bw, warps=warps,
-                            stages=stages, **(dict(tune=",".join(tune)) if kind.startswith("split") else
-                                              dict(block=block)))
+                name = dict(kernel=f"{kind} fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw,
+                            warps=warps, stages=stages)
                 try:
                     ms, compile_s = timeit(fn, *args_in)
                     got = fn(*args_in)[:, 0]  # layer 0 is the unpermuted one
@@ -287,9 +287,8 @@ def main(argv=None) -> None:
                         if kind == "pairs":
                             got_t = cmp.fold_pallas(t[:few, :1], s[:few, :1], config=config, interpret=interpret)[0]
                         else:
-                            got_t = cmp.fold_split_pallas(*(a[:few, :1] for a in args_in), with_transfer=True,
-                                                          config=config, pair_layout=layout, interpret=interpret,
-                                                          tune=tune)[0]
+                            got_t = split_fold(*(a[:few, :1] for a in args_in), with_transfer=True,
+                                               interpret=interpret)[0]
                         extra["T8_err"] = rel(got_t[0], want)
                     log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]), S_worst=worst,
                              compile_s=round(compile_s, 1), **extra))

@@ -148,17 +148,10 @@ def _bf16(x):
     return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
 
 
-@settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 8)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
-       value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_split_fold_is_bf16x3_of_the_pairs(n, batch, key_dim, value_dim, block_w, with_t, seed):
-    """`fold_split_pallas` on `split_operands` equals the same bf16x3 arithmetic done in float64 with explicit
-    bfloat16 roundings (X <- T_hi X_hi + T_hi X_lo + T_lo X_hi + S) within 5e-6 (the kernel accumulates in float32,
-    and a last-bit difference can flip the next step's rounding of X_lo: 1.8e-6 at worst over 12 random cases), and
-    the exact float64 fold to bf16x3's accuracy (1.1e-5 at worst there); the composed transfer likewise. Dropping
-    a correction term would be off by ~1e-3."""
+def _split_fold_case(n, batch, key_dim, value_dim, seed):
+    """Random pairs, their split operands, the fold's bf16x3 arithmetic emulated in float64 with explicit bfloat16
+    roundings (X <- T_hi X_hi + T_hi X_lo + T_lo X_hi + S, the first step a load) and the exact float64 fold:
+    (t, s, split operands, (emulated T, S), (exact T, S))."""
     rng = np.random.default_rng(seed)
     t = (rng.standard_normal((n,) + batch + (key_dim, key_dim)) * 0.9 / np.sqrt(key_dim)).astype(np.float32)
     s = rng.standard_normal((n,) + batch + (key_dim, value_dim)).astype(np.float32)
@@ -177,6 +170,22 @@ def test_split_fold_is_bf16x3_of_the_pairs(n, batch, key_dim, value_dim, block_w
         exact_t, exact_s = t[i] @ exact_t, t[i] @ exact_s + s[i]
         emu_t = th[i] + tl[i] if i == 0 else np.asarray(emulate(emu_t, i), np.float32)  # first step: a load
         emu_s = s[i] if i == 0 else np.asarray(emulate(emu_s, i) + s[i], np.float32)
+    return t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s)
+
+
+@settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 8)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
+       value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_split_fold_is_bf16x3_of_the_pairs(n, batch, key_dim, value_dim, block_w, with_t, seed):
+    """`fold_split_pallas` on `split_operands` equals the same bf16x3 arithmetic done in float64 with explicit
+    bfloat16 roundings (X <- T_hi X_hi + T_hi X_lo + T_lo X_hi + S) within 5e-6 (the kernel accumulates in float32,
+    and a last-bit difference can flip the next step's rounding of X_lo: 1.8e-6 at worst over 12 random cases), and
+    the exact float64 fold to bf16x3's accuracy (1.1e-5 at worst there); the composed transfer likewise. Dropping
+    a correction term would be off by ~1e-3."""
+    t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s) = _split_fold_case(n, batch, key_dim, value_dim,
+                                                                                   seed)
     config = cmp.FoldConfig(block_w=block_w, num_warps=4, num_stages=2)
     got_t, got_s = cmp.fold_split_pallas(t_hi, t_lo, s_t, with_transfer=with_t, config=config, interpret=True)
     assert got_s.shape == s.shape[1:] and rel(got_s, emu_s) < 5e-6 and rel(got_s, exact_s) < 5e-5
@@ -231,6 +240,30 @@ def test_split_operands_round_and_keep_the_rest():
     assert np.max(np.abs(hi - t) / np.abs(t)) < np.max(np.abs(truncated - t) / np.abs(t))
 
 
+@pytest.mark.parametrize("n, batch, value_dim, with_t, stages", [(3, (1,), 128, True, 2), (1, (2,), 128, True, 2),
+                                                                  (4, (1,), 256, False, 1), (5, (1,), 128, True, 3)])
+def test_split_fold_mosaic_gpu_is_bf16x3_of_the_pairs(n, batch, value_dim, with_t, stages):
+    """The Mosaic GPU fold (`compose_mgpu`, Pallas's GPU interpreter: its warpgroups, TMA copies, slots and
+    barriers simulated) gives the emulated bf16x3 fold and the exact one like the Triton fold: one step, several
+    state blocks, more steps than slots, one slot or three. Its transfer starts from the identity instead of
+    loading T_1, which the split reproduces exactly (hi = I, lo = 0)."""
+    from hypic_jax.pallas import compose_mgpu
+
+    key_dim = 128
+    _, s, operands, (emu_t, emu_s), (exact_t, exact_s) = _split_fold_case(n, batch, key_dim, value_dim, seed=n)
+    got_t, got_s = compose_mgpu.fold_split_mgpu(*operands, with_transfer=with_t, interpret=True,
+                                                config=compose_mgpu.MosaicFoldConfig(stages=stages))
+    assert got_s.shape == s.shape[1:] and rel(got_s, emu_s) < 5e-6 and rel(got_s, exact_s) < 5e-5
+    if with_t:
+        assert got_t.shape == batch + (key_dim, key_dim)
+        assert rel(got_t, emu_t) < 5e-6 and rel(got_t, exact_t) < 5e-5
+    else:
+        assert got_t is None
+    # the dispatcher: "auto" on the CPU is the Triton fold, and both agree
+    auto_t, auto_s = cmp.fold_split(*operands, with_transfer=with_t, interpret=True)
+    assert rel(auto_s, got_s) < 5e-6 and (not with_t or rel(auto_t, got_t) < 5e-6)
+
+
 def test_split_fold_rejects_bad_operands():
     t = jnp.zeros((2, 3, 16, 16), jnp.bfloat16)
     s = jnp.zeros((2, 3, 32, 16), jnp.float32)
@@ -240,6 +273,12 @@ def test_split_fold_rejects_bad_operands():
         cmp.fold_split_pallas(t, t, jnp.zeros((2, 3, 16, 32), jnp.float32), interpret=True)  # S not transposed
     with pytest.raises(ValueError, match="split operands disagree"):
         cmp.fold_split_pallas(t.astype(jnp.float32), t, s, interpret=True)
+    from hypic_jax.pallas import compose_mgpu
+
+    with pytest.raises(ValueError, match="multiples of 128"):  # K = 16: no whole 128-row blocks for Mosaic GPU
+        compose_mgpu.fold_split_mgpu(t, t, s, interpret=True)
+    with pytest.raises(ValueError, match="lowering must be one of"):
+        cmp.fold_split(t, t, s, lowering="cuda", interpret=True)
 
 
 @pytest.mark.parametrize("family", ("gated_delta_net", "kda", "gla"))
@@ -720,6 +759,20 @@ def test_kernels_lower_to_triton():
         attend = jax.jit(lambda q, k, v, p, c=config: pattn.positioned_attention(q, k, v, p, scale=0.0625, config=c))
         assert "xla.gpu.triton" in jax.export.export(attend, platforms=["cuda"], disabled_checks=check)(*att_args) \
             .mlir_module()
+
+
+def test_mosaic_gpu_fold_lowers_for_cuda():
+    """The Mosaic GPU fold lowers for CUDA on a CPU-only machine (Mosaic GPU compiles its layouts and transfers
+    while lowering, so this catches what the GPU interpreter does not run: register operands, transposed views,
+    layout casts), with and without the transfer, one slot or two."""
+    from hypic_jax.pallas import compose_mgpu
+
+    sd = jax.ShapeDtypeStruct
+    planes, states = sd((4, 2, 128, 128), jnp.bfloat16), sd((4, 2, 256, 128), jnp.float32)
+    for with_t, stages in ((False, 2), (True, 2), (True, 1)):
+        fold = jax.jit(lambda a, b, c, w=with_t, st=stages: compose_mgpu.fold_split_mgpu(
+            a, b, c, with_transfer=w, config=compose_mgpu.MosaicFoldConfig(stages=st)))
+        assert "mosaic_gpu" in jax.export.export(fold, platforms=["cuda"])(planes, planes, states).mlir_module()
 
 
 def test_linear_attn_impl_dispatch():

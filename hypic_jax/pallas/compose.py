@@ -25,6 +25,8 @@ heads) after it.
 The Pallas folds below run every (layer, head) in one launch. `fold_split_pallas` takes the pairs as
 `split_operands` stores them (T as bfloat16 hi/lo planes, S transposed): the same bf16x3 arithmetic, with T's
 split done once per cache entry instead of in every step, and the running state kept in registers.
+`fold_split` picks between it and the same fold under the Mosaic GPU lowering (`compose_mgpu`, Hopper only),
+which composes the bar's pairs in 3.1 ms against Triton's 4.1 to 4.2.
 """
 
 from __future__ import annotations
@@ -273,7 +275,7 @@ def _dot_t(a, b):
 
 
 def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks, block_w, with_transfer,
-                       every_step=False, has_initial=False, tune=()):
+                       every_step=False, has_initial=False):
     """One (column block j, batch entry) of the fold on split operands at bf16x3.
 
     The program holds X^T [block_w, K] (X: a block of state columns, or of the composed transfer's columns) and
@@ -297,73 +299,28 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks,
     def load_s(i):  # a transfer program's S loads are masked off, so they move no memory
         return pltriton.load(s_ref.at[i], mask=read_s, other=0.0 if with_transfer else None)
 
-    def advance(i, acc, s):
-        if "sfirst" in tune:
-            s = load_s(i)
+    def step(i, acc):
         hi, lo = _split_bf16(acc)
         th, tl = th_ref[i], tl_ref[i]
         # one loop for both kinds of program: one set of prefetch buffers
-        if "sacc" in tune:
-            acc = _dot_t(hi, th) + (_dot_t(hi, tl) + (_dot_t(lo, th) + (s if s is not None else load_s(i))))
-        else:
-            acc = _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + (s if s is not None else load_s(i))
+        acc = _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + load_s(i)
         if every_step:
             o_ref[i] = acc
         return acc
 
-    def run(start, acc0):
-        if "prefetch" not in tune:
-            return lax.fori_loop(start, num_segments, lambda i, acc: advance(i, acc, None), acc0)
-
-        def step(i, carry):  # S_{i+1}'s load is issued a step before its add
-            acc, s = carry
-            s_next = load_s(jnp.minimum(i + 1, num_segments - 1))
-            return advance(i, acc, s), s_next
-
-        return lax.fori_loop(start, num_segments, step, (acc0, load_s(jnp.minimum(start, num_segments - 1))))[0]
-
     if has_initial:  # the prefix fold from a given state (every_step): every step a product
-        run(0, init_ref[...].astype(jnp.float32))
+        lax.fori_loop(0, num_segments, step, init_ref[...].astype(jnp.float32))
         return
     acc0 = load_s(jnp.asarray(0, jnp.int32))
     if every_step:
         o_ref[0] = acc0
-        run(1, acc0)
+        lax.fori_loop(1, num_segments, step, acc0)
         return
     if with_transfer:
         first = pl.ds(jnp.maximum(j - value_blocks, 0) * block_w, block_w)
         t0 = th_ref[0, :, first].astype(jnp.float32) + tl_ref[0, :, first].astype(jnp.float32)  # [K, block_w]
         acc0 = jnp.where(is_state, acc0, t0.T)
-    o_ref[...] = run(1, acc0)
-
-
-def _split_paired_kernel(th_ref, tl_ref, s_ref, o_ref, *, num_segments, block_w, value_dim):
-    """One program of the "paired" pair layout (K == V): program j holds rows of block m = j // 2 of both running
-    values, X^T [block_w, K] whose rows in half j % 2 are state rows (of S^T's block m) and whose other rows are
-    transfer rows (of the composed T^T's block m), stepping all of them as X^T <- X^T T_i^T + S_i^T with S_i's
-    loads masked to the state rows. The two programs of a block then do the same work at the same pace, read the
-    same T_i planes at about the same time, and the second read finds them in L2: the pair moves T once from
-    memory instead of twice (one state program and one slower transfer program drift apart within a few steps)."""
-    key_dim = th_ref.shape[-1]
-    j = pl.program_id(0)
-    m = j // 2
-    rows = lax.broadcasted_iota(jnp.int32, (block_w, key_dim), 0)
-    state_rows = rows // (block_w // 2) == j % 2
-    block = pl.ds(m * block_w, block_w)
-
-    def load_s(i):
-        return pltriton.load(s_ref.at[i, block], mask=state_rows, other=0.0)
-
-    def step(i, acc):
-        hi, lo = _split_bf16(acc)
-        th, tl = th_ref[i], tl_ref[i]
-        return _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + load_s(i)
-
-    first = jnp.asarray(0, jnp.int32)
-    t0 = th_ref[first, :, block].astype(jnp.float32) + tl_ref[first, :, block].astype(jnp.float32)  # [K, bw]
-    acc = lax.fori_loop(1, num_segments, step, jnp.where(state_rows, load_s(first), t0.T))
-    pltriton.store(o_ref.at[block], acc, mask=state_rows)
-    pltriton.store(o_ref.at[pl.ds(value_dim + m * block_w, block_w)], acc, mask=jnp.logical_not(state_rows))
+    o_ref[...] = lax.fori_loop(1, num_segments, step, acc0)
 
 
 def _split_args(t_hi, t_lo, states_t, config):
@@ -382,23 +339,21 @@ def _split_args(t_hi, t_lo, states_t, config):
     return n, t_hi.shape[1:-2], flat(t_hi, key_dim), flat(t_lo, key_dim), flat(states_t, value_dim).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("with_transfer", "config", "pair_layout", "interpret", "tune"))
+@functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
 def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False,
-                      config: FoldConfig = FINAL_STATE_CONFIG, pair_layout: str = "widened",
-                      interpret: bool = False, tune: tuple[str, ...] = ()):
+                      config: FoldConfig = FINAL_STATE_CONFIG, interpret: bool = False):
     """`fold_pallas` at bf16x3 on pairs in the format of `split_operands`: t_hi, t_lo [n, ..., K, K] bfloat16,
     states_t [n, ..., V, K] float32 (S transposed).
 
     Returns (T_n ... T_1 [..., K, K] or None, the state after segment n from zero [..., K, V]), like
     `fold_pallas`, with the same arithmetic: 2.68 to 2.73 ms for the composed state of the composition bar's 64
     segments x 30 layers x 32 heads on the H200 against 3.78 for `fold_pallas` on float32 pairs, 4.11 to 4.19 ms
-    for the pair against 8.00 (bench/RESULTS.md, tenth session). Each (batch entry, column block) is one program;
+    for the pair against 8.00 (bench/RESULTS.md, tenth session); the Mosaic GPU kernel (`fold_split`,
+    `compose_mgpu`) is faster still on Hopper. Each (batch entry, column block) is one program;
     with the transfer, programs past the state columns run the same loop from the identity's columns.
     Measured and not kept (commit 1bdb9d6): L2 eviction hints, and one program per column block holding both its
     state and transfer columns (each T_i loaded once for both: 4.42 ms at best).
     """
-    if pair_layout not in ("paired", "widened"):
-        raise ValueError(f"pair_layout must be 'paired' or 'widened', got {pair_layout!r}")
     n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, config)
     b, value_dim, key_dim = s.shape[1:]
     bw = _block_width(config.block_w, value_dim)
@@ -407,35 +362,54 @@ def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfe
     value_blocks = value_dim // bw
     width = value_dim + (key_dim if with_transfer else 0)
     t_spec = pl.BlockSpec((n, None, key_dim, key_dim), lambda j, i: (0, i, 0, 0))
-    params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-    if with_transfer and pair_layout == "paired" and key_dim == value_dim and bw % 2 == 0:
-        out = pl.pallas_call(
-            functools.partial(_split_paired_kernel, num_segments=n, block_w=bw, value_dim=value_dim),
-            grid=(2 * value_blocks, b),
-            in_specs=[t_spec, t_spec, pl.BlockSpec((n, None, value_dim, key_dim), lambda j, i: (0, i, 0, 0))],
-            out_specs=pl.BlockSpec((None, width, key_dim), lambda j, i: (i, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((b, width, key_dim), jnp.float32),
-            compiler_params=params,
-            interpret=interpret,
-            name="compose_split_paired_fold",
-        )(th, tl, s)
-    else:
-        s_spec = pl.BlockSpec((n, None, bw, key_dim), lambda j, i: (0, i, jnp.minimum(j, value_blocks - 1), 0))
-        out = pl.pallas_call(
-            functools.partial(_split_fold_kernel, num_segments=n, value_blocks=value_blocks, block_w=bw,
-                              with_transfer=with_transfer, tune=tune),
-            grid=(width // bw, b),
-            in_specs=[t_spec, t_spec, s_spec],
-            out_specs=pl.BlockSpec((None, bw, key_dim), lambda j, i: (i, j, 0)),
-            out_shape=jax.ShapeDtypeStruct((b, width, key_dim), jnp.float32),
-            compiler_params=params,
-            interpret=interpret,
-            name="compose_split_fold",
-        )(th, tl, s)
+    s_spec = pl.BlockSpec((n, None, bw, key_dim), lambda j, i: (0, i, jnp.minimum(j, value_blocks - 1), 0))
+    out = pl.pallas_call(
+        functools.partial(_split_fold_kernel, num_segments=n, value_blocks=value_blocks, block_w=bw,
+                          with_transfer=with_transfer),
+        grid=(width // bw, b),
+        in_specs=[t_spec, t_spec, s_spec],
+        out_specs=pl.BlockSpec((None, bw, key_dim), lambda j, i: (i, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, width, key_dim), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="compose_split_fold",
+    )(th, tl, s)
     out = jnp.swapaxes(out, -1, -2)  # X^T -> X
     state = out[..., :value_dim].reshape(batch + (key_dim, value_dim))
     transfer = out[..., value_dim:].reshape(batch + (key_dim, key_dim)) if with_transfer else None
     return transfer, state
+
+
+LOWERINGS = ("auto", "mosaic", "triton")
+
+
+def _hopper() -> bool:
+    """Whether JAX's default device is a Hopper GPU (compute capability 9.x), which the Mosaic GPU kernels need."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def fold_split(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False, lowering: str = "auto",
+               interpret: bool = False):
+    """The split-operand fold (arguments and results of `fold_split_pallas`) with its lowering chosen.
+
+    lowering: "mosaic" (`compose_mgpu.fold_split_mgpu`: Hopper, K and V multiples of 128), "triton"
+    (`fold_split_pallas`), or "auto": Mosaic GPU on a Hopper GPU where the shapes allow it, Triton otherwise. At the
+    composition bar's shape on the H200 (bench/RESULTS.md, eleventh session) Mosaic GPU takes 1.97 ms for the
+    composed state and 3.09 ms for the pair, Triton 2.69 to 2.76 and 4.10 to 4.25: Triton waits out each of a
+    step's three products and passes the running value's planes through shared memory, where the Mosaic GPU kernel
+    issues the three into one accumulator from registers and streams T and S with the TMA engine.
+    """
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+    from hypic_jax.pallas import compose_mgpu  # the Mosaic GPU kernel builds on this module
+
+    if lowering == "auto":
+        fits = compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2])
+        lowering = "mosaic" if fits and not interpret and _hopper() else "triton"
+    if lowering == "mosaic":
+        return compose_mgpu.fold_split_mgpu(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
+    return fold_split_pallas(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
 
 
 # The launch of `prefix_fold_split_pallas` measured fastest at the composition bar's shape (bench/RESULTS.md, tenth
@@ -443,10 +417,9 @@ def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfe
 PREFIX_SPLIT_CONFIG = FoldConfig(block_w=64, num_warps=4, num_stages=3)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "tune"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def prefix_fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, initial_state: Array | None = None, *,
-                             config: FoldConfig = PREFIX_SPLIT_CONFIG, interpret: bool = False,
-                             tune: tuple[str, ...] = ()) -> Array:
+                             config: FoldConfig = PREFIX_SPLIT_CONFIG, interpret: bool = False) -> Array:
     """`prefix_fold_pallas` at bf16x3 on pairs in the format of `split_operands`: the state after each of the n
     segments, S_i = T_i S_{i-1} + S(C_i|0) from `initial_state` [..., K, V] (zeros if None).
 
@@ -469,7 +442,7 @@ def prefix_fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, initial_
         in_specs.append(pl.BlockSpec((None, bw, key_dim), lambda j, i: (i, j, 0)))
     out = pl.pallas_call(
         functools.partial(_split_fold_kernel, num_segments=n, value_blocks=value_dim // bw, block_w=bw,
-                          with_transfer=False, every_step=True, has_initial=initial_state is not None, tune=tune),
+                          with_transfer=False, every_step=True, has_initial=initial_state is not None),
         grid=(value_dim // bw, b),
         in_specs=in_specs,
         out_specs=rows,
@@ -481,7 +454,8 @@ def prefix_fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, initial_
     return out.reshape((n,) + batch + (value_dim, key_dim))
 
 
-__all__ += ["split_operands", "fold_split_pallas", "PREFIX_SPLIT_CONFIG", "prefix_fold_split_pallas"]
+__all__ += ["split_operands", "fold_split_pallas", "LOWERINGS", "fold_split", "PREFIX_SPLIT_CONFIG",
+            "prefix_fold_split_pallas"]
 
 
 def _block_width(block_w: int, width: int) -> int:

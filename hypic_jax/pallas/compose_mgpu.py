@@ -1,0 +1,223 @@
+"""The split-operand fold (`compose.fold_split_pallas`) written for Pallas's Mosaic GPU lowering (Hopper).
+
+Why a second lowering: Nsight Compute on the Triton fold (bench/RESULTS.md, eleventh session) shows each step's
+three bf16 products issued as three warpgroup-MMA groups with a full wait after each (Triton waits on every dot
+whose result is not a loop-carried accumulator), and the running value's bf16 planes passed to the next step's MMA
+through shared memory. Here the kernel states the schedule itself:
+
+- one block per (batch entry, 128 rows of X^T), X being the state (rows < V of the output) or the composed
+  transfer (rows >= V); two compute warpgroups hold 64 rows each in registers, split them into bf16 hi/lo planes in
+  registers (the planes are the MMAs' left operands, read from registers), and issue the three products of a step
+  into one accumulator initialised with S_i^T, then wait once;
+- a third warpgroup streams the operands with the TMA engine: T_i's planes into `stages` shared-memory slots
+  (64 KiB a slot at K = 128), S_i^T into one slot (64 KiB of float32; it is read into registers at the start of a
+  step and its slot refilled while the products run), each slot guarded by a ready and a consumed barrier.
+
+The arithmetic is `fold_split_pallas`'s bf16x3 (X^T <- lo T^T + hi T_lo^T + hi T_hi^T + S^T, the running value
+rounded to its bf16 planes), except that the state starts from zero and the transfer from the identity instead of
+loading the first pair (one more step, 1/n more products), so results agree to float32 rounding. Interpret mode
+(`interpret=True`) runs it on the CPU through Pallas's GPU interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from hypic_jax.pallas.compose import FoldConfig, _split_args
+
+__all__ = ["MosaicFoldConfig", "fold_split_mgpu", "supported"]
+
+_ROWS = 64  # rows of X^T per compute warpgroup (the warpgroup MMA's M)
+_WARPGROUPS = 2  # compute warpgroups per block
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicFoldConfig:
+    """stages: shared-memory slots for T_i's planes (two fit beside S's slot at K = 128: 2 x 64 + 64 KiB);
+    compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups
+    (2 x 128 x 232 + 128 x 40 fills the 64 Ki registers of an SM)."""
+
+    stages: int = 2
+    compute_registers: int = 232
+    memory_registers: int = 40
+
+
+def supported(key_dim: int, value_dim: int) -> bool:
+    """Shapes the kernel takes: whole 128-row blocks of both S^T and T^T, and 128-byte rows of bf16 tiles."""
+    block = _ROWS * _WARPGROUPS
+    return key_dim % block == 0 and value_dim % block == 0
+
+
+def _fold_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_ready_lo, s_ready, t_used, s_used,
+                 *a_s, num_segments, value_dim, stages, compute_registers, memory_registers):
+    """Block (rb, c): rows [rb * 128, rb * 128 + 128) of X^T, of the state (rb * 128 < V) or of the transfer.
+
+    A state block starts from S_0 (a load) and steps i = 1 .. n-1 with S_i; a transfer block starts from the
+    identity's rows (loaded from `eye_g`) and steps i = 0 .. n-1 without S. The two kinds run separate loops, so
+    neither has a data-dependent select or a scalar broadcast inside (Mosaic GPU's warpgroup semantics take
+    neither), and transfer blocks move no S.
+
+    a_s, given for the GPU interpreter only: shared memory for the running value's planes. The interpreter takes an
+    MMA's left operand from shared memory only and has no transposed right operand, so there the planes pass through
+    a_s and T's planes arrive transposed; on the GPU the planes stay in registers and the MMA reads T^T through a
+    transposed view of T's slot."""
+    block = _ROWS * _WARPGROUPS
+    rb, c = lax.axis_index("rb"), lax.axis_index("c")
+    wg = lax.axis_index("wg")
+    is_state = rb * block < value_dim
+    n = num_segments
+
+    def compute(first):
+        """first: the first T index the loop applies (1 for a state block, 0 for a transfer block)."""
+        rows = pl.ds(wg * _ROWS, _ROWS)
+        plgpu.barrier_wait(s_ready.at[0])  # S_0, or the identity's rows
+        acc0 = s_s[rows]
+        plgpu.barrier_arrive(s_used.at[0])
+
+        def step(i, acc):
+            slot = lax.rem(i - first, stages)
+            if first:
+                plgpu.barrier_wait(s_ready.at[0])
+                s = s_s[rows]
+                plgpu.barrier_arrive(s_used.at[0])
+            hi = acc.astype(jnp.bfloat16)
+            lo = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+            plgpu.barrier_wait(t_ready_hi.at[slot])
+            plgpu.barrier_wait(t_ready_lo.at[slot])
+            if a_s:  # the interpreter's T planes arrive transposed
+                th, tl = th_s.at[slot], tl_s.at[slot]
+            else:
+                th = plgpu.transpose_ref(th_s.at[slot], (1, 0))
+                tl = plgpu.transpose_ref(tl_s.at[slot], (1, 0))
+
+            if a_s:
+                a_s[0].at[wg, 0][...] = lo
+                a_s[0].at[wg, 1][...] = hi
+                plgpu.commit_smem()
+                lo, hi = a_s[0].at[wg, 0], a_s[0].at[wg, 1]
+
+            def products(acc_ref):
+                plgpu.wgmma(acc_ref, lo, th)
+                plgpu.wgmma(acc_ref, hi, tl)
+                plgpu.wgmma(acc_ref, hi, th)
+                return acc_ref[...]
+
+            out = pl.run_scoped(products, plgpu.ACC((_ROWS, th_s.shape[-1]), jnp.float32))
+            plgpu.barrier_arrive(t_used.at[slot])
+            return out + s if first else out
+
+        acc = lax.fori_loop(first, n, step, acc0)
+        s_s[rows] = acc  # no S load is pending: the slot stages the output
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_s.at[rows], o_g.at[c, pl.ds(rb * block + wg * _ROWS, _ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def memory(first):
+        def load_t(t):
+            slot = lax.rem(t - first, stages)
+            plgpu.copy_gmem_to_smem(th_g.at[t, c], th_s.at[slot], t_ready_hi.at[slot])
+            plgpu.copy_gmem_to_smem(tl_g.at[t, c], tl_s.at[slot], t_ready_lo.at[slot])
+
+        def refill_t(t):  # T_t into the slot of T_{t - stages}, once that step is done
+            @pl.when(jnp.logical_and(t >= first + stages, t < n))
+            def _():
+                plgpu.barrier_wait(t_used.at[lax.rem(t - first, stages)])
+                load_t(t)
+
+        if first:
+            plgpu.copy_gmem_to_smem(s_g.at[0, c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
+        else:
+            plgpu.copy_gmem_to_smem(eye_g.at[pl.ds(rb * block - value_dim, block)], s_s, s_ready.at[0])
+        for t in range(first, min(first + stages, n)):
+            load_t(jnp.asarray(t, jnp.int32))
+        if first:
+            @pl.loop(1, n)
+            def _(i):  # S_i once S_{i-1} is read, then T_{i + stages - 1} once T_{i-1}'s step is done
+                plgpu.barrier_wait(s_used.at[0])
+                plgpu.copy_gmem_to_smem(s_g.at[i, c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
+                refill_t(i + stages - 1)
+        else:
+            @pl.loop(stages, max(n, stages))
+            def _(t):
+                refill_t(t)
+        # drain: wait out each barrier's last phase (the last S read, each slot's last step), so the block ends with
+        # every arrival observed
+        plgpu.barrier_wait(s_used.at[0])
+        for slot in range(min(stages, n - first)):
+            plgpu.barrier_wait(t_used.at[slot])
+
+    @pl.when(wg < _WARPGROUPS)
+    def _compute():
+        plgpu.set_max_registers(compute_registers, action="increase")
+        pl.when(is_state)(lambda: compute(1))
+        pl.when(jnp.logical_not(is_state))(lambda: compute(0))
+
+    @pl.when(wg == _WARPGROUPS)
+    def _memory():
+        plgpu.set_max_registers(memory_registers, action="decrease")
+        pl.when(is_state)(lambda: memory(1))
+        pl.when(jnp.logical_not(is_state))(lambda: memory(0))
+
+
+def _gpu_interpreter():
+    """Pallas's GPU interpreter (threads, shared memory, barriers and TMA simulated on the CPU); JAX exports its
+    parameters class from no public module yet."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+@functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
+def fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False,
+                    config: MosaicFoldConfig = MosaicFoldConfig(), interpret: bool = False):
+    """`compose.fold_split_pallas` (same arguments and results) under the Mosaic GPU lowering; K and V multiples of
+    128 (`supported`)."""
+    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
+    b, value_dim, key_dim = s.shape[1:]
+    if not supported(key_dim, value_dim):
+        raise ValueError(f"fold_split_mgpu needs K and V multiples of {_ROWS * _WARPGROUPS}, got K {key_dim}, "
+                         f"V {value_dim}")
+    block = _ROWS * _WARPGROUPS
+    width = value_dim + (key_dim if with_transfer else 0)
+    tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    stages = config.stages
+    scratch = [
+        plgpu.SMEM((stages, key_dim, key_dim), jnp.bfloat16, transforms=tile),
+        plgpu.SMEM((stages, key_dim, key_dim), jnp.bfloat16, transforms=tile),
+        plgpu.SMEM((block, key_dim), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),
+                                                               plgpu.SwizzleTransform(128))),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=_WARPGROUPS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_WARPGROUPS, num_barriers=1),
+    ]
+    if interpret:
+        scratch.append(plgpu.SMEM((_WARPGROUPS, 2, _ROWS, key_dim), jnp.bfloat16, transforms=tile))
+    kernel = plgpu.kernel(
+        functools.partial(_fold_kernel, num_segments=n, value_dim=value_dim, stages=stages,
+                          compute_registers=config.compute_registers, memory_registers=config.memory_registers),
+        out_type=jax.ShapeDtypeStruct((b, width, key_dim), jnp.float32),
+        grid=(width // block, b),
+        grid_names=("rb", "c"),
+        num_threads=_WARPGROUPS + 1,
+        thread_name="wg",
+        kernel_name="compose_mgpu_fold",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(),
+        interpret=_gpu_interpreter() if interpret else False,
+    )
+    eye = jnp.eye(key_dim, dtype=jnp.float32)  # the transfer blocks' first rows
+    if interpret:
+        th, tl = jnp.swapaxes(th, -1, -2), jnp.swapaxes(tl, -1, -2)
+    out = jnp.swapaxes(kernel(th, tl, s, eye), -1, -2)  # X^T -> X
+    state = out[..., :value_dim].reshape(batch + (key_dim, value_dim))
+    transfer = out[..., value_dim:].reshape(batch + (key_dim, key_dim)) if with_transfer else None
+    return transfer, state
