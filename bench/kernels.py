@@ -783,6 +783,9 @@ def step_variants():
         # the default launch since the eighth session: the state pass's small loads one step ahead
         "tile c64 lw4 prefetch": (C(**{**c64, "state_prefetch": True}), False, False),
         "tile c64 lw4 prefetch +TS group64": (C(**{**c64, "state_prefetch": True}, transfer_group=64), True, False),
+        # the same with the state pass under Mosaic GPU (`gdn_mgpu.state_pass_mgpu`)
+        "tile c64 lw4 mosaic": (C(**c64, state_lowering="mosaic"), False, False),
+        "tile c64 lw4 mosaic +TS group64": (C(**c64, state_lowering="mosaic", transfer_group=64), True, False),
         # the same with q, k, v zero-padded to whole chunks when L is not a multiple of 64 (before packed reads)
         "tile c64 lw4 prefetch pad": (C(**{**c64, "state_prefetch": True}, packed_reads=False), False, False),
         "tile c64 lw4 prefetch +TS group64 pad": (C(**{**c64, "state_prefetch": True}, transfer_group=64,
@@ -897,9 +900,16 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         record("steps", f"locals only: {name}", locals_fn, args)
         b, p, w, u, ks, qs = locals_fn(*args)
         init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
-        state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
-            w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale,
-            config=cfg, interpret=INTERPRET))
+        if cfg.state_lowering == "mosaic":
+            from hypic_jax.pallas import gdn_mgpu
+
+            state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn_mgpu.state_pass_mgpu(
+                w, u, k, b, q, p, init[0], chunk=cfg.chunk, out_dtype=jnp.bfloat16, scale=scale,
+                interpret=INTERPRET))
+        else:
+            state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
+                w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,
+                scale=scale, config=cfg, interpret=INTERPRET))
         record("steps", f"state pass only: {name}", state_fn, (w, u, ks, b, qs, p, init))
         if cfg.transfer_group:
             transfer_fn = jax.jit(lambda w, k, b, cfg=cfg: gdn._transfer_pass(

@@ -775,6 +775,53 @@ def test_mosaic_gpu_fold_lowers_for_cuda():
         assert "mosaic_gpu" in jax.export.export(fold, platforms=["cuda"])(planes, planes, states).mlir_module()
 
 
+@pytest.mark.parametrize("length, heads, key_heads, value_dim, seed", [(128, 2, 1, 128, 0), (192, 2, 2, 64, 1)])
+def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, value_dim, seed):
+    """The state pass under Mosaic GPU (`gdn_mgpu`, Pallas's GPU interpreter) gives the Triton state pass's outputs
+    and final state on the same chunk-local operands (bf16 state dots in both: within their rounding), with more
+    chunks than slots, grouped key heads and an initial state."""
+    from hypic_jax.pallas import gdn_mgpu
+
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)  # noqa: E731
+    c, key_dim = 64, 128
+    w, u = f(length, heads, key_dim).astype(jnp.bfloat16), f(length, heads, value_dim).astype(jnp.bfloat16)
+    k, q = (f(length, key_heads, key_dim).astype(jnp.bfloat16) for _ in range(2))
+    gates = -rng.uniform(0, 0.1, (heads, length // c, c)).astype(np.float32)
+    b = jnp.asarray(np.cumsum(gates, -1).reshape(heads, length))
+    p = (f(heads, length, c) * 0.3).astype(jnp.bfloat16)
+    init = f(heads, key_dim, value_dim)
+    o, final = gdn_mgpu.state_pass_mgpu(w, u, k, b, q, p, init, chunk=c, out_dtype=jnp.bfloat16, scale=0.09,
+                                        interpret=True)
+    config = GDNConfig().resolved(jnp.bfloat16)
+    ref_o, ref_final = gdn._state_pass(w, u, k, b, q, p, init[None], chunk=c, pieces=1, value_dim=value_dim,
+                                       out_dtype=jnp.bfloat16, scale=0.09, config=config, interpret=True)
+    assert o.shape == ref_o.shape and o.dtype == jnp.bfloat16 and rel(o, ref_o) < 1e-3
+    assert rel(final, ref_final[0]) < 1e-3
+
+
+def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
+    """`GDNConfig(state_lowering="mosaic")` lowers the forward for CUDA on the CPU (the Mosaic GPU state pass beside
+    the Triton chunk-local kernel, with and without (T, S)), and refuses launches the kernel does not take."""
+    sd = jax.ShapeDtypeStruct
+    length, dim = 256, 128
+    args = (sd((length, 16, dim), jnp.bfloat16), sd((length, 16, dim), jnp.bfloat16),
+            sd((length, 32, dim), jnp.bfloat16), sd((length, 32), jnp.float32), sd((length, 32), jnp.float32))
+    config = GDNConfig(state_lowering="mosaic")
+    for emit in (False, True):
+        fn = jax.jit(lambda q, k, v, g, b, e=emit: _forward(q, k, v, g, b, None, scale=dim**-0.5, config=config,
+                                                            emit_summary=e, interpret=False))
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+        assert "mosaic_gpu" in text and "xla.gpu.triton" in text
+    q, k, v, g, beta = inputs(100, key_heads=1, heads=2, dim=128, dtype=jnp.bfloat16)
+    for bad in (GDNConfig(state_lowering="mosaic", chunk=32), GDNConfig(state_lowering="mosaic", pieces=2)):
+        with pytest.raises(ValueError, match="state_lowering|Triton state pass"):
+            gdn_forward(q, k, v, g=g, beta=beta, config=bad, interpret=True)
+    with pytest.raises(ValueError, match="state_lowering must be one of"):
+        GDNConfig(state_lowering="cuda")
+
+
 def test_linear_attn_impl_dispatch():
     q, k, v, g, beta = inputs(21, key_heads=2, seed=6)
     o, s = la.chunked(q, k, v, g=g, beta=beta, impl="pallas", chunk_size=16)

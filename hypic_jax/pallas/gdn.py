@@ -134,6 +134,9 @@ _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
 _SOLVES = ("rows", "doubling", "tile")
 
 
+_STATE_LOWERINGS = ("triton", "mosaic")
+
+
 @dataclasses.dataclass(frozen=True)
 class GDNConfig:
     """Tuning knobs of the chunked forward (hashable: it is a static argument).
@@ -161,6 +164,10 @@ class GDNConfig:
       error from 4.5e-3 to 4.6e-3 (random keys) and 1.27e-2 to 1.31e-2 (keys 90% correlated), i.e. the inverse's
       precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
+    state_lowering: "triton", or "mosaic" for `gdn_mgpu.state_pass_mgpu` (Hopper; a direct launch with scalar
+      gates, the delta rule, chunk 64, K = 128, whole chunks, (T, S) not widened). Triton stays the default: on the
+      H200 at 32k the two state passes take 0.735 and 0.709 ms, the forwards 1.415 and 1.436 (bench/RESULTS.md,
+      eleventh session), and Triton's runs every family and layout.
     state_prefetch: the state pass issues each step's decay and segment-table loads one step ahead, carried in the
       loop. Triton's software pipeline prefetches the tiles that feed dots; these small loads feed only
       elementwise work, and without the carry each step may wait on one before its first product. On the H200
@@ -203,6 +210,7 @@ class GDNConfig:
     state_stages: int = 3
     state_prefetch: bool = True
     packed_reads: bool = True
+    state_lowering: str = "triton"
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -217,6 +225,8 @@ class GDNConfig:
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
+        if self.state_lowering not in _STATE_LOWERINGS:
+            raise ValueError(f"state_lowering must be one of {_STATE_LOWERINGS}, got {self.state_lowering!r}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
             if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
@@ -945,6 +955,21 @@ def _log_transfer(g, gk, seg_ids=None, n_seg=None):
     return form, log
 
 
+def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen) -> bool:
+    """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`); a launch the
+    Mosaic GPU kernel cannot take is refused, not silently run under Triton."""
+    if config.state_lowering == "triton":
+        return False
+    from hypic_jax.pallas import gdn_mgpu
+
+    if not (w is not None and gk is None and packed is None and not widen
+            and gdn_mgpu.supported(chunk, key_dim, value_dim)):
+        raise ValueError("state_lowering='mosaic' takes a direct launch with scalar gates, the delta rule, chunk 64, "
+                         f"K 128, V a multiple of 64, whole chunks and (T, S) from the transfer pass; got chunk "
+                         f"{chunk}, K {key_dim}, V {value_dim}")
+    return True
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "config", "emit_summary", "interpret"))
 def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_summary, interpret):
     length, key_heads, key_dim = k.shape
@@ -981,8 +1006,14 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
     if pieces == 1:
         widen = dense_summary and not config.transfer_group
         init = jnp.concatenate([state0, eye], axis=-1) if widen else state0
-        o, final = run(w, u, ks, b, qs, p, init[None], pieces=1)
-        final = final[0]
+        if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen):
+            from hypic_jax.pallas import gdn_mgpu
+
+            o, final = gdn_mgpu.state_pass_mgpu(w, u, ks, b, qs, p, init, chunk=chunk, out_dtype=out_dtype,
+                                                scale=scale, interpret=interpret)
+        else:
+            o, final = run(w, u, ks, b, qs, p, init[None], pieces=1)
+            final = final[0]
         state = final[..., :value_dim]
         if dense_summary:
             if widen:
@@ -993,6 +1024,8 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
             zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
             summary = la.Summary("dense", zero_start, transfer)
     else:
+        if config.state_lowering != "triton":
+            raise ValueError("pieces > 1 run the Triton state pass only (GDNConfig.state_lowering='triton')")
         widened0 = jnp.broadcast_to(jnp.concatenate([jnp.zeros_like(state0), eye], axis=-1),
                                     (pieces, heads, key_dim, value_dim + key_dim))
         _, pairs = run(w, u, ks, b, None, None, widened0, pieces=pieces)
@@ -1201,6 +1234,8 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     gp, gkp, betap = map(gather, (g, gk, beta))
     b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret,
                                  packed=packed)
+    if config.state_lowering != "triton":
+        raise ValueError("gdn_varlen runs the Triton state pass only (GDNConfig.state_lowering='triton')")
     init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     if dense and not group:
         init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
