@@ -70,7 +70,7 @@ def main(argv=None) -> None:
                         choices=["prefix", "span", "moe", "attention", "bar"], help="which kernels to time, in order")
     parser.add_argument("--bar-kinds", nargs="*", default=None,
                         help="composition bar: only these kinds (final, pairs, prefix, 'split final', 'split pairs', "
-                        "'split prefix', 'mgpu final', 'mgpu pairs')")
+                        "'split prefix', 'mgpu final', 'mgpu pairs', 'mgpu prefix')")
     parser.add_argument("--split-launches", nargs="*", default=None,
                         help="composition bar, split-operand folds: only these launches, 'block_w,warps,stages'")
     parser.add_argument("--small", action="store_true",
@@ -233,7 +233,7 @@ def main(argv=None) -> None:
             # the same fold under the Mosaic GPU lowering (`compose_mgpu.fold_split_mgpu`: 128 rows a block, two
             # compute warpgroups and a TMA warpgroup; `stages` is its count of T slots, the rest is fixed)
             split_variants += [(kind, None, 128, 12, stages) for kind in ("mgpu final", "mgpu pairs")
-                               for stages in (2, 1)]
+                               for stages in (2, 1)] + [("mgpu prefix", None, 128, 12, 1)]
             variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
             split = []
 
@@ -257,6 +257,10 @@ def main(argv=None) -> None:
                     args_in = split_inputs()
                     fn = jax.jit(lambda a, b, c, cfg=config: cmp.prefix_fold_split_pallas(a, b, c, config=cfg,
                                                                                           interpret=interpret))
+                elif kind == "mgpu prefix":
+                    args_in = split_inputs()
+                    fn = jax.jit(lambda a, b, c, st=stages: cmp_mgpu.prefix_fold_split_mgpu(
+                        a, b, c, config=cmp_mgpu.MosaicFoldConfig(stages=st), interpret=interpret))
                 elif kind.startswith("split") or mosaic:
                     args_in = split_inputs()
                     fn = jax.jit(lambda a, b, c, p=not kind.endswith("final"), f=split_fold: f(
@@ -272,7 +276,7 @@ def main(argv=None) -> None:
                 try:
                     ms, compile_s = timeit(fn, *args_in)
                     got = fn(*args_in)[:, 0]  # layer 0 is the unpermuted one
-                    if kind == "split prefix":
+                    if kind in ("split prefix", "mgpu prefix"):
                         got = jnp.swapaxes(got, -1, -2)
                     worst = rel(got[-1], ref_states[-1]) if not kind.endswith("prefix") else max(
                         rel(got[i], ref_states[i]) for i in range(segments))

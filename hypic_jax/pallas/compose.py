@@ -25,8 +25,9 @@ heads) after it.
 The Pallas folds below run every (layer, head) in one launch. `fold_split_pallas` takes the pairs as
 `split_operands` stores them (T as bfloat16 hi/lo planes, S transposed): the same bf16x3 arithmetic, with T's
 split done once per cache entry instead of in every step, and the running state kept in registers.
-`fold_split` picks between it and the same fold under the Mosaic GPU lowering (`compose_mgpu`, Hopper only),
-which composes the bar's pairs in 3.1 ms against Triton's 4.1 to 4.2.
+`fold_split` and `prefix_fold_split` pick between them and the same folds under the Mosaic GPU lowering
+(`compose_mgpu`, Hopper only), which composes the bar's pairs in 3.0 ms against Triton's 4.1 to 4.2 and writes every
+prefix state in 3.0 ms against 4.2.
 """
 
 from __future__ import annotations
@@ -454,8 +455,25 @@ def prefix_fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, initial_
     return out.reshape((n,) + batch + (value_dim, key_dim))
 
 
+def prefix_fold_split(t_hi: Array, t_lo: Array, states_t: Array, initial_state: Array | None = None, *,
+                      lowering: str = "auto", interpret: bool = False) -> Array:
+    """Every prefix state on split operands (arguments and result of `prefix_fold_split_pallas`) with its lowering
+    chosen as in `fold_split`. At the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session):
+    Mosaic GPU 2.98 ms (8 GB read and 4 GB written at 97% of the measured bandwidth), Triton 4.20."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+    from hypic_jax.pallas import compose_mgpu  # the Mosaic GPU kernel builds on this module
+
+    if lowering == "auto":
+        fits = compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2])
+        lowering = "mosaic" if fits and not interpret and _hopper() else "triton"
+    if lowering == "mosaic":
+        return compose_mgpu.prefix_fold_split_mgpu(t_hi, t_lo, states_t, initial_state, interpret=interpret)
+    return prefix_fold_split_pallas(t_hi, t_lo, states_t, initial_state, interpret=interpret)
+
+
 __all__ += ["split_operands", "fold_split_pallas", "LOWERINGS", "fold_split", "PREFIX_SPLIT_CONFIG",
-            "prefix_fold_split_pallas"]
+            "prefix_fold_split_pallas", "prefix_fold_split"]
 
 
 def _block_width(block_w: int, width: int) -> int:

@@ -32,7 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from hypic_jax.pallas.compose import FoldConfig, _split_args
 
-__all__ = ["MosaicFoldConfig", "fold_split_mgpu", "supported"]
+__all__ = ["MosaicFoldConfig", "fold_split_mgpu", "PREFIX_CONFIG", "prefix_fold_split_mgpu", "supported"]
 
 _ROWS = 64  # rows of X^T per compute warpgroup (the warpgroup MMA's M)
 _WARPGROUPS = 2  # compute warpgroups per block
@@ -55,35 +55,49 @@ def supported(key_dim: int, value_dim: int) -> bool:
     return key_dim % block == 0 and value_dim % block == 0
 
 
-def _fold_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_ready_lo, s_ready, t_used, s_used,
-                 *a_s, num_segments, value_dim, stages, compute_registers, memory_registers):
+def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_ready_lo, s_ready, t_used, s_used,
+                 *extra, num_segments, value_dim, stages, compute_registers, memory_registers, every_step,
+                 has_initial, interpret):
     """Block (rb, c): rows [rb * 128, rb * 128 + 128) of X^T, of the state (rb * 128 < V) or of the transfer.
 
-    A state block starts from S_0 (a load) and steps i = 1 .. n-1 with S_i; a transfer block starts from the
-    identity's rows (loaded from `eye_g`) and steps i = 0 .. n-1 without S. The two kinds run separate loops, so
-    neither has a data-dependent select or a scalar broadcast inside (Mosaic GPU's warpgroup semantics take
-    neither), and transfer blocks move no S.
+    A state block starts from S_0 (a load) and steps i = 1 .. n-1 with S_i, or with `has_initial` from the given
+    state's rows (x0_g [B, V, K]) and steps i = 0 .. n-1; a transfer block starts from the identity's rows (x0_g
+    [K, K]) and steps i = 0 .. n-1 without S. The two kinds run separate loops, so neither has a data-dependent
+    select or a scalar broadcast inside (Mosaic GPU's warpgroup semantics take neither), and transfer blocks move
+    no S. every_step (state blocks only): o_g [n, B, V, K] takes X_i^T after every step, staged in extra[0].
 
-    a_s, given for the GPU interpreter only: shared memory for the running value's planes. The interpreter takes an
-    MMA's left operand from shared memory only and has no transposed right operand, so there the planes pass through
-    a_s and T's planes arrive transposed; on the GPU the planes stay in registers and the MMA reads T^T through a
-    transposed view of T's slot."""
+    With `interpret` (Pallas's GPU interpreter) the last of `extra` is shared memory for the running value's
+    planes: the interpreter takes an MMA's left operand from shared memory only and has no transposed right
+    operand, so there the planes pass through it and T's planes arrive transposed; on the GPU the planes stay in
+    registers and the MMA reads T^T through a transposed view of T's slot."""
     block = _ROWS * _WARPGROUPS
     rb, c = lax.axis_index("rb"), lax.axis_index("c")
     wg = lax.axis_index("wg")
     is_state = rb * block < value_dim
     n = num_segments
+    o_s = extra[0] if every_step else None
+    a_s = extra[-1] if interpret else None
 
-    def compute(first):
-        """first: the first T index the loop applies (1 for a state block, 0 for a transfer block)."""
+    def compute(first, adds_s):
+        """first: the first step (T index) of the loop; adds_s: a state block (adds S_i every step)."""
         rows = pl.ds(wg * _ROWS, _ROWS)
-        plgpu.barrier_wait(s_ready.at[0])  # S_0, or the identity's rows
+        out_rows = pl.ds(rb * block + wg * _ROWS, _ROWS)
+        plgpu.barrier_wait(s_ready.at[0])  # S_0, or the initial state's or the identity's rows
         acc0 = s_s[rows]
         plgpu.barrier_arrive(s_used.at[0])
 
+        def emit(i, acc):  # every_step: X_i^T out through o_s, once o_s's previous copy has read it
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_s[rows] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[rows], o_g.at[i, c, out_rows])
+
+        if every_step and first:
+            emit(0, acc0)
+
         def step(i, acc):
             slot = lax.rem(i - first, stages)
-            if first:
+            if adds_s:
                 plgpu.barrier_wait(s_ready.at[0])
                 s = s_s[rows]
                 plgpu.barrier_arrive(s_used.at[0])
@@ -91,17 +105,15 @@ def _fold_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_rea
             lo = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
             plgpu.barrier_wait(t_ready_hi.at[slot])
             plgpu.barrier_wait(t_ready_lo.at[slot])
-            if a_s:  # the interpreter's T planes arrive transposed
+            if interpret:  # T's planes arrive transposed; the running value's planes go through a_s
                 th, tl = th_s.at[slot], tl_s.at[slot]
+                a_s.at[wg, 0][...] = lo
+                a_s.at[wg, 1][...] = hi
+                plgpu.commit_smem()
+                lo, hi = a_s.at[wg, 0], a_s.at[wg, 1]
             else:
                 th = plgpu.transpose_ref(th_s.at[slot], (1, 0))
                 tl = plgpu.transpose_ref(tl_s.at[slot], (1, 0))
-
-            if a_s:
-                a_s[0].at[wg, 0][...] = lo
-                a_s[0].at[wg, 1][...] = hi
-                plgpu.commit_smem()
-                lo, hi = a_s[0].at[wg, 0], a_s[0].at[wg, 1]
 
             def products(acc_ref):
                 plgpu.wgmma(acc_ref, lo, th)
@@ -111,15 +123,19 @@ def _fold_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_rea
 
             out = pl.run_scoped(products, plgpu.ACC((_ROWS, th_s.shape[-1]), jnp.float32))
             plgpu.barrier_arrive(t_used.at[slot])
-            return out + s if first else out
+            out = out + s if adds_s else out
+            if every_step:
+                emit(i, out)
+            return out
 
         acc = lax.fori_loop(first, n, step, acc0)
-        s_s[rows] = acc  # no S load is pending: the slot stages the output
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_s.at[rows], o_g.at[c, pl.ds(rb * block + wg * _ROWS, _ROWS)])
+        if not every_step:
+            s_s[rows] = acc  # no S load is pending: the slot stages the output
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_s.at[rows], o_g.at[c, out_rows])
         plgpu.wait_smem_to_gmem(0)
 
-    def memory(first):
+    def memory(first, adds_s):
         def load_t(t):
             slot = lax.rem(t - first, stages)
             plgpu.copy_gmem_to_smem(th_g.at[t, c], th_s.at[slot], t_ready_hi.at[slot])
@@ -131,17 +147,22 @@ def _fold_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_rea
                 plgpu.barrier_wait(t_used.at[lax.rem(t - first, stages)])
                 load_t(t)
 
-        if first:
-            plgpu.copy_gmem_to_smem(s_g.at[0, c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
+        def load_s(i):
+            plgpu.copy_gmem_to_smem(s_g.at[i, c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
+
+        if not adds_s:
+            plgpu.copy_gmem_to_smem(x0_g.at[pl.ds(rb * block - value_dim, block)], s_s, s_ready.at[0])
+        elif has_initial:
+            plgpu.copy_gmem_to_smem(x0_g.at[c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
         else:
-            plgpu.copy_gmem_to_smem(eye_g.at[pl.ds(rb * block - value_dim, block)], s_s, s_ready.at[0])
+            load_s(0)
         for t in range(first, min(first + stages, n)):
             load_t(jnp.asarray(t, jnp.int32))
-        if first:
-            @pl.loop(1, n)
-            def _(i):  # S_i once S_{i-1} is read, then T_{i + stages - 1} once T_{i-1}'s step is done
+        if adds_s:
+            @pl.loop(first, n)
+            def _(i):  # S_i once the previous fill is read, then T_{i + stages - 1} once T_{i-1}'s step is done
                 plgpu.barrier_wait(s_used.at[0])
-                plgpu.copy_gmem_to_smem(s_g.at[i, c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
+                load_s(i)
                 refill_t(i + stages - 1)
         else:
             @pl.loop(stages, max(n, stages))
@@ -153,17 +174,23 @@ def _fold_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_rea
         for slot in range(min(stages, n - first)):
             plgpu.barrier_wait(t_used.at[slot])
 
+    state_first = 0 if has_initial else 1
+
     @pl.when(wg < _WARPGROUPS)
     def _compute():
-        plgpu.set_max_registers(compute_registers, action="increase")
-        pl.when(is_state)(lambda: compute(1))
-        pl.when(jnp.logical_not(is_state))(lambda: compute(0))
+        if not interpret:
+            plgpu.set_max_registers(compute_registers, action="increase")
+        pl.when(is_state)(lambda: compute(state_first, True))
+        if not every_step:
+            pl.when(jnp.logical_not(is_state))(lambda: compute(0, False))
 
     @pl.when(wg == _WARPGROUPS)
     def _memory():
-        plgpu.set_max_registers(memory_registers, action="decrease")
-        pl.when(is_state)(lambda: memory(1))
-        pl.when(jnp.logical_not(is_state))(lambda: memory(0))
+        if not interpret:
+            plgpu.set_max_registers(memory_registers, action="decrease")
+        pl.when(is_state)(lambda: memory(state_first, True))
+        if not every_step:
+            pl.when(jnp.logical_not(is_state))(lambda: memory(0, False))
 
 
 def _gpu_interpreter():
@@ -174,50 +201,85 @@ def _gpu_interpreter():
     return InterpretGPUParams()
 
 
-@functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
-def fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False,
-                    config: MosaicFoldConfig = MosaicFoldConfig(), interpret: bool = False):
-    """`compose.fold_split_pallas` (same arguments and results) under the Mosaic GPU lowering; K and V multiples of
-    128 (`supported`)."""
-    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
-    b, value_dim, key_dim = s.shape[1:]
+def _launch(th, tl, s, x0, *, with_transfer, every_step, has_initial, config, interpret):
+    """The fold's `plgpu.kernel` over flattened split operands: th, tl [n, B, K, K], s [n, B, V, K], x0 the
+    transfer blocks' identity rows [K, K] or, with has_initial, the initial state's rows [B, V, K]."""
+    n, b, value_dim, key_dim = s.shape
     if not supported(key_dim, value_dim):
-        raise ValueError(f"fold_split_mgpu needs K and V multiples of {_ROWS * _WARPGROUPS}, got K {key_dim}, "
+        raise ValueError(f"the Mosaic GPU fold needs K and V multiples of {_ROWS * _WARPGROUPS}, got K {key_dim}, "
                          f"V {value_dim}")
     block = _ROWS * _WARPGROUPS
     width = value_dim + (key_dim if with_transfer else 0)
     tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    f32_tile = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     stages = config.stages
     scratch = [
         plgpu.SMEM((stages, key_dim, key_dim), jnp.bfloat16, transforms=tile),
         plgpu.SMEM((stages, key_dim, key_dim), jnp.bfloat16, transforms=tile),
-        plgpu.SMEM((block, key_dim), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),
-                                                               plgpu.SwizzleTransform(128))),
+        plgpu.SMEM((block, key_dim), jnp.float32, transforms=f32_tile),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=_WARPGROUPS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_WARPGROUPS, num_barriers=1),
     ]
-    if interpret:
+    if every_step:  # the output's staging slot
+        scratch.append(plgpu.SMEM((block, key_dim), jnp.float32, transforms=f32_tile))
+    if interpret:  # the running value's planes (see `_fold_kernel`)
         scratch.append(plgpu.SMEM((_WARPGROUPS, 2, _ROWS, key_dim), jnp.bfloat16, transforms=tile))
+        th, tl = jnp.swapaxes(th, -1, -2), jnp.swapaxes(tl, -1, -2)
+    out_shape = (n, b, value_dim, key_dim) if every_step else (b, width, key_dim)
     kernel = plgpu.kernel(
         functools.partial(_fold_kernel, num_segments=n, value_dim=value_dim, stages=stages,
-                          compute_registers=config.compute_registers, memory_registers=config.memory_registers),
-        out_type=jax.ShapeDtypeStruct((b, width, key_dim), jnp.float32),
+                          compute_registers=config.compute_registers, memory_registers=config.memory_registers,
+                          every_step=every_step, has_initial=has_initial, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(width // block, b),
         grid_names=("rb", "c"),
         num_threads=_WARPGROUPS + 1,
         thread_name="wg",
-        kernel_name="compose_mgpu_fold",
+        kernel_name="compose_mgpu_prefix_fold" if every_step else "compose_mgpu_fold",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(),
         interpret=_gpu_interpreter() if interpret else False,
     )
+    return kernel(th, tl, s, x0)
+
+
+@functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
+def fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False,
+                    config: MosaicFoldConfig = MosaicFoldConfig(), interpret: bool = False):
+    """`compose.fold_split_pallas` (same arguments and results) under the Mosaic GPU lowering; K and V multiples of
+    128 (`supported`)."""
+    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
+    value_dim, key_dim = s.shape[-2:]
     eye = jnp.eye(key_dim, dtype=jnp.float32)  # the transfer blocks' first rows
-    if interpret:
-        th, tl = jnp.swapaxes(th, -1, -2), jnp.swapaxes(tl, -1, -2)
-    out = jnp.swapaxes(kernel(th, tl, s, eye), -1, -2)  # X^T -> X
+    out = _launch(th, tl, s, eye, with_transfer=with_transfer, every_step=False, has_initial=False, config=config,
+                  interpret=interpret)
+    out = jnp.swapaxes(out, -1, -2)  # X^T -> X
     state = out[..., :value_dim].reshape(batch + (key_dim, value_dim))
     transfer = out[..., value_dim:].reshape(batch + (key_dim, key_dim)) if with_transfer else None
     return transfer, state
+
+
+# One T slot: two beside S's slot and the output's staging slot exceed the shared memory (64 KB each at K = 128).
+PREFIX_CONFIG = MosaicFoldConfig(stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def prefix_fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, initial_state: Array | None = None, *,
+                           config: MosaicFoldConfig = PREFIX_CONFIG, interpret: bool = False) -> Array:
+    """`compose.prefix_fold_split_pallas` (same arguments and results: every state S_i = T_i S_{i-1} + S_i from
+    `initial_state` or zeros, transposed like the input S, [n, ..., V, K]) under the Mosaic GPU lowering."""
+    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
+    b, value_dim, key_dim = s.shape[1:]
+    if initial_state is None:
+        x0 = jnp.eye(key_dim, dtype=jnp.float32)  # unread: state blocks start from S_0
+    else:
+        if initial_state.shape[-2:] != (key_dim, value_dim):
+            raise ValueError(f"initial_state must end in (K, V) = {(key_dim, value_dim)}, got {initial_state.shape}")
+        init = jnp.broadcast_to(initial_state.astype(jnp.float32), batch + (key_dim, value_dim))
+        x0 = jnp.swapaxes(init.reshape((b, key_dim, value_dim)), -1, -2)
+    out = _launch(th, tl, s, x0, with_transfer=False, every_step=True, has_initial=initial_state is not None,
+                  config=config, interpret=interpret)
+    return out.reshape((n,) + batch + (value_dim, key_dim))
