@@ -70,7 +70,7 @@ def main(argv=None) -> None:
                         choices=["prefix", "span", "moe", "attention", "bar"], help="which kernels to time, in order")
     parser.add_argument("--bar-kinds", nargs="*", default=None,
                         help="composition bar: only these kinds (final, pairs, prefix, 'split final', 'split pairs', "
-                        "'split prefix', 'mgpu final', 'mgpu pairs', 'mgpu prefix')")
+                        "'split prefix', 'mgpu final', 'mgpu pairs', 'mgpu prefix', 'mgpu pairs multicast')")
     parser.add_argument("--split-launches", nargs="*", default=None,
                         help="composition bar, split-operand folds: only these launches, 'block_w,warps,stages'")
     parser.add_argument("--small", action="store_true",
@@ -234,6 +234,8 @@ def main(argv=None) -> None:
             # compute warpgroups and a TMA warpgroup; `stages` is its count of T slots, the rest is fixed)
             split_variants += [(kind, None, 128, 12, stages) for kind in ("mgpu final", "mgpu pairs")
                                for stages in (2, 1)] + [("mgpu prefix", None, 128, 12, 1)]
+            # the pair with T multicast to a cluster of two blocks (state rows, transfer rows)
+            split_variants += [("mgpu pairs multicast", None, 128, 12, stages) for stages in (2, 1)]
             variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
             split = []
 
@@ -252,7 +254,8 @@ def main(argv=None) -> None:
                 args_in = (t, s)
                 mosaic = kind.startswith("mgpu")
                 split_fold = functools.partial(cmp_mgpu.fold_split_mgpu, config=cmp_mgpu.MosaicFoldConfig(
-                    stages=stages)) if mosaic else functools.partial(cmp.fold_split_pallas, config=config)
+                    stages=stages, multicast=kind.endswith("multicast"))) if mosaic else functools.partial(
+                    cmp.fold_split_pallas, config=config)
                 if kind == "split prefix":  # every prefix state, returned transposed like the split S
                     args_in = split_inputs()
                     fn = jax.jit(lambda a, b, c, cfg=config: cmp.prefix_fold_split_pallas(a, b, c, config=cfg,

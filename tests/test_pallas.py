@@ -785,18 +785,18 @@ def test_kernels_lower_to_triton():
 
 
 def test_mosaic_gpu_fold_lowers_for_cuda():
-    """The Mosaic GPU fold lowers for CUDA on a CPU-only machine (Mosaic GPU compiles its layouts and transfers
+    """The Mosaic GPU folds lower for CUDA on a CPU-only machine (Mosaic GPU compiles its layouts and transfers
     while lowering, so this catches what the GPU interpreter does not run: register operands, transposed views,
-    layout casts), with and without the transfer, one slot or two."""
+    layout casts, the multicast pair's clusters), with and without the transfer, one slot or two, every prefix."""
     from hypic_jax.pallas import compose_mgpu
 
     sd = jax.ShapeDtypeStruct
-    planes, states = sd((4, 2, 128, 128), jnp.bfloat16), sd((4, 2, 256, 128), jnp.float32)
-    for with_t, stages in ((False, 2), (True, 2), (True, 1)):
-        fold = jax.jit(lambda a, b, c, w=with_t, st=stages: compose_mgpu.fold_split_mgpu(
-            a, b, c, with_transfer=w, config=compose_mgpu.MosaicFoldConfig(stages=st)))
+    planes, states = sd((4, 2, 128, 128), jnp.bfloat16), sd((4, 2, 128, 128), jnp.float32)  # K = V: the clusters
+    for with_t, stages, multicast in ((False, 2, False), (True, 2, False), (True, 1, False), (True, 2, True)):
+        fold = jax.jit(lambda a, b, c, w=with_t, st=stages, mc=multicast: compose_mgpu.fold_split_mgpu(
+            a, b, c, with_transfer=w, config=compose_mgpu.MosaicFoldConfig(stages=st, multicast=mc)))
         assert "mosaic_gpu" in jax.export.export(fold, platforms=["cuda"])(planes, planes, states).mlir_module()
-    for init in (None, sd((2, 128, 256), jnp.float32)):
+    for init in (None, sd((2, 128, 128), jnp.float32)):
         prefix = jax.jit(lambda a, b, c, *i: compose_mgpu.prefix_fold_split_mgpu(a, b, c, *i))
         assert "mosaic_gpu" in jax.export.export(prefix, platforms=["cuda"])(
             planes, planes, states, *([] if init is None else [init])).mlir_module()

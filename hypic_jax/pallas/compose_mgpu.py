@@ -42,11 +42,16 @@ _WARPGROUPS = 2  # compute warpgroups per block
 class MosaicFoldConfig:
     """stages: shared-memory slots for T_i's planes (two fit beside S's slot at K = 128: 2 x 64 + 64 KiB);
     compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups
-    (2 x 128 x 232 + 128 x 40 fills the 64 Ki registers of an SM)."""
+    (2 x 128 x 232 + 128 x 40 fills the 64 Ki registers of an SM); multicast: the pair (K = V) as clusters of a
+    state block and a transfer block that read T once through multicast copies (`_pair_cluster_kernel`): 2.82
+    against 3.02 ms at the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session). Off by
+    default: Pallas's GPU interpreter has no cluster barriers, so this variant is checked on the GPU and lowered
+    in CI, not run there."""
 
     stages: int = 2
     compute_registers: int = 232
     memory_registers: int = 40
+    multicast: bool = False
 
 
 def supported(key_dim: int, value_dim: int) -> bool:
@@ -193,6 +198,106 @@ def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_read
             pl.when(jnp.logical_not(is_state))(lambda: memory(0, False))
 
 
+def _pair_cluster_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_ready_lo, s_ready, t_used,
+                         s_used, *, num_segments, value_dim, stages, compute_registers, memory_registers):
+    """The composed pair with K = V, one cluster of two blocks per (row block m, batch entry c): block "rb" 0 steps
+    the state's rows m, block 1 the transfer's rows m, and both read T_i's planes from one multicast TMA copy (each
+    block issues its share, the TMA engine writes the planes into both blocks' slots), so T leaves memory once per
+    pair instead of twice. A slot is refilled once both blocks' compute warpgroups are done with it (`t_used` is a
+    cluster barrier). Both blocks step i = 0 .. n-1: the state from zero, the transfer from the identity's rows."""
+    block = _ROWS * _WARPGROUPS
+    kind, m, c = lax.axis_index("rb"), lax.axis_index("m"), lax.axis_index("c")
+    wg = lax.axis_index("wg")
+    is_state = kind == 0
+    n = num_segments
+
+    def compute(adds_s):
+        rows = pl.ds(wg * _ROWS, _ROWS)
+        if adds_s:
+            acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, th_s.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        else:
+            plgpu.barrier_wait(s_ready.at[0])  # the identity's rows
+            acc0 = s_s[rows]
+            plgpu.barrier_arrive(s_used.at[0])
+
+        def step(i, acc):
+            slot = lax.rem(i, stages)
+            if adds_s:
+                plgpu.barrier_wait(s_ready.at[0])
+                s = s_s[rows]
+                plgpu.barrier_arrive(s_used.at[0])
+            hi = acc.astype(jnp.bfloat16)
+            lo = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+            plgpu.barrier_wait(t_ready_hi.at[slot])
+            plgpu.barrier_wait(t_ready_lo.at[slot])
+            th = plgpu.transpose_ref(th_s.at[slot], (1, 0))
+            tl = plgpu.transpose_ref(tl_s.at[slot], (1, 0))
+
+            def products(acc_ref):
+                plgpu.wgmma(acc_ref, lo, th)
+                plgpu.wgmma(acc_ref, hi, tl)
+                plgpu.wgmma(acc_ref, hi, th)
+                return acc_ref[...]
+
+            out = pl.run_scoped(products, plgpu.ACC((_ROWS, th_s.shape[-1]), jnp.float32))
+            plgpu.barrier_arrive(t_used.at[slot])
+            return out + s if adds_s else out
+
+        acc = lax.fori_loop(0, n, step, acc0)
+        s_s[rows] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_s.at[rows], o_g.at[c, pl.ds(kind * value_dim + m * block + wg * _ROWS, _ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def memory(adds_s):
+        def load_t(t):
+            slot = lax.rem(t, stages)
+            plgpu.copy_gmem_to_smem(th_g.at[t, c], th_s.at[slot], t_ready_hi.at[slot], collective_axes="rb")
+            plgpu.copy_gmem_to_smem(tl_g.at[t, c], tl_s.at[slot], t_ready_lo.at[slot], collective_axes="rb")
+
+        def refill_t(t):
+            @pl.when(jnp.logical_and(t >= stages, t < n))
+            def _():
+                plgpu.barrier_wait(t_used.at[lax.rem(t, stages)])
+                load_t(t)
+
+        def load_s(i):
+            plgpu.copy_gmem_to_smem(s_g.at[i, c, pl.ds(m * block, block)], s_s, s_ready.at[0])
+
+        if adds_s:
+            load_s(0)
+        else:
+            plgpu.copy_gmem_to_smem(eye_g.at[pl.ds(m * block, block)], s_s, s_ready.at[0])
+        for t in range(min(stages, n)):
+            load_t(jnp.asarray(t, jnp.int32))
+        if adds_s:
+            @pl.loop(1, n)
+            def _(i):
+                plgpu.barrier_wait(s_used.at[0])
+                load_s(i)
+                refill_t(i + stages - 1)
+
+        else:
+            @pl.loop(stages, max(n, stages))
+            def _(t):
+                refill_t(t)
+        plgpu.barrier_wait(s_used.at[0])
+        for slot in range(min(stages, n)):
+            plgpu.barrier_wait(t_used.at[slot])
+
+    @pl.when(wg < _WARPGROUPS)
+    def _compute():
+        plgpu.set_max_registers(compute_registers, action="increase")
+        pl.when(is_state)(lambda: compute(True))
+        pl.when(jnp.logical_not(is_state))(lambda: compute(False))
+
+    @pl.when(wg == _WARPGROUPS)
+    def _memory():
+        plgpu.set_max_registers(memory_registers, action="decrease")
+        pl.when(is_state)(lambda: memory(True))
+        pl.when(jnp.logical_not(is_state))(lambda: memory(False))
+
+
 def _gpu_interpreter():
     """Pallas's GPU interpreter (threads, shared memory, barriers and TMA simulated on the CPU); JAX exports its
     parameters class from no public module yet."""
@@ -229,6 +334,24 @@ def _launch(th, tl, s, x0, *, with_transfer, every_step, has_initial, config, in
         scratch.append(plgpu.SMEM((_WARPGROUPS, 2, _ROWS, key_dim), jnp.bfloat16, transforms=tile))
         th, tl = jnp.swapaxes(th, -1, -2), jnp.swapaxes(tl, -1, -2)
     out_shape = (n, b, value_dim, key_dim) if every_step else (b, width, key_dim)
+    if with_transfer and config.multicast and key_dim == value_dim and not interpret:
+        # t_used: a slot is free once both blocks of the cluster are done with it
+        scratch[-2] = plgpu.ClusterBarrier(collective_axes=("rb",), num_arrivals=_WARPGROUPS, num_barriers=stages)
+        kernel = plgpu.kernel(
+            functools.partial(_pair_cluster_kernel, num_segments=n, value_dim=value_dim, stages=stages,
+                              compute_registers=config.compute_registers, memory_registers=config.memory_registers),
+            out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+            grid=(value_dim // block, b),
+            grid_names=("m", "c"),
+            cluster=(2,),
+            cluster_names=("rb",),
+            num_threads=_WARPGROUPS + 1,
+            thread_name="wg",
+            kernel_name="compose_mgpu_pair_cluster",
+            scratch_types=scratch,
+            compiler_params=plgpu.CompilerParams(),
+        )
+        return kernel(th, tl, s, x0)
     kernel = plgpu.kernel(
         functools.partial(_fold_kernel, num_segments=n, value_dim=value_dim, stages=stages,
                           compute_registers=config.compute_registers, memory_registers=config.memory_registers,
