@@ -390,6 +390,18 @@ def _hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
+def _use_mosaic(lowering: str, t_hi: Array, states_t: Array, interpret: bool) -> bool:
+    """Whether a split-operand fold runs under Mosaic GPU: "mosaic", or "auto" on a Hopper GPU where the shapes
+    allow it (the Mosaic GPU kernels import this module, so they are imported lazily)."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+    if lowering != "auto":
+        return lowering == "mosaic"
+    from hypic_jax.pallas import compose_mgpu
+
+    return compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2]) and not interpret and _hopper()
+
+
 def fold_split(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False, lowering: str = "auto",
                interpret: bool = False):
     """The split-operand fold (arguments and results of `fold_split_pallas`) with its lowering chosen.
@@ -401,14 +413,9 @@ def fold_split(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool
     step's three products and passes the running value's planes through shared memory, where the Mosaic GPU kernel
     issues the three into one accumulator from registers and streams T and S with the TMA engine.
     """
-    if lowering not in LOWERINGS:
-        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
-    from hypic_jax.pallas import compose_mgpu  # the Mosaic GPU kernel builds on this module
+    if _use_mosaic(lowering, t_hi, states_t, interpret):
+        from hypic_jax.pallas import compose_mgpu
 
-    if lowering == "auto":
-        fits = compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2])
-        lowering = "mosaic" if fits and not interpret and _hopper() else "triton"
-    if lowering == "mosaic":
         return compose_mgpu.fold_split_mgpu(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
     return fold_split_pallas(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
 
@@ -460,14 +467,9 @@ def prefix_fold_split(t_hi: Array, t_lo: Array, states_t: Array, initial_state: 
     """Every prefix state on split operands (arguments and result of `prefix_fold_split_pallas`) with its lowering
     chosen as in `fold_split`. At the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session):
     Mosaic GPU 2.98 ms (8 GB read and 4 GB written at 97% of the measured bandwidth), Triton 4.20."""
-    if lowering not in LOWERINGS:
-        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
-    from hypic_jax.pallas import compose_mgpu  # the Mosaic GPU kernel builds on this module
+    if _use_mosaic(lowering, t_hi, states_t, interpret):
+        from hypic_jax.pallas import compose_mgpu
 
-    if lowering == "auto":
-        fits = compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2])
-        lowering = "mosaic" if fits and not interpret and _hopper() else "triton"
-    if lowering == "mosaic":
         return compose_mgpu.prefix_fold_split_mgpu(t_hi, t_lo, states_t, initial_state, interpret=interpret)
     return prefix_fold_split_pallas(t_hi, t_lo, states_t, initial_state, interpret=interpret)
 

@@ -60,6 +60,56 @@ def supported(key_dim: int, value_dim: int) -> bool:
     return key_dim % block == 0 and value_dim % block == 0
 
 
+def _bf16x3_step(acc, th, tl, ready_hi, ready_lo, used, planes=None):
+    """One step's products for a warpgroup's 64 rows: X^T T^T at bf16x3 (lo T_hi^T + hi T_lo^T + hi T_hi^T), the
+    running value split into its bf16 planes in registers, the three MMAs issued into one accumulator and waited
+    once; waits for the slot's planes (th, tl) first and releases the slot (`used`) after. planes (the GPU
+    interpreter only): shared memory [2, 64, K] the running value's planes pass through, T's slot then holding T^T
+    (see `_fold_kernel`)."""
+    hi = acc.astype(jnp.bfloat16)
+    lo = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    plgpu.barrier_wait(ready_hi)
+    plgpu.barrier_wait(ready_lo)
+    if planes is not None:
+        planes.at[0][...] = lo
+        planes.at[1][...] = hi
+        plgpu.commit_smem()
+        lo, hi = planes.at[0], planes.at[1]
+    else:
+        th, tl = plgpu.transpose_ref(th, (1, 0)), plgpu.transpose_ref(tl, (1, 0))
+
+    def products(acc_ref):
+        plgpu.wgmma(acc_ref, lo, th)
+        plgpu.wgmma(acc_ref, hi, tl)
+        plgpu.wgmma(acc_ref, hi, th)
+        return acc_ref[...]
+
+    out = pl.run_scoped(products, plgpu.ACC((_ROWS, th.shape[-1]), jnp.float32))
+    plgpu.barrier_arrive(used)
+    return out
+
+
+def _stream(s_from, first, n, stages, load_s, refill_t, s_used, t_used):
+    """The TMA warpgroup's loop after its first fills (S's slot, and T's slots with the steps first .. first +
+    stages - 1): with s_from (a block that adds S), S_i for i = s_from .. n-1 once the slot's previous content is
+    read, each followed by T_{i + stages - 1} once T_{i-1}'s step is done; without, T_t for t = stages .. n-1 as
+    slots free up. Then a drain: each barrier's last phase is waited out, so the block ends with every arrival
+    observed."""
+    if s_from is not None:
+        @pl.loop(s_from, n)
+        def _(i):
+            plgpu.barrier_wait(s_used.at[0])
+            load_s(i)
+            refill_t(i + stages - 1)
+    else:
+        @pl.loop(stages, max(n, stages))
+        def _(t):
+            refill_t(t)
+    plgpu.barrier_wait(s_used.at[0])
+    for slot in range(min(stages, n - first)):
+        plgpu.barrier_wait(t_used.at[slot])
+
+
 def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_ready_lo, s_ready, t_used, s_used,
                  *extra, num_segments, value_dim, stages, compute_registers, memory_registers, every_step,
                  has_initial, interpret):
@@ -106,28 +156,8 @@ def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_read
                 plgpu.barrier_wait(s_ready.at[0])
                 s = s_s[rows]
                 plgpu.barrier_arrive(s_used.at[0])
-            hi = acc.astype(jnp.bfloat16)
-            lo = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-            plgpu.barrier_wait(t_ready_hi.at[slot])
-            plgpu.barrier_wait(t_ready_lo.at[slot])
-            if interpret:  # T's planes arrive transposed; the running value's planes go through a_s
-                th, tl = th_s.at[slot], tl_s.at[slot]
-                a_s.at[wg, 0][...] = lo
-                a_s.at[wg, 1][...] = hi
-                plgpu.commit_smem()
-                lo, hi = a_s.at[wg, 0], a_s.at[wg, 1]
-            else:
-                th = plgpu.transpose_ref(th_s.at[slot], (1, 0))
-                tl = plgpu.transpose_ref(tl_s.at[slot], (1, 0))
-
-            def products(acc_ref):
-                plgpu.wgmma(acc_ref, lo, th)
-                plgpu.wgmma(acc_ref, hi, tl)
-                plgpu.wgmma(acc_ref, hi, th)
-                return acc_ref[...]
-
-            out = pl.run_scoped(products, plgpu.ACC((_ROWS, th_s.shape[-1]), jnp.float32))
-            plgpu.barrier_arrive(t_used.at[slot])
+            out = _bf16x3_step(acc, th_s.at[slot], tl_s.at[slot], t_ready_hi.at[slot], t_ready_lo.at[slot],
+                               t_used.at[slot], None if a_s is None else a_s.at[wg])
             out = out + s if adds_s else out
             if every_step:
                 emit(i, out)
@@ -163,21 +193,7 @@ def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_read
             load_s(0)
         for t in range(first, min(first + stages, n)):
             load_t(jnp.asarray(t, jnp.int32))
-        if adds_s:
-            @pl.loop(first, n)
-            def _(i):  # S_i once the previous fill is read, then T_{i + stages - 1} once T_{i-1}'s step is done
-                plgpu.barrier_wait(s_used.at[0])
-                load_s(i)
-                refill_t(i + stages - 1)
-        else:
-            @pl.loop(stages, max(n, stages))
-            def _(t):
-                refill_t(t)
-        # drain: wait out each barrier's last phase (the last S read, each slot's last step), so the block ends with
-        # every arrival observed
-        plgpu.barrier_wait(s_used.at[0])
-        for slot in range(min(stages, n - first)):
-            plgpu.barrier_wait(t_used.at[slot])
+        _stream(first if adds_s else None, first, n, stages, load_s, refill_t, s_used, t_used)
 
     state_first = 0 if has_initial else 1
 
@@ -226,21 +242,8 @@ def _pair_cluster_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_h
                 plgpu.barrier_wait(s_ready.at[0])
                 s = s_s[rows]
                 plgpu.barrier_arrive(s_used.at[0])
-            hi = acc.astype(jnp.bfloat16)
-            lo = (acc - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-            plgpu.barrier_wait(t_ready_hi.at[slot])
-            plgpu.barrier_wait(t_ready_lo.at[slot])
-            th = plgpu.transpose_ref(th_s.at[slot], (1, 0))
-            tl = plgpu.transpose_ref(tl_s.at[slot], (1, 0))
-
-            def products(acc_ref):
-                plgpu.wgmma(acc_ref, lo, th)
-                plgpu.wgmma(acc_ref, hi, tl)
-                plgpu.wgmma(acc_ref, hi, th)
-                return acc_ref[...]
-
-            out = pl.run_scoped(products, plgpu.ACC((_ROWS, th_s.shape[-1]), jnp.float32))
-            plgpu.barrier_arrive(t_used.at[slot])
+            out = _bf16x3_step(acc, th_s.at[slot], tl_s.at[slot], t_ready_hi.at[slot], t_ready_lo.at[slot],
+                               t_used.at[slot])
             return out + s if adds_s else out
 
         acc = lax.fori_loop(0, n, step, acc0)
@@ -270,20 +273,7 @@ def _pair_cluster_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_h
             plgpu.copy_gmem_to_smem(eye_g.at[pl.ds(m * block, block)], s_s, s_ready.at[0])
         for t in range(min(stages, n)):
             load_t(jnp.asarray(t, jnp.int32))
-        if adds_s:
-            @pl.loop(1, n)
-            def _(i):
-                plgpu.barrier_wait(s_used.at[0])
-                load_s(i)
-                refill_t(i + stages - 1)
-
-        else:
-            @pl.loop(stages, max(n, stages))
-            def _(t):
-                refill_t(t)
-        plgpu.barrier_wait(s_used.at[0])
-        for slot in range(min(stages, n)):
-            plgpu.barrier_wait(t_used.at[slot])
+        _stream(1 if adds_s else None, 0, n, stages, load_s, refill_t, s_used, t_used)
 
     @pl.when(wg < _WARPGROUPS)
     def _compute():
