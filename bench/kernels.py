@@ -189,14 +189,15 @@ def named_config(**kwargs):
     measured. The library's defaults moved since; the names and the RESULTS rows they label did not."""
     from hypic_jax.pallas.gdn import GDNConfig
 
-    return GDNConfig(**{"chunk": 64, "solve": "rows", "locals_warps": 2, "transfer_group": 0, **kwargs})
+    return GDNConfig(**{"chunk": 64, "solve": "rows", "locals_warps": 2, "transfer_group": 0,
+                        "state_lowering": "triton", **kwargs})
 
 
 def variants():
     """Variants in priority order (a run cut short by its time budget drops the last ones)."""
     C = named_config
 
-    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
     t32 = dict(locals_precision="tf32", state_precision="tf32")
     return {
         "pallas bv32 bf16": (C(block_v=32, **b16), False),
@@ -419,7 +420,7 @@ def run_focus(out_dir, budget_s):
     length = 32768 if not INTERPRET else 256
     q, k, v, g, beta = gdn_inputs(length)
     scale = DIM**-0.5
-    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
     base = C(block_v=32, state_stages=3, **b16)
     b = gdn._chunk_cumsum(g, length, HEADS, base.chunk)
     beta_t = beta.T
@@ -581,7 +582,7 @@ def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
         except Exception as e:  # noqa: BLE001
             log(path, dict(section=section, impl=name, error=repr(e)[:600]))
 
-    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     rep = lambda x: jnp.repeat(up(x), group, 1)  # noqa: E731
 
@@ -774,7 +775,7 @@ def step_variants():
     Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
-    b16 = dict(locals_precision="bf16", state_precision="bf16")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
     c32 = dict(chunk=32, solve="tile", locals_warps=2, state_prefetch=False)
     c64 = dict(chunk=64, solve="tile", locals_warps=4, state_prefetch=False)

@@ -134,7 +134,7 @@ _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
 _SOLVES = ("rows", "doubling", "tile")
 
 
-_STATE_LOWERINGS = ("triton", "mosaic")
+_STATE_LOWERINGS = ("auto", "triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +164,12 @@ class GDNConfig:
       error from 4.5e-3 to 4.6e-3 (random keys) and 1.27e-2 to 1.31e-2 (keys 90% correlated), i.e. the inverse's
       precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
     *_warps / *_stages: Triton launch parameters of the two kernels.
-    state_lowering: "triton", or "mosaic" for `gdn_mgpu.state_pass_mgpu` (Hopper; a direct launch with scalar
-      gates, the delta rule, chunk 64, K = 128, whole chunks, (T, S) not widened). Triton stays the default: on the
-      H200 at 32k the two state passes take 0.735 and 0.709 ms, the forwards 1.415 and 1.436 (bench/RESULTS.md,
-      eleventh session), and Triton's runs every family and layout.
+    state_lowering: "mosaic" runs the state pass as `gdn_mgpu.state_pass_mgpu` (Hopper; a direct launch with
+      scalar gates, the delta rule, chunk 64, K = 128, whole chunks, (T, S) not widened; anything else is refused),
+      "triton" as `_state_kernel`, "auto" (default) picks Mosaic GPU on a Hopper GPU for the launches it takes and
+      Triton otherwise (other families and layouts, packed segments, pieces, interpret mode). On the H200 at 32k
+      (bench/RESULTS.md, eleventh session): state pass 0.662 against 0.731 ms, forward 1.346 against 1.421, with
+      (T, S) 1.719 against 1.795.
     state_prefetch: the state pass issues each step's decay and segment-table loads one step ahead, carried in the
       loop. Triton's software pipeline prefetches the tiles that feed dots; these small loads feed only
       elementwise work, and without the carry each step may wait on one before its first product. On the H200
@@ -189,7 +191,8 @@ class GDNConfig:
     warps 2.197, 8 state warps 2.040, block_v 64 (8 warps) 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state
     warps 3.739. Emitting (T, S) through the transfer pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups
     1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 25% in the later runs. The state pass's prefetched
-    small loads (`state_prefetch`) are on by default for packed segments' sake (-3 to -4% there).
+    small loads (`state_prefetch`) are on by default for packed segments' sake (-3 to -4% there). The state pass
+    itself runs under Mosaic GPU where it can (`state_lowering="auto"`): 1.346 against 1.421 ms (eleventh session).
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
     H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
     """
@@ -210,7 +213,7 @@ class GDNConfig:
     state_stages: int = 3
     state_prefetch: bool = True
     packed_reads: bool = True
-    state_lowering: str = "triton"
+    state_lowering: str = "auto"
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -955,17 +958,23 @@ def _log_transfer(g, gk, seg_ids=None, n_seg=None):
     return form, log
 
 
-def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen) -> bool:
-    """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`); a launch the
-    Mosaic GPU kernel cannot take is refused, not silently run under Triton."""
+def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, interpret) -> bool:
+    """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`): "auto" where the
+    kernel takes the launch on a Hopper GPU; "mosaic" refuses a launch the kernel cannot take instead of silently
+    running Triton."""
     if config.state_lowering == "triton":
         return False
     from hypic_jax.pallas import gdn_mgpu
 
-    if not (w is not None and gk is None and packed is None and not widen
-            and gdn_mgpu.supported(chunk, key_dim, value_dim)):
+    fits = (w is not None and gk is None and packed is None and not widen
+            and gdn_mgpu.supported(chunk, key_dim, value_dim))
+    if config.state_lowering == "auto":
+        device = jax.devices()[0]
+        hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+        return fits and hopper and not interpret
+    if not fits:
         raise ValueError("state_lowering='mosaic' takes a direct launch with scalar gates, the delta rule, chunk 64, "
-                         f"K 128, V a multiple of 64, whole chunks and (T, S) from the transfer pass; got chunk "
+                         f"K 128, V a multiple of 32, whole chunks and (T, S) from the transfer pass; got chunk "
                          f"{chunk}, K {key_dim}, V {value_dim}")
     return True
 
@@ -1006,7 +1015,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
     if pieces == 1:
         widen = dense_summary and not config.transfer_group
         init = jnp.concatenate([state0, eye], axis=-1) if widen else state0
-        if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen):
+        if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, interpret):
             from hypic_jax.pallas import gdn_mgpu
 
             o, final = gdn_mgpu.state_pass_mgpu(w, u, ks, b, qs, p, init, chunk=chunk, out_dtype=out_dtype,
@@ -1024,8 +1033,9 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
             zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
             summary = la.Summary("dense", zero_start, transfer)
     else:
-        if config.state_lowering != "triton":
-            raise ValueError("pieces > 1 run the Triton state pass only (GDNConfig.state_lowering='triton')")
+        if config.state_lowering == "mosaic":
+            raise ValueError("pieces > 1 run the Triton state pass only (GDNConfig.state_lowering 'auto' or "
+                             "'triton')")
         widened0 = jnp.broadcast_to(jnp.concatenate([jnp.zeros_like(state0), eye], axis=-1),
                                     (pieces, heads, key_dim, value_dim + key_dim))
         _, pairs = run(w, u, ks, b, None, None, widened0, pieces=pieces)
@@ -1234,8 +1244,8 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     gp, gkp, betap = map(gather, (g, gk, beta))
     b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret,
                                  packed=packed)
-    if config.state_lowering != "triton":
-        raise ValueError("gdn_varlen runs the Triton state pass only (GDNConfig.state_lowering='triton')")
+    if config.state_lowering == "mosaic":
+        raise ValueError("gdn_varlen runs the Triton state pass only (GDNConfig.state_lowering 'auto' or 'triton')")
     init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
     if dense and not group:
         init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),

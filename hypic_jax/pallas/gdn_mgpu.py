@@ -40,20 +40,18 @@ _ROWS = 64  # the warpgroup MMA's M: the chunk, and each half of K
 
 @dataclasses.dataclass(frozen=True)
 class MosaicStateConfig:
-    """block_v: value columns per block (64: 128-byte bf16 rows, the swizzle the MMA operands take); stages:
-    shared-memory slots for a chunk's operands (about 68 KB each at K = 128)."""
+    """block_v: value columns per block (32 or 64: rows of 64 or 128 bytes of bf16, the swizzle every MMA operand
+    then takes); stages: shared-memory slots for a chunk's operands (about 60 KB each at block_v 32). Measured on
+    the H200 at 32k (bench/RESULTS.md, eleventh session): block_v 32 with 2 slots 0.662 ms, 3 slots 0.668, 1 slot
+    1.306; block_v 64 with 2 slots 0.705 (1 slot 1.315); Triton's pass 0.731."""
 
-    block_v: int = 64
+    block_v: int = 32
     stages: int = 2
 
 
-def supported(chunk: int, key_dim: int, value_dim: int, block_v: int = 64) -> bool:
-    """Shapes the kernel takes: chunk 64 (the MMA's M), K = 128 (two 64-row halves of S), 64-column blocks."""
-    return chunk == _ROWS and key_dim == 2 * _ROWS and block_v == 64 and value_dim % block_v == 0
-
-
-def _tile():
-    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+def supported(chunk: int, key_dim: int, value_dim: int, block_v: int = 32) -> bool:
+    """Shapes the kernel takes: chunk 64 (the MMA's M), K = 128 (two 64-row halves of S), 32- or 64-column blocks."""
+    return chunk == _ROWS and key_dim == 2 * _ROWS and block_v in (32, 64) and value_dim % block_v == 0
 
 
 def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_g,
@@ -180,22 +178,25 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
         k = jnp.transpose(k.astype(bf).reshape(num_chunks, chunk, key_heads, key_dim), (2, 0, 3, 1))
     else:
         k = k.astype(bf)
-    stages, tile = config.stages, _tile()
+    # every MMA operand takes the swizzle of BV bf16 values (64 or 128 bytes): an MMA's two operands must agree
+    stages = config.stages
+    tile = (plgpu.TilingTransform((8, bv)), plgpu.SwizzleTransform(2 * bv))
+    cols_tile = tile
     smem = lambda shape, dtype=bf, t=tile: plgpu.SMEM(shape, dtype, transforms=t)  # noqa: E731
     f32_tile = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     scratch = [
         smem((stages, chunk, key_dim)),  # W
-        smem((stages, chunk, bv)),  # U
+        smem((stages, chunk, bv), t=cols_tile),  # U
         smem((stages, key_dim, chunk) if interpret else (stages, chunk, key_dim)),  # K (K^T in the interpreter)
         smem((stages, chunk, key_dim)),  # Q
         smem((stages, chunk, chunk)),  # P
         plgpu.SMEM((stages, chunk), jnp.float32),  # scale e^b
         plgpu.SMEM((stages, chunk), jnp.float32),  # e^{b_last - b}
         plgpu.SMEM((stages, chunk), jnp.float32),  # e^{b_last}
-        smem((key_dim, bv)),  # S in bf16, the first products' right operand
-        smem((chunk, bv)),  # u in bf16
-        smem((chunk, bv)),  # e^{b_last - b} u in bf16
-        smem((2, chunk, bv), out_dtype),  # o, double-buffered for its copies out
+        smem((key_dim, bv), t=cols_tile),  # S in bf16, the first products' right operand
+        smem((chunk, bv), t=cols_tile),  # u in bf16
+        smem((chunk, bv), t=cols_tile),  # e^{b_last - b} u in bf16
+        smem((2, chunk, bv), out_dtype, t=cols_tile),  # o, double-buffered for its copies out
         plgpu.SMEM((key_dim, bv), jnp.float32, transforms=f32_tile),  # the initial and the final state
         plgpu.Barrier(num_arrivals=_COPIES, num_barriers=stages),  # a slot's operands have landed
         plgpu.Barrier(num_barriers=stages),  # a slot's step is done
