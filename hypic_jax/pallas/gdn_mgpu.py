@@ -8,15 +8,16 @@ Per chunk n of c = 64 tokens and value columns [j * BV, j * BV + BV) of head h, 
     o  = (scale e^b) * X2 + P_n u                 (rows scaled; written as the chunk's output)
     S  = e^{b_last} S + K_n^T (e^{b_last - b} * u)
 
-Written to find out whether the state pass is bound by Triton's waits, as the composition fold was (there Mosaic GPU
-gave 1.4x): one compute warpgroup issues X1 and X2 together and waits once, then P u and the two halves of
-K^T u' together and waits once; a second warpgroup streams the chunk's operands (W, U, K, Q, P and three decay
-rows precomputed in XLA) into `stages` shared-memory slots with the TMA engine. One block per (value column block,
-head): BV = 64 gives 2 x 32 = 64 blocks at Qwen3.5's shape. It is not: on the H200 at 32k this pass takes 0.709 ms
-against Triton's 0.735 (1.38 against 1.44 us a chunk), the forward 1.436 against 1.415 (bench/RESULTS.md, eleventh
-session). Both move about 70 KB of operands into each block's shared memory per chunk, about 50 GB/s per SM at
-that pace, so the pass is bound by what each SM can pull from L2, not by its waits; Triton stays the default
-(`GDNConfig.state_lowering`).
+One compute warpgroup issues X1 and X2 together and waits once, then P u and the two halves of K^T u' together and
+waits once; a second warpgroup streams the chunk's operands (W, U, K, Q, P and three decay rows precomputed in XLA)
+into `stages` shared-memory slots with the TMA engine. One block per (value column block, head).
+
+What bounds it (H200, 32k, bench/RESULTS.md, eleventh session): each block pulls about 60 KB of operands per chunk
+into shared memory, and both lowerings sit near 47 GB/s per SM. One slot doubles the time (1.31 ms), a third slot
+adds nothing (0.668 against 0.662 ms at BV = 32), and BV = 64 (64 blocks, 65 KB each) takes 0.705: the pass is
+bound by what each SM draws from L2, not by waits or latency. At BV = 32 it takes 0.651 to 0.662 ms against
+Triton's 0.731, which makes the forward 1.331 to 1.346 ms against 1.400 to 1.421, so `GDNConfig.state_lowering`
+"auto" picks it on Hopper for the launches it takes.
 
 The GPU interpreter (`interpret=True`) runs it on the CPU: it takes MMA operands from shared memory untransposed
 and has no layout casts, so there K arrives transposed and vectors are read without an explicit layout.
