@@ -845,6 +845,12 @@ def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
     for bad in (GDNConfig(state_lowering="mosaic", chunk=32), GDNConfig(state_lowering="mosaic", pieces=2)):
         with pytest.raises(ValueError, match="state_lowering|Triton state pass"):
             gdn_forward(q, k, v, g=g, beta=beta, config=bad, interpret=True)
+    mosaic = GDNConfig(state_lowering="mosaic")
+    with pytest.raises(ValueError, match="bf16 state dots and outputs"):  # float32 inputs: float32 state dots
+        gdn_forward(*(x.astype(jnp.float32) for x in (q[:64], k[:64], v[:64])), g=g[:64], beta=beta[:64],
+                    config=mosaic, interpret=True)
+    with pytest.raises(ValueError, match="interpret mode"):
+        gdn_forward(q[:64], k[:64], v[:64], g=g[:64], beta=beta[:64], config=mosaic, interpret=True)
     with pytest.raises(ValueError, match="state_lowering must be one of"):
         GDNConfig(state_lowering="cuda")
 

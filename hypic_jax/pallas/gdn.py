@@ -958,24 +958,29 @@ def _log_transfer(g, gk, seg_ids=None, n_seg=None):
     return form, log
 
 
-def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, interpret) -> bool:
-    """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`): "auto" where the
-    kernel takes the launch on a Hopper GPU; "mosaic" refuses a launch the kernel cannot take instead of silently
-    running Triton."""
+def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret) -> bool:
+    """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`; config resolved):
+    "auto" where the kernel takes the launch on a Hopper GPU; "mosaic" refuses a launch the kernel cannot take
+    instead of silently running Triton. The kernel's products are bf16, so it takes bf16 state dots and outputs
+    only (float32 inputs keep Triton's float32 dots)."""
     if config.state_lowering == "triton":
         return False
     from hypic_jax.pallas import gdn_mgpu
 
-    fits = (w is not None and gk is None and packed is None and not widen
-            and gdn_mgpu.supported(chunk, key_dim, value_dim))
+    fits = (w is not None and gk is None and packed is None and not widen and config.state_precision == "bf16"
+            and jnp.dtype(out_dtype) == jnp.bfloat16 and gdn_mgpu.supported(chunk, key_dim, value_dim))
     if config.state_lowering == "auto":
         device = jax.devices()[0]
         hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
         return fits and hopper and not interpret
     if not fits:
-        raise ValueError("state_lowering='mosaic' takes a direct launch with scalar gates, the delta rule, chunk 64, "
-                         f"K 128, V a multiple of 32, whole chunks and (T, S) from the transfer pass; got chunk "
-                         f"{chunk}, K {key_dim}, V {value_dim}")
+        raise ValueError("state_lowering='mosaic' takes a direct launch with scalar gates, the delta rule, bf16 "
+                         "state dots and outputs, chunk 64, K 128, V a multiple of 32, whole chunks and (T, S) from "
+                         f"the transfer pass; got chunk {chunk}, K {key_dim}, V {value_dim}, state dots "
+                         f"{config.state_precision}, outputs {jnp.dtype(out_dtype).name}")
+    if interpret:  # inside this jit the GPU interpreter's simulated threads wait on each other indefinitely
+        raise ValueError("state_lowering='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use "
+                         "'auto' or 'triton' (gdn_mgpu.state_pass_mgpu(interpret=True) runs the kernel on its own)")
     return True
 
 
@@ -1015,7 +1020,7 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
     if pieces == 1:
         widen = dense_summary and not config.transfer_group
         init = jnp.concatenate([state0, eye], axis=-1) if widen else state0
-        if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, interpret):
+        if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret):
             from hypic_jax.pallas import gdn_mgpu
 
             o, final = gdn_mgpu.state_pass_mgpu(w, u, ks, b, qs, p, init, chunk=chunk, out_dtype=out_dtype,
