@@ -7,16 +7,18 @@ through shared memory. Here the kernel states the schedule itself:
 
 - one block per (batch entry, 128 rows of X^T), X being the state (rows < V of the output) or the composed
   transfer (rows >= V); two compute warpgroups hold 64 rows each in registers, split them into bf16 hi/lo planes in
-  registers (the planes are the MMAs' left operands, read from registers), and issue the three products of a step
-  into one accumulator initialised with S_i^T, then wait once;
-- a third warpgroup streams the operands with the TMA engine: T_i's planes into `stages` shared-memory slots
-  (64 KiB a slot at K = 128), S_i^T into one slot (64 KiB of float32; it is read into registers at the start of a
-  step and its slot refilled while the products run), each slot guarded by a ready and a consumed barrier.
+  registers (the planes are the MMAs' left operands, read from registers), issue the three products of a step into
+  one accumulator, wait once and add S_i^T (`_bf16x3_step`);
+- a third warpgroup streams the operands with the TMA engine (`_stream`): T_i's planes into `stages` shared-memory
+  slots (64 KiB a slot at K = 128), S_i^T into one slot (64 KiB of float32, read into registers at the start of a
+  step and refilled while the products run), each slot guarded by a ready and a consumed barrier.
 
-The arithmetic is `fold_split_pallas`'s bf16x3 (X^T <- lo T^T + hi T_lo^T + hi T_hi^T + S^T, the running value
-rounded to its bf16 planes), except that the state starts from zero and the transfer from the identity instead of
-loading the first pair (one more step, 1/n more products), so results agree to float32 rounding. Interpret mode
-(`interpret=True`) runs it on the CPU through Pallas's GPU interpreter.
+The arithmetic is `fold_split_pallas`'s bf16x3 (X^T <- lo T_hi^T + hi T_lo^T + hi T_hi^T + S^T, the running value
+rounded to its bf16 planes): a state block starts from S_1 (a load) as there, a transfer block from the identity's
+rows (one more step than loading T_1's columns, whose planes the split carries exactly). `prefix_fold_split_mgpu`
+runs the state blocks writing every step's X_i^T; the opt-in multicast pair (`MosaicFoldConfig.multicast`) pairs a
+state block and a transfer block in a cluster that reads T once. Interpret mode (`interpret=True`) runs the kernels
+on the CPU through Pallas's GPU interpreter (the multicast pair excepted: the interpreter has no cluster barriers).
 """
 
 from __future__ import annotations

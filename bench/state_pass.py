@@ -1,0 +1,65 @@
+"""The GDN state pass alone at 32k (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), per lowering, block
+width and slot count, on the chunk-local kernel's own operands: what bounds the pass (bench/RESULTS.md, eleventh
+session).
+
+    python3 bench/state_pass.py            # on the H200; prints one line per launch
+
+Mosaic GPU (`gdn_mgpu.state_pass_mgpu`) at 64 and 32 value columns a block with 1 to 3 slots, then Triton
+(`gdn._state_pass`) at 32 columns with 1 to 3 stages and at 64 columns; outputs are compared with the first launch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax.pallas import gdn, gdn_mgpu
+    from kernels import DIM, HEADS, gdn_inputs, timeit
+
+    length = int(os.environ.get("LENGTH", 32768))
+    q, k, v, g, beta = gdn_inputs(length)
+    scale = DIM**-0.5
+    cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
+    b, p, w, u, ks, qs = jax.jit(lambda q, k, v, g, bt: gdn._locals(q, k, v, g, None, bt, scale=scale, config=cfg,
+                                                                     interpret=False))(q, k, v, g, beta)
+    init = jnp.zeros((HEADS, DIM, DIM), jnp.float32)
+    ref = None
+
+    def report(name, fn, *args):
+        nonlocal ref
+        try:
+            ms, _ = timeit(fn, *args)
+        except Exception as error:  # noqa: BLE001 (a launch that does not fit is a result too)
+            print(f"{name}: {repr(error)[:200]}", flush=True)
+            return
+        o, final = fn(*args)
+        final = final.reshape(init.shape)
+        if ref is None:
+            ref = (o.astype(jnp.float32), final)
+        diff = max(float(jnp.abs(o.astype(jnp.float32) - ref[0]).max()), float(jnp.abs(final - ref[1]).max()))
+        print(f"{name}: {ms:.4f} ms (max difference from the first launch {diff:.2e})", flush=True)
+
+    for bv, stages in ((64, 2), (64, 1), (64, 3), (32, 2), (32, 3), (32, 1)):
+        config = gdn_mgpu.MosaicStateConfig(block_v=bv, stages=stages)
+        report(f"mosaic gpu, {bv} columns, {stages} slots", jax.jit(
+            lambda *a, c=config: gdn_mgpu.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=scale,
+                                                          config=c)), w, u, ks, b, qs, p, init)
+    for bv, stages, warps in ((32, 3, 4), (32, 2, 4), (32, 1, 4), (64, 3, 4)):
+        config = gdn.GDNConfig(block_v=bv, state_stages=stages, state_warps=warps).resolved(jnp.bfloat16)
+        report(f"triton, {bv} columns, {stages} stages, {warps} warps", jax.jit(
+            lambda *a, c=config: gdn._state_pass(*a, chunk=64, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,
+                                                 scale=scale, config=c, interpret=False)),
+            w, u, ks, b, qs, p, init[None])
+
+
+if __name__ == "__main__":
+    main()
