@@ -129,6 +129,8 @@ import math  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
+from hypic_jax.pallas.platform import is_hopper  # noqa: E402
+
 _KERNEL_PRECISION = {
     "bf16": lax.DotAlgorithmPreset.BF16_BF16_F32,
     "f32": lax.Precision.HIGHEST,
@@ -384,12 +386,6 @@ def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfe
 LOWERINGS = ("auto", "mosaic", "triton")
 
 
-def _hopper() -> bool:
-    """Whether JAX's default device is a Hopper GPU (compute capability 9.x), which the Mosaic GPU kernels need."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-
-
 def _use_mosaic(lowering: str, t_hi: Array, states_t: Array, interpret: bool) -> bool:
     """Whether a split-operand fold runs under Mosaic GPU: "mosaic", or "auto" on a Hopper GPU where the shapes
     allow it (the Mosaic GPU kernels import this module, so they are imported lazily)."""
@@ -399,7 +395,7 @@ def _use_mosaic(lowering: str, t_hi: Array, states_t: Array, interpret: bool) ->
         return lowering == "mosaic"
     from hypic_jax.pallas import compose_mgpu
 
-    return compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2]) and not interpret and _hopper()
+    return compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2]) and not interpret and is_hopper()
 
 
 def fold_split(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool = False, lowering: str = "auto",

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from hypic_jax.pallas.compose import FoldConfig, _split_args
+from hypic_jax.pallas.platform import gpu_interpreter
 
 __all__ = ["MosaicFoldConfig", "fold_split_mgpu", "PREFIX_CONFIG", "prefix_fold_split_mgpu", "supported"]
 
@@ -290,14 +291,6 @@ def _pair_cluster_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_h
         pl.when(jnp.logical_not(is_state))(lambda: memory(False))
 
 
-def _gpu_interpreter():
-    """Pallas's GPU interpreter (threads, shared memory, barriers and TMA simulated on the CPU); JAX exports its
-    parameters class from no public module yet."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
 def _launch(th, tl, s, x0, *, with_transfer, every_step, has_initial, config, interpret):
     """The fold's `plgpu.kernel` over flattened split operands: th, tl [n, B, K, K], s [n, B, V, K], x0 the
     transfer blocks' identity rows [K, K] or, with has_initial, the initial state's rows [B, V, K]."""
@@ -356,7 +349,7 @@ def _launch(th, tl, s, x0, *, with_transfer, every_step, has_initial, config, in
         kernel_name="compose_mgpu_prefix_fold" if every_step else "compose_mgpu_fold",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(),
-        interpret=_gpu_interpreter() if interpret else False,
+        interpret=gpu_interpreter() if interpret else False,
     )
     return kernel(th, tl, s, x0)
 

@@ -126,6 +126,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hypic_jax import linear_attn as la
 from hypic_jax.pallas.compose import compose_all
+from hypic_jax.pallas.platform import is_hopper
 
 __all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "default_config", "default_varlen_config",
            "default_interpret", "flops", "supports"]
@@ -970,9 +971,7 @@ def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, 
     fits = (w is not None and gk is None and packed is None and not widen and config.state_precision == "bf16"
             and jnp.dtype(out_dtype) == jnp.bfloat16 and gdn_mgpu.supported(chunk, key_dim, value_dim))
     if config.state_lowering == "auto":
-        device = jax.devices()[0]
-        hopper = device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-        return fits and hopper and not interpret
+        return fits and not interpret and is_hopper()
     if not fits:
         raise ValueError("state_lowering='mosaic' takes a direct launch with scalar gates, the delta rule, bf16 "
                          "state dots and outputs, chunk 64, K 128, V a multiple of 32, whole chunks and (T, S) from "

@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from hypic_jax.pallas.platform import gpu_interpreter
+
 __all__ = ["MosaicStateConfig", "supported", "state_pass_mgpu"]
 
 _ROWS = 64  # the warpgroup MMA's M: the chunk, and each half of K
@@ -215,12 +217,6 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
         kernel_name="gdn_mgpu_state_pass",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(),
-        interpret=_gpu_interpreter() if interpret else False,
+        interpret=gpu_interpreter() if interpret else False,
     )
     return kernel(w, u, k, q, p, eb, eu, ek, init.astype(jnp.float32))
-
-
-def _gpu_interpreter():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
