@@ -103,7 +103,8 @@ def main():
     g = -jax.random.uniform(keys[3], (L, HEADS), jnp.float32) * 0.1
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (L, HEADS), jnp.float32))
     scale = DIM ** -0.5
-    base_cfg = gdn.GDNConfig(locals_precision="bf16", state_precision="bf16")
+    # the Triton state pass throughout: the pieces below run it, so the direct row does too
+    base_cfg = gdn.GDNConfig(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
     ref = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=base_cfg,
                                                          interpret=interpret))
     ro, rs = ref(q, k, v, g, beta)
