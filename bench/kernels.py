@@ -787,6 +787,9 @@ def step_variants():
         # the same with the state pass under Mosaic GPU (`gdn_mgpu.state_pass_mgpu`)
         "tile c64 lw4 mosaic": (C(**c64, state_lowering="mosaic"), False, False),
         "tile c64 lw4 mosaic +TS group64": (C(**c64, state_lowering="mosaic", transfer_group=64), True, False),
+        # the Mosaic GPU state pass without clusters (each column block reads its own W, K, Q, P; before the
+        # twelfth session)
+        "tile c64 lw4 mosaic c1": (C(**c64, state_lowering="mosaic", state_cluster=1), False, False),
         # the same with q, k, v zero-padded to whole chunks when L is not a multiple of 64 (before packed reads)
         "tile c64 lw4 prefetch pad": (C(**{**c64, "state_prefetch": True}, packed_reads=False), False, False),
         "tile c64 lw4 prefetch +TS group64 pad": (C(**{**c64, "state_prefetch": True}, transfer_group=64,
@@ -904,9 +907,10 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         if cfg.state_lowering == "mosaic":
             from hypic_jax.pallas import gdn_mgpu
 
+            mosaic = gdn_mgpu.MosaicStateConfig(block_v=cfg.block_v, cluster=cfg.state_cluster)
             state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn_mgpu.state_pass_mgpu(
                 w, u, k, b, q, p, init[0], chunk=cfg.chunk, out_dtype=jnp.bfloat16, scale=scale,
-                interpret=INTERPRET))
+                config=mosaic, interpret=INTERPRET))
         else:
             state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
                 w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,

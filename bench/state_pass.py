@@ -4,8 +4,9 @@ session).
 
     python3 bench/state_pass.py            # on the H200; prints one line per launch
 
-Mosaic GPU (`gdn_mgpu.state_pass_mgpu`) at 64 and 32 value columns a block with 1 to 3 slots, then Triton
-(`gdn._state_pass`) at 32 columns with 1 to 3 stages and at 64 columns; outputs are compared with the first launch.
+Mosaic GPU (`gdn_mgpu.state_pass_mgpu`) at 32 and 64 value columns a block, 1 to 3 slots, with and without
+clusters of column blocks sharing multicast operands, then Triton (`gdn._state_pass`) at 32 columns with 2 and 3
+stages; outputs are compared with the first launch.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def main():
         diff = max(float(jnp.abs(o.astype(jnp.float32) - ref[0]).max()), float(jnp.abs(final - ref[1]).max()))
         print(f"{name}: {ms:.4f} ms (max difference from the first launch {diff:.2e})", flush=True)
 
-    for bv, stages in ((64, 2), (64, 1), (64, 3), (32, 2), (32, 3), (32, 1)):
-        config = gdn_mgpu.MosaicStateConfig(block_v=bv, stages=stages)
-        report(f"mosaic gpu, {bv} columns, {stages} slots", jax.jit(
+    launches = [(bv, stages, cluster) for cluster in (2, 1) for bv, stages in ((32, 2), (32, 3), (64, 2))]
+    for bv, stages, cluster in launches + [(32, 1, 1), (32, 2, 4)]:
+        config = gdn_mgpu.MosaicStateConfig(block_v=bv, stages=stages, cluster=cluster)
+        report(f"mosaic gpu, {bv} columns, {stages} slots, clusters of {cluster}", jax.jit(
             lambda *a, c=config: gdn_mgpu.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=scale,
                                                           config=c)), w, u, ks, b, qs, p, init)
-    for bv, stages, warps in ((32, 3, 4), (32, 2, 4), (32, 1, 4), (64, 3, 4)):
+    for bv, stages, warps in ((32, 3, 4), (32, 2, 4)):
         config = gdn.GDNConfig(block_v=bv, state_stages=stages, state_warps=warps).resolved(jnp.bfloat16)
         report(f"triton, {bv} columns, {stages} stages, {warps} warps", jax.jit(
             lambda *a, c=config: gdn._state_pass(*a, chunk=64, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,

@@ -827,6 +827,27 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     assert rel(final, ref_final[0]) < 1e-3
 
 
+@pytest.mark.parametrize("cluster, value_dim", [(1, 128), (2, 128), (4, 128), (2, 32)])
+def test_mosaic_gpu_state_pass_lowers_with_clusters(cluster, value_dim):
+    """The state pass lowers for CUDA on the CPU with its column blocks in clusters of 1, 2 and 4 (multicast W, K,
+    Q, P; the interpreter has no cluster barriers, so only the GPU runs these forms), and a head with a single
+    column block falls back to no cluster."""
+    from hypic_jax.pallas import gdn_mgpu
+
+    sd = jax.ShapeDtypeStruct
+    length, heads, key_heads = 256, 4, 2
+    args = (sd((length, heads, 128), jnp.bfloat16), sd((length, heads, value_dim), jnp.bfloat16),
+            sd((length, key_heads, 128), jnp.bfloat16), sd((heads, length), jnp.float32),
+            sd((length, key_heads, 128), jnp.bfloat16), sd((heads, length, 64), jnp.bfloat16),
+            sd((heads, 128, value_dim), jnp.float32))
+    config = gdn_mgpu.MosaicStateConfig(cluster=cluster)
+    fn = jax.jit(lambda *a: gdn_mgpu.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=0.1,
+                                                      config=config))
+    assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    with pytest.raises(ValueError, match="cluster must be"):
+        gdn_mgpu.MosaicStateConfig(cluster=3)
+
+
 def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
     """`GDNConfig(state_lowering="mosaic")` lowers the forward for CUDA on the CPU (the Mosaic GPU state pass beside
     the Triton chunk-local kernel, with and without (T, S)), and refuses launches the kernel does not take."""

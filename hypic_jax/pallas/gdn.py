@@ -171,6 +171,11 @@ class GDNConfig:
       Triton otherwise (other families and layouts, packed segments, pieces, interpret mode). On the H200 at 32k
       (bench/RESULTS.md, eleventh session): state pass 0.662 against 0.731 ms, forward 1.346 against 1.421, with
       (T, S) 1.719 against 1.795.
+    state_cluster: under Mosaic GPU, column blocks of one head launched as a cluster that receives the head's W, K,
+      Q and P through one multicast copy (1: no clusters; used where it divides the head's V / block_v blocks).
+      The pass is bound by the bytes the SMs draw from L2 (about 6.6 TB/s in all), and the multicast halves the
+      L2 reads of those operands: on the H200 at 32k, clusters of 2 took the pass from 0.653 to 0.585-0.600 ms,
+      clusters of 4 to 1.07-1.14 (bench/RESULTS.md, twelfth session).
     state_prefetch: the state pass issues each step's decay and segment-table loads one step ahead, carried in the
       loop. Triton's software pipeline prefetches the tiles that feed dots; these small loads feed only
       elementwise work, and without the carry each step may wait on one before its first product. On the H200
@@ -215,6 +220,7 @@ class GDNConfig:
     state_prefetch: bool = True
     packed_reads: bool = True
     state_lowering: str = "auto"
+    state_cluster: int = 2
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -229,6 +235,8 @@ class GDNConfig:
             raise ValueError(f"sub must be 16, 32 or 64, got {self.sub}")
         if self.transfer_group < 0:
             raise ValueError(f"transfer_group must be >= 0, got {self.transfer_group}")
+        if self.state_cluster not in (1, 2, 4):
+            raise ValueError(f"state_cluster must be 1, 2 or 4, got {self.state_cluster}")
         if self.state_lowering not in _STATE_LOWERINGS:
             raise ValueError(f"state_lowering must be one of {_STATE_LOWERINGS}, got {self.state_lowering!r}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
@@ -969,13 +977,14 @@ def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, 
     from hypic_jax.pallas import gdn_mgpu
 
     fits = (w is not None and gk is None and packed is None and not widen and config.state_precision == "bf16"
-            and jnp.dtype(out_dtype) == jnp.bfloat16 and gdn_mgpu.supported(chunk, key_dim, value_dim))
+            and jnp.dtype(out_dtype) == jnp.bfloat16 and gdn_mgpu.supported(chunk, key_dim, value_dim, config.block_v))
     if config.state_lowering == "auto":
         return fits and not interpret and is_hopper()
     if not fits:
         raise ValueError("state_lowering='mosaic' takes a direct launch with scalar gates, the delta rule, bf16 "
-                         "state dots and outputs, chunk 64, K 128, V a multiple of 32, whole chunks and (T, S) from "
-                         f"the transfer pass; got chunk {chunk}, K {key_dim}, V {value_dim}, state dots "
+                         "state dots and outputs, chunk 64, K 128, block_v 32 or 64 dividing V, whole chunks and "
+                         f"(T, S) from the transfer pass; got chunk {chunk}, K {key_dim}, V {value_dim}, block_v "
+                         f"{config.block_v}, state dots "
                          f"{config.state_precision}, outputs {jnp.dtype(out_dtype).name}")
     if interpret:  # inside this jit the GPU interpreter's simulated threads wait on each other indefinitely
         raise ValueError("state_lowering='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use "
@@ -1022,8 +1031,9 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret):
             from hypic_jax.pallas import gdn_mgpu
 
+            mosaic = gdn_mgpu.MosaicStateConfig(block_v=config.block_v, cluster=config.state_cluster)
             o, final = gdn_mgpu.state_pass_mgpu(w, u, ks, b, qs, p, init, chunk=chunk, out_dtype=out_dtype,
-                                                scale=scale, interpret=interpret)
+                                                scale=scale, config=mosaic, interpret=interpret)
         else:
             o, final = run(w, u, ks, b, qs, p, init[None], pieces=1)
             final = final[0]

@@ -10,14 +10,21 @@ Per chunk n of c = 64 tokens and value columns [j * BV, j * BV + BV) of head h, 
 
 One compute warpgroup issues X1 and X2 together and waits once, then P u and the two halves of K^T u' together and
 waits once; a second warpgroup streams the chunk's operands (W, U, K, Q, P and three decay rows precomputed in XLA)
-into `stages` shared-memory slots with the TMA engine. One block per (value column block, head).
+into `stages` shared-memory slots with the TMA engine. One block per (value column block, head); by default the
+column blocks of a head run in clusters of two that receive W, K, Q and P through one multicast copy.
 
-What bounds it (H200, 32k, bench/RESULTS.md, eleventh session): each block pulls about 60 KB of operands per chunk
-into shared memory, and both lowerings sit near 47 GB/s per SM. One slot doubles the time (1.31 ms), a third slot
-adds nothing (0.668 against 0.662 ms at BV = 32), and BV = 64 (64 blocks, 65 KB each) takes 0.705: the pass is
-bound by what each SM draws from L2, not by waits or latency. At BV = 32 it takes 0.651 to 0.662 ms against
-Triton's 0.731, which makes the forward 1.331 to 1.346 ms against 1.400 to 1.421, so `GDNConfig.state_lowering`
-"auto" picks it on Hopper for the launches it takes.
+What bounds it (H200, 32k, bench/RESULTS.md, eleventh and twelfth sessions). Each block pulls about 60 KB of
+operands per chunk into shared memory. With the arithmetic removed, the loads alone take 0.60 ms for 128 blocks
+and 0.33 for 64 blocks of 64 columns: 6.6 to 6.8 TB/s delivered from L2 into the SMs in all, in both cases, so the
+ceiling is what the L2 delivers in total, not each SM's share of it (with clusters of 4 the loads alone take
+0.55). With the loads removed (every step reusing the first slots) the
+arithmetic takes 0.52 ms at 32 columns and 0.65 at 64. The full pass takes 0.653 to 0.662 ms at 32 columns (one
+slot: 1.31; a third: no gain), 0.705 at 64. Multicasting the operands that a head's column blocks share halves
+their L2 reads: 0.585 to 0.600 ms with clusters of 2. Clusters of 4 take 1.07 to 1.14 ms. Taking work off the
+sequential chain did not pay: moving the outputs (Q S and P u) to a second compute warpgroup gave 0.653 (0.592 in
+clusters), storing each output a step late under the next products 0.676, and two warpgroups of 32 columns sharing
+a block's slots 0.784. Triton's pass takes 0.731; the forward takes 1.275 ms with clusters, 1.333 without, 1.414
+with Triton's pass (twelfth session, same run).
 
 The GPU interpreter (`interpret=True`) runs it on the CPU: it takes MMA operands from shared memory untransposed
 and has no layout casts, so there K arrives transposed and vectors are read without an explicit layout.
@@ -44,12 +51,25 @@ _ROWS = 64  # the warpgroup MMA's M: the chunk, and each half of K
 @dataclasses.dataclass(frozen=True)
 class MosaicStateConfig:
     """block_v: value columns per block (32 or 64: rows of 64 or 128 bytes of bf16, the swizzle every MMA operand
-    then takes); stages: shared-memory slots for a chunk's operands (about 60 KB each at block_v 32). Measured on
-    the H200 at 32k (bench/RESULTS.md, eleventh session): block_v 32 with 2 slots 0.662 ms, 3 slots 0.668, 1 slot
-    1.306; block_v 64 with 2 slots 0.705 (1 slot 1.315); Triton's pass 0.731."""
+    then takes); stages: shared-memory slots for a chunk's operands (about 60 KB each at block_v 32); cluster:
+    column blocks of one head launched as a cluster that receives the head's W, K, Q and P through one multicast
+    copy (1 turns multicast off; a head with fewer or indivisible column blocks, and the interpreter, which has
+    no cluster barriers, run 1). Measured on the H200
+    at 32k (bench/RESULTS.md): block_v 32 with 2 slots 0.662 ms, 3 slots 0.668, 1 slot 1.306; block_v 64 with 2
+    slots 0.705 (1 slot 1.315); Triton's pass 0.731 (eleventh session); clusters of 2 0.585 to 0.600, of 4 1.07
+    to 1.14 (twelfth session)."""
 
     block_v: int = 32
     stages: int = 2
+    cluster: int = 2
+
+    def __post_init__(self):
+        if self.block_v not in (32, 64):
+            raise ValueError(f"block_v must be 32 or 64, got {self.block_v}")
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.cluster not in (1, 2, 4):
+            raise ValueError(f"cluster must be 1, 2 or 4, got {self.cluster}")
 
 
 def supported(chunk: int, key_dim: int, value_dim: int, block_v: int = 32) -> bool:
@@ -59,9 +79,14 @@ def supported(chunk: int, key_dim: int, value_dim: int, block_v: int = 32) -> bo
 
 def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_g,
                   w_s, u_s, k_s, q_s, p_s, eb_s, eu_s, ek_s, sb_s, ub_s, u2_s, o_s, f_s, ready, used, init_ready, *,
-                  num_chunks, group, block_v, stages, interpret):
+                  num_chunks, group, block_v, stages, cluster, interpret):
     c = _ROWS
-    j, h = lax.axis_index("j"), lax.axis_index("h")
+    h = lax.axis_index("h")
+    if cluster > 1:  # the cluster's blocks share one multicast copy of the head's W, K, Q and P
+        j = lax.axis_index("j") * cluster + lax.axis_index("cj")
+        shared = dict(collective_axes="cj")
+    else:
+        j, shared = lax.axis_index("j"), {}
     wg = lax.axis_index("wg")
     cols = pl.ds(j * block_v, block_v)
     kh = lax.div(h, jnp.asarray(group, h.dtype))
@@ -132,11 +157,11 @@ def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_
         def load(n, slot):
             rows = pl.ds(n * c, c)
             bar = ready.at[slot]
-            plgpu.copy_gmem_to_smem(w_g.at[rows, h], w_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(w_g.at[rows, h], w_s.at[slot], bar, **shared)
             plgpu.copy_gmem_to_smem(u_g.at[rows, h, cols], u_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(k_g.at[kh, n] if interpret else k_g.at[rows, kh], k_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(q_g.at[rows, kh], q_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(p_g.at[h, rows], p_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(k_g.at[kh, n] if interpret else k_g.at[rows, kh], k_s.at[slot], bar, **shared)
+            plgpu.copy_gmem_to_smem(q_g.at[rows, kh], q_s.at[slot], bar, **shared)
+            plgpu.copy_gmem_to_smem(p_g.at[h, rows], p_s.at[slot], bar, **shared)
             plgpu.copy_gmem_to_smem(eb_g.at[h, rows], eb_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(eu_g.at[h, rows], eu_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(ek_g.at[h, n], ek_s.at[slot], bar)
@@ -183,6 +208,8 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
         k = k.astype(bf)
     # every MMA operand takes the swizzle of BV bf16 values (64 or 128 bytes): an MMA's two operands must agree
     stages = config.stages
+    # clusters where they divide a head's column blocks (and not in the interpreter: no cluster barriers there)
+    cluster = config.cluster if not interpret and (value_dim // bv) % config.cluster == 0 else 1
     tile = (plgpu.TilingTransform((8, bv)), plgpu.SwizzleTransform(2 * bv))
     cols_tile = tile
     smem = lambda shape, dtype=bf, t=tile: plgpu.SMEM(shape, dtype, transforms=t)  # noqa: E731
@@ -202,16 +229,19 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
         smem((2, chunk, bv), out_dtype, t=cols_tile),  # o, double-buffered for its copies out
         plgpu.SMEM((key_dim, bv), jnp.float32, transforms=f32_tile),  # the initial and the final state
         plgpu.Barrier(num_arrivals=_COPIES, num_barriers=stages),  # a slot's operands have landed
-        plgpu.Barrier(num_barriers=stages),  # a slot's step is done
+        # a slot's step is done (in every block of the cluster, which all receive the slot's shared copies)
+        plgpu.ClusterBarrier(collective_axes=("cj",), num_barriers=stages) if cluster > 1
+        else plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=1),  # the initial state has landed
     ]
     kernel = plgpu.kernel(
         functools.partial(_state_kernel, num_chunks=num_chunks, group=heads // key_heads, block_v=bv,
-                          stages=stages, interpret=interpret),
+                          stages=stages, cluster=cluster, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((length, heads, value_dim), out_dtype),
                   jax.ShapeDtypeStruct((heads, key_dim, value_dim), jnp.float32)),
-        grid=(value_dim // bv, heads),
+        grid=(value_dim // bv // cluster, heads),
         grid_names=("j", "h"),
+        **(dict(cluster=(cluster,), cluster_names=("cj",)) if cluster > 1 else {}),
         num_threads=2,
         thread_name="wg",
         kernel_name="gdn_mgpu_state_pass",
