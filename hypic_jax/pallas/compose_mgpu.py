@@ -46,7 +46,7 @@ class MosaicFoldConfig:
     """stages: shared-memory slots for T_i's planes (two fit beside S's slot at K = 128: 2 x 64 + 64 KiB);
     compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups
     (2 x 128 x 232 + 128 x 40 fills the 64 Ki registers of an SM); multicast: the pair (K = V) as clusters of a
-    state block and a transfer block that read T once through multicast copies (`_pair_cluster_kernel`): 2.82
+    state block and a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form): 2.82
     against 3.02 ms at the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session). Off by
     default: Pallas's GPU interpreter has no cluster barriers, so this variant is checked on the GPU and lowered
     in CI, not run there."""
@@ -115,7 +115,7 @@ def _stream(s_from, first, n, stages, load_s, refill_t, s_used, t_used):
 
 def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_ready_lo, s_ready, t_used, s_used,
                  *extra, num_segments, value_dim, stages, compute_registers, memory_registers, every_step,
-                 has_initial, interpret):
+                 has_initial, interpret, cluster=False):
     """Block (rb, c): rows [rb * 128, rb * 128 + 128) of X^T, of the state (rb * 128 < V) or of the transfer.
 
     A state block starts from S_0 (a load) and steps i = 1 .. n-1 with S_i, or with `has_initial` from the given
@@ -127,22 +127,37 @@ def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_read
     With `interpret` (Pallas's GPU interpreter) the last of `extra` is shared memory for the running value's
     planes: the interpreter takes an MMA's left operand from shared memory only and has no transposed right
     operand, so there the planes pass through it and T's planes arrive transposed; on the GPU the planes stay in
-    registers and the MMA reads T^T through a transposed view of T's slot."""
+    registers and the MMA reads T^T through a transposed view of T's slot.
+
+    With `cluster` (the multicast pair, K = V) the blocks of rows m of the state ("rb" 0) and of the transfer
+    ("rb" 1) form a cluster and read T_i's planes from one multicast TMA copy (each block issues its share, the TMA
+    engine writes the planes into both blocks' slots), so T leaves memory once per pair; a slot is refilled once
+    both blocks are done with it (`t_used` is then a cluster barrier). To consume T in step, the state block starts
+    from zero and adds S_i from i = 0, like the transfer block's i = 0 .. n-1."""
     block = _ROWS * _WARPGROUPS
-    rb, c = lax.axis_index("rb"), lax.axis_index("c")
+    c = lax.axis_index("c")
+    if cluster:  # rows of X^T: the state's rows m, or the transfer's
+        row0 = lax.axis_index("rb") * value_dim + lax.axis_index("m") * block
+    else:
+        row0 = lax.axis_index("rb") * block
+    collective = dict(collective_axes="rb") if cluster else {}
     wg = lax.axis_index("wg")
-    is_state = rb * block < value_dim
+    is_state = row0 < value_dim
     n = num_segments
     o_s = extra[0] if every_step else None
     a_s = extra[-1] if interpret else None
 
-    def compute(first, adds_s):
-        """first: the first step (T index) of the loop; adds_s: a state block (adds S_i every step)."""
+    def compute(first, adds_s, zero_start=False):
+        """first: the first step (T index) of the loop; adds_s: a state block (adds S_i every step); zero_start:
+        the running value starts from zero instead of a load."""
         rows = pl.ds(wg * _ROWS, _ROWS)
-        out_rows = pl.ds(rb * block + wg * _ROWS, _ROWS)
-        plgpu.barrier_wait(s_ready.at[0])  # S_0, or the initial state's or the identity's rows
-        acc0 = s_s[rows]
-        plgpu.barrier_arrive(s_used.at[0])
+        out_rows = pl.ds(row0 + wg * _ROWS, _ROWS)
+        if zero_start:
+            acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, th_s.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        else:
+            plgpu.barrier_wait(s_ready.at[0])  # S_0, or the initial state's or the identity's rows
+            acc0 = s_s[rows]
+            plgpu.barrier_arrive(s_used.at[0])
 
         def emit(i, acc):  # every_step: X_i^T out through o_s, once o_s's previous copy has read it
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -176,8 +191,8 @@ def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_read
     def memory(first, adds_s):
         def load_t(t):
             slot = lax.rem(t - first, stages)
-            plgpu.copy_gmem_to_smem(th_g.at[t, c], th_s.at[slot], t_ready_hi.at[slot])
-            plgpu.copy_gmem_to_smem(tl_g.at[t, c], tl_s.at[slot], t_ready_lo.at[slot])
+            plgpu.copy_gmem_to_smem(th_g.at[t, c], th_s.at[slot], t_ready_hi.at[slot], **collective)
+            plgpu.copy_gmem_to_smem(tl_g.at[t, c], tl_s.at[slot], t_ready_lo.at[slot], **collective)
 
         def refill_t(t):  # T_t into the slot of T_{t - stages}, once that step is done
             @pl.when(jnp.logical_and(t >= first + stages, t < n))
@@ -186,25 +201,25 @@ def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_read
                 load_t(t)
 
         def load_s(i):
-            plgpu.copy_gmem_to_smem(s_g.at[i, c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
+            plgpu.copy_gmem_to_smem(s_g.at[i, c, pl.ds(row0, block)], s_s, s_ready.at[0])
 
         if not adds_s:
-            plgpu.copy_gmem_to_smem(x0_g.at[pl.ds(rb * block - value_dim, block)], s_s, s_ready.at[0])
+            plgpu.copy_gmem_to_smem(x0_g.at[pl.ds(row0 - value_dim, block)], s_s, s_ready.at[0])
         elif has_initial:
-            plgpu.copy_gmem_to_smem(x0_g.at[c, pl.ds(rb * block, block)], s_s, s_ready.at[0])
-        else:
+            plgpu.copy_gmem_to_smem(x0_g.at[c, pl.ds(row0, block)], s_s, s_ready.at[0])
+        else:  # S_0 first: the running value's start, or (zero start) the first S added
             load_s(0)
         for t in range(first, min(first + stages, n)):
             load_t(jnp.asarray(t, jnp.int32))
-        _stream(first if adds_s else None, first, n, stages, load_s, refill_t, s_used, t_used)
+        _stream((0 if has_initial else 1) if adds_s else None, first, n, stages, load_s, refill_t, s_used, t_used)
 
-    state_first = 0 if has_initial else 1
+    state_first = 0 if has_initial or cluster else 1
 
     @pl.when(wg < _WARPGROUPS)
     def _compute():
         if not interpret:
             plgpu.set_max_registers(compute_registers, action="increase")
-        pl.when(is_state)(lambda: compute(state_first, True))
+        pl.when(is_state)(lambda: compute(state_first, True, zero_start=cluster))
         if not every_step:
             pl.when(jnp.logical_not(is_state))(lambda: compute(0, False))
 
@@ -215,80 +230,6 @@ def _fold_kernel(th_g, tl_g, s_g, x0_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_read
         pl.when(is_state)(lambda: memory(state_first, True))
         if not every_step:
             pl.when(jnp.logical_not(is_state))(lambda: memory(0, False))
-
-
-def _pair_cluster_kernel(th_g, tl_g, s_g, eye_g, o_g, th_s, tl_s, s_s, t_ready_hi, t_ready_lo, s_ready, t_used,
-                         s_used, *, num_segments, value_dim, stages, compute_registers, memory_registers):
-    """The composed pair with K = V, one cluster of two blocks per (row block m, batch entry c): block "rb" 0 steps
-    the state's rows m, block 1 the transfer's rows m, and both read T_i's planes from one multicast TMA copy (each
-    block issues its share, the TMA engine writes the planes into both blocks' slots), so T leaves memory once per
-    pair instead of twice. A slot is refilled once both blocks' compute warpgroups are done with it (`t_used` is a
-    cluster barrier). Both blocks step i = 0 .. n-1: the state from zero, the transfer from the identity's rows."""
-    block = _ROWS * _WARPGROUPS
-    kind, m, c = lax.axis_index("rb"), lax.axis_index("m"), lax.axis_index("c")
-    wg = lax.axis_index("wg")
-    is_state = kind == 0
-    n = num_segments
-
-    def compute(adds_s):
-        rows = pl.ds(wg * _ROWS, _ROWS)
-        if adds_s:
-            acc0 = plgpu.layout_cast(jnp.zeros((_ROWS, th_s.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
-        else:
-            plgpu.barrier_wait(s_ready.at[0])  # the identity's rows
-            acc0 = s_s[rows]
-            plgpu.barrier_arrive(s_used.at[0])
-
-        def step(i, acc):
-            slot = lax.rem(i, stages)
-            if adds_s:
-                plgpu.barrier_wait(s_ready.at[0])
-                s = s_s[rows]
-                plgpu.barrier_arrive(s_used.at[0])
-            out = _bf16x3_step(acc, th_s.at[slot], tl_s.at[slot], t_ready_hi.at[slot], t_ready_lo.at[slot],
-                               t_used.at[slot])
-            return out + s if adds_s else out
-
-        acc = lax.fori_loop(0, n, step, acc0)
-        s_s[rows] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_s.at[rows], o_g.at[c, pl.ds(kind * value_dim + m * block + wg * _ROWS, _ROWS)])
-        plgpu.wait_smem_to_gmem(0)
-
-    def memory(adds_s):
-        def load_t(t):
-            slot = lax.rem(t, stages)
-            plgpu.copy_gmem_to_smem(th_g.at[t, c], th_s.at[slot], t_ready_hi.at[slot], collective_axes="rb")
-            plgpu.copy_gmem_to_smem(tl_g.at[t, c], tl_s.at[slot], t_ready_lo.at[slot], collective_axes="rb")
-
-        def refill_t(t):
-            @pl.when(jnp.logical_and(t >= stages, t < n))
-            def _():
-                plgpu.barrier_wait(t_used.at[lax.rem(t, stages)])
-                load_t(t)
-
-        def load_s(i):
-            plgpu.copy_gmem_to_smem(s_g.at[i, c, pl.ds(m * block, block)], s_s, s_ready.at[0])
-
-        if adds_s:
-            load_s(0)
-        else:
-            plgpu.copy_gmem_to_smem(eye_g.at[pl.ds(m * block, block)], s_s, s_ready.at[0])
-        for t in range(min(stages, n)):
-            load_t(jnp.asarray(t, jnp.int32))
-        _stream(1 if adds_s else None, 0, n, stages, load_s, refill_t, s_used, t_used)
-
-    @pl.when(wg < _WARPGROUPS)
-    def _compute():
-        plgpu.set_max_registers(compute_registers, action="increase")
-        pl.when(is_state)(lambda: compute(True))
-        pl.when(jnp.logical_not(is_state))(lambda: compute(False))
-
-    @pl.when(wg == _WARPGROUPS)
-    def _memory():
-        plgpu.set_max_registers(memory_registers, action="decrease")
-        pl.when(is_state)(lambda: memory(True))
-        pl.when(jnp.logical_not(is_state))(lambda: memory(False))
 
 
 def _launch(th, tl, s, x0, *, with_transfer, every_step, has_initial, config, interpret):
@@ -319,34 +260,23 @@ def _launch(th, tl, s, x0, *, with_transfer, every_step, has_initial, config, in
         scratch.append(plgpu.SMEM((_WARPGROUPS, 2, _ROWS, key_dim), jnp.bfloat16, transforms=tile))
         th, tl = jnp.swapaxes(th, -1, -2), jnp.swapaxes(tl, -1, -2)
     out_shape = (n, b, value_dim, key_dim) if every_step else (b, width, key_dim)
-    if with_transfer and config.multicast and key_dim == value_dim and not interpret:
-        # t_used: a slot is free once both blocks of the cluster are done with it
+    cluster = with_transfer and config.multicast and key_dim == value_dim and not interpret
+    if cluster:  # t_used: a slot is free once both blocks of the cluster are done with it
         scratch[-2] = plgpu.ClusterBarrier(collective_axes=("rb",), num_arrivals=_WARPGROUPS, num_barriers=stages)
-        kernel = plgpu.kernel(
-            functools.partial(_pair_cluster_kernel, num_segments=n, value_dim=value_dim, stages=stages,
-                              compute_registers=config.compute_registers, memory_registers=config.memory_registers),
-            out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-            grid=(value_dim // block, b),
-            grid_names=("m", "c"),
-            cluster=(2,),
-            cluster_names=("rb",),
-            num_threads=_WARPGROUPS + 1,
-            thread_name="wg",
-            kernel_name="compose_mgpu_pair_cluster",
-            scratch_types=scratch,
-            compiler_params=plgpu.CompilerParams(),
-        )
-        return kernel(th, tl, s, x0)
+        layout = dict(grid=(value_dim // block, b), grid_names=("m", "c"), cluster=(2,), cluster_names=("rb",))
+        name = "compose_mgpu_pair_cluster"
+    else:
+        layout = dict(grid=(width // block, b), grid_names=("rb", "c"))
+        name = "compose_mgpu_prefix_fold" if every_step else "compose_mgpu_fold"
     kernel = plgpu.kernel(
         functools.partial(_fold_kernel, num_segments=n, value_dim=value_dim, stages=stages,
                           compute_registers=config.compute_registers, memory_registers=config.memory_registers,
-                          every_step=every_step, has_initial=has_initial, interpret=interpret),
+                          every_step=every_step, has_initial=has_initial, interpret=interpret, cluster=cluster),
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(width // block, b),
-        grid_names=("rb", "c"),
+        **layout,
         num_threads=_WARPGROUPS + 1,
         thread_name="wg",
-        kernel_name="compose_mgpu_prefix_fold" if every_step else "compose_mgpu_fold",
+        kernel_name=name,
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(),
         interpret=gpu_interpreter() if interpret else False,
