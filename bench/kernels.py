@@ -423,6 +423,7 @@ def run_focus(out_dir, budget_s):
     b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
     base = C(block_v=32, state_stages=3, **b16)
     b = gdn._chunk_cumsum(g, length, HEADS, base.chunk)
+    beta_t = beta.T
     for name, cfg in [("locals w4 s1", base), ("locals w2", dataclasses.replace(base, locals_warps=2)),
                       ("locals w8", dataclasses.replace(base, locals_warps=8)),
                       ("locals s2", dataclasses.replace(base, locals_stages=2)),
@@ -433,13 +434,13 @@ def run_focus(out_dir, budget_s):
             q, k, v, b, beta, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
             interpret=INTERPRET))
         try:
-            ms, _ = timeit(fn, q, k, v, b, beta)
+            ms, _ = timeit(fn, q, k, v, b, beta_t)
             log(path, dict(part=name, L=length, ms=ms))
         except Exception as e:
             log(path, dict(part=name, error=repr(e)[:400]))
     p, w, u = jax.jit(lambda q, k, v, b, beta: gdn._chunk_locals(
         q, k, v, b, beta, chunk=base.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=base,
-        interpret=INTERPRET))(q, k, v, b, beta)
+        interpret=INTERPRET))(q, k, v, b, beta_t)
     init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
     for name, cfg, outputs in [("state bv32 s3 +out", base, True), ("state bv32 s3 no-out", base, False),
                                ("state bv32 s4 +out", dataclasses.replace(base, state_stages=4), True),
@@ -631,7 +632,7 @@ def _all_gdn(record, sections, length, q, k, v, g, beta, scale, group, b16, up, 
             fn = jax.jit(lambda q, k, v, b, bt, cfg=cfg: gdn._chunk_locals(
                 q, k, v, b, bt, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
                 interpret=INTERPRET))
-            record("locals", f"locals {solve} c{chunk}", fn, (q, k, v, b, beta))
+            record("locals", f"locals {solve} c{chunk}", fn, (q, k, v, b, beta.T))
 
 
 def _all_per_key(record, length, scale, group, b16, up):

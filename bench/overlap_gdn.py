@@ -64,7 +64,7 @@ def overlapped(q, k, v, g, beta, *, parts, stream, scale, config, interpret):
     piece = length // parts
     assert piece % chunk == 0, "length must split into whole-chunk parts"
     b = gdn._chunk_cumsum(g, length, HEADS, chunk)
-    beta_rows = beta.astype(jnp.float32)  # [L, H]
+    beta_t = beta.astype(jnp.float32).T
     state = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
     outs = []
     for i in range(parts):
@@ -74,7 +74,7 @@ def overlapped(q, k, v, g, beta, *, parts, stream, scale, config, interpret):
             return tuple(gdn._chunk_locals(q, k, v, b, bt, chunk=chunk, scale=scale, inter_dtype=k.dtype,
                                            config=config, interpret=interpret))
 
-        p, w, u = _side_stream(local, 3, stream)(q[rows], k[rows], v[rows], b[:, rows], beta_rows[rows])
+        p, w, u = _side_stream(local, 3, stream)(q[rows], k[rows], v[rows], b[:, rows], beta_t[:, rows])
         o, state = gdn._state_pass(w, u, k[rows], b[:, rows], q[rows], p, state, chunk=chunk, pieces=1,
                                    value_dim=DIM, out_dtype=v.dtype, scale=scale, config=config,
                                    interpret=interpret)

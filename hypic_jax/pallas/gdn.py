@@ -455,8 +455,7 @@ class _PackedChunk:
         pltriton.store(rows, tile, mask=valid)
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False,
-                   gate_sums=False):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
@@ -465,17 +464,12 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     With `packed` two int32 tables src, cnt [Nc] come first and q, k, v are the whole packed sequence [L, D]:
     chunk n is rows src[n] .. src[n] + cnt[n] (`_PackedChunk`).
-    With `gate_sums` (a scalar gate, whole-chunk scores and solve) the b input holds the chunk's raw log gates g
-    and the kernel forms b = cumsum(g) itself, writing it out as the last output ([c]) for the state pass: that
-    takes the cumulative sum and its transpose to [H, L] out of XLA (two small launches, about 15 us at 32k).
     """
     if packed:
         (src_ref, cnt_ref), refs = refs[:2], refs[2:]
         n = pl.program_id(0)
         chunk_rows = functools.partial(_PackedChunk, src=src_ref[n], cnt=cnt_ref[n], chunk=chunk)
         refs = tuple(chunk_rows(r) for r in refs[:3 if delta else 2]) + tuple(refs[3 if delta else 2:])
-    if gate_sums:
-        refs, b_out_ref = refs[:-1], refs[-1]
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
     if delta:
@@ -498,11 +492,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
                     blk = jnp.zeros((sub, sub), jnp.float32)
                 p_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = blk.astype(p_ref.dtype)
     else:  # scores against the full chunk (one [c, K] x [K, c] dot)
-        if gate_sums:
-            b_all = jnp.cumsum(b_ref[...].astype(jnp.float32))
-            b_out_ref[...] = b_all
-        else:
-            b_all = b_ref[...]
+        b_all = b_ref[...]
         rows, cols = _iotas(c)
         causal = rows >= cols
         diff = jnp.where(causal, b_all[:, None] - b_all[None, :], 0.0)
@@ -513,7 +503,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         return
 
     if solve == "tile" and not per_key:  # the whole [c, c] inverse by doubling, then W, U as one dot each
-        beta_all = beta_ref[...].astype(jnp.float32)
+        beta_all = beta_ref[...]
         strict = rows > cols
         kk = _dot(k_all, k_all, prec, trans_b=True)
         m = jnp.where(strict, beta_all[:, None] * kk * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
@@ -527,7 +517,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     ks, bs, betas, rhs_k, rhs_v = [], [], [], [], []
     for i in range(nb):
         blk = pl.ds(i * sub, sub)
-        k_i, beta_i = k_ref[blk, :], beta_ref[blk].astype(jnp.float32)
+        k_i, beta_i = k_ref[blk, :], beta_ref[blk]
         b_i = b_ref[blk, :] if per_key else b_ref[blk]
         ks.append(k_i)
         bs.append(b_i)
@@ -697,18 +687,14 @@ def _compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None, gate_sums=False):
-    """P, W, U for every (chunk, head). b: [H, L] (scalar gate, chunk-local cumulative sums) or [L, H, K] (per
-    key); beta [L, H] or None. gate_sums: b is instead the raw scalar log gates g [L, H], whose chunk-local sums the
-    kernel forms and returns as a last output [H, L] (float32). packed: None, or the int32 tables (src, cnt) [Nc]
-    of a chunk-aligned layout whose q, k, v stay packed (`_locals_kernel`); L is then the layout's length (b's),
-    not q's."""
+def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None):
+    """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
+    packed: None, or the int32 tables (src, cnt) [Nc] of a chunk-aligned layout whose q, k, v stay packed
+    (`_locals_kernel`); L is then the layout's length (b's), not q's."""
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
-    if gate_sums and (per_key or (beta is not None and config.solve != "tile")):
-        raise ValueError("gate_sums takes a scalar gate with the 'tile' solve (or no delta rule)")
-    heads = b.shape[1] if per_key or gate_sums else b.shape[0]
-    length = b.shape[0] if per_key or gate_sums else b.shape[1]
+    heads = b.shape[1] if per_key else b.shape[0]
+    length = b.shape[0] if per_key else b.shape[1]
     group = heads // key_heads
     num_chunks = length // chunk
     delta = beta is not None
@@ -720,13 +706,8 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
     else:
         qk_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h // group, 0))
         v_spec = None if v is None else pl.BlockSpec((chunk, None, v.shape[-1]), lambda n, h: (n, h, 0))
-    rows_spec = pl.BlockSpec((chunk, None), lambda n, h: (n, h))  # the chunk's values in an [L, H] array
-    row_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))  # ... in an [H, L] array
-    beta_spec = rows_spec
-    if per_key:
-        b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
-    else:
-        b_spec = rows_spec if gate_sums else row_spec
+    beta_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))
+    b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
     p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
     p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
     if delta:
@@ -744,14 +725,11 @@ def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interp
         decayed = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
         out_specs += [decayed, decayed]
         out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
-    if gate_sums:
-        out_specs.append(row_spec)
-        out_shape.append(jax.ShapeDtypeStruct((heads, length), jnp.float32))
     if packed is not None:
         in_specs, args = [table, table] + list(in_specs), tuple(packed) + tuple(args)
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision, packed=packed is not None, gate_sums=gate_sums)
+                               solve_prec=config.solve_precision, packed=packed is not None)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -957,17 +935,13 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
         inter = jnp.bfloat16 if k.dtype == jnp.bfloat16 else jnp.float32
     else:
         inter = jnp.dtype(config.inter_dtype)
-    gate_sums = gk is None and g is not None and (beta is None or config.solve == "tile")
     if gk is not None:
         b = _chunk_cumsum_per_key(g, gk, config.chunk)
-    elif gate_sums:  # the kernel sums the gates itself
-        b = g
     else:
         b = _chunk_cumsum(g, length, heads, config.chunk)
-    res = _chunk_locals(q, k, v, b, beta, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
-                        interpret=interpret, packed=packed, gate_sums=gate_sums)
-    if gate_sums:
-        res, b = res[:-1], res[-1]
+    beta_t = None if beta is None else beta.astype(jnp.float32).T
+    res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
+                        interpret=interpret, packed=packed)
     ks, qs = k, q
     if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
         res, (ks, qs) = res[:-2], res[-2:]
