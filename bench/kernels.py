@@ -190,14 +190,14 @@ def named_config(**kwargs):
     from hypic_jax.pallas.gdn import GDNConfig
 
     return GDNConfig(**{"chunk": 64, "solve": "rows", "locals_warps": 2, "transfer_group": 0,
-                        "state_lowering": "triton", **kwargs})
+                        "state_lowering": "triton", "locals_lowering": "triton", **kwargs})
 
 
 def variants():
     """Variants in priority order (a run cut short by its time budget drops the last ones)."""
     C = named_config
 
-    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton", locals_lowering="triton")
     t32 = dict(locals_precision="tf32", state_precision="tf32")
     return {
         "pallas bv32 bf16": (C(block_v=32, **b16), False),
@@ -420,7 +420,7 @@ def run_focus(out_dir, budget_s):
     length = 32768 if not INTERPRET else 256
     q, k, v, g, beta = gdn_inputs(length)
     scale = DIM**-0.5
-    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton", locals_lowering="triton")
     base = C(block_v=32, state_stages=3, **b16)
     b = gdn._chunk_cumsum(g, length, HEADS, base.chunk)
     beta_t = beta.T
@@ -582,7 +582,7 @@ def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
         except Exception as e:  # noqa: BLE001
             log(path, dict(section=section, impl=name, error=repr(e)[:600]))
 
-    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton", locals_lowering="triton")
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     rep = lambda x: jnp.repeat(up(x), group, 1)  # noqa: E731
 
@@ -775,7 +775,7 @@ def step_variants():
     Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
-    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
+    b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton", locals_lowering="triton")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
     c32 = dict(chunk=32, solve="tile", locals_warps=2, state_prefetch=False)
     c64 = dict(chunk=64, solve="tile", locals_warps=4, state_prefetch=False)
@@ -787,6 +787,11 @@ def step_variants():
         # the same with the state pass under Mosaic GPU (`gdn_mgpu.state_pass_mgpu`)
         "tile c64 lw4 mosaic": (C(**c64, state_lowering="mosaic"), False, False),
         "tile c64 lw4 mosaic +TS group64": (C(**c64, state_lowering="mosaic", transfer_group=64), True, False),
+        # both launches under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu`, opt-in, and the state pass); in
+        # the twelfth session's only call with it, nothing completed within the call's limits
+        "tile c64 lw4 mosaic both": (C(**c64, state_lowering="mosaic", locals_lowering="mosaic"), False, False),
+        "tile c64 lw4 mosaic both +TS group64": (C(**c64, state_lowering="mosaic", locals_lowering="mosaic",
+                                                    transfer_group=64), True, False),
         # the Mosaic GPU state pass without clusters (each column block reads its own W, K, Q, P; before the
         # twelfth session)
         "tile c64 lw4 mosaic c1": (C(**c64, state_lowering="mosaic", state_cluster=1), False, False),

@@ -8,6 +8,7 @@ kernel to Triton IR for the GPU (no GPU needed) so that CPU CI also catches cons
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -874,6 +875,64 @@ def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
         gdn_forward(q[:64], k[:64], v[:64], g=g[:64], beta=beta[:64], config=mosaic, interpret=True)
     with pytest.raises(ValueError, match="state_lowering must be one of"):
         GDNConfig(state_lowering="cuda")
+
+
+@pytest.mark.parametrize("length, blocks, gate, seed", [(1024, 4, True, 0), (256, 4, False, 1), (384, 132, True, 2)])
+def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, seed):
+    """The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu`, Pallas's GPU interpreter) gives the Triton
+    kernel's P (to float32 rounding) and W, U within bf16 rounding, and its W, U are as close to the float32-dot
+    kernel's as Triton's are: runs of 8 chunks through 4 slots, runs of 2 through 2, 3 runs a head, grouped key
+    heads, with and without a gate."""
+    from hypic_jax.pallas import gdn_locals_mgpu as glm
+
+    heads, dim, c = 2, 128, 64
+    q, k, v, g, beta = inputs(length, key_heads=1, heads=heads, dim=dim, seed=seed, gate=gate, dtype=jnp.bfloat16)
+    b = gdn._chunk_cumsum(g, length, heads, c)
+    beta_t = beta.astype(jnp.float32).T
+    scale = dim**-0.5
+    config = GDNConfig().resolved(jnp.bfloat16)
+    ref = gdn._chunk_locals(q, k, v, b, beta_t, chunk=c, scale=scale, inter_dtype=jnp.bfloat16, config=config,
+                            interpret=True)
+    out = glm.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=c, scale=scale,
+                                config=glm.MosaicLocalsConfig(blocks=blocks), interpret=True)
+    exact = GDNConfig(locals_precision="ieee", solve_precision="ieee").resolved(jnp.float32)
+    f32 = gdn._chunk_locals(*(x.astype(jnp.float32) for x in (q, k, v)), b, beta_t, chunk=c, scale=scale,
+                            inter_dtype=jnp.float32, config=exact, interpret=True)
+    for name, mine, theirs, truth in zip("pwu", out, ref, f32):
+        assert mine.shape == theirs.shape and mine.dtype == jnp.bfloat16, name
+        assert rel(mine, theirs) < (1e-5 if name == "p" else 1e-2), name
+        assert rel(mine, truth) <= 1.25 * rel(theirs, truth) + 1e-4, name
+
+
+def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
+    """The Mosaic GPU chunk-local kernel lowers for CUDA on the CPU (2 and 4 slots, and inside the forward with
+    `locals_lowering="mosaic"`), and the forward refuses launches it does not take instead of running Triton."""
+    from hypic_jax.pallas import gdn_locals_mgpu as glm
+
+    sd = jax.ShapeDtypeStruct
+    length, dim = 1024, 128
+    args = (sd((length, 2, dim), jnp.bfloat16), sd((length, 2, dim), jnp.bfloat16),
+            sd((length, 4, dim), jnp.bfloat16), sd((4, length), jnp.float32), sd((4, length), jnp.float32))
+    for stages in (2, 4):
+        fn = jax.jit(lambda *a, s=stages: glm.chunk_locals_mgpu(*a, chunk=64, scale=0.1,
+                                                                config=glm.MosaicLocalsConfig(stages=s)))
+        assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    config = GDNConfig(locals_lowering="mosaic")
+    fwd = jax.jit(lambda q, k, v, g, b: _forward(q, k, v, g, b, None, scale=dim**-0.5, config=config,
+                                                 emit_summary=False, interpret=False))
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # the state pass off Hopper
+    text = jax.export.export(fwd, platforms=["cuda"], disabled_checks=[triton])(
+        *args[:3], sd((length, 4), jnp.float32), sd((length, 4), jnp.float32)).mlir_module()
+    assert "gdn_mgpu_chunk_locals" in text
+    q, k, v, g, beta = inputs(128, key_heads=1, heads=2, dim=128, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="locals_lowering='mosaic' takes"):
+        gdn_forward(q, k, v, g=g, beta=beta, config=dataclasses.replace(config, chunk=32), interpret=True)
+    with pytest.raises(ValueError, match="interpret mode"):
+        gdn_forward(q, k, v, g=g, beta=beta, config=config, interpret=True)
+    with pytest.raises(ValueError, match="locals_lowering must be"):
+        GDNConfig(locals_lowering="auto")
+    with pytest.raises(ValueError, match="stages must be 2 or 4"):
+        glm.MosaicLocalsConfig(stages=3)
 
 
 def test_linear_attn_impl_dispatch():

@@ -171,6 +171,12 @@ class GDNConfig:
       Triton otherwise (other families and layouts, packed segments, pieces, interpret mode). On the H200 at 32k
       (bench/RESULTS.md, eleventh session): state pass 0.662 against 0.731 ms, forward 1.346 against 1.421, with
       (T, S) 1.719 against 1.795.
+    locals_lowering: "triton" (default) runs the chunk-local kernel as `_locals_kernel`; "mosaic" (opt-in,
+      Hopper) as `gdn_locals_mgpu.chunk_locals_mgpu`, for the "tile" solve with a scalar gate or none, the delta
+      rule, bf16 inputs and dots, chunk 64, K = V = 128, an even number of whole chunks and no packed segments
+      (anything else is refused). The Mosaic GPU kernel matches Triton's in interpret mode and lowers for CUDA, but
+      has not yet completed on the H200: in its first runs (twelfth session) neither its compile nor its launch
+      finished within the calls' time limits, and the device time ran out before the cause was found.
     state_cluster: under Mosaic GPU, column blocks of one head launched as a cluster that receives the head's W, K,
       Q and P through one multicast copy (1: no clusters; used where it divides the head's V / block_v blocks).
       The pass is bound by the bytes the SMs draw from L2 (about 6.6 TB/s in all), and the multicast halves the
@@ -221,6 +227,7 @@ class GDNConfig:
     packed_reads: bool = True
     state_lowering: str = "auto"
     state_cluster: int = 2
+    locals_lowering: str = "triton"
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -239,6 +246,8 @@ class GDNConfig:
             raise ValueError(f"state_cluster must be 1, 2 or 4, got {self.state_cluster}")
         if self.state_lowering not in _STATE_LOWERINGS:
             raise ValueError(f"state_lowering must be one of {_STATE_LOWERINGS}, got {self.state_lowering!r}")
+        if self.locals_lowering not in ("triton", "mosaic"):
+            raise ValueError(f"locals_lowering must be 'triton' or 'mosaic', got {self.locals_lowering!r}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
             if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
@@ -940,6 +949,11 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
     else:
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
+    if _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret):
+        from hypic_jax.pallas import gdn_locals_mgpu
+
+        p, w, u = gdn_locals_mgpu.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=config.chunk, scale=scale)
+        return b, p, w, u, k, q
     res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
                         interpret=interpret, packed=packed)
     ks, qs = k, q
@@ -965,6 +979,29 @@ def _log_transfer(g, gk, seg_ids=None, n_seg=None):
     if g is not None:
         log = log + total(g)[..., None]
     return form, log
+
+
+def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
+    """Whether the chunk-local kernel runs under Mosaic GPU (`GDNConfig.locals_lowering == "mosaic"`, opt-in; config
+    resolved); a launch the kernel cannot take is refused rather than run under Triton."""
+    if config.locals_lowering == "triton":
+        return False
+    from hypic_jax.pallas import gdn_locals_mgpu
+
+    bf16 = all(x.dtype == jnp.bfloat16 for x in (q, k, v)) and jnp.dtype(inter) == jnp.bfloat16
+    fits = (gk is None and beta is not None and packed is None and config.solve == "tile" and bf16
+            and config.locals_precision == "bf16" and config.solve_precision == "bf16"
+            and gdn_locals_mgpu.supported(config.chunk, k.shape[-1], v.shape[-1], k.shape[0]))
+    if not fits:
+        raise ValueError("locals_lowering='mosaic' takes the 'tile' solve with a scalar gate or none, the delta rule, "
+                         "bf16 inputs and dots, chunk 64, K = V = 128, an even number of whole chunks and no packed "
+                         f"segments; got solve {config.solve!r}, chunk {config.chunk}, K {k.shape[-1]}, V "
+                         f"{v.shape[-1]}, {k.shape[0]} tokens, inputs {k.dtype.name}")
+    if interpret:
+        raise ValueError("locals_lowering='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use "
+                         "'auto' or 'triton' (gdn_locals_mgpu.chunk_locals_mgpu(interpret=True) runs the kernel "
+                         "on its own)")
+    return True
 
 
 def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret) -> bool:

@@ -1,0 +1,33 @@
+"""`gdn_forward` at 32k (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16) per state-pass lowering, in one
+process: the default `GDNConfig()` (on Hopper: the Mosaic GPU state pass in clusters of two), the Mosaic GPU pass
+without clusters, and Triton's pass. bench/RESULTS.md, twelfth session.
+
+    python3 bench/forward_lowerings.py          # on the H200; LENGTH=... for another length
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def main():
+    import jax
+
+    from hypic_jax.pallas import gdn
+    from kernels import DIM, gdn_inputs, timeit
+
+    q, k, v, g, beta = gdn_inputs(int(os.environ.get("LENGTH", 32768)))
+    for name, cfg in (("GDNConfig()", gdn.GDNConfig()), ("state_cluster=1", gdn.GDNConfig(state_cluster=1)),
+                      ("triton", gdn.GDNConfig(state_lowering="triton"))):
+        fn = jax.jit(lambda q, k, v, g, b, c=cfg: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=DIM**-0.5, config=c))
+        ms, _ = timeit(fn, q, k, v, g, beta)
+        print(f"gdn_forward {name}: {ms:.4f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
