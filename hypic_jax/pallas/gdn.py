@@ -79,11 +79,13 @@ design stores ([L/c, H, K, V] float32, 1 GB at L = 32k) are kept in registers be
 into the state pass. States are float32 always.
 
 Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
-2026-11-30, eight runs each beside fla 0.6.0): the default launch (tile solve, chunk 64) 1.41 to 1.45 ms against
-fla's chunk_gated_delta_rule at 1.92 to 1.94 ms (1.33x to 1.37x faster; the issue's bar is 1.5x); emitting (T, S)
-through the transfer pass adds 23 to 25%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. The two
-launches split the time about evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both
-are latency-bound. Nsight Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an
+2026-11-30, each beside fla 0.6.0 in the same call): the default launch (tile solve, chunk 64, the state pass under
+Mosaic GPU in clusters of two) 1.275 to 1.287 ms against fla's chunk_gated_delta_rule at 1.920 to 1.933 ms (1.49x to
+1.52x faster; the issue's bar is 1.5x); with Triton's state pass 1.41 to 1.45 ms (1.33x to 1.37x); emitting (T, S)
+through the transfer pass adds 27 to 29%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. Of the
+default forward, Nsight Compute times the chunk-local kernel at 658 us, the state pass at 579 us and five small XLA
+fusions (gates, transposes, decay rows) at 27 us. With Triton's state pass the two launches split the time about
+evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both are latency-bound. Nsight Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an
 SM, and 40% of its warp stalls wait on global loads; the state pass is one 4-warp program per SM (166 registers,
 189 KB of shared memory for its load pipeline) issuing on 20% of cycles, stalled on barriers and loads. The
 chunk-local kernel's time follows its number of dots rather than their flops (see `_inverse_doubling`). Measured
@@ -99,10 +101,12 @@ chunk-local kernel heads-first, so that value heads sharing a key head read its 
 7.3 us each against 1.4 us at chunk 64; the chunk-local kernel 2.2 to 2.4 ms); the second stream again under XLA's
 latency-hiding scheduler (still no overlap). Both kernels already issue Hopper's warpgroup MMA (Nsight Compute
 counts only gmma instructions on their tensor pipes, busy 24% and 18% of their active cycles).
-Lowering: Triton. It compiled and ran first time through Pallas at jax 0.10 (interpret and lowering checks on the
-CPU) and 0.11 (the H200). The decode step, the smallest comparison, also exists for the Mosaic GPU lowering
-(`bench/mosaic_decode.py`); there Triton was 12% faster at batch 64 (see `pallas.decode`). These two kernels have
-no Mosaic GPU version, so for them Triton is the default, not a measured choice.
+Lowering: the state pass of direct launches runs under Mosaic GPU on Hopper (`gdn_mgpu`, `GDNConfig.state_lowering`,
+by measurement: 0.59 against 0.73 ms); everything else here is Triton. The chunk-local kernel has a Mosaic GPU
+version (`gdn_locals_mgpu`, `GDNConfig.locals_lowering="mosaic"`, opt-in) that matches this one in the interpreter
+but has not yet completed on the H200, so Triton stays its default, not by measurement. The decode step also
+exists for the Mosaic GPU lowering (`bench/mosaic_decode.py`); there Triton was 12% faster at batch 64 (see
+`pallas.decode`).
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
 float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
@@ -170,7 +174,8 @@ class GDNConfig:
       "triton" as `_state_kernel`, "auto" (default) picks Mosaic GPU on a Hopper GPU for the launches it takes and
       Triton otherwise (other families and layouts, packed segments, pieces, interpret mode). On the H200 at 32k
       (bench/RESULTS.md, eleventh session): state pass 0.662 against 0.731 ms, forward 1.346 against 1.421, with
-      (T, S) 1.719 against 1.795.
+      (T, S) 1.719 against 1.795; with `state_cluster=2` (twelfth session) the pass takes 0.59 ms and the forward
+      1.275 to 1.287.
     locals_lowering: "triton" (default) runs the chunk-local kernel as `_locals_kernel`; "mosaic" (opt-in,
       Hopper) as `gdn_locals_mgpu.chunk_locals_mgpu`, for the "tile" solve with a scalar gate or none, the delta
       rule, bf16 inputs and dots, chunk 64, K = V = 128, an even number of whole chunks and no packed segments
@@ -204,7 +209,8 @@ class GDNConfig:
     warps 3.739. Emitting (T, S) through the transfer pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups
     1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 25% in the later runs. The state pass's prefetched
     small loads (`state_prefetch`) are on by default for packed segments' sake (-3 to -4% there). The state pass
-    itself runs under Mosaic GPU where it can (`state_lowering="auto"`): 1.346 against 1.421 ms (eleventh session).
+    itself runs under Mosaic GPU where it can (`state_lowering="auto"`): 1.346 against 1.421 ms (eleventh session);
+    with its column blocks in clusters of two (`state_cluster`), 1.275 to 1.287 ms (twelfth session).
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
     H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
     """
