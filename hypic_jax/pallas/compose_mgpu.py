@@ -44,13 +44,12 @@ _WARPGROUPS = 2  # compute warpgroups per block
 @dataclasses.dataclass(frozen=True)
 class MosaicFoldConfig:
     """stages: shared-memory slots for T_i's planes (two fit beside S's slot at K = 128: 2 x 64 + 64 KiB);
-    compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups
-    (2 x 128 x 232 + 128 x 40 fills the 64 Ki registers of an SM); multicast: the pair (K = V) as clusters of a
-    state block and a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form): 2.82
-    against 3.02 ms at the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session); 2.65 against
-    2.91 as one kernel body with the default (twelfth session). Off by
-    default: Pallas's GPU interpreter has no cluster barriers, so this variant is checked on the GPU and lowered
-    in CI, not run there."""
+    compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups (2 x 128 x
+    232 + 128 x 40 fills the 64 Ki registers of an SM); multicast: the pair (K = V) as clusters of a state block and
+    a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form): 2.82 against 3.02 ms
+    at the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session); 2.65 against the default's 2.91
+    once the two share one kernel body (twelfth session). Off by default: Pallas's GPU interpreter has no cluster
+    barriers, so this variant is checked on the GPU and lowered in CI, not run there."""
 
     stages: int = 2
     compute_registers: int = 232

@@ -81,26 +81,27 @@ into the state pass. States are float32 always.
 Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
 2026-11-30, each beside fla 0.6.0 in the same call): the default launch (tile solve, chunk 64, the state pass under
 Mosaic GPU in clusters of two) 1.275 to 1.287 ms against fla's chunk_gated_delta_rule at 1.920 to 1.933 ms (1.49x to
-1.52x faster; the issue's bar is 1.5x); with Triton's state pass 1.41 to 1.45 ms (1.33x to 1.37x); emitting (T, S)
+1.52x faster; the target is 1.5x); with Triton's state pass 1.41 to 1.45 ms (1.33x to 1.37x); emitting (T, S)
 through the transfer pass adds 27 to 29%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. Of the
 default forward, Nsight Compute times the chunk-local kernel at 658 us, the state pass at 579 us and five small XLA
 fusions (gates, transposes, decay rows) at 27 us. With Triton's state pass the two launches split the time about
-evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both are latency-bound. Nsight Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an
-SM, and 40% of its warp stalls wait on global loads; the state pass is one 4-warp program per SM (166 registers,
-189 KB of shared memory for its load pipeline) issuing on 20% of cycles, stalled on barriers and loads. The
-chunk-local kernel's time follows its number of dots rather than their flops (see `_inverse_doubling`). Measured
-slower and removed (bench/RESULTS.md): a chunk step on materialised [K, K] transfer operators; folding the
-outputs' intra-chunk term into the chunk-local kernel (the state pass then ran 0.66 instead of 0.74 ms, the
-chunk-local kernel 1.03 instead of 0.82); one chunk-local program per key head; the doubling's low levels on
-stacked blocks; several chunks per chunk-local program as a software-pipelined loop (1.65 to 1.84 ms); P formed
-in the state pass from the q and k tiles it loads (chunk-local kernel 0.65 ms, but state pass 0.95); the state
-held transposed, [BV, K], so that the chain's dots read it from registers (state pass 0.84 ms); 8 warps in either
-kernel; the chunk-local kernel of the next piece on a second GPU stream (XLA did not overlap them); launching the
-chunk-local kernel heads-first, so that value heads sharing a key head read its tile together (1.445 against
-1.450 ms); chunk 128 (3.9 to 4.1 ms: only one state-pass stage fits the shared memory, and unpipelined steps took
-7.3 us each against 1.4 us at chunk 64; the chunk-local kernel 2.2 to 2.4 ms); the second stream again under XLA's
-latency-hiding scheduler (still no overlap). Both kernels already issue Hopper's warpgroup MMA (Nsight Compute
-counts only gmma instructions on their tensor pipes, busy 24% and 18% of their active cycles).
+evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both are latency-bound. Nsight
+Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an SM, and 40% of its warp
+stalls wait on global loads; the state pass is one 4-warp program per SM (166 registers, 189 KB of shared memory for
+its load pipeline) issuing on 20% of cycles, stalled on barriers and loads. The chunk-local kernel's time follows
+its number of dots rather than their flops (see `_inverse_doubling`). Measured slower and removed
+(bench/RESULTS.md): a chunk step on materialised [K, K] transfer operators; folding the outputs' intra-chunk term
+into the chunk-local kernel (the state pass then ran 0.66 instead of 0.74 ms, the chunk-local kernel 1.03 instead of
+0.82); one chunk-local program per key head; the doubling's low levels on stacked blocks; several chunks per
+chunk-local program as a software-pipelined loop (1.65 to 1.84 ms); P formed in the state pass from the q and k
+tiles it loads (chunk-local kernel 0.65 ms, but state pass 0.95); the state held transposed, [BV, K], so that the
+chain's dots read it from registers (state pass 0.84 ms); 8 warps in either kernel; the chunk-local kernel of the
+next piece on a second GPU stream (XLA did not overlap them); launching the chunk-local kernel heads-first, so that
+value heads sharing a key head read its tile together (1.445 against 1.450 ms); chunk 128 (3.9 to 4.1 ms: only one
+state-pass stage fits the shared memory, and unpipelined steps took 7.3 us each against 1.4 us at chunk 64; the
+chunk-local kernel 2.2 to 2.4 ms); the second stream again under XLA's latency-hiding scheduler (still no overlap).
+Both kernels already issue Hopper's warpgroup MMA (Nsight Compute counts only gmma instructions on their tensor
+pipes, busy 24% and 18% of their active cycles).
 Lowering: the state pass of direct launches runs under Mosaic GPU on Hopper (`gdn_mgpu`, `GDNConfig.state_lowering`,
 by measurement: 0.59 against 0.73 ms); everything else here is Triton. The chunk-local kernel has a Mosaic GPU
 version (`gdn_locals_mgpu`, `GDNConfig.locals_lowering="mosaic"`, opt-in) that matches this one in the interpreter
@@ -1005,8 +1006,7 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
                          f"{v.shape[-1]}, {k.shape[0]} tokens, inputs {k.dtype.name}")
     if interpret:
         raise ValueError("locals_lowering='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use "
-                         "'auto' or 'triton' (gdn_locals_mgpu.chunk_locals_mgpu(interpret=True) runs the kernel "
-                         "on its own)")
+                         "'triton' (gdn_locals_mgpu.chunk_locals_mgpu(interpret=True) runs the kernel on its own)")
     return True
 
 
