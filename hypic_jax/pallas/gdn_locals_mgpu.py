@@ -23,8 +23,8 @@ scaled X) and waited once per dependent step.
 Status: opt-in (`GDNConfig(locals_lowering="mosaic")`), not measured. It matches the Triton kernel in the GPU
 interpreter (P to float32 rounding, W and U within bf16 rounding, the same error against float32 dots) and lowers
 for CUDA, but in its first runs on the H200 (bench/RESULTS.md, twelfth session) neither its compile nor its launch
-finished within the calls' limits (90 s at 32k tokens, 15 s at 512), and the device time ran out before the cause
-(a slow compile or a hang) was found.
+finished within the calls' limits (90 s at 32k tokens; 18 s at 512 tokens, JAX's start included), and the device
+time ran out before the cause (a slow compile or a hang) was found.
 
 The GPU interpreter (`interpret=True`) runs it on the CPU. It takes an MMA's left operand from shared memory only
 and has no transposed views, layout casts or layout-aware loads, so there the left operands pass through a
