@@ -1,14 +1,19 @@
 """The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu`, opt-in) against Triton's on the
-H200 at 32k (Qwen3.5 shapes): the relative difference of P, W and U, both kernels' times, and `gdn_forward` with
-each. In its only run so far (bench/RESULTS.md, twelfth session) nothing printed within 90 s: the Mosaic GPU
-kernel's compile or launch did not finish. Each stage prints as it completes, so a hang shows where it sits.
+H200 (Qwen3.5 shapes, 32k unless LENGTH says otherwise): per variant of `MosaicLocalsConfig`, its compile time, the
+relative difference of P, W and U from Triton's, and its time beside Triton's; then `gdn_forward` with each
+lowering. In its only run so far (bench/RESULTS.md, twelfth session) the default variant printed nothing within
+90 s: its compile or its launch did not finish. Each variant therefore runs in its own process under a timeout
+(TIMEOUT_S, default 60), and prints each stage as it completes, so a hang shows which form and which stage.
 
-    timeout 300 python3 bench/locals_mgpu.py
+    python3 bench/locals_mgpu.py                 # every variant, then the forward
+    python3 bench/locals_mgpu.py --variant NAME  # one variant in this process
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -16,40 +21,82 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+# name -> MosaicLocalsConfig fields; the later ones take the interpreter's forms one at a time, to bisect a hang
+VARIANTS = {
+    "default": {},
+    "2 slots": dict(stages=2),
+    "1 compute warpgroup": dict(warpgroups=1),
+    "compiler's registers": dict(set_registers=False),
+    "K^T input": dict(transposed_keys=True, stages=2),
+    "left operands in smem": dict(smem_operands=True, stages=2),
+    "interpreter forms": dict(smem_operands=True, transposed_keys=True, set_registers=False, stages=2,
+                              warpgroups=1),
+}
 
-def main():
-    import jax
+
+def _inputs():
     import jax.numpy as jnp
+
+    from hypic_jax.pallas import gdn
+    from kernels import HEADS, gdn_inputs
+
+    length = int(os.environ.get("LENGTH", 32768))
+    q, k, v, g, beta = gdn_inputs(length)
+    return (q, k, v, gdn._chunk_cumsum(g, length, HEADS, 64), beta.T), (q, k, v, g, beta), jnp
+
+
+def run_variant(name):
+    import jax
     import numpy as np
 
     from hypic_jax.pallas import gdn
     from hypic_jax.pallas import gdn_locals_mgpu as glm
-    from kernels import DIM, HEADS, gdn_inputs, timeit
+    from kernels import DIM, timeit
 
-    length = int(os.environ.get("LENGTH", 32768))
-    q, k, v, g, beta = gdn_inputs(length)
+    args, _, jnp = _inputs()
     scale = DIM**-0.5
     cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
-    b, beta_t = gdn._chunk_cumsum(g, length, HEADS, 64), beta.T
-    args = (q, k, v, b, beta_t)
     triton = jax.jit(lambda q, k, v, b, bt: gdn._chunk_locals(q, k, v, b, bt, chunk=64, scale=scale,
                                                               inter_dtype=jnp.bfloat16, config=cfg, interpret=False))
     ref = [np.asarray(x, np.float32) for x in triton(*args)]
-    for stages in (4, 2):
-        config = glm.MosaicLocalsConfig(stages=stages)
-        fn = jax.jit(lambda *a, c=config: glm.chunk_locals_mgpu(*a, chunk=64, scale=scale, config=c))
-        t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile()
-        print(f"mosaic gpu, {stages} slots: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-        out = jax.block_until_ready(compiled(*args))
-        diffs = [float(np.linalg.norm(np.asarray(x, np.float32) - r) / np.linalg.norm(r)) for x, r in zip(out, ref)]
-        print(f"mosaic gpu, {stages} slots: ran; relative difference from Triton p {diffs[0]:.2e} w {diffs[1]:.2e} "
-              f"u {diffs[2]:.2e}", flush=True)
-        print(f"mosaic gpu, {stages} slots: {timeit(fn, *args)[0]:.4f} ms", flush=True)
-    print(f"triton: {timeit(triton, *args)[0]:.4f} ms", flush=True)
+    config = glm.MosaicLocalsConfig(**VARIANTS[name])
+    fn = jax.jit(lambda *a: glm.chunk_locals_mgpu(*a, chunk=64, scale=scale, config=config))
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    out = jax.block_until_ready(compiled(*args))
+    diffs = [float(np.linalg.norm(np.asarray(x, np.float32) - r) / np.linalg.norm(r)) for x, r in zip(out, ref)]
+    print(f"{name}: ran; relative difference from Triton p {diffs[0]:.2e} w {diffs[1]:.2e} u {diffs[2]:.2e}",
+          flush=True)
+    print(f"{name}: {timeit(fn, *args)[0]:.4f} ms beside Triton's {timeit(triton, *args)[0]:.4f}", flush=True)
+
+
+def run_forward():
+    import jax
+
+    from hypic_jax.pallas import gdn
+    from kernels import DIM, timeit
+
+    _, (q, k, v, g, beta), _ = _inputs()
     for name, c in (("locals triton", gdn.GDNConfig()), ("locals mosaic", gdn.GDNConfig(locals_lowering="mosaic"))):
-        fn = jax.jit(lambda q, k, v, g, bb, c=c: gdn.gdn_forward(q, k, v, g=g, beta=bb, scale=scale, config=c))
+        fn = jax.jit(lambda q, k, v, g, bb, c=c: gdn.gdn_forward(q, k, v, g=g, beta=bb, scale=DIM**-0.5, config=c))
         print(f"gdn_forward, {name}: {timeit(fn, q, k, v, g, beta)[0]:.4f} ms", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", choices=sorted(VARIANTS) + ["forward"])
+    name = ap.parse_args().variant
+    if name == "forward":
+        return run_forward()
+    if name:
+        return run_variant(name)
+    timeout = float(os.environ.get("TIMEOUT_S", 60))
+    for name in list(VARIANTS) + ["forward"]:
+        try:
+            subprocess.run([sys.executable, __file__, "--variant", name], timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: did not finish within {timeout:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -877,12 +877,13 @@ def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
         GDNConfig(state_lowering="cuda")
 
 
-@pytest.mark.parametrize("length, blocks, gate, seed", [(1024, 4, True, 0), (256, 4, False, 1), (384, 132, True, 2)])
-def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, seed):
+@pytest.mark.parametrize("length, blocks, gate, warpgroups, seed",
+                         [(1024, 4, True, 2, 0), (256, 4, False, 2, 1), (384, 132, True, 1, 2)])
+def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, warpgroups, seed):
     """The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu`, Pallas's GPU interpreter) gives the Triton
     kernel's P (to float32 rounding) and W, U within bf16 rounding, and its W, U are as close to the float32-dot
-    kernel's as Triton's are: runs of 8 chunks through 4 slots, runs of 2 through 2, 3 runs a head, grouped key
-    heads, with and without a gate."""
+    kernel's as Triton's are: runs of 8 chunks through 4 slots, runs of 2 through 2, 3 runs a head, one or two
+    compute warpgroups, grouped key heads, with and without a gate."""
     from hypic_jax.pallas import gdn_locals_mgpu as glm
 
     heads, dim, c = 2, 128, 64
@@ -894,7 +895,8 @@ def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, s
     ref = gdn._chunk_locals(q, k, v, b, beta_t, chunk=c, scale=scale, inter_dtype=jnp.bfloat16, config=config,
                             interpret=True)
     out = glm.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=c, scale=scale,
-                                config=glm.MosaicLocalsConfig(blocks=blocks), interpret=True)
+                                config=glm.MosaicLocalsConfig(blocks=blocks, warpgroups=warpgroups),
+                                interpret=True)
     exact = GDNConfig(locals_precision="ieee", solve_precision="ieee").resolved(jnp.float32)
     f32 = gdn._chunk_locals(*(x.astype(jnp.float32) for x in (q, k, v)), b, beta_t, chunk=c, scale=scale,
                             inter_dtype=jnp.float32, config=exact, interpret=True)
@@ -905,17 +907,18 @@ def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, s
 
 
 def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
-    """The Mosaic GPU chunk-local kernel lowers for CUDA on the CPU (2 and 4 slots, and inside the forward with
-    `locals_lowering="mosaic"`), and the forward refuses launches it does not take instead of running Triton."""
+    """The Mosaic GPU chunk-local kernel lowers for CUDA on the CPU (2 and 4 slots, one compute warpgroup, the
+    bisecting variants, and inside the forward with `locals_lowering="mosaic"`), and the forward refuses launches it
+    does not take instead of running Triton."""
     from hypic_jax.pallas import gdn_locals_mgpu as glm
 
     sd = jax.ShapeDtypeStruct
     length, dim = 1024, 128
     args = (sd((length, 2, dim), jnp.bfloat16), sd((length, 2, dim), jnp.bfloat16),
             sd((length, 4, dim), jnp.bfloat16), sd((4, length), jnp.float32), sd((4, length), jnp.float32))
-    for stages in (2, 4):
-        fn = jax.jit(lambda *a, s=stages: glm.chunk_locals_mgpu(*a, chunk=64, scale=0.1,
-                                                                config=glm.MosaicLocalsConfig(stages=s)))
+    for config in (glm.MosaicLocalsConfig(), glm.MosaicLocalsConfig(stages=2), glm.MosaicLocalsConfig(warpgroups=1),
+                   glm.MosaicLocalsConfig(stages=2, smem_operands=True, transposed_keys=True, set_registers=False)):
+        fn = jax.jit(lambda *a, c=config: glm.chunk_locals_mgpu(*a, chunk=64, scale=0.1, config=c))
         assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     config = GDNConfig(locals_lowering="mosaic")
     fwd = jax.jit(lambda q, k, v, g, b: _forward(q, k, v, g, b, None, scale=dim**-0.5, config=config,
@@ -933,6 +936,8 @@ def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
         GDNConfig(locals_lowering="auto")
     with pytest.raises(ValueError, match="stages must be 2 or 4"):
         glm.MosaicLocalsConfig(stages=3)
+    with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
+        glm.MosaicLocalsConfig(warpgroups=3)
 
 
 def test_linear_attn_impl_dispatch():

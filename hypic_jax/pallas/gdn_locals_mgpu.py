@@ -17,8 +17,8 @@ Why a Mosaic GPU version (bench/RESULTS.md): the Triton kernel holds one chunk p
 (232 registers a thread), and 40% of its warp stalls wait on the chunk's loads, which nothing prefetches. Here a
 block owns a run of chunks of one head: a TMA warpgroup streams each chunk's q, k, v, b and beta into one of four
 slots while two compute warpgroups work on alternate chunks (chunk i: warpgroup i % 2, slot i % 4, so every slot
-has one consumer), each chunk's dots issued from registers where they can be (the left operands E_s, X and the
-scaled X) and waited once per dependent step.
+has one consumer: each thread tracks a barrier's phase by its own waits), each chunk's dots issued from registers
+where they can be (the left operands E_s, X and the scaled X) and waited once per dependent step.
 
 Status: opt-in (`GDNConfig(locals_lowering="mosaic")`), not measured. It matches the Triton kernel in the GPU
 interpreter (P to float32 rounding, W and U within bf16 rounding, the same error against float32 dots) and lowers
@@ -47,7 +47,6 @@ from hypic_jax.pallas.platform import gpu_interpreter
 __all__ = ["MosaicLocalsConfig", "supported", "chunk_locals_mgpu"]
 
 _C = 64  # the chunk: the warpgroup MMA's M, and the N of every [c, c] product
-_WARPGROUPS = 2  # compute warpgroups per block, on alternate chunks
 _COPIES = 5  # TMA copies per chunk slot (q, k, v, b, beta), one arrival each on the slot's ready barrier
 
 
@@ -55,17 +54,27 @@ _COPIES = 5  # TMA copies per chunk slot (q, k, v, b, beta), one arrival each on
 class MosaicLocalsConfig:
     """blocks: blocks the launch aims for (one per SM: each takes about 226 KB of shared memory); the chunks of
     every head are split into runs of an even number of chunks, as many runs per head as fit `blocks` and divide
-    the chunk count. stages: chunk slots (2 or 4: one or two per compute warpgroup). compute_registers /
-    memory_registers: per-thread register budgets of the compute and TMA warpgroups."""
+    the chunk count. stages: chunk slots (2 or 4: one or two per compute warpgroup). warpgroups: compute
+    warpgroups per block (1 or 2, on alternate chunks). compute_registers / memory_registers: per-thread register
+    budgets of the compute and TMA warpgroups (set_registers=False leaves the compiler's). smem_operands: the
+    left operands through a shared-memory tile instead of registers; transposed_keys: K^T from its own input
+    instead of a transposed view (both as in the interpreter, which takes neither form; on the GPU they are
+    variants to bisect with, and smem_operands needs stages=2 to fit)."""
 
     blocks: int = 132
     stages: int = 4
+    warpgroups: int = 2
     compute_registers: int = 232
     memory_registers: int = 40
+    set_registers: bool = True
+    smem_operands: bool = False
+    transposed_keys: bool = False
 
     def __post_init__(self):
         if self.stages not in (2, 4):
             raise ValueError(f"stages must be 2 or 4, got {self.stages}")
+        if self.warpgroups not in (1, 2):
+            raise ValueError(f"warpgroups must be 1 or 2, got {self.warpgroups}")
         if self.blocks < 1:
             raise ValueError(f"blocks must be >= 1, got {self.blocks}")
 
@@ -85,12 +94,16 @@ def _runs_per_head(num_chunks: int, heads: int, blocks: int) -> int:
     return best
 
 
-def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, compute_registers, memory_registers,
-            interpret):
-    if interpret:
+def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, warpgroups, registers, left_in_smem,
+            keys_transposed, interpret):
+    """registers: (compute, memory) register budgets, or None; left_in_smem / keys_transposed: the left operands
+    through shared memory, K^T from its own input (`MosaicLocalsConfig`); interpret: plain arrays for constants,
+    iotas and row vectors."""
+    if keys_transposed:
         kt_g, refs = refs[0], refs[1:]
     p_g, w_g, u_g, q_s, k_s, v_s, b_s, beta_s, x_s, y_s, ready, used, *extra = refs
-    kt_s, a_s = (extra[0], extra[1]) if interpret else (None, None)
+    kt_s = extra.pop(0) if keys_transposed else None
+    a_s = extra.pop(0) if left_in_smem else None
     c = _C
     j, h = lax.axis_index("j"), lax.axis_index("h")
     wg = lax.axis_index("wg")
@@ -111,9 +124,9 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, comput
         v = ref[...] if interpret else plgpu.load(ref, (), layout=layout.reduce(1 - axis), optimized=False)
         return lax.broadcast_in_dim(v, (c, c), (axis,))
 
-    def left(x):  # an MMA's left operand: registers on the GPU, a shared-memory tile in the interpreter
+    def left(x):  # an MMA's left operand: registers, or a shared-memory tile (the interpreter, smem_operands)
         x = x.astype(jnp.bfloat16)
-        if not interpret:
+        if not left_in_smem:
             return x
         a_s.at[wg][...] = x
         plgpu.commit_smem()
@@ -138,23 +151,23 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, comput
         ref[...] = x.astype(jnp.bfloat16)
         plgpu.commit_smem()
 
-    @pl.when(wg < _WARPGROUPS)
+    @pl.when(wg < warpgroups)
     def _compute():
-        if not interpret:
-            plgpu.set_max_registers(compute_registers, action="increase")
+        if registers:
+            plgpu.set_max_registers(registers[0], action="increase")
         rows, cols = iota(0), iota(1)
         zero = full(0.0)
         causal = rows >= cols
         xr = lax.bitwise_xor(rows, cols)  # highest differing bit of (row, column): the doubling level
         x_tile, y_tile = x_s.at[wg], y_s.at[wg]
 
-        @pl.loop(0, run // _WARPGROUPS)
+        @pl.loop(0, run // warpgroups)
         def _(r):
-            i = r * _WARPGROUPS + wg  # the block's chunk
+            i = r * warpgroups + wg  # the block's chunk
             n = first + i
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(ready.at[slot])
-            kt = kt_s.at[slot] if interpret else plgpu.transpose_ref(k_s.at[slot], (1, 0))
+            kt = kt_s.at[slot] if keys_transposed else plgpu.transpose_ref(k_s.at[slot], (1, 0))
             s_qk, s_kk = dot2(q_s.at[slot], kt, k_s.at[slot], kt)
             decay = jnp.exp(jnp.where(causal, vector(b_s.at[slot], 0) - vector(b_s.at[slot], 1), zero))
             decay = jnp.where(causal, decay, zero)
@@ -190,10 +203,10 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, comput
 
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == _WARPGROUPS)
+    @pl.when(wg == warpgroups)
     def _memory():
-        if not interpret:
-            plgpu.set_max_registers(memory_registers, action="decrease")
+        if registers:
+            plgpu.set_max_registers(registers[1], action="decrease")
 
         def load(i):
             slot = lax.rem(i, stages)
@@ -205,7 +218,7 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, comput
             plgpu.copy_gmem_to_smem(v_g.at[rows, h], v_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(b_g.at[h, rows], b_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(beta_g.at[h, rows], beta_s.at[slot], bar)
-            if interpret:
+            if keys_transposed:
                 plgpu.copy_gmem_to_smem(kt_g.at[kh, n], kt_s.at[slot], bar)
 
         for i in range(min(stages, run)):
@@ -235,6 +248,9 @@ def chunk_locals_mgpu(q, k, v, b, beta, *, chunk: int, scale: float,
     runs = _runs_per_head(num_chunks, heads, config.blocks)
     run = num_chunks // runs
     stages = min(config.stages, run)
+    wgs = config.warpgroups
+    keys_transposed, left_in_smem = interpret or config.transposed_keys, interpret or config.smem_operands
+    registers = (config.compute_registers, config.memory_registers) if config.set_registers and not interpret else None
     bf = jnp.bfloat16
     q, k, v = q.astype(bf), k.astype(bf), v.astype(bf)
     b, beta = b.astype(jnp.float32), beta.astype(jnp.float32)
@@ -246,25 +262,27 @@ def chunk_locals_mgpu(q, k, v, b, beta, *, chunk: int, scale: float,
         smem((stages, chunk, value_dim)),  # v
         plgpu.SMEM((stages, chunk), jnp.float32),  # b
         plgpu.SMEM((stages, chunk), jnp.float32),  # beta
-        smem((_WARPGROUPS, chunk, chunk)),  # X's bf16 copy; the outputs' staging
-        smem((_WARPGROUPS, chunk, chunk)),  # Y = E X's bf16 copy; the outputs' staging
-        plgpu.Barrier(num_arrivals=_COPIES + int(interpret), num_barriers=stages),  # a slot's chunk has landed
+        smem((wgs, chunk, chunk)),  # X's bf16 copy; the outputs' staging
+        smem((wgs, chunk, chunk)),  # Y = E X's bf16 copy; the outputs' staging
+        plgpu.Barrier(num_arrivals=_COPIES + int(keys_transposed), num_barriers=stages),  # a slot's chunk landed
         plgpu.Barrier(num_barriers=stages),  # a slot's chunk is done
     ]
     args = [q, k, v, b, beta]
-    if interpret:  # K^T per chunk [Hk, Nc, K, c], and the left operands' tiles
+    if keys_transposed:  # K^T per chunk [Hk, Nc, K, c]
         args.append(jnp.transpose(k.reshape(num_chunks, chunk, key_heads, key_dim), (2, 0, 3, 1)))
-        scratch += [smem((stages, key_dim, chunk)), smem((_WARPGROUPS, chunk, chunk))]
+        scratch.append(smem((stages, key_dim, chunk)))
+    if left_in_smem:  # the left operands' tiles
+        scratch.append(smem((wgs, chunk, chunk)))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, run=run, group=heads // key_heads, scale=scale, stages=stages,
-                          compute_registers=config.compute_registers, memory_registers=config.memory_registers,
+        functools.partial(_kernel, run=run, group=heads // key_heads, scale=scale, stages=stages, warpgroups=wgs,
+                          registers=registers, left_in_smem=left_in_smem, keys_transposed=keys_transposed,
                           interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((heads, length, chunk), bf),
                   jax.ShapeDtypeStruct((length, heads, key_dim), bf),
                   jax.ShapeDtypeStruct((length, heads, value_dim), bf)),
         grid=(runs, heads),
         grid_names=("j", "h"),
-        num_threads=_WARPGROUPS + 1,
+        num_threads=wgs + 1,
         thread_name="wg",
         kernel_name="gdn_mgpu_chunk_locals",
         scratch_types=scratch,
