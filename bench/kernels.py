@@ -912,10 +912,9 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         if cfg.state_lowering == "mosaic":
             from hypic_jax.pallas import gdn_mgpu
 
-            mosaic = gdn_mgpu.MosaicStateConfig(block_v=cfg.block_v, cluster=cfg.state_cluster)
             state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn_mgpu.state_pass_mgpu(
                 w, u, k, b, q, p, init[0], chunk=cfg.chunk, out_dtype=jnp.bfloat16, scale=scale,
-                config=mosaic, interpret=INTERPRET))
+                config=gdn._mosaic_state_config(cfg), interpret=INTERPRET))
         else:
             state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
                 w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,

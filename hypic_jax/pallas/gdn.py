@@ -1010,6 +1010,13 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
     return True
 
 
+def _mosaic_state_config(config):
+    """The Mosaic GPU state pass's launch (`gdn_mgpu.MosaicStateConfig`) that a GDNConfig asks for."""
+    from hypic_jax.pallas import gdn_mgpu
+
+    return gdn_mgpu.MosaicStateConfig(block_v=config.block_v, cluster=config.state_cluster)
+
+
 def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret) -> bool:
     """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`; config resolved):
     "auto" where the kernel takes the launch on a Hopper GPU; "mosaic" refuses a launch the kernel cannot take
@@ -1074,9 +1081,8 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret):
             from hypic_jax.pallas import gdn_mgpu
 
-            mosaic = gdn_mgpu.MosaicStateConfig(block_v=config.block_v, cluster=config.state_cluster)
             o, final = gdn_mgpu.state_pass_mgpu(w, u, ks, b, qs, p, init, chunk=chunk, out_dtype=out_dtype,
-                                                scale=scale, config=mosaic, interpret=interpret)
+                                                scale=scale, config=_mosaic_state_config(config), interpret=interpret)
         else:
             o, final = run(w, u, ks, b, qs, p, init[None], pieces=1)
             final = final[0]
