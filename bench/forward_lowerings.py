@@ -1,6 +1,7 @@
 """`gdn_forward` at 32k (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16) per state-pass lowering, in one
-process: the default `GDNConfig()` (on Hopper: the Mosaic GPU state pass in clusters of two), the Mosaic GPU pass
-without clusters, and Triton's pass. bench/RESULTS.md, twelfth session.
+process: the default `GDNConfig()` (on Hopper: both kernels under Mosaic GPU, the state pass in clusters of two),
+Triton's chunk-local kernel, the Mosaic GPU pass without clusters, Triton's pass, and both in Triton.
+bench/RESULTS.md, twelfth and thirteenth sessions.
 
     python3 bench/forward_lowerings.py          # on the H200; LENGTH=... for another length
 """
@@ -22,8 +23,10 @@ def main():
     from kernels import DIM, gdn_inputs, timeit
 
     q, k, v, g, beta = gdn_inputs(int(os.environ.get("LENGTH", 32768)))
-    for name, cfg in (("GDNConfig()", gdn.GDNConfig()), ("state_cluster=1", gdn.GDNConfig(state_cluster=1)),
-                      ("triton", gdn.GDNConfig(state_lowering="triton"))):
+    for name, cfg in (("GDNConfig()", gdn.GDNConfig()), ("locals triton", gdn.GDNConfig(locals_lowering="triton")),
+                      ("state_cluster=1", gdn.GDNConfig(state_cluster=1)),
+                      ("state triton", gdn.GDNConfig(state_lowering="triton")),
+                      ("both triton", gdn.GDNConfig(state_lowering="triton", locals_lowering="triton"))):
         fn = jax.jit(lambda q, k, v, g, b, c=cfg: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=DIM**-0.5, config=c))
         ms, _ = timeit(fn, q, k, v, g, beta)
         print(f"gdn_forward {name}: {ms:.4f} ms", flush=True)

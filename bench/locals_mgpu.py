@@ -1,11 +1,12 @@
-"""The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu`, opt-in) against Triton's on the
-H200 (Qwen3.5 shapes, 32k unless LENGTH says otherwise): per variant of `MosaicLocalsConfig`, its compile time, the
+"""The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu`) against Triton's on the H200
+(Qwen3.5 shapes, 32k unless LENGTH says otherwise): per variant of `MosaicLocalsConfig`, its compile time, the
 relative difference of P, W and U from Triton's, and its time beside Triton's; then `gdn_forward` with each
-lowering. In its only run so far (bench/RESULTS.md, twelfth session) the default variant printed nothing within
-90 s: its compile or its launch did not finish. Each variant therefore runs in its own process under a timeout
-(TIMEOUT_S, default 60), and prints each stage as it completes, so a hang shows which form and which stage.
+lowering. Each variant runs in its own process under a timeout (TIMEOUT_S, default 60) and prints each stage as it
+completes: under JAX 0.11's default warpgroup semantics the kernel's layout inference never finished (twelfth and
+thirteenth sessions, bench/RESULTS.md), and a variant that hangs must not take the others with it.
 
     python3 bench/locals_mgpu.py                 # every variant, then the forward
+    python3 bench/locals_mgpu.py --quick         # the default and three variants, then the forward
     python3 bench/locals_mgpu.py --variant NAME  # one variant in this process
 """
 
@@ -24,14 +25,15 @@ sys.path.insert(0, HERE)
 # name -> MosaicLocalsConfig fields; the later ones take the interpreter's forms one at a time, to bisect a hang
 VARIANTS = {
     "default": {},
-    "2 slots": dict(stages=2),
+    "4 slots": dict(stages=4),
     "1 compute warpgroup": dict(warpgroups=1),
     "compiler's registers": dict(set_registers=False),
-    "K^T input": dict(transposed_keys=True, stages=2),
-    "left operands in smem": dict(smem_operands=True, stages=2),
-    "interpreter forms": dict(smem_operands=True, transposed_keys=True, set_registers=False, stages=2,
-                              warpgroups=1),
+    "K^T input": dict(transposed_keys=True),
+    "left operands in smem": dict(smem_operands=True),
+    "interpreter forms": dict(smem_operands=True, transposed_keys=True, set_registers=False, warpgroups=1),
+    "warpgroup semantics": dict(semantics="warpgroup"),
 }
+QUICK = ("default", "4 slots", "1 compute warpgroup", "compiler's registers")  # --quick: these, then the forward
 
 
 def _inputs():
@@ -78,7 +80,8 @@ def run_forward():
     from kernels import DIM, timeit
 
     _, (q, k, v, g, beta), _ = _inputs()
-    for name, c in (("locals triton", gdn.GDNConfig()), ("locals mosaic", gdn.GDNConfig(locals_lowering="mosaic"))):
+    for name, c in (("locals triton", gdn.GDNConfig(locals_lowering="triton")),
+                    ("locals mosaic", gdn.GDNConfig(locals_lowering="mosaic")), ("GDNConfig()", gdn.GDNConfig())):
         fn = jax.jit(lambda q, k, v, g, bb, c=c: gdn.gdn_forward(q, k, v, g=g, beta=bb, scale=DIM**-0.5, config=c))
         print(f"gdn_forward, {name}: {timeit(fn, q, k, v, g, beta)[0]:.4f} ms", flush=True)
 
@@ -86,13 +89,15 @@ def run_forward():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant", choices=sorted(VARIANTS) + ["forward"])
-    name = ap.parse_args().variant
+    ap.add_argument("--quick", action="store_true", help="only the variants most likely to be fastest")
+    opts = ap.parse_args()
+    name = opts.variant
     if name == "forward":
         return run_forward()
     if name:
         return run_variant(name)
     timeout = float(os.environ.get("TIMEOUT_S", 60))
-    for name in list(VARIANTS) + ["forward"]:
+    for name in list(QUICK if opts.quick else VARIANTS) + ["forward"]:
         try:
             subprocess.run([sys.executable, __file__, "--variant", name], timeout=timeout, check=False)
         except subprocess.TimeoutExpired:

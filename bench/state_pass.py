@@ -3,6 +3,7 @@ width and slot count, on the chunk-local kernel's own operands: what bounds the 
 session).
 
     python3 bench/state_pass.py            # on the H200; prints one line per launch
+    python3 bench/state_pass.py --quick    # the default launch under lane and warpgroup semantics, one Triton
 
 Mosaic GPU (`gdn_mgpu.state_pass_mgpu`) at 32 and 64 value columns a block, 1 to 3 slots, with and without
 clusters of column blocks sharing multicast operands, then Triton (`gdn._state_pass`) at 32 columns with 2 and 3
@@ -20,6 +21,7 @@ sys.path.insert(0, HERE)
 
 
 def main():
+    quick = "--quick" in sys.argv[1:]  # the default launch under both lowering semantics, and one Triton launch
     import jax
     import jax.numpy as jnp
 
@@ -49,13 +51,16 @@ def main():
         diff = max(float(jnp.abs(o.astype(jnp.float32) - ref[0]).max()), float(jnp.abs(final - ref[1]).max()))
         print(f"{name}: {ms:.4f} ms (max difference from the first launch {diff:.2e})", flush=True)
 
-    launches = [(bv, stages, cluster) for cluster in (2, 1) for bv, stages in ((32, 2), (32, 3), (64, 2))]
-    for bv, stages, cluster in launches + [(32, 1, 1), (32, 2, 4)]:
-        config = gdn_mgpu.MosaicStateConfig(block_v=bv, stages=stages, cluster=cluster)
-        report(f"mosaic gpu, {bv} columns, {stages} slots, clusters of {cluster}", jax.jit(
+    launches = [(32, 2, cluster, semantics) for cluster in (2, 1) for semantics in ("warpgroup", "lane")]
+    if not quick:
+        launches += [(bv, stages, cluster, "warpgroup") for cluster in (2, 1) for bv, stages in ((32, 3), (64, 2))]
+        launches += [(32, 1, 1, "warpgroup"), (32, 2, 4, "warpgroup")]
+    for bv, stages, cluster, semantics in launches:
+        config = gdn_mgpu.MosaicStateConfig(block_v=bv, stages=stages, cluster=cluster, semantics=semantics)
+        report(f"mosaic gpu, {bv} columns, {stages} slots, clusters of {cluster}, {semantics} semantics", jax.jit(
             lambda *a, c=config: gdn_mgpu.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=scale,
                                                           config=c)), w, u, ks, b, qs, p, init)
-    for bv, stages, warps in ((32, 3, 4), (32, 2, 4)):
+    for bv, stages, warps in ((32, 3, 4), (32, 2, 4))[:1 if quick else 2]:
         config = gdn.GDNConfig(block_v=bv, state_stages=stages, state_warps=warps).resolved(jnp.bfloat16)
         report(f"triton, {bv} columns, {stages} stages, {warps} warps", jax.jit(
             lambda *a, c=config: gdn._state_pass(*a, chunk=64, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,

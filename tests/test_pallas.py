@@ -828,6 +828,55 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     assert rel(final, ref_final[0]) < 1e-3
 
 
+@pytest.mark.parametrize("length, group_chunks, heads, key_heads, seed", [(512, 4, 2, 1, 0), (384, 2, 4, 2, 1)])
+def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, seed):
+    """The transfer pass's group products under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`, Pallas's GPU
+    interpreter) equal Triton's pass over the groups' identity columns within their bf16 rounding, and both are as
+    close to a float64 product of the A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n of each group."""
+    from hypic_jax.pallas import gdn_mgpu
+
+    rng = np.random.default_rng(seed)
+    c, key_dim = 64, 128
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
+    w, k = f(length, heads, key_dim), f(length, key_heads, key_dim)
+    b = jnp.asarray(np.cumsum(-rng.uniform(0, 0.1, (heads, length // c, c)), -1).reshape(heads, length), jnp.float32)
+    ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True)
+    groups = length // c // group_chunks
+    eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
+    _, ref = gdn._state_pass(w, None, k, b, None, None, eye, chunk=c, pieces=groups, value_dim=key_dim,
+                             out_dtype=jnp.float32, scale=1.0, config=GDNConfig().resolved(jnp.bfloat16),
+                             interpret=True)
+    assert ts.shape == (groups, heads, key_dim, key_dim) and ts.dtype == jnp.float32
+    assert rel(ts, ref) < 2e-3
+    wd, kd, bd = (np.asarray(x, np.float64) for x in (w, k, b))
+    for gi in range(groups):
+        for h in range(heads):
+            prod = np.eye(key_dim)
+            for n in range(gi * group_chunks, (gi + 1) * group_chunks):
+                r, last = slice(n * c, (n + 1) * c), bd[h, n * c + c - 1]
+                kn = kd[r, h // (heads // key_heads)]
+                prod = (np.exp(last) * np.eye(key_dim) - kn.T @ (np.exp(last - bd[h, r])[:, None] * wd[r, h])) @ prod
+            err, ref_err = rel(ts[gi, h], prod), rel(ref[gi, h], prod)
+            assert err < 2e-2 and err < 1.5 * ref_err + 1e-4
+    with pytest.raises(ValueError, match="whole groups"):
+        gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=5, interpret=True)
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_mosaic_gpu_transfer_pass_lowers_with_clusters(cluster):
+    """The transfer pass lowers for CUDA on the CPU with and without clusters (the multicast form runs only on the
+    GPU), and `GDNConfig()` routes the forward's (T, S) through it only on a Hopper GPU."""
+    from hypic_jax.pallas import gdn_mgpu
+
+    sd = jax.ShapeDtypeStruct
+    args = (sd((512, 4, 128), jnp.bfloat16), sd((512, 2, 128), jnp.bfloat16), sd((4, 512), jnp.float32))
+    config = gdn_mgpu.MosaicStateConfig(cluster=cluster)
+    fn = jax.jit(lambda *a: gdn_mgpu.transfer_pass_mgpu(*a, chunk=64, group_chunks=4, config=config))
+    assert "gdn_mgpu_transfer_pass" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    b = jnp.zeros((4, 512), jnp.float32)
+    assert not gdn._mosaic_transfer(GDNConfig().resolved(jnp.bfloat16), 64, 128, b, None, interpret=False)
+
+
 @pytest.mark.parametrize("cluster, value_dim", [(1, 128), (2, 128), (4, 128), (2, 32)])
 def test_mosaic_gpu_state_pass_lowers_with_clusters(cluster, value_dim):
     """The state pass lowers for CUDA on the CPU with its column blocks in clusters of 1, 2 and 4 (multicast W, K,
@@ -847,6 +896,8 @@ def test_mosaic_gpu_state_pass_lowers_with_clusters(cluster, value_dim):
     assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     with pytest.raises(ValueError, match="cluster must be"):
         gdn_mgpu.MosaicStateConfig(cluster=3)
+    with pytest.raises(ValueError, match="semantics must be one of"):
+        gdn_mgpu.MosaicStateConfig(semantics="lanes")
 
 
 def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
@@ -933,11 +984,19 @@ def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="interpret mode"):
         gdn_forward(q, k, v, g=g, beta=beta, config=config, interpret=True)
     with pytest.raises(ValueError, match="locals_lowering must be"):
-        GDNConfig(locals_lowering="auto")
+        GDNConfig(locals_lowering="fast")
     with pytest.raises(ValueError, match="stages must be 2 or 4"):
         glm.MosaicLocalsConfig(stages=3)
     with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
         glm.MosaicLocalsConfig(warpgroups=3)
+    with pytest.raises(ValueError, match="semantics must be one of"):
+        glm.MosaicLocalsConfig(semantics="thread")
+    # "auto" (the default) takes Triton where the Mosaic GPU kernel cannot run: interpret mode, and an odd chunk count
+    auto = GDNConfig()
+    assert auto.locals_lowering == "auto"
+    ref_o, ref_s = gdn_forward(q, k, v, g=g, beta=beta, config=GDNConfig(locals_lowering="triton"), interpret=True)
+    o, s = gdn_forward(q, k, v, g=g, beta=beta, config=auto, interpret=True)
+    assert rel(o, ref_o) == 0.0 and rel(s, ref_s) == 0.0
 
 
 def test_linear_attn_impl_dispatch():

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from hypic_jax.pallas.compose import FoldConfig, _split_args
-from hypic_jax.pallas.platform import gpu_interpreter
+from hypic_jax.pallas.platform import SEMANTICS, gpu_interpreter, mosaic_compiler_params
 
 __all__ = ["MosaicFoldConfig", "fold_split_mgpu", "PREFIX_CONFIG", "prefix_fold_split_mgpu", "supported"]
 
@@ -49,12 +49,19 @@ class MosaicFoldConfig:
     a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form): 2.82 against 3.02 ms
     at the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session); 2.65 against the default's 2.91
     once the two share one kernel body (twelfth session). Off by default: Pallas's GPU interpreter has no cluster
-    barriers, so this variant is checked on the GPU and lowered in CI, not run there."""
+    barriers, so this variant is checked on the GPU and lowered in CI, not run there. semantics: Mosaic GPU's
+    lowering (`platform.mosaic_compiler_params`); "warpgroup" is the one every measurement above ran under (JAX
+    0.11's default), "lane" is not yet timed."""
 
     stages: int = 2
     compute_registers: int = 232
     memory_registers: int = 40
     multicast: bool = False
+    semantics: str = "warpgroup"
+
+    def __post_init__(self):
+        if self.semantics not in SEMANTICS:
+            raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
 
 
 def supported(key_dim: int, value_dim: int) -> bool:
@@ -278,7 +285,7 @@ def _launch(th, tl, s, x0, *, with_transfer, every_step, has_initial, config, in
         thread_name="wg",
         kernel_name=name,
         scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=mosaic_compiler_params(config.semantics),
         interpret=gpu_interpreter() if interpret else False,
     )
     return kernel(th, tl, s, x0)

@@ -102,10 +102,11 @@ state-pass stage fits the shared memory, and unpipelined steps took 7.3 us each 
 chunk-local kernel 2.2 to 2.4 ms); the second stream again under XLA's latency-hiding scheduler (still no overlap).
 Both kernels already issue Hopper's warpgroup MMA (Nsight Compute counts only gmma instructions on their tensor
 pipes, busy 24% and 18% of their active cycles).
-Lowering: the state pass of direct launches runs under Mosaic GPU on Hopper (`gdn_mgpu`, `GDNConfig.state_lowering`,
-by measurement: 0.59 against 0.73 ms); everything else here is Triton. The chunk-local kernel has a Mosaic GPU
-version (`gdn_locals_mgpu`, `GDNConfig.locals_lowering="mosaic"`, opt-in) that matches this one in the interpreter
-but has not yet completed on the H200, so Triton stays its default, not by measurement. The decode step also
+Lowering, by measurement on Hopper: the state pass of direct launches runs under Mosaic GPU (`gdn_mgpu`,
+`GDNConfig.state_lowering`: 0.59 against 0.73 ms), and so does the chunk-local kernel wherever its Mosaic GPU
+version takes the launch (`gdn_locals_mgpu`, `GDNConfig.locals_lowering`: 0.52 against 0.67 ms: a block streams a
+run of chunks through TMA while two warpgroups solve alternate chunks, where a Triton program waits on each chunk's
+loads); everything else here is Triton. The decode step also
 exists for the Mosaic GPU lowering (`bench/mosaic_decode.py`); there Triton was 12% faster at batch 64 (see
 `pallas.decode`).
 
@@ -177,12 +178,12 @@ class GDNConfig:
       (bench/RESULTS.md, eleventh session): state pass 0.662 against 0.731 ms, forward 1.346 against 1.421, with
       (T, S) 1.719 against 1.795; with `state_cluster=2` (twelfth session) the pass takes 0.59 ms and the forward
       1.275 to 1.287.
-    locals_lowering: "triton" (default) runs the chunk-local kernel as `_locals_kernel`; "mosaic" (opt-in,
-      Hopper) as `gdn_locals_mgpu.chunk_locals_mgpu`, for the "tile" solve with a scalar gate or none, the delta
-      rule, bf16 inputs and dots, chunk 64, K = V = 128, an even number of whole chunks and no packed segments
-      (anything else is refused). The Mosaic GPU kernel matches Triton's in interpret mode and lowers for CUDA, but
-      has not yet completed on the H200: in its first runs (twelfth session) neither its compile nor its launch
-      finished within the calls' time limits, and the device time ran out before the cause was found.
+    locals_lowering: "mosaic" runs the chunk-local kernel as `gdn_locals_mgpu.chunk_locals_mgpu` (Hopper; the
+      "tile" solve with a scalar gate or none, the delta rule, bf16 inputs and dots, chunk 64, K = V = 128, an even
+      number of whole chunks, no packed segments; anything else is refused), "triton" as `_locals_kernel`, "auto"
+      (default) picks Mosaic GPU on a Hopper GPU for the launches it takes and Triton otherwise. On the H200 at 32k
+      (bench/RESULTS.md, thirteenth session): the kernel alone 0.524 against Triton's 0.674 ms (two chunk slots;
+      0.635 with four).
     state_cluster: under Mosaic GPU, column blocks of one head launched as a cluster that receives the head's W, K,
       Q and P through one multicast copy (1: no clusters; used where it divides the head's V / block_v blocks).
       The pass is bound by the bytes the SMs draw from L2 (about 6.6 TB/s in all), and the multicast halves the
@@ -234,7 +235,7 @@ class GDNConfig:
     packed_reads: bool = True
     state_lowering: str = "auto"
     state_cluster: int = 2
-    locals_lowering: str = "triton"
+    locals_lowering: str = "auto"
 
     def __post_init__(self):
         if self.chunk not in (16, 32, 64, 128):
@@ -253,8 +254,8 @@ class GDNConfig:
             raise ValueError(f"state_cluster must be 1, 2 or 4, got {self.state_cluster}")
         if self.state_lowering not in _STATE_LOWERINGS:
             raise ValueError(f"state_lowering must be one of {_STATE_LOWERINGS}, got {self.state_lowering!r}")
-        if self.locals_lowering not in ("triton", "mosaic"):
-            raise ValueError(f"locals_lowering must be 'triton' or 'mosaic', got {self.locals_lowering!r}")
+        if self.locals_lowering not in _STATE_LOWERINGS:
+            raise ValueError(f"locals_lowering must be one of {_STATE_LOWERINGS}, got {self.locals_lowering!r}")
         for name in ("locals_precision", "state_precision", "solve_precision"):
             if getattr(self, name) not in _PRECISIONS + (None,):
                 raise ValueError(f"{name} must be one of {_PRECISIONS}, got {getattr(self, name)!r}")
@@ -907,11 +908,28 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret, packed=None):
         k = k_padded
     elif pad:
         packed = tuple(jnp.pad(t, (0, pad)) for t in packed)
-    eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
-    _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
-                        out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret, packed=packed)
+    if _mosaic_transfer(config, chunk, key_dim, b, packed, interpret):
+        from hypic_jax.pallas import gdn_mgpu
+
+        ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=chunk, group_chunks=group, config=_mosaic_state_config(config))
+    else:
+        eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
+        _, ts = _state_pass(w, None, k, b, None, None, eye, chunk=chunk, pieces=groups, value_dim=key_dim,
+                            out_dtype=jnp.float32, scale=1.0, config=config, interpret=interpret, packed=packed)
     transfer, _ = compose_all(ts, None, "f32" if config.state_precision == "ieee" else "bf16x3")
     return transfer
+
+
+def _mosaic_transfer(config, chunk, key_dim, b, packed, interpret) -> bool:
+    """Whether the transfer pass's group products run under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`): wherever
+    the state pass may (`GDNConfig.state_lowering` not "triton") and the kernel takes the launch (scalar gates,
+    keys chunk-aligned, bf16 state dots, chunk 64, K = 128) on a Hopper GPU; Triton's pass otherwise."""
+    if config.state_lowering == "triton" or interpret:
+        return False
+    from hypic_jax.pallas import gdn_mgpu
+
+    return (b.ndim == 2 and packed is None and config.state_precision == "bf16"
+            and gdn_mgpu.supported(chunk, key_dim, key_dim, config.block_v) and is_hopper())
 
 
 def _chunk_cumsum(g: Array | None, length: int, heads: int, chunk: int) -> Array:
@@ -989,8 +1007,9 @@ def _log_transfer(g, gk, seg_ids=None, n_seg=None):
 
 
 def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
-    """Whether the chunk-local kernel runs under Mosaic GPU (`GDNConfig.locals_lowering == "mosaic"`, opt-in; config
-    resolved); a launch the kernel cannot take is refused rather than run under Triton."""
+    """Whether the chunk-local kernel runs under Mosaic GPU (`GDNConfig.locals_lowering`; config resolved): "auto"
+    where the kernel takes the launch on a Hopper GPU; "mosaic" refuses a launch the kernel cannot take rather than
+    run it under Triton."""
     if config.locals_lowering == "triton":
         return False
     from hypic_jax.pallas import gdn_locals_mgpu
@@ -999,6 +1018,8 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
     fits = (gk is None and beta is not None and packed is None and config.solve == "tile" and bf16
             and config.locals_precision == "bf16" and config.solve_precision == "bf16"
             and gdn_locals_mgpu.supported(config.chunk, k.shape[-1], v.shape[-1], k.shape[0]))
+    if config.locals_lowering == "auto":
+        return fits and not interpret and is_hopper()
     if not fits:
         raise ValueError("locals_lowering='mosaic' takes the 'tile' solve with a scalar gate or none, the delta rule, "
                          "bf16 inputs and dots, chunk 64, K = V = 128, an even number of whole chunks and no packed "
@@ -1006,7 +1027,8 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
                          f"{v.shape[-1]}, {k.shape[0]} tokens, inputs {k.dtype.name}")
     if interpret:
         raise ValueError("locals_lowering='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use "
-                         "'triton' (gdn_locals_mgpu.chunk_locals_mgpu(interpret=True) runs the kernel on its own)")
+                         "'auto' or 'triton' (gdn_locals_mgpu.chunk_locals_mgpu(interpret=True) runs the kernel on "
+                         "its own)")
     return True
 
 

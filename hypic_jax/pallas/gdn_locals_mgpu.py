@@ -15,16 +15,17 @@ in bit log2(s), i.e. the lower-left s x s block of every 2s x 2s diagonal block 
 
 Why a Mosaic GPU version (bench/RESULTS.md): the Triton kernel holds one chunk per program, two programs per SM
 (232 registers a thread), and 40% of its warp stalls wait on the chunk's loads, which nothing prefetches. Here a
-block owns a run of chunks of one head: a TMA warpgroup streams each chunk's q, k, v, b and beta into one of four
-slots while two compute warpgroups work on alternate chunks (chunk i: warpgroup i % 2, slot i % 4, so every slot
-has one consumer: each thread tracks a barrier's phase by its own waits), each chunk's dots issued from registers
-where they can be (the left operands E_s, X and the scaled X) and waited once per dependent step.
+block owns a run of chunks of one head: a TMA warpgroup streams each chunk's q, k, v, b and beta into a slot while
+two compute warpgroups work on alternate chunks (chunk i: warpgroup i % 2, slot i % stages, so every slot has one
+consumer and each thread tracks a barrier's phase by its own waits), each chunk's dots issued from registers where
+they can be (the left operands E_s, X and the scaled X) and waited once per dependent step.
 
-Status: opt-in (`GDNConfig(locals_lowering="mosaic")`), not measured. It matches the Triton kernel in the GPU
-interpreter (P to float32 rounding, W and U within bf16 rounding, the same error against float32 dots) and lowers
-for CUDA, but in its first runs on the H200 (bench/RESULTS.md, twelfth session) neither its compile nor its launch
-finished within the calls' limits (90 s at 32k tokens; 18 s at 512 tokens, JAX's start included), and the device
-time ran out before the cause (a slow compile or a hang) was found.
+Measured on the H200 at 32k, 16 key -> 32 value heads (bench/RESULTS.md, thirteenth session): 0.524 ms with two
+slots (129 KiB of shared memory a block) against Triton's 0.674; four slots (226 KiB) 0.635, one compute
+warpgroup 0.846, the compiler's register split 0.866. W and U differ from Triton's by 3.4e-3 relative (bf16
+rounding of X diag(.) instead of diag(.) K), P not at all. It lowers with lane semantics: the kernel sets every
+layout itself, and JAX 0.11's default warpgroup semantics runs a layout-inference search that did not finish
+within 70 s even at 256 tokens.
 
 The GPU interpreter (`interpret=True`) runs it on the CPU. It takes an MMA's left operand from shared memory only
 and has no transposed views, layout casts or layout-aware loads, so there the left operands pass through a
@@ -42,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from hypic_jax.pallas.platform import gpu_interpreter
+from hypic_jax.pallas.platform import SEMANTICS, gpu_interpreter, mosaic_compiler_params
 
 __all__ = ["MosaicLocalsConfig", "supported", "chunk_locals_mgpu"]
 
@@ -52,25 +53,30 @@ _COPIES = 5  # TMA copies per chunk slot (q, k, v, b, beta), one arrival each on
 
 @dataclasses.dataclass(frozen=True)
 class MosaicLocalsConfig:
-    """blocks: blocks the launch aims for (one per SM: each takes about 226 KB of shared memory); the chunks of
+    """blocks: blocks the launch aims for (one per SM: registers allow no second); the chunks of
     every head are split into runs of an even number of chunks, as many runs per head as fit `blocks` and divide
     the chunk count. stages: chunk slots (2 or 4: one or two per compute warpgroup). warpgroups: compute
     warpgroups per block (1 or 2, on alternate chunks). compute_registers / memory_registers: per-thread register
     budgets of the compute and TMA warpgroups (set_registers=False leaves the compiler's). smem_operands: the
     left operands through a shared-memory tile instead of registers; transposed_keys: K^T from its own input
     instead of a transposed view (both as in the interpreter, which takes neither form; on the GPU they are
-    variants to bisect with, and smem_operands needs stages=2 to fit)."""
+    variants to bisect with, and smem_operands needs stages=2 to fit). semantics: Mosaic GPU's lowering
+    (`platform.mosaic_compiler_params`); the kernel sets every layout itself, and under "warpgroup" (JAX 0.11's
+    default) the layout-inference search does not finish (see the module docstring)."""
 
     blocks: int = 132
-    stages: int = 4
+    stages: int = 2
     warpgroups: int = 2
     compute_registers: int = 232
     memory_registers: int = 40
     set_registers: bool = True
     smem_operands: bool = False
     transposed_keys: bool = False
+    semantics: str = "lane"
 
     def __post_init__(self):
+        if self.semantics not in SEMANTICS:
+            raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
         if self.stages not in (2, 4):
             raise ValueError(f"stages must be 2 or 4, got {self.stages}")
         if self.warpgroups not in (1, 2):
@@ -286,7 +292,7 @@ def chunk_locals_mgpu(q, k, v, b, beta, *, chunk: int, scale: float,
         thread_name="wg",
         kernel_name="gdn_mgpu_chunk_locals",
         scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=mosaic_compiler_params(config.semantics),
         interpret=gpu_interpreter() if interpret else False,
     )
     return kernel(*args)

@@ -40,9 +40,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from hypic_jax.pallas.platform import gpu_interpreter
+from hypic_jax.pallas.platform import SEMANTICS, gpu_interpreter, mosaic_compiler_params
 
-__all__ = ["MosaicStateConfig", "supported", "state_pass_mgpu"]
+__all__ = ["MosaicStateConfig", "supported", "state_pass_mgpu", "transfer_pass_mgpu"]
 
 _ROWS = 64  # the warpgroup MMA's M: the chunk, and each half of K
 
@@ -55,13 +55,18 @@ class MosaicStateConfig:
     copy (1 turns multicast off; a head with fewer or indivisible column blocks, and the interpreter, which has no
     cluster barriers, run 1). Measured on the H200 at 32k (bench/RESULTS.md): block_v 32 with 2 slots 0.662 ms, 3
     slots 0.668, 1 slot 1.306; block_v 64 with 2 slots 0.705 (1 slot 1.315); Triton's pass 0.731 (eleventh session);
-    clusters of 2 0.585 to 0.600, of 4 1.07 to 1.14 (twelfth session)."""
+    clusters of 2 0.585 to 0.600, of 4 1.07 to 1.14 (twelfth session). semantics: Mosaic GPU's lowering
+    (`platform.mosaic_compiler_params`): "lane" 0.594 against "warpgroup" 0.598 ms in clusters of 2, 0.647 against
+    0.655 without (thirteenth session); the kernel sets its layouts itself, so lane skips the inference search."""
 
     block_v: int = 32
     stages: int = 2
     cluster: int = 2
+    semantics: str = "lane"
 
     def __post_init__(self):
+        if self.semantics not in SEMANTICS:
+            raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
         if self.block_v not in (32, 64):
             raise ValueError(f"block_v must be 32 or 64, got {self.block_v}")
         if self.stages < 1:
@@ -73,6 +78,48 @@ class MosaicStateConfig:
 def supported(chunk: int, key_dim: int, value_dim: int, block_v: int = 32) -> bool:
     """Shapes the kernel takes: chunk 64 (the MMA's M), K = 128 (two 64-row halves of S), 32- or 64-column blocks."""
     return chunk == _ROWS and key_dim == 2 * _ROWS and block_v in (32, 64) and value_dim % block_v == 0
+
+
+def _stream_chunks(num_chunks, stages, load, used):
+    """The TMA warpgroup's loop: fill the `stages` slots, refill each slot as soon as its step releases it, then
+    observe every slot's last release (each waiter must see every completion of a barrier to track its phase)."""
+    for n in range(min(stages, num_chunks)):
+        load(jnp.asarray(n, jnp.int32), n)
+
+    @pl.loop(stages, max(num_chunks, stages))
+    def _(n):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(used.at[slot])
+        load(n, slot)
+
+    for slot in range(min(stages, num_chunks)):
+        plgpu.barrier_wait(used.at[slot])
+
+
+def _keys_transposed(k_s, slot, interpret):
+    """K_n^T's two 64-row halves as MMA left operands: transposed views of the [c, K] slot (the interpreter, which
+    has no transposed views, receives K^T [K, c] from the wrapper instead)."""
+    c = _ROWS
+    if interpret:
+        return k_s.at[slot, pl.ds(0, c)], k_s.at[slot, pl.ds(c, c)]
+    return (plgpu.transpose_ref(k_s.at[slot, :, pl.ds(0, c)], (1, 0)),
+            plgpu.transpose_ref(k_s.at[slot, :, pl.ds(c, c)], (1, 0)))
+
+
+def _rowvec(ref, *, width, interpret):
+    """A [c] float32 row of shared memory as the per-row factor of a [c, width] MMA accumulator."""
+    layout = plgpu.Layout.WGMMA
+    v = ref[...] if interpret else plgpu.load(ref, (), layout=layout.reduce(1), optimized=False)
+    return lax.broadcast_in_dim(v, (_ROWS, width), (0,))
+
+
+def _kernel_keys(k, num_chunks, chunk, interpret):
+    """K as the kernels take it: [L, Hk, K] bf16, or [Hk, Nc, K, c] (K^T per chunk) for the interpreter."""
+    k = k.astype(jnp.bfloat16)
+    if not interpret:
+        return k
+    key_heads, key_dim = k.shape[1:]
+    return jnp.transpose(k.reshape(num_chunks, chunk, key_heads, key_dim), (2, 0, 3, 1))
 
 
 def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_g,
@@ -88,11 +135,7 @@ def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_
     wg = lax.axis_index("wg")
     cols = pl.ds(j * block_v, block_v)
     kh = lax.div(h, jnp.asarray(group, h.dtype))
-    layout = plgpu.Layout.WGMMA
-
-    def rowvec(ref):  # a [64] float32 row of shared memory as the per-row factor of a [64, BV] tile
-        v = ref[...] if interpret else plgpu.load(ref, (), layout=layout.reduce(1), optimized=False)
-        return lax.broadcast_in_dim(v, (c, block_v), (0,))
+    rowvec = functools.partial(_rowvec, width=block_v, interpret=interpret)
 
     @pl.when(wg == 0)
     def _compute():
@@ -117,11 +160,7 @@ def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_
             ub_s[...] = u.astype(jnp.bfloat16)
             u2_s[...] = (u * rowvec(eu_s.at[slot])).astype(jnp.bfloat16)
             plgpu.commit_smem()
-            if interpret:  # K^T arrives from the wrapper already transposed: [K, c]
-                kt_top, kt_bot = k_s.at[slot, pl.ds(0, c)], k_s.at[slot, pl.ds(c, c)]
-            else:
-                kt_top = plgpu.transpose_ref(k_s.at[slot, :, pl.ds(0, c)], (1, 0))
-                kt_bot = plgpu.transpose_ref(k_s.at[slot, :, pl.ds(c, c)], (1, 0))
+            kt_top, kt_bot = _keys_transposed(k_s, slot, interpret)
 
             def second(po_ref, t_ref, b_ref):
                 plgpu.wgmma(po_ref, p_s.at[slot], ub_s)
@@ -164,17 +203,7 @@ def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_
             plgpu.copy_gmem_to_smem(eu_g.at[h, rows], eu_s.at[slot], bar)
             plgpu.copy_gmem_to_smem(ek_g.at[h, n], ek_s.at[slot], bar)
 
-        for n in range(min(stages, num_chunks)):
-            load(jnp.asarray(n, jnp.int32), n)
-
-        @pl.loop(stages, max(num_chunks, stages))
-        def _(n):
-            slot = lax.rem(n, stages)
-            plgpu.barrier_wait(used.at[slot])
-            load(n, slot)
-
-        for slot in range(min(stages, num_chunks)):  # drain: observe each slot's last release
-            plgpu.barrier_wait(used.at[slot])
+        _stream_chunks(num_chunks, stages, load, used)
 
 
 _COPIES = 8  # TMA copies per chunk slot, each one arrival on the slot's ready barrier
@@ -200,10 +229,7 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
     eu = jnp.exp(jnp.repeat(b_last, chunk, axis=1) - b)
     ek = jnp.broadcast_to(jnp.exp(b_last)[..., None], (heads, num_chunks, chunk))
     w, u, q, p = w.astype(bf), u.astype(bf), q.astype(bf), p.astype(bf)
-    if interpret:  # the interpreter's K^T: [Hk, Nc, K, c]
-        k = jnp.transpose(k.astype(bf).reshape(num_chunks, chunk, key_heads, key_dim), (2, 0, 3, 1))
-    else:
-        k = k.astype(bf)
+    k = _kernel_keys(k, num_chunks, chunk, interpret)
     # every MMA operand takes the swizzle of BV bf16 values (64 or 128 bytes): an MMA's two operands must agree
     stages = config.stages
     # clusters where they divide a head's column blocks (and not in the interpreter: no cluster barriers there)
@@ -244,7 +270,138 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
         thread_name="wg",
         kernel_name="gdn_mgpu_state_pass",
         scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=mosaic_compiler_params(config.semantics),
         interpret=gpu_interpreter() if interpret else False,
     )
     return kernel(w, u, k, q, p, eb, eu, ek, init.astype(jnp.float32))
+
+
+def _transfer_kernel(w_g, k_g, eu_g, ek_g, eye_g, t_g, w_s, k_s, eu_s, ek_s, sb_s, u2_s, f_s, ready, used,
+                     init_ready, *, group_chunks, group, block_v, stages, cluster, interpret):
+    """The state pass's step with zero values and no outputs, from the identity, over one group of chunks:
+    S <- e^{b_last} S - K^T (e^{b_last - b} * (W S)), so that S ends as the group's A_last ... A_first. Block
+    (column block, head, group); the TMA warpgroup streams W, K and two decay rows (W and K multicast to a
+    cluster's column blocks), as in `_state_kernel`."""
+    c = _ROWS
+    h, gi = lax.axis_index("h"), lax.axis_index("g")
+    if cluster > 1:
+        j = lax.axis_index("j") * cluster + lax.axis_index("cj")
+        shared = dict(collective_axes="cj")
+    else:
+        j, shared = lax.axis_index("j"), {}
+    wg = lax.axis_index("wg")
+    cols = pl.ds(j * block_v, block_v)
+    kh = lax.div(h, jnp.asarray(group, h.dtype))
+    first = gi * group_chunks
+    rowvec = functools.partial(_rowvec, width=block_v, interpret=interpret)
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.barrier_wait(init_ready.at[0])  # the identity's columns, in f_s
+        top, bot = f_s[pl.ds(0, c)], f_s[pl.ds(c, c)]
+
+        def step(n, carry):
+            top, bot = carry
+            slot = lax.rem(n, stages)
+            sb_s[pl.ds(0, c)] = top.astype(jnp.bfloat16)
+            sb_s[pl.ds(c, c)] = bot.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(ready.at[slot])
+
+            def first_product(x_ref):
+                plgpu.wgmma(x_ref, w_s.at[slot], sb_s)
+                return x_ref[...]
+
+            x = pl.run_scoped(first_product, plgpu.ACC((c, block_v), jnp.float32))
+            u2_s[...] = (-(x * rowvec(eu_s.at[slot]))).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            kt_top, kt_bot = _keys_transposed(k_s, slot, interpret)
+
+            def second(t_ref, b_ref):
+                plgpu.wgmma(t_ref, kt_top, u2_s)
+                plgpu.wgmma(b_ref, kt_bot, u2_s)
+                return t_ref[...], b_ref[...]
+
+            acc = plgpu.ACC((c, block_v), jnp.float32)
+            kt_u_top, kt_u_bot = pl.run_scoped(second, acc, acc)
+            decay = rowvec(ek_s.at[slot])
+            plgpu.barrier_arrive(used.at[slot])
+            return top * decay + kt_u_top, bot * decay + kt_u_bot
+
+        top, bot = lax.fori_loop(0, group_chunks, step, (top, bot))
+        f_s[pl.ds(0, c)] = top
+        f_s[pl.ds(c, c)] = bot
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(f_s, t_g.at[gi, h, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+        plgpu.copy_gmem_to_smem(eye_g.at[:, cols], f_s, init_ready.at[0])
+
+        def load(n, slot):
+            m = first + n
+            rows = pl.ds(m * c, c)
+            bar = ready.at[slot]
+            plgpu.copy_gmem_to_smem(w_g.at[rows, h], w_s.at[slot], bar, **shared)
+            plgpu.copy_gmem_to_smem(k_g.at[kh, m] if interpret else k_g.at[rows, kh], k_s.at[slot], bar, **shared)
+            plgpu.copy_gmem_to_smem(eu_g.at[h, rows], eu_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(ek_g.at[h, m], ek_s.at[slot], bar)
+
+        _stream_chunks(group_chunks, stages, load, used)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "group_chunks", "config", "interpret"))
+def transfer_pass_mgpu(w, k, b, *, chunk: int, group_chunks: int, config: MosaicStateConfig = MosaicStateConfig(),
+                       interpret: bool = False):
+    """The per-group products of `gdn._transfer_pass` for scalar gates: w [L, H, K], k [L, Hk, K], b [H, L]
+    (in-chunk cumulative log gates), L a whole number of groups of `group_chunks` chunks. Returns [groups, H, K, K]
+    float32, group i's A_last ... A_first (A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n), with bf16 products
+    of S's bf16 copy as in the state pass. One block per (column block of the identity's K columns, head, group):
+    the groups run in parallel, each `group_chunks` steps deep."""
+    length, heads, key_dim = w.shape
+    key_heads = k.shape[1]
+    bv = config.block_v
+    num_chunks = length // chunk
+    if not supported(chunk, key_dim, key_dim, bv) or length % chunk or group_chunks < 1 or num_chunks % group_chunks:
+        raise ValueError(f"transfer_pass_mgpu takes chunk 64, K 128 and whole groups of chunks; got chunk {chunk}, K "
+                         f"{key_dim}, L {length}, group of {group_chunks} chunks")
+    groups = num_chunks // group_chunks
+    b = b.astype(jnp.float32)
+    b_last = b.reshape(heads, num_chunks, chunk)[..., -1]
+    eu = jnp.exp(jnp.repeat(b_last, chunk, axis=1) - b)
+    ek = jnp.broadcast_to(jnp.exp(b_last)[..., None], (heads, num_chunks, chunk))
+    w, k = w.astype(jnp.bfloat16), _kernel_keys(k, num_chunks, chunk, interpret)
+    stages = config.stages
+    cluster = config.cluster if not interpret and (key_dim // bv) % config.cluster == 0 else 1
+    tile = (plgpu.TilingTransform((8, bv)), plgpu.SwizzleTransform(2 * bv))
+    smem = lambda shape: plgpu.SMEM(shape, jnp.bfloat16, transforms=tile)  # noqa: E731
+    scratch = [
+        smem((stages, chunk, key_dim)),  # W
+        smem((stages, key_dim, chunk) if interpret else (stages, chunk, key_dim)),  # K (K^T in the interpreter)
+        plgpu.SMEM((stages, chunk), jnp.float32),  # e^{b_last - b}
+        plgpu.SMEM((stages, chunk), jnp.float32),  # e^{b_last}
+        smem((key_dim, bv)),  # S in bf16
+        smem((chunk, bv)),  # -e^{b_last - b} W S in bf16
+        plgpu.SMEM((key_dim, bv), jnp.float32,
+                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # S, from the identity
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # a slot's W, K and rows have landed
+        plgpu.ClusterBarrier(collective_axes=("cj",), num_barriers=stages) if cluster > 1
+        else plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=1),  # the identity's columns have landed
+    ]
+    kernel = plgpu.kernel(
+        functools.partial(_transfer_kernel, group_chunks=group_chunks, group=heads // key_heads, block_v=bv,
+                          stages=stages, cluster=cluster, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((groups, heads, key_dim, key_dim), jnp.float32),
+        grid=(key_dim // bv // cluster, heads, groups),
+        grid_names=("j", "h", "g"),
+        **(dict(cluster=(cluster,), cluster_names=("cj",)) if cluster > 1 else {}),
+        num_threads=2,
+        thread_name="wg",
+        kernel_name="gdn_mgpu_transfer_pass",
+        scratch_types=scratch,
+        compiler_params=mosaic_compiler_params(config.semantics),
+        interpret=gpu_interpreter() if interpret else False,
+    )
+    return kernel(w, k, eu, ek, jnp.eye(key_dim, dtype=jnp.float32))

@@ -18,3 +18,20 @@ def gpu_interpreter():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+SEMANTICS = ("lane", "warpgroup")
+
+
+def mosaic_compiler_params(semantics: str):
+    """Mosaic GPU compiler parameters with the lowering semantics named explicitly. JAX's default changed between
+    releases (lane up to 0.10, warpgroup from 0.11, whose lowering runs a layout-inference search over every
+    register array), so a kernel that leaves it to the default lowers differently on different installs.
+    "lane": arrays carry the layouts the kernel gives them (`plgpu.layout_cast`, `plgpu.load(layout=...)`);
+    "warpgroup": the layout-inference pass picks them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    lowering = plgpu.LoweringSemantics.Lane if semantics == "lane" else plgpu.LoweringSemantics.Warpgroup
+    return plgpu.CompilerParams(lowering_semantics=lowering)

@@ -1,0 +1,68 @@
+"""The transfer pass (the group products behind a Gated DeltaNet forward's (T_C, S)) and the cost of emitting (T_C,
+S), at 32k on the H200 (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), in one process:
+
+1. the group products alone on the chunk-local kernel's own operands: Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`)
+   at 32, 64 and 128 chunks a group, with and without clusters, against Triton's (`gdn._state_pass` over the
+   groups' identity columns, 64 chunks a group); products compared with Triton's;
+2. `gdn_forward` with `GDNConfig()` without and with `emit_summary`, the added time as a ratio (the bar: +30%),
+   and the same with the transfer pass pinned to Triton (`state_lowering="triton"` there, so the state pass too).
+
+    python3 bench/transfer_pass.py            # on the H200; LENGTH=... for another length
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax.pallas import gdn, gdn_mgpu
+    from kernels import DIM, HEADS, gdn_inputs, rel, timeit
+
+    length = int(os.environ.get("LENGTH", 32768))
+    q, k, v, g, beta = gdn_inputs(length)
+    scale = DIM**-0.5
+    cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
+    b, _, w, _, ks, _ = jax.jit(lambda q, k, v, g, bt: gdn._locals(q, k, v, g, None, bt, scale=scale, config=cfg,
+                                                                   interpret=False))(q, k, v, g, beta)
+    groups = length // 64 // 64
+    eye = jnp.broadcast_to(jnp.eye(DIM, dtype=jnp.float32), (groups, HEADS, DIM, DIM))
+    triton = jax.jit(lambda w, k, b: gdn._state_pass(w, None, k, b, None, None, eye, chunk=64, pieces=groups,
+                                                     value_dim=DIM, out_dtype=jnp.float32, scale=1.0, config=cfg,
+                                                     interpret=False)[1])
+    ref = triton(w, ks, b)
+    print(f"group products, triton, 64 chunks a group: {timeit(triton, w, ks, b)[0]:.4f} ms", flush=True)
+    for group_chunks in (64, 32, 128):
+        for cluster in (2, 1):
+            config = gdn_mgpu.MosaicStateConfig(cluster=cluster)
+            fn = jax.jit(lambda w, k, b, n=group_chunks, c=config: gdn_mgpu.transfer_pass_mgpu(
+                w, k, b, chunk=64, group_chunks=n, config=c))
+            line = f"group products, mosaic gpu, {group_chunks} chunks a group, clusters of {cluster}: "
+            try:
+                ms, _ = timeit(fn, w, ks, b)
+            except Exception as error:  # noqa: BLE001 (a launch that does not fit is a result too)
+                print(line + repr(error)[:200], flush=True)
+                continue
+            diff = f" (relative difference from Triton's {rel(fn(w, ks, b), ref):.2e})" if group_chunks == 64 else ""
+            print(line + f"{ms:.4f} ms{diff}", flush=True)
+    for name, c in (("GDNConfig()", gdn.GDNConfig()), ("Triton state and transfer passes",
+                                                       gdn.GDNConfig(state_lowering="triton"))):
+        times = []
+        for emit in (False, True):
+            fn = jax.jit(lambda q, k, v, g, bb, c=c, e=emit: gdn.gdn_forward(q, k, v, g=g, beta=bb, scale=scale,
+                                                                             config=c, emit_summary=e))
+            times.append(timeit(fn, q, k, v, g, beta)[0])
+        print(f"gdn_forward {name}: {times[0]:.4f} ms, with (T, S) {times[1]:.4f} ms "
+              f"(+{100 * (times[1] / times[0] - 1):.1f}%)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
