@@ -5,7 +5,9 @@ S), at 32k on the H200 (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), 
    at 32, 64 and 128 chunks a group, with and without clusters, against Triton's (`gdn._state_pass` over the
    groups' identity columns, 64 chunks a group); products compared with Triton's;
 2. `gdn_forward` with `GDNConfig()` without and with `emit_summary`, the added time as a ratio (the bar: +30%),
-   and the same with the transfer pass pinned to Triton (`state_lowering="triton"` there, so the state pass too).
+   and the same with the transfer pass pinned to Triton (`state_lowering="triton"` there, so the state pass too);
+3. the default forward with (T, S) vmapped over a batch of two sequences (as the models call it: under vmap the
+   Mosaic GPU kernels gain a grid axis) against each sequence on its own.
 
     python3 bench/transfer_pass.py            # on the H200; LENGTH=... for another length
 """
@@ -62,6 +64,15 @@ def main():
             times.append(timeit(fn, q, k, v, g, beta)[0])
         print(f"gdn_forward {name}: {times[0]:.4f} ms, with (T, S) {times[1]:.4f} ms "
               f"(+{100 * (times[1] / times[0] - 1):.1f}%)", flush=True)
+    batch = [x[: length // 4] for x in (q, k, v, g, beta)]
+    second = [x[length // 4: length // 2] for x in (q, k, v, g, beta)]
+    one = jax.jit(lambda q, k, v, g, bb: gdn.gdn_forward(q, k, v, g=g, beta=bb, scale=scale, emit_summary=True))
+    stacked = jax.jit(jax.vmap(one))(*(jnp.stack(pair) for pair in zip(batch, second)))
+    alone = [one(*batch), one(*second)]
+    diffs = [max(rel(a[i], b) for a, b in zip(jax.tree_util.tree_leaves(stacked),
+                                              jax.tree_util.tree_leaves(alone[i]))) for i in range(2)]
+    print(f"vmapped forward with (T, S), 2 x {length // 4} tokens: largest relative difference from each sequence "
+          f"alone {max(diffs):.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -862,6 +862,27 @@ def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks,
         gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=5, interpret=True)
 
 
+def test_gdn_forward_under_vmap_lowers_through_the_mosaic_gpu_kernels(monkeypatch):
+    """The models vmap the linear-attention core over the batch: under vmap, `plgpu.kernel` prepends a grid axis,
+    so every Mosaic GPU kernel of the forward must keep its own grid within two axes. The batched forward, with and
+    without (T, S), lowers for CUDA on the CPU through the chunk-local kernel, the state pass and the transfer pass
+    (the Hopper check is patched so that "auto" routes (T, S) there as it would on the GPU)."""
+    monkeypatch.setattr(gdn, "is_hopper", lambda: True)
+    sd = jax.ShapeDtypeStruct
+    batch, length, dim = 2, 512, 128
+    args = (sd((batch, length, 2, dim), jnp.bfloat16), sd((batch, length, 2, dim), jnp.bfloat16),
+            sd((batch, length, 4, dim), jnp.bfloat16), sd((batch, length, 4), jnp.float32),
+            sd((batch, length, 4), jnp.float32))
+    config = GDNConfig(state_lowering="mosaic", locals_lowering="mosaic", transfer_group=2)
+    kernels = ("gdn_mgpu_chunk_locals", "gdn_mgpu_state_pass", "gdn_mgpu_transfer_pass")
+    for emit in (False, True):
+        fn = jax.jit(jax.vmap(lambda q, k, v, g, b, e=emit: _forward(q, k, v, g, b, None, scale=dim**-0.5,
+                                                                     config=config, emit_summary=e,
+                                                                     interpret=False)))
+        text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+        assert [name in text for name in kernels] == [True, True, emit]
+
+
 @pytest.mark.parametrize("cluster", [1, 2])
 def test_mosaic_gpu_transfer_pass_lowers_with_clusters(cluster):
     """The transfer pass lowers for CUDA on the CPU with and without clusters (the multicast form runs only on the

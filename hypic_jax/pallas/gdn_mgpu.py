@@ -277,13 +277,14 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
 
 
 def _transfer_kernel(w_g, k_g, eu_g, ek_g, eye_g, t_g, w_s, k_s, eu_s, ek_s, sb_s, u2_s, f_s, ready, used,
-                     init_ready, *, group_chunks, group, block_v, stages, cluster, interpret):
+                     init_ready, *, group_chunks, group, heads, block_v, stages, cluster, interpret):
     """The state pass's step with zero values and no outputs, from the identity, over one group of chunks:
     S <- e^{b_last} S - K^T (e^{b_last - b} * (W S)), so that S ends as the group's A_last ... A_first. Block
     (column block, head, group); the TMA warpgroup streams W, K and two decay rows (W and K multicast to a
     cluster's column blocks), as in `_state_kernel`."""
     c = _ROWS
-    h, gi = lax.axis_index("h"), lax.axis_index("g")
+    hg = lax.axis_index("hg")  # heads and groups share one grid axis, leaving a third for a vmapped batch
+    h, gi = lax.rem(hg, jnp.asarray(heads, hg.dtype)), lax.div(hg, jnp.asarray(heads, hg.dtype))
     if cluster > 1:
         j = lax.axis_index("j") * cluster + lax.axis_index("cj")
         shared = dict(collective_axes="cj")
@@ -391,11 +392,11 @@ def transfer_pass_mgpu(w, k, b, *, chunk: int, group_chunks: int, config: Mosaic
         plgpu.Barrier(num_barriers=1),  # the identity's columns have landed
     ]
     kernel = plgpu.kernel(
-        functools.partial(_transfer_kernel, group_chunks=group_chunks, group=heads // key_heads, block_v=bv,
-                          stages=stages, cluster=cluster, interpret=interpret),
+        functools.partial(_transfer_kernel, group_chunks=group_chunks, group=heads // key_heads, heads=heads,
+                          block_v=bv, stages=stages, cluster=cluster, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((groups, heads, key_dim, key_dim), jnp.float32),
-        grid=(key_dim // bv // cluster, heads, groups),
-        grid_names=("j", "h", "g"),
+        grid=(key_dim // bv // cluster, heads * groups),
+        grid_names=("j", "hg"),
         **(dict(cluster=(cluster,), cluster_names=("cj",)) if cluster > 1 else {}),
         num_threads=2,
         thread_name="wg",
