@@ -950,12 +950,14 @@ def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("length, blocks, gate, warpgroups, seed",
-                         [(1024, 4, True, 2, 0), (256, 4, False, 2, 1), (384, 132, True, 1, 2)])
+                         [(1024, 4, True, 2, 0), (256, 4, False, 2, 1), (384, 132, True, 1, 2),
+                          (320, 4, True, 2, 3), (320, 6, False, 2, 4)])
 def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, warpgroups, seed):
     """The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu`, Pallas's GPU interpreter) gives the Triton
     kernel's P (to float32 rounding) and W, U within bf16 rounding, and its W, U are as close to the float32-dot
-    kernel's as Triton's are: runs of 8 chunks through 4 slots, runs of 2 through 2, 3 runs a head, one or two
-    compute warpgroups, grouped key heads, with and without a gate."""
+    kernel's as Triton's are: runs of 8 chunks through 2 slots, runs of 2, runs of one chunk (6 runs a head), 5
+    chunks a head as runs of 3 and 2 (odd turns for two compute warpgroups) and as 2, 2 and 1 (a last run shorter
+    than the slots), one or two compute warpgroups, grouped key heads, with and without a gate."""
     from hypic_jax.pallas import gdn_locals_mgpu as glm
 
     heads, dim, c = 2, 128, 64

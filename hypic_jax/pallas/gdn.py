@@ -162,7 +162,10 @@ class GDNConfig:
       segment's: 0 widens the state by K identity columns; N > 0 runs a separate launch over groups of N chunks in
       parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). On the H200 the
       transfer pass wins for `gdn_forward` (+23 to 25% against +49% widened) and loses for packed segments (3.02
-      to 3.05 against 2.75 ms for 64 segments in 32k tokens), so `default_varlen_config` widens.
+      to 3.05 against 2.75 ms for 64 segments in 32k tokens), so `default_varlen_config` widens. Where the state
+      pass may run under Mosaic GPU, so do the group products (`gdn_mgpu.transfer_pass_mgpu`, scalar gates, keys
+      chunk-aligned): 0.266 against Triton's 0.330 ms at 32k in 64-chunk groups (32: 0.279-0.288, 128: 0.256),
+      +25 to 27% on the forward (thirteenth session).
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
@@ -179,11 +182,12 @@ class GDNConfig:
       (T, S) 1.719 against 1.795; with `state_cluster=2` (twelfth session) the pass takes 0.59 ms and the forward
       1.275 to 1.287.
     locals_lowering: "mosaic" runs the chunk-local kernel as `gdn_locals_mgpu.chunk_locals_mgpu` (Hopper; the
-      "tile" solve with a scalar gate or none, the delta rule, bf16 inputs and dots, chunk 64, K = V = 128, an even
-      number of whole chunks, no packed segments; anything else is refused), "triton" as `_locals_kernel`, "auto"
+      "tile" solve with a scalar gate or none, the delta rule, bf16 inputs and dots, chunk 64, K = V = 128, whole
+      chunks, no packed segments or partial last chunk; anything else is refused), "triton" as `_locals_kernel`, "auto"
       (default) picks Mosaic GPU on a Hopper GPU for the launches it takes and Triton otherwise. On the H200 at 32k
       (bench/RESULTS.md, thirteenth session): the kernel alone 0.524 against Triton's 0.674 ms (two chunk slots;
-      0.635 with four).
+      0.635 with four); at 32,704 tokens (511 chunks in runs of 128 and one of 127) 0.525 against 0.669. A length
+      that leaves the last chunk partial runs Triton's (it reads q, k, v in place there).
     state_cluster: under Mosaic GPU, column blocks of one head launched as a cluster that receives the head's W, K,
       Q and P through one multicast copy (1: no clusters; used where it divides the head's V / block_v blocks).
       The pass is bound by the bytes the SMs draw from L2 (about 6.6 TB/s in all), and the multicast halves the
@@ -213,6 +217,8 @@ class GDNConfig:
     small loads (`state_prefetch`) are on by default for packed segments' sake (-3 to -4% there). The state pass
     itself runs under Mosaic GPU where it can (`state_lowering="auto"`): 1.346 against 1.421 ms (eleventh session);
     with its column blocks in clusters of two (`state_cluster`), 1.275 to 1.287 ms (twelfth session).
+    On Hopper both kernels run under Mosaic GPU (`locals_lowering="auto"`, thirteenth session): 1.123 to 1.150 ms
+    against fla's 1.930 to 1.940 in the same calls (1.68x to 1.72x), 1.28 to 1.29 with Triton's chunk-local kernel.
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
     H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
     """
@@ -1022,7 +1028,7 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
         return fits and not interpret and is_hopper()
     if not fits:
         raise ValueError("locals_lowering='mosaic' takes the 'tile' solve with a scalar gate or none, the delta rule, "
-                         "bf16 inputs and dots, chunk 64, K = V = 128, an even number of whole chunks and no packed "
+                         "bf16 inputs and dots, chunk 64, K = V = 128, whole chunks and no packed "
                          f"segments; got solve {config.solve!r}, chunk {config.chunk}, K {k.shape[-1]}, V "
                          f"{v.shape[-1]}, {k.shape[0]} tokens, inputs {k.dtype.name}")
     if interpret:

@@ -53,11 +53,11 @@ _COPIES = 5  # TMA copies per chunk slot (q, k, v, b, beta), one arrival each on
 
 @dataclasses.dataclass(frozen=True)
 class MosaicLocalsConfig:
-    """blocks: blocks the launch aims for (one per SM: registers allow no second); the chunks of
-    every head are split into runs of an even number of chunks, as many runs per head as fit `blocks` and divide
-    the chunk count. stages: chunk slots (2 or 4: one or two per compute warpgroup). warpgroups: compute
-    warpgroups per block (1 or 2, on alternate chunks). compute_registers / memory_registers: per-thread register
-    budgets of the compute and TMA warpgroups (set_registers=False leaves the compiler's). smem_operands: the
+    """blocks: blocks the launch aims for (one per SM: registers allow no second); the chunks of every head are split
+    into as many runs as fit `blocks` (the last run of a head possibly shorter). stages: chunk slots (2 or 4: one
+    or two per compute warpgroup). warpgroups: compute warpgroups per block (1 or 2, on alternate chunks).
+    compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups
+    (set_registers=False leaves the compiler's). smem_operands: the
     left operands through a shared-memory tile instead of registers; transposed_keys: K^T from its own input
     instead of a transposed view (both as in the interpreter, which takes neither form; on the GPU they are
     variants to bisect with, and smem_operands needs stages=2 to fit). semantics: Mosaic GPU's lowering
@@ -86,25 +86,22 @@ class MosaicLocalsConfig:
 
 
 def supported(chunk: int, key_dim: int, value_dim: int, length: int) -> bool:
-    """Shapes the kernel takes: chunk 64, K = V = 128 (two 64-column halves of W and U), an even number of whole
-    chunks."""
-    return chunk == _C and key_dim == 128 and value_dim == 128 and length % (2 * _C) == 0
+    """Shapes the kernel takes: chunk 64, K = V = 128 (two 64-column halves of W and U), whole chunks."""
+    return chunk == _C and key_dim == 128 and value_dim == 128 and length > 0 and length % _C == 0
 
 
-def _runs_per_head(num_chunks: int, heads: int, blocks: int) -> int:
-    """The most runs per head (at most blocks / heads) whose length is a whole, even number of chunks."""
-    best = 1
-    for runs in range(1, max(1, blocks // heads) + 1):
-        if num_chunks % (2 * runs) == 0:
-            best = runs
-    return best
+def _runs_per_head(num_chunks: int, heads: int, blocks: int) -> tuple[int, int]:
+    """(runs, run): a head's chunks in `runs` runs of `run` chunks, the last possibly shorter, with runs at most
+    blocks / heads: as long as the launch fits the GPU in one wave, each block's chain is as short as it can be."""
+    run = -(-num_chunks // max(1, min(blocks // heads, num_chunks)))
+    return -(-num_chunks // run), run
 
 
-def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, warpgroups, registers, left_in_smem,
-            keys_transposed, interpret):
-    """registers: (compute, memory) register budgets, or None; left_in_smem / keys_transposed: the left operands
-    through shared memory, K^T from its own input (`MosaicLocalsConfig`); interpret: plain arrays for constants,
-    iotas and row vectors."""
+def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, runs, run, last_run, group, scale, stages, warpgroups, registers,
+            left_in_smem, keys_transposed, interpret):
+    """runs: blocks a head; run / last_run: chunks of every block / of a head's last block; registers: (compute,
+    memory) register budgets, or None; left_in_smem / keys_transposed: the left operands through shared memory, K^T
+    from its own input (`MosaicLocalsConfig`); interpret: plain arrays for constants, iotas and row vectors."""
     if keys_transposed:
         kt_g, refs = refs[0], refs[1:]
     p_g, w_g, u_g, q_s, k_s, v_s, b_s, beta_s, x_s, y_s, ready, used, *extra = refs
@@ -115,6 +112,8 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, warpgr
     wg = lax.axis_index("wg")
     kh = lax.div(h, jnp.asarray(group, h.dtype))
     first = j * run  # the block's first chunk
+    ragged = last_run != run  # the head's last block has fewer chunks: loads and turns past them are skipped
+    mine = jnp.where(j == runs - 1, last_run, run).astype(j.dtype) if ragged else run  # this block's chunks
     layout = plgpu.Layout.WGMMA
 
     def full(value, dtype=jnp.float32):  # a [c, c] constant in the MMA accumulator's layout
@@ -167,9 +166,7 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, warpgr
         xr = lax.bitwise_xor(rows, cols)  # highest differing bit of (row, column): the doubling level
         x_tile, y_tile = x_s.at[wg], y_s.at[wg]
 
-        @pl.loop(0, run // warpgroups)
-        def _(r):
-            i = r * warpgroups + wg  # the block's chunk
+        def _chunk(i):
             n = first + i
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(ready.at[slot])
@@ -207,6 +204,14 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, warpgr
             plgpu.copy_smem_to_gmem(x_tile, u_g.at[pl.ds(n * c, c), h, pl.ds(0, c)])
             plgpu.copy_smem_to_gmem(y_tile, u_g.at[pl.ds(n * c, c), h, pl.ds(c, c)])
 
+        @pl.loop(0, -(-run // warpgroups))
+        def _(r):
+            i = r * warpgroups + wg  # the block's chunk
+            if run % warpgroups == 0 and not ragged:
+                _chunk(i)
+            else:  # an odd or short run: a warpgroup's last turn may have no chunk
+                pl.when(i < mine)(lambda: _chunk(i))
+
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == warpgroups)
@@ -227,32 +232,40 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, run, group, scale, stages, warpgr
             if keys_transposed:
                 plgpu.copy_gmem_to_smem(kt_g.at[kh, n], kt_s.at[slot], bar)
 
+        def guarded(i, fn):  # fn() for the block's chunks only (a short last run skips the rest)
+            if ragged:
+                pl.when(i < mine)(fn)
+            else:
+                fn()
+
         for i in range(min(stages, run)):
-            load(jnp.asarray(i, jnp.int32))
+            guarded(i, functools.partial(load, jnp.asarray(i, jnp.int32)))
 
         @pl.loop(stages, max(run, stages))
         def _(i):
-            plgpu.barrier_wait(used.at[lax.rem(i, stages)])
-            load(i)
+            def refill():
+                plgpu.barrier_wait(used.at[lax.rem(i, stages)])
+                load(i)
+
+            guarded(i, refill)
 
         for slot in range(min(stages, run)):  # drain: observe each slot's last release
-            plgpu.barrier_wait(used.at[slot])
+            guarded(slot, functools.partial(plgpu.barrier_wait, used.at[slot]))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "scale", "config", "interpret"))
 def chunk_locals_mgpu(q, k, v, b, beta, *, chunk: int, scale: float,
                       config: MosaicLocalsConfig = MosaicLocalsConfig(), interpret: bool = False):
     """`gdn._chunk_locals` for the "tile" solve with scalar gates and the delta rule, bf16: q, k [L, Hk, K], v
-    [L, H, V], b [H, L] (in-chunk cumulative log gates), beta [H, L], L a whole even number of chunks (`supported`).
+    [L, H, V], b [H, L] (in-chunk cumulative log gates), beta [H, L], L a whole number of chunks (`supported`).
     Returns (p [H, L, c], w [L, H, K], u [L, H, V]) in bfloat16."""
     length, key_heads, key_dim = k.shape
     heads, value_dim = v.shape[1:]
     if not supported(chunk, key_dim, value_dim, length):
-        raise ValueError(f"chunk_locals_mgpu takes chunk 64, K = V = 128 and an even number of whole chunks; got "
+        raise ValueError(f"chunk_locals_mgpu takes chunk 64, K = V = 128 and whole chunks; got "
                          f"chunk {chunk}, K {key_dim}, V {value_dim}, L {length}")
     num_chunks = length // chunk
-    runs = _runs_per_head(num_chunks, heads, config.blocks)
-    run = num_chunks // runs
+    runs, run = _runs_per_head(num_chunks, heads, config.blocks)
     stages = min(config.stages, run)
     wgs = config.warpgroups
     keys_transposed, left_in_smem = interpret or config.transposed_keys, interpret or config.smem_operands
@@ -280,9 +293,9 @@ def chunk_locals_mgpu(q, k, v, b, beta, *, chunk: int, scale: float,
     if left_in_smem:  # the left operands' tiles
         scratch.append(smem((wgs, chunk, chunk)))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, run=run, group=heads // key_heads, scale=scale, stages=stages, warpgroups=wgs,
-                          registers=registers, left_in_smem=left_in_smem, keys_transposed=keys_transposed,
-                          interpret=interpret),
+        functools.partial(_kernel, runs=runs, run=run, last_run=num_chunks - (runs - 1) * run,
+                          group=heads // key_heads, scale=scale, stages=stages, warpgroups=wgs, registers=registers,
+                          left_in_smem=left_in_smem, keys_transposed=keys_transposed, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((heads, length, chunk), bf),
                   jax.ShapeDtypeStruct((length, heads, key_dim), bf),
                   jax.ShapeDtypeStruct((length, heads, value_dim), bf)),
