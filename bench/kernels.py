@@ -183,6 +183,21 @@ def gdn_inputs(length, seed=0):
     return q, k, v, g, beta
 
 
+def locals_operands(length):
+    """`gdn_inputs(length)` and what the default chunk-local step makes of them, (b, p, w, u, k, q): the operands
+    of the state and transfer passes, for benchmarks that time those passes alone."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax.pallas import gdn
+
+    inputs = gdn_inputs(length)
+    config = gdn.GDNConfig().resolved(jnp.bfloat16)
+    local = jax.jit(lambda q, k, v, g, beta: gdn._locals(q, k, v, g, None, beta, scale=DIM**-0.5, config=config,
+                                                         interpret=False))(*inputs)
+    return inputs, local
+
+
 def named_config(**kwargs):
     """A GDNConfig as the variant names read: chunk 64 and the "rows" solve unless a name says otherwise (cN, the
     solve's name), a 2-warp chunk-local kernel and (T, S) from the widened pass, the defaults when these names were

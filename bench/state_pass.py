@@ -26,14 +26,10 @@ def main():
     import jax.numpy as jnp
 
     from hypic_jax.pallas import gdn, gdn_mgpu
-    from kernels import DIM, HEADS, gdn_inputs, timeit
+    from kernels import DIM, HEADS, locals_operands, timeit
 
-    length = int(os.environ.get("LENGTH", 32768))
-    q, k, v, g, beta = gdn_inputs(length)
+    _, (b, p, w, u, ks, qs) = locals_operands(int(os.environ.get("LENGTH", 32768)))
     scale = DIM**-0.5
-    cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
-    b, p, w, u, ks, qs = jax.jit(lambda q, k, v, g, bt: gdn._locals(q, k, v, g, None, bt, scale=scale, config=cfg,
-                                                                     interpret=False))(q, k, v, g, beta)
     init = jnp.zeros((HEADS, DIM, DIM), jnp.float32)
     ref = None
 

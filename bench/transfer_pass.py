@@ -27,14 +27,12 @@ def main():
     import jax.numpy as jnp
 
     from hypic_jax.pallas import gdn, gdn_mgpu
-    from kernels import DIM, HEADS, gdn_inputs, rel, timeit
+    from kernels import DIM, HEADS, locals_operands, rel, timeit
 
     length = int(os.environ.get("LENGTH", 32768))
-    q, k, v, g, beta = gdn_inputs(length)
+    (q, k, v, g, beta), (b, _, w, _, ks, _) = locals_operands(length)
     scale = DIM**-0.5
     cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
-    b, _, w, _, ks, _ = jax.jit(lambda q, k, v, g, bt: gdn._locals(q, k, v, g, None, bt, scale=scale, config=cfg,
-                                                                   interpret=False))(q, k, v, g, beta)
     groups = length // 64 // 64
     eye = jnp.broadcast_to(jnp.eye(DIM, dtype=jnp.float32), (groups, HEADS, DIM, DIM))
     triton = jax.jit(lambda w, k, b: gdn._state_pass(w, None, k, b, None, None, eye, chunk=64, pieces=groups,

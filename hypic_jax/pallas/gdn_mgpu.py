@@ -127,16 +127,54 @@ def _kernel_keys(k, num_chunks, chunk, interpret):
     return jnp.transpose(k.reshape(num_chunks, chunk, key_heads, key_dim), (2, 0, 3, 1))
 
 
+def _column_block(cluster):
+    """(j, shared): the block's column block, and the copy arguments that multicast an operand to its cluster."""
+    if cluster > 1:
+        return lax.axis_index("j") * cluster + lax.axis_index("cj"), dict(collective_axes="cj")
+    return lax.axis_index("j"), {}
+
+
+def _state_chain(f_s, sb_s, init_ready, ready, steps, stages, update, out):
+    """The compute warpgroup's chain. S [K, BV] float32 starts from f_s once its copy has landed and is carried in
+    registers as two 64-row halves; each step writes S's bf16 copy to sb_s (the right operand of the step's first
+    products), waits for the slot's operands and takes S <- update(n, slot, top, bot); at the end S goes out
+    through f_s to `out`."""
+    c = _ROWS
+    plgpu.barrier_wait(init_ready.at[0])
+
+    def step(n, carry):
+        top, bot = carry
+        slot = lax.rem(n, stages)
+        sb_s[pl.ds(0, c)] = top.astype(jnp.bfloat16)
+        sb_s[pl.ds(c, c)] = bot.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(ready.at[slot])
+        return update(n, slot, top, bot)
+
+    top, bot = lax.fori_loop(0, steps, step, (f_s[pl.ds(0, c)], f_s[pl.ds(c, c)]))
+    f_s[pl.ds(0, c)] = top
+    f_s[pl.ds(c, c)] = bot
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(f_s, out)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _launch_params(*, grid, grid_names, cluster, name, scratch, semantics, interpret):
+    """`plgpu.kernel`'s launch arguments shared by both passes: one compute and one TMA warpgroup ("wg"), the first
+    grid axis in clusters of `cluster` blocks ("cj") when above 1, the lowering semantics named."""
+    return dict(grid=grid, grid_names=grid_names,
+                **(dict(cluster=(cluster,), cluster_names=("cj",)) if cluster > 1 else {}),
+                num_threads=2, thread_name="wg", kernel_name=name, scratch_types=scratch,
+                compiler_params=mosaic_compiler_params(semantics),
+                interpret=gpu_interpreter() if interpret else False)
+
+
 def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_g,
                   w_s, u_s, k_s, q_s, p_s, eb_s, eu_s, ek_s, sb_s, ub_s, u2_s, o_s, f_s, ready, used, init_ready, *,
                   num_chunks, group, block_v, stages, cluster, interpret):
     c = _ROWS
     h = lax.axis_index("h")
-    if cluster > 1:  # the cluster's blocks share one multicast copy of the head's W, K, Q and P
-        j = lax.axis_index("j") * cluster + lax.axis_index("cj")
-        shared = dict(collective_axes="cj")
-    else:
-        j, shared = lax.axis_index("j"), {}
+    j, shared = _column_block(cluster)  # a cluster's blocks share one multicast copy of the head's W, K, Q and P
     wg = lax.axis_index("wg")
     cols = pl.ds(j * block_v, block_v)
     kh = lax.div(h, jnp.asarray(group, h.dtype))
@@ -144,17 +182,7 @@ def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_
 
     @pl.when(wg == 0)
     def _compute():
-        plgpu.barrier_wait(init_ready.at[0])  # the initial state, in f_s
-        top, bot = f_s[pl.ds(0, c)], f_s[pl.ds(c, c)]
-
-        def step(n, carry):
-            top, bot = carry
-            slot = lax.rem(n, stages)
-            sb_s[pl.ds(0, c)] = top.astype(jnp.bfloat16)
-            sb_s[pl.ds(c, c)] = bot.astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(ready.at[slot])
-
+        def step(n, slot, top, bot):  # from the initial state in f_s
             def first(x1_ref, x2_ref):
                 plgpu.wgmma(x1_ref, w_s.at[slot], sb_s)
                 plgpu.wgmma(x2_ref, q_s.at[slot], sb_s)
@@ -185,12 +213,7 @@ def _state_kernel(w_g, u_g, k_g, q_g, p_g, eb_g, eu_g, ek_g, init_g, o_g, final_
             plgpu.copy_smem_to_gmem(o_s.at[buf], o_g.at[pl.ds(n * c, c), h, cols])
             return top * decay + kt_u_top, bot * decay + kt_u_bot
 
-        top, bot = lax.fori_loop(0, num_chunks, step, (top, bot))
-        f_s[pl.ds(0, c)] = top
-        f_s[pl.ds(c, c)] = bot
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(f_s, final_g.at[h, :, cols])
-        plgpu.wait_smem_to_gmem(0)
+        _state_chain(f_s, sb_s, init_ready, ready, num_chunks, stages, step, final_g.at[h, :, cols])
 
     @pl.when(wg == 1)
     def _memory():
@@ -268,15 +291,9 @@ def state_pass_mgpu(w, u, k, b, q, p, init, *, chunk: int, out_dtype, scale: flo
                           stages=stages, cluster=cluster, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((length, heads, value_dim), out_dtype),
                   jax.ShapeDtypeStruct((heads, key_dim, value_dim), jnp.float32)),
-        grid=(value_dim // bv // cluster, heads),
-        grid_names=("j", "h"),
-        **(dict(cluster=(cluster,), cluster_names=("cj",)) if cluster > 1 else {}),
-        num_threads=2,
-        thread_name="wg",
-        kernel_name="gdn_mgpu_state_pass",
-        scratch_types=scratch,
-        compiler_params=mosaic_compiler_params(config.semantics),
-        interpret=gpu_interpreter() if interpret else False,
+        **_launch_params(grid=(value_dim // bv // cluster, heads), grid_names=("j", "h"), cluster=cluster,
+                         name="gdn_mgpu_state_pass", scratch=scratch, semantics=config.semantics,
+                         interpret=interpret),
     )
     return kernel(w, u, k, q, p, eb, eu, ek, init.astype(jnp.float32))
 
@@ -290,11 +307,7 @@ def _transfer_kernel(w_g, k_g, eu_g, ek_g, eye_g, t_g, w_s, k_s, eu_s, ek_s, sb_
     c = _ROWS
     hg = lax.axis_index("hg")  # heads and groups share one grid axis, leaving a third for a vmapped batch
     h, gi = lax.rem(hg, jnp.asarray(heads, hg.dtype)), lax.div(hg, jnp.asarray(heads, hg.dtype))
-    if cluster > 1:
-        j = lax.axis_index("j") * cluster + lax.axis_index("cj")
-        shared = dict(collective_axes="cj")
-    else:
-        j, shared = lax.axis_index("j"), {}
+    j, shared = _column_block(cluster)
     wg = lax.axis_index("wg")
     cols = pl.ds(j * block_v, block_v)
     kh = lax.div(h, jnp.asarray(group, h.dtype))
@@ -303,17 +316,7 @@ def _transfer_kernel(w_g, k_g, eu_g, ek_g, eye_g, t_g, w_s, k_s, eu_s, ek_s, sb_
 
     @pl.when(wg == 0)
     def _compute():
-        plgpu.barrier_wait(init_ready.at[0])  # the identity's columns, in f_s
-        top, bot = f_s[pl.ds(0, c)], f_s[pl.ds(c, c)]
-
-        def step(n, carry):
-            top, bot = carry
-            slot = lax.rem(n, stages)
-            sb_s[pl.ds(0, c)] = top.astype(jnp.bfloat16)
-            sb_s[pl.ds(c, c)] = bot.astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(ready.at[slot])
-
+        def step(n, slot, top, bot):  # from the identity's columns in f_s
             def first_product(x_ref):
                 plgpu.wgmma(x_ref, w_s.at[slot], sb_s)
                 return x_ref[...]
@@ -334,12 +337,7 @@ def _transfer_kernel(w_g, k_g, eu_g, ek_g, eye_g, t_g, w_s, k_s, eu_s, ek_s, sb_
             plgpu.barrier_arrive(used.at[slot])
             return top * decay + kt_u_top, bot * decay + kt_u_bot
 
-        top, bot = lax.fori_loop(0, group_chunks, step, (top, bot))
-        f_s[pl.ds(0, c)] = top
-        f_s[pl.ds(c, c)] = bot
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(f_s, t_g.at[gi, h, :, cols])
-        plgpu.wait_smem_to_gmem(0)
+        _state_chain(f_s, sb_s, init_ready, ready, group_chunks, stages, step, t_g.at[gi, h, :, cols])
 
     @pl.when(wg == 1)
     def _memory():
@@ -400,14 +398,8 @@ def transfer_pass_mgpu(w, k, b, *, chunk: int, group_chunks: int, config: Mosaic
         functools.partial(_transfer_kernel, group_chunks=group_chunks, group=heads // key_heads, heads=heads,
                           block_v=bv, stages=stages, cluster=cluster, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((groups, heads, key_dim, key_dim), jnp.float32),
-        grid=(key_dim // bv // cluster, heads * groups),
-        grid_names=("j", "hg"),
-        **(dict(cluster=(cluster,), cluster_names=("cj",)) if cluster > 1 else {}),
-        num_threads=2,
-        thread_name="wg",
-        kernel_name="gdn_mgpu_transfer_pass",
-        scratch_types=scratch,
-        compiler_params=mosaic_compiler_params(config.semantics),
-        interpret=gpu_interpreter() if interpret else False,
+        **_launch_params(grid=(key_dim // bv // cluster, heads * groups), grid_names=("j", "hg"), cluster=cluster,
+                         name="gdn_mgpu_transfer_pass", scratch=scratch, semantics=config.semantics,
+                         interpret=interpret),
     )
     return kernel(w, k, eu, ek, jnp.eye(key_dim, dtype=jnp.float32))
