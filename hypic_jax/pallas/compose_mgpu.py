@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from hypic_jax.pallas.compose import FoldConfig, _split_args
-from hypic_jax.pallas.platform import SEMANTICS, gpu_interpreter, mosaic_compiler_params
+from hypic_jax.pallas.platform import check_semantics, gpu_interpreter, mosaic_compiler_params
 
 __all__ = ["MosaicFoldConfig", "fold_split_mgpu", "PREFIX_CONFIG", "prefix_fold_split_mgpu", "supported"]
 
@@ -60,8 +60,7 @@ class MosaicFoldConfig:
     semantics: str = "warpgroup"
 
     def __post_init__(self):
-        if self.semantics not in SEMANTICS:
-            raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
+        check_semantics(self.semantics)
 
 
 def supported(key_dim: int, value_dim: int) -> bool:

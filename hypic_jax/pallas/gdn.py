@@ -1013,9 +1013,8 @@ def _log_transfer(g, gk, seg_ids=None, n_seg=None):
 
 
 def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
-    """Whether the chunk-local kernel runs under Mosaic GPU (`GDNConfig.locals_lowering`; config resolved): "auto"
-    where the kernel takes the launch on a Hopper GPU; "mosaic" refuses a launch the kernel cannot take rather than
-    run it under Triton."""
+    """Whether the chunk-local kernel runs under Mosaic GPU (`GDNConfig.locals_lowering`, config resolved;
+    `_choose_mosaic`)."""
     if config.locals_lowering == "triton":
         return False
     from hypic_jax.pallas import gdn_locals_mgpu
@@ -1024,17 +1023,26 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
     fits = (gk is None and beta is not None and packed is None and config.solve == "tile" and bf16
             and config.locals_precision == "bf16" and config.solve_precision == "bf16"
             and gdn_locals_mgpu.supported(config.chunk, k.shape[-1], v.shape[-1], k.shape[0]))
-    if config.locals_lowering == "auto":
+    return _choose_mosaic(
+        "locals_lowering", config.locals_lowering, fits, interpret, "gdn_locals_mgpu.chunk_locals_mgpu",
+        takes="the 'tile' solve with a scalar gate or none, the delta rule, bf16 inputs and dots, chunk 64, K = V = "
+              "128, whole chunks and no packed segments",
+        got=f"solve {config.solve!r}, chunk {config.chunk}, K {k.shape[-1]}, V {v.shape[-1]}, {k.shape[0]} tokens, "
+            f"inputs {k.dtype.name}")
+
+
+def _choose_mosaic(field, lowering, fits, interpret, standalone, *, takes, got) -> bool:
+    """The rule of both GDN kernels' lowering fields: "auto" runs the Mosaic GPU kernel where it takes the launch
+    on a Hopper GPU; "mosaic" refuses, rather than silently run Triton, a launch the kernel cannot take and interpret
+    mode (inside this jit the GPU interpreter's simulated threads wait on each other indefinitely; `standalone`,
+    the kernel's own entry point, runs in the interpreter). takes / got: the refusal's two halves."""
+    if lowering == "auto":
         return fits and not interpret and is_hopper()
     if not fits:
-        raise ValueError("locals_lowering='mosaic' takes the 'tile' solve with a scalar gate or none, the delta rule, "
-                         "bf16 inputs and dots, chunk 64, K = V = 128, whole chunks and no packed "
-                         f"segments; got solve {config.solve!r}, chunk {config.chunk}, K {k.shape[-1]}, V "
-                         f"{v.shape[-1]}, {k.shape[0]} tokens, inputs {k.dtype.name}")
+        raise ValueError(f"{field}='mosaic' takes {takes}; got {got}")
     if interpret:
-        raise ValueError("locals_lowering='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use "
-                         "'auto' or 'triton' (gdn_locals_mgpu.chunk_locals_mgpu(interpret=True) runs the kernel on "
-                         "its own)")
+        raise ValueError(f"{field}='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use 'auto' "
+                         f"or 'triton' ({standalone}(interpret=True) runs the kernel on its own)")
     return True
 
 
@@ -1046,28 +1054,21 @@ def _mosaic_state_config(config):
 
 
 def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret) -> bool:
-    """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`; config resolved):
-    "auto" where the kernel takes the launch on a Hopper GPU; "mosaic" refuses a launch the kernel cannot take
-    instead of silently running Triton. The kernel's products are bf16, so it takes bf16 state dots and outputs
-    only (float32 inputs keep Triton's float32 dots)."""
+    """Whether a direct launch's state pass runs under Mosaic GPU (`GDNConfig.state_lowering`, config resolved;
+    `_choose_mosaic`). The kernel's products are bf16, so it takes bf16 state dots and outputs only (float32 inputs
+    keep Triton's float32 dots)."""
     if config.state_lowering == "triton":
         return False
     from hypic_jax.pallas import gdn_mgpu
 
     fits = (w is not None and gk is None and packed is None and not widen and config.state_precision == "bf16"
             and jnp.dtype(out_dtype) == jnp.bfloat16 and gdn_mgpu.supported(chunk, key_dim, value_dim, config.block_v))
-    if config.state_lowering == "auto":
-        return fits and not interpret and is_hopper()
-    if not fits:
-        raise ValueError("state_lowering='mosaic' takes a direct launch with scalar gates, the delta rule, bf16 "
-                         "state dots and outputs, chunk 64, K 128, block_v 32 or 64 dividing V, whole chunks and "
-                         f"(T, S) from the transfer pass; got chunk {chunk}, K {key_dim}, V {value_dim}, block_v "
-                         f"{config.block_v}, state dots "
-                         f"{config.state_precision}, outputs {jnp.dtype(out_dtype).name}")
-    if interpret:  # inside this jit the GPU interpreter's simulated threads wait on each other indefinitely
-        raise ValueError("state_lowering='mosaic' does not run in interpret mode inside gdn_forward; on the CPU use "
-                         "'auto' or 'triton' (gdn_mgpu.state_pass_mgpu(interpret=True) runs the kernel on its own)")
-    return True
+    return _choose_mosaic(
+        "state_lowering", config.state_lowering, fits, interpret, "gdn_mgpu.state_pass_mgpu",
+        takes="a direct launch with scalar gates, the delta rule, bf16 state dots and outputs, chunk 64, K 128, "
+              "block_v 32 or 64 dividing V, whole chunks and (T, S) from the transfer pass",
+        got=f"chunk {chunk}, K {key_dim}, V {value_dim}, block_v {config.block_v}, state dots "
+            f"{config.state_precision}, outputs {jnp.dtype(out_dtype).name}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "emit_summary", "interpret"))

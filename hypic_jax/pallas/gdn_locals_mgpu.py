@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from hypic_jax.pallas.platform import SEMANTICS, gpu_interpreter, mosaic_compiler_params
+from hypic_jax.pallas.platform import check_semantics, gpu_interpreter, mosaic_compiler_params
 
 __all__ = ["MosaicLocalsConfig", "supported", "chunk_locals_mgpu"]
 
@@ -75,8 +75,7 @@ class MosaicLocalsConfig:
     semantics: str = "lane"
 
     def __post_init__(self):
-        if self.semantics not in SEMANTICS:
-            raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
+        check_semantics(self.semantics)
         if self.stages not in (2, 4):
             raise ValueError(f"stages must be 2 or 4, got {self.stages}")
         if self.warpgroups not in (1, 2):

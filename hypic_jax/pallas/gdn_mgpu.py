@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from hypic_jax.pallas.platform import SEMANTICS, gpu_interpreter, mosaic_compiler_params
+from hypic_jax.pallas.platform import check_semantics, gpu_interpreter, mosaic_compiler_params
 
 __all__ = ["MosaicStateConfig", "supported", "state_pass_mgpu", "transfer_pass_mgpu"]
 
@@ -70,8 +70,7 @@ class MosaicStateConfig:
     semantics: str = "lane"
 
     def __post_init__(self):
-        if self.semantics not in SEMANTICS:
-            raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
+        check_semantics(self.semantics)
         if self.block_v not in (32, 64):
             raise ValueError(f"block_v must be 32 or 64, got {self.block_v}")
         if self.stages < 1:

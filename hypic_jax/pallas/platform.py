@@ -23,6 +23,12 @@ def gpu_interpreter():
 SEMANTICS = ("lane", "warpgroup")
 
 
+def check_semantics(semantics: str) -> None:
+    """A Mosaic GPU config's `semantics` field is one of SEMANTICS (raises ValueError naming it otherwise)."""
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+
+
 def mosaic_compiler_params(semantics: str):
     """Mosaic GPU compiler parameters with the lowering semantics named explicitly. JAX's default changed between
     releases (lane up to 0.10, warpgroup from 0.11, whose lowering runs a layout-inference search over every
@@ -31,7 +37,6 @@ def mosaic_compiler_params(semantics: str):
     "warpgroup": the layout-inference pass picks them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if semantics not in SEMANTICS:
-        raise ValueError(f"semantics must be one of {SEMANTICS}, got {semantics!r}")
+    check_semantics(semantics)
     lowering = plgpu.LoweringSemantics.Lane if semantics == "lane" else plgpu.LoweringSemantics.Warpgroup
     return plgpu.CompilerParams(lowering_semantics=lowering)
