@@ -896,6 +896,10 @@ def test_mosaic_gpu_transfer_pass_lowers_with_clusters(cluster):
     assert "gdn_mgpu_transfer_pass" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     b = jnp.zeros((4, 512), jnp.float32)
     assert not gdn._mosaic_transfer(GDNConfig().resolved(jnp.bfloat16), 64, 128, b, None, interpret=False)
+    pinned = GDNConfig(state_lowering="mosaic").resolved(jnp.bfloat16)  # follows the state pass's pin, off Hopper too
+    assert gdn._mosaic_transfer(pinned, 64, 128, b, None, interpret=False)
+    assert not gdn._mosaic_transfer(pinned, 64, 128, b, None, interpret=True)
+    assert not gdn._mosaic_transfer(pinned, 64, 128, jnp.zeros((512, 4, 128)), None, interpret=False)  # per-key
 
 
 @pytest.mark.parametrize("cluster, value_dim", [(1, 128), (2, 128), (4, 128), (2, 32)])

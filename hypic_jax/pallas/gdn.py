@@ -909,7 +909,7 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret, packed=None):
     place (`_state_pass`); the padded chunks get empty entries.
     """
     key_dim, heads = k.shape[-1], w.shape[1]
-    w, k_padded, b, _, groups, pad = _pad_to_groups(w, None if packed is not None else k, b, chunk, group)
+    w, k_padded, b, group, groups, pad = _pad_to_groups(w, None if packed is not None else k, b, chunk, group)
     if packed is None:
         k = k_padded
     elif pad:
@@ -927,15 +927,17 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret, packed=None):
 
 
 def _mosaic_transfer(config, chunk, key_dim, b, packed, interpret) -> bool:
-    """Whether the transfer pass's group products run under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`): wherever
-    the state pass may (`GDNConfig.state_lowering` not "triton") and the kernel takes the launch (scalar gates,
-    keys chunk-aligned, bf16 state dots, chunk 64, K = 128) on a Hopper GPU; Triton's pass otherwise."""
+    """Whether the transfer pass's group products run under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`): as the
+    state pass does (`GDNConfig.state_lowering`: "auto" on a Hopper GPU, "mosaic" always) wherever the kernel takes
+    the launch (scalar gates, keys chunk-aligned, bf16 state dots, chunk 64, K = 128); Triton's pass otherwise (a
+    launch the state pass refuses under "mosaic" has been refused before this is asked)."""
     if config.state_lowering == "triton" or interpret:
         return False
     from hypic_jax.pallas import gdn_mgpu
 
     return (b.ndim == 2 and packed is None and config.state_precision == "bf16"
-            and gdn_mgpu.supported(chunk, key_dim, key_dim, config.block_v) and is_hopper())
+            and gdn_mgpu.supported(chunk, key_dim, key_dim, config.block_v)
+            and (config.state_lowering == "mosaic" or is_hopper()))
 
 
 def _chunk_cumsum(g: Array | None, length: int, heads: int, chunk: int) -> Array:
