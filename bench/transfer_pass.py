@@ -7,9 +7,13 @@ S), at 32k on the H200 (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), 
 2. `gdn_forward` with `GDNConfig()` without and with `emit_summary`, the added time as a ratio (the bar: +30%),
    and the same with the transfer pass pinned to Triton (`state_lowering="triton"` there, so the state pass too);
 3. the default forward with (T, S) vmapped over a batch of two sequences (as the models call it: under vmap the
-   Mosaic GPU kernels gain a grid axis) against each sequence on its own.
+   Mosaic GPU kernels gain a grid axis) against each sequence on its own;
+4. (T, S) of short sequences, the engine's segments (one chunk to a little over one group), with slow gates (T of
+   norm ~1): `GDNConfig()` and the Triton passes against `linear_attn.summarize` in float32, with the lowering the
+   transfer pass took and the time of the emitting forward.
 
     python3 bench/transfer_pass.py            # on the H200; LENGTH=... for another length
+    python3 bench/transfer_pass.py --short    # section 4 only
 """
 
 from __future__ import annotations
@@ -22,6 +26,42 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
+SHORT_LENGTHS = (64, 256, 512, 2048, 4096, 4160)
+
+
+def short_sequences():
+    """Section 4: (T, S) of segment-sized sequences through both lowerings against the float32 core."""
+    import jax
+    import jax.numpy as jnp
+
+    from hypic_jax import linear_attn as la
+    from hypic_jax.pallas import gdn
+    from kernels import DIM, HEADS, KEY_HEADS, gdn_inputs, rel, timeit
+
+    scale = DIM**-0.5
+    rep = lambda x: jnp.repeat(x.astype(jnp.float32), HEADS // KEY_HEADS, 1)  # noqa: E731
+    for length in SHORT_LENGTHS:
+        q, k, v, _, beta = gdn_inputs(length, seed=6)
+        g = -jax.random.uniform(jax.random.PRNGKey(5), (length, HEADS), jnp.float32) * 1e-3
+        ref = jax.jit(lambda k, v, g, b: la.summarize(rep(k), v.astype(jnp.float32), g=g, beta=b))(k, v, g, beta)
+        configs = (("GDNConfig()", gdn.GDNConfig()), ("Triton passes", gdn.GDNConfig(state_lowering="triton")))
+        for name, config in configs:
+            c = config.resolved(jnp.bfloat16)
+            b = jnp.zeros((HEADS, length), jnp.float32) if length % c.chunk == 0 else None
+            mosaic = b is not None and gdn._mosaic_transfer(c, c.chunk, DIM, b, None, False)
+            lowering = "mosaic gpu" if mosaic else "triton"
+            fn = jax.jit(lambda q, k, v, g, bb, c=config: gdn.gdn_forward(q, k, v, g=g, beta=bb, scale=scale, config=c,
+                                                                          emit_summary=True))
+            try:
+                ms, _ = timeit(fn, q, k, v, g, beta)
+                _, _, summary = fn(q, k, v, g, beta)
+            except Exception as error:  # noqa: BLE001 (a launch that fails is the result this section looks for)
+                print(f"short (T, S), L={length}, {name}: {repr(error)[:300]}", flush=True)
+                continue
+            print(f"short (T, S), L={length}, {name} (transfer pass: {lowering}): {ms:.4f} ms; relative error "
+                  f"T {rel(summary.transfer, ref.transfer):.2e}, S {rel(summary.state, ref.state):.2e}", flush=True)
+
+
 def main():
     import jax
     import jax.numpy as jnp
@@ -29,6 +69,9 @@ def main():
     from hypic_jax.pallas import gdn, gdn_mgpu
     from kernels import DIM, HEADS, locals_operands, rel, timeit
 
+    if "--short" in sys.argv[1:]:
+        short_sequences()
+        return
     length = int(os.environ.get("LENGTH", 32768))
     (q, k, v, g, beta), (b, _, w, _, ks, _) = locals_operands(length)
     scale = DIM**-0.5
@@ -71,6 +114,7 @@ def main():
                                               jax.tree_util.tree_leaves(alone[i]))) for i in range(2)]
     print(f"vmapped forward with (T, S), 2 x {length // 4} tokens: largest relative difference from each sequence "
           f"alone {max(diffs):.2e}", flush=True)
+    short_sequences()
 
 
 if __name__ == "__main__":

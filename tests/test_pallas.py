@@ -174,7 +174,7 @@ def _split_fold_case(n, batch, key_dim, value_dim, seed):
     return t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s)
 
 
-@settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 8)), deadline=None,
+@settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
        value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
@@ -828,7 +828,7 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     assert rel(final, ref_final[0]) < 1e-3
 
 
-@pytest.mark.parametrize("length, group_chunks, heads, key_heads, seed", [(512, 4, 2, 1, 0), (384, 2, 4, 2, 1)])
+@pytest.mark.parametrize("length, group_chunks, heads, key_heads, seed", [(512, 4, 2, 1, 0), (256, 2, 4, 2, 1)])
 def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, seed):
     """The transfer pass's group products under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`, Pallas's GPU
     interpreter) equal Triton's pass over the groups' identity columns within their bf16 rounding, and both are as
