@@ -3,11 +3,22 @@ independent float64 NumPy token-by-token recurrence to check them against."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hypothesis import HealthCheck, settings
+
 from hypic_jax import linear_attn as la
+
+def examples(default: int) -> settings:
+    """Hypothesis settings of a property test: `default` examples (few: every new shape is a new compilation), or
+    HYPIC_EXAMPLES of them when that is set in the environment, for a deeper search; no deadline."""
+    count = int(os.environ.get("HYPIC_EXAMPLES", default))
+    return settings(max_examples=count, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
 
 FAMILIES = ("linear", "retnet", "lightning", "mamba2", "gla", "delta_net", "gated_delta_net", "kda")
 EXPECTED_FORM = {

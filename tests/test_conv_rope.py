@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from families import make_family, rel_err, slice_inputs
+from families import examples, make_family, rel_err, slice_inputs
 from hypic_jax import linear_attn as la
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.rope import apply_rope, rotate_keys, rotate_state_keys
 
-SETTINGS = settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 10)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = examples(10)
 
 
 def numpy_conv(x, weight, bias):

@@ -6,11 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hypic_jax.models import layers
 from hypic_jax.pallas.grouped_matmul import GMMConfig, block_layout, gmm
+
+from families import examples
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
@@ -96,7 +98,7 @@ def test_gmm_lowers_to_triton():
     assert "xla.gpu.triton" in jax.export.export(gather, platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(25)
 @given(tokens=st.integers(1, 60), top_k=st.integers(1, 4), experts=st.integers(2, 20),
        block_m=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**31 - 1))
 def test_copy_layout_one_hot_equals_the_stable_sort(tokens, top_k, experts, block_m, seed):

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from families import EXPECTED_FORM, FAMILIES, make_family, numpy_recurrence, rel_err, slice_inputs
+from families import EXPECTED_FORM, FAMILIES, examples, make_family, numpy_recurrence, rel_err, slice_inputs
 from hypic_jax import linear_attn as la
 
-SETTINGS = settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = examples(8)
 TOL = 1e-5
 
 # Shapes come from small sets so that jitted executables are reused across examples (compilation, not arithmetic,
@@ -306,7 +305,7 @@ def test_bad_arguments_raise_value_errors_naming_them():
         la.stack_summaries([])
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(12)
 @given(family=st.sampled_from(FAMILIES), length=st.integers(1, 12), seed=st.integers(0, 2**16))
 def test_span_chunk_outputs_equal_the_float64_recurrence_from_any_state(family, length, seed):
     """One chunk-local pass (`span_chunk`) gives a short span's state map (the `chunk_step` the seam fold takes)

@@ -9,13 +9,12 @@ kernel to Triton IR for the GPU (no GPU needed) so that CPU CI also catches cons
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hypic_jax import linear_attn as la
@@ -24,6 +23,8 @@ from hypic_jax.pallas import compose as cmp
 from hypic_jax.pallas import decode as dec
 from hypic_jax.pallas import gdn
 from hypic_jax.pallas.gdn import GDNConfig, _forward, gdn_forward
+
+from families import examples
 
 TOL32 = 1e-5
 TOL16 = 2e-3
@@ -174,8 +175,7 @@ def _split_fold_case(n, batch, key_dim, value_dim, seed):
     return t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s)
 
 
-@settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@examples(8)
 @given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
        value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -472,8 +472,7 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 # Property test over families, chunk sizes, solves, sub-blocks, splits and lengths.
 
 
-@settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@examples(8)
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
@@ -658,8 +657,7 @@ def test_varlen_default_config_widens():
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
 
-@settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", 8)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@examples(8)
 @given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
        prefetch=st.booleans(), reads=st.sampled_from(["packed", "gather"]), seed=st.integers(0, 2**16))
 def test_varlen_property(cuts, group, prefetch, reads, seed):

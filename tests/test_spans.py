@@ -9,18 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hypic_jax import linear_attn as la
 from hypic_jax import rope, spans
 from hypic_jax.conv import causal_conv1d
-from families import make_family
+from families import examples, make_family
 
 # Every new layout is a new compilation (layouts are static), so the linear-core properties run few examples each;
 # together they still cover identity-free scalar, diagonal and dense transfers and every span arrangement kind.
-SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FEW = settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = examples(6)
+FEW = examples(3)
 CHUNK = 8
 
 
@@ -263,7 +263,7 @@ def test_layout_validation():
     assert len(merged.spans) == 1 and merged.num_fresh_tokens == 7
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(15)
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), block=st.integers(1, 8),
        isolated=st.booleans(), seed=st.integers(0, 2**16))
 def test_span_attention_blocks_equal_one_dense_masked_attention(lengths, block, isolated, seed):
