@@ -1,5 +1,5 @@
 """Random inputs for every linear-attention family, built through the core's public constructors, plus an
-independent float64 NumPy token-by-token recurrence to check them against."""
+independent float64 NumPy token-by-token recurrence to check them against, and the property tests' example counts."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from hypothesis import HealthCheck, settings
 
 from hypic_jax import linear_attn as la
+
 
 def examples(default: int) -> settings:
     """Hypothesis settings of a property test: `default` examples (few: every new shape is a new compilation), or
