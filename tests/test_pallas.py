@@ -826,11 +826,12 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     assert rel(final, ref_final[0]) < 1e-3
 
 
-@pytest.mark.parametrize("length, group_chunks, heads, key_heads, seed", [(512, 4, 2, 1, 0), (256, 2, 4, 2, 1)])
+@pytest.mark.parametrize("length, group_chunks, heads, key_heads, seed", [(512, 4, 2, 1, 0), (256, 2, 4, 2, 1), (64, 1, 2, 1, 2)])
 def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, seed):
     """The transfer pass's group products under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`, Pallas's GPU
     interpreter) equal Triton's pass over the groups' identity columns within their bf16 rounding, and both are as
-    close to a float64 product of the A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n of each group."""
+    close to a float64 product of the A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n of each group; down to one
+    group of one chunk (a one-chunk segment, fewer chunks than shared-memory slots)."""
     from hypic_jax.pallas import gdn_mgpu
 
     rng = np.random.default_rng(seed)
