@@ -3,6 +3,8 @@ independent float64 NumPy token-by-token recurrence to check them against, and t
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 
 import jax
@@ -13,11 +15,66 @@ from hypothesis import HealthCheck, settings
 from hypic_jax import linear_attn as la
 
 
-def examples(default: int) -> settings:
-    """Hypothesis settings of a property test: `default` examples (few: every new shape is a new compilation), or
-    HYPIC_EXAMPLES of them when that is set in the environment, for a deeper search; no deadline."""
-    count = int(os.environ.get("HYPIC_EXAMPLES", default))
-    return settings(max_examples=count, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_MAPS = "/proc/self/maps"
+
+
+def _map_limit() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+_MAP_LIMIT = _map_limit()
+
+
+def trim_compiled_programs() -> None:
+    """Clear JAX's caches once this process holds more than a third of the memory maps Linux allows it.
+
+    XLA's CPU backend maps each compiled program's code into memory regions of its own, and JAX keeps every program
+    it compiled for the life of the process. A test process that compiles tens of thousands of programs (every new
+    shape of a property test is one) reaches `vm.max_map_count` (65,530 by default), and the next compile cannot
+    map its code: the compiler dies with a segmentation fault. Clearing returns the maps, at the cost of compiling
+    again whatever a later test needs. Does nothing where /proc does not exist."""
+    if _MAP_LIMIT is None:
+        return
+    try:
+        with open(_MAPS, "rb") as f:
+            count = sum(1 for _ in f)
+    except OSError:
+        return
+    if count > _MAP_LIMIT // 3:
+        jax.clear_caches()
+        gc.collect()
+
+
+def _trimming(test):
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        try:
+            return test(*args, **kwargs)
+        finally:
+            trim_compiled_programs()
+
+    return run
+
+
+def examples(default: int):
+    """Decorator of a property test: hypothesis settings with `default` examples (few: every new shape is a new
+    compilation), or HYPIC_EXAMPLES of them when that is set in the environment, for a deeper search; no deadline.
+    Each example ends with `trim_compiled_programs`, so a deep search stays under the process's memory-map limit.
+    Goes above or below `@given`."""
+    chosen = settings(max_examples=int(os.environ.get("HYPIC_EXAMPLES", default)), deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow])
+
+    def apply(test):
+        if hasattr(test, "hypothesis"):  # already wrapped by @given: guard the function it calls per example
+            test.hypothesis.inner_test = _trimming(test.hypothesis.inner_test)
+            return chosen(test)
+        return chosen(_trimming(test))
+
+    return apply
 
 
 FAMILIES = ("linear", "retnet", "lightning", "mamba2", "gla", "delta_net", "gated_delta_net", "kda")
