@@ -1,5 +1,6 @@
 """Random inputs for every linear-attention family, built through the core's public constructors, plus an
-independent float64 NumPy token-by-token recurrence to check them against, and the property tests' example counts."""
+independent float64 NumPy token-by-token recurrence to check them against; the property tests' hypothesis settings
+(`examples`) and the guard that keeps a test process under its memory-map limit (`trim_compiled_programs`)."""
 
 from __future__ import annotations
 
