@@ -19,17 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
-def map_count() -> int:
-    with open("/proc/self/maps", "rb") as f:
-        return sum(1 for _ in f)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=6)
     args = parser.parse_args()
 
     import numpy as np
+    from families import map_count
     from qwen_helpers import build, save
 
     from hypic_jax.engine import Engine

@@ -30,6 +30,15 @@ def _map_limit() -> int | None:
 _MAP_LIMIT = _map_limit()
 
 
+def map_count() -> int | None:
+    """How many memory maps this process holds (None where /proc does not exist)."""
+    try:
+        with open(_MAPS, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
 def trim_compiled_programs() -> None:
     """Clear JAX's caches once this process holds more than a third of the memory maps Linux allows it.
 
@@ -40,12 +49,8 @@ def trim_compiled_programs() -> None:
     again whatever a later test needs. Does nothing where /proc does not exist."""
     if _MAP_LIMIT is None:
         return
-    try:
-        with open(_MAPS, "rb") as f:
-            count = sum(1 for _ in f)
-    except OSError:
-        return
-    if count > _MAP_LIMIT // 3:
+    count = map_count()
+    if count is not None and count > _MAP_LIMIT // 3:
         jax.clear_caches()
         gc.collect()
 
