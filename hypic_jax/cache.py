@@ -76,7 +76,8 @@ class Entry:
     layers: Any
     nbytes: int
     pins: int = 0
-    slot: int | None = None  # its row in the engine's entry pool, if any (`hypic_jax.pool`)
+    slot: int | None = None  # its row in the engine's entry pool, if any (`hypic_jax.pool`, `hypic_jax.pools`)
+    rows: Any = None  # its tokens' rows in the per-token pools (`hypic_jax.pools`), if any
     dropped: bool = False  # left the cache while pinned: `on_drop` runs when the last pin goes
 
     @property
@@ -167,6 +168,19 @@ class SegmentCache:
             self._stats.bytes -= entry.nbytes
             self._stats.evictions += 1
             self._drop(entry)
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry that no request holds (to free room in a fixed pool); False when
+        every entry is pinned."""
+        with self._lock:
+            for key, entry in self._entries.items():
+                if entry.pins == 0:
+                    del self._entries[key]
+                    self._stats.bytes -= entry.nbytes
+                    self._stats.evictions += 1
+                    self._drop(entry)
+                    return True
+            return False
 
     def _drop(self, entry: Entry) -> None:
         """`entry` has left the cache: hand it to on_drop now, or when its last pin goes."""

@@ -567,3 +567,73 @@ def span_forward(
         decode=tuple(decode) if want_decode else None,
         hidden=jnp.stack(hidden) if want_hidden else None,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Span forward over a layout held as data (hypic_jax.layout, hypic_jax.stitch): one program per capacity
+
+
+def pool_layout(config: Config, dtype: Any) -> list[tuple[str, Any]]:
+    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.pools.Pools`): a GDN layer's dense
+    summary and conv tail per slot, a full-attention layer's canonical K and V per token."""
+    sds = jax.ShapeDtypeStruct
+    out = []
+    for layer_type in config.layer_types:
+        if layer_type == LINEAR:
+            hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+            summary = linear_attn.Summary("dense", sds((hv, dk, dv), jnp.float32), sds((hv, dk, dk), jnp.float32))
+            out.append(("slot", dict(summary=summary, conv=sds((config.conv_kernel - 1, config.conv_dim), dtype))))
+        else:
+            kv = sds((config.num_key_value_heads, config.head_dim), dtype)
+            out.append(("token", dict(k=kv, v=kv)))
+    return out
+
+
+def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, isolated: bool, summaries: bool,
+                        want_decode: bool = False, algorithm: str | None = None):
+    """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
+    from `pools` (per layer the arrays of `pool_layout`) and writing the layout's records into them.
+
+    isolated: a cold prefill (every span from position 0, no mixing across spans). summaries: compute each fresh
+    piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
+    canonical phase) is data of the layout. Returns (float32 logits [vocab] of the last
+    fresh token, the updated pools, per layer the decode cache of the whole request or None).
+    """
+    from hypic_jax import rope, stitch
+
+    positions = layout.positions
+    x = params["embed"][layout.tokens]  # [F, H]
+    new_pools, decode = [], []
+    for i, lp in enumerate(params["layers"]):
+        pool = pools[i]
+        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
+        p = lp["mixer"]
+        if config.layer_types[i] == LINEAR:
+            mixed, z, a, b = gdn_projections(h, p, config)
+            conv_out, conv_tail, conv_records = stitch.conv_over_layout(mixed, p["conv_weight"], pool["conv"],
+                                                                        layout)
+            inputs = gdn_inputs(conv_out, a, b, p, config)
+            result = stitch.linear_over_layout(inputs, pool["summary"], layout, summaries=summaries,
+                                               algorithm=algorithm)
+            h = gdn_output(result.outputs.astype(h.dtype), z, p, config)
+            records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
+            pool = stitch.scatter_rows(pool, layout.record_slot, dict(summary=records, conv=conv_records))
+            decode.append(LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode else None)
+        else:
+            q, k, v, gate = attention_projections(h[None], p, config, positions)
+            q, k, v, gate = q[0], k[0], v[0], gate[0]
+            keys = stitch.gather_keys(dict(k=k, v=v), pool, layout)
+            if not isolated:
+                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(layout.key_fresh, 0, layout.key_offset),
+                                             rotary_dim=config.rotary_dim, base=config.rope_theta)
+            attended = stitch.masked_attention(q, keys["k"], keys["v"], layout, isolated=isolated,
+                                               scale=config.head_dim**-0.5)
+            h = attention_output(attended, gate, p)
+            pool = stitch.scatter_rows(pool, layout.fresh_dest, dict(k=k, v=v))
+            decode.append(KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None)
+        new_pools.append(pool)
+        x = x + h
+        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
+        x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i])[0]
+    last = layers.rms_norm(x[layout.last], params["final_norm"], config.rms_norm_eps, offset=1.0)
+    return lm_head(params, config, last), tuple(new_pools), (tuple(decode) if want_decode else None)

@@ -1,0 +1,106 @@
+"""Fixed-capacity device pools holding every cache entry's pieces, addressed by slot and row.
+
+Per linear layer, one summary pool (states [S, H, K, V] and transfers in the family's form) and one conv-tail
+pool [S, W-1, D]: an entry owns one slot. Per attention layer, one per-token pool (K/V or latents, [R, ...]): an
+entry owns the rows of whole pages of `page` tokens. The pools are allocated once, at their full capacity, so
+their shapes never change and no request recompiles because the cache grew; a program reads them by the slot and
+row arrays of its layout and writes its records into them (donated, in place).
+
+Slot 0 and page 0 are dump rows that no entry owns: a layout's padding writes there.
+
+Allocation is on the host. When the pools are full, the owner evicts entries (least recently used first, never
+one a running request holds) until the new entry fits; `Pools.free` returns an evicted entry's slot and pages.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax.cache import tree_nbytes
+
+
+class PoolFull(Exception):
+    """No free slot or pages even after evicting every entry that no request holds."""
+
+
+class Pools:
+    """Device pools of one model (see the module docstring).
+
+    layers: per layer the per-entry piece's abstract tree (`jax.ShapeDtypeStruct` leaves) of a linear layer,
+    wrapped as ("slot", tree), or the per-token piece of an attention layer, ("token", tree) with leaves [D...]
+    per token. slots: entries the pools hold; pages: per-token pages of `page` tokens.
+    """
+
+    def __init__(self, layers: list[tuple[str, Any]], *, slots: int, pages: int, page: int = 16):
+        if slots < 2 or pages < 2:
+            raise ValueError(f"the pools need at least 2 slots and 2 pages (one of each is the dump row), got "
+                             f"{slots} slots, {pages} pages")
+        self.kinds = tuple(kind for kind, _ in layers)
+        self.page, self.slots, self.pages = page, slots, pages
+        self.lock = threading.RLock()
+
+        def make(kind, tree):
+            lead = slots if kind == "slot" else pages * page
+            return jax.tree.map(lambda a: jnp.zeros((lead,) + tuple(a.shape), a.dtype), tree)
+
+        self.arrays = tuple(make(kind, tree) for kind, tree in layers)
+        self.slot_bytes = sum(tree_nbytes(tree) for kind, tree in layers if kind == "slot")
+        self.token_bytes = sum(tree_nbytes(tree) for kind, tree in layers if kind == "token")
+        self._free_slots = list(range(slots - 1, 0, -1))
+        self._free_pages = list(range(pages - 1, 0, -1))
+
+    @classmethod
+    def for_budget(cls, layers: list[tuple[str, Any]], budget_bytes: int, *, mean_tokens: int = 512,
+                   page: int = 16) -> "Pools":
+        """Pools sized for `budget_bytes`, split as if entries held `mean_tokens` tokens each."""
+        slot_bytes = sum(tree_nbytes(t) for k, t in layers if k == "slot")
+        token_bytes = sum(tree_nbytes(t) for k, t in layers if k == "token")
+        per_entry = slot_bytes + mean_tokens * token_bytes
+        slots = max(2, int(budget_bytes // max(1, per_entry)) + 1)
+        pages = max(2, -(-(slots - 1) * mean_tokens // page) + 1)
+        return cls(layers, slots=slots, pages=pages, page=page)
+
+    @property
+    def nbytes(self) -> int:
+        return tree_nbytes(self.arrays)
+
+    def entry_bytes(self, tokens: int) -> int:
+        """Bytes an entry of `tokens` tokens holds (its slot and its whole pages)."""
+        return self.slot_bytes + -(-tokens // self.page) * self.page * self.token_bytes
+
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def allocate(self, tokens: int, evict: Callable[[], bool]) -> tuple[int, np.ndarray]:
+        """(slot, rows [tokens]) for a new entry, evicting through `evict()` (False: nothing left to evict)."""
+        need = -(-tokens // self.page)
+        if need > self.pages - 1:
+            raise PoolFull(f"an entry of {tokens} tokens needs {need} pages; the pools hold {self.pages - 1}")
+        with self.lock:
+            while not self._free_slots or len(self._free_pages) < need:
+                if not evict():
+                    raise PoolFull(f"no room for an entry of {tokens} tokens: every cached entry is in use by a "
+                                   f"running request (raise cache_bytes)")
+            slot = self._free_slots.pop()
+            pages = [self._free_pages.pop() for _ in range(need)]
+        rows = (np.asarray(pages, np.int32)[:, None] * self.page + np.arange(self.page, dtype=np.int32)).reshape(-1)
+        return slot, rows[:tokens]
+
+    def free(self, slot: int | None, rows) -> None:
+        if slot is None:
+            return
+        with self.lock:
+            self._free_slots.append(int(slot))
+            if rows is not None and len(rows):
+                self._free_pages.extend(sorted({int(r) // self.page for r in np.asarray(rows)}, reverse=True))
+
+    def reset(self) -> None:
+        """Every slot and page free again (the arrays keep their contents until overwritten)."""
+        with self.lock:
+            self._free_slots = list(range(self.slots - 1, 0, -1))
+            self._free_pages = list(range(self.pages - 1, 0, -1))

@@ -1,0 +1,436 @@
+"""The shape-stable PIC engine: request layouts as data, a bounded ladder of compiled programs, fixed pools.
+
+`StableEngine` serves the same requests as `hypic_jax.Engine` (same modes, seams, salts, stats) with a fixed set
+of programs, so a workload of new document lengths and orders never compiles after `warmup`:
+
+    program     per token rung     what it runs
+    cold        tokens = keys      the missing segments of a request, packed and isolated, recording their entries
+    pic         tokens, max keys   a PIC request: cached interiors stitched with fresh seams and the query
+    plain       tokens, max keys   full recompute and prefix cache (fresh spans continue each other's state)
+    decode      max keys           one decode step
+
+Token rungs are the `layout.Ladder`'s (powers of two and 1.5 times them). Everything else is data: the layout's
+arrays (`hypic_jax.layout.LayoutArrays`) and the entries' slots and rows in the pools (`hypic_jax.pools.Pools`),
+which hold every entry at their full capacity from the start. A compilation after `warmup` (a shape outside the
+ladder) is counted in `stats` and logged with its shapes; a request over the largest rung fails with an error
+naming the limit. Which programs exist and how long they took to compile: `Programs.report()`.
+
+Architectures provide `pool_layout(config, dtype)` and `span_forward_arrays(...)` (see `models/qwen3_5.py`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax import layout as lay
+from hypic_jax.cache import Entry, SegmentCache, entry_key
+from hypic_jax.engine import (MODES, Engine, GenerateResult, PrefillResult, PrefillStats, _sample, seam_tokens,
+                              use_compile_cache)
+from hypic_jax.models.base import ModelCache
+from hypic_jax.pools import Pools
+
+log = logging.getLogger("hypic_jax.runtime")
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_compile_events = [0]
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event == _BACKEND_COMPILE:
+        _compile_events[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def backend_compiles() -> int:
+    """XLA compilations this process has run so far (every program, any caller): what a test or benchmark reads
+    before and after serving to prove that nothing compiled."""
+    return _compile_events[0]
+
+
+class ProgramKey(NamedTuple):
+    kind: str  # "cold" | "pic" | "plain" | "decode"
+    tokens: int
+    keys: int
+
+
+@dataclasses.dataclass
+class ProgramStats:
+    programs: int = 0
+    compile_s: float = 0.0
+    serving_compiles: int = 0
+
+
+class Programs:
+    """Owns every compiled program of one engine: compiles them ahead of time (`compile`), hands them out
+    (`get`), and counts any compilation that happens once `serving` is set."""
+
+    def __init__(self, engine: "StableEngine"):
+        self.engine = engine
+        self._compiled: dict[ProgramKey, Any] = {}
+        self._seconds: dict[ProgramKey, float] = {}
+        self._lock = threading.Lock()
+        self.serving = False
+        self.stats = ProgramStats()
+
+    def keys_for(self, max_prompt_tokens: int) -> list[ProgramKey]:
+        ladder = self.engine.ladder
+        top = ladder.rung(max_prompt_tokens)
+        rungs = [r for r in ladder.rungs if r <= top]
+        keys = [ProgramKey(kind, r, r if kind == "cold" else self.engine.max_keys)
+                for kind in ("cold", "pic", "plain") for r in rungs]
+        return keys + [ProgramKey("decode", 1, self.engine.max_keys)]
+
+    def _lower(self, key: ProgramKey):
+        engine = self.engine
+        shapes = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+        if key.kind == "decode":
+            decode = engine._decode_shapes()
+            fn = jax.jit(functools_partial(_decode, arch=engine.arch, config=engine.config), donate_argnums=2)
+            return fn.lower(shapes(engine.params), jax.ShapeDtypeStruct((), jnp.int32), decode)
+        arrays = engine._dummy_layout(key)
+        fn = jax.jit(functools_partial(_span_program, arch=engine.arch, config=engine.config,
+                                       isolated=key.kind == "cold", summaries=key.kind != "plain",
+                                       want_decode=key.kind != "cold", algorithm=engine.compose_algorithm),
+                     donate_argnums=2)
+        return fn.lower(shapes(engine.params), shapes(arrays), shapes(engine.pools.arrays))
+
+    def _build(self, key: ProgramKey):
+        start = time.perf_counter()
+        compiled = self._lower(key).compile()
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._compiled[key] = compiled
+            self._seconds[key] = seconds
+            self.stats.programs = len(self._compiled)
+            self.stats.compile_s += seconds
+        return compiled
+
+    def get(self, key: ProgramKey):
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            if self.serving:
+                self.stats.serving_compiles += 1
+                log.warning("compiling while serving: %s program for %d tokens, %d keys (outside the warmed-up "
+                            "ladder)", key.kind, key.tokens, key.keys)
+            compiled = self._build(key)
+        return compiled
+
+    def compile(self, keys: list[ProgramKey], *, progress: bool = True, workers: int | None = None) -> float:
+        """Compile `keys` (those not compiled yet), lowering one by one and compiling on a thread pool: XLA
+        compiles release the GIL. Returns the wall time."""
+        todo = [k for k in keys if k not in self._compiled]
+        start = time.perf_counter()
+        bar = None
+        if progress and todo:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(todo), desc="compiling programs", unit="program")
+        workers = workers or min(8, max(1, len(todo)))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(self._build, todo):
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return time.perf_counter() - start
+
+    def report(self) -> list[dict]:
+        return [dict(kind=k.kind, tokens=k.tokens, keys=k.keys, compile_s=round(s, 3))
+                for k, s in sorted(self._seconds.items())]
+
+
+def functools_partial(fn, **kwargs):
+    import functools
+
+    return functools.partial(fn, **kwargs)
+
+
+def _span_program(params, arrays, pools, *, arch, config, isolated, summaries, want_decode, algorithm):
+    return arch.span_forward_arrays(params, config, arrays, pools, isolated=isolated, summaries=summaries,
+                                    want_decode=want_decode, algorithm=algorithm)
+
+
+def _decode(params, token, cache, *, arch, config):
+    logits, cache = arch.forward(params, config, token.reshape(1, 1), cache=cache)
+    return logits[0, -1], cache
+
+
+class StableEngine(Engine):
+    """Position-independent caching with a bounded set of compiled programs (see the module docstring).
+
+    max_prompt_tokens: the largest prompt `warmup` compiles for (longer ones fail with a clear error).
+    max_segments: the most segments of one request. max_new_tokens: room left for generation after the longest
+    prompt (the keys capacity is the rung that holds both). cache_bytes: the pools' byte budget (allocated up
+    front). Other arguments as `hypic_jax.Engine`.
+    """
+
+    def __init__(self, model, *, tokenizer=None, cache_bytes: int | None = None,
+                 mode: str = "transition_rope_recompute", seam: float = 8, separator: str = "<<PIC_SEP>>",
+                 max_context: int | None = None, source: str | None = None, compose_algorithm: str | None = "auto",
+                 max_prompt_tokens: int = 4096, max_segments: int = 64, max_new_tokens: int = 256,
+                 min_tokens: int = 64, compile_cache=None, mean_entry_tokens: int = 512):
+        if not hasattr(model.arch, "span_forward_arrays"):
+            raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
+                             f"engine cannot run it")
+        super().__init__(model, tokenizer=tokenizer, cache_bytes=cache_bytes, mode=mode, seam=seam,
+                         separator=separator, max_context=max_context, source=source,
+                         compose_algorithm=compose_algorithm, compile_cache=compile_cache, pool_entries=False)
+        if max_prompt_tokens < 1 or max_segments < 1 or max_new_tokens < 0:
+            raise ValueError("max_prompt_tokens and max_segments must be >= 1 and max_new_tokens >= 0")
+        self.max_prompt_tokens, self.max_segments, self.max_new_tokens = max_prompt_tokens, max_segments, max_new_tokens
+        chunk = int(getattr(self.config, "chunk_size", 64))
+        conv = int(getattr(self.config, "conv_kernel", 4)) - 1
+        self.ladder = lay.Ladder(max_tokens=max_prompt_tokens, max_pieces=2 * max_segments + 2,
+                                 min_tokens=min_tokens, chunk=chunk, conv=conv)
+        self._keys_ladder = lay.Ladder(max_tokens=max_prompt_tokens + max_new_tokens, max_pieces=1,
+                                       min_tokens=min_tokens)
+        self.max_keys = self._keys_ladder.rung(max_prompt_tokens + max_new_tokens)
+        pieces = self.arch.pool_layout(self.config, self.model.dtype)
+        budget = cache_bytes if cache_bytes is not None else 1 << 30
+        self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens)
+        self.cache = SegmentCache(cache_bytes, on_drop=lambda entry: self.pools.free(entry.slot, entry.rows))
+        self.programs = Programs(self)
+        self._device_lock = threading.RLock()
+
+    # Programs -------------------------------------------------------------------------------------------------------
+    def _capacity(self, key: ProgramKey) -> lay.Capacity:
+        kind_chunk = lay.chunk_for(key.kind, self.ladder.chunk)
+        return lay.Capacity(tokens=key.tokens, pieces=self.ladder.max_pieces, keys=key.keys,
+                            records=self.ladder.max_pieces, chunk=kind_chunk, conv=self.ladder.conv)
+
+    def _dummy_layout(self, key: ProgramKey) -> lay.LayoutArrays:
+        return lay.build([lay.Span(lay.FRESH, 1)], self._capacity(key), isolated=key.kind == "cold",
+                         tokens=np.zeros(1, np.int32), summaries=key.kind != "plain")
+
+    def _decode_shapes(self):
+        """The decode cache a stitched program returns (shapes only): the decode program's input."""
+        key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
+        fn = functools_partial(_span_program, arch=self.arch, config=self.config, isolated=False, summaries=False,
+                               want_decode=True, algorithm=self.compose_algorithm)
+        decode = jax.eval_shape(fn, self.params, self._dummy_layout(key), self.pools.arrays)[2]
+        return ModelCache(layers=tuple(decode), length=jax.ShapeDtypeStruct((), jnp.int32))
+
+    def warmup(self, max_prompt_tokens: int | None = None, max_segments: int | None = None, *,
+               progress: bool = True) -> dict:
+        """Compile every program a prompt of up to `max_prompt_tokens` tokens can use, ahead of time; with JAX's
+        persistent compilation cache (`compile_cache=`) a restarted process loads them instead. Afterwards a
+        compilation counts as one while serving. Returns the programs and the seconds it took."""
+        if max_segments is not None and max_segments > self.max_segments:
+            raise ValueError(f"max_segments {max_segments} exceeds the engine's {self.max_segments}")
+        limit = self.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
+        if limit > self.max_prompt_tokens:
+            raise ValueError(f"max_prompt_tokens {limit} exceeds the engine's {self.max_prompt_tokens}")
+        before = backend_compiles()
+        keys = self.programs.keys_for(limit)
+        plain = [k for k in keys if k.kind != "decode"]
+        seconds = self.programs.compile(plain, progress=progress)
+        seconds += self.programs.compile([k for k in keys if k.kind == "decode"], progress=False)
+        self.programs.serving = True
+        return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before)
+
+    @property
+    def stats(self) -> dict:
+        return dict(cache=self.cache.stats.as_dict(), programs=dataclasses.asdict(self.programs.stats),
+                    pool_slots_free=self.pools.free_slots())
+
+    # Running ---------------------------------------------------------------------------------------------------------
+    def _run(self, kind: str, spans, fresh_tokens, *, transfer=True, rope=True):
+        fresh_tokens = np.asarray(fresh_tokens, np.int32)
+        pieces, records = lay.count_pieces(spans, isolated=kind == "cold")
+        keys = len(fresh_tokens) if kind == "cold" else sum(s.length for s in spans)
+        capacity = self.ladder.fit(len(fresh_tokens), keys, pieces, records, isolated=kind == "cold")
+        key = ProgramKey(kind, capacity.tokens, capacity.tokens if kind == "cold" else self.max_keys)
+        if keys > key.keys:
+            raise ValueError(f"the request needs {keys} keys, over the engine's capacity of {key.keys}")
+        arrays = lay.build(spans, self._capacity(key), isolated=kind == "cold", tokens=fresh_tokens,
+                           summaries=kind != "plain", transfer=transfer, rope=rope)
+        program = self.programs.get(key)
+        with self.pools.lock:
+            logits, self.pools.arrays, decode = program(self.params, arrays, self.pools.arrays)
+        return logits, decode
+
+    def _allocate(self, tokens: int):
+        return self.pools.allocate(tokens, self.cache.evict_one)
+
+    def _new_entry(self, kind: str, key: str, doc, seam: int, pins) -> Entry:
+        n = len(doc) - seam
+        slot, rows = self._allocate(n)
+        entry = Entry(key=key, tokens=tuple(int(t) for t in doc), kind=kind, seam=seam, layers=None,
+                      nbytes=self.pools.entry_bytes(n), slot=slot, rows=rows)
+        return pins.add(entry)
+
+    def prefill(self, segments, mode: str | None = None, seam: float | None = None, cache_salt: str | None = None,
+                *, _want_hidden: bool = False, _decode_room: int = 0) -> PrefillResult:
+        if _want_hidden:
+            raise ValueError("the shape-stable engine does not return hidden states; use hypic_jax.Engine.diagnose")
+        mode = self._check_mode(mode or self.mode)
+        seam = self.seam if seam is None else seam
+        seam_tokens(seam, 1)
+        ids = self._segment_ids(segments)
+        segs = [i.tolist() for i in ids]
+        total = sum(map(len, segs))
+        if total > self.max_prompt_tokens:
+            raise ValueError(f"the prompt has {total} tokens, over the engine's max_prompt_tokens of "
+                             f"{self.max_prompt_tokens}")
+        if len(segs) > self.max_segments + 1:
+            raise ValueError(f"the request has {len(segs) - 1} segments before its query, over the engine's "
+                             f"max_segments of {self.max_segments}")
+        start = time.perf_counter()
+        with self._device_lock, self.cache.pinned() as pins:
+            if mode == "full_recompute":
+                plan = dict(kind="plain", spans=[lay.Span(lay.FRESH, total)], fresh=[t for s in segs for t in s],
+                            cached_tokens=0, cold_tokens=0, hits=0, misses=0, stores=[])
+            elif mode == "prefix_cache":
+                plan = self._plan_prefix_stable(segs, ids, cache_salt, pins)
+            else:
+                plan = self._plan_pic_stable(segs, ids, mode, seam, cache_salt, pins)
+            cold_s = time.perf_counter() - start
+            combine_start = time.perf_counter()
+            logits, decode = self._run(plan["kind"], plan["spans"], plan["fresh"], transfer=mode != "addition",
+                                       rope=mode not in ("addition", "transition"))
+            for entry in plan["stores"]:
+                self.cache.insert(entry)
+            logits = np.asarray(logits)
+        end = time.perf_counter()
+        stats = PrefillStats(
+            mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(segs),
+            prompt_tokens=total, cached_tokens=plan["cached_tokens"], recomputed_tokens=len(plan["fresh"]),
+            cold_tokens=plan["cold_tokens"], hits=plan["hits"], misses=plan["misses"], ttft_s=end - start,
+            cold_s=cold_s, combine_s=end - combine_start)
+        return PrefillResult(logits=logits, stats=stats, tokens=[t for s in segs for t in s], decode=decode)
+
+    def _plan_prefix_stable(self, segs, ids, salt, pins):
+        docs, query = segs[:-1], segs[-1]
+        keys, parent = [], ""
+        for doc in ids[:-1]:
+            parent = entry_key(doc, fingerprint=self.fingerprint, kind="prefix", parent=parent, salt=salt)
+            keys.append(parent)
+        hits = []
+        for doc, key in zip(docs, keys):
+            entry = self.cache.lookup(key, doc)
+            if entry is None:
+                break
+            hits.append(pins.add(entry))
+        spans, fresh, stores, position = [], [], [], 0
+        for j, doc in enumerate(docs):
+            if j < len(hits):
+                e = hits[j]
+                spans.append(lay.Span(lay.CACHED, len(doc), canonical_start=position, slot=e.slot, kv_rows=e.rows,
+                                      snapshot=True))
+            else:
+                entry = self._new_entry("prefix", keys[j], doc, 0, pins)
+                spans.append(lay.Span(lay.FRESH, len(doc), record_from=0, record_slot=entry.slot,
+                                      record_rows=entry.rows))
+                fresh += doc
+                stores.append(entry)
+            position += len(doc)
+        spans.append(lay.Span(lay.FRESH, len(query)))
+        fresh += query
+        return dict(kind="plain", spans=spans, fresh=fresh, stores=stores, cached_tokens=sum(e.length for e in hits),
+                    cold_tokens=0, hits=len(hits), misses=len(docs) - len(hits))
+
+    def _plan_pic_stable(self, segs, ids, mode, seam, salt, pins):
+        docs, query = segs[:-1], segs[-1]
+        seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
+        entries: dict[int, Entry] = {}
+        missing: dict[str, int] = {}
+        hits = 0
+        for i, (doc, w) in enumerate(zip(docs, seams)):
+            if w >= len(doc):
+                continue
+            key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
+            entry = self.cache.lookup(key, doc)
+            if entry is None:
+                missing.setdefault(key, i)
+            else:
+                entries[i] = pins.add(entry)
+                hits += 1
+        misses = sum(1 for i, (d, w) in enumerate(zip(docs, seams)) if w < len(d) and i not in entries)
+        cold_tokens = 0
+        if missing:  # one packed, isolated prefill of every missing segment, recording its entry
+            spans, fresh, stored = [], [], {}
+            for key, i in missing.items():
+                entry = self._new_entry("pic", key, docs[i], seams[i], pins)
+                spans.append(lay.Span(lay.FRESH, len(docs[i]), record_from=seams[i], record_slot=entry.slot,
+                                      record_rows=entry.rows))
+                fresh += docs[i]
+                stored[key] = entry
+            cold_tokens = len(fresh)
+            self._run("cold", spans, fresh)
+            for entry in stored.values():
+                self.cache.insert(entry)
+            for i, (doc, w) in enumerate(zip(docs, seams)):
+                if w < len(doc) and i not in entries:
+                    key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
+                    entries[i] = stored[key]
+        spans, fresh, cached_tokens = [], [], 0
+        for i, (doc, w) in enumerate(zip(docs, seams)):
+            if w:
+                spans.append(lay.Span(lay.FRESH, w))
+                fresh += doc[:w]
+            if w < len(doc):
+                e = entries[i]
+                spans.append(lay.Span(lay.CACHED, len(doc) - w, canonical_start=w, slot=e.slot, kv_rows=e.rows))
+        cached_tokens = sum(entries[i].length for i in entries if i not in missing.values())
+        spans.append(lay.Span(lay.FRESH, len(query)))
+        fresh += query
+        return dict(kind="pic", spans=spans, fresh=fresh, stores=[], cached_tokens=cached_tokens,
+                    cold_tokens=cold_tokens, hits=hits, misses=misses)
+
+    # Generation -------------------------------------------------------------------------------------------------------
+    def generate(self, segments, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 stop=None, seed: int = 0, mode: str | None = None, seam: float | None = None,
+                 cache_salt: str | None = None) -> GenerateResult:
+        """As `hypic_jax.Engine.generate`; decoding runs the one decode program over the keys capacity."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        stops = [] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))
+        stop_ids = {int(s) for s in stops if not isinstance(s, str)}
+        stop_texts = [s for s in stops if isinstance(s, str)]
+        if stop_texts and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass token ids instead")
+        segs = self.segment_tokens(segments)
+        total = sum(map(len, segs))
+        if total + max_new_tokens > self.max_keys:
+            raise ValueError(f"prompt ({total}) + max_new_tokens ({max_new_tokens}) exceeds the engine's context "
+                             f"capacity of {self.max_keys} (raise max_new_tokens or max_prompt_tokens)")
+        if mode is None:
+            mode = self.mode
+        pre = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt)
+        start = time.perf_counter()
+        cache = ModelCache(layers=tuple(pre.decode), length=jnp.asarray(total, jnp.int32))
+        step = self.programs.get(ProgramKey("decode", 1, self.max_keys))
+        rng = np.random.default_rng(seed)
+        logits, out, reason = pre.logits, [], "length"
+        for i in range(max_new_tokens):
+            token = _sample(logits, temperature, top_p, rng)
+            out.append(token)
+            if token in stop_ids or (stop_texts and any(s in self.tokenizer.decode(out) for s in stop_texts)):
+                reason = "stop"
+                break
+            if i + 1 < max_new_tokens:
+                with self._device_lock:
+                    logits, cache = step(self.params, np.asarray(token, np.int32), cache)
+                logits = np.asarray(logits)
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        return GenerateResult(text=text, tokens=out, stats=pre.stats, decode_s=time.perf_counter() - start,
+                              finish_reason=reason)
+
+    def clear_cache(self) -> None:
+        self.cache.clear()
+
+
+__all__ = ["StableEngine", "Programs", "ProgramKey", "backend_compiles", "MODES", "use_compile_cache"]

@@ -1,0 +1,324 @@
+"""The pieces of a span forward that read a request's layout as data (`hypic_jax.layout.LayoutArrays`).
+
+Every function here has shapes fixed by the layout's `Capacity`, and every loop runs to a bound held in the layout
+(`num_chunks`, `num_pieces`, the key range of a query block), so requests of any lengths, orders and hit patterns
+that fit one capacity share one compiled program, and padding costs buffer space, not loop steps.
+
+* conv: each fresh token's W-1 predecessors are rows of one table [zero | fresh rows | cached tails], named by
+  `conv_rows`; the depthwise conv is W shifted multiply-adds of gathered rows.
+* linear core, three steps (all loops bounded by data):
+    1. (programs that need it) every fresh piece's own summary (T, S(piece|0)): one chunk loop with the state
+       widened by an identity block for dense transfers, restarted at each piece;
+    2. a fold over the pieces in request order, each applying its summary (fresh: step 1; cached: its pool row,
+       RoPE-moved and without T for `addition`); a piece flagged `piece_reset` starts from zero. It yields the
+       state entering every piece;
+    3. the output chunk loop: a chunk that starts a piece loads that piece's incoming state (`chunk_load`) or
+       carries on from the chunk before; it also keeps every piece's end state (prefix-cache snapshots).
+  Chunk-local work (the WY/UT solves) is shared by steps 1 and 3: the widened pass only appends zero value
+  columns.
+* attention: keys are gathered in absolute order from the fresh keys and the per-token pools (`key_index`), and
+  each block of queries runs an online-softmax loop over only the key blocks it can see.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from hypic_jax import linear_attn
+from hypic_jax.layout import PIECE_CACHED, PIECE_FRESH, LayoutArrays
+from hypic_jax.linear_attn import LinearInputs, Summary
+
+MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
+
+__all__ = ["conv_over_layout", "linear_over_layout", "gather_keys", "masked_attention", "scatter_rows",
+           "LinearResult"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conv
+
+
+def conv_over_layout(x: Array, weight: Array, pool_tails: Array, layout: LayoutArrays, *,
+                     activation: str | None = "silu") -> tuple[Array, Array, Array]:
+    """Depthwise causal conv of the fresh rows x [F, D] as if every span were laid out in order.
+
+    weight [D, W]; pool_tails [S, W-1, D]: every pool slot's stored tail. Returns (y [F, D], the tail after the
+    last span [W-1, D], per record the tail after its span [R, W-1, D]).
+    """
+    w1 = weight.shape[1] - 1
+    pieces = layout.piece_slot.shape[0]
+    tails = pool_tails[layout.piece_slot].astype(x.dtype).reshape(pieces * w1, x.shape[1])
+    table = jnp.concatenate([jnp.zeros((1, x.shape[1]), x.dtype), x, tails], axis=0)
+    w = weight.astype(jnp.float32)
+    acc = x.astype(jnp.float32) * w[:, w1]
+    for tap in range(w1):
+        acc = acc + table[layout.conv_rows[:, tap]].astype(jnp.float32) * w[:, tap]
+    act = {None: lambda a: a, "silu": jax.nn.silu}[activation]
+    return act(acc).astype(x.dtype), table[layout.conv_final], table[layout.conv_records]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Linear core
+
+
+def _head_major_chunks(x: Array | None, layout: LayoutArrays, acc) -> Array | None:
+    """x [F, H, ...] -> [C, H, c, ...] by the layout's chunk rows (padding rows are zero: A = I, nothing added)."""
+    if x is None:
+        return None
+    padded = jnp.concatenate([x.astype(acc), jnp.zeros((1,) + x.shape[1:], acc)], axis=0)
+    return jnp.moveaxis(padded[layout.chunk_rows], 1, 2)
+
+
+def _put(buffer: Array, index, value: Array) -> Array:
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), index, 0)
+
+
+class LinearResult:
+    """What `linear_over_layout` returns: outputs [F, H, V], the state after the whole request [H, K, V], the
+    summary of every fresh piece (None unless computed) and every piece's end state [N, H, K, V]."""
+
+    def __init__(self, outputs, final_state, piece_summaries, piece_ends):
+        self.outputs, self.final_state = outputs, final_state
+        self.piece_summaries, self.piece_ends = piece_summaries, piece_ends
+
+
+def linear_over_layout(
+    inputs: LinearInputs,
+    pool: Summary,
+    layout: LayoutArrays,
+    *,
+    summaries: bool,
+    rotate: Callable[[Summary, Array], Summary] | None = None,
+    algorithm: str | None = None,
+) -> LinearResult:
+    """A linear layer's core over the pieces of `layout`.
+
+    inputs: the family's LinearInputs of the fresh tokens ([F, H, ...]). pool: every slot's cached summary
+    ([S, H, K, V] states, transfers in the family's form). summaries: compute every fresh piece's own summary
+    (needed when a fresh piece precedes a cached one, and for the records of a cold prefill). The layout's
+    `drop_transfer` drops cached transfers (HYPIC's `addition`). rotate(summary, offset): moves a cached summary by `offset`
+    positions (RoPE'd linear layers), applied when given.
+    """
+    acc = jnp.float32
+    form = inputs.form
+    heads, key_dim, value_dim = inputs.k.shape[1], inputs.k.shape[2], inputs.v.shape[2]
+    num_pieces = layout.piece_kind.shape[0]
+    log_decay = linear_attn._log_decay(inputs.g, inputs.gk, acc)
+    chunks = [_head_major_chunks(a, layout, acc) for a in (inputs.q, inputs.k, inputs.v, log_decay, inputs.beta)]
+    loc = jax.vmap(lambda *xs: linear_attn._chunk_locals(*xs, acc))(*chunks)
+    chunk_len = layout.chunk_rows.shape[1]
+
+    def chunk_state_step(state, i, u_extra: int = 0):
+        u = loc["u"][i]
+        if u_extra:
+            u = jnp.pad(u, [(0, 0), (0, 0), (0, u_extra)])
+        if loc["w"] is not None:
+            u = u - linear_attn._einsum("hck,hkv->hcv", loc["w"][i], state)
+        new = loc["chunk_decay"][i][:, :, None] * state + linear_attn._einsum("hck,hcv->hkv", loc["k_to_end"][i], u)
+        return new, u
+
+    # 1. each fresh piece's own summary, from a zero start (dense: with the identity block that becomes T)
+    fresh_summary = None
+    if summaries:
+        width = value_dim + (key_dim if form == "dense" else 0)
+        start = jnp.zeros((heads, key_dim, width), acc)
+        if form == "dense":
+            start = start.at[..., value_dim:].set(jnp.broadcast_to(jnp.eye(key_dim, dtype=acc), (heads, key_dim, key_dim)))
+
+        def widened(i, carry):
+            state, ends = carry
+            state = jnp.where(layout.chunk_first[i], start, state)
+            state, _ = chunk_state_step(state, i, width - value_dim)
+            ends = _put(ends, jnp.where(layout.chunk_last[i], layout.chunk_piece[i], num_pieces), state)
+            return state, ends
+
+        ends = jnp.zeros((num_pieces + 1, heads, key_dim, width), acc)
+        _, ends = jax.lax.fori_loop(0, layout.num_chunks, widened, (start, ends))
+        ends = ends[:num_pieces]
+        fresh_summary = _fresh_summaries(ends, inputs, layout, form, value_dim, acc)
+
+    # 2. the fold over pieces: the state entering each one
+    cached = Summary(pool.form, pool.state[layout.piece_slot].astype(acc),
+                     None if pool.transfer is None else pool.transfer[layout.piece_slot].astype(acc))
+    if rotate is not None:
+        cached = jax.vmap(rotate)(cached, layout.piece_offset)
+    fold_form = linear_attn.FORMS[max(linear_attn.FORMS.index(cached.form), linear_attn.FORMS.index(form))]
+    cached = linear_attn.promote(cached, fold_form)
+    if cached.transfer is not None:  # `addition`: the transfer of every cached piece becomes the identity
+        unit = linear_attn.promote(Summary("identity", cached.state, None), fold_form).transfer
+        cached = Summary(fold_form, cached.state, jnp.where(layout.drop_transfer, unit, cached.transfer))
+    if fresh_summary is not None:
+        fresh_summary = linear_attn.promote(fresh_summary, fold_form)
+        is_fresh = layout.piece_kind == PIECE_FRESH
+        pick = lambda f, c: jnp.where(is_fresh.reshape((-1,) + (1,) * (f.ndim - 1)), f, c)  # noqa: E731
+        sequence = jax.tree.map(pick, fresh_summary, cached)
+    else:  # fresh pieces pass the state through; only pieces after cached ones load it (see layout.build)
+        identity = linear_attn.promote(Summary("identity", jnp.zeros_like(cached.state), None), fold_form)
+        is_cached = layout.piece_kind == PIECE_CACHED
+        pick = lambda c, z: jnp.where(is_cached.reshape((-1,) + (1,) * (c.ndim - 1)), c, z)  # noqa: E731
+        sequence = jax.tree.map(pick, cached, identity)
+
+    def fold(p, carry):
+        state, incoming = carry
+        state = jnp.where(layout.piece_reset[p], jnp.zeros_like(state), state)
+        incoming = _put(incoming, p, state)
+        row = jax.tree.map(lambda a: a[p], sequence)
+        state = linear_attn._apply_transfer(row, state, algorithm) + row.state
+        return state, incoming
+
+    zero = jnp.zeros((heads, key_dim, value_dim), acc)
+    folded, incoming = jax.lax.fori_loop(0, layout.num_pieces, fold,
+                                         (zero, jnp.zeros((num_pieces, heads, key_dim, value_dim), acc)))
+
+    # 3. outputs, chunk by chunk, and each piece's end state
+    def output(i, carry):
+        state, outs, ends = carry
+        state = jnp.where(layout.chunk_load[i], incoming[layout.chunk_piece[i]], state)
+        before = state
+        state, u = chunk_state_step(state, i)
+        if "q_decayed" in loc:
+            o = linear_attn._einsum("hck,hkv->hcv", loc["q_decayed"][i], before) + linear_attn._einsum(
+                "hcj,hjv->hcv", loc["scores"][i], u)
+            outs = _put(outs, i, o)
+        ends = _put(ends, jnp.where(layout.chunk_last[i], layout.chunk_piece[i], num_pieces), state)
+        return state, outs, ends
+
+    num_chunk_rows = layout.chunk_rows.shape[0]
+    outs = jnp.zeros((num_chunk_rows, heads, chunk_len, value_dim), acc)
+    ends = jnp.zeros((num_pieces + 1, heads, key_dim, value_dim), acc)
+    _, outs, ends = jax.lax.fori_loop(0, layout.num_chunks, output, (zero, outs, ends))
+    ends = ends[:num_pieces]
+    flat = jnp.moveaxis(outs, 1, 2).reshape(num_chunk_rows * chunk_len, heads, value_dim)
+    outputs = (inputs.scale * flat[layout.token_chunk_row]).astype(inputs.v.dtype)
+    last = layout.num_pieces - 1
+    final = jnp.where(layout.piece_kind[last] == PIECE_FRESH, ends[last], folded)
+    return LinearResult(outputs, final, fresh_summary, ends)
+
+
+def _fresh_summaries(ends: Array, inputs: LinearInputs, layout: LayoutArrays, form: str, value_dim: int,
+                     acc) -> Summary:
+    """Every piece's zero-start summary from the widened pass's end states [N, H, K, V(+K)]; scalar and diagonal
+    transfers are sums of the pieces' log gates (a segment sum over the chunk rows)."""
+    state = ends[..., :value_dim]
+    if form == "dense":
+        return Summary("dense", state, ends[..., value_dim:])
+    if form == "identity":
+        return Summary("identity", state, None)
+    num_pieces = ends.shape[0]
+    rows = layout.chunk_rows  # [C, c]
+    piece_of_row = jnp.broadcast_to(layout.chunk_piece[:, None], rows.shape).reshape(-1)
+    g = None if inputs.g is None else jnp.concatenate([inputs.g.astype(acc), jnp.zeros((1,) + inputs.g.shape[1:],
+                                                                                      acc)])[rows.reshape(-1)]
+    if form == "scalar":
+        return Summary("scalar", state, jax.ops.segment_sum(g, piece_of_row, num_pieces))
+    gk = jnp.concatenate([inputs.gk.astype(acc), jnp.zeros((1,) + inputs.gk.shape[1:], acc)])[rows.reshape(-1)]
+    log_diag = jax.ops.segment_sum(gk, piece_of_row, num_pieces)
+    if g is not None:
+        log_diag = log_diag + jax.ops.segment_sum(g, piece_of_row, num_pieces)[..., None]
+    return Summary("diagonal", state, log_diag)
+
+
+def record_summaries(result: LinearResult, layout: LayoutArrays, *, isolated: bool, pool: Summary) -> Summary:
+    """The summaries to store for the layout's records, in the pool's form: a cold prefill stores each recorded
+    interior's own summary; a stitched request stores each recorded span's end state (a prefix-cache snapshot,
+    which a later request loads with `piece_reset`, so its transfer is never read and is stored as zeros)."""
+    if isolated:
+        rows = jax.tree.map(lambda a: a[layout.record_piece], result.piece_summaries)
+        return linear_attn.promote(rows, pool.form)
+    state = result.piece_ends[layout.record_piece]
+    transfer = None if pool.transfer is None else jnp.zeros((state.shape[0],) + pool.transfer.shape[1:],
+                                                            pool.transfer.dtype)
+    return Summary(pool.form, state, transfer)
+
+
+def scatter_rows(pool, rows: Array, values):
+    """pool (a PyTree of [S, ...] arrays) with rows `rows` [n] set to `values` ([n, ...] with the same tree).
+    Row 0 is the dump row: unused records and padded tokens all write there."""
+    return jax.tree.map(lambda a, v: a.at[rows].set(v.astype(a.dtype)), pool, values)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def gather_keys(fresh, pool, layout: LayoutArrays):
+    """Per-token trees of the whole request in key order [P, ...]: each key from the fresh tree [F, ...] or the
+    per-token pool [rows, ...] (`key_fresh`, `key_index`)."""
+    tokens = layout.tokens.shape[0]
+
+    def one(f, p):
+        from_fresh = f[jnp.clip(layout.key_index, 0, tokens - 1)]
+        from_pool = p[jnp.clip(layout.key_index, 0, p.shape[0] - 1)].astype(f.dtype)
+        mask = layout.key_fresh.reshape((-1,) + (1,) * (f.ndim - 1))
+        return jnp.where(mask, from_fresh, from_pool)
+
+    return jax.tree.map(one, fresh, pool)
+
+
+def masked_attention(q: Array, k: Array, v: Array, layout: LayoutArrays, *, isolated: bool, scale: float,
+                     block_q: int = 64, block_k: int = 128) -> Array:
+    """GQA attention of the fresh queries q [F, Hq, D] over the keys k, v [P, Hkv, D(v)] in key order.
+
+    Key j is visible to query i iff j < num_keys, key_positions[j] <= positions[i] and, when isolated, both belong
+    to the same span. Each block of `block_q` queries loops over the key blocks between its first and last
+    visible key (from the layout: stitched keys are in absolute order, isolated keys are the packed fresh
+    tokens), with an online softmax, so neither the logits [F, P] nor padded keys are ever computed in full.
+    """
+    tokens, heads_q, dim = q.shape
+    keys_total, heads_kv, dim_v = k.shape[0], k.shape[1], v.shape[-1]
+    group = heads_q // heads_kv
+    block_q = min(block_q, tokens)
+    block_k = min(block_k, keys_total)
+    q_pad = -(-tokens // block_q) * block_q - tokens
+    k_pad = -(-keys_total // block_k) * block_k - keys_total
+    index = jnp.arange(tokens, dtype=jnp.int32)
+    first = jnp.where(layout.valid, index - layout.positions if isolated else 0, keys_total)
+    last = jnp.where(layout.valid, index if isolated else layout.positions, -1)
+    pad_q = lambda a, value: jnp.pad(a, [(0, q_pad)] + [(0, 0)] * (a.ndim - 1), constant_values=value)  # noqa: E731
+    qb = pad_q(q, 0).reshape(-1, block_q, heads_kv, group, dim)
+    q_pos = pad_q(layout.positions, 0).reshape(-1, block_q)
+    q_seg = pad_q(layout.token_segment, -1).reshape(-1, block_q)
+    lo = pad_q(first, keys_total).reshape(-1, block_q).min(axis=1) // block_k
+    hi = (pad_q(last, -1).reshape(-1, block_q).max(axis=1) + block_k) // block_k
+    kb = jnp.pad(k, [(0, k_pad), (0, 0), (0, 0)])
+    vb = jnp.pad(v, [(0, k_pad), (0, 0), (0, 0)])
+    k_pos = jnp.pad(layout.key_positions, (0, k_pad), constant_values=jnp.iinfo(jnp.int32).max)
+    k_seg = jnp.pad(layout.key_segment, (0, k_pad), constant_values=-3)
+    k_ok = jnp.arange(keys_total + k_pad) < layout.num_keys
+
+    def one_block(args):
+        qi, pos, seg, start, stop = args
+        qf = qi.astype(jnp.float32) * scale
+
+        def step(j, carry):
+            m, l, o = carry
+            kj = jax.lax.dynamic_slice_in_dim(kb, j * block_k, block_k).astype(jnp.float32)
+            vj = jax.lax.dynamic_slice_in_dim(vb, j * block_k, block_k).astype(jnp.float32)
+            kp = jax.lax.dynamic_slice_in_dim(k_pos, j * block_k, block_k)
+            ks = jax.lax.dynamic_slice_in_dim(k_seg, j * block_k, block_k)
+            ok = jax.lax.dynamic_slice_in_dim(k_ok, j * block_k, block_k)
+            visible = ok[None, :] & (kp[None, :] <= pos[:, None])
+            if isolated:
+                visible = visible & (ks[None, :] == seg[:, None])
+            logits = jnp.einsum("qhgd,khd->hgqk", qf, kj, precision=jax.lax.Precision.HIGHEST)
+            logits = jnp.where(visible[None, None], logits, MASK_VALUE)
+            m_new = jnp.maximum(m, logits.max(axis=-1))
+            p = jnp.exp(logits - m_new[..., None])
+            correction = jnp.exp(m - m_new)
+            l = l * correction + p.sum(axis=-1)
+            o = o * correction[..., None] + jnp.einsum("hgqk,khd->hgqd", p, vj, precision=jax.lax.Precision.HIGHEST)
+            return m_new, l, o
+
+        init = (jnp.full((heads_kv, group, block_q), MASK_VALUE, jnp.float32),
+                jnp.zeros((heads_kv, group, block_q), jnp.float32),
+                jnp.zeros((heads_kv, group, block_q, dim_v), jnp.float32))
+        m, l, o = jax.lax.fori_loop(start, jnp.maximum(start, stop), step, init)
+        o = o / jnp.maximum(l, 1e-30)[..., None]
+        return jnp.moveaxis(o, 2, 0).reshape(block_q, heads_q, dim_v)
+
+    out = jax.lax.map(one_block, (qb, q_pos, q_seg, lo, hi))
+    return out.reshape(-1, heads_q, dim_v)[:tokens].astype(v.dtype)
