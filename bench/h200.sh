@@ -12,14 +12,15 @@
 # Output goes to $OUT (default ./bench-out); scratch files (traces, HLO dumps, the fla install) to $SCRATCH (default:
 # a new temporary folder). Each step runs under `timeout` with the limit of its *_TIMEOUT variable in seconds
 # (default 0: no limit); every script prints its rows as it measures them, so a step cut short still reports.
-# The peaks (bf16 matmul 793 TFLOP/s, 4.19 TB/s copy bandwidth) are the ones measured on the H200; pass others
-# if the machine differs.
+# The peaks are the ones measured on the H200 (PEAK_TFLOPS, bf16 matmul: 793; BANDWIDTH_TBS, copy: 4.19); set
+# others if the machine differs.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 export XLA_FLAGS="${XLA_FLAGS:-}"
 OUT=${OUT:-bench-out}
 SCRATCH=${SCRATCH:-$(mktemp -d)}
-PEAKS="--bandwidth-tbs 4.19 --peak-tflops 793"
+PEAK_TFLOPS=${PEAK_TFLOPS:-793} BANDWIDTH_TBS=${BANDWIDTH_TBS:-4.19}
+PEAKS="--bandwidth-tbs $BANDWIDTH_TBS --peak-tflops $PEAK_TFLOPS"
 mkdir -p "$OUT" "$SCRATCH"
 
 machine() {
@@ -34,7 +35,7 @@ fla_wheels() {  # install the carried fla wheels into $SCRATCH/site (offline); f
 }
 
 models() {
-  timeout "${PREFILL_TIMEOUT:-0}" python3 bench/prefill.py --lengths 8192 32768 --peak-tflops 793 --breakdown 2>&1 \
+  timeout "${PREFILL_TIMEOUT:-0}" python3 bench/prefill.py --lengths 8192 32768 --peak-tflops "$PEAK_TFLOPS" --breakdown 2>&1 \
     | tee "$OUT/prefill.txt"
   # the same shape through transformers, in its own process after ours (each needs most of the GPU's memory)
   if fla_wheels; then
