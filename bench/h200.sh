@@ -35,8 +35,8 @@ fla_wheels() {  # install the carried fla wheels into $SCRATCH/site (offline); f
 }
 
 models() {
-  timeout "${PREFILL_TIMEOUT:-0}" python3 bench/prefill.py --lengths 8192 32768 --peak-tflops "$PEAK_TFLOPS" --breakdown 2>&1 \
-    | tee "$OUT/prefill.txt"
+  timeout "${PREFILL_TIMEOUT:-0}" python3 bench/prefill.py --lengths 8192 32768 --peak-tflops "$PEAK_TFLOPS" \
+    --breakdown 2>&1 | tee "$OUT/prefill.txt"
   # the same shape through transformers, in its own process after ours (each needs most of the GPU's memory)
   if fla_wheels; then
     PYTHONPATH=.:$SCRATCH/site timeout "${HF_TIMEOUT:-0}" python3 bench/transformers_prefill.py --lengths 8192 32768 \
