@@ -1,21 +1,22 @@
-"""Benchmark of the transfer-operator kernels (issue 5): Pallas gated-delta forward, the pure-JAX chunked path,
-flash-linear-attention side by side, and the composition of many dense (T, S) pairs.
+"""Benchmark of the linear-attention kernels against flash-linear-attention (fla): the Pallas Gated DeltaNet
+forward (with and without its cache entry (T_C, S(C|0))), KDA and GLA (per-key gates), packed segments
+(`gdn_varlen`), the decode step, the pure-JAX chunked path, and the composition of many dense (T, S) pairs.
 
-One script for one device call. Modes:
+  python bench/kernels.py --fla-only --out DIR     fla's chunk_gated_delta_rule at each --lengths, then chunk_kda,
+                                                   chunk_gla and varlen chunk_gated_delta_rule at 32k (torch; the
+                                                   fla wheels installed). Run it first, in its own process.
+  python bench/kernels.py --all --out DIR          one table of run_all's --sections: "steps" (the library's
+                                                   launches, `step_variants`: GDNConfig() is "tile c64 lw4 mosaic
+                                                   both" on Hopper), "varlen", "decode", "per-key", and the solve
+                                                   variants "gdn" and "locals"; the fla column comes from a
+                                                   --fla-only run into the same DIR
+  python bench/kernels.py --out DIR                the Triton launch table (`variants`: chunk 32 and 64, the rows,
+                                                   doubling and tile solves), the XLA composition, other lengths
+  python bench/kernels.py --focus --out DIR        the Triton composition fold, the Triton forward kernel by kernel,
+                                                   T on slow gates
+  python bench/kernels.py --all --smoke ...        tiny shapes through the Pallas interpreter (CPU check)
 
-  python bench/kernels.py --fla-only --out DIR     time fla's chunk_gated_delta_rule (torch; fla wheels installed)
-  python bench/kernels.py --out DIR                 correctness on the GPU, then timings of every JAX variant at the
-                                                    Qwen3.5 shapes (batch 1, 16 key heads -> 32 value heads of 128,
-                                                    bf16 inputs, float32 state) and the compose benchmark
-
-  python bench/kernels.py --all --out DIR           one run, one table (not yet run on a GPU): correctness and
-                                                    timing of the solve variants (rows / doubling / tile) of the
-                                                    GDN forward, their chunk-local kernel alone, the per-key
-                                                    (KDA / GLA) path, packed segments (gdn_varlen) and the decode
-                                                    step, beside the pure-JAX paths; fla's rows come from a prior
-                                                    --fla-only run into the same DIR (it now also times chunk_kda,
-                                                    chunk_gla and varlen chunk_gated_delta_rule)
-
+Shapes: batch 1, 16 key heads -> 32 value heads of 128 (the Qwen3.5 shapes), bf16 q, k, v, float32 gates and state.
 Each mode appends JSON lines to DIR/<mode>.jsonl as it goes (so a run cut short still reports) and prints a table.
 Timing: one call to compile, warm-up calls, then the median over repeats of the mean time of a burst of calls,
 each burst closed by block_until_ready. Inputs of the timed sizes are far larger than the 60 MB L2.
@@ -200,8 +201,8 @@ def locals_operands(length):
 
 def named_config(**kwargs):
     """A GDNConfig as the variant names read: chunk 64 and the "rows" solve unless a name says otherwise (cN, the
-    solve's name), a 2-warp chunk-local kernel and (T, S) from the widened pass, the defaults when these names were
-    measured. The library's defaults moved since; the names and the RESULTS rows they label did not."""
+    solve's name), a 2-warp chunk-local kernel and (T, S) from the widened pass, both kernels in Triton. Every field
+    is spelled out, so a name keeps its meaning when the library's defaults change."""
     from hypic_jax.pallas.gdn import GDNConfig
 
     return GDNConfig(**{"chunk": 64, "solve": "rows", "locals_warps": 2, "transfer_group": 0,
@@ -234,7 +235,7 @@ def variants():
         "pallas bv32 state-bf16x3": (C(block_v=32, locals_precision="bf16", state_precision="bf16x3"), False),
         "pallas P8 bv16 tf32": (C(block_v=16, pieces=8, **t32), False),
         "pallas bv32 ieee": (C(block_v=32), False),
-        # Solve variants of the chunk-local inverse (added after the first H200 runs, not measured yet).
+        # Solve variants of the chunk-local inverse.
         "pallas rows bv32 bf16 s3": (C(solve="rows", **b16), False),
         "pallas doubling bv32 bf16 s3": (C(solve="doubling", **b16), False),
         "pallas tile bv32 bf16 s3": (C(solve="tile", **b16), False),
@@ -243,7 +244,7 @@ def variants():
         "pallas doubling solve-bf16x3 bv32 s3": (C(solve="doubling", solve_precision="bf16x3", **b16), False),
         "pallas doubling bv32 bf16 s3 +TS": (C(solve="doubling", **b16), True),
         "pallas doubling bv32 tf32 f32-inter +TS": (C(solve="doubling", inter_dtype="float32", **t32), True),
-        # The default launch (tile, chunk 32) emitting (T, S), and split into pieces (third session's follow-up).
+        # tile, chunk 32 emitting (T, S), and split into pieces.
         "pallas tile c32 bv32 bf16 s3 +TS": (C(chunk=32, solve="tile", **b16), True),
         "pallas P2 tile c32 bv32 bf16 s3": (C(chunk=32, solve="tile", pieces=2, **b16), False),
         "pallas P4 tile c32 bv32 bf16 s3": (C(chunk=32, solve="tile", pieces=4, **b16), False),
@@ -302,7 +303,8 @@ def run_jax(out_dir, lengths, check_length, budget_s, only=None):
     fns = {n: f for n, f in fns.items() if f is not None}
     del ref_o, ref_s, ref_sum
 
-    # 2. Timings at the Qwen3.5 shapes (32k first: the bar), then the compose benchmark, then the other lengths.
+    # 2. Timings at the Qwen3.5 shapes (32k first: the target length), then the compose benchmark, then the other
+    # lengths.
     def time_length(length, names):
         q, k, v, g, beta = gdn_inputs(length)
         in_bytes = sum(int(x.size) * x.dtype.itemsize for x in (q, k, v, g, beta)) + length * HEADS * DIM * 2
@@ -379,7 +381,7 @@ def run_compose(path, cmp, la, segments=64, layers=30, seg_len=512):
 
 
 def run_focus(out_dir, budget_s):
-    """Second-round measurements: the Pallas compose fold, a per-kernel breakdown of the GDN forward at 32k,
+    """The Triton composition fold, a per-kernel breakdown of the Triton GDN forward at 32k,
     a few launch-parameter variants, and the accuracy of T_C with slow gates (fast gates make T_C vanish)."""
     import dataclasses
 
@@ -551,7 +553,7 @@ def compose_pairs(la, segments, layers, seg_len):
 
 
 def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
-    """Every kernel added for issue 5's second round in one run, one table (Qwen3.5 / Kimi shapes, batch 1, bf16
+    """Every kernel section in one run, one table (Qwen3.5 / Kimi shapes, batch 1, bf16
     inputs, float32 state). Errors are relative to the core in float32 HIGHEST on the same bf16-rounded inputs.
 
     Sections: GDN forward per solve variant (and +TS); the chunk-local kernel alone per solve (the measured
@@ -686,9 +688,9 @@ def _all_per_key(record, length, scale, group, b16, up):
 def _all_varlen(record, length, scale, b16):
     """run_all 4: packed segments (64 uneven ones): the unsegmented forward on the same tokens, then outputs and
     each segment's dense (T, S) from the widened state (`gdn.default_varlen_config`) with q, k, v read in place
-    (`GDNConfig.packed_reads`, the default) and gathered (the eighth session's 3.31 ms), final states
-    only both ways, then the transfer pass over groups of 64, 16 and 8 chunks and the rows without the prefetch.
-    Rows whose names lack "packed reads" gather (they kept their names from the sessions that measured them)."""
+    (`GDNConfig.packed_reads`, the default) and gathered into the chunk-aligned layout, final states only both
+    ways, then the transfer pass over groups of 64, 16 and 8 chunks and the rows without the prefetch.
+    Rows whose names lack "packed reads" gather."""
     import jax
     import jax.numpy as jnp
 
@@ -707,7 +709,7 @@ def _all_varlen(record, length, scale, b16):
         lambda q, k, v, cu, g, b: gdn.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
-    pf = dict(b16, state_prefetch=True)  # the default launch since the eighth session (tile solve, chunk 64)
+    pf = dict(b16, state_prefetch=True)  # the Triton default launch (tile solve, chunk 64, prefetch)
     gat = dict(pf, packed_reads=False)  # q, k, v gathered into the chunk-aligned layout, o gathered back
     ref_states = {"o": (lambda r: r[0], ref_o), "S": (lambda r: r[1], ref_sum.state)}
     rows = (  # name -> (config, emit (T, S)); the default (packed reads, widened T) and its gathering twin first
@@ -780,13 +782,13 @@ def _all_decode(record, scale):
 
 
 def step_variants():
-    """run_all 6: the default launch (`GDNConfig()`: chunk 64, tile solve, 4-warp chunk-local kernel), emitting
+    """run_all 6: the library's launches (chunk 64, tile solve, 4-warp chunk-local kernel; on Hopper `GDNConfig()`
+    is "tile c64 lw4 mosaic both", both kernels under Mosaic GPU; "prefetch" is the same launch in Triton), emitting
     (T, S) through the transfer pass (`GDNConfig.transfer_group`, 64-chunk groups; "tf32 f32-inter" = tf32 dots and
     float32 W, U, P, the cache-grade T), and KDA (`default_config(per_key=True)`, less the prefetch, is the chunk-16
-    row); name ->
-    (config, emit (T, S), per-key gates), every config spelled out so that a name keeps meaning what it measured
-    when defaults move. The variants measured slower on 2026-11-30 (output folds, shared key heads, stacked doubling
-    levels, several chunks per chunk-local program) are in bench/RESULTS.md with the commits that ran them.
+    row); name -> (config, emit (T, S), per-key gates), every config spelled out so that a name keeps its meaning
+    when defaults change. Variants measured slower and removed (output folds, shared key heads, stacked doubling
+    levels, several chunks per chunk-local program) are listed in bench/RESULTS.md with the commits that hold them.
     Priority order: a run cut by its budget drops the last ones."""
     from hypic_jax.pallas.gdn import GDNConfig
 
@@ -796,25 +798,24 @@ def step_variants():
     c64 = dict(chunk=64, solve="tile", locals_warps=4, state_prefetch=False)
     kda = dict(solve="doubling", locals_warps=2, state_prefetch=False)
     return {
-        # the default launch since the eighth session: the state pass's small loads one step ahead
+        # both kernels in Triton, the state pass's small loads one step ahead (the Triton default)
         "tile c64 lw4 prefetch": (C(**{**c64, "state_prefetch": True}), False, False),
         "tile c64 lw4 prefetch +TS group64": (C(**{**c64, "state_prefetch": True}, transfer_group=64), True, False),
         # the same with the state pass under Mosaic GPU (`gdn_mgpu.state_pass_mgpu`)
         "tile c64 lw4 mosaic": (C(**c64, state_lowering="mosaic"), False, False),
         "tile c64 lw4 mosaic +TS group64": (C(**c64, state_lowering="mosaic", transfer_group=64), True, False),
-        # both launches under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu`, opt-in, and the state pass); in
-        # the twelfth session's only call with it, nothing completed within the call's limits
+        # both launches under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu` and the state pass): `GDNConfig()`
+        # on Hopper
         "tile c64 lw4 mosaic both": (C(**c64, state_lowering="mosaic", locals_lowering="mosaic"), False, False),
         "tile c64 lw4 mosaic both +TS group64": (C(**c64, state_lowering="mosaic", locals_lowering="mosaic",
                                                     transfer_group=64), True, False),
-        # the Mosaic GPU state pass without clusters (each column block reads its own W, K, Q, P; before the
-        # twelfth session)
+        # the Mosaic GPU state pass without clusters (each column block reads its own W, K, Q, P)
         "tile c64 lw4 mosaic c1": (C(**c64, state_lowering="mosaic", state_cluster=1), False, False),
         # the same with q, k, v zero-padded to whole chunks when L is not a multiple of 64 (before packed reads)
         "tile c64 lw4 prefetch pad": (C(**{**c64, "state_prefetch": True}, packed_reads=False), False, False),
         "tile c64 lw4 prefetch +TS group64 pad": (C(**{**c64, "state_prefetch": True}, transfer_group=64,
                                                     packed_reads=False), True, False),
-        # the default launch of the sixth and seventh sessions, without the prefetch
+        # the Triton launch without the prefetch
         "tile c64 lw4": (C(**c64), False, False),
         "tile c64 lw4 +TS group64": (C(**c64, transfer_group=64), True, False),
         # a decay-only layer (g, no beta: the chunk-local kernel forms P only)
@@ -831,7 +832,7 @@ def step_variants():
         "KDA doubling c16": (C(chunk=16, **kda), False, True),
         "KDA doubling c16 pad": (C(chunk=16, **kda, packed_reads=False), False, True),  # odd lengths: copies
         "KDA doubling c16 +TS group16": (C(chunk=16, **kda, transfer_group=16), True, True),
-        # the sixth session's other rows (bench/RESULTS.md), last: they run only when the budget allows
+        # other transfer groups and chunk 32, last: they run only when the budget allows
         "tile c32 lw2": (C(**c32), False, False),
         "tile c64 lw4 +TS group16": (C(**c64, transfer_group=16), True, False),
         "tile c64 lw4 +TS group32": (C(**c64, transfer_group=32), True, False),
@@ -973,7 +974,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=380.0, help="stop starting new timings after this long")
     ap.add_argument("--only", default="", help="comma-separated variant names (default: all; with --all: the steps "
                     "section's step_variants names)")
-    ap.add_argument("--focus", action="store_true", help="second-round measurements (see run_focus)")
+    ap.add_argument("--focus", action="store_true", help="Triton fold and per-kernel measurements (see run_focus)")
     ap.add_argument("--all", action="store_true", help="every kernel variant in one run and one table (run_all)")
     ap.add_argument("--sections", nargs="+", default=list(ALL_SECTIONS), choices=ALL_SECTIONS,
                     help="run_all's sections (default: all)")

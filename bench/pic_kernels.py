@@ -1,4 +1,5 @@
-"""The GPU kernels of a warm PIC request, alone, at the bar's shape, with their tuning variants side by side.
+"""The GPU kernels of a warm PIC request, alone, at the shape of bench/pic_ttft.py's request, with their tuning
+variants side by side.
 
 A request of 64 cached 512-token documents with 8-token seams and a 64-token query on the Qwen3.5-35B-A3B shape
 runs, per linear layer, a fold over 64 groups x 32 heads: `pallas.compose.span_fold_pallas` (the engine's path:
@@ -6,10 +7,10 @@ each seam enters as a chunk step) or, without the seam fold, an XLA composition 
 followed by `pallas.compose.prefix_fold_pallas`; and per full-attention layer the positioned attention of 576 fresh
 queries (16 heads of 256) over 32,832 keys (2 KV heads) (`pallas.attention.positioned_attention`). Timing each
 launch variant alone says which parameters to give the engine without a full request per variant (a cold request
-compiles for minutes). Each list holds every variant timed so far (`bench/RESULTS.md`), best first, so
---budget-s decides how many run.
+compiles for minutes). Each list holds every variant timed on the H200, best first, so --budget-s decides how
+many run.
 
-Also timed, for the composition bar of the kernel issue: 64 segments x 30 layers x 32 heads of dense pairs (the
+Also timed, the composition benchmark ("bar"): 64 segments x 30 layers x 32 heads of dense pairs (the
 composed state, the composed pair, every prefix state; from float32 pairs and from `split_operands`' format), at
 several column widths; and the MoE layer's two grouped matmuls at the request's 576 tokens with
 tiling variants (`pallas.grouped_matmul.GMMConfig`). `--sections` picks which of these run, in that order.
@@ -99,7 +100,7 @@ def main(argv=None) -> None:
         if section == "prefix":
             # 1. one linear layer's prefix fold: 64 real GDN (T, S) pairs x 32 heads
             want = host_prefix(t[:, :2], s[:, :2])  # two heads suffice for the error
-            # every variant timed so far (bench/RESULTS.md); the best first, so a short budget still times the useful ones
+            # every variant timed on the H200, the best first, so a short budget still times the useful ones
             variants = [("single", None, bw, w, st) for bw, w, st in
                         [(32, 8, 3), (32, 4, 3), (64, 8, 3), (32, 4, 4), (32, 4, 2), (16, 4, 2), (16, 2, 2), (8, 2, 2),
                          (32, 2, 2), (64, 4, 2), (64, 8, 2)]]
@@ -178,8 +179,9 @@ def main(argv=None) -> None:
             want = jax.jit(pattn.positioned_attention_reference, static_argnames="scale")(q, k, v, pos, scale=scale)
             reach = float(sum(p + 1 for p in positions))
             flops = 16 * reach * 256 * 4  # QK and PV, exact causal need
-            # (block_q, block_k, warps, stages, target programs, pack_gqa): the engine's default first, then the packed
-            # layout (untimed so), then every variant timed so far (block_k 128 exceeds shared memory at this width)
+            # (block_q, block_k, warps, stages, target programs, pack_gqa): the unpacked launch, then the engine's
+            # default (packed heads, block_q 128, 8 warps), then every other variant timed (block_k 128 exceeds
+            # shared memory at this width)
             attention_variants = [(64, 64, 4, 2, 1024, False), (128, 64, 8, 2, 1024, True), (128, 64, 4, 2, 1024, True),
                                   (64, 64, 4, 2, 1024, True), (128, 64, 8, 2, 256, True), (128, 64, 8, 3, 1024, True),
                                   (64, 64, 4, 2, 1, False), (64, 64, 4, 2, 288, False), (64, 64, 4, 3, 1, False),
@@ -209,19 +211,18 @@ def main(argv=None) -> None:
             if args.skip_compose_bar or over():
                 continue
             t, s, ref_states, _ = compose_pairs(la, segments, layers, 64 if small else 512)
-            # "final": the bar's own output, the composed state after all 64 segments (`fold_pallas` without the
-            # transfer: T and S read once, one state written); "pairs": with the composed transfer; "prefix": every
-            # prefix state (what a PIC request needs). Every variant bench/RESULTS.md reports; --budget-s may cut
-            # the tail.
-            # (the "pairs joint" rows of bench/RESULTS.md's ninth session ran at commit 1fe9e81)
+            # "final": the composition's target output, the composed state after all 64 segments (`fold_pallas`
+            # without the transfer: T and S read once, one state written); "pairs": with the composed transfer;
+            # "prefix": every prefix state (what a PIC request needs). Every variant timed on the H200; --budget-s
+            # may cut the tail. (The joint pair layout, measured slower and removed, is at commit 1fe9e81.)
             bar_variants = [("final", None, 128, 8, 3), ("pairs", None, 128, 8, 3), ("final", None, 128, 8, 2),
                             ("pairs", None, 64, 8, 3), ("final", None, 128, 8, 1), ("final", None, 128, 16, 1),
                             ("final", None, 128, 16, 2), ("final", None, 128, 4, 3), ("final", None, 64, 8, 2),
                             ("final", None, 64, 4, 3),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
-            # the split-operand fold (`fold_split_pallas` on `split_operands`' format); the rows of its layout and
-            # tuning variants in bench/RESULTS.md ran at commits 1bdb9d6 and 2aa72bc
+            # the split-operand fold (`fold_split_pallas` on `split_operands`' format); its layout and tuning
+            # variants, measured and removed, are at commits 1bdb9d6 and 2aa72bc
             launches = [(128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 1), (64, 4, 2)]
             if args.split_launches:
                 launches = [tuple(int(x) for x in launch.split(",")) for launch in args.split_launches]

@@ -48,7 +48,7 @@ VARIANTS = {
     "nopool": dict(pool_entries=False),
     "graphs": dict(command_buffers=True),  # XLA's CUDA-graph capture of the span program (its default)
     "seamexact": dict(seam_precision=None),  # seam products inside the fold at the composition's bf16x3
-    "nopackgqa": dict(attention_pack_gqa=False),  # one attention program per query head (default before)
+    "nopackgqa": dict(attention_pack_gqa=False),  # one attention program per query head
     "all": dict(prefix_block=0, stack_entries=True),
 }
 KNOB_DEFAULTS = dict(prefix_block=None, attention_programs=1024, stack_entries=True, seam_fold=True,
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-stack-entries", dest="stack_entries", action="store_false",
                         help="store cache entries layer by layer (Engine(stack_entries=False))")
     parser.add_argument("--no-seam-fold", action="store_true",
-                        help="compose each seam with its interior before the fold (the path before the seam fold)")
+                        help="compose each seam with its interior in XLA, then fold (Engine(seam_fold=False))")
     parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                         help="after the modes, time transition_rope_recompute again with each of these engine "
                              "settings on the warm cache (each compiles only its own combine program)")

@@ -1,8 +1,10 @@
 """Host memory maps held per compiled request layout (CPU): why a long CPU-only engine process can reach Linux's
 limit (`vm.max_map_count`, 65,530 by default), after which XLA's CPU compiler segfaults on the next compile.
 
-Builds the tests' tiny Qwen3.5-MoE checkpoint, then sends requests whose segment lengths are all new (each one
-compiles its cold prefills and its span program) and prints the process's map count after each.
+Builds a tiny random Qwen3.5-MoE checkpoint with transformers (2 layers: GDN then full attention, hidden 64, 8
+experts top-2 with a shared expert; the shape of the test suite's tiny checkpoint), then sends requests whose
+segment lengths are all new (each one compiles its cold prefills and its span program) and prints the process's
+map count after each.
 
     python bench/program_maps.py               # 6 requests
     python bench/program_maps.py --requests 20
@@ -11,12 +13,32 @@ compiles its cold prefills and its span program) and prints the process's map co
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+# transformers' Qwen3_5MoeTextConfig fields of the tiny checkpoint
+TINY_MOE = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, initializer_range=0.05,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+)
+
+
+def map_count() -> int:
+    """How many memory maps this process holds (Linux: one line each in /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def save_tiny_checkpoint(folder: str, seed: int = 0) -> None:
+    """A random float32 Qwen3.5-MoE checkpoint of the TINY_MOE shape, written with `save_pretrained`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**TINY_MOE))
+    model.float().eval().save_pretrained(folder)
 
 
 def main():
@@ -25,13 +47,11 @@ def main():
     args = parser.parse_args()
 
     import numpy as np
-    from families import map_count
-    from qwen_helpers import build, save
 
     from hypic_jax.engine import Engine
 
     with tempfile.TemporaryDirectory() as folder:
-        save(build("moe"), folder)
+        save_tiny_checkpoint(folder)
         engine = Engine.from_pretrained(folder, dtype="float32", seam=4)
     with open("/proc/sys/vm/max_map_count") as f:
         limit = int(f.read())

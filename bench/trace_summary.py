@@ -1,4 +1,4 @@
-"""Where a traced request spent its device time: kernel durations summed by name from a Perfetto trace.
+"""Where a traced request spent its GPU time: kernel durations summed by name from a Perfetto trace.
 
     python bench/trace_summary.py TRACE_DIR [--top 30]
 
@@ -8,16 +8,16 @@ name; host threads are summarised separately, so a request that is launch- or di
 
     python bench/trace_summary.py TRACE_DIR --periods span_fold_pooled positioned_attention
 
-cuts the device timeline after each kernel so named (one per layer) and counts the kernels between them; TRACE_DIR
+cuts the GPU timeline after each kernel so named (one per layer) and counts the kernels between them; TRACE_DIR
 may also be one trace file.
 
     python bench/trace_summary.py TRACE_DIR --hlo HLO_DIR
 
-also groups device time by the named scopes of the model code (gdn_core, span_prefix, attn_core, ffn, ...): HLO_DIR
+also groups GPU time by the named scopes of the model code (gdn_core, span_prefix, attn_core, ffn, ...): HLO_DIR
 holds the optimized HLO text XLA dumped for the traced programs (XLA_FLAGS="--xla_dump_to=HLO_DIR
 --xla_dump_hlo_as_text"); each kernel's HLO instruction (its `hlo_op` argument in the trace, else its name) is looked
-up there for the op_name metadata that carries the scopes. (On the one GPU dump tried so far most kernels were not
-found, before kernel names were matched with '.' and '-' read as '_'; this grouping is not yet checked on a GPU.)
+up there for the op_name metadata that carries the scopes (kernel names are matched with '.' and '-' read as '_';
+this grouping has not been checked against a GPU trace).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = 
                 host[event["name"]] += event.get("dur", 0)
         total = sum(device.values())
         print(f"{path.name if path == trace_dir else path.relative_to(trace_dir)}: {sum(device_count.values())} device events, {total / 1e3:.2f} ms "
-              f"of device time (summed over streams)")
+              f"of GPU time (summed over streams)")
         for name, dur in device.most_common(top):
             print(f"  {dur / 1e3:9.3f} ms  {100 * dur / max(total, 1):5.1f}%  x{device_count[name]:<5d} {name[:110]}")
         # (by thread, not by name: the host's launch events can carry a kernel's name too, and counted them twice)
@@ -108,7 +108,7 @@ def summarise(trace_dir: Path, top: int, modules: list[dict[str, str]] | None = 
             by_scope = collections.Counter()
             for event, key in zip(device_events, keys):
                 by_scope[scope_of(best[key]) if key in best else "(not in the HLO dump)"] += event.get("dur", 0)
-            print("  device time by named scope (innermost known scope; HLO op_name metadata):")
+            print("  GPU time by named scope (innermost known scope; HLO op_name metadata):")
             for name, dur in by_scope.most_common(top):
                 print(f"  {dur / 1e3:9.3f} ms  {100 * dur / max(total, 1):5.1f}%  {name[:110]}")
         per_thread = collections.Counter()
@@ -159,9 +159,9 @@ def timeline(events: list[dict], threads: dict, device_events: list[dict], ancho
 
 
 def periods(device_events: list[dict], markers: list[str], detail: int = 1) -> None:
-    """The device timeline cut after every kernel whose name starts with one of `markers` (one per layer, e.g. the
+    """The GPU timeline cut after every kernel whose name starts with one of `markers` (one per layer, e.g. the
     span fold of each linear layer and the attention kernel of each full-attention layer): per kind of period
-    (which marker opens and which closes it) the number of periods, kernels and device time in each, and the
+    (which marker opens and which closes it) the number of periods, kernels and GPU time in each, and the
     kernels of `detail` periods of each kind in launch order. This is where per-layer launch counts come from."""
     kernels = sorted(device_events, key=lambda e: e["ts"])
     marked = [i for i, e in enumerate(kernels) if any(e["name"].startswith(m) for m in markers)]
@@ -191,7 +191,7 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--hlo", type=Path, default=None, help="folder of XLA's optimized HLO text dumps")
     parser.add_argument("--periods", nargs="+", default=None, metavar="KERNEL",
-                        help="cut the device timeline after each kernel named so (per-layer launch counts)")
+                        help="cut the GPU timeline after each kernel named so (per-layer launch counts)")
     parser.add_argument("--detail", type=int, default=1, help="periods of each kind listed kernel by kernel")
     args = parser.parse_args(argv)
     summarise(args.trace_dir, args.top, load_scopes(args.hlo), args.periods, args.detail)

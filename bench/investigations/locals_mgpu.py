@@ -2,12 +2,12 @@
 (Qwen3.5 shapes, 32k unless LENGTH says otherwise): per variant of `MosaicLocalsConfig`, its compile time, the
 relative difference of P, W and U from Triton's, and its time beside Triton's; then `gdn_forward` with each
 lowering. Each variant runs in its own process under a timeout (TIMEOUT_S, default 60) and prints each stage as it
-completes: under JAX 0.11's default warpgroup semantics the kernel's layout inference never finished (twelfth and
-thirteenth sessions, bench/RESULTS.md), and a variant that hangs must not take the others with it.
+completes: under JAX 0.11's default warpgroup semantics the kernel's layout inference never finished (H200,
+2026-11-30, bench/RESULTS.md), and a variant that hangs must not take the others with it.
 
-    python3 bench/locals_mgpu.py                 # every variant, then the forward
-    python3 bench/locals_mgpu.py --quick         # the default and three variants, then the forward
-    python3 bench/locals_mgpu.py --variant NAME  # one variant in this process
+    python3 bench/investigations/locals_mgpu.py                 # every variant, then the forward
+    python3 bench/investigations/locals_mgpu.py --quick         # the default and three variants, then the forward
+    python3 bench/investigations/locals_mgpu.py --variant NAME  # one variant in this process
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
+sys.path.insert(0, BENCH)
 
 # name -> MosaicLocalsConfig fields; the later ones take the interpreter's forms one at a time, to bisect a hang
 VARIANTS = {

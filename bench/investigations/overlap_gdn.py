@@ -4,12 +4,12 @@ piece's state pass. Both launches are latency-bound at low occupancy (bench/RESU
 state-pass program (189 KB of shared memory, 166 registers a thread) still has room for one chunk-local program,
 so overlapping them is the question this script measures, side by side with the one-stream forward.
 
-Result on the H200 with jax 0.11.2 (bench/RESULTS.md, eighth session): XLA put the kernels on stream 1 but
+Result on the H200 with jax 0.11.2 (2026-11-30, bench/RESULTS.md): XLA put the kernels on stream 1 but
 scheduled each one's start right before its done, after the previous state pass, so nothing overlapped; and the
 pieces' input slices and output concatenation cost 0.38 ms at 2 pieces. `OVERLAP_SCHEDULE=1` records the
 scheduled order of the launches, to check a later XLA.
 
-    python bench/overlap_gdn.py --out DIR [--length 32768] [--parts 1,2,4,8] [--smoke]
+    python bench/investigations/overlap_gdn.py --out DIR [--length 32768] [--parts 1,2,4,8] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # the repository root: hypic_jax
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

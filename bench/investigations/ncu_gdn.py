@@ -1,12 +1,17 @@
 """One warm Gated DeltaNet forward between cudaProfilerStart/Stop, for Nsight Compute's hardware counters.
 
-    ncu --profile-from-start off --clock-control none --section ... python3 bench/ncu_gdn.py --impl pallas
-    ncu --profile-from-start off ... python3 bench/ncu_gdn.py --impl fla        # fla's chunk_gated_delta_rule
+    ncu --profile-from-start off --clock-control none --section ... \
+      python3 bench/investigations/ncu_gdn.py --impl pallas
+    ncu --profile-from-start off ... python3 bench/investigations/ncu_gdn.py --impl fla   # fla's forward
 
 Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
 autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
-`PROFILES="default emit" bash bench/h200.sh profile` runs it under ncu (fla: NCU_FLA=1). `--impl compose` profiles
-the split-operand composition fold at the composition bar's shape instead (`bash bench/h200.sh ncucompose`).
+`--impl compose` profiles the split-operand composition fold at the composition bar's shape instead. Run it with
+XLA's memory pool and command buffers off, so that ncu can replay each kernel:
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" ncu --profile-from-start off \
+      --clock-control none --kernel-name regex:gdn --section SpeedOfLight --section WarpStateStats \
+      python3 bench/investigations/ncu_gdn.py --impl pallas [--emit]
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import ctypes.util
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
+sys.path.insert(0, BENCH)
 
 
 def _cudart():

@@ -1,7 +1,7 @@
 """The Gated DeltaNet decode step written for Pallas's Mosaic GPU lowering, timed beside the Triton kernel
 (`hypic_jax.pallas.decode`): the measurement behind the lowering choice for that kernel (bench/RESULTS.md).
 
-    python bench/mosaic_decode.py --out DIR       # on the H200; appends to DIR/mosaic.jsonl and prints a table
+    python bench/investigations/mosaic_decode.py --out DIR       # on the H200; appends to DIR/mosaic.jsonl
 
 The step per (value head, column block) is the Triton kernel's: S <- e^g S, U = beta (v - S^T k),
 S <- S + k U^T, o = scale S^T q, on a [K, block_v] float32 block. Mosaic GPU takes it as warpgroup arrays in the
@@ -20,9 +20,9 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
+sys.path.insert(0, BENCH)
 
 
 def mosaic_decode(q, k, v, state, g, beta, *, scale, block_v=64):

@@ -4,7 +4,7 @@ S), at 32k on the H200 (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), 
 1. the group products alone on the chunk-local kernel's own operands: Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`)
    at 32, 64 and 128 chunks a group, with and without clusters, against Triton's (`gdn._state_pass` over the
    groups' identity columns, 64 chunks a group); products compared with Triton's;
-2. `gdn_forward` with `GDNConfig()` without and with `emit_summary`, the added time as a ratio (the bar: +30%),
+2. `gdn_forward` with `GDNConfig()` without and with `emit_summary`, the added time as a ratio (target: +30%),
    and the same with the transfer pass pinned to Triton (`state_lowering="triton"` there, so the state pass too);
 3. the default forward with (T, S) vmapped over a batch of two sequences (as the models call it: under vmap the
    Mosaic GPU kernels gain a grid axis) against each sequence on its own;
@@ -12,8 +12,8 @@ S), at 32k on the H200 (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), 
    norm ~1): `GDNConfig()` and the Triton passes against `linear_attn.summarize` in float32, with the lowering the
    transfer pass took and the time of the emitting forward.
 
-    python3 bench/transfer_pass.py            # on the H200; LENGTH=... for another length
-    python3 bench/transfer_pass.py --short    # section 4 only
+    python3 bench/investigations/transfer_pass.py            # on the H200; LENGTH=... for another length
+    python3 bench/investigations/transfer_pass.py --short    # section 4 only
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
+sys.path.insert(0, BENCH)
 
 
 SHORT_LENGTHS = (64, 256, 512, 2048, 4096, 4160)

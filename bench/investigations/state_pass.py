@@ -1,9 +1,9 @@
 """The GDN state pass alone at 32k (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), per lowering, block
-width and slot count, on the chunk-local kernel's own operands: what bounds the pass (bench/RESULTS.md, eleventh
-session).
+width and slot count, on the chunk-local kernel's own operands: what bounds the pass (bench/RESULTS.md, H200,
+2026-11-30).
 
-    python3 bench/state_pass.py            # on the H200; prints one line per launch
-    python3 bench/state_pass.py --quick    # the default launch under lane and warpgroup semantics, one Triton
+    python3 bench/investigations/state_pass.py            # on the H200; prints one line per launch
+    python3 bench/investigations/state_pass.py --quick    # the default launch under both semantics, one Triton
 
 Mosaic GPU (`gdn_mgpu.state_pass_mgpu`) at 32 and 64 value columns a block, 1 to 3 slots, with and without
 clusters of column blocks sharing multicast operands, then Triton (`gdn._state_pass`) at 32 columns with 2 and 3
@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
+sys.path.insert(0, BENCH)
 
 
 def main():

@@ -1,9 +1,9 @@
 """`gdn_forward` at 32k (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16) per state-pass lowering, in one
 process: the default `GDNConfig()` (on Hopper: both kernels under Mosaic GPU, the state pass in clusters of two),
-Triton's chunk-local kernel, the Mosaic GPU pass without clusters, Triton's pass, and both in Triton.
-bench/RESULTS.md, twelfth and thirteenth sessions.
+Triton's chunk-local kernel, the Mosaic GPU pass without clusters, Triton's pass, and both in Triton
+(bench/RESULTS.md, H200, 2026-11-30).
 
-    python3 bench/forward_lowerings.py          # on the H200; LENGTH=... for another length
+    python3 bench/investigations/forward_lowerings.py          # on the H200; LENGTH=... for another length
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
+sys.path.insert(0, BENCH)
 
 
 def main():
