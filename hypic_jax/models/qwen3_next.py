@@ -21,6 +21,8 @@ from hypic_jax.models.qwen3_5 import (  # noqa: F401  (the architecture-module c
     init_params,
     lm_head,
     param_specs,
+    pool_layout,
     prefill,
     span_forward,
+    span_forward_arrays,
 )
