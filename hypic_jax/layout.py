@@ -106,14 +106,22 @@ class Ladder:
     min_tokens: int = 64
     chunk: int = 64
     conv: int = 3
+    token_rungs: tuple[int, ...] | None = None  # explicit rungs instead of the geometric ones
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_pieces < 1:
             raise ValueError(f"the ladder needs max_tokens >= 1 and max_pieces >= 1, got {self.max_tokens}, "
                              f"{self.max_pieces}")
+        if self.token_rungs is not None:
+            rungs = tuple(int(r) for r in self.token_rungs)
+            if not rungs or list(rungs) != sorted(set(rungs)) or rungs[0] < 1 or rungs[-1] < self.max_tokens:
+                raise ValueError(f"token_rungs must be increasing positive sizes whose last holds max_tokens="
+                                 f"{self.max_tokens}, got {self.token_rungs}")
 
     @property
     def rungs(self) -> tuple[int, ...]:
+        if self.token_rungs is not None:
+            return tuple(self.token_rungs)
         return _rungs(self.min_tokens, self.max_tokens)
 
     def rung(self, n: int, what: str = "tokens") -> int:

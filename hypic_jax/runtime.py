@@ -171,7 +171,8 @@ class StableEngine(Engine):
 
     max_prompt_tokens: the largest prompt `warmup` compiles for (longer ones fail with a clear error).
     max_segments: the most segments of one request. max_new_tokens: room left for generation after the longest
-    prompt (the keys capacity is the rung that holds both). cache_bytes: the pools' byte budget (allocated up
+    prompt (the keys capacity holds both). token_rungs: explicit token capacities instead of the geometric
+    ladder from `min_tokens`. cache_bytes: the pools' byte budget (allocated up
     front). Other arguments as `hypic_jax.Engine`.
     """
 
@@ -179,7 +180,8 @@ class StableEngine(Engine):
                  mode: str = "transition_rope_recompute", seam: float = 8, separator: str = "<<PIC_SEP>>",
                  max_context: int | None = None, source: str | None = None, compose_algorithm: str | None = "auto",
                  max_prompt_tokens: int = 4096, max_segments: int = 64, max_new_tokens: int = 256,
-                 min_tokens: int = 64, compile_cache=None, mean_entry_tokens: int = 512):
+                 min_tokens: int = 64, token_rungs: tuple[int, ...] | None = None, compile_cache=None,
+                 mean_entry_tokens: int = 512):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -192,10 +194,8 @@ class StableEngine(Engine):
         chunk = int(getattr(self.config, "chunk_size", 64))
         conv = int(getattr(self.config, "conv_kernel", 4)) - 1
         self.ladder = lay.Ladder(max_tokens=max_prompt_tokens, max_pieces=2 * max_segments + 2,
-                                 min_tokens=min_tokens, chunk=chunk, conv=conv)
-        self._keys_ladder = lay.Ladder(max_tokens=max_prompt_tokens + max_new_tokens, max_pieces=1,
-                                       min_tokens=min_tokens)
-        self.max_keys = self._keys_ladder.rung(max_prompt_tokens + max_new_tokens)
+                                 min_tokens=min_tokens, chunk=chunk, conv=conv, token_rungs=token_rungs)
+        self.max_keys = max_prompt_tokens + max_new_tokens
         pieces = self.arch.pool_layout(self.config, self.model.dtype)
         budget = cache_bytes if cache_bytes is not None else 1 << 30
         self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens)
@@ -238,6 +238,11 @@ class StableEngine(Engine):
         seconds += self.programs.compile([k for k in keys if k.kind == "decode"], progress=False)
         self.programs.serving = True
         return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before)
+
+    def first_linear_layer(self) -> int | None:
+        """0 when the model's first layer is a linear one (whose state a seam of W-1 tokens makes exact)."""
+        kinds = [kind for kind, _ in self.arch.pool_layout(self.config, self.model.dtype)]
+        return 0 if kinds and kinds[0] == "slot" else None
 
     @property
     def stats(self) -> dict:

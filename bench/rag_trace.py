@@ -1,0 +1,126 @@
+"""A RAG trace against the shape-stable engine (`hypic_jax.runtime.StableEngine`): compiles, TTFT percentiles.
+
+A corpus of documents of log-uniform lengths (`--min-len` to `--max-len` tokens); each request takes
+`--docs` documents by Zipf popularity, in a random order, plus a query of 32 to 96 tokens. The engine is warmed up
+first (every program of its ladder, timed; with `--compile-cache` a second run loads them), then the same trace
+runs through each mode. Reported per mode: backend compilations during the trace (the bar is zero), p50 and p99
+TTFT split into requests whose documents were all cached and the rest; for `full_recompute` also the same
+prompts through the static-layout engine compiled at their exact lengths (a sample, timed warm), as the ratio
+the padding costs.
+
+    python bench/rag_trace.py --small --requests 12        # CPU smoke size
+    python bench/rag_trace.py                              # Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill import full_config, small_config  # noqa: E402
+
+from hypic_jax.engine import Engine  # noqa: E402
+from hypic_jax.models import qwen3_5  # noqa: E402
+from hypic_jax.models.base import Model  # noqa: E402
+from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
+
+MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
+
+
+def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, seed: int):
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.uniform(np.log(min_len), np.log(max_len), corpus)).astype(int)
+    documents = [rng.integers(3, vocab, n).tolist() for n in lengths]
+    weights = 1.0 / np.arange(1, corpus + 1) ** 1.1
+    weights /= weights.sum()
+    out = []
+    for _ in range(requests):
+        picked = rng.choice(corpus, size=min(docs, corpus), replace=False, p=weights)
+        out.append([documents[i] for i in picked] + [rng.integers(3, vocab, int(rng.integers(32, 97))).tolist()])
+    return out
+
+
+def percentiles(values) -> dict:
+    if not values:
+        return dict(n=0)
+    v = np.asarray(values) * 1e3
+    return dict(n=len(v), p50_ms=round(float(np.percentile(v, 50)), 2), p99_ms=round(float(np.percentile(v, 99)), 2))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="toy model (CPU smoke size)")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--docs", type=int, default=32)
+    parser.add_argument("--corpus", type=int, default=96)
+    parser.add_argument("--min-len", type=int, default=200)
+    parser.add_argument("--max-len", type=int, default=1200)
+    parser.add_argument("--max-prompt-tokens", type=int, default=None)
+    parser.add_argument("--min-tokens", type=int, default=64, help="the ladder's smallest token rung")
+    parser.add_argument("--cache-gb", type=float, default=24.0)
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--exact-sample", type=int, default=3, help="full_recompute prompts compiled at exact lengths")
+    parser.add_argument("--compile-cache", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    if args.small:
+        config, dtype = small_config(), jnp.float32
+        args.docs, args.min_len, args.max_len, args.corpus = min(args.docs, 6), 20, 120, min(args.corpus, 16)
+    else:
+        config, dtype = full_config(args.layers), jnp.bfloat16
+    params = qwen3_5.init_params(config, jax.random.key(0), dtype)
+    model = Model(qwen3_5, config, params)
+    requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
+                     min_len=args.min_len, max_len=args.max_len, seed=args.seed)
+    longest = max(sum(map(len, r)) for r in requests)
+    max_prompt = args.max_prompt_tokens or longest
+    engine = StableEngine(model, max_prompt_tokens=max_prompt, max_segments=args.docs,
+                          cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0,
+                          compile_cache=args.compile_cache, min_tokens=args.min_tokens)
+    report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
+                  longest_prompt=longest, max_prompt_tokens=max_prompt, rungs=list(engine.ladder.rungs),
+                  pool_slots=engine.pools.slots, pool_gb=round(engine.pools.nbytes / 2**30, 2))
+    start = time.perf_counter()
+    warm = engine.warmup(progress=True)
+    report["warmup"] = dict(warm, wall_s=round(time.perf_counter() - start, 1), programs_detail=engine.programs.report())
+    print(json.dumps(report, indent=1), flush=True)
+    for mode in args.modes:
+        engine.clear_cache()
+        before = backend_compiles()
+        cached, rest = [], []
+        for segs in requests:
+            result = engine.prefill(segs, mode=mode)
+            (cached if result.stats.misses == 0 and result.stats.hits > 0 else rest).append(result.stats.ttft_s)
+        row = dict(mode=mode, compiles_during_trace=backend_compiles() - before, all_cached=percentiles(cached),
+                   rest=percentiles(rest))
+        if mode == "full_recompute" and args.exact_sample:
+            static = Engine(model)
+            ratios = []
+            for segs in requests[: args.exact_sample]:
+                static.prefill(segs, mode="full_recompute")  # compiles this exact length
+                t = time.perf_counter()
+                static.prefill(segs, mode="full_recompute")
+                exact = time.perf_counter() - t
+                t = time.perf_counter()
+                engine.prefill(segs, mode="full_recompute")
+                ratios.append((time.perf_counter() - t) / exact)
+            row["padded_over_exact"] = [round(r, 3) for r in ratios]
+        report.setdefault("modes", []).append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The shape-stable engine (`hypic_jax.runtime.StableEngine`) on tiny checkpoints of every architecture.
+
+After `warmup`, a seeded random trace (1 to 24 segments of 1 to 300 tokens drawn from a shared corpus, every mode,
+seams of 0, a fraction and a count, hits and misses mixed, two tenants) compiles nothing, counted by JAX's own
+compile events. Every request is checked against an identity that does not share its program: full recompute,
+prefix cache and a whole seam equal the plain full recompute; with a seam of at least W-1 tokens the first
+linear layer's state equals full recompute's. A few PIC requests are also checked against the static-layout
+engine (`hypic_jax.Engine`), which stitches by another implementation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hypic_jax import layout as lay
+from hypic_jax.engine import Engine
+from hypic_jax.runtime import StableEngine, backend_compiles
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_engine import _build  # noqa: E402  (the tiny checkpoints of the engine tests)
+
+ARCHS = ("qwen_moe", "ring", "kimi")
+MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
+RUNGS = (2048,)  # one rung keeps the CPU compiles few; the trace's requests stay under it
+MAX_SEGMENTS = 24
+MAX_TRACE_TOKENS = 1536
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime")
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            model, vocab, _ = _build(arch, str(root / arch))
+            engine = StableEngine(model, max_prompt_tokens=RUNGS[-1], max_segments=MAX_SEGMENTS,
+                                  token_rungs=RUNGS, cache_bytes=1 << 26, max_new_tokens=8)
+            made[arch] = (engine, model, vocab)
+        return made[arch]
+
+    return get
+
+
+def _corpus(vocab: int, rng: np.random.Generator, size: int = 30) -> list[list[int]]:
+    lengths = np.exp(rng.uniform(0, np.log(300), size)).astype(int).clip(1, 300)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _trace(vocab: int, seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    corpus = _corpus(vocab, rng)
+    weights = 1.0 / np.arange(1, len(corpus) + 1)
+    weights /= weights.sum()
+    for _ in range(count):
+        docs = [corpus[i] for i in rng.choice(len(corpus), int(rng.integers(1, MAX_SEGMENTS + 1)), p=weights)]
+        while sum(map(len, docs)) > MAX_TRACE_TOKENS:  # a bounded prompt; still 1 to 24 segments of 1 to 300
+            docs.pop()
+        query = rng.integers(3, vocab, int(rng.integers(1, 33))).tolist()
+        mode = MODES[int(rng.integers(len(MODES)))]
+        seam = [0, 0.25, 1.0, 3, 8][int(rng.integers(5))]
+        salt = [None, "tenant-b"][int(rng.integers(2))]
+        yield docs + [query], mode, seam, salt
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_trace_compiles_nothing_after_warmup(engines, arch):
+    engine, model, vocab = engines(arch)
+    report = engine.warmup(progress=False)
+    assert report["programs"] == 3 * len(RUNGS) + 1
+    before = backend_compiles()
+    conv = engine.ladder.conv
+    seen_hits = seen_misses = 0
+    for segs, mode, seam, salt in _trace(vocab, seed=1, count=40):
+        result = engine.prefill(segs, mode=mode, seam=seam, cache_salt=salt)
+        seen_hits += result.stats.hits
+        seen_misses += result.stats.misses
+        exact = mode == "prefix_cache" or (mode == "transition_rope_recompute" and seam == 1.0)
+        first_exact = mode == "transition_rope_recompute" and seam >= conv and engine.first_linear_layer() is not None
+        if exact or first_exact:
+            full = engine.prefill(segs, mode="full_recompute")
+        if exact:
+            assert _rel(result.logits, full.logits) < 1e-5, (mode, seam, [len(s) for s in segs])
+        elif first_exact:
+            layer = engine.first_linear_layer()
+            np.testing.assert_allclose(np.asarray(result.decode[layer].state), np.asarray(full.decode[layer].state),
+                                       rtol=2e-4, atol=2e-5)
+        assert np.all(np.isfinite(result.logits))
+        assert result.stats.prompt_tokens == sum(map(len, segs))
+    assert backend_compiles() == before, "a request compiled after warmup"
+    assert engine.stats["programs"]["serving_compiles"] == 0
+    assert seen_hits > 0 and seen_misses > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pic_modes_match_the_static_engine(engines, arch):
+    engine, model, vocab = engines(arch)
+    static = Engine(model)
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(3, vocab, n).tolist() for n in (17, 2, 40)]
+    segs = docs + [rng.integers(3, vocab, 5).tolist()]
+    for mode, seam in [("transition_rope_recompute", 4), ("addition", 0)]:
+        for _ in range(2):  # cold, then from the cache
+            ours = engine.prefill(segs, mode=mode, seam=seam)
+            theirs = static.prefill(segs, mode=mode, seam=seam)
+            assert _rel(ours.logits, theirs.logits) < 1e-5, (mode, seam)
+            assert (ours.stats.cached_tokens, ours.stats.recomputed_tokens) == (
+                theirs.stats.cached_tokens, theirs.stats.recomputed_tokens)
+
+
+def test_generate_and_limits(engines):
+    engine, model, vocab = engines("qwen_moe")
+    rng = np.random.default_rng(3)
+    segs = [rng.integers(3, vocab, n).tolist() for n in (30, 11, 4)]
+    static = Engine(model)
+    for mode in ("full_recompute", "prefix_cache", "transition_rope_recompute"):
+        ours = engine.generate(segs, max_new_tokens=6, mode=mode)
+        theirs = static.generate(segs, max_new_tokens=6, mode=mode)
+        assert ours.tokens == theirs.tokens, mode
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        engine.prefill([[5] * (RUNGS[-1] + 1)])
+    with pytest.raises(ValueError, match="max_segments"):
+        engine.prefill([[5]] * (MAX_SEGMENTS + 2))
+    with pytest.raises(ValueError, match="context capacity"):
+        engine.generate([[5] * 100], max_new_tokens=RUNGS[-1])
+    assert engine.stats["programs"]["serving_compiles"] == 0 or not engine.programs.serving
+
+
+def test_padding_is_inert_across_capacities():
+    """One layout built into two capacities gives the same arrays where the smaller one has them."""
+    spans = [lay.Span(lay.FRESH, 5), lay.Span(lay.CACHED, 7, canonical_start=2, slot=3, kv_rows=np.arange(16, 23)),
+             lay.Span(lay.FRESH, 3)]
+    small = lay.Capacity(tokens=16, pieces=6, keys=32, records=6, chunk=4, conv=3)
+    large = lay.Capacity(tokens=64, pieces=10, keys=96, records=10, chunk=4, conv=3)
+    a = lay.build(spans, small, isolated=False, tokens=np.arange(8), summaries=True)
+    b = lay.build(spans, large, isolated=False, tokens=np.arange(8), summaries=True)
+    assert int(a.num_pieces) == int(b.num_pieces) == 3 and int(a.num_keys) == int(b.num_keys) == 15
+    np.testing.assert_array_equal(a.key_positions[:15], b.key_positions[:15])
+    np.testing.assert_array_equal(a.key_offset[:15], np.r_[np.zeros(5), np.full(7, 3), np.zeros(3)])
+    assert a.piece_slot[1] == 3 and a.piece_kind.tolist()[:4] == [lay.PIECE_FRESH, lay.PIECE_CACHED, lay.PIECE_FRESH,
+                                                                   lay.PIECE_PAD]
+    # conv predecessors of the first token after the cached span: its stored tail (table rows after F)
+    tail = [1 + small.tokens + 1 * 3 + j for j in range(3)]
+    assert a.conv_rows[5].tolist() == tail
+    with pytest.raises(ValueError, match="capacity"):
+        lay.build([lay.Span(lay.FRESH, 17)], small, isolated=False, tokens=np.arange(17), summaries=False)
