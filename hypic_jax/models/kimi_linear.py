@@ -102,6 +102,11 @@ class KimiLinearConfig:
         return len(self.layer_types)
 
     @property
+    def chunk_size(self) -> int:
+        """The KDA core's chunk length (a module constant, not a checkpoint field)."""
+        return CHUNK_SIZE
+
+    @property
     def linear_dim(self) -> int:
         return self.linear_num_heads * self.linear_head_dim
 
@@ -718,3 +723,70 @@ def span_forward(params: dict[str, Any], config: KimiLinearConfig, tokens: Array
         decode=tuple(decode) if want_decode else None,
         hidden=jnp.stack(hidden) if want_hidden else None,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Span forward over a layout held as data (hypic_jax.layout, hypic_jax.stitch): one program per capacity
+
+
+def pool_layout(config: KimiLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
+    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.pools.Pools`): a KDA layer's dense
+    summary and conv tail per slot, an MLA layer's latents per token (position-independent: MLA has no RoPE)."""
+    sds = jax.ShapeDtypeStruct
+    c = config
+    out = []
+    for kind in c.layer_types:
+        if kind == LINEAR:
+            h, k = c.linear_num_heads, c.linear_head_dim
+            summary = linear_attn.Summary("dense", sds((h, k, k), jnp.float32), sds((h, k, k), jnp.float32))
+            out.append(("slot", dict(summary=summary, conv=sds((c.conv_kernel - 1, 3 * c.linear_dim), dtype))))
+        else:
+            out.append(("token", MLACache(latent=sds((c.kv_lora_rank,), dtype), k_rope=sds((c.qk_rope_head_dim,),
+                                                                                             dtype))))
+    return out
+
+
+def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout, pools: tuple, *, isolated: bool,
+                        summaries: bool, want_decode: bool = False, algorithm: str | None = None):
+    """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
+    from `pools` (per layer the arrays of `pool_layout`) and writing the layout's records into them; see
+    `qwen3_5.span_forward_arrays`. Nothing here is RoPE'd, so cached pieces are used as stored. MLA keys are the
+    request's latents gathered in key order and expanded to per-head K/V; the decode cache keeps the latents.
+    Returns (float32 logits [vocab] of the last fresh token, the updated pools, per layer the decode cache of the
+    whole request or None)."""
+    from hypic_jax import stitch
+
+    c = config
+    x = params["embed"][layout.tokens]  # [F, D]
+    new_pools, decode = [], []
+    for i, (kind, mlp_kind) in enumerate(zip(c.layer_types, c.mlp_types)):
+        lp = params["layers"][i]
+        pool = pools[i]
+        h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
+        p = lp["attn"]
+        if kind == LINEAR:
+            qkv, g_raw, b = kda_projections(p, c, h)
+            qkv, conv_tail, conv_records = stitch.conv_over_layout(qkv, kda_conv_taps(p, c), pool["conv"], layout)
+            q, k, v = (t.reshape(t.shape[0], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, -1))
+            result = stitch.linear_over_layout(kda_inputs(p, q, k, v, g_raw, b), pool["summary"], layout,
+                                               summaries=summaries, algorithm=algorithm)
+            h = kda_output(p, c, h, result.outputs)
+            records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
+            pool = stitch.scatter_rows(pool, layout.record_slot, dict(summary=records, conv=conv_records))
+            decode.append(base.LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode
+                          else None)
+        else:
+            q = _mla_queries(p, c, h[None])[0]
+            fresh = mla_latents(p, c, h)
+            whole = stitch.gather_keys(fresh, pool, layout)
+            keys, values = mla_expand(p, c, whole)
+            out = stitch.masked_attention(q, keys, values, layout, isolated=isolated, scale=c.qk_head_dim**-0.5)
+            h = _linear(out.reshape(out.shape[0], -1), p["o_proj"], p.get("o_proj_bias"))
+            pool = stitch.scatter_rows(pool, layout.fresh_dest, fresh)
+            decode.append(jax.tree.map(lambda a: a[None], whole) if want_decode else None)
+        new_pools.append(pool)
+        x = x + h
+        h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
+        x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None])[0])
+    last = layers.rms_norm_plain(x[layout.last], params["final_norm"], c.rms_norm_eps)
+    return lm_head(params, c, last), tuple(new_pools), (tuple(decode) if want_decode else None)

@@ -117,6 +117,11 @@ class RingLinearConfig:
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    @property
+    def conv_kernel(self) -> int:
+        """Linear layers have no short conv: width 1, so layouts carry no conv rows."""
+        return 1
+
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.partial_rotary_factor)
 
@@ -546,3 +551,72 @@ def span_forward(params: Params, config: RingLinearConfig, tokens: Array, cached
         decode=tuple(decode) if want_decode else None,
         hidden=jnp.stack(hidden) if want_hidden else None,
     )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Span forward over a layout held as data (hypic_jax.layout, hypic_jax.stitch): one program per capacity
+
+
+def pool_layout(config: RingLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
+    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.pools.Pools`): a linear layer's scalar
+    summary per slot (constant per-head decay: the transfer is one log decay per head; no conv tail), a
+    full-attention layer's canonical post-RoPE K and V per token."""
+    sds = jax.ShapeDtypeStruct
+    out = []
+    for i in range(config.num_hidden_layers):
+        if config.is_full_attention(i):
+            kv = sds((config.num_key_value_heads, config.attention_head_dim), dtype)
+            out.append(("token", dict(k=kv, v=kv)))
+        else:
+            h, hd = config.num_attention_heads, config.linear_head_dim
+            summary = linear_attn.Summary("scalar", sds((h, hd, hd), jnp.float32), sds((h,), jnp.float32))
+            out.append(("slot", dict(summary=summary)))
+    return out
+
+
+def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools: tuple, *, isolated: bool,
+                        summaries: bool, want_decode: bool = False, algorithm: str | None = None):
+    """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
+    from `pools` (per layer the arrays of `pool_layout`) and writing the layout's records into them; see
+    `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so cached summaries are moved by their pieces'
+    offsets (zero where the mode keeps them at their canonical phase). Returns (float32 logits [vocab] of the last
+    fresh token, the updated pools, per layer the decode cache of the whole request or None)."""
+    from hypic_jax import rope, stitch
+
+    positions = layout.positions
+    x = params["embed"][layout.tokens]  # [F, D]
+    linear_rotary = config.rotary_dim(config.linear_head_dim)
+    attention_rotary = config.rotary_dim(config.attention_head_dim)
+    rotate_summary = lambda summary, offset: linear_attn.rotate_summary(  # noqa: E731
+        summary, offset, rotary_dim=linear_rotary, base=config.rope_theta)
+    new_pools, decode = [], []
+    for i, lp in enumerate(params["layers"]):
+        pool = pools[i]
+        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
+        p = lp["attn"]
+        if config.is_full_attention(i):
+            q, k, v = (t[0] for t in attention_projections(p, h[None], positions, config))
+            keys = stitch.gather_keys(dict(k=k, v=v), pool, layout)
+            if not isolated:
+                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(layout.key_fresh, 0, layout.key_offset),
+                                             rotary_dim=attention_rotary, base=config.rope_theta)
+            o = stitch.masked_attention(q, keys["k"], keys["v"], layout, isolated=isolated,
+                                        scale=config.attention_head_dim ** -0.5)
+            mixed = o.reshape(o.shape[0], -1) @ p["dense"]
+            pool = stitch.scatter_rows(pool, layout.fresh_dest, dict(k=k, v=v))
+            decode.append(base.KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None)
+        else:
+            inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, i, config))
+            result = stitch.linear_over_layout(inputs, pool["summary"], layout, summaries=summaries,
+                                               rotate=rotate_summary, algorithm=algorithm)
+            mixed = linear_output(p, h[None], result.outputs[None], config)[0]
+            records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
+            pool = stitch.scatter_rows(pool, layout.record_slot, dict(summary=records))
+            decode.append(base.LinearCache(state=result.final_state[None], conv=_no_conv(1, x.dtype))
+                          if want_decode else None)
+        new_pools.append(pool)
+        x = x + mixed
+        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
+        x = x + (moe(lp["mlp"], h, config) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
+    last = layers.rms_norm(x[layout.last], params["norm"], config.rms_norm_eps)
+    return unembed(params, last), tuple(new_pools), (tuple(decode) if want_decode else None)
