@@ -66,6 +66,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-len", type=int, default=1200)
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--min-tokens", type=int, default=64, help="the ladder's smallest token rung")
+    parser.add_argument("--rungs", type=int, nargs="+", default=None, help="explicit token rungs (the last >= the "
+                        "longest prompt) instead of the geometric ladder")
     parser.add_argument("--cache-gb", type=float, default=24.0)
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--exact-sample", type=int, default=3, help="full_recompute prompts compiled at exact lengths")
@@ -77,6 +79,7 @@ def main(argv=None) -> None:
     if args.small:
         config, dtype = small_config(), jnp.float32
         args.docs, args.min_len, args.max_len, args.corpus = min(args.docs, 6), 20, 120, min(args.corpus, 16)
+        args.cache_gb = min(args.cache_gb, 0.25)
     else:
         config, dtype = full_config(args.layers), jnp.bfloat16
     params = qwen3_5.init_params(config, jax.random.key(0), dtype)
@@ -84,10 +87,11 @@ def main(argv=None) -> None:
     requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
                      min_len=args.min_len, max_len=args.max_len, seed=args.seed)
     longest = max(sum(map(len, r)) for r in requests)
-    max_prompt = args.max_prompt_tokens or longest
+    max_prompt = args.max_prompt_tokens or (args.rungs[-1] if args.rungs else longest)
     engine = StableEngine(model, max_prompt_tokens=max_prompt, max_segments=args.docs,
                           cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0,
-                          compile_cache=args.compile_cache, min_tokens=args.min_tokens)
+                          compile_cache=args.compile_cache, min_tokens=args.min_tokens,
+                          token_rungs=tuple(args.rungs) if args.rungs else None)
     report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
                   longest_prompt=longest, max_prompt_tokens=max_prompt, rungs=list(engine.ladder.rungs),
                   pool_slots=engine.pools.slots, pool_gb=round(engine.pools.nbytes / 2**30, 2))
