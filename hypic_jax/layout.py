@@ -11,13 +11,14 @@ pays at most 1.5x padding on its fresh tokens and keys and the number of program
 inert by construction:
 
 * padded fresh tokens have `valid` False: no key sees them, their conv rows and linear-core rows are never read,
-  their K/V are written to the pools' dump row (row 0) and their logits are never taken;
+  their K/V writes are dropped (destination `DROP`) and their logits are never taken;
 * padded pieces lie past `num_pieces`, where the state fold stops;
 * padded chunks lie past `num_chunks`, where the chunk loops stop;
 * padded keys lie past `num_keys` with position `PAD_POSITION`, beyond every query.
 
-Row 0 of every pool is a dump row that no entry owns: writes of padded tokens land there, and padded reads
-(never used) read it.
+Writes that record nothing (padded tokens, tokens of unrecorded spans, unused records) go to row `DROP`, past
+every pool, and are dropped: sending them all to one real row would serialise the GPU scatter on that row.
+Padded reads (never used) read row 0 of a pool, which no entry owns.
 
 Conventions of the linear core (see `hypic_jax.stitch.linear_over_layout`): fresh pieces are laid out in chunks
 of `chunk` tokens, each piece starting a new chunk, so a piece's state before and after is a chunk boundary.
@@ -37,8 +38,9 @@ CACHED = "cached"
 
 PIECE_PAD, PIECE_FRESH, PIECE_CACHED = 0, 1, 2
 PAD_POSITION = np.iinfo(np.int32).max // 2  # beyond every real position: a padded key is never visible
+DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: writes there are dropped (`stitch.scatter_rows`)
 
-__all__ = ["FRESH", "CACHED", "Span", "Capacity", "Ladder", "LayoutArrays", "build", "PAD_POSITION"]
+__all__ = ["FRESH", "CACHED", "Span", "Capacity", "Ladder", "LayoutArrays", "build", "PAD_POSITION", "DROP"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +182,8 @@ class LayoutArrays:
     num_keys: np.ndarray  # int32 []
     # records [R]
     record_piece: np.ndarray  # int32 piece whose summary (isolated) or end state (stitched) is recorded
-    record_slot: np.ndarray  # int32 linear-pool slot it is written to (0: no record, the dump slot)
-    fresh_dest: np.ndarray  # int32 [F] per-token pool row a fresh token's K/V is written to (0: not recorded)
+    record_slot: np.ndarray  # int32 linear-pool slot it is written to (DROP: no record)
+    fresh_dest: np.ndarray  # int32 [F] per-token pool row a fresh token's K/V is written to (DROP: not recorded)
 
 
 def _predecessors(history: list[int], rows: Sequence[int], w1: int) -> np.ndarray:
@@ -224,8 +226,8 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
         chunk_load=np.zeros(C, bool), token_chunk_row=np.zeros(F, np.int32), conv_rows=np.zeros((F, w1), np.int32),
         conv_records=np.zeros((R, w1), np.int32), key_fresh=np.zeros(P, bool), key_index=np.zeros(P, np.int32),
         key_positions=np.full(P, PAD_POSITION, np.int32), key_offset=np.zeros(P, np.int32),
-        key_segment=np.full(P, -2, np.int32), record_piece=np.zeros(R, np.int32), record_slot=np.zeros(R, np.int32),
-        fresh_dest=np.zeros(F, np.int32),
+        key_segment=np.full(P, -2, np.int32), record_piece=np.zeros(R, np.int32), record_slot=np.full(R, DROP, np.int32),
+        fresh_dest=np.full(F, DROP, np.int32),
     )
     out["tokens"][:num_fresh] = tokens
     out["valid"][:num_fresh] = True

@@ -6,7 +6,8 @@ entry owns the rows of whole pages of `page` tokens. The pools are allocated onc
 their shapes never change and no request recompiles because the cache grew; a program reads them by the slot and
 row arrays of its layout and writes its records into them (donated, in place).
 
-Slot 0 and page 0 are dump rows that no entry owns: a layout's padding writes there.
+Slot 0 and page 0 belong to no entry: a layout's padded reads point there (its writes that record nothing are
+dropped instead, see `hypic_jax.layout`).
 
 Allocation is on the host. When the pools are full, the owner evicts entries (least recently used first, never
 one a running request holds) until the new entry fits; `Pools.free` returns an evicted entry's slot and pages.
@@ -38,7 +39,7 @@ class Pools:
 
     def __init__(self, layers: list[tuple[str, Any]], *, slots: int, pages: int, page: int = 16):
         if slots < 2 or pages < 2:
-            raise ValueError(f"the pools need at least 2 slots and 2 pages (one of each is the dump row), got "
+            raise ValueError(f"the pools need at least 2 slots and 2 pages (one of each belongs to no entry), got "
                              f"{slots} slots, {pages} pages")
         self.kinds = tuple(kind for kind, _ in layers)
         self.page, self.slots, self.pages = page, slots, pages

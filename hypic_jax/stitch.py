@@ -31,6 +31,7 @@ from jax import Array
 from hypic_jax import linear_attn
 from hypic_jax.layout import PIECE_CACHED, PIECE_FRESH, LayoutArrays
 from hypic_jax.linear_attn import LinearInputs, Summary
+from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
 
@@ -237,8 +238,8 @@ def record_summaries(result: LinearResult, layout: LayoutArrays, *, isolated: bo
 
 def scatter_rows(pool, rows: Array, values):
     """pool (a PyTree of [S, ...] arrays) with rows `rows` [n] set to `values` ([n, ...] with the same tree).
-    Row 0 is the dump row: unused records and padded tokens all write there."""
-    return jax.tree.map(lambda a, v: a.at[rows].set(v.astype(a.dtype)), pool, values)
+    Rows past the pool (`layout.DROP`: unused records, unrecorded and padded tokens) are dropped."""
+    return jax.tree.map(lambda a, v: a.at[rows].set(v.astype(a.dtype), mode="drop"), pool, values)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -259,18 +260,38 @@ def gather_keys(fresh, pool, layout: LayoutArrays):
     return jax.tree.map(one, fresh, pool)
 
 
+def kernel_fits(q: Array, k: Array, v: Array) -> bool:
+    """Whether `pallas.attention.positioned_attention` runs this attention: on a GPU, 16-bit inputs, and head
+    widths that are powers of two from 16 to 256 (Triton tile shapes)."""
+    widths_ok = all(16 <= w <= 256 and not w & (w - 1) for w in (q.shape[-1], v.shape[-1]))
+    return (jax.default_backend() == "gpu" and widths_ok and q.shape[-1] == k.shape[-1]
+            and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and v.dtype == q.dtype)
+
+
 def masked_attention(q: Array, k: Array, v: Array, layout: LayoutArrays, *, isolated: bool, scale: float,
-                     block_q: int = 64, block_k: int = 128) -> Array:
+                     block_q: int = 64, block_k: int = 128, use_kernel: bool | None = None) -> Array:
     """GQA attention of the fresh queries q [F, Hq, D] over the keys k, v [P, Hkv, D(v)] in key order.
 
     Key j is visible to query i iff j < num_keys, key_positions[j] <= positions[i] and, when isolated, both belong
     to the same span. Each block of `block_q` queries loops over the key blocks between its first and last
     visible key (from the layout: stitched keys are in absolute order, isolated keys are the packed fresh
     tokens), with an online softmax, so neither the logits [F, P] nor padded keys are ever computed in full.
+    On a GPU (`kernel_fits`; `use_kernel` forces either path) the same mask runs in the Pallas flash kernel
+    `pallas.attention.positioned_attention`, with each query's first and last visible key.
     """
     tokens, heads_q, dim = q.shape
     keys_total, heads_kv, dim_v = k.shape[0], k.shape[1], v.shape[-1]
     group = heads_q // heads_kv
+    index = jnp.arange(tokens, dtype=jnp.int32)
+    if kernel_fits(q, k, v) if use_kernel is None else use_kernel:
+        # the Pallas flash kernel: key j visible to query i iff first[i] <= j <= last[i] (padded queries: -1)
+        last = jnp.where(layout.valid, index if isolated else layout.positions, -1)
+        first = jnp.where(layout.valid, index - layout.positions, 0) if isolated else None
+        config = AttentionConfig(target_programs=1024)
+        if 1 < group <= 128 and not group & (group - 1):
+            config = AttentionConfig(block_q=128, num_warps=8, pack_gqa=True, target_programs=1024)
+        return positioned_attention(q, k, v, last, scale=scale, config=config, q_starts=first,
+                                    interpret=jax.default_backend() != "gpu")
     block_q = min(block_q, tokens)
     block_k = min(block_k, keys_total)
     q_pad = -(-tokens // block_q) * block_q - tokens

@@ -55,13 +55,17 @@ class AttentionConfig:
     pack_gqa: bool = False
 
 
-def positioned_attention_reference(q: Array, k: Array, v: Array, q_positions: Array, *, scale: float) -> Array:
-    """q [Lq, Hq, D], k/v [Lk, Hkv, D(v)], q_positions [Lq] -> [Lq, Hq, Dv]; key j visible iff j <= pos[i]."""
+def positioned_attention_reference(q: Array, k: Array, v: Array, q_positions: Array, *, scale: float,
+                                   q_starts: Array | None = None) -> Array:
+    """q [Lq, Hq, D], k/v [Lk, Hkv, D(v)], q_positions [Lq] -> [Lq, Hq, Dv]; key j visible iff j <= pos[i]
+    (and j >= q_starts[i] when given)."""
     lq, hq, _ = q.shape
     hkv = k.shape[1]
     qg = q.reshape(lq, hkv, hq // hkv, -1).astype(jnp.float32)
     logits = jnp.einsum("qhgd,khd->hgqk", qg, k.astype(jnp.float32), precision="highest") * scale
     visible = jnp.arange(k.shape[0])[None, :] <= q_positions[:, None]
+    if q_starts is not None:
+        visible = visible & (jnp.arange(k.shape[0])[None, :] >= q_starts[:, None])
     logits = jnp.where(visible, logits, -jnp.inf)
     weights = jax.nn.softmax(logits, axis=-1)
     weights = jnp.where(visible.any(-1)[:, None], weights, 0.0)
@@ -69,14 +73,18 @@ def positioned_attention_reference(q: Array, k: Array, v: Array, q_positions: Ar
     return out.reshape(lq, hq, -1).astype(q.dtype)
 
 
-def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, block_k, num_keys, tiles_per_split):
+def _kernel(pos_ref, start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, block_k, num_keys,
+            tiles_per_split):
     """One (query block, query head, key range): online softmax over the key tiles of its range that its queries
     can reach; writes the unnormalised output, the row maxima and the row sums for the combine."""
     pos = pos_ref[...]  # [bq] int32
+    lower = start_ref[...]  # [bq] int32: the first key each row may see
     q = q_ref[...]  # [bq, D]
     block_q = q.shape[0]
     reach = jnp.minimum(jnp.max(pos) + 1, num_keys)  # keys [0, reach) are all any row can see
-    first = pl.program_id(2) * tiles_per_split
+    low_tile = jnp.min(jnp.where(pos >= 0, lower, num_keys)) // block_k  # tiles below every row's start: skipped
+    first = jnp.maximum(pl.program_id(2) * tiles_per_split, low_tile)
+    first = jnp.minimum(first, pl.program_id(2) * tiles_per_split + tiles_per_split)
     stop = jnp.maximum(first, jnp.minimum((reach + block_k - 1) // block_k, first + tiles_per_split))
 
     def body(t, carry):
@@ -86,7 +94,7 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, block_k
         v = v_ref[pl.ds(start, block_k), :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         key_pos = start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-        s = jnp.where(key_pos <= pos[:, None], s, -jnp.inf)
+        s = jnp.where((key_pos <= pos[:, None]) & (key_pos >= lower[:, None]), s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
         safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows that have seen nothing yet
         p = jnp.exp(s - safe_max[:, None])
@@ -106,10 +114,12 @@ def _kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, block_k
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, scale: float,
-                         config: AttentionConfig = AttentionConfig(), interpret: bool = False) -> Array:
+                         config: AttentionConfig = AttentionConfig(), interpret: bool = False,
+                         q_starts: Array | None = None) -> Array:
     """q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv], q_positions [Lq] int -> [Lq, Hq, Dv] (q's dtype).
 
-    Key j is at position j; query i sees keys j <= q_positions[i]. Lq and Lk are padded to the tile sizes here
+    Key j is at position j; query i sees keys j <= q_positions[i], and j >= q_starts[i] when given (packed
+    isolated spans: each query sees only its own span; tiles below a block's first start are never read). Lq and Lk are padded to the tile sizes here
     (padded queries get position -1, padded keys lie beyond every query's reach)."""
     lq, hq, d = q.shape
     lk, hkv, dv = v.shape
@@ -129,11 +139,14 @@ def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, sc
         queries_per_block = bq
     lq_pad, lk_pad = -(-lq // queries_per_block) * queries_per_block, -(-lk // bk) * bk
     pos = jnp.pad(q_positions.astype(jnp.int32), (0, lq_pad - lq), constant_values=-1)
+    starts = jnp.zeros((lq,), jnp.int32) if q_starts is None else q_starts.astype(jnp.int32)
+    starts = jnp.pad(starts, (0, lq_pad - lq))
     qh = jnp.pad(jnp.moveaxis(q, 1, 0), ((0, 0), (0, lq_pad - lq), (0, 0)))  # [Hq, Lq, D]
     heads = hq
     if config.pack_gqa:  # rows (query i, head g of the group) of kv head h: [Hkv, Lq * G, D], positions repeated
         qh = qh.reshape(hkv, group, lq_pad, d).swapaxes(1, 2).reshape(hkv, lq_pad * group, d)
         pos = jnp.repeat(pos, group)
+        starts = jnp.repeat(starts, group)
         heads, group, lq_pad = hkv, 1, lq_pad * group
     kh = jnp.pad(jnp.moveaxis(k, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
     vh = jnp.pad(jnp.moveaxis(v, 1, 0), ((0, 0), (0, lk_pad - lk), (0, 0))).astype(q.dtype)
@@ -146,6 +159,7 @@ def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, sc
         kernel,
         grid=(q_blocks, heads, splits),
         in_specs=[
+            pl.BlockSpec((bq,), lambda i, h, r: (i,)),
             pl.BlockSpec((bq,), lambda i, h, r: (i,)),
             pl.BlockSpec((None, bq, d), lambda i, h, r: (h, i, 0)),
             pl.BlockSpec((None, lk_pad, d), lambda i, h, r: (h // group, 0, 0)),
@@ -164,7 +178,7 @@ def positioned_attention(q: Array, k: Array, v: Array, q_positions: Array, *, sc
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="positioned_attention",
-    )(pos, qh, kh, vh)
+    )(pos, starts, qh, kh, vh)
     # combine the key ranges: rescale each range's partial sums to the common row maximum
     top = jnp.max(row_max, axis=1, keepdims=True)
     weight = jnp.where(row_max == -jnp.inf, 0.0, jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top)))
