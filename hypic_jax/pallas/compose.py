@@ -32,38 +32,22 @@ prefix state in 3.0 ms against 4.2.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from hypic_jax.pallas import compose_mgpu
+from hypic_jax.pallas.platform import is_hopper
+from hypic_jax.pallas.split import check_split_operands, split_bf16, split_operands
+from hypic_jax.summary import ALGORITHMS, matmul, precision_of
 
 __all__ = ["ALGORITHMS", "precision_of", "matmul", "compose_pair", "compose_all", "prefix_states", "prefix_pairs"]
-
-ALGORITHMS = ("f32", "tf32", "tf32x3", "bf16x3", "bf16x6", "bf16x9")
-
-
-def precision_of(algorithm: str):
-    """The `precision` argument of `lax.dot_general` for an algorithm name."""
-    preset = lax.DotAlgorithmPreset
-    table = {
-        "f32": lax.Precision.HIGHEST,
-        "tf32": preset.TF32_TF32_F32,
-        "tf32x3": preset.TF32_TF32_F32_X3,
-        "bf16x3": preset.BF16_BF16_F32_X3,
-        "bf16x6": preset.BF16_BF16_F32_X6,
-        "bf16x9": preset.BF16_BF16_F32_X9,
-    }
-    if algorithm not in table:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    return table[algorithm]
-
-
-def matmul(a: Array, b: Array, algorithm: str = "bf16x3") -> Array:
-    """Batched a @ b over the leading axes, float32 result, with the named dot algorithm."""
-    batch = tuple(range(a.ndim - 2))
-    dims = (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch))
-    prec = precision_of(algorithm)
-    kwargs = {} if isinstance(prec, lax.DotAlgorithmPreset) else {"preferred_element_type": jnp.float32}
-    return lax.dot_general(a, b, dims, precision=prec, **kwargs)
 
 
 def compose_pair(first: tuple[Array, Array], second: tuple[Array, Array], algorithm: str = "bf16x3"):
@@ -121,15 +105,6 @@ def prefix_pairs(transfers: Array, states: Array, algorithm: str = "bf16x3") -> 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pallas (Triton) fold: every (layer, head) in one launch, the running pair kept in registers.
-
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import math  # noqa: E402
-
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import triton as pltriton  # noqa: E402
-
-from hypic_jax.pallas.platform import is_hopper  # noqa: E402
 
 _KERNEL_PRECISION = {
     "bf16": lax.DotAlgorithmPreset.BF16_BF16_F32,
@@ -244,32 +219,7 @@ __all__ += ["FoldConfig", "FINAL_STATE_CONFIG", "fold_pallas"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Split-operand fold: the pairs stored as the tensor cores read them.
-
-
-def split_operands(transfers: Array, states: Array) -> tuple[Array, Array, Array]:
-    """Float32 pairs -> the operands of `fold_split_pallas`: T [n, ..., K, K] as two bfloat16 planes (hi = T
-    rounded to bfloat16, lo = the rest rounded to bfloat16) and S [n, ..., K, V] float32, transposed to
-    [n, ..., V, K].
-
-    The planes are what a bf16x3 product splits T into anyway, so the fold's arithmetic is unchanged, and they take
-    the same 4 bytes per entry as float32. A cache converts each entry once when it stores it (3.8 to 3.9 ms for the
-    composition bar's 64 x 30 x 32 pairs on the H200); every request that composes it then skips the split.
-    """
-    hi, lo = _split_bf16(transfers.astype(jnp.float32))
-    return hi, lo, jnp.swapaxes(states.astype(jnp.float32), -1, -2)
-
-
-def _split_bf16(x: Array) -> tuple[Array, Array]:
-    """float32 x -> bfloat16 (hi, lo) with x ~ hi + lo: hi is x rounded to bfloat16 (to nearest, ties away from
-    zero; finite x below bfloat16's largest value), lo the exact rest rounded to bfloat16, as a bf16x3 product
-    splits its operands. The rounding goes through the bits because a float32 -> bfloat16 -> float32 round trip may
-    be simplified away by the compiler (XLA's excess-precision rewrite does so on GPUs: measured, lo came out 0),
-    and truncating instead of rounding would lose one bit (about 4x the error of a 5-step fold in the
-    interpret-mode check)."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    top = lax.bitcast_convert_type((bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000), jnp.float32)
-    return top.astype(jnp.bfloat16), (x - top).astype(jnp.bfloat16)
+# Split-operand fold: the pairs stored as the tensor cores read them (`split.split_operands`).
 
 
 def _dot_t(a, b):
@@ -303,7 +253,7 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks,
         return pltriton.load(s_ref.at[i], mask=read_s, other=0.0 if with_transfer else None)
 
     def step(i, acc):
-        hi, lo = _split_bf16(acc)
+        hi, lo = split_bf16(acc)
         th, tl = th_ref[i], tl_ref[i]
         # one loop for both kinds of program: one set of prefetch buffers
         acc = _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + load_s(i)
@@ -327,19 +277,10 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks,
 
 
 def _split_args(t_hi, t_lo, states_t, config):
-    """Checks split operands (see `split_operands`) and flattens their batch axes: (n, batch shape, T planes
-    [n, B, K, K], S^T [n, B, V, K] float32)."""
+    """`split.check_split_operands` for a Triton split-operand fold, whose config must name bf16x3."""
     if config.algorithm != "bf16x3":
         raise ValueError(f"the split-operand fold computes bf16x3 products, got algorithm {config.algorithm!r}")
-    n, key_dim, value_dim = t_hi.shape[0], t_hi.shape[-1], states_t.shape[-2]
-    if (t_hi.shape != t_lo.shape or t_hi.shape[-2:] != (key_dim, key_dim) or t_hi.shape[:-2] != states_t.shape[:-2]
-            or states_t.shape[-1] != key_dim or t_hi.dtype != jnp.bfloat16 or t_lo.dtype != jnp.bfloat16):
-        raise ValueError(f"split operands disagree: t_hi {t_hi.shape} {t_hi.dtype}, t_lo {t_lo.shape} {t_lo.dtype}, "
-                         f"states_t {states_t.shape} (expected [n, ..., V, K]; see split_operands)")
-    if n < 1:
-        raise ValueError("the split-operand fold needs at least one segment")
-    flat = lambda x, rows: x.reshape((n, -1, rows, key_dim))  # noqa: E731
-    return n, t_hi.shape[1:-2], flat(t_hi, key_dim), flat(t_lo, key_dim), flat(states_t, value_dim).astype(jnp.float32)
+    return check_split_operands(t_hi, t_lo, states_t)
 
 
 @functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
@@ -388,13 +329,11 @@ LOWERINGS = ("auto", "mosaic", "triton")
 
 def _use_mosaic(lowering: str, t_hi: Array, states_t: Array, interpret: bool) -> bool:
     """Whether a split-operand fold runs under Mosaic GPU: "mosaic", or "auto" on a Hopper GPU where the shapes
-    allow it (the Mosaic GPU kernels import this module, so they are imported lazily)."""
+    allow it."""
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
     if lowering != "auto":
         return lowering == "mosaic"
-    from hypic_jax.pallas import compose_mgpu
-
     return compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2]) and not interpret and is_hopper()
 
 
@@ -410,8 +349,6 @@ def fold_split(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool
     issues the three into one accumulator from registers and streams T and S with the TMA engine.
     """
     if _use_mosaic(lowering, t_hi, states_t, interpret):
-        from hypic_jax.pallas import compose_mgpu
-
         return compose_mgpu.fold_split_mgpu(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
     return fold_split_pallas(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
 
@@ -464,8 +401,6 @@ def prefix_fold_split(t_hi: Array, t_lo: Array, states_t: Array, initial_state: 
     chosen as in `fold_split`. At the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session):
     Mosaic GPU 2.98 ms (8 GB read and 4 GB written at 97% of the measured bandwidth), Triton 4.20."""
     if _use_mosaic(lowering, t_hi, states_t, interpret):
-        from hypic_jax.pallas import compose_mgpu
-
         return compose_mgpu.prefix_fold_split_mgpu(t_hi, t_lo, states_t, initial_state, interpret=interpret)
     return prefix_fold_split_pallas(t_hi, t_lo, states_t, initial_state, interpret=interpret)
 

@@ -32,8 +32,8 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from hypic_jax.pallas.compose import FoldConfig, _split_args
 from hypic_jax.pallas.platform import check_semantics, gpu_interpreter, mosaic_compiler_params
+from hypic_jax.pallas.split import check_split_operands
 
 __all__ = ["MosaicFoldConfig", "fold_split_mgpu", "PREFIX_CONFIG", "prefix_fold_split_mgpu", "supported"]
 
@@ -295,7 +295,7 @@ def fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer:
                     config: MosaicFoldConfig = MosaicFoldConfig(), interpret: bool = False):
     """`compose.fold_split_pallas` (same arguments and results) under the Mosaic GPU lowering; K and V multiples of
     128 (`supported`)."""
-    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
+    n, batch, th, tl, s = check_split_operands(t_hi, t_lo, states_t)
     value_dim, key_dim = s.shape[-2:]
     eye = jnp.eye(key_dim, dtype=jnp.float32)  # the transfer blocks' first rows
     out = _launch(th, tl, s, eye, with_transfer=with_transfer, every_step=False, has_initial=False, config=config,
@@ -315,7 +315,7 @@ def prefix_fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, initial_st
                            config: MosaicFoldConfig = PREFIX_CONFIG, interpret: bool = False) -> Array:
     """`compose.prefix_fold_split_pallas` (same arguments and results: every state S_i = T_i S_{i-1} + S_i from
     `initial_state` or zeros, transposed like the input S, [n, ..., V, K]) under the Mosaic GPU lowering."""
-    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
+    n, batch, th, tl, s = check_split_operands(t_hi, t_lo, states_t)
     b, value_dim, key_dim = s.shape[1:]
     if initial_state is None:
         x0 = jnp.eye(key_dim, dtype=jnp.float32)  # unread: state blocks start from S_0

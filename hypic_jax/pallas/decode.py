@@ -34,9 +34,7 @@ from jax import Array
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hypic_jax import linear_attn as la
-
-__all__ = ["DecodeConfig", "decode_step", "decode_reference"]
+__all__ = ["DecodeConfig", "decode_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,13 +148,3 @@ def decode_step(
     o, new = _decode(q, k, v, state, g, gk, beta, scale=float(scale), config=config, interpret=bool(interpret),
                      donate=donate)
     return o, new
-
-
-def decode_reference(q, k, v, state, *, g=None, gk=None, beta=None, scale=1.0) -> tuple[Array, Array]:
-    """`decode_step` through the core (`linear_attn.recurrent` over one token, key heads repeated)."""
-    group = v.shape[0] // k.shape[0]
-    one = lambda x: None if x is None else x[None]  # noqa: E731
-    up = lambda x: jnp.repeat(x, group, 0)  # noqa: E731
-    o, new = la.recurrent(one(up(q)), one(up(k)), one(v), g=one(g), gk=one(gk), beta=one(beta),
-                          initial_state=state, scale=scale)
-    return o[0], new

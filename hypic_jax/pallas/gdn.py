@@ -130,11 +130,12 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hypic_jax import linear_attn as la
+from hypic_jax.pallas import gdn_locals_mgpu, gdn_mgpu
 from hypic_jax.pallas.compose import compose_all
 from hypic_jax.pallas.platform import is_hopper
+from hypic_jax.summary import Summary, advance, compose, einsum, transfer_form
 
-__all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "default_config", "default_varlen_config",
+__all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "default_config", "default_varlen_config",
            "default_interpret", "flops", "supports"]
 
 _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
@@ -915,8 +916,6 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret, packed=None):
     elif pad:
         packed = tuple(jnp.pad(t, (0, pad)) for t in packed)
     if _mosaic_transfer(config, chunk, key_dim, b, packed, interpret):
-        from hypic_jax.pallas import gdn_mgpu
-
         ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=chunk, group_chunks=group, config=_mosaic_state_config(config))
     else:
         eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
@@ -933,8 +932,6 @@ def _mosaic_transfer(config, chunk, key_dim, b, packed, interpret) -> bool:
     launch the state pass refuses under "mosaic" has been refused before this is asked)."""
     if config.state_lowering == "triton" or interpret:
         return False
-    from hypic_jax.pallas import gdn_mgpu
-
     return (b.ndim == 2 and packed is None and config.state_precision == "bf16"
             and gdn_mgpu.supported(chunk, key_dim, key_dim, config.block_v)
             and (config.state_lowering == "mosaic" or is_hopper()))
@@ -983,8 +980,6 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
     if _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret):
-        from hypic_jax.pallas import gdn_locals_mgpu
-
         p, w, u = gdn_locals_mgpu.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=config.chunk, scale=scale)
         return b, p, w, u, k, q
     res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
@@ -1001,7 +996,7 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
 
 def _log_transfer(g, gk, seg_ids=None, n_seg=None):
     """The summary form and log-transfer of a decay-only family: sums of log gates (per segment with seg_ids)."""
-    form = la.transfer_form(g=g, gk=gk)
+    form = transfer_form(g=g, gk=gk)
     if form == "identity":
         return form, None
     total = lambda x: (jnp.sum(x.astype(jnp.float32), axis=0) if seg_ids is None  # noqa: E731
@@ -1019,8 +1014,6 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
     `_choose_mosaic`)."""
     if config.locals_lowering == "triton":
         return False
-    from hypic_jax.pallas import gdn_locals_mgpu
-
     bf16 = all(x.dtype == jnp.bfloat16 for x in (q, k, v)) and jnp.dtype(inter) == jnp.bfloat16
     fits = (gk is None and beta is not None and packed is None and config.solve == "tile" and bf16
             and config.locals_precision == "bf16" and config.solve_precision == "bf16"
@@ -1050,8 +1043,6 @@ def _choose_mosaic(field, lowering, fits, interpret, standalone, *, takes, got) 
 
 def _mosaic_state_config(config):
     """The Mosaic GPU state pass's launch (`gdn_mgpu.MosaicStateConfig`) that a GDNConfig asks for."""
-    from hypic_jax.pallas import gdn_mgpu
-
     return gdn_mgpu.MosaicStateConfig(block_v=config.block_v, cluster=config.state_cluster)
 
 
@@ -1061,8 +1052,6 @@ def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, 
     keep Triton's float32 dots)."""
     if config.state_lowering == "triton":
         return False
-    from hypic_jax.pallas import gdn_mgpu
-
     fits = (w is not None and gk is None and packed is None and not widen and config.state_precision == "bf16"
             and jnp.dtype(out_dtype) == jnp.bfloat16 and gdn_mgpu.supported(chunk, key_dim, value_dim, config.block_v))
     return _choose_mosaic(
@@ -1110,8 +1099,6 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         widen = dense_summary and not config.transfer_group
         init = jnp.concatenate([state0, eye], axis=-1) if widen else state0
         if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret):
-            from hypic_jax.pallas import gdn_mgpu
-
             o, final = gdn_mgpu.state_pass_mgpu(w, u, ks, b, qs, p, init, chunk=chunk, out_dtype=out_dtype,
                                                 scale=scale, config=_mosaic_state_config(config), interpret=interpret)
         else:
@@ -1124,8 +1111,8 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
             else:
                 transfer = _transfer_pass(w, ks, b, chunk=chunk, group=config.transfer_group, config=config,
                                           interpret=interpret, packed=packed if gk is None else None)
-            zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
-            summary = la.Summary("dense", zero_start, transfer)
+            zero_start = state if initial_state is None else state - einsum("hkj,hjv->hkv", transfer, state0)
+            summary = Summary("dense", zero_start, transfer)
     else:
         if config.state_lowering == "mosaic":
             raise ValueError("pieces > 1 run the Triton state pass only (GDNConfig.state_lowering 'auto' or "
@@ -1133,18 +1120,18 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         widened0 = jnp.broadcast_to(jnp.concatenate([jnp.zeros_like(state0), eye], axis=-1),
                                     (pieces, heads, key_dim, value_dim + key_dim))
         _, pairs = run(w, u, ks, b, None, None, widened0, pieces=pieces)
-        pairs = la.Summary("dense", pairs[..., :value_dim], pairs[..., value_dim:])
-        prefixes = lax.associative_scan(la.compose, pairs, axis=0)
+        pairs = Summary("dense", pairs[..., :value_dim], pairs[..., value_dim:])
+        prefixes = lax.associative_scan(compose, pairs, axis=0)
         before = jax.tree_util.tree_map(lambda x: x[:-1], prefixes)
-        incoming = jnp.concatenate([state0[None], la.advance(before, jnp.broadcast_to(state0, before.state.shape))])
+        incoming = jnp.concatenate([state0[None], advance(before, jnp.broadcast_to(state0, before.state.shape))])
         o, finals = run(w, u, ks, b, qs, p, incoming, pieces=pieces)
         state = finals[-1]
         if dense_summary:
             summary = jax.tree_util.tree_map(lambda x: x[-1], prefixes)
     if emit_summary and not dense_summary:  # decay-only: T is a sum of log gates, S(C|0) = state - T state0
         form, log = _log_transfer(g, gk)
-        transfer_only = la.Summary(form, jnp.zeros_like(state), log)
-        summary = la.Summary(form, state - la.advance(transfer_only, state0) + 0.0, log)
+        transfer_only = Summary(form, jnp.zeros_like(state), log)
+        summary = Summary(form, state - advance(transfer_only, state0) + 0.0, log)
     return o[:length], state, summary
 
 
@@ -1359,11 +1346,11 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
         transfer = _varlen_transfer(w, ks, b, start, slot, chunk_begin, chunk_end, n_seg=n_seg, chunk=chunk,
                                     group=group, config=config, interpret=interpret)
         eye = jnp.eye(key_dim, dtype=jnp.float32)
-        return o, la.Summary("dense", states, jnp.where((lens > 0)[:, None, None, None], transfer, eye))
+        return o, Summary("dense", states, jnp.where((lens > 0)[:, None, None, None], transfer, eye))
     if dense:
-        return o, la.Summary("dense", states, finals[..., value_dim:])
+        return o, Summary("dense", states, finals[..., value_dim:])
     form, log = _log_transfer(g, gk, seg_of_token, n_seg)
-    return o, la.Summary(form, states, log)
+    return o, Summary(form, states, log)
 
 
 def gdn_varlen(
@@ -1408,40 +1395,6 @@ def gdn_varlen(
         _check_per_key_launch(config, key_dim, bool(interpret))
     return _varlen(q, k, v, cu, g, gk, beta, scale=float(scale), config=config, emit_summary=emit_summary,
                    interpret=bool(interpret))
-
-
-def varlen_reference(q, k, v, cu_seqlens, *, g=None, gk=None, beta=None, scale=1.0, max_len: int | None = None,
-                     chunk_size: int = 16):
-    """Pure-JAX reference of `gdn_varlen` from the core: segments gathered into [N, max_len] rows (zero padded at
-    the end, which adds nothing), `linear_attn.chunked` and `linear_attn.summarize` vmapped over them, outputs
-    scattered back. Key heads are repeated to the value heads. Returns (o [L, H, V] float32, Summary over N)."""
-    length, heads = v.shape[:2]
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    n_seg = cu.shape[0] - 1
-    if max_len is None:
-        max_len = int(np.max(np.diff(np.asarray(cu_seqlens)))) if n_seg else 1
-    max_len = max(max_len, 1)
-    group = heads // k.shape[1]
-    up = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
-    q, k = jnp.repeat(up(q), group, 1), jnp.repeat(up(k), group, 1)
-    v, g, gk, beta = up(v), up(g), up(gk), up(beta)
-    lens = cu[1:] - cu[:-1]
-    offs = jnp.arange(max_len, dtype=jnp.int32)
-    idx = jnp.where(offs[None, :] < lens[:, None], cu[:-1, None] + offs[None, :], length)  # [N, max_len]
-
-    def rows(x):
-        if x is None:
-            return None
-        return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[idx]
-
-    def one(q, k, v, g, gk, beta):
-        o, _ = la.chunked(q, k, v, g=g, gk=gk, beta=beta, scale=scale, chunk_size=chunk_size)
-        return o, la.summarize(k, v, g=g, gk=gk, beta=beta, chunk_size=chunk_size)
-
-    o_rows, summary = jax.vmap(one)(*map(rows, (q, k, v, g, gk, beta)))
-    tokens = jnp.arange(length, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), n_seg - 1)
-    return o_rows[seg, tokens - cu[seg]], summary
 
 
 def flops(length: int, heads: int, key_dim: int, value_dim: int, chunk: int, *, emit: bool = False,
