@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn
+from hypic_jax import linear_attn, rope, spans
 from hypic_jax.models import base, layers
 
 ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
@@ -500,8 +500,6 @@ def span_forward(params: Params, config: RingLinearConfig, tokens: Array, cached
     computed at canonical positions is moved to its absolute position with `rotate_summary` (exact: the scalar
     transfer commutes with the rotation). Returns a `spans.SpanResult` (see `qwen3_5.span_forward`).
     """
-    from hypic_jax import rope, spans
-
     positions = jnp.asarray(layout.fresh_positions())
     x = params["embed"][tokens][None]  # [1, F, D]
     hidden = [x[0]] if want_hidden else None
