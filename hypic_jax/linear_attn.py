@@ -200,7 +200,7 @@ def _unit_lower_inverse(lower: Array) -> Array:
     The inverses of the diagonal blocks of size s give those of size 2s through
     [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]: log2(b) levels of two batched products each. This is
     block forward substitution (the same rounding behaviour, unlike a Neumann series whose terms can be far larger
-    than the inverse), with no loop: a row-by-row `fori_loop` became b tiny kernels per call on a GPU, thousands per
+    than the inverse), with no loop: a row-by-row `fori_loop` would be b tiny kernels per call on a GPU, thousands per
     request, and library triangular solves run one small matrix at a time.
     """
     size = lower.shape[-1]
@@ -551,9 +551,8 @@ def composed_state(summaries: Summary, initial_state: Array | None = None, *, al
     resuming after n cached segments needs, without the composed transfer or the states in between.
 
     impl as in `prefix_states`; "pallas" (dense transfers) runs `pallas.compose.fold_pallas` without the transfer
-    columns, one program per whole state, every batch entry (layers, heads) in one launch: on the H200, 64
-    segments x 30 layers x 32 heads of 128 x 128 pairs take 3.79 ms at bf16x3 (bench/RESULTS.md), against 5.48 ms
-    for every prefix state. Returns [..., H, K, V].
+    columns, one program per whole state, every batch entry (layers, heads) in one launch, which costs less than
+    every prefix state (bench/kernels.py measures both; see bench/RESULTS.md). Returns [..., H, K, V].
     """
     if summaries.state.ndim < 4:
         raise ValueError(f"summaries must be stacked along a leading axis, got state shape {summaries.state.shape}")

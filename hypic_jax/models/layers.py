@@ -76,7 +76,7 @@ def softmax_topk_router(
 # rows (decode, a PIC request's seams and query) are better served by the kernel, which reads only the experts
 # that own rows.
 PALLAS_MOE_MIN_ROWS = 1
-# The Pallas grouped matmul's tiling on the MoE path: None picks the measured launch for the row count
+# The Pallas grouped matmul's tiling on the MoE path: None picks the benchmarked launch for the row count
 # (`grouped_matmul.default_config`); a GMMConfig forces one.
 MOE_GMM_CONFIG: gm.GMMConfig | None = None
 MOE_IMPLS = ("auto", "ragged", "pallas")
@@ -118,8 +118,8 @@ def grouped_swiglu_experts(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
         if num_rows <= gm.FEW_ROWS_MAX:  # few copies (a PIC request's seams and query): the kernel gathers each
-            # block's token rows and applies the activation itself (long prefills keep the separate steps: the fused
-            # launch was not timed there)
+            # block's token rows and applies the activation itself (long prefills keep the separate steps, the
+            # launch FEW_ROWS_CONFIG was not chosen for)
             act = gm.gmm(x, layout.block_expert, gate_up, config=config, rows=padded_token, swiglu=True)
         else:
             gate, up = jnp.split(gm.gmm(x[padded_token], layout.block_expert, gate_up, config=config), 2, axis=-1)

@@ -17,8 +17,8 @@ references disagree:
   "remote"            f = 1 - (l - 1) / (L - 1) + 1e-5          the checkpoint's remote code as third-party ports
                                                                 quote it (only layer 0 differs from "mlx");
   "vllm"              f = 1 - l / (L - 1) + 1e-5                 vLLM and SGLang's lightning backend.
-The remote code itself cannot be downloaded here, so we follow mlx-lm; select another with the config field
-`layer_factor_convention` (the same key in config.json is honoured).
+The default follows mlx-lm, the reference the tests compare against (the remote code is not available to check);
+select another with the config field `layer_factor_convention` (the same key in config.json is honoured).
 
 Layout. Parameters are a plain PyTree (nested dicts and a list of layers) with matrices stored [in, out] so that
 activations multiply on the left; the converter transposes the Hugging Face [out, in] tensors. Activations are

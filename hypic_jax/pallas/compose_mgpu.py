@@ -1,6 +1,6 @@
 """The split-operand fold (`compose.fold_split_pallas`) written for Pallas's Mosaic GPU lowering (Hopper).
 
-Why a second lowering: Nsight Compute on the Triton fold (bench/RESULTS.md, eleventh session) shows each step's
+Why a second lowering: Nsight Compute on the Triton fold (bench/RESULTS.md) shows each step's
 three bf16 products issued as three warpgroup-MMA groups with a full wait after each (Triton waits on every dot
 whose result is not a loop-carried accumulator), and the running value's bf16 planes passed to the next step's MMA
 through shared memory. Here the kernel states the schedule itself:
@@ -46,12 +46,11 @@ class MosaicFoldConfig:
     """stages: shared-memory slots for T_i's planes (two fit beside S's slot at K = 128: 2 x 64 + 64 KiB);
     compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups (2 x 128 x
     232 + 128 x 40 fills the 64 Ki registers of an SM); multicast: the pair (K = V) as clusters of a state block and
-    a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form): 2.82 against 3.02 ms
-    at the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session); 2.65 against the default's 2.91
-    once the two share one kernel body (twelfth session). Off by default: Pallas's GPU interpreter has no cluster
-    barriers, so this variant is checked on the GPU and lowered in CI, not run there. semantics: Mosaic GPU's
-    lowering (`platform.mosaic_compiler_params`); "warpgroup" is the one every measurement above ran under (JAX
-    0.11's default), "lane" is not yet timed."""
+    a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form), faster than the
+    default at the composition bar's shape (`bench/pic_kernels.py --sections bar`; see bench/RESULTS.md). Off by
+    default: Pallas's GPU interpreter has no cluster barriers, so this variant is checked on the GPU and lowered in
+    CI, not run there. semantics: Mosaic GPU's lowering (`platform.mosaic_compiler_params`); the benchmarks ran
+    under "warpgroup" (JAX 0.11's default) and none covers "lane"."""
 
     stages: int = 2
     compute_registers: int = 232
