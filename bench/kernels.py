@@ -694,6 +694,7 @@ def _all_varlen(record, length, scale, b16):
     import jax
     import jax.numpy as jnp
 
+    from hypic_jax import linear_attn as la
     from hypic_jax.pallas import gdn
     from hypic_jax.pallas.gdn import GDNConfig
     segments = min(64, max(2, length // 16))
@@ -701,12 +702,12 @@ def _all_varlen(record, length, scale, b16):
     cu = jnp.asarray(cu_list, jnp.int32)
     max_len = max(b - a for a, b in zip(cu_list[:-1], cu_list[1:]))
     q, k, v, g, beta = gdn_inputs(length, seed=4)
-    ref_o, ref_sum = jax.jit(lambda q, k, v, cu, g, b: gdn.varlen_reference(
+    ref_o, ref_sum = jax.jit(lambda q, k, v, cu, g, b: la.varlen_reference(
         q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len, chunk_size=64))(q, k, v, cu, g, beta)
     ref = {"o": (lambda r: r[0], ref_o), "S": (lambda r: r[1].state, ref_sum.state),
            "T": (lambda r: r[1].transfer, ref_sum.transfer)}
     record("varlen", f"xla vmapped reference ({segments} segments)", jax.jit(
-        lambda q, k, v, cu, g, b: gdn.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
+        lambda q, k, v, cu, g, b: la.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
                                                        chunk_size=64)), (q, k, v, cu, g, beta), ref,
         fla_name="fla chunk_gated_delta_rule varlen")
     pf = dict(b16, state_prefetch=True)  # the Triton default launch (tile solve, chunk 64, prefetch)
@@ -768,7 +769,7 @@ def _all_decode(record, scale):
         nbytes = 2 * state.size * 4  # state read and written
         for family, gates in (("gdn", dict(g=g, beta=beta)), ("kda", dict(gk=gk, beta=beta))):
             names = tuple(gates)
-            ref_fn = jax.jit(jax.vmap(lambda q, k, v, s, *gs, names=names: dec.decode_reference(
+            ref_fn = jax.jit(jax.vmap(lambda q, k, v, s, *gs, names=names: la.decode_reference(
                 q, k, v, s, scale=scale, **dict(zip(names, gs)))))
             args = (q, k, v, state) + tuple(gates.values())
             ref_o, ref_s = ref_fn(*args)

@@ -1,4 +1,4 @@
-"""Streaming safetensors reading, rule-based conversion with strict validation, and orbax save/restore.
+"""Streaming safetensors reading and rule-based conversion with strict validation.
 
 A converter lists `Rule`s: each names the Hugging Face tensors it consumes (with their expected shapes), the
 parameter path it fills and a transform (transpose, stack experts, regroup...). `apply_rules` first checks the
@@ -240,40 +240,3 @@ def apply_rules(
 def skip_prefixes(*prefixes: str) -> Callable[[str], bool]:
     """An `ignore` predicate for tensors that are deliberately not converted (vision towers, MTP heads)."""
     return lambda name: name.startswith(prefixes)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Whole folders and orbax
-
-
-def convert_folder(folder: str | Path, dtype: Any = "bfloat16") -> tuple[str, Any, Any]:
-    """HF folder -> (model_type, config, params) through the registered converter."""
-    from hypic_jax import models
-
-    hf_config = read_hf_config(folder)
-    model_type = models.resolve_model_type(hf_config)
-    config, params = models.converter(model_type).convert(CheckpointReader(folder), hf_config, dtype)
-    return model_type, config, params
-
-
-def save_checkpoint(dst: str | Path, *, model_type: str, config: Any, params: Any, dtype: Any) -> None:
-    """Write params with orbax under dst/params and the config metadata next to them."""
-    import orbax.checkpoint as ocp
-
-    from hypic_jax.models.base import write_metadata
-
-    dst = Path(dst).absolute()
-    dst.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(dst / "params", params, force=True)
-    write_metadata(dst, model_type=model_type, config=config, dtype=str(jnp.dtype(dtype)))
-
-
-def restore_params(src: str | Path, abstract: Any) -> Any:
-    """Restore params saved by `save_checkpoint` into the structure/dtypes of `abstract` (ShapeDtypeStructs,
-    optionally with shardings)."""
-    import orbax.checkpoint as ocp
-
-    src = Path(src).absolute()
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(src / "params", abstract)

@@ -1,15 +1,17 @@
-"""hypic-jax: position-independent caching for hybrid-attention LLMs, in JAX."""
+"""hypic-jax: position-independent caching for hybrid-attention LLMs, in JAX.
+
+Layers, each importing only those below it: the Pallas kernels (`hypic_jax.pallas`, on the shared definitions of
+`hypic_jax.summary`), the transfer-operator core (`linear_attn`, `conv`, `rope`, `attention`), the models
+(`hypic_jax.models`), their converters (`converters`) and checkpoints (`hypic_jax.checkpoint`), the cache and the
+engine (`spans`, `cache`, `pool`, `engine`), then `cli`, `demo` and `serve`. tests/test_imports.py checks this.
+"""
 
 __version__ = "0.1.0"
 
-from hypic_jax import conv, linear_attn, rope  # noqa: F401  (the core: kernels <- core <- models <- engine)
+from hypic_jax import conv, linear_attn, models, rope  # noqa: F401
+from hypic_jax.checkpoint import load
 
-
-def load(path, dtype="bfloat16", *, mesh=None):
-    """Load a model (orbax checkpoint from `hypic-jax convert`, or a Hugging Face folder); see hypic_jax.models.load."""
-    from hypic_jax.models import load as _load
-
-    return _load(path, dtype, mesh=mesh)
+models.load = load  # `hypic_jax.models.load`: the models package cannot define it, as it must not import checkpoint
 
 
 def __getattr__(name):

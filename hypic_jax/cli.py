@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
+from converters import convert_folder
+from hypic_jax.checkpoint import save_checkpoint
+from hypic_jax.engine import Engine
+
 
 def _convert(args: argparse.Namespace) -> int:
-    from converters.base import convert_folder, save_checkpoint
-
     start = time.perf_counter()
     model_type, config, params = convert_folder(args.src, args.dtype)
     save_checkpoint(args.dst, model_type=model_type, config=config, params=params, dtype=args.dtype)
@@ -19,10 +22,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _diag(args: argparse.Namespace) -> int:
-    import json
-
-    from hypic_jax.engine import Engine
-
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, separator=args.separator)
     segments = args.segments if len(args.segments) > 1 else args.segments[0]  # one string: split on the separator
     if args.token_ids:

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax import linear_attn as la
+from hypic_jax.engine import MODES, Engine
+from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import Model
 
 FAMILY_BUILDERS = {
     "linear": lambda q, k, v, r: la.linear_attention(q, k, v, scale=k.shape[-1] ** -0.5),
@@ -84,10 +87,6 @@ def run(segments: int, segment_len: int, heads: int, head_dim: int, chunk_size: 
 
 def engine_demo(docs: int = 4, doc_len: int = 48, query_len: int = 12, seam: float = 8) -> list[dict]:
     """Run every mode on a cold request, then on the same documents shuffled; returns one row per (mode, request)."""
-    from hypic_jax.engine import MODES, Engine
-    from hypic_jax.models import qwen3_5
-    from hypic_jax.models.base import Model
-
     config = qwen3_5.Config(
         vocab_size=512, hidden_size=64, layer_types=qwen3_5.default_layer_types(4), mlp_types=("dense",) * 4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=8, linear_num_key_heads=2,

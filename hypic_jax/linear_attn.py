@@ -32,9 +32,24 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
+from hypic_jax.pallas import compose as pallas_compose
+from hypic_jax.pallas import gdn as pallas_gdn
 from hypic_jax.rope import rotate_state_keys, rotation_matrix
+from hypic_jax.summary import (
+    FORMS,
+    Summary,
+    advance,
+    compose,
+    dense_product,
+    dense_transfer,
+    einsum,
+    promote,
+    stack_summaries,
+    transfer_form,
+)
 
 __all__ = [
     "Summary",
@@ -68,35 +83,15 @@ __all__ = [
     "kda",
     "l2_normalize",
     "rotate_state_keys",
+    "varlen_reference",
+    "decode_reference",
 ]
-
-# Products of states and transfers are the quantity a cache reuses many times: keep them at full float32 precision
-# on every backend (XLA's GPU default would otherwise allow TF32 for float32 dots).
-PRECISION = jax.lax.Precision.HIGHEST
-
-FORMS = ("identity", "scalar", "diagonal", "dense")
-_FORM_RANK = {form: rank for rank, form in enumerate(FORMS)}
-
-
-def _einsum(spec: str, *operands: Array) -> Array:
-    return jnp.einsum(spec, *operands, precision=PRECISION)
 
 
 def _state_dtype(*arrays: Array | None) -> jnp.dtype:
     """float32, or float64 when any input is float64 (x64 references)."""
     dtypes = [a.dtype for a in arrays if a is not None]
     return jnp.float64 if any(d == jnp.float64 for d in dtypes) else jnp.float32
-
-
-def transfer_form(*, g: Any = None, gk: Any = None, beta: Any = None) -> str:
-    """The cheapest exact form of T_C for a family with these gates."""
-    if beta is not None:
-        return "dense"
-    if gk is not None:
-        return "diagonal"
-    if g is not None:
-        return "scalar"
-    return "identity"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -174,10 +169,10 @@ def recurrent(
             state = state * jnp.exp(x["gk"])[:, :, None]
         k_t, v_t = x["k"], x["v"]
         if x["beta"] is not None:  # S <- (I - b k k^T) S + b k v^T, written as a correction of v
-            predicted = _einsum("hkv,hk->hv", state, k_t)
+            predicted = einsum("hkv,hk->hv", state, k_t)
             v_t = x["beta"][:, None] * (v_t - predicted)
         state = state + k_t[:, :, None] * v_t[:, None, :]
-        out = _einsum("hkv,hk->hv", state, x["q"])
+        out = einsum("hkv,hk->hv", state, x["q"])
         return state, out
 
     state, out = jax.lax.scan(step, state, xs)
@@ -205,7 +200,7 @@ def _unit_lower_inverse(lower: Array) -> Array:
     The inverses of the diagonal blocks of size s give those of size 2s through
     [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]: log2(b) levels of two batched products each. This is
     block forward substitution (the same rounding behaviour, unlike a Neumann series whose terms can be far larger
-    than the inverse), with no loop: a row-by-row `fori_loop` became b tiny kernels per call on a GPU, thousands per
+    than the inverse), with no loop: a row-by-row `fori_loop` would be b tiny kernels per call on a GPU, thousands per
     request, and library triangular solves run one small matrix at a time.
     """
     size = lower.shape[-1]
@@ -222,7 +217,7 @@ def _unit_lower_inverse(lower: Array) -> Array:
         tiles = lower.reshape(lead + (pairs, 2 * s, pairs, 2 * s))
         coupling = jnp.stack([tiles[..., j, s:, j, :s] for j in range(pairs)], axis=-3)  # C of each new block
         first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
-        corner = -_einsum("...ij,...jk,...kl->...il", second, coupling, first)
+        corner = -einsum("...ij,...jk,...kl->...il", second, coupling, first)
         top = jnp.concatenate([first, jnp.zeros_like(first)], axis=-1)
         bottom = jnp.concatenate([corner, second], axis=-1)
         inverse = jnp.concatenate([top, bottom], axis=-2)
@@ -242,7 +237,7 @@ def _unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
     if jax.default_backend() == "cpu":  # one library op: the same substitution, and far less for XLA to compile
         return jax.lax.linalg.triangular_solve(lower, rhs, left_side=True, lower=True, unit_diagonal=True)
     if size <= block:
-        return _einsum("...ij,...jn->...in", _unit_lower_inverse(lower), rhs)
+        return einsum("...ij,...jn->...in", _unit_lower_inverse(lower), rhs)
     blocks = -(-size // block)
     padded = blocks * block
     if padded != size:  # pad with identity rows / zero right-hand sides; the extra unknowns are zero
@@ -258,9 +253,9 @@ def _unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
     for i in range(blocks):
         b_i = rhs[..., i * block : (i + 1) * block, :]
         if i:
-            b_i = b_i - _einsum("...ij,...jn->...in", lower[..., i * block : (i + 1) * block, : i * block],
+            b_i = b_i - einsum("...ij,...jn->...in", lower[..., i * block : (i + 1) * block, : i * block],
                                 jnp.concatenate(solved, axis=-2))
-        solved.append(_einsum("...ij,...jn->...in", diagonal_inverse[..., i, :, :], b_i))
+        solved.append(einsum("...ij,...jn->...in", diagonal_inverse[..., i, :, :], b_i))
     return jnp.concatenate(solved, axis=-2)[..., :size, :]
 
 
@@ -284,7 +279,7 @@ def _chunk_locals(q, k, v, log_decay, beta, acc):
     def pairwise(x):  # x_t^T Diag(e^{b_t - b_j}) k_j for j <= t
         if per_key:  # one fused multiply-reduce; a 3-operand einsum lowers to slower dot chains here
             return jnp.sum(x[:, :, None, :] * k[:, None, :, :] * pair_decay, axis=-1)
-        return _einsum("htk,hjk->htj", x, k) * pair_decay[..., 0]
+        return einsum("htk,hjk->htj", x, k) * pair_decay[..., 0]
 
     k_to_end = k * jnp.exp(b_last[:, None, :] - b)  # [H, c, K]
     if beta is not None:
@@ -348,11 +343,11 @@ def _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc):
     def step(state, loc):
         u = loc["u"]
         if loc["w"] is not None:
-            u = u - _einsum("hck,hkv->hcv", loc["w"], state)
+            u = u - einsum("hck,hkv->hcv", loc["w"], state)
         out = None
         if "q_decayed" in loc:
-            out = _einsum("hck,hkv->hcv", loc["q_decayed"], state) + _einsum("hcj,hjv->hcv", loc["scores"], u)
-        state = loc["chunk_decay"][:, :, None] * state + _einsum("hck,hcv->hkv", loc["k_to_end"], u)
+            out = einsum("hck,hkv->hcv", loc["q_decayed"], state) + einsum("hcj,hjv->hcv", loc["scores"], u)
+        state = loc["chunk_decay"][:, :, None] * state + einsum("hck,hcv->hkv", loc["k_to_end"], u)
         return state, out
 
     state, outs = jax.lax.scan(step, state, locals_)
@@ -409,9 +404,9 @@ def span_chunk_outputs(chunk: SpanChunk, state: Array, scale: float = 1.0,
     if chunk.q_decayed is None:
         raise ValueError("span_chunk_outputs needs a SpanChunk built with the queries (span_chunk(q, ...))")
     state = state.astype(chunk.u.dtype)
-    u = chunk.u - _einsum("hck,hkv->hcv", chunk.w, state)
-    out = _einsum("hck,hkv->hcv", chunk.q_decayed, state) + _einsum("hcj,hjv->hcv", chunk.scores, u)
-    final = chunk.decay[:, :, None] * state + _einsum("hck,hcv->hkv", chunk.k_to_end, u)
+    u = chunk.u - einsum("hck,hkv->hcv", chunk.w, state)
+    out = einsum("hck,hkv->hcv", chunk.q_decayed, state) + einsum("hcj,hjv->hcv", chunk.scores, u)
+    final = chunk.decay[:, :, None] * state + einsum("hck,hcv->hkv", chunk.k_to_end, u)
     out = scale * jnp.moveaxis(out, 0, 1)
     return (out if out_dtype is None else out.astype(out_dtype)), final
 
@@ -444,8 +439,6 @@ def chunked(
     chunk_size = _check_chunk_size(chunk_size)
     length, heads, key_dim, value_dim = _check_inputs(q, k, v, g, gk, beta, initial_state)
     if impl != "xla":
-        from hypic_jax.pallas import gdn as pallas_gdn
-
         ok = pallas_gdn.supports(q, k, v, gk=gk)
         if impl == "pallas" and not ok:
             raise ValueError("impl='pallas' needs K, V powers of two >= 16 and a non-empty sequence")
@@ -462,54 +455,6 @@ def chunked(
         return jnp.zeros((0, heads, value_dim), out_dtype), state
     out, state = _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc)
     return (scale * out).astype(out_dtype), state
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Segment summaries (T_C, S(C|0)).
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class Summary:
-    """A segment's affine state map S -> T S + state, with T in its cheapest exact form.
-
-    Attributes:
-      form: "identity" | "scalar" | "diagonal" | "dense" (static: it is part of the PyTree structure).
-      state: S(C|0) [..., H, K, V], the state the segment leaves behind from a zero start.
-      transfer: identity -> None; scalar -> log of the per-head factor [..., H]; diagonal -> log of the diagonal
-        [..., H, K]; dense -> the matrix T_C [..., H, K, K]. Leading axes (segments, layers, batch) are allowed.
-    """
-
-    form: str
-    state: Array
-    transfer: Array | None = None
-
-    def __post_init__(self):
-        if self.form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
-        if (self.form == "identity") != (self.transfer is None):
-            raise ValueError(f"form {self.form!r} {'takes no' if self.form == 'identity' else 'needs a'} transfer")
-
-    def tree_flatten(self):
-        return (self.state, self.transfer), self.form
-
-    @classmethod
-    def tree_unflatten(cls, form, children):
-        state, transfer = children
-        obj = object.__new__(cls)  # skip validation: under transformations leaves may be placeholders
-        object.__setattr__(obj, "form", form)
-        object.__setattr__(obj, "state", state)
-        object.__setattr__(obj, "transfer", transfer)
-        return obj
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The state's shape [..., H, K, V]."""
-        return tuple(self.state.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.state.nbytes) + (0 if self.transfer is None else int(self.transfer.nbytes))
 
 
 def summarize(
@@ -552,96 +497,8 @@ def summarize(
     return Summary("diagonal", state, log_diag)
 
 
-def _key_dim(summary: Summary) -> int:
-    return summary.state.shape[-2]
-
-
-def promote(summary: Summary, form: str) -> Summary:
-    """Rewrite `summary` in a more general form (identity < scalar < diagonal < dense); exact."""
-    if _FORM_RANK[form] < _FORM_RANK[summary.form]:
-        raise ValueError(f"cannot promote a {summary.form!r} summary to the narrower form {form!r}")
-    if form == summary.form:
-        return summary
-    if form == "dense":
-        return Summary("dense", summary.state, dense_transfer(summary))
-    lead_heads = summary.state.shape[:-2]  # [..., H]
-    if summary.form == "identity":
-        log = jnp.zeros(lead_heads, summary.state.dtype)
-    else:
-        log = summary.transfer
-    if form == "scalar":
-        return Summary("scalar", summary.state, log)
-    if log.ndim == len(lead_heads):  # scalar -> diagonal
-        log = jnp.broadcast_to(log[..., None], lead_heads + (_key_dim(summary),))
-    return Summary("diagonal", summary.state, log)
-
-
-def dense_transfer(summary: Summary) -> Array:
-    """T_C as a dense [..., H, K, K] matrix (for inspection, tests and mixing with dense families)."""
-    key_dim = _key_dim(summary)
-    lead_heads = summary.state.shape[:-2]
-    eye = jnp.eye(key_dim, dtype=summary.state.dtype)
-    if summary.form == "dense":
-        return summary.transfer
-    if summary.form == "identity":
-        return jnp.broadcast_to(eye, lead_heads + (key_dim, key_dim))
-    if summary.form == "scalar":
-        return jnp.exp(summary.transfer)[..., None, None] * eye
-    return jnp.exp(summary.transfer)[..., :, None] * eye
-
-
-def _dense_product(a: Array, b: Array, algorithm: str | None) -> Array:
-    """a @ b over the trailing two axes: HIGHEST precision, or a named tensor-core algorithm ("bf16x3", ...; see
-    `hypic_jax.pallas.compose`) for the dense products of composition, the bulk of a PIC request's state work."""
-    if algorithm in (None, "f32"):
-        return _einsum("...kj,...jn->...kn", a, b)
-    from hypic_jax.pallas.compose import matmul
-
-    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # dot_general needs equal batch axes
-    return matmul(jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:]), algorithm)
-
-
-def _apply_transfer(summary: Summary, x: Array, algorithm: str | None = None) -> Array:
-    """T x for x [..., H, K, N] (a state, or another transfer)."""
-    if summary.form == "identity":
-        return x
-    if summary.form == "scalar":
-        return jnp.exp(summary.transfer)[..., None, None] * x
-    if summary.form == "diagonal":
-        return jnp.exp(summary.transfer)[..., :, None] * x
-    return _dense_product(summary.transfer, x, algorithm)
-
-
-def advance(summary: Summary, state: Array) -> Array:
-    """The state after the segment, from `state` before it: T state + S(C|0)."""
-    if state.shape[-3:] != summary.state.shape[-3:]:
-        raise ValueError(f"state must be [..., H, K, V] = {summary.state.shape[-3:]}, got shape {state.shape}")
-    return _apply_transfer(summary, state.astype(summary.state.dtype)) + summary.state
-
-
-def compose(first: Summary, second: Summary, *, algorithm: str | None = None) -> Summary:
-    """The summary of `first` followed by `second`: (T2 T1, T2 S1 + S2). Associative, not commutative.
-
-    algorithm: dot algorithm of the dense products (None / "f32": HIGHEST; "bf16x3": three bfloat16 tensor-core
-    passes, ~1e-6 relative per product, measured 1.6x faster than HIGHEST for dense 128 x 128 pairs on an H200)."""
-    form = FORMS[max(_FORM_RANK[first.form], _FORM_RANK[second.form])]
-    first, second = promote(first, form), promote(second, form)
-    state = _apply_transfer(second, first.state, algorithm) + second.state
-    if form == "identity":
-        return Summary("identity", state, None)
-    if form in ("scalar", "diagonal"):
-        return Summary(form, state, first.transfer + second.transfer)
-    return Summary("dense", state, _dense_product(second.transfer, first.transfer, algorithm))
-
-
-def stack_summaries(summaries: list[Summary] | tuple[Summary, ...]) -> Summary:
-    """Stack summaries along a new leading axis, promoting them to their widest form."""
-    if not summaries:
-        raise ValueError("summaries must be a non-empty list")
-    form = FORMS[max(_FORM_RANK[s.form] for s in summaries)]
-    promoted = [promote(s, form) for s in summaries]
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *promoted)
-
+# ----------------------------------------------------------------------------------------------------------------
+# Many summaries: the states at every boundary, the state after all of them, rotation.
 
 PREFIX_IMPLS = ("associative", "fold", "pallas")
 
@@ -670,11 +527,9 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
     if impl != "associative" and summaries.form == "dense":
         tiles_ok = all(n >= 16 and not n & (n - 1) for n in summaries.state.shape[-2:])
         if impl == "pallas" and (tiles_ok or jax.default_backend() != "gpu"):  # else the XLA fold below
-            from hypic_jax.pallas.compose import FoldConfig, prefix_fold_pallas
-
-            config = FoldConfig(algorithm=algorithm or "f32")
+            config = pallas_compose.FoldConfig(algorithm=algorithm or "f32")
             interpret = jax.default_backend() != "gpu"
-            return prefix_fold_pallas(summaries.transfer, summaries.state, initial_state, config=config,
+            return pallas_compose.prefix_fold_pallas(summaries.transfer, summaries.state, initial_state, config=config,
                                       block=block, interpret=interpret)
         states = summaries.state
         if initial_state is not None:  # fold the initial state into the first segment's zero-start state
@@ -683,7 +538,7 @@ def prefix_states(summaries: Summary, initial_state: Array | None = None, *, alg
 
         def step(state, pair):
             transfer, zero_start = pair
-            state = _dense_product(transfer, state, algorithm) + zero_start
+            state = dense_product(transfer, state, algorithm) + zero_start
             return state, state
 
         return jax.lax.scan(step, jnp.zeros_like(states[0]), (summaries.transfer, states))[1]
@@ -699,9 +554,8 @@ def composed_state(summaries: Summary, initial_state: Array | None = None, *, al
     resuming after n cached segments needs, without the composed transfer or the states in between.
 
     impl as in `prefix_states`; "pallas" (dense transfers) runs `pallas.compose.fold_pallas` without the transfer
-    columns, one program per whole state, every batch entry (layers, heads) in one launch: on the H200, 64
-    segments x 30 layers x 32 heads of 128 x 128 pairs take 3.79 ms at bf16x3 (bench/RESULTS.md), against 5.48 ms
-    for every prefix state. Returns [..., H, K, V].
+    columns, one program per whole state, every batch entry (layers, heads) in one launch, which costs less than
+    every prefix state (bench/kernels.py measures both; see bench/RESULTS.md). Returns [..., H, K, V].
     """
     if summaries.state.ndim < 4:
         raise ValueError(f"summaries must be stacked along a leading axis, got state shape {summaries.state.shape}")
@@ -709,14 +563,12 @@ def composed_state(summaries: Summary, initial_state: Array | None = None, *, al
         raise ValueError(f"impl must be one of {PREFIX_IMPLS}, got {impl!r}")
     tiles_ok = all(n >= 16 and not n & (n - 1) for n in summaries.state.shape[-2:])
     if impl == "pallas" and summaries.form == "dense" and (tiles_ok or jax.default_backend() != "gpu"):
-        from hypic_jax.pallas.compose import FINAL_STATE_CONFIG, fold_pallas
-
         states = summaries.state
         if initial_state is not None:  # fold the initial state into the first segment's zero-start state
             states = states.at[0].set(advance(jax.tree.map(lambda a: a[0], summaries), initial_state))
-        config = dataclasses.replace(FINAL_STATE_CONFIG, algorithm=algorithm or "f32")
-        return fold_pallas(summaries.transfer, states, with_transfer=False, config=config,
-                           interpret=jax.default_backend() != "gpu")[1]
+        config = dataclasses.replace(pallas_compose.FINAL_STATE_CONFIG, algorithm=algorithm or "f32")
+        return pallas_compose.fold_pallas(summaries.transfer, states, with_transfer=False, config=config,
+                                          interpret=jax.default_backend() != "gpu")[1]
     return prefix_states(summaries, initial_state, algorithm=algorithm, impl=impl)[-1]
 
 
@@ -729,9 +581,59 @@ def rotate_summary(summary: Summary, offset, *, rotary_dim: int | None = None, b
     state = rotate_state_keys(summary.state, offset, rotary_dim=rotary_dim, base=base)
     if summary.form in ("identity", "scalar"):
         return Summary(summary.form, state, summary.transfer)
-    rot = rotation_matrix(offset, _key_dim(summary), rotary_dim=rotary_dim, base=base)
-    transfer = _einsum("kj,...jn,mn->...km", rot, dense_transfer(summary), rot)
+    rot = rotation_matrix(offset, summary.state.shape[-2], rotary_dim=rotary_dim, base=base)
+    transfer = einsum("kj,...jn,mn->...km", rot, dense_transfer(summary), rot)
     return Summary("dense", state, transfer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# References of the Pallas entry points that have no single-sequence counterpart here (tests and benchmarks check
+# the kernels against them).
+
+
+def varlen_reference(q, k, v, cu_seqlens, *, g=None, gk=None, beta=None, scale=1.0, max_len: int | None = None,
+                     chunk_size: int = 16):
+    """`pallas.gdn.gdn_varlen` through the core: segments gathered into [N, max_len] rows (zero padded at the end,
+    which adds nothing), `chunked` and `summarize` vmapped over them, outputs scattered back. Key heads are
+    repeated to the value heads. Returns (o [L, H, V] float32, Summary over N)."""
+    length, heads = v.shape[:2]
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    n_seg = cu.shape[0] - 1
+    if max_len is None:
+        max_len = int(np.max(np.diff(np.asarray(cu_seqlens)))) if n_seg else 1
+    max_len = max(max_len, 1)
+    group = heads // k.shape[1]
+    up = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
+    q, k = jnp.repeat(up(q), group, 1), jnp.repeat(up(k), group, 1)
+    v, g, gk, beta = up(v), up(g), up(gk), up(beta)
+    lens = cu[1:] - cu[:-1]
+    offs = jnp.arange(max_len, dtype=jnp.int32)
+    idx = jnp.where(offs[None, :] < lens[:, None], cu[:-1, None] + offs[None, :], length)  # [N, max_len]
+
+    def rows(x):
+        if x is None:
+            return None
+        return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[idx]
+
+    def one(q, k, v, g, gk, beta):
+        o, _ = chunked(q, k, v, g=g, gk=gk, beta=beta, scale=scale, chunk_size=chunk_size)
+        return o, summarize(k, v, g=g, gk=gk, beta=beta, chunk_size=chunk_size)
+
+    o_rows, summary = jax.vmap(one)(*map(rows, (q, k, v, g, gk, beta)))
+    tokens = jnp.arange(length, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), n_seg - 1)
+    return o_rows[seg, tokens - cu[seg]], summary
+
+
+def decode_reference(q, k, v, state, *, g=None, gk=None, beta=None, scale=1.0) -> tuple[Array, Array]:
+    """`pallas.decode.decode_step` through the core: `recurrent` over one token, key heads repeated. q, k [Hk, K],
+    v [H, V], state [H, K, V]; g, beta [H]; gk [H, K]. Returns (o [H, V], new state [H, K, V])."""
+    group = v.shape[0] // k.shape[0]
+    one = lambda x: None if x is None else x[None]  # noqa: E731
+    up = lambda x: jnp.repeat(x, group, 0)  # noqa: E731
+    o, new = recurrent(one(up(q)), one(up(k)), one(v), g=one(g), gk=one(gk), beta=one(beta),
+                       initial_state=state, scale=scale)
+    return o[0], new
 
 
 # ----------------------------------------------------------------------------------------------------------------

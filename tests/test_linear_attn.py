@@ -149,7 +149,7 @@ def test_prefix_states_with_a_tensor_core_algorithm_stay_float32_accurate(algori
     a = jax.random.normal(jax.random.PRNGKey(2), (1, 3, 8, 8))
     b = jax.random.normal(jax.random.PRNGKey(3), (4, 1, 8, 5))
     expected = np.einsum("...kj,...jn->...kn", np.asarray(a, np.float64), np.asarray(b, np.float64))
-    assert rel_err(la._dense_product(a, b, algorithm), expected) <= 1e-5
+    assert rel_err(la.dense_product(a, b, algorithm), expected) <= 1e-5
 
 
 def test_compose_mixes_forms_exactly():

@@ -631,7 +631,7 @@ def test_varlen_matches_reference(gates, chunk, traced, group, reads):
     config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group, packed_reads=reads == "packed")
     offsets = jnp.asarray(cu, jnp.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
-    ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
+    ref_o, ref_sum = la.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
     assert summary.form == ref_sum.form and summary.state.shape == (6, 2, 16, 16)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
@@ -652,7 +652,7 @@ def test_varlen_default_config_widens():
     length, cu = 70, [0, 9, 9, 70]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=23)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, interpret=True)
-    ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
+    ref_o, ref_sum = la.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
@@ -670,7 +670,7 @@ def test_varlen_property(cuts, group, prefetch, reads, seed):
     config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch,
                        packed_reads=reads == "packed")
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
-    ref_o, ref_sum = gdn.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
+    ref_o, ref_sum = la.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
@@ -688,18 +688,18 @@ def test_decode_step_matches_recurrent():
     config = dec.DecodeConfig(block_v=16)
     for gates in (dict(g=g, beta=beta), dict(gk=gk, beta=beta), dict(g=g, gk=gk), dict()):
         o, new = dec.decode_step(q, k, v, state, **gates, scale=0.3, config=config, interpret=True)
-        ref_o, ref_new = dec.decode_reference(q, k, v, state, **gates, scale=0.3)
+        ref_o, ref_new = la.decode_reference(q, k, v, state, **gates, scale=0.3)
         assert rel(o, ref_o) < TOL32 and rel(new, ref_new) < TOL32
     batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, -x]), (q, k, v, state, g, beta))
     o, new = jax.vmap(lambda q, k, v, s, g, b: dec.decode_step(q, k, v, s, g=g, beta=b, config=config, donate=True,
                                                                interpret=True))(*batch)
     for i in range(2):
         args = [x[i] for x in batch]
-        ref_o, ref_new = dec.decode_reference(*args[:4], g=args[4], beta=args[5])
+        ref_o, ref_new = la.decode_reference(*args[:4], g=args[4], beta=args[5])
         assert rel(o[i], ref_o) < TOL32 and rel(new[i], ref_new) < TOL32
     ob, newb = dec.decode_step(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), state,
                                g=g, beta=beta, config=config, interpret=True)
-    ref_o, ref_new = dec.decode_reference(*(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)), state,
+    ref_o, ref_new = la.decode_reference(*(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)), state,
                                           g=g, beta=beta)
     assert ob.dtype == jnp.bfloat16 and rel(ob, ref_o) < TOL16 and rel(newb, ref_new) < TOL16
 

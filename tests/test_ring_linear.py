@@ -27,7 +27,8 @@ from safetensors.numpy import save_file  # noqa: E402
 import hypic_jax  # noqa: E402
 from hypic_jax import linear_attn  # noqa: E402
 from hypic_jax import cli  # noqa: E402
-from converters.base import CheckpointReader, convert_folder  # noqa: E402
+from converters import convert_folder  # noqa: E402
+from converters.base import CheckpointReader  # noqa: E402
 from converters import ring_linear as ring_converter  # noqa: E402
 from hypic_jax.models import ring_linear  # noqa: E402
 

@@ -106,7 +106,7 @@ def main():
         g = -jax.random.uniform(kb[4], (batch, HEADS)) * 0.1
         beta = jax.nn.sigmoid(jax.random.normal(kb[5], (batch, HEADS)))
         nbytes = 2 * state.size * 4
-        ref_o, ref_s = jax.jit(jax.vmap(lambda q, k, v, s, g, b: dec.decode_reference(
+        ref_o, ref_s = jax.jit(jax.vmap(lambda q, k, v, s, g, b: la.decode_reference(
             q, k, v, s, g=g, beta=b, scale=scale)))(q, k, v, state, g, beta)
         cases = {"triton (hypic_jax.pallas.decode) bv32": jax.jit(jax.vmap(lambda q, k, v, s, g, b: dec.decode_step(
             q, k, v, s, g=g, beta=b, scale=scale)))}

@@ -1,6 +1,6 @@
-"""Model architectures, their registry, and `load`.
+"""Model architectures and their registry.
 
-To add an architecture, write two modules and register them in `REGISTRY` below (one line per HF model_type):
+To add an architecture, write two modules and register the first in `REGISTRY` below (one line per HF model_type):
 
 An **architecture module** `hypic_jax/models/<name>.py` must provide
   * `Config`: a frozen, hashable dataclass (tuples, not lists) holding every static hyper-parameter;
@@ -19,42 +19,37 @@ An **architecture module** `hypic_jax/models/<name>.py` must provide
   * optionally `prefill(params, config, tokens, max_len) -> (float32 logits of the last position [B, vocab], cache)`
     for a fresh prompt (fast causal attention, LM head on one position); `Model.generate` uses it when present.
 
-A **converter module** `converters/<name>.py` must provide
+A **converter module** `converters/<name>.py`, named like the architecture module, must provide
   * `convert(reader: converters.base.CheckpointReader, hf_config: dict, dtype) -> (config, params)`, usually by
     listing `converters.base.Rule`s (HF tensor names -> parameter path + transform) and calling
     `converters.base.apply_rules`, which validates missing / unexpected / mis-shaped tensors and streams the data.
 
-Everything else is generic: `hypic_jax.load`, `hypic-jax convert`, orbax save/restore, `Model.logits/generate`.
+Everything else is generic: `hypic_jax.load`, `hypic-jax convert`, orbax save/restore (`hypic_jax.checkpoint`),
+`Model.logits/generate`.
+
+This package imports neither the converters nor `hypic_jax.checkpoint` (both import it). `load` lives in
+`hypic_jax.checkpoint`; `import hypic_jax` also binds it here, so `hypic_jax.models.load` is the same function.
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import jax
 
-from hypic_jax.models.base import (
-    METADATA_FILE,
-    Model,
-    config_from_dict,
-    named_shardings,
-    read_metadata,
-    resolve_dtype,
-    shard_params,
-)
+from hypic_jax.models.base import Model  # noqa: F401  (the type `load` returns)
 
-# HF model_type -> (architecture module, converter module)
-REGISTRY: dict[str, tuple[str, str]] = {
-    "qwen3_5_text": ("hypic_jax.models.qwen3_5", "converters.qwen3_5"),
-    "qwen3_5_moe_text": ("hypic_jax.models.qwen3_5", "converters.qwen3_5"),
-    "qwen3_5": ("hypic_jax.models.qwen3_5", "converters.qwen3_5"),
-    "qwen3_5_moe": ("hypic_jax.models.qwen3_5", "converters.qwen3_5"),
-    "qwen3_next": ("hypic_jax.models.qwen3_next", "converters.qwen3_next"),
-    "kimi_linear": ("hypic_jax.models.kimi_linear", "converters.kimi_linear"),
-    "bailing_moe_linear": ("hypic_jax.models.ring_linear", "converters.ring_linear"),
+# HF model_type -> architecture module (its converter is the converters module of the same name)
+REGISTRY: dict[str, str] = {
+    "qwen3_5_text": "hypic_jax.models.qwen3_5",
+    "qwen3_5_moe_text": "hypic_jax.models.qwen3_5",
+    "qwen3_5": "hypic_jax.models.qwen3_5",
+    "qwen3_5_moe": "hypic_jax.models.qwen3_5",
+    "qwen3_next": "hypic_jax.models.qwen3_next",
+    "kimi_linear": "hypic_jax.models.kimi_linear",
+    "bailing_moe_linear": "hypic_jax.models.ring_linear",
 }
 
 # HF `architectures` entries for configs whose model_type is missing or not registered (remote-code models).
@@ -78,46 +73,9 @@ def resolve_model_type(hf_config: dict) -> str:
 def architecture(model_type: str) -> ModuleType:
     if model_type not in REGISTRY:
         raise ValueError(f"unknown model_type {model_type!r}; supported model types: {sorted(REGISTRY)}")
-    return importlib.import_module(REGISTRY[model_type][0])
-
-
-def converter(model_type: str) -> ModuleType:
-    if model_type not in REGISTRY:
-        raise ValueError(f"unknown model_type {model_type!r}; supported model types: {sorted(REGISTRY)}")
-    return importlib.import_module(REGISTRY[model_type][1])
+    return importlib.import_module(REGISTRY[model_type])
 
 
 def abstract_params(arch: ModuleType, config: Any, dtype: Any) -> Any:
     """ShapeDtypeStruct tree of the architecture's parameters (no memory allocated)."""
     return jax.eval_shape(lambda: arch.init_params(config, jax.random.key(0), dtype))
-
-
-def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh | None = None) -> Model:
-    """Load a model from an orbax checkpoint written by `hypic-jax convert`, or directly from a Hugging Face folder.
-
-    With `mesh` (axes "data" and "model") the parameters are placed with the architecture's `param_specs` (an orbax
-    checkpoint is restored straight into that sharding). Returns a `Model` with `logits(tokens)` and
-    `generate(tokens, max_new_tokens)`.
-    """
-    path = Path(path)
-    dtype = resolve_dtype(dtype)
-    if (path / METADATA_FILE).exists():
-        from converters.base import restore_params  # converters depend on models, not the reverse, at import time
-
-        meta = read_metadata(path)
-        arch = architecture(meta["model_type"])
-        config = config_from_dict(arch.Config, meta["config"])
-        abstract = abstract_params(arch, config, dtype)
-        if mesh is not None:
-            shardings = named_shardings(arch.param_specs(config), mesh)
-            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        return Model(arch, config, restore_params(path, abstract))
-    if (path / "config.json").exists():
-        from converters.base import convert_folder
-
-        model_type, config, params = convert_folder(path, dtype)
-        arch = architecture(model_type)
-        if mesh is not None:
-            params = shard_params(params, arch.param_specs(config), mesh)
-        return Model(arch, config, params)
-    raise ValueError(f"{path} holds neither a hypic-jax checkpoint ({METADATA_FILE}) nor a Hugging Face config.json")

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -101,7 +99,6 @@ def resolve_dtype(dtype: Any) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-
 def _params_dtype(params: Any) -> jnp.dtype:
     """The activation dtype of a parameter tree: its most common floating dtype (a few gates may stay float32)."""
     counts: dict = {}
@@ -172,29 +169,3 @@ class Model:
     def forward(self, tokens: Array, cache: ModelCache | None = None) -> tuple[Array, ModelCache | None]:
         """Un-jitted forward with an optional cache (jit it yourself for repeated calls)."""
         return self.arch.forward(self.params, self.config, jnp.asarray(tokens, jnp.int32), cache=cache)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Config metadata stored next to an orbax checkpoint
-
-METADATA_FILE = "hypic_model.json"
-
-
-def config_to_dict(config: Any) -> dict:
-    return dataclasses.asdict(config)
-
-
-def config_from_dict(config_cls: type, data: dict) -> Any:
-    """Rebuild a frozen config dataclass, turning JSON lists back into tuples."""
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    clean = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields}
-    return config_cls(**clean)
-
-
-def write_metadata(path: Path, *, model_type: str, config: Any, dtype: str) -> None:
-    meta = dict(format=1, model_type=model_type, dtype=str(jnp.dtype(dtype)), config=config_to_dict(config))
-    (Path(path) / METADATA_FILE).write_text(json.dumps(meta, indent=1))
-
-
-def read_metadata(path: Path) -> dict:
-    return json.loads((Path(path) / METADATA_FILE).read_text())

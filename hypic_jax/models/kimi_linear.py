@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn
+from hypic_jax import linear_attn, spans
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.models import base, layers
 
@@ -674,8 +674,6 @@ def span_forward(params: dict[str, Any], config: KimiLinearConfig, tokens: Array
     cached latents are position-independent and need no re-rotation; they are expanded to per-head K/V for the
     attention. Returns a `spans.SpanResult` (see `qwen3_5.span_forward`); decode caches hold MLA latents.
     """
-    from hypic_jax import spans
-
     c = config
     x = params["embed"][tokens]  # [F, D]
     hidden = [x] if want_hidden else None

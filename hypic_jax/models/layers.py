@@ -13,7 +13,7 @@ from jax import Array
 
 # causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
 from hypic_jax.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
-from hypic_jax.pallas.grouped_matmul import GMMConfig, sorted_copies
+from hypic_jax.pallas import grouped_matmul as gm
 from hypic_jax.rope import apply_rope
 
 
@@ -76,9 +76,9 @@ def softmax_topk_router(
 # rows (decode, a PIC request's seams and query) are better served by the kernel, which reads only the experts
 # that own rows.
 PALLAS_MOE_MIN_ROWS = 1
-# The Pallas grouped matmul's tiling on the MoE path: None picks the measured launch for the row count
+# The Pallas grouped matmul's tiling on the MoE path: None picks the benchmarked launch for the row count
 # (`grouped_matmul.default_config`); a GMMConfig forces one.
-MOE_GMM_CONFIG: GMMConfig | None = None
+MOE_GMM_CONFIG: gm.GMMConfig | None = None
 MOE_IMPLS = ("auto", "ragged", "pallas")
 
 
@@ -111,8 +111,6 @@ def grouped_swiglu_experts(
     num_experts = gate_up.shape[0]
     num_rows = num_tokens * top_k
     if _use_pallas_moe(impl, num_rows):
-        from hypic_jax.pallas import grouped_matmul as gm
-
         config = MOE_GMM_CONFIG or gm.default_config(num_rows)
         # padded row of each (token, slot) copy; a one-hot running count rather than two sorts for few copies
         slot_rows, layout = gm.copy_layout(experts, num_experts, config.block_m)
@@ -120,8 +118,8 @@ def grouped_swiglu_experts(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
         if num_rows <= gm.FEW_ROWS_MAX:  # few copies (a PIC request's seams and query): the kernel gathers each
-            # block's token rows and applies the activation itself (long prefills keep the separate steps: the fused
-            # launch was not timed there)
+            # block's token rows and applies the activation itself (long prefills keep the separate steps, the
+            # launch FEW_ROWS_CONFIG was not chosen for)
             act = gm.gmm(x, layout.block_expert, gate_up, config=config, rows=padded_token, swiglu=True)
         else:
             gate, up = jnp.split(gm.gmm(x[padded_token], layout.block_expert, gate_up, config=config), 2, axis=-1)
@@ -129,7 +127,7 @@ def grouped_swiglu_experts(
         out_rows = gm.gmm(act, layout.block_expert, down, config=config)
         per_slot = out_rows[slot_rows]
     else:
-        order, inverse, group_sizes = sorted_copies(experts.reshape(-1), num_experts)
+        order, inverse, group_sizes = gm.sorted_copies(experts.reshape(-1), num_experts)
         # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes
         rows = x[order // top_k]  # [T*k, H], grouped by expert
         hidden = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn
+from hypic_jax import linear_attn, rope, spans
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.models import layers
 from hypic_jax.models.base import KVCache, LinearCache, ModelCache, cache_positions, update_kv_cache
+from hypic_jax.pallas import gdn as pallas_gdn
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -350,8 +351,6 @@ def _use_pallas_gdn(config: Config, dtype) -> bool:
 
 def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
     """The same GDN core through the Pallas kernel, which reads the H_k key heads without repeating them."""
-    from hypic_jax.pallas import gdn as pallas_gdn
-
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
@@ -512,8 +511,6 @@ def span_forward(
     the last fresh token, the entries of the recorded spans, the per-layer caches of the whole request (for decoding)
     and, on request, the hidden states after every layer.
     """
-    from hypic_jax import rope, spans
-
     positions = jnp.asarray(layout.fresh_positions())
     x = params["embed"][tokens][None]  # [1, F, H]
     hidden = [x[0]] if want_hidden else None

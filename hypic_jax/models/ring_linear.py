@@ -17,8 +17,8 @@ references disagree:
   "remote"            f = 1 - (l - 1) / (L - 1) + 1e-5          the checkpoint's remote code as third-party ports
                                                                 quote it (only layer 0 differs from "mlx");
   "vllm"              f = 1 - l / (L - 1) + 1e-5                 vLLM and SGLang's lightning backend.
-The remote code itself cannot be downloaded here, so we follow mlx-lm; select another with the config field
-`layer_factor_convention` (the same key in config.json is honoured).
+The default follows mlx-lm, the reference the tests compare against (the remote code is not available to check);
+select another with the config field `layer_factor_convention` (the same key in config.json is honoured).
 
 Layout. Parameters are a plain PyTree (nested dicts and a list of layers) with matrices stored [in, out] so that
 activations multiply on the left; the converter transposes the Hugging Face [out, in] tensors. Activations are
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn
+from hypic_jax import linear_attn, rope, spans
 from hypic_jax.models import base, layers
 
 ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
@@ -505,8 +505,6 @@ def span_forward(params: Params, config: RingLinearConfig, tokens: Array, cached
     computed at canonical positions is moved to its absolute position with `rotate_summary` (exact: the scalar
     transfer commutes with the rotation). Returns a `spans.SpanResult` (see `qwen3_5.span_forward`).
     """
-    from hypic_jax import rope, spans
-
     positions = jnp.asarray(layout.fresh_positions())
     x = params["embed"][tokens][None]  # [1, F, D]
     hidden = [x[0]] if want_hidden else None

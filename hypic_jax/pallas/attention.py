@@ -38,14 +38,14 @@ class AttentionConfig:
     launch parameters. target_programs: the keys are split into ranges processed by separate programs
     (flash-decoding style, partial softmax results combined afterwards) until about this many programs run: a few
     hundred fresh queries make only (queries / block_q) x heads programs, and the one holding the query at the end
-    of the prompt walks all the keys alone. Defaults: the fastest variant timed on the H200 for 576 fresh queries
-    over 32k keys (`bench/pic_kernels.py`: 4 warps 1.09 ms per layer, 8 warps 1.58 ms, 8 warps split to 1024
-    programs 1.15 ms).
+    of the prompt walks all the keys alone. Defaults: the fastest variant for 576 fresh queries over 32k keys on
+    the H200 (bench/pic_kernels.py times the warps and the split; see bench/RESULTS.md).
 
     pack_gqa: one program per key/value head instead of per query head; its block_q rows are block_q / G queries
     times the G query heads that share the key/value head (block_q must be a multiple of G). Each key/value tile is
     then loaded once for all G heads (8 at the Qwen3.5 shapes), with G-times taller products; the kernel is the same,
-    only the rows are arranged differently. Checked in interpret mode and lowered for CUDA; not yet timed."""
+    only the rows are arranged differently. Off in this class; the engine turns it on (`spans.SpanMode`), being
+    faster at the PIC request's shape (bench/pic_kernels.py and bench/h200.sh time both; see bench/RESULTS.md)."""
 
     block_q: int = 64
     block_k: int = 64

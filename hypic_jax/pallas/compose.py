@@ -3,9 +3,9 @@
 A request that reuses n cached segments needs, per linear layer and value head, the state at every segment
 boundary: S_i = T_i S_{i-1} + S(C_i|0). For dense transfers (delta rules, K = V = 128) that is n products of
 128 x 128 matrices per (layer, head), and composing the pairs themselves, (T2, S2) o (T1, S1) = (T2 T1, T2 S1 + S2),
-doubles it. At 64 segments x 30 layers x 32 heads this is about 0.26 TFLOP (states) or 0.5 TFLOP (pairs): plain
-float32 FMA (about 60 TFLOP/s on an H200) needs ~8 ms for the pairs, so the products go to the tensor cores with
-an algorithm that keeps float32 accuracy:
+doubles it. At 64 segments x 30 layers x 32 heads (the shape called "the composition bar" below) this is about
+0.26 TFLOP (states) or 0.5 TFLOP (pairs), too much for plain float32 FMA, so the products go to the tensor cores
+with an algorithm that keeps float32 accuracy:
 
   "f32"    float32 FMA (Precision.HIGHEST): the accuracy reference, slow;
   "tf32"   one TF32 pass: fast, ~1e-3 relative error per product, not float32-level;
@@ -26,44 +26,29 @@ The Pallas folds below run every (layer, head) in one launch. `fold_split_pallas
 `split_operands` stores them (T as bfloat16 hi/lo planes, S transposed): the same bf16x3 arithmetic, with T's
 split done once per cache entry instead of in every step, and the running state kept in registers.
 `fold_split` and `prefix_fold_split` pick between them and the same folds under the Mosaic GPU lowering
-(`compose_mgpu`, Hopper only), which composes the bar's pairs in 3.0 ms against Triton's 4.1 to 4.2 and writes every
-prefix state in 3.0 ms against 4.2.
+(`compose_mgpu`, Hopper only), which is the faster of the two on Hopper for the composed pair and for every prefix
+state. `bench/pic_kernels.py --sections bar` times every fold here at the composition bar's shape and
+`bench/kernels.py` the XLA compositions; bench/RESULTS.md holds the numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from hypic_jax.pallas import compose_mgpu
+from hypic_jax.pallas.platform import is_hopper
+from hypic_jax.pallas.split import check_split_operands, split_bf16, split_operands
+from hypic_jax.summary import ALGORITHMS, matmul, precision_of
 
 __all__ = ["ALGORITHMS", "precision_of", "matmul", "compose_pair", "compose_all", "prefix_states", "prefix_pairs"]
-
-ALGORITHMS = ("f32", "tf32", "tf32x3", "bf16x3", "bf16x6", "bf16x9")
-
-
-def precision_of(algorithm: str):
-    """The `precision` argument of `lax.dot_general` for an algorithm name."""
-    preset = lax.DotAlgorithmPreset
-    table = {
-        "f32": lax.Precision.HIGHEST,
-        "tf32": preset.TF32_TF32_F32,
-        "tf32x3": preset.TF32_TF32_F32_X3,
-        "bf16x3": preset.BF16_BF16_F32_X3,
-        "bf16x6": preset.BF16_BF16_F32_X6,
-        "bf16x9": preset.BF16_BF16_F32_X9,
-    }
-    if algorithm not in table:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    return table[algorithm]
-
-
-def matmul(a: Array, b: Array, algorithm: str = "bf16x3") -> Array:
-    """Batched a @ b over the leading axes, float32 result, with the named dot algorithm."""
-    batch = tuple(range(a.ndim - 2))
-    dims = (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch))
-    prec = precision_of(algorithm)
-    kwargs = {} if isinstance(prec, lax.DotAlgorithmPreset) else {"preferred_element_type": jnp.float32}
-    return lax.dot_general(a, b, dims, precision=prec, **kwargs)
 
 
 def compose_pair(first: tuple[Array, Array], second: tuple[Array, Array], algorithm: str = "bf16x3"):
@@ -122,15 +107,6 @@ def prefix_pairs(transfers: Array, states: Array, algorithm: str = "bf16x3") -> 
 # ----------------------------------------------------------------------------------------------------------------
 # Pallas (Triton) fold: every (layer, head) in one launch, the running pair kept in registers.
 
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import math  # noqa: E402
-
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import triton as pltriton  # noqa: E402
-
-from hypic_jax.pallas.platform import is_hopper  # noqa: E402
-
 _KERNEL_PRECISION = {
     "bf16": lax.DotAlgorithmPreset.BF16_BF16_F32,
     "f32": lax.Precision.HIGHEST,
@@ -145,9 +121,9 @@ _KERNEL_PRECISION = {
 @dataclasses.dataclass(frozen=True)
 class FoldConfig:
     """block_w: accumulator columns per program; algorithm: in-kernel dot algorithm (see ALGORITHMS). Defaults: the
-    fastest launch variant of `prefix_fold_pallas` timed on the H200 for one PIC layer's 64 groups x 32 heads
-    (`bench/pic_kernels.py`: block_w 32 with 8 warps and 3 stages 0.32 ms; 4 warps 0.42 ms; 2 stages 0.48 ms;
-    block_w 64 with 8 warps 0.38 ms). The composition of all layers at once prefers block_w 128 (5.5 ms)."""
+    fastest launch of `prefix_fold_pallas` for one PIC layer's 64 groups x 32 heads on the H200
+    (`bench/pic_kernels.py --sections prefix` times the warps, stages and widths; see bench/RESULTS.md). The
+    composition of all layers at once prefers wider blocks (`FINAL_STATE_CONFIG`)."""
 
     block_w: int = 32
     algorithm: str = "bf16x3"
@@ -160,9 +136,9 @@ class FoldConfig:
 
 
 # The launch of `fold_pallas` for the composed state of many heads and layers at once (the composition bar: 64
-# segments x 30 layers x 32 heads of dense 128 x 128 pairs), fastest of the variants timed on the H200
-# (bench/RESULTS.md): whole 128-column states per program, 3.79 ms against 4.05 with 2 stages, 5.1 with block_w 64
-# and 9.3 with 4 warps.
+# segments x 30 layers x 32 heads of dense 128 x 128 pairs): whole 128-column states per program, the fastest of
+# the variants that `bench/pic_kernels.py --sections bar` times (fewer stages, narrower blocks and fewer warps are
+# slower; see bench/RESULTS.md).
 FINAL_STATE_CONFIG = FoldConfig(block_w=128, num_warps=8, num_stages=3)
 
 
@@ -206,10 +182,9 @@ def fold_pallas(transfers: Array, states: Array, *, with_transfer: bool = True, 
     transfers [n, ..., K, K], states [n, ..., K, V] (batch axes: layers, heads). Returns (T [..., K, K] or None,
     S [..., K, V]): T = T_n ... T_1 and S the state after segment n from a zero start. The fold is sequential
     (n steps of one [K, K] x [K, block_w] product per program) but every batch entry and column block runs in
-    parallel, and each T_i is read from memory once per column block (L2 serves the repeats). Keeping a state block
-    and the same transfer columns in one program, so that each T_i is loaded and split once for both products, was
-    measured on the H200 at the composition bar (bench/RESULTS.md, 2026-11-30, commit 1fe9e81): 7.82 to 8.04 ms
-    against 7.98 to 8.02, i.e. the pairs are bound by the dependent products, not by reading T; it was removed.
+    parallel, and each T_i is read from memory once per column block (L2 serves the repeats). The pairs are bound
+    by the dependent products, not by reading T, so state and transfer columns run in separate programs: one
+    program holding both, each T_i loaded once for the two products, is no faster (bench/RESULTS.md).
     """
     n = transfers.shape[0]
     batch = transfers.shape[1:-2]
@@ -244,32 +219,7 @@ __all__ += ["FoldConfig", "FINAL_STATE_CONFIG", "fold_pallas"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Split-operand fold: the pairs stored as the tensor cores read them.
-
-
-def split_operands(transfers: Array, states: Array) -> tuple[Array, Array, Array]:
-    """Float32 pairs -> the operands of `fold_split_pallas`: T [n, ..., K, K] as two bfloat16 planes (hi = T
-    rounded to bfloat16, lo = the rest rounded to bfloat16) and S [n, ..., K, V] float32, transposed to
-    [n, ..., V, K].
-
-    The planes are what a bf16x3 product splits T into anyway, so the fold's arithmetic is unchanged, and they take
-    the same 4 bytes per entry as float32. A cache converts each entry once when it stores it (3.8 to 3.9 ms for the
-    composition bar's 64 x 30 x 32 pairs on the H200); every request that composes it then skips the split.
-    """
-    hi, lo = _split_bf16(transfers.astype(jnp.float32))
-    return hi, lo, jnp.swapaxes(states.astype(jnp.float32), -1, -2)
-
-
-def _split_bf16(x: Array) -> tuple[Array, Array]:
-    """float32 x -> bfloat16 (hi, lo) with x ~ hi + lo: hi is x rounded to bfloat16 (to nearest, ties away from
-    zero; finite x below bfloat16's largest value), lo the exact rest rounded to bfloat16, as a bf16x3 product
-    splits its operands. The rounding goes through the bits because a float32 -> bfloat16 -> float32 round trip may
-    be simplified away by the compiler (XLA's excess-precision rewrite does so on GPUs: measured, lo came out 0),
-    and truncating instead of rounding would lose one bit (about 4x the error of a 5-step fold in the
-    interpret-mode check)."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    top = lax.bitcast_convert_type((bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000), jnp.float32)
-    return top.astype(jnp.bfloat16), (x - top).astype(jnp.bfloat16)
+# Split-operand fold: the pairs stored as the tensor cores read them (`split.split_operands`).
 
 
 def _dot_t(a, b):
@@ -286,8 +236,8 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks,
     running value is the products' left operand, which Hopper's warpgroup MMA reads from registers, and each
     warpgroup's rows evolve on their own, so no step result passes through shared memory; T_i's planes are the
     only shared-memory operands, and the loop prefetches them (no split of T in the loop). Holding X instead (X <-
-    T_i X + S_i, the running value the right operand, staged in shared memory every step) measured 2.86 against
-    2.72 ms for the composed state and 4.48 against 4.19 for the pair (bench/RESULTS.md, commit 1bdb9d6).
+    T_i X + S_i, the running value the right operand, staged in shared memory every step) is slower for both the
+    composed state and the pair (bench/RESULTS.md).
     The first step is a load (X_1 = S_1, or T_1's columns), not a product, unless an initial state is given.
     every_step: write X_i^T after every step (the prefix states, o_ref [n, block_w, K]) instead of the last only;
     has_initial (with every_step only): an initial X_0^T comes before o_ref.
@@ -303,7 +253,7 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks,
         return pltriton.load(s_ref.at[i], mask=read_s, other=0.0 if with_transfer else None)
 
     def step(i, acc):
-        hi, lo = _split_bf16(acc)
+        hi, lo = split_bf16(acc)
         th, tl = th_ref[i], tl_ref[i]
         # one loop for both kinds of program: one set of prefetch buffers
         acc = _dot_t(lo, th) + _dot_t(hi, tl) + _dot_t(hi, th) + load_s(i)
@@ -327,19 +277,10 @@ def _split_fold_kernel(th_ref, tl_ref, s_ref, *rest, num_segments, value_blocks,
 
 
 def _split_args(t_hi, t_lo, states_t, config):
-    """Checks split operands (see `split_operands`) and flattens their batch axes: (n, batch shape, T planes
-    [n, B, K, K], S^T [n, B, V, K] float32)."""
+    """`split.check_split_operands` for a Triton split-operand fold, whose config must name bf16x3."""
     if config.algorithm != "bf16x3":
         raise ValueError(f"the split-operand fold computes bf16x3 products, got algorithm {config.algorithm!r}")
-    n, key_dim, value_dim = t_hi.shape[0], t_hi.shape[-1], states_t.shape[-2]
-    if (t_hi.shape != t_lo.shape or t_hi.shape[-2:] != (key_dim, key_dim) or t_hi.shape[:-2] != states_t.shape[:-2]
-            or states_t.shape[-1] != key_dim or t_hi.dtype != jnp.bfloat16 or t_lo.dtype != jnp.bfloat16):
-        raise ValueError(f"split operands disagree: t_hi {t_hi.shape} {t_hi.dtype}, t_lo {t_lo.shape} {t_lo.dtype}, "
-                         f"states_t {states_t.shape} (expected [n, ..., V, K]; see split_operands)")
-    if n < 1:
-        raise ValueError("the split-operand fold needs at least one segment")
-    flat = lambda x, rows: x.reshape((n, -1, rows, key_dim))  # noqa: E731
-    return n, t_hi.shape[1:-2], flat(t_hi, key_dim), flat(t_lo, key_dim), flat(states_t, value_dim).astype(jnp.float32)
+    return check_split_operands(t_hi, t_lo, states_t)
 
 
 @functools.partial(jax.jit, static_argnames=("with_transfer", "config", "interpret"))
@@ -349,13 +290,11 @@ def fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfe
     states_t [n, ..., V, K] float32 (S transposed).
 
     Returns (T_n ... T_1 [..., K, K] or None, the state after segment n from zero [..., K, V]), like
-    `fold_pallas`, with the same arithmetic: 2.68 to 2.73 ms for the composed state of the composition bar's 64
-    segments x 30 layers x 32 heads on the H200 against 3.78 for `fold_pallas` on float32 pairs, 4.11 to 4.19 ms
-    for the pair against 8.00 (bench/RESULTS.md, tenth session); the Mosaic GPU kernel (`fold_split`,
-    `compose_mgpu`) is faster still on Hopper. Each (batch entry, column block) is one program;
-    with the transfer, programs past the state columns run the same loop from the identity's columns.
-    Measured and not kept (commit 1bdb9d6): L2 eviction hints, and one program per column block holding both its
-    state and transfer columns (each T_i loaded once for both: 4.42 ms at best).
+    `fold_pallas`, with the same arithmetic and in less time than `fold_pallas` on float32 pairs, for the composed
+    state and for the pair (`bench/pic_kernels.py --sections bar`; see bench/RESULTS.md); the Mosaic GPU kernel
+    (`fold_split`, `compose_mgpu`) is faster still on Hopper. Each (batch entry, column block) is one program;
+    with the transfer, programs past the state columns run the same loop from the identity's columns. L2 eviction
+    hints, and one program per column block holding both its state and transfer columns, are no faster.
     """
     n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, config)
     b, value_dim, key_dim = s.shape[1:]
@@ -388,13 +327,11 @@ LOWERINGS = ("auto", "mosaic", "triton")
 
 def _use_mosaic(lowering: str, t_hi: Array, states_t: Array, interpret: bool) -> bool:
     """Whether a split-operand fold runs under Mosaic GPU: "mosaic", or "auto" on a Hopper GPU where the shapes
-    allow it (the Mosaic GPU kernels import this module, so they are imported lazily)."""
+    allow it."""
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
     if lowering != "auto":
         return lowering == "mosaic"
-    from hypic_jax.pallas import compose_mgpu
-
     return compose_mgpu.supported(t_hi.shape[-1], states_t.shape[-2]) and not interpret and is_hopper()
 
 
@@ -403,21 +340,19 @@ def fold_split(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer: bool
     """The split-operand fold (arguments and results of `fold_split_pallas`) with its lowering chosen.
 
     lowering: "mosaic" (`compose_mgpu.fold_split_mgpu`: Hopper, K and V multiples of 128), "triton"
-    (`fold_split_pallas`), or "auto": Mosaic GPU on a Hopper GPU where the shapes allow it, Triton otherwise. At the
-    composition bar's shape on the H200 (bench/RESULTS.md, eleventh session) Mosaic GPU takes 1.97 ms for the
-    composed state and 3.09 ms for the pair, Triton 2.69 to 2.76 and 4.10 to 4.25: Triton waits out each of a
-    step's three products and passes the running value's planes through shared memory, where the Mosaic GPU kernel
-    issues the three into one accumulator from registers and streams T and S with the TMA engine.
+    (`fold_split_pallas`), or "auto": Mosaic GPU on a Hopper GPU where the shapes allow it, Triton otherwise.
+    Mosaic GPU is the faster at the composition bar's shape, for the composed state and for the pair
+    (`bench/pic_kernels.py --sections bar`; see bench/RESULTS.md): Triton waits out each of a step's three products
+    and passes the running value's planes through shared memory, where the Mosaic GPU kernel issues the three into
+    one accumulator from registers and streams T and S with the TMA engine.
     """
     if _use_mosaic(lowering, t_hi, states_t, interpret):
-        from hypic_jax.pallas import compose_mgpu
-
         return compose_mgpu.fold_split_mgpu(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
     return fold_split_pallas(t_hi, t_lo, states_t, with_transfer=with_transfer, interpret=interpret)
 
 
-# The launch of `prefix_fold_split_pallas` measured fastest at the composition bar's shape (bench/RESULTS.md, tenth
-# session): 4.19 ms against 4.43 with 128 columns and 8 warps in 2 stages (3 stages exceed the shared memory).
+# The launch of `prefix_fold_split_pallas` that is fastest at the composition bar's shape (`bench/pic_kernels.py
+# --sections bar`; 128 columns need 8 warps in 2 stages, as 3 stages exceed the shared memory, and are slower).
 PREFIX_SPLIT_CONFIG = FoldConfig(block_w=64, num_warps=4, num_stages=3)
 
 
@@ -428,9 +363,9 @@ def prefix_fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, initial_
     segments, S_i = T_i S_{i-1} + S(C_i|0) from `initial_state` [..., K, V] (zeros if None).
 
     Returns the states transposed like the input S, [n, ..., V, K] float32 (`jnp.swapaxes(out, -1, -2)` gives
-    [n, ..., K, V]): the kernel holds S_i^T, and writing it as it is spares a transpose of every state.
-    Every prefix state of the composition bar's 64 segments x 30 layers x 32 heads: 4.19 ms on the H200 against
-    5.49 for `prefix_fold_pallas` on float32 pairs (8 GB read and 4 GB written at 2.9 TB/s).
+    [n, ..., K, V]): the kernel holds S_i^T, and writing it as it is spares a transpose of every state. Faster
+    than `prefix_fold_pallas` on float32 pairs at the composition bar's shape, where it reads 8 GB and writes 4 GB
+    (`bench/pic_kernels.py --sections bar`).
     """
     n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, config)
     b, value_dim, key_dim = s.shape[1:]
@@ -461,11 +396,10 @@ def prefix_fold_split_pallas(t_hi: Array, t_lo: Array, states_t: Array, initial_
 def prefix_fold_split(t_hi: Array, t_lo: Array, states_t: Array, initial_state: Array | None = None, *,
                       lowering: str = "auto", interpret: bool = False) -> Array:
     """Every prefix state on split operands (arguments and result of `prefix_fold_split_pallas`) with its lowering
-    chosen as in `fold_split`. At the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session):
-    Mosaic GPU 2.98 ms (8 GB read and 4 GB written at 97% of the measured bandwidth), Triton 4.20."""
+    chosen as in `fold_split`. At the composition bar's shape Mosaic GPU moves its 8 GB read and 4 GB written at
+    close to the device's bandwidth, well ahead of Triton (`bench/pic_kernels.py --sections bar`; see
+    bench/RESULTS.md)."""
     if _use_mosaic(lowering, t_hi, states_t, interpret):
-        from hypic_jax.pallas import compose_mgpu
-
         return compose_mgpu.prefix_fold_split_mgpu(t_hi, t_lo, states_t, initial_state, interpret=interpret)
     return prefix_fold_split_pallas(t_hi, t_lo, states_t, initial_state, interpret=interpret)
 
@@ -544,7 +478,8 @@ def prefix_fold_pallas(transfers: Array, states: Array, initial_state: Array | N
     by a balanced tree of batched products (tensor cores, all blocks at once), (2) one fold over the block pairs
     gives every block's incoming state, (3) one fold inside every block, all blocks in parallel, gives the states:
     depth n/b + b instead of n, for about n extra transfer products and two launches instead of one. The single
-    fold is what has been timed on the H200 (0.54 ms per layer at n = 64 x 32 heads); the blocked one has not.
+    fold (the engine's default) is the one `bench/pic_kernels.py --sections prefix` times; no benchmark covers the
+    blocked one.
     """
     n = transfers.shape[0]
     batch = transfers.shape[1:-2]

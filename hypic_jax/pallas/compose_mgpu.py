@@ -1,6 +1,6 @@
 """The split-operand fold (`compose.fold_split_pallas`) written for Pallas's Mosaic GPU lowering (Hopper).
 
-Why a second lowering: Nsight Compute on the Triton fold (bench/RESULTS.md, eleventh session) shows each step's
+Why a second lowering: Nsight Compute on the Triton fold (bench/RESULTS.md) shows each step's
 three bf16 products issued as three warpgroup-MMA groups with a full wait after each (Triton waits on every dot
 whose result is not a loop-carried accumulator), and the running value's bf16 planes passed to the next step's MMA
 through shared memory. Here the kernel states the schedule itself:
@@ -32,8 +32,8 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from hypic_jax.pallas.compose import FoldConfig, _split_args
 from hypic_jax.pallas.platform import check_semantics, gpu_interpreter, mosaic_compiler_params
+from hypic_jax.pallas.split import check_split_operands
 
 __all__ = ["MosaicFoldConfig", "fold_split_mgpu", "PREFIX_CONFIG", "prefix_fold_split_mgpu", "supported"]
 
@@ -46,12 +46,11 @@ class MosaicFoldConfig:
     """stages: shared-memory slots for T_i's planes (two fit beside S's slot at K = 128: 2 x 64 + 64 KiB);
     compute_registers / memory_registers: per-thread register budgets of the compute and TMA warpgroups (2 x 128 x
     232 + 128 x 40 fills the 64 Ki registers of an SM); multicast: the pair (K = V) as clusters of a state block and
-    a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form): 2.82 against 3.02 ms
-    at the composition bar's shape on the H200 (bench/RESULTS.md, eleventh session); 2.65 against the default's 2.91
-    once the two share one kernel body (twelfth session). Off by default: Pallas's GPU interpreter has no cluster
-    barriers, so this variant is checked on the GPU and lowered in CI, not run there. semantics: Mosaic GPU's
-    lowering (`platform.mosaic_compiler_params`); "warpgroup" is the one every measurement above ran under (JAX
-    0.11's default), "lane" is not yet timed."""
+    a transfer block that read T once through multicast copies (`_fold_kernel`'s cluster form), faster than the
+    default at the composition bar's shape (`bench/pic_kernels.py --sections bar`; see bench/RESULTS.md). Off by
+    default: Pallas's GPU interpreter has no cluster barriers, so this variant is checked on the GPU and lowered in
+    CI, not run there. semantics: Mosaic GPU's lowering (`platform.mosaic_compiler_params`); the benchmarks ran
+    under "warpgroup" (JAX 0.11's default) and none covers "lane"."""
 
     stages: int = 2
     compute_registers: int = 232
@@ -295,7 +294,7 @@ def fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, *, with_transfer:
                     config: MosaicFoldConfig = MosaicFoldConfig(), interpret: bool = False):
     """`compose.fold_split_pallas` (same arguments and results) under the Mosaic GPU lowering; K and V multiples of
     128 (`supported`)."""
-    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
+    n, batch, th, tl, s = check_split_operands(t_hi, t_lo, states_t)
     value_dim, key_dim = s.shape[-2:]
     eye = jnp.eye(key_dim, dtype=jnp.float32)  # the transfer blocks' first rows
     out = _launch(th, tl, s, eye, with_transfer=with_transfer, every_step=False, has_initial=False, config=config,
@@ -315,7 +314,7 @@ def prefix_fold_split_mgpu(t_hi: Array, t_lo: Array, states_t: Array, initial_st
                            config: MosaicFoldConfig = PREFIX_CONFIG, interpret: bool = False) -> Array:
     """`compose.prefix_fold_split_pallas` (same arguments and results: every state S_i = T_i S_{i-1} + S_i from
     `initial_state` or zeros, transposed like the input S, [n, ..., V, K]) under the Mosaic GPU lowering."""
-    n, batch, th, tl, s = _split_args(t_hi, t_lo, states_t, FoldConfig(algorithm="bf16x3"))
+    n, batch, th, tl, s = check_split_operands(t_hi, t_lo, states_t)
     b, value_dim, key_dim = s.shape[1:]
     if initial_state is None:
         x0 = jnp.eye(key_dim, dtype=jnp.float32)  # unread: state blocks start from S_0

@@ -13,14 +13,11 @@ once, and writes the new block and its slice of the output. The products are row
 one token gives [K] x [K, block_v] vector work, below Triton's 16-wide dot tiles. The state can be updated in
 place (`donate=True` aliases the input and output buffers), so a decode loop does not copy it.
 
-Measured on the H200 (bench/RESULTS.md, 2026-11-30; 32 heads of 128): 0.047 to 0.066 ms at batch 1, where the
-launch dominates, and 0.081 to 0.082 ms at batch 64 (GDN), whose 268 MB of state read and written move at 3.3 TB/s,
-79% of the 4.19 TB/s a device copy reached.
+At batch 1 the launch dominates; at a serving batch (64 sequences of 32 heads of 128) the state moves at most of
+the bandwidth a device copy reaches (bench/kernels.py times both; see bench/RESULTS.md).
 
-Lowering, chosen by measurement: the same step written for Mosaic GPU (`bench/mosaic_decode.py`, `plgpu.kernel`)
-took 0.091 ms at batch 64 against this kernel's 0.081 in the same run, so Triton stays. At batch 1 the Mosaic
-step took 0.042 ms against 0.066, but there the launch dominates, and this kernel's own batch-1 time has ranged
-0.043 to 0.066 ms across runs.
+Lowering: Triton. The same step written for Mosaic GPU (`bench/mosaic_decode.py`, `plgpu.kernel`) is slower at a
+serving batch; at batch 1, where the launch dominates, the two are within this kernel's run-to-run spread.
 """
 
 from __future__ import annotations
@@ -34,9 +31,7 @@ from jax import Array
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hypic_jax import linear_attn as la
-
-__all__ = ["DecodeConfig", "decode_step", "decode_reference"]
+__all__ = ["DecodeConfig", "decode_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,13 +145,3 @@ def decode_step(
     o, new = _decode(q, k, v, state, g, gk, beta, scale=float(scale), config=config, interpret=bool(interpret),
                      donate=donate)
     return o, new
-
-
-def decode_reference(q, k, v, state, *, g=None, gk=None, beta=None, scale=1.0) -> tuple[Array, Array]:
-    """`decode_step` through the core (`linear_attn.recurrent` over one token, key heads repeated)."""
-    group = v.shape[0] // k.shape[0]
-    one = lambda x: None if x is None else x[None]  # noqa: E731
-    up = lambda x: jnp.repeat(x, group, 0)  # noqa: E731
-    o, new = la.recurrent(one(up(q)), one(up(k)), one(v), g=one(g), gk=one(gk), beta=one(beta),
-                          initial_state=state, scale=scale)
-    return o[0], new

@@ -18,8 +18,8 @@ Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tr
    W = (I + M)^-1 (beta e^b K), U = (I + M)^-1 (beta V), and the masked decayed scores
    P_tj = scale q_t^T Diag(e^{b_t - b_j}) k_j (j <= t). `GDNConfig.solve` picks how (I + M)^-1 is built:
      "rows"      16 x 16 diagonal blocks by row-by-row forward substitution (masked reductions: Triton cannot index
-                 register tensors), off-diagonal blocks by block forward substitution with 16 x 16 dots. The first
-                 version; on the H200 its serial reductions made this kernel the bottleneck (bench/RESULTS.md).
+                 register tensors), off-diagonal blocks by block forward substitution with 16 x 16 dots. The simplest
+                 form; its serial reductions make this kernel the bottleneck on a GPU.
      "doubling"  the same block substitution, but each 16 x 16 diagonal block inverted by recursive doubling:
                  X_1 = I, X_2s = X_s - X_s (E_s X_s), where E_s holds the entries of M in the lower-left s x s
                  block of every 2s x 2s diagonal block. Exact because X_s E_s maps the first half of a 2s block to
@@ -58,18 +58,16 @@ Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tr
    widen the single pass (K / block_v more programs at the full depth L / c).
    Packed segments (`gdn_varlen`) use the same kernel with two int32 per-chunk tables: reset the state at a
    segment's first chunk, store it to the segment's slot after its last chunk. Their dense T comes from the
-   widened packed pass by default (`default_varlen_config`, measured faster there), or with transfer_group > 0
+   widened packed pass by default (`default_varlen_config`, the faster there), or with transfer_group > 0
    from the transfer pass, resetting identity columns at segment starts within each group, and a segmented
    product scan over the groups joins the segments that span several (`_varlen_transfer`). Every segment is
    padded to whole chunks so that no chunk straddles a boundary, but only in the index space: two more tables
    (each chunk's first packed token and its count of real tokens) let both kernels read q, k, v and write o in
    place in the packed arrays with masked loads and stores (`GDNConfig.packed_reads`), so the only XLA copies are
-   the gates'. On the H200 (64 segments in 32k tokens) that took the states-only call from 2.44 to 1.81 ms, 1.08x
-   faster than fla's varlen chunk_gated_delta_rule (1.96 ms, same run), and the call with each segment's dense
-   (T, S) from 3.32 to 2.75 ms. `gdn_forward` uses the same tables when L is not a multiple of the chunk (the
-   last chunk partly empty) instead of zero-padding q, k, v: 1.44 against 1.87 ms at L = 32,767, 0.37 against
-   0.48 at 8,191, 6.15 against 7.73 at 131,071 (1.40, 1.41 and 5.58 ms at the aligned lengths); KDA 4.74 against
-   5.30 ms at 32,767 (4.69 aligned).
+   the gates'. That is faster than gathering, with and without each segment's dense (T, S) (`bench/kernels.py --all
+   --sections varlen` times it beside fla's varlen chunk_gated_delta_rule). `gdn_forward` uses the same tables when
+   L is not a multiple of the chunk (the last chunk partly empty) instead of zero-padding q, k, v, which brings such
+   lengths close to the time of the aligned ones.
 
 Memory between launches: W, U ([L, H, K] and [L, H, V]) and P ([H, L, c]) in `inter_dtype` (bfloat16 for
 bfloat16 inputs, like the inputs themselves; float32 otherwise), plus b ([L, H, K] float32 for per-key gates, with
@@ -78,37 +76,26 @@ Nothing per chunk of state size is ever written: the per-chunk states that a two
 design stores ([L/c, H, K, V] float32, 1 GB at L = 32k) are kept in registers because the output read is fused
 into the state pass. States are float32 always.
 
-Measured on the H200 at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs (bench/RESULTS.md,
-2026-11-30, each beside fla 0.6.0 in the same call): the default launch (tile solve, chunk 64, the state pass under
-Mosaic GPU in clusters of two) 1.275 to 1.287 ms against fla's chunk_gated_delta_rule at 1.920 to 1.933 ms (1.49x to
-1.52x faster; the target is 1.5x); with Triton's state pass 1.41 to 1.45 ms (1.33x to 1.37x); emitting (T, S)
-through the transfer pass adds 27 to 29%; KDA (chunk 16) 4.68 to 4.71 ms against fla's chunk_kda at 3.87 ms. Of the
-default forward, Nsight Compute times the chunk-local kernel at 658 us, the state pass at 579 us and five small XLA
-fusions (gates, transposes, decay rows) at 27 us. With Triton's state pass the two launches split the time about
-evenly (chunk-local kernel 0.83 ms, state pass 0.74 ms when timed alone), and both are latency-bound. Nsight
-Compute: the chunk-local kernel holds 232 registers a thread, so two programs share an SM, and 40% of its warp
-stalls wait on global loads; the state pass is one 4-warp program per SM (166 registers, 189 KB of shared memory for
-its load pipeline) issuing on 20% of cycles, stalled on barriers and loads. The chunk-local kernel's time follows
-its number of dots rather than their flops (see `_inverse_doubling`). Measured slower and removed
-(bench/RESULTS.md): a chunk step on materialised [K, K] transfer operators; folding the outputs' intra-chunk term
-into the chunk-local kernel (the state pass then ran 0.66 instead of 0.74 ms, the chunk-local kernel 1.03 instead of
-0.82); one chunk-local program per key head; the doubling's low levels on stacked blocks; several chunks per
-chunk-local program as a software-pipelined loop (1.65 to 1.84 ms); P formed in the state pass from the q and k
-tiles it loads (chunk-local kernel 0.65 ms, but state pass 0.95); the state held transposed, [BV, K], so that the
-chain's dots read it from registers (state pass 0.84 ms); 8 warps in either kernel; the chunk-local kernel of the
-next piece on a second GPU stream (XLA did not overlap them); launching the chunk-local kernel heads-first, so that
-value heads sharing a key head read its tile together (1.445 against 1.450 ms); chunk 128 (3.9 to 4.1 ms: only one
-state-pass stage fits the shared memory, and unpipelined steps took 7.3 us each against 1.4 us at chunk 64; the
-chunk-local kernel 2.2 to 2.4 ms); the second stream again under XLA's latency-hiding scheduler (still no overlap).
-Both kernels already issue Hopper's warpgroup MMA (Nsight Compute counts only gmma instructions on their tensor
-pipes, busy 24% and 18% of their active cycles).
-Lowering, by measurement on Hopper: the state pass of direct launches runs under Mosaic GPU (`gdn_mgpu`,
-`GDNConfig.state_lowering`: 0.59 against 0.73 ms), and so does the chunk-local kernel wherever its Mosaic GPU
-version takes the launch (`gdn_locals_mgpu`, `GDNConfig.locals_lowering`: 0.52 against 0.67 ms: a block streams a
-run of chunks through TMA while two warpgroups solve alternate chunks, where a Triton program waits on each chunk's
-loads); everything else here is Triton. The decode step also
-exists for the Mosaic GPU lowering (`bench/mosaic_decode.py`); there Triton was 12% faster at batch 64 (see
-`pallas.decode`).
+Performance: bench/kernels.py times the forward at L = 32k, batch 1, 16 key -> 32 value heads of 128, bf16 inputs,
+beside flash-linear-attention's chunk_gated_delta_rule and chunk_kda; bench/ncu_gdn.py profiles it under Nsight
+Compute; bench/RESULTS.md holds the numbers. Both Triton kernels are latency-bound: the chunk-local kernel holds 232
+registers a thread, so two programs share an SM, and many of its warp stalls wait on global loads; the state pass is
+one 4-warp program per SM (166 registers, 189 KB of shared memory for its load pipeline), stalled on barriers and
+loads. The chunk-local kernel's time follows its number of dots rather than their flops (see `_inverse_doubling`).
+Both kernels already issue Hopper's warpgroup MMA. Slower alternatives, hence not used (bench/RESULTS.md has their
+times): a chunk step on materialised [K, K] transfer operators; the outputs' intra-chunk term folded into the
+chunk-local kernel; one chunk-local program per key head; the doubling's low levels on stacked blocks; several
+chunks per chunk-local program as a software-pipelined loop; P formed in the state pass from the q and k tiles it
+loads; the state held transposed, [BV, K], so that the chain's dots read it from registers; 8 warps in either
+kernel; the next piece's chunk-local kernel on a second GPU stream (bench/overlap_gdn.py: XLA does not overlap the
+two, with or without its latency-hiding scheduler); the chunk-local kernel launched heads-first, so that value
+heads sharing a key head read its tile together; chunk 128 (only one state-pass stage fits the shared memory, and
+unpipelined steps are several times slower).
+Lowering on Hopper: the state pass of direct launches runs under Mosaic GPU (`gdn_mgpu`, `GDNConfig.state_lowering`),
+and so does the chunk-local kernel wherever its Mosaic GPU version takes the launch (`gdn_locals_mgpu`,
+`GDNConfig.locals_lowering`: a block streams a run of chunks through TMA while two warpgroups solve alternate
+chunks, where a Triton program waits on each chunk's loads); both are faster than their Triton versions
+(bench/forward_lowerings.py). Everything else here is Triton, the decode step included (see `pallas.decode`).
 
 Precision knobs (`GDNConfig.locals_precision`, `state_precision`, `solve_precision`) choose the dot algorithm of
 float32 operands: "ieee" (exact float32 FMA), "tf32", "bf16x3" (three bfloat16 passes, about float32 accuracy on
@@ -130,11 +117,12 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hypic_jax import linear_attn as la
+from hypic_jax.pallas import gdn_locals_mgpu, gdn_mgpu
 from hypic_jax.pallas.compose import compose_all
 from hypic_jax.pallas.platform import is_hopper
+from hypic_jax.summary import Summary, advance, compose, einsum, transfer_form
 
-__all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "varlen_reference", "default_config", "default_varlen_config",
+__all__ = ["GDNConfig", "gdn_forward", "gdn_varlen", "default_config", "default_varlen_config",
            "default_interpret", "flops", "supports"]
 
 _PRECISIONS = ("ieee", "tf32", "bf16x3", "bf16")
@@ -160,44 +148,40 @@ class GDNConfig:
       mean fewer, larger dots in the block substitution and a deeper diagonal inverse.
     transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C, and `gdn_varlen` each packed
       segment's: 0 widens the state by K identity columns; N > 0 runs a separate launch over groups of N chunks in
-      parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). On the H200 the
-      transfer pass wins for `gdn_forward` (+23 to 25% against +49% widened) and loses for packed segments (3.02
-      to 3.05 against 2.75 ms for 64 segments in 32k tokens), so `default_varlen_config` widens. Where the state
-      pass may run under Mosaic GPU, so do the group products (`gdn_mgpu.transfer_pass_mgpu`, scalar gates, keys
-      chunk-aligned): 0.266 against Triton's 0.330 ms at 32k in 64-chunk groups (32: 0.279-0.288, 128: 0.256),
-      +25 to 27% on the forward (thirteenth session).
+      parallel and multiplies the groups' products (`_transfer_pass`, `_varlen_transfer`). The transfer pass costs
+      less than widening for `gdn_forward` and more for packed segments, so `default_varlen_config` widens
+      (bench/kernels.py; bench/transfer_pass.py times the pass alone). Where the state pass may run under Mosaic
+      GPU, so do the group products (`gdn_mgpu.transfer_pass_mgpu`, scalar gates, keys chunk-aligned), which are
+      faster than Triton's.
     locals_precision / state_precision: dot algorithm for float32 operands (see the module docstring); None picks
       "bf16" for bfloat16 inputs (flash-linear-attention's precision) and "ieee" otherwise.
     solve_precision: dot algorithm of the inverse's own dots ("doubling": the diagonal blocks; "tile": all of it).
-      None follows locals_precision ("bf16" for bfloat16 inputs, "ieee" otherwise): in interpret-mode checks
-      (L = 128, chunk 64, bf16 inputs, bf16 locals and state dots) a one-pass bfloat16 inverse moved the output
-      error from 4.5e-3 to 4.6e-3 (random keys) and 1.27e-2 to 1.31e-2 (keys 90% correlated), i.e. the inverse's
-      precision is lost in that of the other bf16 dots; "bf16x3" is the variant to time if that ever changes.
+      None follows locals_precision ("bf16" for bfloat16 inputs, "ieee" otherwise): in interpret mode (L = 128,
+      chunk 64, bf16 inputs, bf16 locals and state dots) a one-pass bfloat16 inverse changes the output error by a
+      few percent of itself, for random keys and for keys 90% correlated: the inverse's precision is lost in that
+      of the other bf16 dots.
     *_warps / *_stages: Triton launch parameters of the two kernels.
     state_lowering: "mosaic" runs the state pass as `gdn_mgpu.state_pass_mgpu` (Hopper; a direct launch with
       scalar gates, the delta rule, chunk 64, K = 128, whole chunks, (T, S) not widened; anything else is refused),
       "triton" as `_state_kernel`, "auto" (default) picks Mosaic GPU on a Hopper GPU for the launches it takes and
-      Triton otherwise (other families and layouts, packed segments, pieces, interpret mode). On the H200 at 32k
-      (bench/RESULTS.md, eleventh session): state pass 0.662 against 0.731 ms, forward 1.346 against 1.421, with
-      (T, S) 1.719 against 1.795; with `state_cluster=2` (twelfth session) the pass takes 0.59 ms and the forward
-      1.275 to 1.287.
+      Triton otherwise (other families and layouts, packed segments, pieces, interpret mode). The Mosaic GPU pass
+      is the faster, with and without (T, S), and more so in clusters (`state_cluster`; bench/state_pass.py,
+      bench/forward_lowerings.py).
     locals_lowering: "mosaic" runs the chunk-local kernel as `gdn_locals_mgpu.chunk_locals_mgpu` (Hopper; the
       "tile" solve with a scalar gate or none, the delta rule, bf16 inputs and dots, chunk 64, K = V = 128, whole
       chunks, no packed segments or partial last chunk; anything else is refused), "triton" as `_locals_kernel`, "auto"
-      (default) picks Mosaic GPU on a Hopper GPU for the launches it takes and Triton otherwise. On the H200 at 32k
-      (bench/RESULTS.md, thirteenth session): the kernel alone 0.524 against Triton's 0.674 ms (two chunk slots;
-      0.635 with four); at 32,704 tokens (511 chunks in runs of 128 and one of 127) 0.525 against 0.669. A length
-      that leaves the last chunk partial runs Triton's (it reads q, k, v in place there).
+      (default) picks Mosaic GPU on a Hopper GPU for the launches it takes and Triton otherwise. The Mosaic GPU
+      kernel is the faster, also when a head's chunks do not split evenly into runs (bench/locals_mgpu.py). A
+      length that leaves the last chunk partial runs Triton's (it reads q, k, v in place there).
     state_cluster: under Mosaic GPU, column blocks of one head launched as a cluster that receives the head's W, K,
       Q and P through one multicast copy (1: no clusters; used where it divides the head's V / block_v blocks).
       The pass is bound by the bytes the SMs draw from L2 (about 6.6 TB/s in all), and the multicast halves the
-      L2 reads of those operands: on the H200 at 32k, clusters of 2 took the pass from 0.653 to 0.585-0.600 ms,
-      clusters of 4 to 1.07-1.14 (bench/RESULTS.md, twelfth session).
+      L2 reads of those operands: clusters of 2 speed the pass up, clusters of 4 slow it down (bench/state_pass.py).
     state_prefetch: the state pass issues each step's decay and segment-table loads one step ahead, carried in the
       loop. Triton's software pipeline prefetches the tiles that feed dots; these small loads feed only
-      elementwise work, and without the carry each step may wait on one before its first product. On the H200
-      (bench/RESULTS.md, 2026-11-30): packed segments 2.42 against 2.49 ms (states only, q, k, v gathered) and
-      3.31 against 3.46 (with T), both repeated; the 32k forward 1.430 against 1.444, inside its run-to-run spread.
+      elementwise work, and without the carry each step may wait on one before its first product. The carry
+      speeds packed segments up by a few percent, with and without T, and leaves the single-sequence forward
+      within its run-to-run spread (bench/kernels.py).
     packed_reads: how the kernels see a chunk-aligned layout that the tokens do not fill (packed segments in
       `gdn_varlen`; a length that is not a multiple of the chunk in `gdn_forward`). True: they read q, k, v and
       write o in place in the given arrays, chunk n being rows src[n] .. src[n] + cnt[n] (masked loads and stores,
@@ -206,21 +190,16 @@ class GDNConfig:
       and solve reads in place (per-key gates: q, k, v in the chunk-local kernel, o in the state pass, which
       takes that kernel's decayed keys and queries).
 
-    Defaults: the fastest Gated DeltaNet forward measured on the H200 at L = 32k, 16 key -> 32 value heads of 128,
-    bf16 inputs (bench/RESULTS.md, 2026-11-30, one run with fla's chunk_gated_delta_rule at 1.924 ms): solve "tile"
-    at chunk 64 with a 4-warp chunk-local kernel, 1.502 ms (1.41 to 1.44 ms in later runs, once the doubling's
-    first level lost its dots; block_v 64 with 4 state warps: 1.62 beside 1.41). In the first run: chunk 32 with 2
-    warps 1.673; in an earlier run of the same day "doubling" with 32 x 32 blocks at chunk 64 took 1.573, 8 local
-    warps 2.197, 8 state warps 2.040, block_v 64 (8 warps) 2.561, 2 state stages 1.962, block_v 16 2.045, 2 state
-    warps 3.739. Emitting (T, S) through the transfer pass over 64-chunk groups: 1.847 ms (+23%; 32-chunk groups
-    1.904, 16-chunk 2.023, the widened pass 2.241); +24 to 25% in the later runs. The state pass's prefetched
-    small loads (`state_prefetch`) are on by default for packed segments' sake (-3 to -4% there). The state pass
-    itself runs under Mosaic GPU where it can (`state_lowering="auto"`): 1.346 against 1.421 ms (eleventh session);
-    with its column blocks in clusters of two (`state_cluster`), 1.275 to 1.287 ms (twelfth session).
-    On Hopper both kernels run under Mosaic GPU (`locals_lowering="auto"`, thirteenth session): 1.123 to 1.150 ms
-    against fla's 1.930 to 1.940 in the same calls (1.68x to 1.72x), 1.28 to 1.29 with Triton's chunk-local kernel.
+    Defaults: the fastest Gated DeltaNet forward at L = 32k, 16 key -> 32 value heads of 128, bf16 inputs, on the
+    H200 (bench/kernels.py times the variants beside fla's chunk_gated_delta_rule; see bench/RESULTS.md): solve
+    "tile" at chunk 64 with a 4-warp chunk-local kernel, and a 4-warp, 3-stage state pass at block_v 32; chunk 32,
+    the "doubling" solve, 8 warps in either kernel, block_v 16 or 64, 2 state stages and 2 state warps are all
+    slower. (T, S) come from the transfer pass over 64-chunk groups (smaller groups and the widened pass cost
+    more). The state pass's prefetched small loads (`state_prefetch`) are on for packed segments' sake. On Hopper
+    both kernels run under Mosaic GPU where they can (`state_lowering` and `locals_lowering` "auto"), the state
+    pass in clusters of two (`state_cluster`).
     Per-key gates (KDA) take `default_config(per_key=True)`; with them, "rows"/"doubling" at chunk 64 exceed the
-    H200's shared memory (measured), and `gdn_forward` refuses such a launch with a ValueError.
+    H200's shared memory, and `gdn_forward` refuses such a launch with a ValueError.
     """
 
     chunk: int = 64
@@ -278,20 +257,19 @@ class GDNConfig:
 
 
 def default_config(per_key: bool = False) -> GDNConfig:
-    """The measured default launch. per_key (KDA, GLA: per-key decays): chunk 16 (one 16 x 16 diagonal block, so
-    "doubling" is one doubling inverse), 4.78 ms against 9.90 ms at chunk 32 for KDA at L = 32k on the H200
-    (bench/RESULTS.md, 2026-11-30); "rows" and "doubling" at chunk 64 request 233,472 bytes of shared memory with
-    per-key gates, over the H200's 232,448, and "tile" takes scalar gates only. Scalar gates: `GDNConfig()`."""
+    """The default launch. per_key (KDA, GLA: per-key decays): chunk 16 (one 16 x 16 diagonal block, so
+    "doubling" is one doubling inverse), about twice as fast as chunk 32 for KDA at L = 32k (bench/kernels.py);
+    "rows" and "doubling" at chunk 64 request 233,472 bytes of shared memory with per-key gates, over the H200's
+    232,448, and "tile" takes scalar gates only. Scalar gates: `GDNConfig()`."""
     return GDNConfig(chunk=16, solve="doubling", locals_warps=2) if per_key else GDNConfig()
 
 
 def default_varlen_config(per_key: bool = False) -> GDNConfig:
     """`default_config` with each packed segment's T from the widened state (transfer_group = 0): for 64 segments
-    in 32k tokens on the H200 (bench/RESULTS.md, 2026-11-30) the widened pass took 2.75 ms against 3.02 to 3.05 ms
-    for the transfer pass over 64-chunk groups with packed reads (3.32 to 3.55 against 3.64 to 3.99 when q, k, v
-    were gathered; 16-chunk groups 4.07 to 4.47, 8-chunk 4.60 to 5.08), the reverse of `gdn_forward`'s ranking on
-    one 32k sequence (transfer pass 1.79, widened 2.15 ms). Where the packed transfer pass loses (its launch, or
-    the segmented product scan and slot gathers in XLA after it) was not profiled."""
+    in 32k tokens the widened pass is faster than the transfer pass over groups of any size, with or without packed
+    reads (`bench/kernels.py --all --sections varlen`), the reverse of `gdn_forward`'s ranking on one 32k
+    sequence. No profile says where the packed transfer pass loses (its launch, or the segmented product scan and
+    slot gathers in XLA after it)."""
     return dataclasses.replace(default_config(per_key), transfer_group=0)
 
 
@@ -376,10 +354,10 @@ def _inverse_doubling(strict: Array, precision: str) -> Array:
     X_s = inverse of the block-diagonal part of I + strict at granularity s (X_1 = I). With E_s the entries of
     `strict` in the lower-left s x s block of each 2s x 2s diagonal block, X_2s = X_s - X_s (E_s X_s) (exact: see
     the module docstring). The first level is elementwise (X_2 = I - E_1), then log2(n) - 1 levels of two [n, n]
-    dots; the block masks come from iotas, so no register tensor is ever sliced. On the H200 the chunk-local
-    kernel's time follows the number of these dots, not their size: dropping the first level's two dots took the
-    forward from 1.50 to 1.41 ms, while doing levels 2 to 8 as [64, 64] x [64, 16] dots on stacked diagonal blocks
-    (fewer flops, more dots) made it slower, 1.44 -> 1.54 ms (bench/RESULTS.md).
+    dots; the block masks come from iotas, so no register tensor is ever sliced. The chunk-local kernel's time
+    follows the number of these dots, not their size: hence the elementwise first level, and levels 2 to 8 as
+    [64, 64] x [64, 16] dots on stacked diagonal blocks (fewer flops, more dots) are slower (bench/kernels.py; see
+    bench/RESULTS.md).
     """
     n = strict.shape[0]
     rows, cols = _iotas(n)
@@ -436,7 +414,7 @@ def _pair_block_per_key(x_ref, k_ref, b_ref, i, j, sub, strict, precision):
 
     def columns():  # one key column at a time, every exponent b_t - b_j <= 0 (any gate strength)
 
-        def column(col, acc):  # a loop, not unrolled: unrolling made the whole kernel 1.5x slower on the H200
+        def column(col, acc):  # a loop, not unrolled: unrolled, the whole kernel is slower
             row = pl.ds(i * sub + col, 1)
             k_c, b_c = k_ref[row, :].astype(jnp.float32), b_ref[row, :]  # [1, K]
             keep = token > col if strict else token >= col
@@ -915,8 +893,6 @@ def _transfer_pass(w, k, b, *, chunk, group, config, interpret, packed=None):
     elif pad:
         packed = tuple(jnp.pad(t, (0, pad)) for t in packed)
     if _mosaic_transfer(config, chunk, key_dim, b, packed, interpret):
-        from hypic_jax.pallas import gdn_mgpu
-
         ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=chunk, group_chunks=group, config=_mosaic_state_config(config))
     else:
         eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
@@ -933,8 +909,6 @@ def _mosaic_transfer(config, chunk, key_dim, b, packed, interpret) -> bool:
     launch the state pass refuses under "mosaic" has been refused before this is asked)."""
     if config.state_lowering == "triton" or interpret:
         return False
-    from hypic_jax.pallas import gdn_mgpu
-
     return (b.ndim == 2 and packed is None and config.state_precision == "bf16"
             and gdn_mgpu.supported(chunk, key_dim, key_dim, config.block_v)
             and (config.state_lowering == "mosaic" or is_hopper()))
@@ -983,8 +957,6 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
     if _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret):
-        from hypic_jax.pallas import gdn_locals_mgpu
-
         p, w, u = gdn_locals_mgpu.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=config.chunk, scale=scale)
         return b, p, w, u, k, q
     res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
@@ -1001,7 +973,7 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
 
 def _log_transfer(g, gk, seg_ids=None, n_seg=None):
     """The summary form and log-transfer of a decay-only family: sums of log gates (per segment with seg_ids)."""
-    form = la.transfer_form(g=g, gk=gk)
+    form = transfer_form(g=g, gk=gk)
     if form == "identity":
         return form, None
     total = lambda x: (jnp.sum(x.astype(jnp.float32), axis=0) if seg_ids is None  # noqa: E731
@@ -1019,8 +991,6 @@ def _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret) -> bool:
     `_choose_mosaic`)."""
     if config.locals_lowering == "triton":
         return False
-    from hypic_jax.pallas import gdn_locals_mgpu
-
     bf16 = all(x.dtype == jnp.bfloat16 for x in (q, k, v)) and jnp.dtype(inter) == jnp.bfloat16
     fits = (gk is None and beta is not None and packed is None and config.solve == "tile" and bf16
             and config.locals_precision == "bf16" and config.solve_precision == "bf16"
@@ -1050,8 +1020,6 @@ def _choose_mosaic(field, lowering, fits, interpret, standalone, *, takes, got) 
 
 def _mosaic_state_config(config):
     """The Mosaic GPU state pass's launch (`gdn_mgpu.MosaicStateConfig`) that a GDNConfig asks for."""
-    from hypic_jax.pallas import gdn_mgpu
-
     return gdn_mgpu.MosaicStateConfig(block_v=config.block_v, cluster=config.state_cluster)
 
 
@@ -1061,8 +1029,6 @@ def _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, 
     keep Triton's float32 dots)."""
     if config.state_lowering == "triton":
         return False
-    from hypic_jax.pallas import gdn_mgpu
-
     fits = (w is not None and gk is None and packed is None and not widen and config.state_precision == "bf16"
             and jnp.dtype(out_dtype) == jnp.bfloat16 and gdn_mgpu.supported(chunk, key_dim, value_dim, config.block_v))
     return _choose_mosaic(
@@ -1110,8 +1076,6 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         widen = dense_summary and not config.transfer_group
         init = jnp.concatenate([state0, eye], axis=-1) if widen else state0
         if _mosaic_state_pass(config, chunk, key_dim, value_dim, w, gk, packed, widen, out_dtype, interpret):
-            from hypic_jax.pallas import gdn_mgpu
-
             o, final = gdn_mgpu.state_pass_mgpu(w, u, ks, b, qs, p, init, chunk=chunk, out_dtype=out_dtype,
                                                 scale=scale, config=_mosaic_state_config(config), interpret=interpret)
         else:
@@ -1124,8 +1088,8 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
             else:
                 transfer = _transfer_pass(w, ks, b, chunk=chunk, group=config.transfer_group, config=config,
                                           interpret=interpret, packed=packed if gk is None else None)
-            zero_start = state if initial_state is None else state - la._einsum("hkj,hjv->hkv", transfer, state0)
-            summary = la.Summary("dense", zero_start, transfer)
+            zero_start = state if initial_state is None else state - einsum("hkj,hjv->hkv", transfer, state0)
+            summary = Summary("dense", zero_start, transfer)
     else:
         if config.state_lowering == "mosaic":
             raise ValueError("pieces > 1 run the Triton state pass only (GDNConfig.state_lowering 'auto' or "
@@ -1133,18 +1097,18 @@ def _forward(q, k, v, g, beta, initial_state, gk=None, *, scale, config, emit_su
         widened0 = jnp.broadcast_to(jnp.concatenate([jnp.zeros_like(state0), eye], axis=-1),
                                     (pieces, heads, key_dim, value_dim + key_dim))
         _, pairs = run(w, u, ks, b, None, None, widened0, pieces=pieces)
-        pairs = la.Summary("dense", pairs[..., :value_dim], pairs[..., value_dim:])
-        prefixes = lax.associative_scan(la.compose, pairs, axis=0)
+        pairs = Summary("dense", pairs[..., :value_dim], pairs[..., value_dim:])
+        prefixes = lax.associative_scan(compose, pairs, axis=0)
         before = jax.tree_util.tree_map(lambda x: x[:-1], prefixes)
-        incoming = jnp.concatenate([state0[None], la.advance(before, jnp.broadcast_to(state0, before.state.shape))])
+        incoming = jnp.concatenate([state0[None], advance(before, jnp.broadcast_to(state0, before.state.shape))])
         o, finals = run(w, u, ks, b, qs, p, incoming, pieces=pieces)
         state = finals[-1]
         if dense_summary:
             summary = jax.tree_util.tree_map(lambda x: x[-1], prefixes)
     if emit_summary and not dense_summary:  # decay-only: T is a sum of log gates, S(C|0) = state - T state0
         form, log = _log_transfer(g, gk)
-        transfer_only = la.Summary(form, jnp.zeros_like(state), log)
-        summary = la.Summary(form, state - la.advance(transfer_only, state0) + 0.0, log)
+        transfer_only = Summary(form, jnp.zeros_like(state), log)
+        summary = Summary(form, state - advance(transfer_only, state0) + 0.0, log)
     return o[:length], state, summary
 
 
@@ -1170,8 +1134,8 @@ def _check(q, k, v, g, gk, beta):
 
 def _check_per_key_launch(config: GDNConfig, key_dim: int, interpret: bool) -> None:
     """Refuse a per-key launch that cannot fit a GPU's shared memory, before Triton fails with a bare resource
-    error: with per-key gates at K >= 128, chunk 64 requests 233,472 bytes (measured on the H200, whose limit is
-    232,448; "tile" falls back to "doubling" there)."""
+    error: with per-key gates at K >= 128, chunk 64 requests 233,472 bytes (an H200's limit is 232,448; "tile"
+    falls back to "doubling" there)."""
     if not interpret and config.chunk >= 64 and key_dim >= 128:
         raise ValueError(f"per-key gates (gk) at chunk {config.chunk} and K = {key_dim} need more shared memory than "
                          "an H100/H200 has; use gdn.default_config(per_key=True) (chunk 16) or chunk <= 32")
@@ -1179,8 +1143,8 @@ def _check_per_key_launch(config: GDNConfig, key_dim: int, interpret: bool) -> N
 
 def _common_dtype(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
     """q and k in v's dtype: the kernels hold every token tile in one dtype, and float32 q/k tiles beside bf16
-    values (q, k straight out of a float32 L2 norm) doubled the chunk kernel's shared memory past an H200's 227 KiB
-    at K = V = 128. The dot precision then follows that dtype, as it does for flash-linear-attention."""
+    values (q, k straight out of a float32 L2 norm) would double the chunk kernel's shared memory past an H200's
+    227 KiB at K = V = 128. The dot precision then follows that dtype, as it does for flash-linear-attention."""
     return q.astype(v.dtype), k.astype(v.dtype)
 
 
@@ -1359,11 +1323,11 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
         transfer = _varlen_transfer(w, ks, b, start, slot, chunk_begin, chunk_end, n_seg=n_seg, chunk=chunk,
                                     group=group, config=config, interpret=interpret)
         eye = jnp.eye(key_dim, dtype=jnp.float32)
-        return o, la.Summary("dense", states, jnp.where((lens > 0)[:, None, None, None], transfer, eye))
+        return o, Summary("dense", states, jnp.where((lens > 0)[:, None, None, None], transfer, eye))
     if dense:
-        return o, la.Summary("dense", states, finals[..., value_dim:])
+        return o, Summary("dense", states, finals[..., value_dim:])
     form, log = _log_transfer(g, gk, seg_of_token, n_seg)
-    return o, la.Summary(form, states, log)
+    return o, Summary(form, states, log)
 
 
 def gdn_varlen(
@@ -1408,40 +1372,6 @@ def gdn_varlen(
         _check_per_key_launch(config, key_dim, bool(interpret))
     return _varlen(q, k, v, cu, g, gk, beta, scale=float(scale), config=config, emit_summary=emit_summary,
                    interpret=bool(interpret))
-
-
-def varlen_reference(q, k, v, cu_seqlens, *, g=None, gk=None, beta=None, scale=1.0, max_len: int | None = None,
-                     chunk_size: int = 16):
-    """Pure-JAX reference of `gdn_varlen` from the core: segments gathered into [N, max_len] rows (zero padded at
-    the end, which adds nothing), `linear_attn.chunked` and `linear_attn.summarize` vmapped over them, outputs
-    scattered back. Key heads are repeated to the value heads. Returns (o [L, H, V] float32, Summary over N)."""
-    length, heads = v.shape[:2]
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
-    n_seg = cu.shape[0] - 1
-    if max_len is None:
-        max_len = int(np.max(np.diff(np.asarray(cu_seqlens)))) if n_seg else 1
-    max_len = max(max_len, 1)
-    group = heads // k.shape[1]
-    up = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
-    q, k = jnp.repeat(up(q), group, 1), jnp.repeat(up(k), group, 1)
-    v, g, gk, beta = up(v), up(g), up(gk), up(beta)
-    lens = cu[1:] - cu[:-1]
-    offs = jnp.arange(max_len, dtype=jnp.int32)
-    idx = jnp.where(offs[None, :] < lens[:, None], cu[:-1, None] + offs[None, :], length)  # [N, max_len]
-
-    def rows(x):
-        if x is None:
-            return None
-        return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[idx]
-
-    def one(q, k, v, g, gk, beta):
-        o, _ = la.chunked(q, k, v, g=g, gk=gk, beta=beta, scale=scale, chunk_size=chunk_size)
-        return o, la.summarize(k, v, g=g, gk=gk, beta=beta, chunk_size=chunk_size)
-
-    o_rows, summary = jax.vmap(one)(*map(rows, (q, k, v, g, gk, beta)))
-    tokens = jnp.arange(length, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), n_seg - 1)
-    return o_rows[seg, tokens - cu[seg]], summary
 
 
 def flops(length: int, heads: int, key_dim: int, value_dim: int, chunk: int, *, emit: bool = False,

@@ -20,12 +20,12 @@ two compute warpgroups work on alternate chunks (chunk i: warpgroup i % 2, slot 
 consumer and each thread tracks a barrier's phase by its own waits), each chunk's dots issued from registers where
 they can be (the left operands E_s, X and the scaled X) and waited once per dependent step.
 
-Measured on the H200 at 32k, 16 key -> 32 value heads (bench/RESULTS.md, thirteenth session): 0.524 ms with two
-slots (129 KiB of shared memory a block) against Triton's 0.674; four slots (226 KiB) 0.635, one compute
-warpgroup 0.846, the compiler's register split 0.866. W and U differ from Triton's by 3.4e-3 relative (bf16
-rounding of X diag(.) instead of diag(.) K), P not at all. It lowers with lane semantics: the kernel sets every
-layout itself, and JAX 0.11's default warpgroup semantics runs a layout-inference search that did not finish
-within 70 s even at 256 tokens.
+At 32k with 16 key -> 32 value heads the defaults (two slots, 129 KiB of shared memory a block; two compute
+warpgroups; set register budgets) beat Triton's kernel, and four slots, one compute warpgroup or the compiler's
+register split are slower (bench/locals_mgpu.py times each variant; see bench/RESULTS.md). W and U differ from
+Triton's by about 3e-3 relative (bf16 rounding of X diag(.) instead of diag(.) K), P not at all. It lowers with
+lane semantics: the kernel sets every layout itself, and JAX 0.11's default warpgroup semantics runs a
+layout-inference search that does not finish in reasonable time even at 256 tokens.
 
 The GPU interpreter (`interpret=True`) runs it on the CPU. It takes an MMA's left operand from shared memory only
 and has no transposed views, layout casts or layout-aware loads, so there the left operands pass through a

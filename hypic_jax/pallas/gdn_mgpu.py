@@ -13,22 +13,20 @@ waits once; a second warpgroup streams the chunk's operands (W, U, K, Q, P and t
 into `stages` shared-memory slots with the TMA engine. One block per (value column block, head); by default the
 column blocks of a head run in clusters of two that receive W, K, Q and P through one multicast copy.
 
-What bounds it (H200, 32k, bench/RESULTS.md, eleventh and twelfth sessions). Each block pulls about 60 KB of
-operands per chunk into shared memory. With the arithmetic removed, the loads alone take 0.60 ms for 128 blocks and
-0.33 for 64 blocks of 64 columns: 6.6 to 6.8 TB/s delivered from L2 into the SMs in all, in both cases, so the
-ceiling is what the L2 delivers in total, not each SM's share of it (with clusters of 4 the loads alone take 0.55).
-With the loads removed (every step reusing the first slots) the arithmetic takes 0.52 ms at 32 columns and 0.65 at
-64. The full pass takes 0.653 to 0.662 ms at 32 columns (one slot: 1.31; a third: no gain), 0.705 at 64.
-Multicasting the operands that a head's column blocks share halves their L2 reads: 0.585 to 0.600 ms with clusters
-of 2. Clusters of 4 take 1.07 to 1.14 ms. Taking work off the sequential chain did not pay: moving the outputs (Q S
-and P u) to a second compute warpgroup gave 0.653 (0.592 in clusters), storing each output a step late under the
-next products 0.676, and two warpgroups of 32 columns sharing a block's slots 0.784. Triton's pass takes 0.731; the
-forward takes 1.275 ms with clusters, 1.333 without, 1.414 with Triton's pass (twelfth session, same run).
+What bounds it (bench/state_pass.py measures each part at 32k; see bench/RESULTS.md). Each block pulls about 60 KB
+of operands per chunk into shared memory. With the arithmetic removed, the loads alone run at the same total rate
+from L2 into the SMs (about 6.6 TB/s on the H200) for 128 blocks as for 64 blocks of 64 columns, so the ceiling is
+what the L2 delivers in total, not each SM's share of it; the arithmetic alone takes less time than the loads.
+Multicasting the operands that a head's column blocks share halves their L2 reads, hence the clusters of two by
+default (clusters of four are slower). Taking work off the sequential chain does not pay: a second compute
+warpgroup for the outputs (Q S and P u), storing each output a step late under the next products, and two
+warpgroups of 32 columns sharing a block's slots are all no faster. bench/forward_lowerings.py times the whole
+forward under each lowering.
 
 The transfer pass (`transfer_pass_mgpu`, behind a forward's (T, S)) is the same step with zero values and no
 outputs, run from the identity over groups of chunks in parallel: per step only W S and K^T (.) and only W, K and
-two decay rows to load. At 32k in 64-chunk groups it takes 0.266 ms against Triton's 0.330 with clusters of two,
-0.436 without (thirteenth session): here too multicast halves what the L2 must deliver.
+two decay rows to load. Here too multicast halves what the L2 must deliver, and the pass beats Triton's
+(bench/transfer_pass.py).
 
 The GPU interpreter (`interpret=True`) runs both on the CPU: it takes MMA operands from shared memory untransposed
 and has no layout casts, so there K arrives transposed and vectors are read without an explicit layout.
@@ -58,11 +56,10 @@ class MosaicStateConfig:
     then takes); stages: shared-memory slots for a chunk's operands (about 60 KB each at block_v 32); cluster:
     column blocks of one head launched as a cluster that receives the head's W, K, Q and P through one multicast
     copy (1 turns multicast off; a head with fewer or indivisible column blocks, and the interpreter, which has no
-    cluster barriers, run 1). Measured on the H200 at 32k (bench/RESULTS.md): block_v 32 with 2 slots 0.662 ms, 3
-    slots 0.668, 1 slot 1.306; block_v 64 with 2 slots 0.705 (1 slot 1.315); Triton's pass 0.731 (eleventh session);
-    clusters of 2 0.585 to 0.600, of 4 1.07 to 1.14 (twelfth session). semantics: Mosaic GPU's lowering
-    (`platform.mosaic_compiler_params`): "lane" 0.594 against "warpgroup" 0.598 ms in clusters of 2, 0.647 against
-    0.655 without (thirteenth session); the kernel sets its layouts itself, so lane skips the inference search."""
+    cluster barriers, run 1). The defaults are the fastest launch at 32k (bench/state_pass.py times block widths,
+    slots and clusters against Triton's pass; one slot is much slower, a third adds nothing). semantics: Mosaic
+    GPU's lowering (`platform.mosaic_compiler_params`): "lane", as the kernel sets its layouts itself, so lane
+    skips the inference search; the two times are the same within noise."""
 
     block_v: int = 32
     stages: int = 2

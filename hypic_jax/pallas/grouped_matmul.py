@@ -1,6 +1,6 @@
 """Grouped matmul for MoE experts (Pallas, Triton lowering): rows grouped by expert times that expert's weights.
 
-Why: `jax.lax.ragged_dot` has no fast GPU lowering in the jax/XLA builds we run (XLA rewrites it into a dense dot
+Why: `jax.lax.ragged_dot` has no fast GPU lowering in the supported jax/XLA builds (XLA rewrites it into a dense dot
 over all groups, materialising [rows, experts * K]: out of memory at 32k tokens x top-8 of 256 experts). This
 kernel does the grouped GEMM directly: the expert-sorted rows are laid out so that every block of `block_m` rows
 belongs to one expert (each expert's group is padded up to a multiple of block_m, at most one partial block per
@@ -44,18 +44,16 @@ class GMMConfig:
 
 
 # Few copies per expert (a PIC request's seams and query: 576 tokens x top-8 of 256 experts, ~18 copies each) make
-# the matmul a read of every used expert's weights. Fastest of 12 launches timed on the H200 at that shape (hidden
-# 2048, expert width 512; bench/RESULTS.md): gate_up 0.293 ms (3.67 TB/s of weights) and down 0.159 ms, against
-# 0.375 / 0.199 ms with the class defaults. A wider weight tile with 8 warps keeps more bytes in flight, and 32-row
-# blocks waste less work on padding. Not timed at long-prefill row counts, where block_m 64 reuses each weight tile
-# for twice the rows; hence the split.
+# the matmul a read of every used expert's weights. This launch is the fastest at that shape (hidden 2048, expert
+# width 512; `bench/pic_kernels.py --sections moe` times it against the class defaults, see bench/RESULTS.md): a
+# wider weight tile with 8 warps keeps more bytes in flight, and 32-row blocks waste less work on padding. Long
+# prefills keep the class defaults, where block_m 64 reuses each weight tile for twice the rows; hence the split.
 FEW_ROWS_CONFIG = GMMConfig(block_m=32, block_n=256, block_k=64, num_warps=8, num_stages=3)
 FEW_ROWS_MAX = 16384
 
 
 def default_config(num_rows: int) -> GMMConfig:
-    """The measured launch for `num_rows` (token, expert) copies: FEW_ROWS_CONFIG up to FEW_ROWS_MAX, else
-    GMMConfig()."""
+    """The launch for `num_rows` (token, expert) copies: FEW_ROWS_CONFIG up to FEW_ROWS_MAX, else GMMConfig()."""
     return FEW_ROWS_CONFIG if num_rows <= FEW_ROWS_MAX else GMMConfig()
 
 
@@ -116,8 +114,7 @@ def copy_layout(experts: Array, num_experts: int, block_m: int) -> tuple[Array, 
     this equals `block_layout` applied to the stably sorted copies. For rows x experts up to ONE_HOT_ROUTING_MAX a
     copy's rank inside its expert is a running count over a one-hot [rows, experts] matrix: a handful of fused
     kernels, where two argsorts cost four radix-sort launches plus scatters per MoE layer (the PIC request runs 40
-    such layers; measured on the H200, 0.66 against 0.71 ms per routed-experts block). Above it the copies are
-    sorted.
+    such layers; `bench/pic_kernels.py --sections moe` times both). Above it the copies are sorted.
     """
     flat = experts.reshape(-1).astype(jnp.int32)
     num_rows = flat.shape[0]

@@ -1,0 +1,96 @@
+"""Checkpoints: `load` a model from an orbax checkpoint or a Hugging Face folder, and the orbax format itself.
+
+An orbax checkpoint written by `hypic-jax convert` (`save_checkpoint`) is a folder holding the parameters under
+`params/` and `hypic_model.json` (`METADATA_FILE`): the HF model_type, the parameter dtype and the architecture's
+config as JSON. `load` restores one straight into the architecture's parameter structure (and sharding, with a
+mesh), or converts a Hugging Face folder on the fly through `converters.convert_folder`.
+
+This module sits above both `hypic_jax.models` and `converters` (it imports both; neither imports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import converters
+from hypic_jax import models
+from hypic_jax.models.base import Model, named_shardings, resolve_dtype, shard_params
+
+__all__ = ["load", "save_checkpoint", "restore_params", "METADATA_FILE", "write_metadata", "read_metadata",
+           "config_to_dict", "config_from_dict"]
+
+METADATA_FILE = "hypic_model.json"
+
+
+def config_to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(config_cls: type, data: dict) -> Any:
+    """Rebuild a frozen config dataclass, turning JSON lists back into tuples."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    clean = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields}
+    return config_cls(**clean)
+
+
+def write_metadata(path: str | Path, *, model_type: str, config: Any, dtype: Any) -> None:
+    meta = dict(format=1, model_type=model_type, dtype=str(jnp.dtype(dtype)), config=config_to_dict(config))
+    (Path(path) / METADATA_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def read_metadata(path: str | Path) -> dict:
+    return json.loads((Path(path) / METADATA_FILE).read_text())
+
+
+def save_checkpoint(dst: str | Path, *, model_type: str, config: Any, params: Any, dtype: Any) -> None:
+    """Write params with orbax under dst/params and the config metadata next to them."""
+    import orbax.checkpoint as ocp  # imported on use: slow to import, and only checkpoint I/O needs it
+
+    dst = Path(dst).absolute()
+    dst.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(dst / "params", params, force=True)
+    write_metadata(dst, model_type=model_type, config=config, dtype=dtype)
+
+
+def restore_params(src: str | Path, abstract: Any) -> Any:
+    """Restore params saved by `save_checkpoint` into the structure/dtypes of `abstract` (ShapeDtypeStructs,
+    optionally with shardings)."""
+    import orbax.checkpoint as ocp  # imported on use, as in save_checkpoint
+
+    src = Path(src).absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(src / "params", abstract)
+
+
+def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh | None = None) -> Model:
+    """Load a model from an orbax checkpoint written by `hypic-jax convert`, or directly from a Hugging Face folder.
+
+    With `mesh` (axes "data" and "model") the parameters are placed with the architecture's `param_specs` (an orbax
+    checkpoint is restored straight into that sharding). Returns a `Model` with `logits(tokens)` and
+    `generate(tokens, max_new_tokens)`.
+    """
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if (path / METADATA_FILE).exists():
+        meta = read_metadata(path)
+        arch = models.architecture(meta["model_type"])
+        config = config_from_dict(arch.Config, meta["config"])
+        abstract = models.abstract_params(arch, config, dtype)
+        if mesh is not None:
+            shardings = named_shardings(arch.param_specs(config), mesh)
+            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        return Model(arch, config, restore_params(path, abstract))
+    if (path / "config.json").exists():
+        model_type, config, params = converters.convert_folder(path, dtype)
+        arch = models.architecture(model_type)
+        if mesh is not None:
+            params = shard_params(params, arch.param_specs(config), mesh)
+        return Model(arch, config, params)
+    raise ValueError(f"{path} holds neither a hypic-jax checkpoint ({METADATA_FILE}) nor a Hugging Face config.json")
