@@ -447,7 +447,7 @@ def run_focus(out_dir, budget_s):
                       ("locals tf32", dataclasses.replace(base, locals_precision="tf32"))]:
         if over():
             break
-        fn = jax.jit(lambda q, k, v, b, beta, cfg=cfg: gdn._chunk_locals(
+        fn = jax.jit(lambda q, k, v, b, beta, cfg=cfg: gdn.chunk_locals(
             q, k, v, b, beta, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
             interpret=INTERPRET))
         try:
@@ -455,7 +455,7 @@ def run_focus(out_dir, budget_s):
             log(path, dict(part=name, L=length, ms=ms))
         except Exception as e:
             log(path, dict(part=name, error=repr(e)[:400]))
-    p, w, u = jax.jit(lambda q, k, v, b, beta: gdn._chunk_locals(
+    p, w, u = jax.jit(lambda q, k, v, b, beta: gdn.chunk_locals(
         q, k, v, b, beta, chunk=base.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=base,
         interpret=INTERPRET))(q, k, v, b, beta_t)
     init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
@@ -646,7 +646,7 @@ def _all_gdn(record, sections, length, q, k, v, g, beta, scale, group, b16, up, 
         for chunk in (64, 32):
             cfg = C(chunk=chunk, solve=solve, **b16)
             b = gdn._chunk_cumsum(g, length, HEADS, chunk)
-            fn = jax.jit(lambda q, k, v, b, bt, cfg=cfg: gdn._chunk_locals(
+            fn = jax.jit(lambda q, k, v, b, bt, cfg=cfg: gdn.chunk_locals(
                 q, k, v, b, bt, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
                 interpret=INTERPRET))
             record("locals", f"locals {solve} c{chunk}", fn, (q, k, v, b, beta.T))

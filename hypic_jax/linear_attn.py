@@ -259,7 +259,7 @@ def _unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
     return jnp.concatenate(solved, axis=-2)[..., :size, :]
 
 
-def _chunk_locals(q, k, v, log_decay, beta, acc):
+def chunk_locals(q, k, v, log_decay, beta, acc):
     """Everything a chunk needs that does not depend on its start state. Head-major inputs:
 
     q, k: [H, c, K] (q may be None), v: [H, c, V], log_decay: [H, c, D] with D = 1 (scalar) or K (per key) or
@@ -306,7 +306,7 @@ def _map_chunks(fn: Callable, xs, per_chunk_elements: int, num_chunks: int):
     return jax.lax.map(lambda args: fn(*args), xs, batch_size=batch)
 
 
-def _log_decay(g: Array | None, gk: Array | None, acc) -> Array | None:
+def log_decay_of(g: Array | None, gk: Array | None, acc) -> Array | None:
     """Per-token log decay [L, H, D] from a scalar gate g [L, H] (D = 1) and/or per-key gates gk [L, H, K] (D = K)."""
     if gk is not None:
         return gk.astype(acc) + (0.0 if g is None else g.astype(acc)[..., None])
@@ -333,12 +333,12 @@ def _chunk_scan(q, k, v, g, gk, beta, state, chunk_size, acc):
 
     if v.shape[-1] < state_width:
         v = jnp.pad(v, [(0, 0), (0, 0), (0, state_width - v.shape[-1])])
-    log_decay = _log_decay(g, gk, acc)
+    log_decay = log_decay_of(g, gk, acc)
     chunks = (to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(log_decay), to_chunks(beta))
     decay_width = 1 if log_decay is None else log_decay.shape[-1]
     per_chunk = heads * chunk_size * chunk_size * max(decay_width, 1)
     # absent inputs are None: empty PyTrees, which vmap and lax.map pass through untouched
-    locals_ = _map_chunks(lambda *xs: _chunk_locals(*xs, acc), chunks, per_chunk, num_chunks)
+    locals_ = _map_chunks(lambda *xs: chunk_locals(*xs, acc), chunks, per_chunk, num_chunks)
 
     def step(state, loc):
         u = loc["u"]
@@ -389,9 +389,9 @@ def span_chunk(q: Array | None, k: Array, v: Array, *, g: Array | None = None, g
     then reads the seam's outputs from the state the fold gives it (instead of a second `chunked` pass)."""
     length, heads, key_dim = k.shape
     acc = _state_dtype(q, k, v, g, gk, beta)
-    log_decay = _log_decay(g, gk, acc)
+    log_decay = log_decay_of(g, gk, acc)
     head_major = lambda x: None if x is None else jnp.moveaxis(x.astype(acc), 0, 1)  # noqa: E731
-    loc = _chunk_locals(head_major(q), head_major(k), head_major(v), head_major(log_decay), head_major(beta), acc)
+    loc = chunk_locals(head_major(q), head_major(k), head_major(v), head_major(log_decay), head_major(beta), acc)
     w = loc["w"] if loc["w"] is not None else jnp.zeros((heads, length, key_dim), acc)
     decay = jnp.broadcast_to(loc["chunk_decay"], (heads, key_dim))
     return SpanChunk(w, loc["u"], loc["k_to_end"], decay, loc.get("q_decayed"), loc.get("scores"))

@@ -31,6 +31,7 @@ from jax import Array
 from hypic_jax import linear_attn
 from hypic_jax.layout import PIECE_CACHED, PIECE_FRESH, LayoutArrays
 from hypic_jax.linear_attn import LinearInputs, Summary
+from hypic_jax.summary import apply_transfer, einsum
 from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
@@ -108,9 +109,9 @@ def linear_over_layout(
     form = inputs.form
     heads, key_dim, value_dim = inputs.k.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     num_pieces = layout.piece_kind.shape[0]
-    log_decay = linear_attn._log_decay(inputs.g, inputs.gk, acc)
+    log_decay = linear_attn.log_decay_of(inputs.g, inputs.gk, acc)
     chunks = [_head_major_chunks(a, layout, acc) for a in (inputs.q, inputs.k, inputs.v, log_decay, inputs.beta)]
-    loc = jax.vmap(lambda *xs: linear_attn._chunk_locals(*xs, acc))(*chunks)
+    loc = jax.vmap(lambda *xs: linear_attn.chunk_locals(*xs, acc))(*chunks)
     chunk_len = layout.chunk_rows.shape[1]
 
     def chunk_state_step(state, i, u_extra: int = 0):
@@ -118,8 +119,8 @@ def linear_over_layout(
         if u_extra:
             u = jnp.pad(u, [(0, 0), (0, 0), (0, u_extra)])
         if loc["w"] is not None:
-            u = u - linear_attn._einsum("hck,hkv->hcv", loc["w"][i], state)
-        new = loc["chunk_decay"][i][:, :, None] * state + linear_attn._einsum("hck,hcv->hkv", loc["k_to_end"][i], u)
+            u = u - einsum("hck,hkv->hcv", loc["w"][i], state)
+        new = loc["chunk_decay"][i][:, :, None] * state + einsum("hck,hcv->hkv", loc["k_to_end"][i], u)
         return new, u
 
     # 1. each fresh piece's own summary, from a zero start (dense: with the identity block that becomes T)
@@ -168,7 +169,7 @@ def linear_over_layout(
         state = jnp.where(layout.piece_reset[p], jnp.zeros_like(state), state)
         incoming = _put(incoming, p, state)
         row = jax.tree.map(lambda a: a[p], sequence)
-        state = linear_attn._apply_transfer(row, state, algorithm) + row.state
+        state = apply_transfer(row, state, algorithm) + row.state
         return state, incoming
 
     zero = jnp.zeros((heads, key_dim, value_dim), acc)
@@ -182,7 +183,7 @@ def linear_over_layout(
         before = state
         state, u = chunk_state_step(state, i)
         if "q_decayed" in loc:
-            o = linear_attn._einsum("hck,hkv->hcv", loc["q_decayed"][i], before) + linear_attn._einsum(
+            o = einsum("hck,hkv->hcv", loc["q_decayed"][i], before) + einsum(
                 "hcj,hjv->hcv", loc["scores"][i], u)
             outs = _put(outs, i, o)
         ends = _put(ends, jnp.where(layout.chunk_last[i], layout.chunk_piece[i], num_pieces), state)

@@ -31,6 +31,7 @@ __all__ = [
     "promote",
     "dense_transfer",
     "dense_product",
+    "apply_transfer",
     "advance",
     "compose",
     "stack_summaries",
@@ -187,7 +188,7 @@ def dense_product(a: Array, b: Array, algorithm: str | None) -> Array:
     return matmul(jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:]), algorithm)
 
 
-def _apply_transfer(summary: Summary, x: Array, algorithm: str | None = None) -> Array:
+def apply_transfer(summary: Summary, x: Array, algorithm: str | None = None) -> Array:
     """T x for x [..., H, K, N] (a state, or another transfer)."""
     if summary.form == "identity":
         return x
@@ -202,7 +203,7 @@ def advance(summary: Summary, state: Array) -> Array:
     """The state after the segment, from `state` before it: T state + S(C|0)."""
     if state.shape[-3:] != summary.state.shape[-3:]:
         raise ValueError(f"state must be [..., H, K, V] = {summary.state.shape[-3:]}, got shape {state.shape}")
-    return _apply_transfer(summary, state.astype(summary.state.dtype)) + summary.state
+    return apply_transfer(summary, state.astype(summary.state.dtype)) + summary.state
 
 
 def compose(first: Summary, second: Summary, *, algorithm: str | None = None) -> Summary:
@@ -213,7 +214,7 @@ def compose(first: Summary, second: Summary, *, algorithm: str | None = None) ->
     measures the algorithms, see bench/RESULTS.md)."""
     form = FORMS[max(_FORM_RANK[first.form], _FORM_RANK[second.form])]
     first, second = promote(first, form), promote(second, form)
-    state = _apply_transfer(second, first.state, algorithm) + second.state
+    state = apply_transfer(second, first.state, algorithm) + second.state
     if form == "identity":
         return Summary("identity", state, None)
     if form in ("scalar", "diagonal"):

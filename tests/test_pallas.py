@@ -969,13 +969,13 @@ def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, w
     beta_t = beta.astype(jnp.float32).T
     scale = dim**-0.5
     config = GDNConfig().resolved(jnp.bfloat16)
-    ref = gdn._chunk_locals(q, k, v, b, beta_t, chunk=c, scale=scale, inter_dtype=jnp.bfloat16, config=config,
+    ref = gdn.chunk_locals(q, k, v, b, beta_t, chunk=c, scale=scale, inter_dtype=jnp.bfloat16, config=config,
                             interpret=True)
     out = glm.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=c, scale=scale,
                                 config=glm.MosaicLocalsConfig(blocks=blocks, warpgroups=warpgroups),
                                 interpret=True)
     exact = GDNConfig(locals_precision="ieee", solve_precision="ieee").resolved(jnp.float32)
-    f32 = gdn._chunk_locals(*(x.astype(jnp.float32) for x in (q, k, v)), b, beta_t, chunk=c, scale=scale,
+    f32 = gdn.chunk_locals(*(x.astype(jnp.float32) for x in (q, k, v)), b, beta_t, chunk=c, scale=scale,
                             inter_dtype=jnp.float32, config=exact, interpret=True)
     for name, mine, theirs, truth in zip("pwu", out, ref, f32):
         assert mine.shape == theirs.shape and mine.dtype == jnp.bfloat16, name

@@ -58,7 +58,7 @@ def run_variant(name):
     args, _, jnp = _inputs()
     scale = DIM**-0.5
     cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
-    triton = jax.jit(lambda q, k, v, b, bt: gdn._chunk_locals(q, k, v, b, bt, chunk=64, scale=scale,
+    triton = jax.jit(lambda q, k, v, b, bt: gdn.chunk_locals(q, k, v, b, bt, chunk=64, scale=scale,
                                                               inter_dtype=jnp.bfloat16, config=cfg, interpret=False))
     ref = [np.asarray(x, np.float32) for x in triton(*args)]
     config = glm.MosaicLocalsConfig(**VARIANTS[name])

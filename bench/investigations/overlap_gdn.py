@@ -72,7 +72,7 @@ def overlapped(q, k, v, g, beta, *, parts, stream, scale, config, interpret):
         rows = slice(i * piece, (i + 1) * piece)
 
         def local(q, k, v, b, bt):
-            return tuple(gdn._chunk_locals(q, k, v, b, bt, chunk=chunk, scale=scale, inter_dtype=k.dtype,
+            return tuple(gdn.chunk_locals(q, k, v, b, bt, chunk=chunk, scale=scale, inter_dtype=k.dtype,
                                            config=config, interpret=interpret))
 
         p, w, u = _side_stream(local, 3, stream)(q[rows], k[rows], v[rows], b[:, rows], beta_t[:, rows])

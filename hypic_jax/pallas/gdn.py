@@ -14,7 +14,7 @@ pallas_call batching rule adds a grid axis); many segments packed in one sequenc
 Pipeline (two launches plus a few cheap XLA ops; a third launch and a product tree when T_C is asked for):
 
 1. gates (XLA): b = chunk-local cumsum of the log decays, [H, L] for a scalar gate or [L, H, K] per key.
-2. `_locals_kernel`, grid (chunks, heads), fully parallel: the WY/UT chunk form of `linear_attn._chunk_locals`,
+2. `_locals_kernel`, grid (chunks, heads), fully parallel: the WY/UT chunk form of `linear_attn.chunk_locals`,
    W = (I + M)^-1 (beta e^b K), U = (I + M)^-1 (beta V), and the masked decayed scores
    P_tj = scale q_t^T Diag(e^{b_t - b_j}) k_j (j <= t). `GDNConfig.solve` picks how (I + M)^-1 is built:
      "rows"      16 x 16 diagonal blocks by row-by-row forward substitution (masked reductions: Triton cannot index
@@ -688,7 +688,7 @@ def _compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None):
+def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None):
     """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
     packed: None, or the int32 tables (src, cnt) [Nc] of a chunk-aligned layout whose q, k, v stay packed
     (`_locals_kernel`); L is then the layout's length (b's), not q's."""
@@ -943,7 +943,7 @@ def _prefix_tables(length: int, num_chunks: int, chunk: int) -> tuple[Array, Arr
 def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
     and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
-    the decayed k e^{b_c - b} and scale q e^b per value head). packed: the tables (src, cnt) of `_chunk_locals`;
+    the decayed k e^{b_c - b} and scale q e^b per value head). packed: the tables (src, cnt) of `chunk_locals`;
     q, k, v then stay packed while the gates (g, gk, beta) come chunk-aligned."""
     length = k.shape[0] if packed is None else packed[0].shape[0] * config.chunk
     heads = v.shape[1]
@@ -959,7 +959,7 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
     if _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret):
         p, w, u = gdn_locals_mgpu.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=config.chunk, scale=scale)
         return b, p, w, u, k, q
-    res = _chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
+    res = chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
                         interpret=interpret, packed=packed)
     ks, qs = k, q
     if gk is not None:  # the decayed keys and queries are the kernel's last two outputs

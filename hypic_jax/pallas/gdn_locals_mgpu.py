@@ -255,7 +255,7 @@ def _kernel(q_g, k_g, v_g, b_g, beta_g, *refs, runs, run, last_run, group, scale
 @functools.partial(jax.jit, static_argnames=("chunk", "scale", "config", "interpret"))
 def chunk_locals_mgpu(q, k, v, b, beta, *, chunk: int, scale: float,
                       config: MosaicLocalsConfig = MosaicLocalsConfig(), interpret: bool = False):
-    """`gdn._chunk_locals` for the "tile" solve with scalar gates and the delta rule, bf16: q, k [L, Hk, K], v
+    """`gdn.chunk_locals` for the "tile" solve with scalar gates and the delta rule, bf16: q, k [L, Hk, K], v
     [L, H, V], b [H, L] (in-chunk cumulative log gates), beta [H, L], L a whole number of chunks (`supported`).
     Returns (p [H, L, c], w [L, H, K], u [L, H, V]) in bfloat16."""
     length, key_heads, key_dim = k.shape
