@@ -58,12 +58,12 @@ def _span_forward(params, tokens, cached, *, arch, config, layout, mode, want_lo
 
 _SPAN_STATIC = ("arch", "config", "layout", "mode", "want_logits", "want_decode", "want_hidden")
 # Without XLA's GPU command buffers (CUDA graphs): a span program runs thousands of small kernels whose argument
-# and output buffers move from request to request, so a captured graph is re-patched before every launch (41 ms
-# of host time per PIC request at the 35B-A3B shape, bench/RESULTS.md) and the device waits for all of it; plain
+# and output buffers move from request to request, so a captured graph is re-patched before every launch (host
+# time per PIC request that `bench/pic_ttft.py --variants graphs` measures) and the device waits for all of it; plain
 # launches stream out while the device already runs the first kernels.
 # Without XLA's dot merger: it joins the products that share an input (a layer's q/k/v or qkv/z projections) into
 # one by concatenating their weights, and for a few hundred fresh tokens that copy (50 MB per GDN layer, 28 us on
-# the H200) costs more than the second product it saves; 100 such copies ran in every PIC request.
+# the H200) costs more than the second product it saves.
 _SPAN_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 _span_call = jax.jit(_span_forward, static_argnames=_SPAN_STATIC,
                      compiler_options={**_SPAN_OPTIONS, "xla_gpu_enable_command_buffer": ""})
@@ -198,25 +198,18 @@ class Engine:
     `prefix_impl` is how each linear layer's states at the segment boundaries are formed (`linear_attn.prefix_states`:
     "auto": the Pallas fold kernel on a GPU, the associative scan elsewhere).
 
-    Tuning knobs, all tested on the CPU against the default path, with what the H200 said of them (bench/RESULTS.md):
-    `seam_fold` (default True: with the Pallas fold, short seams enter it as chunk steps instead of being composed
-    with their interiors first, `spans.SpanMode.seam_fold`; 119.6 vs 132.2 ms per request), `attention_programs`
-    (default 1024: the fresh queries' attention split over key ranges, 0.83 vs 1.08 ms per layer), `prefix_block`
-    (blocked fold: slower per layer, 0.84 vs 0.48 ms; off by default), `stack_entries` (default True: each cache
-    entry's pieces outside the pool, the full-attention K/V, stored with the layers stacked, `spans.StackedLayers`:
-    128 arrays per request at 64 entries instead of 1,280; 79.6 vs 81.8 ms per request. Without the pool, the
-    request's compile did not finish in 200 s), `pool_entries` (default True: the linear layers' pieces of PIC
-    entries live in one device pool per layer, `hypic_jax.pool`; a request passes the pools and a vector of slots
-    instead of every entry's arrays, and the seam fold reads the cached interiors in place; 133.9 vs 177.2 ms per request with
-    command buffers on), `command_buffers` (default False; 88.9 ms per request without, 113.1 with, measured before
-    the other changes of the fourth session),
-    `seam_precision` (`spans.SpanMode.seam_precision`; "auto": the seams' own products inside the seam fold run
-    single-pass bf16 for bfloat16 models on tensor-core composition, as the model's GDN kernel does for every token;
-    None keeps the composition algorithm; 68.9 vs 70.5 ms per request).
-
-    `attention_pack_gqa` (default True; `spans.SpanMode.attention_pack_gqa`: the query heads of a key/value head
-    share one attention program, so each K/V tile is loaded once; 0.617 vs 0.823 ms per full-attention layer of
-    the 35B-A3B request).
+    Tuning knobs change speed, never results (each is tested on the CPU against the default path; `bench/pic_ttft.py
+    --variants` times them on a GPU, see bench/RESULTS.md): `seam_fold` (short seams enter the Pallas fold as chunk
+    steps instead of being composed with their interiors first, `spans.SpanMode.seam_fold`), `attention_programs`
+    (the fresh queries' attention split over key ranges), `prefix_block` (a blocked fold; off by default, slower per
+    layer), `stack_entries` (an entry's pieces outside the pool, the full-attention K/V, stored with the layers
+    stacked, `spans.StackedLayers`: a few arrays per entry to pass instead of one per layer), `pool_entries` (the
+    linear layers' pieces of PIC entries live in one device pool per layer, `hypic_jax.pool`: a request passes the
+    pools and a vector of slots, and the seam fold reads the cached interiors in place), `command_buffers` (XLA's
+    CUDA-graph capture; off: re-patching the graph per request costs more than it saves), `seam_precision`
+    (`spans.SpanMode.seam_precision`: "auto" runs the seams' own products inside the seam fold at single-pass bf16
+    for bfloat16 models, the precision the model's GDN kernel uses for every token), `attention_pack_gqa` (the
+    query heads of a key/value head share one attention program, so each K/V tile is loaded once).
 
     compile_cache: a folder where compiled programs are kept across processes (`use_compile_cache`): each new
     request layout compiles for minutes at the 35B-A3B shape, and a restarted engine would pay that again.
@@ -548,15 +541,7 @@ class Engine:
         temperature 0 is greedy; otherwise softmax sampling at that temperature within the top-p nucleus, seeded.
         stop: strings (need a tokenizer) and/or token ids that end generation (the stop token is kept in `tokens`).
         """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-        stops = [] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))
-        stop_ids = {int(s) for s in stops if not isinstance(s, str)}
-        stop_texts = [s for s in stops if isinstance(s, str)]
-        if stop_texts and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; pass token ids instead")
+        stop_ids, stop_texts = self._check_generation(max_new_tokens, top_p, stop)
         segs = self.segment_tokens(segments)
         total = sum(map(len, segs))
         if self.max_context is not None and total + max_new_tokens > self.max_context:
@@ -567,18 +552,41 @@ class Engine:
         max_len = total + max(max_new_tokens, 1)
         cache = ModelCache(layers=tuple(_pad_decode(c, total, max_len) for c in pre.decode),
                            length=jnp.asarray(total, jnp.int32))
+
+        def step(token, cache):
+            logits, cache = _decode_step(self.params, jnp.asarray(token, jnp.int32), cache, arch=self.arch,
+                                         config=self.config)
+            return np.asarray(logits), cache
+
+        return self._decode_loop(pre, step, cache, max_new_tokens, temperature, top_p, seed, stop_ids, stop_texts,
+                                 start)
+
+    def _check_generation(self, max_new_tokens: int, top_p: float, stop) -> tuple[set[int], list[str]]:
+        """Validated sampling arguments: (stop token ids, stop strings)."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        stops = [] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))
+        stop_texts = [s for s in stops if isinstance(s, str)]
+        if stop_texts and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass token ids instead")
+        return {int(s) for s in stops if not isinstance(s, str)}, stop_texts
+
+    def _decode_loop(self, pre, step, cache, max_new_tokens, temperature, top_p, seed, stop_ids, stop_texts,
+                     start) -> GenerateResult:
+        """Sample from the prefill's logits, then `step(token, cache) -> (logits, cache)` until a stop or the
+        length."""
         rng = np.random.default_rng(seed)
         logits, out, reason = pre.logits, [], "length"
-        for step in range(max_new_tokens):
+        for i in range(max_new_tokens):
             token = _sample(logits, temperature, top_p, rng)
             out.append(token)
             if token in stop_ids or (stop_texts and any(s in self.tokenizer.decode(out) for s in stop_texts)):
                 reason = "stop"
                 break
-            if step + 1 < max_new_tokens:
-                logits, cache = _decode_step(self.params, jnp.asarray(token, jnp.int32), cache, arch=self.arch,
-                                             config=self.config)
-                logits = np.asarray(logits)
+            if i + 1 < max_new_tokens:
+                logits, cache = step(token, cache)
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         return GenerateResult(text=text, tokens=out, stats=pre.stats, decode_s=time.perf_counter() - start,
                               finish_reason=reason)

@@ -27,7 +27,6 @@ of `chunk` tokens, each piece starting a new chunk, so a piece's state before an
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
@@ -339,16 +338,8 @@ def count_pieces(spans: Sequence[Span], *, isolated: bool) -> tuple[int, int]:
     return pieces, records
 
 
-def padding_overhead(capacity: Capacity, fresh_tokens: int) -> float:
-    """Padded over real fresh tokens of a request in this capacity (1.0: no padding)."""
-    return capacity.tokens / max(1, fresh_tokens)
-
-
 def chunk_for(kind: str, model_chunk: int) -> int:
     """The linear core's chunk length per program kind: stitched programs hold short seams and a query, so a
     chunk of 16 keeps their per-piece padding small; cold and prefix programs hold whole documents."""
     return min(16, model_chunk) if kind == "pic" else model_chunk
 
-
-def log2_ceil(n: int) -> int:
-    return max(0, math.ceil(math.log2(max(1, n))))

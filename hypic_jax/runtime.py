@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -33,8 +34,7 @@ import numpy as np
 
 from hypic_jax import layout as lay
 from hypic_jax.cache import Entry, SegmentCache, entry_key
-from hypic_jax.engine import (MODES, Engine, GenerateResult, PrefillResult, PrefillStats, _sample, seam_tokens,
-                              use_compile_cache)
+from hypic_jax.engine import MODES, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens, use_compile_cache
 from hypic_jax.models.base import ModelCache
 from hypic_jax.pools import Pools
 
@@ -96,10 +96,10 @@ class Programs:
         shapes = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
         if key.kind == "decode":
             decode = engine._decode_shapes()
-            fn = jax.jit(functools_partial(_decode, arch=engine.arch, config=engine.config), donate_argnums=2)
+            fn = jax.jit(functools.partial(_decode, arch=engine.arch, config=engine.config), donate_argnums=2)
             return fn.lower(shapes(engine.params), jax.ShapeDtypeStruct((), jnp.int32), decode)
         arrays = engine._dummy_layout(key)
-        fn = jax.jit(functools_partial(_span_program, arch=engine.arch, config=engine.config,
+        fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
                                        want_decode=key.kind != "cold", algorithm=engine.compose_algorithm),
                      donate_argnums=2)
@@ -148,12 +148,6 @@ class Programs:
     def report(self) -> list[dict]:
         return [dict(kind=k.kind, tokens=k.tokens, keys=k.keys, compile_s=round(s, 3))
                 for k, s in sorted(self._seconds.items())]
-
-
-def functools_partial(fn, **kwargs):
-    import functools
-
-    return functools.partial(fn, **kwargs)
 
 
 def _span_program(params, arrays, pools, *, arch, config, isolated, summaries, want_decode, algorithm):
@@ -216,7 +210,7 @@ class StableEngine(Engine):
     def _decode_shapes(self):
         """The decode cache a stitched program returns (shapes only): the decode program's input."""
         key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
-        fn = functools_partial(_span_program, arch=self.arch, config=self.config, isolated=False, summaries=False,
+        fn = functools.partial(_span_program, arch=self.arch, config=self.config, isolated=False, summaries=False,
                                want_decode=True, algorithm=self.compose_algorithm)
         decode = jax.eval_shape(fn, self.params, self._dummy_layout(key), self.pools.arrays)[2]
         return ModelCache(layers=tuple(decode), length=jax.ShapeDtypeStruct((), jnp.int32))
@@ -361,6 +355,7 @@ class StableEngine(Engine):
             else:
                 entries[i] = pins.add(entry)
                 hits += 1
+        hit_indices = set(entries)
         misses = sum(1 for i, (d, w) in enumerate(zip(docs, seams)) if w < len(d) and i not in entries)
         cold_tokens = 0
         if missing:  # one packed, isolated prefill of every missing segment, recording its entry
@@ -379,7 +374,7 @@ class StableEngine(Engine):
                 if w < len(doc) and i not in entries:
                     key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
                     entries[i] = stored[key]
-        spans, fresh, cached_tokens = [], [], 0
+        spans, fresh = [], []
         for i, (doc, w) in enumerate(zip(docs, seams)):
             if w:
                 spans.append(lay.Span(lay.FRESH, w))
@@ -387,7 +382,7 @@ class StableEngine(Engine):
             if w < len(doc):
                 e = entries[i]
                 spans.append(lay.Span(lay.CACHED, len(doc) - w, canonical_start=w, slot=e.slot, kv_rows=e.rows))
-        cached_tokens = sum(entries[i].length for i in entries if i not in missing.values())
+        cached_tokens = sum(entries[i].length for i in hit_indices)
         spans.append(lay.Span(lay.FRESH, len(query)))
         fresh += query
         return dict(kind="pic", spans=spans, fresh=fresh, stores=[], cached_tokens=cached_tokens,
@@ -398,41 +393,24 @@ class StableEngine(Engine):
                  stop=None, seed: int = 0, mode: str | None = None, seam: float | None = None,
                  cache_salt: str | None = None) -> GenerateResult:
         """As `hypic_jax.Engine.generate`; decoding runs the one decode program over the keys capacity."""
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-        stops = [] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))
-        stop_ids = {int(s) for s in stops if not isinstance(s, str)}
-        stop_texts = [s for s in stops if isinstance(s, str)]
-        if stop_texts and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; pass token ids instead")
+        stop_ids, stop_texts = self._check_generation(max_new_tokens, top_p, stop)
         segs = self.segment_tokens(segments)
         total = sum(map(len, segs))
         if total + max_new_tokens > self.max_keys:
             raise ValueError(f"prompt ({total}) + max_new_tokens ({max_new_tokens}) exceeds the engine's context "
                              f"capacity of {self.max_keys} (raise max_new_tokens or max_prompt_tokens)")
-        if mode is None:
-            mode = self.mode
         pre = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt)
         start = time.perf_counter()
-        cache = ModelCache(layers=tuple(pre.decode), length=jnp.asarray(total, jnp.int32))
-        step = self.programs.get(ProgramKey("decode", 1, self.max_keys))
-        rng = np.random.default_rng(seed)
-        logits, out, reason = pre.logits, [], "length"
-        for i in range(max_new_tokens):
-            token = _sample(logits, temperature, top_p, rng)
-            out.append(token)
-            if token in stop_ids or (stop_texts and any(s in self.tokenizer.decode(out) for s in stop_texts)):
-                reason = "stop"
-                break
-            if i + 1 < max_new_tokens:
-                with self._device_lock:
-                    logits, cache = step(self.params, np.asarray(token, np.int32), cache)
-                logits = np.asarray(logits)
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
-        return GenerateResult(text=text, tokens=out, stats=pre.stats, decode_s=time.perf_counter() - start,
-                              finish_reason=reason)
+        cache = ModelCache(layers=tuple(pre.decode), length=np.asarray(total, np.int32))
+        program = self.programs.get(ProgramKey("decode", 1, self.max_keys))
+
+        def step(token, cache):
+            with self._device_lock:
+                logits, cache = program(self.params, np.asarray(token, np.int32), cache)
+            return np.asarray(logits), cache
+
+        return self._decode_loop(pre, step, cache, max_new_tokens, temperature, top_p, seed, stop_ids, stop_texts,
+                                 start)
 
     def clear_cache(self) -> None:
         self.cache.clear()

@@ -211,7 +211,7 @@ class SpanMode:
     attention_pack_gqa: on a GPU, the fresh queries' attention runs one program per key/value head with the query
       heads that share it packed into its rows (`pallas.attention.AttentionConfig.pack_gqa`: 128 rows, 8 warps),
       where the heads per key/value head are a power of two up to 128 (each K/V tile is loaded once, not once per
-      query head). On the H200, one 35B-A3B full-attention layer of the PIC request: 0.617 vs 0.823 ms.
+      query head; `bench/pic_kernels.py --sections attention` times both).
     attention_programs: on a GPU, split the fresh queries' attention over key ranges until about this many programs
       run (`pallas.attention.AttentionConfig.target_programs`; 1: no split).
     seam_fold: with prefix "pallas" (one fold), a layout whose groups are each a fresh span of at most one chunk and
@@ -220,8 +220,8 @@ class SpanMode:
     seam_precision: dot algorithm of the seams' own rank-c products inside that fold ("auto": single-pass "bf16"
       when the layer's values are bfloat16 and `compose` is a tensor-core algorithm, the precision the GDN kernel
       uses for every token's state update in such a model; otherwise `compose`). The interiors' transfer product
-      always runs at `compose`. Measured on the H200 (bench/RESULTS.md): 0.447 vs 0.513 ms per layer, fold states
-      within 9.3e-5 instead of 5.8e-7 of the float32 reference.
+      always runs at `compose`. It trades about 1e-4 of fold-state accuracy for speed (`bench/pic_kernels.py
+      --sections span` measures both).
     """
 
     transfer: bool = True
