@@ -8,6 +8,9 @@ map count after each.
 
     python bench/program_maps.py               # 6 requests
     python bench/program_maps.py --requests 20
+    python bench/program_maps.py --stable --requests 20   # the same through StableEngine, after its warmup
+
+With `--stable` the engine compiles its ladder first, so the requests after it add no program and no map.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def save_tiny_checkpoint(folder: str, seed: int = 0) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--stable", action="store_true", help="hypic_jax.runtime.StableEngine, warmed up first")
     args = parser.parse_args()
 
     import numpy as np
@@ -52,7 +56,14 @@ def main():
 
     with tempfile.TemporaryDirectory() as folder:
         save_tiny_checkpoint(folder)
-        engine = Engine.from_pretrained(folder, dtype="float32", seam=4)
+        if args.stable:
+            from hypic_jax.runtime import StableEngine
+
+            engine = StableEngine.from_pretrained(folder, dtype="float32", seam=4, max_prompt_tokens=256,
+                                                  max_segments=4, token_rungs=(256,), cache_bytes=1 << 24)
+            engine.warmup(progress=False)
+        else:
+            engine = Engine.from_pretrained(folder, dtype="float32", seam=4)
     with open("/proc/sys/vm/max_map_count") as f:
         limit = int(f.read())
     rng = np.random.default_rng(0)
