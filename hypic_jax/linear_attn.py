@@ -456,7 +456,7 @@ def _kernel_forward(q, k, v, g, gk, beta, initial_state, scale, emit_summary):
     pad_k, pad_v = _kernel_width(key_dim) - key_dim, _kernel_width(value_dim) - value_dim
     if pad_k or pad_v:
         def widen(x, n):  # zeros at the end of the last axis
-            return None if x is None or not n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n)])
+            return x if x is None or not n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n)])
 
         q, k, gk, v = widen(q, pad_k), widen(k, pad_k), widen(gk, pad_k), widen(v, pad_v)
         if initial_state is not None:
