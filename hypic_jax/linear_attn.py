@@ -411,6 +411,72 @@ def span_chunk_outputs(chunk: SpanChunk, state: Array, scale: float = 1.0,
     return (out if out_dtype is None else out.astype(out_dtype)), final
 
 
+def _kernel_width(dim: int) -> int:
+    """The smallest power of two >= 16 holding `dim`: the tile width the Pallas kernels need."""
+    return max(16, 1 << max(0, dim - 1).bit_length())
+
+
+def _kernel_problem(q, k, v, gk) -> str | None:
+    """Why the Pallas kernels cannot take these inputs even after padding K and V, or None when they can."""
+    if q is None:
+        return "the kernels need q"
+    if k.shape[0] == 0:
+        return "the sequence is empty"
+    if v.shape[1] % k.shape[1]:
+        return f"key heads {k.shape[1]} do not divide value heads {v.shape[1]}"
+    if gk is not None and gk.shape != (k.shape[0], v.shape[1], k.shape[2]):
+        return f"gk must be [L, H, K] = {(k.shape[0], v.shape[1], k.shape[2])}, got shape {gk.shape}"
+    return None
+
+
+def _use_kernel(impl: str, q, k, v, gk) -> bool:
+    """The dispatch of `chunked` and `summarize`: "pallas" always (a ValueError naming the problem when the
+    kernels cannot take the inputs), "auto" for bfloat16 inputs on a GPU when they can, "xla" never."""
+    if impl not in ("xla", "pallas", "auto"):
+        raise ValueError(f"impl must be 'xla', 'pallas' or 'auto', got {impl!r}")
+    if impl == "xla":
+        return False
+    problem = _kernel_problem(q, k, v, gk)
+    if impl == "pallas":
+        if problem is not None:
+            raise ValueError(f"impl='pallas' cannot take these inputs: {problem}")
+        return True
+    return problem is None and k.dtype == jnp.bfloat16 and not pallas_gdn.default_interpret()
+
+
+def _kernel_forward(q, k, v, g, gk, beta, initial_state, scale, emit_summary):
+    """`pallas.gdn.gdn_forward` at any K and V: zero-padded to the kernels' tile widths, sliced back.
+
+    Padding is exact for every family. Padded key channels have zero q and k entries and log gate gk = 0, so their
+    state rows start at zero and stay there, the delta rule's k k^T is block-diagonal (the real block unchanged)
+    and the transfer's real block is the unpadded T. Padded value channels have zero values, so their output and
+    state columns stay zero. The initial state is padded with zeros.
+    """
+    key_dim, value_dim = k.shape[-1], v.shape[-1]
+    pad_k, pad_v = _kernel_width(key_dim) - key_dim, _kernel_width(value_dim) - value_dim
+    if pad_k or pad_v:
+        def widen(x, n):  # zeros at the end of the last axis
+            return x if x is None or not n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n)])
+
+        q, k, gk, v = widen(q, pad_k), widen(k, pad_k), widen(gk, pad_k), widen(v, pad_v)
+        if initial_state is not None:
+            initial_state = jnp.pad(initial_state, [(0, 0), (0, pad_k), (0, pad_v)])
+    result = pallas_gdn.gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=initial_state, scale=scale,
+                                    emit_summary=emit_summary)
+    if not (pad_k or pad_v):
+        return result
+    o, state = result[0][..., :value_dim], result[1][:, :key_dim, :value_dim]
+    if not emit_summary:
+        return o, state
+    summary = result[2]
+    transfer = summary.transfer
+    if summary.form == "dense":
+        transfer = transfer[:, :key_dim, :key_dim]
+    elif summary.form == "diagonal":
+        transfer = transfer[:, :key_dim]
+    return o, state, Summary(summary.form, summary.state[:, :key_dim, :value_dim], transfer)
+
+
 def chunked(
     q: Array,
     k: Array,
@@ -430,22 +496,16 @@ def chunked(
     `lax.scan` of two matmuls per chunk. Returns (o [L, H, V], final_state [H, K, V]).
 
     impl: "xla" (this pure-JAX path), "pallas" (the `hypic_jax.pallas.gdn` kernels: every family, scalar or
-    per-key gates, K and V powers of two >= 16; interpret mode off a GPU) or "auto" (the kernels on a GPU for
-    bfloat16 inputs, where they run at flash-linear-attention's precision, else this path). The kernels use their
-    own measured tiling (`pallas.gdn.default_config`); `chunk_size` is this path's (results agree up to rounding).
+    per-key gates; interpret mode off a GPU) or "auto" (the kernels on a GPU for bfloat16 inputs, where they run at
+    flash-linear-attention's precision, else this path). The kernels tile K and V in powers of two >= 16; other
+    widths are zero-padded up to one and the results sliced back, which is exact (`_kernel_forward`). They refuse
+    an empty sequence (a ValueError for "pallas"; "auto" takes this path). The kernels use their own tiling
+    (`pallas.gdn.default_config`); `chunk_size` is this path's (results agree up to rounding).
     """
-    if impl not in ("xla", "pallas", "auto"):
-        raise ValueError(f"impl must be 'xla', 'pallas' or 'auto', got {impl!r}")
     chunk_size = _check_chunk_size(chunk_size)
     length, heads, key_dim, value_dim = _check_inputs(q, k, v, g, gk, beta, initial_state)
-    if impl != "xla":
-        ok = pallas_gdn.supports(q, k, v, gk=gk)
-        if impl == "pallas" and not ok:
-            raise ValueError("impl='pallas' needs K, V powers of two >= 16 and a non-empty sequence")
-        if impl == "pallas" or (ok and k.dtype == jnp.bfloat16 and not pallas_gdn.default_interpret()):
-            # the kernels' measured tiling (`pallas.gdn.default_config`); chunk_size is the XLA path's: any chunk
-            # gives the same result up to rounding
-            return pallas_gdn.gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=initial_state, scale=scale)
+    if _use_kernel(impl, q, k, v, gk):
+        return _kernel_forward(q, k, v, g, gk, beta, initial_state, scale, emit_summary=False)
     acc = _state_dtype(q, k, v, g, gk, beta, initial_state)
     state = (
         jnp.zeros((heads, key_dim, value_dim), acc) if initial_state is None else initial_state.astype(acc)
@@ -465,6 +525,7 @@ def summarize(
     gk: Array | None = None,
     beta: Array | None = None,
     chunk_size: int = 64,
+    impl: str = "xla",
 ) -> Summary:
     """The segment's pair (T_C, S(C|0)).
 
@@ -472,9 +533,15 @@ def summarize(
     chunked pass with the state widened by an identity block, [S | M] with M_0 = I and zero values in the extra
     columns: M evolves as M_t = A_t M_{t-1}, so one pass returns [S(C|0) | T_C] (a second pass from identity would
     redo the intra-chunk solves).
+
+    impl: as in `chunked`. "pallas" runs `pallas.gdn.gdn_forward(..., emit_summary=True)` with zero queries (the
+    summary does not read them; the outputs are discarded), K and V padded as there; its summary is float32.
     """
     chunk_size = _check_chunk_size(chunk_size)
     length, heads, key_dim, value_dim = _check_inputs(None, k, v, g, gk, beta, None)
+    q = None if impl == "xla" else jnp.zeros(k.shape, k.dtype)  # the kernels take queries; the summary reads none
+    if _use_kernel(impl, q, k, v, gk):
+        return _kernel_forward(q, k, v, g, gk, beta, None, 1.0, emit_summary=True)[2]
     acc = _state_dtype(k, v, g, gk, beta)
     form = transfer_form(g=g, gk=gk, beta=beta)
     zeros = jnp.zeros((heads, key_dim, value_dim), acc)
@@ -687,8 +754,8 @@ class LinearInputs:
         """Outputs and final state as `chunked(initial_state=state)` gives them for a span of one chunk."""
         return span_chunk_outputs(chunk, state, self.scale, self.v.dtype)
 
-    def summarize(self, chunk_size: int = 64) -> Summary:
-        return summarize(self.k, self.v, chunk_size=chunk_size, **self.gates())
+    def summarize(self, chunk_size: int = 64, impl: str = "xla") -> Summary:
+        return summarize(self.k, self.v, chunk_size=chunk_size, impl=impl, **self.gates())
 
 
 def _require(family: str, **gates) -> None:
