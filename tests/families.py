@@ -1,6 +1,7 @@
 """Random inputs for every linear-attention family, built through the core's public constructors, plus an
 independent float64 NumPy token-by-token recurrence to check them against; the property tests' hypothesis settings
-(`examples`) and the guard that keeps a test process under its memory-map limit (`trim_compiled_programs`)."""
+(`examples`), the guard that keeps a test process under its memory-map limit (`trim_compiled_programs`) and
+`jitted`, which runs a function as one compiled program instead of op by op."""
 
 from __future__ import annotations
 
@@ -83,6 +84,57 @@ def examples(default: int):
     return apply
 
 
+def jitted(fn):
+    """`fn` compiled as one program per layout of its arguments: array leaves are traced, every other leaf (ints,
+    strings, floats, None, configs) is static and part of the cache key.
+
+    Called eagerly, a function of the core runs op by op, and XLA compiles every op anew for every new shape (tens
+    of compilations of ~50 ms each on the CPU, per shape); under `jitted` the same computation is one
+    compilation. Use it for references and set-up; the code under test keeps the entry point the test names."""
+    programs = {}
+
+    def call(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        traced = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+        static = tuple(None if t else x for t, x in zip(traced, leaves))
+        key = (tree, traced, static)
+        program = programs.get(key)
+        if program is None:
+            def flat(arrays):
+                it = iter(arrays)
+                full = [next(it) if t else x for t, x in zip(traced, static)]
+                a, kw = jax.tree_util.tree_unflatten(tree, full)
+                return fn(*a, **kw)
+
+            program = programs[key] = jax.jit(flat)
+        return program([x for t, x in zip(traced, leaves) if t])
+
+    return functools.wraps(fn)(call)
+
+
+class compiled:
+    """Attribute access to `jitted` versions of a module's functions or a class's methods (one cache per name):
+    `compiled(la).advance(summary, state)`, `compiled(la.LinearInputs).summarize(inputs, chunk_size=8)`."""
+
+    def __init__(self, owner):
+        self._owner = owner
+
+    def __getattr__(self, name):
+        fn = jitted(getattr(self._owner, name))
+        setattr(self, name, fn)
+        return fn
+
+
+core = compiled(la)  # the core's functions, each one compiled program per argument layout
+method = compiled(la.LinearInputs)  # LinearInputs' methods likewise, the inputs as the first argument
+
+
+def array(x, dtype=None) -> jax.Array:
+    """`x` on the device as `dtype` (cast by NumPy, with the same rounding): `jnp.asarray` of a NumPy array compiles
+    a conversion program for every new shape, `jax.device_put` does not."""
+    return jax.device_put(np.asarray(x, dtype))
+
+
 FAMILIES = ("linear", "retnet", "lightning", "mamba2", "gla", "delta_net", "gated_delta_net", "kda")
 EXPECTED_FORM = {
     "linear": "identity",
@@ -96,61 +148,76 @@ EXPECTED_FORM = {
 }
 
 
+_CONSTRUCTORS = {name: jitted(getattr(la, name)) for name in ("retnet", "lightning", "mamba2", "gla", "delta_net", "kda")}
+_CONSTRUCTORS["linear"] = jitted(la.linear_attention)
+_CONSTRUCTORS["gated_delta_net"] = jitted(
+    lambda q, k, v, key_heads, **gates: la.gated_delta_net(q[:, :key_heads], k[:, :key_heads], v, **gates))
+
+
 def make_family(name: str, seed: int, length: int, heads: int, key_dim: int, value_dim: int, dtype=jnp.float32):
     """A LinearInputs for `name` with random projections and gates of realistic ranges."""
     rng = np.random.default_rng(seed)  # NumPy draws: no per-shape compilation in property tests
-    normal = lambda shape, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dtype)  # noqa: E731
+    normal = lambda shape, s=1.0: array(s * rng.standard_normal(shape), dtype)  # noqa: E731
     q = normal((length, heads, key_dim))
     k = normal((length, heads, key_dim))
     v = normal((length, heads, value_dim))
+    build = _CONSTRUCTORS.get(name)
     if name == "linear":
-        return la.linear_attention(q, k, v, scale=key_dim**-0.5)
+        return build(q, k, v, scale=key_dim**-0.5)
     if name == "retnet":
-        return la.retnet(q, k, v)
+        return build(q, k, v)
     if name == "lightning":
-        return la.lightning(q, k, v, layer_factor=0.7)
+        return build(q, k, v, layer_factor=0.7)
     if name == "mamba2":
         groups = 1
-        return la.mamba2(
+        return build(
             v,
             normal((length, heads)),
-            A_log=jnp.log(jnp.linspace(1.0, 8.0, heads)).astype(dtype),
+            A_log=_log_linspace(1.0, 8.0, heads, dtype),
             dt_bias=normal((heads,), 0.5),
             B=normal((length, groups, key_dim)),
             C=normal((length, groups, key_dim)),
         )
     if name == "gla":
-        gk = jnp.asarray(-np.logaddexp(0.0, -2.0 * rng.standard_normal((length, heads, key_dim))) / 4, dtype)
-        return la.gla(q, k, v, gk=gk)
+        gk = array(-np.logaddexp(0.0, -2.0 * rng.standard_normal((length, heads, key_dim))) / 4, dtype)
+        return build(q, k, v, gk=gk)
     if name == "delta_net":
-        return la.delta_net(q, k, v, beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((length, heads)))), dtype))
+        return build(q, k, v, beta=array(1 / (1 + np.exp(-rng.standard_normal((length, heads)))), dtype))
     if name == "gated_delta_net":
         key_heads = 1 if heads % 2 else heads // 2  # exercise key heads repeated over value heads
-        return la.gated_delta_net(
-            q[:, :key_heads],
-            k[:, :key_heads],
+        return build(
+            q,
+            k,
             v,
+            key_heads,
             a=normal((length, heads)),
             b=normal((length, heads)),
-            A_log=jnp.log(jnp.linspace(0.5, 4.0, heads)).astype(dtype),
+            A_log=_log_linspace(0.5, 4.0, heads, dtype),
             dt_bias=normal((heads,), 0.5),
         )
     if name == "kda":
-        return la.kda(
+        return build(
             q,
             k,
             v,
             g_raw=normal((length, heads, key_dim)),
-            A_log=jnp.log(jnp.linspace(0.5, 4.0, heads)).astype(dtype),
+            A_log=_log_linspace(0.5, 4.0, heads, dtype),
             dt_bias=normal((heads * key_dim,), 0.5),
             b=normal((length, heads)),
         )
     raise ValueError(f"unknown family {name}")
 
 
+def _log_linspace(start: float, stop: float, count: int, dtype):
+    return array(np.log(np.linspace(start, stop, count)), dtype)
+
+
+_slice = jitted(lambda inputs, start, stop: jax.tree_util.tree_map(lambda x: x[start:stop], inputs))
+
+
 def slice_inputs(inputs: la.LinearInputs, start: int, stop: int) -> la.LinearInputs:
     """Tokens [start, stop) of a family's inputs."""
-    return jax.tree_util.tree_map(lambda x: x[start:stop], inputs)
+    return _slice(inputs, int(start), int(stop))
 
 
 def numpy_recurrence(inputs: la.LinearInputs, initial_state=None):
