@@ -196,6 +196,7 @@ class StableEngine(Engine):
         self.cache = SegmentCache(cache_bytes, on_drop=lambda entry: self.pools.free(entry.slot, entry.rows))
         self.programs = Programs(self)
         self._device_lock = threading.RLock()
+        self._unstored: list[Entry] = []
 
     # Programs -------------------------------------------------------------------------------------------------------
     def _capacity(self, key: ProgramKey) -> lay.Capacity:
@@ -267,10 +268,15 @@ class StableEngine(Engine):
         slot, rows = self._allocate(n)
         entry = Entry(key=key, tokens=tuple(int(t) for t in doc), kind=kind, seam=seam, layers=None,
                       nbytes=self.pools.entry_bytes(n), slot=slot, rows=rows)
+        self._unstored.append(entry)
         return pins.add(entry)
 
+    def _store(self, entry: Entry) -> None:
+        self.cache.insert(entry)
+        self._unstored.remove(entry)
+
     def prefill(self, segments, mode: str | None = None, seam: float | None = None, cache_salt: str | None = None,
-                *, _want_hidden: bool = False, _decode_room: int = 0) -> PrefillResult:
+                *, _want_hidden: bool = False) -> PrefillResult:
         if _want_hidden:
             raise ValueError("the shape-stable engine does not return hidden states; use hypic_jax.Engine.diagnose")
         mode = self._check_mode(mode or self.mode)
@@ -287,20 +293,20 @@ class StableEngine(Engine):
                              f"max_segments of {self.max_segments}")
         start = time.perf_counter()
         with self._device_lock, self.cache.pinned() as pins:
-            if mode == "full_recompute":
-                plan = dict(kind="plain", spans=[lay.Span(lay.FRESH, total)], fresh=[t for s in segs for t in s],
-                            cached_tokens=0, cold_tokens=0, hits=0, misses=0, stores=[])
-            elif mode == "prefix_cache":
-                plan = self._plan_prefix_stable(segs, ids, cache_salt, pins)
-            else:
-                plan = self._plan_pic_stable(segs, ids, mode, seam, cache_salt, pins)
-            cold_s = time.perf_counter() - start
-            combine_start = time.perf_counter()
-            logits, decode = self._run(plan["kind"], plan["spans"], plan["fresh"], transfer=mode != "addition",
-                                       rope=mode not in ("addition", "transition"))
-            for entry in plan["stores"]:
-                self.cache.insert(entry)
-            logits = np.asarray(logits)
+            self._unstored = []  # given pool room by this request; freed if it fails before storing
+            try:
+                plan = self._plan(mode, segs, ids, seam, cache_salt, pins, total)
+                cold_s = time.perf_counter() - start
+                combine_start = time.perf_counter()
+                logits, decode = self._run(plan["kind"], plan["spans"], plan["fresh"], transfer=mode != "addition",
+                                           rope=mode not in ("addition", "transition"))
+                for entry in plan["stores"]:
+                    self._store(entry)
+                logits = np.asarray(logits)
+            finally:
+                for entry in self._unstored:
+                    self.pools.free(entry.slot, entry.rows)
+                self._unstored = []
         end = time.perf_counter()
         stats = PrefillStats(
             mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(segs),
@@ -308,6 +314,14 @@ class StableEngine(Engine):
             cold_tokens=plan["cold_tokens"], hits=plan["hits"], misses=plan["misses"], ttft_s=end - start,
             cold_s=cold_s, combine_s=end - combine_start)
         return PrefillResult(logits=logits, stats=stats, tokens=[t for s in segs for t in s], decode=decode)
+
+    def _plan(self, mode, segs, ids, seam, salt, pins, total):
+        if mode == "full_recompute":
+            return dict(kind="plain", spans=[lay.Span(lay.FRESH, total)], fresh=[t for s in segs for t in s],
+                        cached_tokens=0, cold_tokens=0, hits=0, misses=0, stores=[])
+        if mode == "prefix_cache":
+            return self._plan_prefix_stable(segs, ids, salt, pins)
+        return self._plan_pic_stable(segs, ids, mode, seam, salt, pins)
 
     def _plan_prefix_stable(self, segs, ids, salt, pins):
         docs, query = segs[:-1], segs[-1]
@@ -369,7 +383,7 @@ class StableEngine(Engine):
             cold_tokens = len(fresh)
             self._run("cold", spans, fresh)
             for entry in stored.values():
-                self.cache.insert(entry)
+                self._store(entry)
             for i, (doc, w) in enumerate(zip(docs, seams)):
                 if w < len(doc) and i not in entries:
                     key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)

@@ -131,7 +131,22 @@ def test_generate_and_limits(engines):
         engine.prefill([[5]] * (MAX_SEGMENTS + 2))
     with pytest.raises(ValueError, match="context capacity"):
         engine.generate([[5] * 100], max_new_tokens=RUNGS[-1])
-    assert engine.stats["programs"]["serving_compiles"] == 0 or not engine.programs.serving
+    # a request that fails after its entries were given pool room gives the room back
+    free = engine.pools.free_slots()
+    real_run = engine._run
+
+    def failing(kind, *args, **kwargs):
+        if kind == "cold":
+            raise RuntimeError("the device failed")
+        return real_run(kind, *args, **kwargs)
+
+    engine._run = failing
+    try:
+        with pytest.raises(RuntimeError, match="device failed"):
+            engine.prefill([rng.integers(3, vocab, 9).tolist(), [4, 5]], mode="transition_rope_recompute")
+    finally:
+        engine._run = real_run
+    assert engine.pools.free_slots() == free
 
 
 def test_padding_is_inert_across_capacities():
