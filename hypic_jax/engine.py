@@ -428,9 +428,9 @@ class Engine:
         layout = spans.SpanLayout.build([dict(kind=spans.FRESH, length=len(tokens))])
         return dict(layout=layout, fresh=tokens, cached=[], cached_tokens=0, cold_tokens=0, hits=0, misses=0)
 
-    def _plan_prefix(self, segs, ids, salt, pins):
-        """Longest cached run of leading segments; the rest is computed exactly and recorded as new prefix entries."""
-        docs, query = segs[:-1], segs[-1]
+    def _prefix_hits(self, docs, ids, salt, pins) -> tuple[list[str], list[Entry]]:
+        """Each leading segment's prefix key (chained through the keys before it) and the pinned entries of the
+        longest cached run of them."""
         keys, parent = [], ""
         for doc in ids[:-1]:
             parent = entry_key(doc, fingerprint=self.fingerprint, kind="prefix", parent=parent, salt=salt)
@@ -441,6 +441,12 @@ class Engine:
             if entry is None:
                 break
             hits.append(pins.add(entry))
+        return keys, hits
+
+    def _plan_prefix(self, segs, ids, salt, pins):
+        """Longest cached run of leading segments; the rest is computed exactly and recorded as new prefix entries."""
+        docs, query = segs[:-1], segs[-1]
+        keys, hits = self._prefix_hits(docs, ids, salt, pins)
         pieces, fresh, record_as, position = [], [], [], 0
         for j, doc in enumerate(docs):
             if j < len(hits):

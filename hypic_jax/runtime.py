@@ -325,16 +325,7 @@ class StableEngine(Engine):
 
     def _plan_prefix_stable(self, segs, ids, salt, pins):
         docs, query = segs[:-1], segs[-1]
-        keys, parent = [], ""
-        for doc in ids[:-1]:
-            parent = entry_key(doc, fingerprint=self.fingerprint, kind="prefix", parent=parent, salt=salt)
-            keys.append(parent)
-        hits = []
-        for doc, key in zip(docs, keys):
-            entry = self.cache.lookup(key, doc)
-            if entry is None:
-                break
-            hits.append(pins.add(entry))
+        keys, hits = self._prefix_hits(docs, ids, salt, pins)
         spans, fresh, stores, position = [], [], [], 0
         for j, doc in enumerate(docs):
             if j < len(hits):
