@@ -230,12 +230,10 @@ def _unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
 
     Blocked: the diagonal b x b blocks are inverted in parallel (`_unit_lower_inverse`), then block forward
     substitution X_i = D_i^-1 (B_i - L[i, :i] X[:i]) takes c / b matmul steps. Sequential depth b + c / b instead
-    of c. On the CPU, where small solves are cheap and the unrolled blocks are slow to compile, one batched
-    `triangular_solve`.
+    of c. Not `lax.linalg.triangular_solve`: on the CPU its LAPACK kernel splits batches over XLA's intra-op
+    thread pool and waits for them, so two solves running at once on a 2-thread pool deadlock.
     """
     size = lower.shape[-1]
-    if jax.default_backend() == "cpu":  # one library op: the same substitution, and far less for XLA to compile
-        return jax.lax.linalg.triangular_solve(lower, rhs, left_side=True, lower=True, unit_diagonal=True)
     if size <= block:
         return einsum("...ij,...jn->...in", _unit_lower_inverse(lower), rhs)
     blocks = -(-size // block)
