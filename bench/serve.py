@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.small:
-        args.rates, args.duration, args.pool = [2, 4, 8, 16], 8.0, 32
+        args.rates, args.duration, args.pool = [0.25, 0.5, 1, 2], 8.0, 32
         args.docs_per_request, args.doc_tokens, args.query_tokens, args.max_tokens, args.max_batch = 4, 64, 16, 16, 8
     prompt = args.docs_per_request * args.doc_tokens + args.query_tokens
     rung = 1 << (prompt - 1).bit_length()
