@@ -37,7 +37,7 @@ CACHED = "cached"
 
 PIECE_PAD, PIECE_FRESH, PIECE_CACHED = 0, 1, 2
 PAD_POSITION = np.iinfo(np.int32).max // 2  # beyond every real position: a padded key is never visible
-DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: writes there are dropped (`stitch.scatter_rows`)
+DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: writes there are dropped (`stitch.apply_row_writes`)
 
 __all__ = ["FRESH", "CACHED", "Span", "Capacity", "Ladder", "LayoutArrays", "build", "PAD_POSITION", "DROP"]
 

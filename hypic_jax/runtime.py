@@ -7,6 +7,7 @@ of programs, so a workload of new document lengths and orders never compiles aft
     cold        tokens = keys      the missing segments of a request, packed and isolated, recording their entries
     pic         tokens, max keys   a PIC request: cached interiors stitched with fresh seams and the query
     plain       tokens, max keys   full recompute and prefix cache (fresh spans continue each other's state)
+    commit      tokens             the records a span program returns, written into the pools in place
     decode      max keys           one decode step
     insert      max keys           a prefill's decode caches into a row of the batched decode cache, first token
     batch       rows, max keys     one decode step of rows [0, b) of the batched decode cache, sampled per row
@@ -68,7 +69,7 @@ def backend_compiles() -> int:
 
 
 class ProgramKey(NamedTuple):
-    kind: str  # "cold" | "pic" | "plain" | "decode" | "insert" | "batch" (tokens: the rows)
+    kind: str  # "cold" | "pic" | "plain" | "commit" | "decode" | "insert" | "batch" (tokens: the rows)
     tokens: int
     keys: int
 
@@ -141,6 +142,7 @@ class Programs:
         rungs = [r for r in ladder.rungs if r <= top]
         keys = [ProgramKey(kind, r, r if kind == "cold" else self.engine.max_keys)
                 for kind in ("cold", "pic", "plain") for r in rungs]
+        keys += [ProgramKey("commit", r, 0) for r in rungs]
         keys.append(ProgramKey("decode", 1, self.engine.max_keys))
         if self.engine.max_batch:
             keys.append(ProgramKey("insert", 1, self.engine.max_keys))
@@ -154,6 +156,9 @@ class Programs:
             decode = engine._decode_shapes()
             fn = jax.jit(functools.partial(_decode, arch=engine.arch, config=engine.config), donate_argnums=2)
             return fn.lower(shapes(engine.params), jax.ShapeDtypeStruct((), jnp.int32), decode)
+        if key.kind == "commit":
+            fn = jax.jit(_commit, donate_argnums=0)
+            return fn.lower(shapes(engine.pools.arrays), engine._writes_shapes(key.tokens))
         if key.kind == "insert":
             layers = engine._decode_shapes().layers
             fn = jax.jit(functools.partial(_insert, top_n=engine.top_logprobs), donate_argnums=0)
@@ -168,8 +173,7 @@ class Programs:
         arrays = engine._dummy_layout(key)
         fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
-                                       want_decode=key.kind != "cold", algorithm=engine.compose_algorithm),
-                     donate_argnums=2)
+                                       want_decode=key.kind != "cold", algorithm=engine.compose_algorithm))
         return fn.lower(shapes(engine.params), shapes(arrays), shapes(engine.pools.arrays))
 
     def _build(self, key: ProgramKey):
@@ -220,6 +224,14 @@ class Programs:
 def _span_program(params, arrays, pools, *, arch, config, isolated, summaries, want_decode, algorithm):
     return arch.span_forward_arrays(params, config, arrays, pools, isolated=isolated, summaries=summaries,
                                     want_decode=want_decode, algorithm=algorithm)
+
+
+def _commit(pools, writes):
+    """Write a span program's records into the pools (donated: in place; see `stitch.row_writes` for why this is
+    a program of its own)."""
+    from hypic_jax import stitch
+
+    return tuple(stitch.apply_row_writes(pool, w) for pool, w in zip(pools, writes))
 
 
 def _decode(params, token, cache, *, arch, config):
@@ -396,9 +408,26 @@ class StableEngine(Engine):
         arrays = lay.build(spans, self._capacity(key), isolated=kind == "cold", tokens=fresh_tokens,
                            summaries=kind != "plain", transfer=transfer, rope=rope)
         program = self.programs.get(key)
+        commit = self.programs.get(ProgramKey("commit", key.tokens, 0))
         with self.pools.lock:
-            logits, self.pools.arrays, decode = program(self.params, arrays, self.pools.arrays)
+            logits, writes, decode = program(self.params, arrays, self.pools.arrays)
+            pools, self.pools.arrays = self.pools.arrays, None  # donated: never left pointing at a deleted buffer
+            self.pools.arrays = commit(pools, writes)
         return logits, decode
+
+    def _writes_shapes(self, tokens: int):
+        """What the span programs of a token rung write (shapes only): per layer, rows of the records capacity
+        (linear layers' slots) or of the fresh tokens (attention layers' token rows), in the pools' own forms."""
+        from hypic_jax import stitch
+
+        capacity = self._capacity(ProgramKey("pic", tokens, self.max_keys))
+        out = []
+        for kind, pool in zip(self.pools.kinds, self.pools.arrays):
+            n = capacity.records if kind == "slot" else capacity.tokens
+            out.append(stitch.RowWrites(jax.ShapeDtypeStruct((n,), jnp.int32),
+                                        jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype),
+                                                     pool)))
+        return tuple(out)
 
     def _allocate(self, tokens: int):
         return self.pools.allocate(tokens, self.cache.evict_one)

@@ -22,7 +22,7 @@ that fit one capacity share one compiled program, and padding costs buffer space
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
 
-__all__ = ["conv_over_layout", "linear_over_layout", "gather_keys", "masked_attention", "scatter_rows",
+__all__ = ["conv_over_layout", "linear_over_layout", "gather_keys", "masked_attention", "row_writes", "apply_row_writes", "RowWrites",
            "LinearResult"]
 
 
@@ -237,10 +237,25 @@ def record_summaries(result: LinearResult, layout: LayoutArrays, *, isolated: bo
     return Summary(pool.form, state, transfer)
 
 
-def scatter_rows(pool, rows: Array, values):
-    """pool (a PyTree of [S, ...] arrays) with rows `rows` [n] set to `values` ([n, ...] with the same tree).
-    Rows past the pool (`layout.DROP`: unused records, unrecorded and padded tokens) are dropped."""
-    return jax.tree.map(lambda a, v: a.at[rows].set(v.astype(a.dtype), mode="drop"), pool, values)
+class RowWrites(NamedTuple):
+    """Rows to write into one layer's pool: `rows` [n] (past the pool, `layout.DROP`, for none: unused records,
+    unrecorded and padded tokens) and `values`, a tree like the pool's with leading axis n, in its dtypes."""
+
+    rows: Array
+    values: Any
+
+
+def row_writes(pool, rows: Array, values) -> RowWrites:
+    """What a span forward returns instead of writing its pool: the write runs as its own program
+    (`apply_row_writes`), because a program that both reads a donated pool (the fold, the key gather) and writes it
+    in place makes XLA copy the whole pool on every call, a cost proportional to the cache's size."""
+    return RowWrites(rows, jax.tree.map(lambda a, v: v.astype(a.dtype), pool, values))
+
+
+def apply_row_writes(pool, writes: RowWrites):
+    """pool (a PyTree of [S, ...] arrays) with rows `writes.rows` set to `writes.values`; rows past the pool are
+    dropped. Write-only, so a donated pool is updated in place."""
+    return jax.tree.map(lambda a, v: a.at[writes.rows].set(v, mode="drop"), pool, writes.values)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -747,16 +747,16 @@ def pool_layout(config: KimiLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout, pools: tuple, *, isolated: bool,
                         summaries: bool, want_decode: bool = False, algorithm: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
-    from `pools` (per layer the arrays of `pool_layout`) and writing the layout's records into them; see
+    from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them; see
     `qwen3_5.span_forward_arrays`. Nothing here is RoPE'd, so cached pieces are used as stored. MLA keys are the
     request's latents gathered in key order and expanded to per-head K/V; the decode cache keeps the latents.
-    Returns (float32 logits [vocab] of the last fresh token, the updated pools, per layer the decode cache of the
-    whole request or None)."""
+    Returns (float32 logits [vocab] of the last fresh token, per layer the rows to write into its pool
+    (`stitch.RowWrites`, applied by the caller), per layer the decode cache of the whole request or None)."""
     from hypic_jax import stitch
 
     c = config
     x = params["embed"][layout.tokens]  # [F, D]
-    new_pools, decode = [], []
+    writes, decode = [], []
     for i, (kind, mlp_kind) in enumerate(zip(c.layer_types, c.mlp_types)):
         lp = params["layers"][i]
         pool = pools[i]
@@ -770,7 +770,7 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
                                                summaries=summaries, algorithm=algorithm)
             h = kda_output(p, c, h, result.outputs)
             records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
-            pool = stitch.scatter_rows(pool, layout.record_slot, dict(summary=records, conv=conv_records))
+            write = stitch.row_writes(pool, layout.record_slot, dict(summary=records, conv=conv_records))
             decode.append(base.LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode
                           else None)
         else:
@@ -780,11 +780,11 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
             keys, values = mla_expand(p, c, whole)
             out = stitch.masked_attention(q, keys, values, layout, isolated=isolated, scale=c.qk_head_dim**-0.5)
             h = _linear(out.reshape(out.shape[0], -1), p["o_proj"], p.get("o_proj_bias"))
-            pool = stitch.scatter_rows(pool, layout.fresh_dest, fresh)
+            write = stitch.row_writes(pool, layout.fresh_dest, fresh)
             decode.append(jax.tree.map(lambda a: a[None], whole) if want_decode else None)
-        new_pools.append(pool)
+        writes.append(write)
         x = x + h
         h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
         x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None])[0])
     last = layers.rms_norm_plain(x[layout.last], params["final_norm"], c.rms_norm_eps)
-    return lm_head(params, c, last), tuple(new_pools), (tuple(decode) if want_decode else None)
+    return lm_head(params, c, last), tuple(writes), (tuple(decode) if want_decode else None)

@@ -589,18 +589,19 @@ def pool_layout(config: Config, dtype: Any) -> list[tuple[str, Any]]:
 def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, isolated: bool, summaries: bool,
                         want_decode: bool = False, algorithm: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
-    from `pools` (per layer the arrays of `pool_layout`) and writing the layout's records into them.
+    from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them.
 
     isolated: a cold prefill (every span from position 0, no mixing across spans). summaries: compute each fresh
     piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
-    canonical phase) is data of the layout. Returns (float32 logits [vocab] of the last
-    fresh token, the updated pools, per layer the decode cache of the whole request or None).
+    canonical phase) is data of the layout. Returns (float32 logits [vocab] of the last fresh token, per layer the
+    rows to write into its pool (`stitch.RowWrites`, applied by the caller), per layer the decode cache of the whole
+    request or None).
     """
     from hypic_jax import rope, stitch
 
     positions = layout.positions
     x = params["embed"][layout.tokens]  # [F, H]
-    new_pools, decode = [], []
+    writes, decode = [], []
     for i, lp in enumerate(params["layers"]):
         pool = pools[i]
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
@@ -614,7 +615,7 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
                                                algorithm=algorithm)
             h = gdn_output(result.outputs.astype(h.dtype), z, p, config)
             records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
-            pool = stitch.scatter_rows(pool, layout.record_slot, dict(summary=records, conv=conv_records))
+            write = stitch.row_writes(pool, layout.record_slot, dict(summary=records, conv=conv_records))
             decode.append(LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode else None)
         else:
             q, k, v, gate = attention_projections(h[None], p, config, positions)
@@ -626,11 +627,11 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
             attended = stitch.masked_attention(q, keys["k"], keys["v"], layout, isolated=isolated,
                                                scale=config.head_dim**-0.5)
             h = attention_output(attended, gate, p)
-            pool = stitch.scatter_rows(pool, layout.fresh_dest, dict(k=k, v=v))
+            write = stitch.row_writes(pool, layout.fresh_dest, dict(k=k, v=v))
             decode.append(KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None)
-        new_pools.append(pool)
+        writes.append(write)
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
         x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i])[0]
     last = layers.rms_norm(x[layout.last], params["final_norm"], config.rms_norm_eps, offset=1.0)
-    return lm_head(params, config, last), tuple(new_pools), (tuple(decode) if want_decode else None)
+    return lm_head(params, config, last), tuple(writes), (tuple(decode) if want_decode else None)

@@ -575,10 +575,11 @@ def pool_layout(config: RingLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools: tuple, *, isolated: bool,
                         summaries: bool, want_decode: bool = False, algorithm: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
-    from `pools` (per layer the arrays of `pool_layout`) and writing the layout's records into them; see
+    from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them; see
     `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so cached summaries are moved by their pieces'
     offsets (zero where the mode keeps them at their canonical phase). Returns (float32 logits [vocab] of the last
-    fresh token, the updated pools, per layer the decode cache of the whole request or None)."""
+    fresh token, per layer the rows to write into its pool (`stitch.RowWrites`, applied by the caller), per layer
+    the decode cache of the whole request or None)."""
     from hypic_jax import rope, stitch
 
     positions = layout.positions
@@ -587,7 +588,7 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
     attention_rotary = config.rotary_dim(config.attention_head_dim)
     rotate_summary = lambda summary, offset: linear_attn.rotate_summary(  # noqa: E731
         summary, offset, rotary_dim=linear_rotary, base=config.rope_theta)
-    new_pools, decode = [], []
+    writes, decode = [], []
     for i, lp in enumerate(params["layers"]):
         pool = pools[i]
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
@@ -601,7 +602,7 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
             o = stitch.masked_attention(q, keys["k"], keys["v"], layout, isolated=isolated,
                                         scale=config.attention_head_dim ** -0.5)
             mixed = o.reshape(o.shape[0], -1) @ p["dense"]
-            pool = stitch.scatter_rows(pool, layout.fresh_dest, dict(k=k, v=v))
+            write = stitch.row_writes(pool, layout.fresh_dest, dict(k=k, v=v))
             decode.append(base.KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None)
         else:
             inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, i, config))
@@ -609,12 +610,12 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
                                                rotate=rotate_summary, algorithm=algorithm)
             mixed = linear_output(p, h[None], result.outputs[None], config)[0]
             records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
-            pool = stitch.scatter_rows(pool, layout.record_slot, dict(summary=records))
+            write = stitch.row_writes(pool, layout.record_slot, dict(summary=records))
             decode.append(base.LinearCache(state=result.final_state[None], conv=_no_conv(1, x.dtype))
                           if want_decode else None)
-        new_pools.append(pool)
+        writes.append(write)
         x = x + mixed
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
         x = x + (moe(lp["mlp"], h, config) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
     last = layers.rms_norm(x[layout.last], params["norm"], config.rms_norm_eps)
-    return unembed(params, last), tuple(new_pools), (tuple(decode) if want_decode else None)
+    return unembed(params, last), tuple(writes), (tuple(decode) if want_decode else None)
