@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -78,7 +79,10 @@ class Server:
     # Lifecycle --------------------------------------------------------------------------------------------------
     def warmup(self) -> dict:
         start = time.perf_counter()
-        report = self.engine.warmup(progress=False)
+        self._programs_total = len(self.engine.programs.keys_for(self.engine.max_prompt_tokens))
+        log.info("warming up: compiling %d programs (a progress bar on a terminal; /health counts them)",
+                 self._programs_total)
+        report = self.engine.warmup(progress=sys.stderr.isatty())
         self.warmup_report = dict(report, wall_s=round(time.perf_counter() - start, 3))
         self.metrics.mark_ready()
         self.scheduler.start()
@@ -98,7 +102,9 @@ class Server:
     # Plain endpoints --------------------------------------------------------------------------------------------
     async def health(self, request: HttpRequest) -> Response:
         if not self.ready:
-            return JSONResponse(dict(status="warming up"), status_code=503)
+            total = getattr(self, "_programs_total", None)
+            return JSONResponse(dict(status="warming up", programs_compiled=self.engine.programs.stats.programs,
+                                     programs_total=total), status_code=503)
         return JSONResponse(dict(status="ok", waiting=self.scheduler.waiting, running=self.scheduler.running))
 
     async def models(self, request: HttpRequest) -> Response:
