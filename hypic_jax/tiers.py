@@ -483,7 +483,7 @@ class DiskStore(_Store):
         self._leaves = _layout_leaves(layout)
         self.scan()
 
-    # Format ----------------------------------------------------------------------------------------------------------
+    # Format ---------------------------------------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
         return self.folder / key[:2] / f"{key}{SUFFIX}"
 
@@ -546,7 +546,7 @@ class DiskStore(_Store):
         self.stats.corrupt += 1
         path.unlink(missing_ok=True)
 
-    # Index -------------------------------------------------------------------------------------------------------------
+    # Index ----------------------------------------------------------------------------------------------------------
     def scan(self) -> None:
         """Rebuild the index from the folder's headers (payload checksums are checked when a file is read)."""
         with self.lock:
@@ -581,7 +581,7 @@ class DiskStore(_Store):
             except OSError:
                 pass
 
-    # Reads and writes --------------------------------------------------------------------------------------------------
+    # Reads and writes -----------------------------------------------------------------------------------------------
     def take(self, key: str, tokens: tuple[int, ...]) -> Pieces | None:
         """The entry under `key` if its file is intact and holds `tokens` (the file stays)."""
         with self.lock:
