@@ -9,7 +9,14 @@ folder replays it (a restart). Reported per run: entry hit rate, cached share of
 tokens, the seconds spent planning and cold-prefilling (`cold_s`: the recompute the cache did not save, plus
 promotions), p50 TTFT, promotions per tier, and the cost model's constants.
 
+With `--forms`, instead: the bytes per token of an entry stored exactly and with `tier_dtype="bfloat16"` (T and S
+in bfloat16 off the device), measured on the model through the host tier and computed for the 35B-A3B shape at
+512 tokens, and the relative L2 deviation of the last logits of requests served from promoted bfloat16 entries
+against the same requests on the exact entries (the linear layers' decay is slowed to `--decay` per token, as the
+engine tests do, so that T carries weight).
+
     python bench/cache_tiers.py --small            # CPU size
+    python bench/cache_tiers.py --small --forms    # compact entries
     python bench/cache_tiers.py                    # Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
 """
 
@@ -70,6 +77,63 @@ def run(engine: StableEngine, requests, seam: int) -> dict:
                 cost=[float(f"{c:.3g}") for c in tiers["cost"]["constants"]])
 
 
+def slow_decay(params, decay: float):
+    """Every linear layer's A_log set to log(decay): random-init gates forget within a few tokens, so T would be
+    nearly zero and its rounding would not show."""
+
+    def visit(tree):
+        if isinstance(tree, dict):
+            return {k: (jnp.full_like(v, np.log(decay)) if k == "A_log" else visit(v)) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(visit(v) for v in tree)
+        return tree
+
+    return visit(params)
+
+
+def entry_bytes_per_token(layout, tokens: int, compact: bool) -> float:
+    """Bytes per token of an entry of `tokens` tokens off the device (float32 summaries halved when compact)."""
+    total = 0
+    for kind, tree in layout:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            if compact and kind == "slot" and leaf.dtype == jnp.float32 and any(
+                    getattr(part, "key", None) == "summary" for part in path):
+                size //= 2
+            total += size if kind == "slot" else size * tokens
+    return total / tokens
+
+
+def forms(model, config, requests, base, seam: int, layers: int) -> dict:
+    out = dict(shape_35b=dict(
+        (name, round(entry_bytes_per_token(qwen3_5.pool_layout(full_config(layers), jnp.bfloat16), 512, compact)))
+        for name, compact in (("exact", False), ("bfloat16", True))))
+    logits, rows = {}, []
+    for form in (None, "bfloat16"):
+        engine = StableEngine(model, **base, host_cache_bytes=1 << 40, tier_dtype=form)
+        engine.warmup(progress=False)
+        deviations, tokens = [], 0
+        for segs in requests:
+            engine.clear_cache()
+            engine.prefill(segs, seam=seam)
+            warm = engine.prefill(segs, seam=seam)
+            with engine._device_lock:
+                while engine.cache.evict_one():
+                    pass
+            stored = engine.stats["tiers"]["host"]["bytes"]
+            tokens = sum(len(d) - min(seam, len(d)) for d in segs[:-1])
+            back = engine.prefill(segs, seam=seam)
+            a, b = np.asarray(back.logits, np.float64), np.asarray(warm.logits, np.float64)
+            deviations.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+            rows.append(dict(form=form or "exact", bytes_per_token=round(stored / tokens, 1)))
+        logits[form or "exact"] = dict(max_rel_logit_deviation=float(f"{max(deviations):.3g}"),
+                                       median_rel_logit_deviation=float(f"{np.median(deviations):.3g}"),
+                                       bytes_per_token=round(float(np.mean([r["bytes_per_token"] for r in rows
+                                                                            if r["form"] == (form or "exact")])), 1))
+    out["model"] = logits
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="toy model (CPU size)")
@@ -86,6 +150,8 @@ def main(argv=None) -> None:
     parser.add_argument("--policies", nargs="+", default=["lru", "cost"])
     parser.add_argument("--rungs", type=int, nargs="+", default=None, help="explicit token rungs (the last >= the "
                         "longest prompt; --small: 256 1024) instead of the geometric ladder from 64")
+    parser.add_argument("--forms", action="store_true", help="bytes per token and logit deviation of compact entries")
+    parser.add_argument("--decay", type=float, default=0.05, help="--forms: the linear layers' per-token decay")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -109,6 +175,15 @@ def main(argv=None) -> None:
                 max_new_tokens=0,
                 cache_bytes=int(args.device_frac * corpus_bytes), mean_entry_tokens=mean_tokens)
     host_bytes = int(args.host_frac * corpus_bytes)
+    if args.forms:
+        slow = Model(qwen3_5, config, slow_decay(model.params, args.decay))
+        report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
+                      requests=len(requests[:20]), decay=args.decay,
+                      **forms(slow, config, requests[:20], base, args.seam, args.layers))
+        print(json.dumps(report, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return
     report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
                   corpus=len(documents), corpus_entry_mb=round(corpus_bytes / 2**20, 2), requests=len(requests),
                   docs_per_request=args.docs, zipf=args.zipf, longest_prompt=longest, rungs=list(rungs or ()),

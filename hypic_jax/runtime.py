@@ -173,7 +173,9 @@ class StableEngine(Engine):
     Tiers (`hypic_jax.tiers`): host_cache_bytes (0: off) and disk_cache_dir with disk_cache_bytes (None:
     unbounded, 0: off) keep entries evicted from the pools; eviction: "cost" or "lru"; host_bandwidth and
     disk_bandwidth (bytes/s) override what `warmup` measures; disk_write_through writes every new entry to disk
-    when it is stored (else entries reach the disk when evicted, or through `persist()`).
+    when it is stored (else entries reach the disk when evicted, or through `persist()`); tier_dtype="bfloat16"
+    stores the linear layers' T and S in bfloat16 off the device (half their bytes; promoted entries are the
+    rounded values, widened to float32).
     """
 
     def __init__(self, model, *, tokenizer=None, cache_bytes: int | None = None,
@@ -183,7 +185,7 @@ class StableEngine(Engine):
                  min_tokens: int = 64, token_rungs: tuple[int, ...] | None = None, compile_cache=None,
                  mean_entry_tokens: int = 512, host_cache_bytes: int = 0, disk_cache_dir=None,
                  disk_cache_bytes: int | None = None, eviction: str = "cost", host_bandwidth: float | None = None,
-                 disk_bandwidth: float | None = None, disk_write_through: bool = False):
+                 disk_bandwidth: float | None = None, disk_write_through: bool = False, tier_dtype: str | None = None):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -201,8 +203,8 @@ class StableEngine(Engine):
         pieces = self.arch.pool_layout(self.config, self.model.dtype)
         budget = cache_bytes if cache_bytes is not None else 1 << 30
         self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens)
-        self._init_tiers(pieces, host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
-                         disk_bandwidth, disk_write_through)
+        self._init_tiers(host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
+                         disk_bandwidth, disk_write_through, tier_dtype)
         self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
                                   policy=tr.DevicePolicy(self.policy) if eviction == "cost" else None)
         self.programs = Programs(self)
@@ -446,17 +448,20 @@ class StableEngine(Engine):
         self.tiers.clear(disk=disk)
 
     # Tiers -----------------------------------------------------------------------------------------------------------
-    def _init_tiers(self, layout, host_bytes, disk_dir, disk_bytes, eviction, host_bandwidth, disk_bandwidth,
-                    write_through) -> None:
+    def _init_tiers(self, host_bytes, disk_dir, disk_bytes, eviction, host_bandwidth, disk_bandwidth,
+                    write_through, tier_dtype) -> None:
         self.eviction = eviction
         self.cost = tr.CostModel()
         self.bandwidths = tr.Bandwidths(host=host_bandwidth or tr.DEFAULT_HOST_BANDWIDTH,
                                         disk=disk_bandwidth or tr.DEFAULT_DISK_BANDWIDTH)
         self._bandwidth_overrides = (host_bandwidth, disk_bandwidth)
         self.policy = tr.Policy(eviction, self.cost, lambda: self.bandwidths)
-        self.tiers = tr.Tiers(layout=layout, fingerprint=self.fingerprint, policy=self.policy,
-                              host_bytes=host_bytes or 0, disk_dir=disk_dir, disk_bytes=disk_bytes)
-        self.mover = tr.Mover(self.pools, self.max_prompt_tokens)
+        if tier_dtype not in (None, "bfloat16"):
+            raise ValueError(f"tier_dtype must be None or 'bfloat16', got {tier_dtype!r}")
+        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tier_dtype)
+        self.tiers = tr.Tiers(leaves=self.mover.leaves, fingerprint=self.fingerprint, policy=self.policy,
+                              host_bytes=host_bytes or 0, disk_dir=disk_dir, disk_bytes=disk_bytes,
+                              form=tier_dtype or "exact")
         self.disk_write_through = bool(write_through)
         self._clearing = False
         self._demote_errors = 0

@@ -15,8 +15,8 @@ renamed into place, so a crash never leaves a partial entry under an entry's nam
     8 bytes   magic b"HYPICSEG"
     4 bytes   format version (little-endian uint32)
     4 bytes   header length H (little-endian uint32)
-    H bytes   header, UTF-8 JSON: fingerprint, key, kind, seam, tokens, arrays (dtype and shape of each piece),
-              payload_bytes, payload_blake2b
+    H bytes   header, UTF-8 JSON: fingerprint, form ("exact" or the compact dtype), key, kind, seam, tokens,
+              arrays (dtype and shape of each piece), payload_bytes, payload_blake2b
     32 bytes  BLAKE2b-256 of the version, length and header bytes
     payload   the pieces' bytes in order (C order)
 
@@ -242,24 +242,31 @@ class Pieces:
         return int(sum(a.nbytes for a in self.arrays))
 
 
-def _layout_leaves(layers) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-    """(kind, per-entry or per-token shape, dtype) of every pooled leaf of `pool_layout`."""
-    out = []
-    for kind, tree in layers:
-        for leaf in jax.tree.leaves(tree):
-            out.append((kind, tuple(leaf.shape), np.dtype(leaf.dtype)))
-    return out
+def _in_summary(path) -> bool:
+    return any(getattr(part, "key", None) == "summary" for part in path)
 
 
 class Mover:
     """Compiled copies of one entry between the device pools and host arrays.
 
     Token rows are padded to a bucket of whole pages (1, 2, 4, ... pages, up to the longest entry), so the
-    programs are one gather and one scatter per bucket, compiled by `compile` (the engine's warmup)."""
+    programs are one gather and one scatter per bucket, compiled by `compile` (the engine's warmup).
+    compact: a dtype name ("bfloat16") in which the linear layers' float32 summaries (T and S) leave the device
+    and are stored off it (the gather rounds them; the scatter widens them back to the pools' float32); None keeps
+    every piece as the pools hold it."""
 
-    def __init__(self, pools, max_tokens: int):
+    def __init__(self, pools, max_tokens: int, compact: str | None = None):
         self.kinds = pools.kinds
         self.page = pools.page
+        self.compact = compact
+        self.leaves: list[tuple[str, tuple[int, ...], np.dtype]] = []  # (kind, per-entry/per-token shape, stored as)
+        for kind, tree in zip(pools.kinds, pools.arrays):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                dtype = np.dtype(leaf.dtype)
+                if compact and kind == "slot" and dtype == np.float32 and _in_summary(path):
+                    dtype = np.dtype(jnp.dtype(compact))
+                self.leaves.append((kind, tuple(leaf.shape[1:]), dtype))
+        self._stored = tuple(dtype.name for _, _, dtype in self.leaves)
         top = max(1, min(-(-max_tokens // pools.page), pools.pages - 1))
         buckets, b = [], 1
         while b < top:
@@ -278,11 +285,11 @@ class Mover:
         raise ValueError(f"an entry of {tokens} tokens is longer than the largest bucket of {self.buckets[-1]} pages")
 
     @staticmethod
-    def _gather_fn(arrays, slot, rows, *, kinds):
+    def _gather_fn(arrays, slot, rows, *, kinds, stored):
         out = []
         for kind, tree in zip(kinds, arrays):
             for leaf in jax.tree.leaves(tree):
-                out.append(leaf[slot] if kind == "slot" else leaf[rows])
+                out.append((leaf[slot] if kind == "slot" else leaf[rows]).astype(jnp.dtype(stored[len(out)])))
         return out
 
     @staticmethod
@@ -307,10 +314,11 @@ class Mover:
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
+        gather = functools.partial(self._gather_fn, kinds=self.kinds, stored=self._stored)
         if which == "gather":
-            program = jax.jit(functools.partial(self._gather_fn, kinds=self.kinds)).lower(shapes, slot, rows).compile()
+            program = jax.jit(gather).lower(shapes, slot, rows).compile()
         else:
-            pieces = jax.eval_shape(functools.partial(self._gather_fn, kinds=self.kinds), shapes, slot, rows)
+            pieces = jax.eval_shape(gather, shapes, slot, rows)
             program = jax.jit(functools.partial(self._scatter_fn, kinds=self.kinds), donate_argnums=0).lower(
                 shapes, slot, rows, pieces).compile()
         with self._lock:
@@ -475,12 +483,14 @@ class DiskStore(_Store):
 
     tier = "disk"
 
-    def __init__(self, folder, capacity_bytes: int | None, policy: Policy, *, fingerprint: str, layout):
+    def __init__(self, folder, capacity_bytes: int | None, policy: Policy, *, fingerprint: str, leaves,
+                 form: str = "exact"):
         super().__init__(capacity_bytes, policy)
         self.folder = Path(folder).expanduser().resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
-        self._leaves = _layout_leaves(layout)
+        self.form = form
+        self._leaves = list(leaves)  # `Mover.leaves`
         self.scan()
 
     # Format ---------------------------------------------------------------------------------------------------------
@@ -491,14 +501,13 @@ class DiskStore(_Store):
         return [[dtype.str if dtype.kind != "V" else dtype.name, list(shape if kind == "slot" else (length, *shape))]
                 for kind, shape, dtype in self._leaves]
 
-    @staticmethod
-    def _encode(pieces: Pieces, fingerprint: str) -> tuple[bytes, list[np.ndarray]]:
+    def _encode(self, pieces: Pieces) -> tuple[bytes, list[np.ndarray]]:
         arrays = [np.ascontiguousarray(a) for a in pieces.arrays]
         digest = hashlib.blake2b(digest_size=32)
         for a in arrays:
-            digest.update(memoryview(a).cast("B"))
+            digest.update(_raw(a))
         header = json.dumps(dict(
-            fingerprint=fingerprint, key=pieces.key, kind=pieces.kind, seam=int(pieces.seam),
+            fingerprint=self.fingerprint, form=self.form, key=pieces.key, kind=pieces.kind, seam=int(pieces.seam),
             tokens=[int(t) for t in pieces.tokens],
             arrays=[[a.dtype.str if a.dtype.kind != "V" else a.dtype.name, list(a.shape)] for a in arrays],
             payload_bytes=int(sum(a.nbytes for a in arrays)), payload_blake2b=digest.hexdigest()),
@@ -531,8 +540,8 @@ class DiskStore(_Store):
         state, header, offset = self._read_header(f, size)
         if state != "ok":
             return state, None, 0
-        if header.get("fingerprint") != self.fingerprint:
-            return "foreign", None, 0
+        if header.get("fingerprint") != self.fingerprint or header.get("form") != self.form:
+            return "foreign", None, 0  # another model, or another storage form of this one: never served
         try:
             length = len(header["tokens"]) - int(header["seam"])
             ok = (header["key"] == path.name[: -len(SUFFIX)] and header["arrays"] == self._signature(length)
@@ -629,7 +638,7 @@ class DiskStore(_Store):
         with self.lock:
             if pieces.key in self.index:
                 return True
-            head, arrays = self._encode(pieces, self.fingerprint)
+            head, arrays = self._encode(pieces)
             size = len(head) + sum(a.nbytes for a in arrays)
             for _, meta in self._victims(size):
                 meta.path.unlink(missing_ok=True)
@@ -640,7 +649,7 @@ class DiskStore(_Store):
                 with open(tmp, "wb") as f:
                     f.write(head)
                     for a in arrays:
-                        f.write(memoryview(a).cast("B"))
+                        f.write(_raw(a))
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
@@ -661,6 +670,11 @@ class DiskStore(_Store):
                 meta.path.unlink(missing_ok=True)
             self.index.clear()
             self.stats.bytes = self.stats.entries = 0
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """The bytes of a contiguous array as uint8 (the buffer protocol refuses bfloat16 itself)."""
+    return a.reshape(-1).view(np.uint8)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -684,16 +698,17 @@ class Tiers:
     """Host and disk tiers of one engine: where a demoted entry goes, where a missing one is found.
 
     host_bytes: the host tier's budget (0: off). disk_dir: the disk tier's folder (None: off), disk_bytes its
-    budget (None: unbounded; 0: off). policy: a `Policy` (shared with the device tier)."""
+    budget (None: unbounded; 0: off). policy: a `Policy` (shared with the device tier). leaves: `Mover.leaves`;
+    form: "exact", or the compact dtype the pieces are stored in (a disk file of another form is foreign)."""
 
-    def __init__(self, *, layout, fingerprint: str, policy: Policy, host_bytes: int = 0, disk_dir=None,
-                 disk_bytes: int | None = None):
+    def __init__(self, *, leaves, fingerprint: str, policy: Policy, host_bytes: int = 0, disk_dir=None,
+                 disk_bytes: int | None = None, form: str = "exact"):
         for name, value in (("host_cache_bytes", host_bytes), ("disk_cache_bytes", disk_bytes)):
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         self.policy = policy
         self.host = HostStore(host_bytes, policy) if host_bytes else None
-        self.disk = (DiskStore(disk_dir, disk_bytes, policy, fingerprint=fingerprint, layout=layout)
+        self.disk = (DiskStore(disk_dir, disk_bytes, policy, fingerprint=fingerprint, leaves=leaves, form=form)
                      if disk_dir is not None and disk_bytes != 0 else None)
         self.promotions = {"host": 0, "disk": 0}
         self.demotions = 0

@@ -48,8 +48,9 @@ def make(tmp_path_factory):
         engine = StableEngine(model, **{**BASE, **options})
         # the same pool shapes: the donor's compiled programs run this engine too
         engine.programs._compiled.update(donor.programs._compiled)
-        engine.mover._gather.update(donor.mover._gather)
-        engine.mover._scatter.update(donor.mover._scatter)
+        if engine.mover.leaves == donor.mover.leaves:  # the copy programs too, where pieces are stored alike
+            engine.mover._gather.update(donor.mover._gather)
+            engine.mover._scatter.update(donor.mover._scatter)
         return engine
 
     make.vocab, make.root = vocab, root
@@ -262,3 +263,36 @@ def test_threads_interleaving_across_tiers_keep_identities_and_compile_nothing(m
     assert stats["demote_errors"] == 0
     assert stats["promotions"]["host"] > 0 and stats["promotions"]["disk"] > 0, stats
     assert engine.stats["cache"]["evictions"] > 0
+
+
+def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
+    folder = make.root / "compact"
+    exact = make(host_cache_bytes=1 << 20)
+    compact = make(host_cache_bytes=1 << 20, disk_cache_dir=folder, tier_dtype="bfloat16")
+    segs = _docs(make.vocab, 6) + [[8, 9, 10]]
+    deviation, stored = {}, {}
+    for name, engine in (("exact", exact), ("compact", compact)):
+        engine.prefill(segs, seam=SEAM)
+        warm = engine.prefill(segs, seam=SEAM)
+        _evict_device(engine)
+        stored[name] = engine.stats["tiers"]["host"]["bytes"]
+        back = engine.prefill(segs, seam=SEAM)
+        assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
+        deviation[name] = _rel(back.logits, warm.logits)
+    # the pieces that shrink: per linear layer T and S, float32 -> bfloat16, half their bytes per entry
+    summary_f32 = sum(int(np.prod(shape)) * dtype.itemsize for kind, shape, dtype in exact.mover.leaves
+                  if kind == "slot" and dtype == np.float32) - sum(
+        int(np.prod(shape)) * dtype.itemsize for kind, shape, dtype in compact.mover.leaves
+        if kind == "slot" and dtype == np.float32)
+    assert summary_f32 > 0 and stored["exact"] - stored["compact"] == 4 * summary_f32 // 2
+    assert deviation["exact"] < 1e-6
+    assert 0 < deviation["compact"] < 1e-2, deviation  # rounded T and S, composed in float32
+    # on disk the form is part of the header: an exact engine never reads a bfloat16 file
+    compact.persist()
+    files = _files(folder)
+    assert len(files) == 4
+    reader = make(disk_cache_dir=folder)
+    assert reader.stats["tiers"]["disk"]["entries"] == 0 and reader.stats["tiers"]["disk"]["foreign"] == 4
+    again = make(disk_cache_dir=folder, tier_dtype="bfloat16")
+    assert again.stats["tiers"]["disk"]["entries"] == 4
+    assert again.prefill(segs, seam=SEAM).stats.hits == 4
