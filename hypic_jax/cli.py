@@ -1,5 +1,6 @@
-"""Command line: `hypic-jax convert SRC DST [--dtype bfloat16]` (Hugging Face folder -> orbax checkpoint) and
-`hypic-jax diag MODEL --segments ... [--mode transition_rope_recompute]` (per-layer deviation of a PIC mode)."""
+"""Command line: `hypic-jax convert SRC DST [--dtype bfloat16]` (Hugging Face folder -> orbax checkpoint),
+`hypic-jax diag MODEL --segments ... [--mode transition_rope_recompute]` (per-layer deviation of a PIC mode) and
+`hypic-jax serve [MODEL]` (an OpenAI-compatible server, `hypic_jax.serve`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def _diag(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from hypic_jax.serve.app import main as serve_main
+
+    return serve_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hypic-jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +59,26 @@ def main(argv: list[str] | None = None) -> int:
     diag.add_argument("--separator", default="<<PIC_SEP>>")
     diag.add_argument("--dtype", default="bfloat16")
     diag.set_defaults(run=_diag)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="model folder (orbax checkpoint or Hugging Face folder); default: the built-in model")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--mode", default="transition_rope_recompute", help="default PIC mode (per request: pic_mode)")
+    serve.add_argument("--seam", type=float, default=8, help="default seam (per request: seam)")
+    serve.add_argument("--cache-gb", type=float, default=1.0, help="segment cache budget, GiB (allocated up front)")
+    serve.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows)")
+    serve.add_argument("--max-prompt-tokens", type=int, default=4096)
+    serve.add_argument("--max-new-tokens", type=int, default=256)
+    serve.add_argument("--max-segments", type=int, default=64)
+    serve.add_argument("--token-rungs", default=None, help="comma-separated token capacities (default: a ladder)")
+    serve.add_argument("--separator", default="<<PIC_SEP>>", help="segment separator in prompt text")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline, seconds")
+    serve.add_argument("--compile-cache", default=None, help="folder for JAX's persistent compilation cache")
+    serve.add_argument("--dtype", default="bfloat16")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(run=_serve)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

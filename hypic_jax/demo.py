@@ -85,8 +85,9 @@ def run(segments: int, segment_len: int, heads: int, head_dim: int, chunk_size: 
     return rows
 
 
-def engine_demo(docs: int = 4, doc_len: int = 48, query_len: int = 12, seam: float = 8) -> list[dict]:
-    """Run every mode on a cold request, then on the same documents shuffled; returns one row per (mode, request)."""
+def tiny_model() -> Model:
+    """The demo's model: a tiny random Qwen3.5-style hybrid (3 Gated DeltaNet + 1 full-attention layers, vocabulary
+    512, float32), built in memory."""
     config = qwen3_5.Config(
         vocab_size=512, hidden_size=64, layer_types=qwen3_5.default_layer_types(4), mlp_types=("dense",) * 4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=8, linear_num_key_heads=2,
@@ -98,7 +99,13 @@ def engine_demo(docs: int = 4, doc_len: int = 48, query_len: int = 12, seam: flo
     for layer in params["layers"]:
         if "A_log" in layer["mixer"]:
             layer["mixer"]["A_log"] = jnp.full_like(layer["mixer"]["A_log"], np.log(0.03))
-    model = Model(qwen3_5, config, params)
+    return Model(qwen3_5, config, params)
+
+
+def engine_demo(docs: int = 4, doc_len: int = 48, query_len: int = 12, seam: float = 8) -> list[dict]:
+    """Run every mode on a cold request, then on the same documents shuffled; returns one row per (mode, request)."""
+    model = tiny_model()
+    config = model.config
     rng = np.random.default_rng(0)
 
     def request(seed_docs):

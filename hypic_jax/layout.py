@@ -338,8 +338,12 @@ def count_pieces(spans: Sequence[Span], *, isolated: bool) -> tuple[int, int]:
     return pieces, records
 
 
-def chunk_for(kind: str, model_chunk: int) -> int:
-    """The linear core's chunk length per program kind: stitched programs hold short seams and a query, so a
-    chunk of 16 keeps their per-piece padding small; cold and prefix programs hold whole documents."""
-    return min(16, model_chunk) if kind == "pic" else model_chunk
+def chunk_for(kind: str, model_chunk: int, backend: str | None = None) -> int:
+    """The linear core's chunk length per program kind. Stitched programs hold short seams and a query, so a chunk
+    of 16 keeps their per-piece padding small. Cold and prefix programs hold whole documents: on a GPU they take
+    the model's chunk (fewer sequential state steps); on the CPU a chunk of 16 as well, because there the
+    chunk-local work (pairwise decays, c^2 K per chunk, and the triangular solves) outweighs the state steps that
+    a longer chunk saves."""
+    backend = backend or jax.default_backend()
+    return min(16, model_chunk) if kind == "pic" or backend == "cpu" else model_chunk
 

@@ -8,12 +8,21 @@ of programs, so a workload of new document lengths and orders never compiles aft
     pic         tokens, max keys   a PIC request: cached interiors stitched with fresh seams and the query
     plain       tokens, max keys   full recompute and prefix cache (fresh spans continue each other's state)
     decode      max keys           one decode step
+    insert      max keys           a prefill's decode caches into a row of the batched decode cache, first token
+    batch       rows, max keys     one decode step of rows [0, b) of the batched decode cache, sampled per row
 
 Token rungs are the `layout.Ladder`'s (powers of two and 1.5 times them). Everything else is data: the layout's
 arrays (`hypic_jax.layout.LayoutArrays`) and the entries' slots and rows in the pools (`hypic_jax.pools.Pools`),
 which hold every entry at their full capacity from the start. A compilation after `warmup` (a shape outside the
 ladder) is counted in `stats` and logged with its shapes; a request over the largest rung fails with an error
 naming the limit. Which programs exist and how long they took to compile: `Programs.report()`.
+
+Batched decoding (`max_batch` > 0, what a continuous-batching server uses): the engine keeps a decode cache of
+`max_batch` rows on the device. `slot_insert` writes a prefill's decode caches into one row and samples the
+request's first token; `slot_decode` runs one step of rows [0, b) for a batch bucket b (powers of two up to
+`max_batch`), every row at its own position, and samples each row on the device from its own parameters
+(`SamplingRows`), so only the sampled ids (and the log-probabilities, when read) leave the device. A row's step is
+the single-request decode program mapped over rows (`jax.vmap`): rows never mix.
 
 Architectures provide `pool_layout(config, dtype)` and `span_forward_arrays(...)` (see `models/qwen3_5.py`).
 """
@@ -60,9 +69,52 @@ def backend_compiles() -> int:
 
 
 class ProgramKey(NamedTuple):
-    kind: str  # "cold" | "pic" | "plain" | "decode"
+    kind: str  # "cold" | "pic" | "plain" | "decode" | "insert" | "batch" (tokens: the rows)
     tokens: int
     keys: int
+
+
+TOP_LOGPROBS = 20  # the most alternatives a row's sampler returns (OpenAI's top_logprobs limit)
+
+
+class SamplingRows(NamedTuple):
+    """Per-row sampling parameters of a batched step (each [rows]; `key` [rows, 2] uint32 threefry key data).
+    temperature 0 is greedy; top_k 0 keeps every token; `step` (tokens the row has sampled so far) is folded into
+    its key, so a seeded row draws the same numbers whatever batch it runs in."""
+
+    temperature: Any
+    top_p: Any
+    top_k: Any
+    key: Any
+    step: Any
+
+    @staticmethod
+    def shapes(rows: int) -> "SamplingRows":
+        sds = jax.ShapeDtypeStruct
+        return SamplingRows(sds((rows,), jnp.float32), sds((rows,), jnp.float32), sds((rows,), jnp.int32),
+                            sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32))
+
+    @staticmethod
+    def build(temperature, top_p, top_k, seed, step) -> "SamplingRows":
+        """Host arrays from per-row lists; seeds are any non-negative integers below 2**64."""
+        seed = np.asarray(seed, np.uint64)
+        key = np.stack([(seed >> np.uint64(32)).astype(np.uint32), (seed & np.uint64(0xFFFFFFFF)).astype(np.uint32)],
+                       axis=-1)
+        return SamplingRows(np.asarray(temperature, np.float32), np.asarray(top_p, np.float32),
+                            np.asarray(top_k, np.int32), key, np.asarray(step, np.int32))
+
+
+class Sampled:
+    """What a batched step returns: the sampled ids on the host, the log-probabilities (of the model's own
+    distribution, before temperature and truncation) left on the device until `logprobs()` asks for them."""
+
+    def __init__(self, ids, chosen, top_ids, top_logprobs):
+        self.ids = np.asarray(ids)
+        self._device = (chosen, top_ids, top_logprobs)
+
+    def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(log-probability of each sampled id [rows], the top ids [rows, k], their log-probabilities [rows, k])."""
+        return tuple(np.asarray(a) for a in self._device)
 
 
 @dataclasses.dataclass
@@ -90,7 +142,11 @@ class Programs:
         rungs = [r for r in ladder.rungs if r <= top]
         keys = [ProgramKey(kind, r, r if kind == "cold" else self.engine.max_keys)
                 for kind in ("cold", "pic", "plain") for r in rungs]
-        return keys + [ProgramKey("decode", 1, self.engine.max_keys)]
+        keys.append(ProgramKey("decode", 1, self.engine.max_keys))
+        if self.engine.max_batch:
+            keys.append(ProgramKey("insert", 1, self.engine.max_keys))
+            keys += [ProgramKey("batch", b, self.engine.max_keys) for b in self.engine.batch_buckets]
+        return keys
 
     def _lower(self, key: ProgramKey):
         engine = self.engine
@@ -99,6 +155,17 @@ class Programs:
             decode = engine._decode_shapes()
             fn = jax.jit(functools.partial(_decode, arch=engine.arch, config=engine.config), donate_argnums=2)
             return fn.lower(shapes(engine.params), jax.ShapeDtypeStruct((), jnp.int32), decode)
+        if key.kind == "insert":
+            layers = engine._decode_shapes().layers
+            fn = jax.jit(functools.partial(_insert, top_n=engine.top_logprobs), donate_argnums=0)
+            return fn.lower(shapes(engine._slot_shapes()), jax.ShapeDtypeStruct((), jnp.int32), layers,
+                            jax.ShapeDtypeStruct((engine.vocab_size,), jnp.float32), SamplingRows.shapes(1))
+        if key.kind == "batch":
+            rows = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
+            fn = jax.jit(functools.partial(_batch_decode, arch=engine.arch, config=engine.config, rows=key.tokens,
+                                           top_n=engine.top_logprobs), donate_argnums=1)
+            return fn.lower(shapes(engine.params), shapes(engine._slot_shapes()), rows, rows,
+                            SamplingRows.shapes(key.tokens))
         arrays = engine._dummy_layout(key)
         fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
@@ -161,6 +228,62 @@ def _decode(params, token, cache, *, arch, config):
     return logits[0, -1], cache
 
 
+def _sample_rows(logits, sampling: SamplingRows, top_n: int):
+    """Per row: greedy (temperature 0) or a Gumbel-max draw from the temperature-scaled distribution restricted to
+    the top_k tokens and then to the top_p nucleus (the smallest prefix whose mass reaches top_p, as
+    `hypic_jax.engine`'s host sampler). Returns (ids, their log-probabilities, top-n ids and log-probabilities)."""
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
+
+    def truncate(scaled):
+        ordered = -jnp.sort(-scaled, axis=-1)  # descending
+        rank = jnp.arange(vocab)[None]
+        k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)[:, None]
+        ordered_k = jnp.where(rank < k, ordered, -jnp.inf)
+        probs = jax.nn.softmax(ordered_k, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs < sampling.top_p[:, None]) & (rank < k)
+        kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+        threshold = jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)
+        return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    truncating = jnp.any(((sampling.top_p < 1) | (sampling.top_k > 0)) & (sampling.temperature > 0))
+    scaled = jax.lax.cond(truncating, truncate, lambda x: x, scaled)  # the sort only when a row asks for it
+
+    def gumbel(key, step):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key, impl="threefry2x32"), step)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    drawn = jnp.argmax(scaled + jax.vmap(gumbel)(sampling.key, sampling.step), axis=-1).astype(jnp.int32)
+    ids = jnp.where(sampling.temperature > 0, drawn, greedy)
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, top_n)
+    return ids, chosen, top_ids.astype(jnp.int32), top_logprobs
+
+
+def _insert(slots, row, layers, logits, sampling, *, top_n):
+    """Write one request's decode caches (batch axis 1) into `row` of the batched cache; sample its first token."""
+    slots = jax.tree.map(lambda full, one: jax.lax.dynamic_update_slice_in_dim(full, one[None].astype(full.dtype),
+                                                                               row, axis=0), slots, layers)
+    return (*_sample_rows(logits[None], sampling, top_n), slots)
+
+
+def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, rows, top_n):
+    """One decode step of rows [0, rows) of the batched cache, each at its own length: the single-request step
+    mapped over rows, then per-row sampling."""
+    part = jax.tree.map(lambda a: a[:rows], slots)
+
+    def one(token, length, layers):
+        logits, cache = arch.forward(params, config, token.reshape(1, 1), cache=ModelCache(layers, length))
+        return logits[0, -1], cache.layers
+
+    logits, part = jax.vmap(one)(tokens, lengths, part)
+    slots = jax.tree.map(lambda full, new: jax.lax.dynamic_update_slice_in_dim(full, new, 0, axis=0), slots, part)
+    return (*_sample_rows(logits, sampling, top_n), slots)
+
+
 class StableEngine(Engine):
     """Position-independent caching with a bounded set of compiled programs (see the module docstring).
 
@@ -168,7 +291,8 @@ class StableEngine(Engine):
     max_segments: the most segments of one request. max_new_tokens: room left for generation after the longest
     prompt (the keys capacity holds both). token_rungs: explicit token capacities instead of the geometric
     ladder from `min_tokens`. cache_bytes: the pools' byte budget (allocated up
-    front). Other arguments as `hypic_jax.Engine`.
+    front). max_batch: rows of the batched decode cache (0: none; see the module docstring). Other arguments as
+    `hypic_jax.Engine`.
 
     Tiers (`hypic_jax.tiers`): host_cache_bytes (0: off) and disk_cache_dir with disk_cache_bytes (None:
     unbounded, 0: off) keep entries evicted from the pools; eviction: "cost" or "lru"; host_bandwidth and
@@ -183,9 +307,10 @@ class StableEngine(Engine):
                  max_context: int | None = None, source: str | None = None, compose_algorithm: str | None = "auto",
                  max_prompt_tokens: int = 4096, max_segments: int = 64, max_new_tokens: int = 256,
                  min_tokens: int = 64, token_rungs: tuple[int, ...] | None = None, compile_cache=None,
-                 mean_entry_tokens: int = 512, host_cache_bytes: int = 0, disk_cache_dir=None,
-                 disk_cache_bytes: int | None = None, eviction: str = "cost", host_bandwidth: float | None = None,
-                 disk_bandwidth: float | None = None, disk_write_through: bool = False, tier_dtype: str | None = None):
+                 mean_entry_tokens: int = 512, max_batch: int = 0, host_cache_bytes: int = 0,
+                 disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
+                 host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
+                 disk_write_through: bool = False, tier_dtype: str | None = None):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -207,6 +332,15 @@ class StableEngine(Engine):
                          disk_bandwidth, disk_write_through, tier_dtype)
         self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
                                   policy=tr.DevicePolicy(self.policy) if eviction == "cost" else None)
+        if not isinstance(max_batch, int) or max_batch < 0:
+            raise ValueError(f"max_batch must be an integer >= 0, got {max_batch!r}")
+        self.max_batch = max_batch
+        # powers of two below max_batch, then max_batch: a step pays for at most twice its busy rows
+        self.batch_buckets = tuple(b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch) + (
+            (max_batch,) if max_batch else ())
+        self.top_logprobs = min(TOP_LOGPROBS, self.vocab_size)
+        self._slots = None  # the batched decode cache, made on first use
+        self._fill_slots = None
         self.programs = Programs(self)
         self._device_lock = threading.RLock()
         self._unstored: list[Entry] = []
@@ -229,6 +363,11 @@ class StableEngine(Engine):
         decode = jax.eval_shape(fn, self.params, self._dummy_layout(key), self.pools.arrays)[2]
         return ModelCache(layers=tuple(decode), length=jax.ShapeDtypeStruct((), jnp.int32))
 
+    def _slot_shapes(self):
+        """The batched decode cache: every leaf of a request's decode caches with a leading axis of max_batch rows."""
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.max_batch,) + s.shape, s.dtype),
+                            self._decode_shapes().layers)
+
     def warmup(self, max_prompt_tokens: int | None = None, max_segments: int | None = None, *,
                progress: bool = True) -> dict:
         """Compile every program a prompt of up to `max_prompt_tokens` tokens can use, ahead of time; with JAX's
@@ -241,9 +380,11 @@ class StableEngine(Engine):
             raise ValueError(f"max_prompt_tokens {limit} exceeds the engine's {self.max_prompt_tokens}")
         before = backend_compiles()
         keys = self.programs.keys_for(limit)
-        plain = [k for k in keys if k.kind != "decode"]
-        seconds = self.programs.compile(plain, progress=progress)
-        seconds += self.programs.compile([k for k in keys if k.kind == "decode"], progress=False)
+        spans = [k for k in keys if k.kind in ("cold", "pic", "plain")]
+        seconds = self.programs.compile(spans, progress=progress)
+        seconds += self.programs.compile([k for k in keys if k not in spans], progress=False)
+        if self.max_batch:
+            self._slot_cache()  # allocating it compiles its fill programs: here, not while serving
         tiers = self._warm_tiers(limit)
         self.programs.serving = True
         return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before, **tiers)
@@ -438,6 +579,49 @@ class StableEngine(Engine):
         return self._decode_loop(pre, step, cache, max_new_tokens, temperature, top_p, seed, stop_ids, stop_texts,
                                  start)
 
+    # Batched decoding -------------------------------------------------------------------------------------------------
+    def batch_bucket(self, rows: int) -> int:
+        """The smallest batch bucket that holds rows [0, rows)."""
+        if not self.max_batch:
+            raise ValueError("this engine has no batched decode cache (max_batch=0)")
+        if not 1 <= rows <= self.max_batch:
+            raise ValueError(f"rows must lie in [1, {self.max_batch}], got {rows}")
+        return next(b for b in self.batch_buckets if b >= rows)
+
+    def _slot_cache(self):
+        if self._slots is None:
+            if self._fill_slots is None:  # kept: a cache lost to a failed step is remade without compiling
+                shapes = self._slot_shapes()
+                self._fill_slots = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+            self._slots = self._fill_slots()
+        return self._slots
+
+    def slot_insert(self, row: int, prefill: PrefillResult, sampling: SamplingRows) -> Sampled:
+        """Place `prefill`'s decode caches in `row` of the batched cache (whatever the row held is overwritten) and
+        sample the request's first token from its logits with `sampling` (one row)."""
+        if not 0 <= row < self.max_batch:
+            raise ValueError(f"row must lie in [0, {self.max_batch}), got {row}")
+        program = self.programs.get(ProgramKey("insert", 1, self.max_keys))
+        with self._device_lock:
+            slots, self._slots = self._slot_cache(), None  # donated: never left pointing at a deleted buffer
+            *out, self._slots = program(slots, np.asarray(row, np.int32), tuple(prefill.decode),
+                                        np.asarray(prefill.logits, np.float32), sampling)
+        return Sampled(*out)
+
+    def slot_decode(self, tokens, lengths, sampling: SamplingRows) -> Sampled:
+        """One decode step of rows [0, b), b = len(tokens) (a batch bucket): row i takes `tokens[i]` at position
+        `lengths[i]` (the tokens its cache already holds). Rows without a request may be passed anything: rows never
+        mix, and `slot_insert` overwrites a row whole."""
+        rows = len(tokens)
+        if rows not in self.batch_buckets:
+            raise ValueError(f"{rows} rows is not a batch bucket {self.batch_buckets}")
+        program = self.programs.get(ProgramKey("batch", rows, self.max_keys))
+        with self._device_lock:
+            slots, self._slots = self._slot_cache(), None
+            *out, self._slots = program(self.params, slots, np.asarray(tokens, np.int32),
+                                        np.asarray(lengths, np.int32), sampling)
+        return Sampled(*out)
+
     def clear_cache(self, *, disk: bool = False) -> None:
         """Drop every entry of the device and host tiers (and with `disk`, this model's files)."""
         self._clearing = True
@@ -566,4 +750,5 @@ class StableEngine(Engine):
                     cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths))
 
 
-__all__ = ["StableEngine", "Programs", "ProgramKey", "backend_compiles", "MODES", "use_compile_cache"]
+__all__ = ["StableEngine", "Programs", "ProgramKey", "SamplingRows", "Sampled", "backend_compiles", "MODES",
+           "use_compile_cache"]

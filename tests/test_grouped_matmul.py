@@ -112,11 +112,12 @@ def test_copy_layout_one_hot_equals_the_stable_sort(tokens, top_k, experts, bloc
     popular = rng.random(experts) ** 3  # skewed: some experts own many copies, some none
     ids = np.stack([rng.choice(experts, top_k, replace=False, p=popular / popular.sum()) for _ in range(tokens)])
     ids = jnp.asarray(ids, jnp.int32)
-    rows_one_hot, layout_one_hot = gm.copy_layout(ids, experts, block_m)
+    # each path compiled as one program (two distinct functions: the threshold is read while tracing)
+    rows_one_hot, layout_one_hot = jax.jit(lambda ids: gm.copy_layout(ids, experts, block_m))(ids)
     saved = gm.ONE_HOT_ROUTING_MAX
     try:
         gm.ONE_HOT_ROUTING_MAX = 0
-        rows_sorted, layout_sorted = gm.copy_layout(ids, experts, block_m)
+        rows_sorted, layout_sorted = jax.jit(lambda ids: gm.copy_layout(ids, experts, block_m))(ids)
     finally:
         gm.ONE_HOT_ROUTING_MAX = saved
     np.testing.assert_array_equal(np.asarray(rows_one_hot), np.asarray(rows_sorted))

@@ -168,3 +168,11 @@ def test_checker_fails_on_a_cycle(tmp_path):
         assert_acyclic(graph)
     (pkg / "c.py").write_text("import os\n")
     assert_acyclic(import_graph(tmp_path, ["pkg"]))
+
+
+def test_only_the_command_line_imports_the_server(graph):
+    """hypic_jax.serve is the top layer: nothing below it imports it (the command line starts it)."""
+    bad = {(m, t) for m, targets in graph.items() if not (_under(m, "hypic_jax.serve") or m == "hypic_jax.cli")
+           for t in targets if _under(t, "hypic_jax.serve")}
+    assert any(_under(t, "hypic_jax.serve") for t in graph["hypic_jax.cli"])
+    assert not bad, f"modules importing the server: {sorted(bad)}"

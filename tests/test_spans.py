@@ -278,8 +278,9 @@ def test_span_attention_blocks_equal_one_dense_masked_attention(lengths, block, 
     k = rng.standard_normal((n, 2, 8)).astype(np.float32)
     v = rng.standard_normal((n, 2, 8)).astype(np.float32)
     segments = dict(q_segments=seg, k_segments=seg) if isolated else {}
-    out = spans.span_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=0.3, q_positions=pos,
-                               k_positions=pos, block=block, **segments)
+    attend = jax.jit(lambda q, k, v: spans.span_attention(q, k, v, scale=0.3, q_positions=pos, k_positions=pos,
+                                                          block=block, **segments))  # one compile, not one per op
+    out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     visible = pos[None, :] <= pos[:, None]
     if isolated:
         visible &= seg[None, :] == seg[:, None]

@@ -1,0 +1,165 @@
+"""`hypic-jax serve` under a synthetic RAG trace: the highest arrival rate whose TTFT stays under an SLO, per mode.
+
+The server runs as its own process (`python -m hypic_jax.cli serve`, warmed up before the trace). Requests: Poisson
+arrivals at a fixed rate; each takes `--docs-per-request` documents from a pool, drawn by Zipf popularity without
+replacement and shuffled (so a prefix cache rarely matches while a position-independent one does), plus a fresh
+query; prompts are token-id segments (the `segments` extension), each streamed with greedy decoding. For each mode
+(`pic_mode`) and rising rate, with a fresh `cache_salt` per run (every run starts cold): TTFT p50 / p99 (arrival
+to the first token, client side), inter-token p50 / p99, decode tokens/s (generated tokens over the run's wall
+time), the decode stall a prefill caused (the server's hypic:decode_stall_seconds), and the compilations while
+serving (must be 0). The sustained rate of a mode is the highest rate whose p50 and p99 TTFT are both under
+`--slo`.
+
+    python bench/serve.py --small            # CPU smoke size: the built-in tiny model
+    python bench/serve.py --model DIR --rates 1 2 4 8 16 32 --duration 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
+
+
+def metric(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def trace(args, rng: np.random.Generator, vocab: int, rate: float):
+    pool = [rng.integers(3, vocab, args.doc_tokens).tolist() for _ in range(args.pool)]
+    weights = 1.0 / np.arange(1, args.pool + 1) ** args.zipf
+    weights /= weights.sum()
+    t, out = 0.0, []
+    while t < args.duration:
+        t += rng.exponential(1.0 / rate)
+        docs = rng.choice(args.pool, args.docs_per_request, replace=False, p=weights)
+        rng.shuffle(docs)
+        out.append((t, [pool[i] for i in docs] + [rng.integers(3, vocab, args.query_tokens).tolist()]))
+    return out
+
+
+async def one(client, body, start_at, t0):
+    await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+    arrival = time.perf_counter()
+    times = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return dict(status=response.status_code)
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                payload = json.loads(line[6:])
+                if payload.get("choices") and payload["choices"][0].get("token_ids"):
+                    times.extend([time.perf_counter()] * len(payload["choices"][0]["token_ids"]))
+    gaps = np.diff(times).tolist()
+    return dict(status=200, ttft=times[0] - arrival if times else None, gaps=gaps, tokens=len(times),
+                end=times[-1] if times else arrival)
+
+
+async def run_rate(args, base, mode, rate, vocab, salt):
+    rng = np.random.default_rng(int(rate * 1000) + 7)
+    requests = trace(args, rng, vocab, rate)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        before = (await client.get("/metrics")).text
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[one(client, dict(segments=segs, max_tokens=args.max_tokens, temperature=0,
+                                                          pic_mode=mode, cache_salt=salt, stream=True,
+                                                          return_token_ids=True), at, t0)
+                                         for at, segs in requests])
+        after = (await client.get("/metrics")).text
+    ok = [r for r in results if r["status"] == 200 and r["ttft"] is not None]
+    ttft = np.array([r["ttft"] for r in ok])
+    gaps = np.array([g for r in ok for g in r["gaps"]] or [0.0])
+    wall = max(r["end"] for r in ok) - t0
+    stall_n = metric(after, "hypic:decode_stall_seconds_count") - metric(before, "hypic:decode_stall_seconds_count")
+    stall_s = metric(after, "hypic:decode_stall_seconds_sum") - metric(before, "hypic:decode_stall_seconds_sum")
+    return dict(mode=mode, rate=rate, requests=len(requests), answered=len(ok),
+                ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
+                itl_p50=float(np.percentile(gaps, 50)), itl_p99=float(np.percentile(gaps, 99)),
+                decode_tok_s=sum(r["tokens"] for r in ok) / wall,
+                stall_mean_ms=1e3 * stall_s / stall_n if stall_n else 0.0,
+                compiles=metric(after, "hypic:compilations_while_serving_total"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    parser.add_argument("--small", action="store_true", help="CPU smoke size")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--pool", type=int, default=200, help="documents in the pool")
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--docs-per-request", type=int, default=8)
+    parser.add_argument("--doc-tokens", type=int, default=512)
+    parser.add_argument("--query-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--slo", type=float, default=1.0, help="TTFT SLO (seconds) for p50 and p99")
+    parser.add_argument("--vocab", type=int, default=512, help="token ids are drawn below this (the model's vocabulary)")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    if args.small:
+        args.rates, args.duration, args.pool = [0.25, 0.5, 1, 2], 8.0, 32
+        args.docs_per_request, args.doc_tokens, args.query_tokens, args.max_tokens, args.max_batch = 4, 64, 16, 16, 8
+    prompt = args.docs_per_request * args.doc_tokens + args.query_tokens
+    rung = 1 << (prompt - 1).bit_length()
+    command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
+               "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-prompt-tokens", str(rung),
+               "--token-rungs", str(rung), "--max-new-tokens", str(args.max_tokens), "--max-queue", "100000",
+               "--cache-gb", "0.25" if args.small else "16", "--log-level", "warning"]
+    server = subprocess.Popen(command, env=dict(os.environ))
+    base = f"http://127.0.0.1:{args.port}"
+    rows = []
+    try:
+        start = time.perf_counter()
+        while True:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None:
+                raise SystemExit("the server exited during warmup")
+            time.sleep(1)
+        print(f"server ready in {time.perf_counter() - start:.1f} s: {' '.join(command[2:])}", flush=True)
+        vocab = args.vocab
+        header = (f"{'mode':<26} {'rate/s':>6} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
+                  f"{'decode tok/s':>12} {'stall ms':>8} {'compiles':>8}")
+        print(header)
+        for mode in args.modes:
+            for rate in args.rates:
+                row = asyncio.run(run_rate(args, base, mode, rate, vocab, salt=f"{mode}-{rate}"))
+                rows.append(row)
+                print(f"{mode:<26} {rate:>6g} {row['answered']:>4} {row['ttft_p50']:>9.3f} {row['ttft_p99']:>8.3f} "
+                      f"{row['itl_p50']:>8.4f} {row['itl_p99']:>8.4f} {row['decode_tok_s']:>12.1f} "
+                      f"{row['stall_mean_ms']:>8.1f} {row['compiles']:>8g}", flush=True)
+                if row["ttft_p99"] > 4 * args.slo:  # far past the SLO: higher rates only queue longer
+                    break
+        print(f"\nsustained rate (p50 and p99 TTFT < {args.slo} s):")
+        for mode in args.modes:
+            held = [r["rate"] for r in rows if r["mode"] == mode and r["ttft_p50"] < args.slo
+                    and r["ttft_p99"] < args.slo]
+            print(f"  {mode:<26} {max(held) if held else 0:g} requests/s")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    main()

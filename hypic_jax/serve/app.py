@@ -1,0 +1,294 @@
+"""The HTTP layer: an OpenAI-compatible Starlette app over one `StableEngine` and its `Scheduler`.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (JSON or SSE with `stream`), GET /v1/models, /health
+(503 until warmup is done, then 200) and /metrics (Prometheus text). Handlers validate and tokenize on the event
+loop, then hand the request to the scheduler thread and wait for its events; a client that goes away (a closed
+stream, or a closed connection while a non-streaming request waits) cancels its request, which frees its row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from hypic_jax.runtime import StableEngine
+from hypic_jax.serve import protocol
+from hypic_jax.serve.metrics import Metrics
+from hypic_jax.serve.scheduler import ApiError, Request, Scheduler
+
+log = logging.getLogger("hypic_jax.serve")
+POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def usage(stats, completion_tokens: int) -> dict:
+    """OpenAI's usage block, with prompt_tokens_details.cached_tokens and the `pic` block of the prefill."""
+    return dict(prompt_tokens=stats.prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=stats.prompt_tokens + completion_tokens,
+                prompt_tokens_details=dict(cached_tokens=stats.cached_tokens),
+                pic=dict(mode=stats.mode, seam=stats.seam, segments=stats.segments, cached_tokens=stats.cached_tokens,
+                         recomputed_tokens=stats.recomputed_tokens, cold_tokens=stats.cold_tokens, hits=stats.hits,
+                         misses=stats.misses, prefill_s=round(stats.ttft_s, 6)))
+
+
+class Server:
+    """An OpenAI-compatible server over `engine` (a `StableEngine` with `max_batch` >= 1). `app` is the ASGI app;
+    `warmup()` compiles every program, starts the scheduler and marks the server ready (the app's startup does it
+    on a thread when `warm_on_start`)."""
+
+    def __init__(self, engine: StableEngine, *, model_name: str = "hypic", max_queue: int = 256,
+                 separator: str | None = None, chat_template: str | None = None, special_tokens: dict | None = None,
+                 eos_ids=(), request_timeout: float = 600.0, warm_on_start: bool = True, registry=None):
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.tokenizer
+        self.separator = separator or engine.separator
+        self.request_timeout = request_timeout
+        self.metrics = Metrics(engine, registry)
+        self.scheduler = Scheduler(engine, max_queue=max_queue, metrics=self.metrics)
+        self.renderer = protocol.ChatRenderer(chat_template, special_tokens)
+        self.limits = protocol.Limits(vocab_size=engine.vocab_size, max_prompt_tokens=engine.max_prompt_tokens,
+                                      max_keys=engine.max_keys, max_new_tokens=engine.max_new_tokens,
+                                      max_segments=engine.max_segments, top_logprobs=engine.top_logprobs,
+                                      eos_ids=tuple(eos_ids))
+        self.ready = False
+        self.warm_on_start = warm_on_start
+        self.warmup_report: dict | None = None
+        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics_text, methods=["GET"])]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+                             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+
+    # Lifecycle --------------------------------------------------------------------------------------------------
+    def warmup(self) -> dict:
+        start = time.perf_counter()
+        report = self.engine.warmup(progress=False)
+        self.warmup_report = dict(report, wall_s=round(time.perf_counter() - start, 3))
+        self.metrics.mark_ready()
+        self.scheduler.start()
+        self.ready = True
+        log.info("ready: %s", json.dumps(self.warmup_report))
+        return self.warmup_report
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        if self.warm_on_start and not self.ready:
+            threading.Thread(target=self.warmup, name="hypic-warmup", daemon=True).start()
+        try:
+            yield
+        finally:
+            self.scheduler.stop()
+
+    # Plain endpoints --------------------------------------------------------------------------------------------
+    async def health(self, request: HttpRequest) -> Response:
+        if not self.ready:
+            return JSONResponse(dict(status="warming up"), status_code=503)
+        return JSONResponse(dict(status="ok", waiting=self.scheduler.waiting, running=self.scheduler.running))
+
+    async def models(self, request: HttpRequest) -> Response:
+        return JSONResponse(dict(object="list", data=[dict(id=self.model_name, object="model", created=0,
+                                                           owned_by="hypic-jax", max_model_len=self.engine.max_keys)]))
+
+    async def metrics_text(self, request: HttpRequest) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _http_error(self, request: HttpRequest, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       code=code))
+
+    async def _internal_error(self, request: HttpRequest, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(ApiError(500, f"internal error: {exc}", code="internal_error"))
+
+    # Generation -------------------------------------------------------------------------------------------------
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: HttpRequest) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: HttpRequest, *, chat: bool) -> Response:
+        try:
+            if not self.ready:
+                raise ApiError(503, "the server is warming up; see /health", code="not_ready")
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+            protocol.check_model(body, (self.model_name,))
+            if chat:
+                parsed = protocol.parse_chat(body, self.limits, self.tokenizer, self.renderer)
+            else:
+                parsed = protocol.parse_completion(body, self.limits, self.tokenizer, self.separator)
+        except ApiError as error:
+            return error_response(error)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event):
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting any more
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        kind = "chatcmpl" if chat else "cmpl"
+        job = Request(parsed.segments, parsed.params, sink, mode=parsed.mode, seam=parsed.seam,
+                      cache_salt=parsed.cache_salt, timeout=parsed.timeout or self.request_timeout,
+                      tokenizer=self.tokenizer, id=f"{kind}-{uuid.uuid4().hex[:24]}")
+        try:
+            self.scheduler.submit(job)
+        except ApiError as error:
+            return error_response(error)
+        meta = dict(id=job.id, created=int(time.time()), model=self.model_name)
+        if parsed.stream:
+            return StreamingResponse(self._stream(job, events, parsed, meta, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect(request, job, events, parsed, meta, chat)
+
+    def _cancel(self, job: Request) -> None:
+        if not job.finished:
+            job.cancel()
+            self.scheduler.wake()
+
+    async def _collect(self, request, job, events, parsed, meta, chat) -> Response:
+        texts, tokens, logprobs = [], [], []
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self._cancel(job)
+                        return Response(status_code=499)
+                    continue
+                if event["type"] == "delta":
+                    texts.append(event["text"])
+                    tokens += event["token_ids"]
+                    logprobs += event["logprobs"] or []
+                elif event["type"] == "error":
+                    return error_response(event["error"])
+                else:
+                    break
+        finally:
+            self._cancel(job)  # a no-op once finished; otherwise the handler was cancelled
+        text, reason = "".join(texts), event["finish_reason"]
+        lp = None
+        if parsed.params.logprobs is not None:
+            lp = (protocol.chat_logprobs if chat else protocol.completion_logprobs)(logprobs, self.tokenizer)
+        if chat:
+            choice = dict(index=0, message=dict(role="assistant", content=text), logprobs=lp, finish_reason=reason)
+            obj = "chat.completion"
+        else:
+            choice = dict(index=0, text=text, logprobs=lp, finish_reason=reason)
+            obj = "text_completion"
+        if parsed.return_token_ids:
+            choice["token_ids"] = tokens
+        return JSONResponse(dict(meta, object=obj, choices=[choice], usage=usage(event["stats"], len(tokens))))
+
+    async def _stream(self, job, events, parsed, meta, chat):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        offset = 0
+
+        def chunk(text=None, reason=None, token_ids=None, logprobs=None, role=False):
+            if chat:
+                delta = {} if text is None else dict(content=text)
+                if role:
+                    delta["role"] = "assistant"
+                choice = dict(index=0, delta=delta, logprobs=logprobs, finish_reason=reason)
+            else:
+                choice = dict(index=0, text=text or "", logprobs=logprobs, finish_reason=reason)
+            if token_ids is not None:
+                choice["token_ids"] = token_ids
+            return _sse(dict(meta, object=obj, choices=[choice]))
+
+        try:
+            if chat:
+                yield chunk("", role=True)
+            count = 0
+            while True:
+                event = await events.get()
+                if event["type"] == "delta":
+                    count += len(event["token_ids"])
+                    lp = None
+                    if parsed.params.logprobs is not None and event["logprobs"]:
+                        if chat:
+                            lp = protocol.chat_logprobs(event["logprobs"], self.tokenizer)
+                        else:
+                            lp = protocol.completion_logprobs(event["logprobs"], self.tokenizer, offset)
+                    offset += len(event["text"])
+                    if event["text"] or lp is not None or parsed.return_token_ids:
+                        yield chunk(event["text"], token_ids=event["token_ids"] if parsed.return_token_ids else None,
+                                    logprobs=lp)
+                elif event["type"] == "error":
+                    yield _sse(event["error"].body())
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    yield chunk(None if chat else "", reason=event["finish_reason"])
+                    if parsed.include_usage:
+                        yield _sse(dict(meta, object=obj, choices=[], usage=usage(event["stats"], count)))
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            self._cancel(job)  # the client went away mid-stream (the response task was cancelled)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "transition_rope_recompute",
+          seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int = 8,
+          max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
+          separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
+          compile_cache: str | None = None, **server_options) -> Server:
+    """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up."""
+    from hypic_jax.serve.model import default_model, load_folder
+
+    served = default_model() if model is None else load_folder(model, dtype)
+    if served.max_context is not None and max_prompt_tokens + max_new_tokens > served.max_context:
+        raise ValueError(f"max_prompt_tokens + max_new_tokens ({max_prompt_tokens + max_new_tokens}) exceeds the "
+                         f"model's context of {served.max_context}")
+    engine = StableEngine(served.model, tokenizer=served.tokenizer, cache_bytes=int(cache_gb * (1 << 30)), mode=mode,
+                          seam=seam, separator=separator, max_context=served.max_context, source=served.source,
+                          max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+                          max_segments=max_segments, max_batch=max_batch, token_rungs=token_rungs,
+                          compile_cache=compile_cache)
+    return Server(engine, model_name=served.name, max_queue=max_queue, separator=separator,
+                  chat_template=served.chat_template, special_tokens=served.special_tokens, eos_ids=served.eos_ids,
+                  request_timeout=request_timeout, **server_options)
+
+
+def main(args) -> int:
+    """`hypic-jax serve`: build the server, warm it up in the background (/health says when), serve until stopped."""
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rungs = tuple(int(r) for r in args.token_rungs.split(",")) if args.token_rungs else None
+    server = build(args.model, dtype=args.dtype, mode=args.mode, seam=args.seam, cache_gb=args.cache_gb,
+                   max_queue=args.max_queue, max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
+                   max_new_tokens=args.max_new_tokens, max_segments=args.max_segments, separator=args.separator,
+                   request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache)
+    log.info("serving %r on http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
+             args.host, args.port)
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0

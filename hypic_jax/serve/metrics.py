@@ -1,0 +1,96 @@
+"""Prometheus metrics of the server, named after vLLM's with the `hypic:` prefix (one registry per server).
+
+Histograms: hypic:time_to_first_token_seconds (arrival to first token), hypic:inter_token_latency_seconds,
+hypic:e2e_request_latency_seconds, hypic:request_queue_time_seconds, hypic:request_prefill_time_seconds,
+hypic:decode_stall_seconds (how long running streams waited on a prefill between two decode steps).
+Gauges: hypic:num_requests_waiting, hypic:num_requests_running, hypic:cache_bytes, hypic:cache_capacity_bytes,
+hypic:cache_entries. Counters (exposed with `_total`): hypic:prompt_tokens, hypic:cached_tokens,
+hypic:recomputed_tokens, hypic:cold_tokens, hypic:generation_tokens, hypic:cache_queries{kind},
+hypic:cache_hits{kind} (segments looked up and found, kind "pic" or "prefix"), hypic:cache_evictions,
+hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429),
+hypic:compilations_while_serving (XLA compilations since the server became ready).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from hypic_jax.runtime import backend_compiles
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Read at scrape time: the segment cache's state and the compilations since `ready`."""
+
+    def __init__(self, engine, metrics: "Metrics"):
+        self.engine, self.metrics = engine, metrics
+
+    def collect(self):
+        stats = self.engine.cache.stats
+        yield GaugeMetricFamily("hypic:cache_bytes", "Bytes held by cache entries.", value=stats.bytes)
+        yield GaugeMetricFamily("hypic:cache_capacity_bytes", "The cache's byte budget.", value=stats.capacity_bytes)
+        yield GaugeMetricFamily("hypic:cache_entries", "Cache entries.", value=stats.entries)
+        yield CounterMetricFamily("hypic:cache_evictions", "Entries evicted from the cache.", value=stats.evictions)
+        base = self.metrics.compiles_at_ready
+        yield CounterMetricFamily("hypic:compilations_while_serving",
+                                  "XLA compilations since the server became ready (0 when every program was "
+                                  "compiled in warmup).", value=0 if base is None else backend_compiles() - base)
+
+
+class Metrics:
+    def __init__(self, engine, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.compiles_at_ready: int | None = None
+        h = lambda name, doc, buckets=LATENCY_BUCKETS: Histogram(name, doc, buckets=buckets, registry=r)  # noqa: E731
+        self.ttft = h("hypic:time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.itl = h("hypic:inter_token_latency_seconds", "Time between two tokens of one request.", TOKEN_BUCKETS)
+        self.e2e = h("hypic:e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = h("hypic:request_queue_time_seconds", "Time a request waited in the queue.")
+        self.prefill_time = h("hypic:request_prefill_time_seconds", "Prefill time (cold segments and stitching).")
+        self.stall = h("hypic:decode_stall_seconds", "Time running streams waited on a prefill between two steps.")
+        self.waiting = Gauge("hypic:num_requests_waiting", "Requests in the queue.", registry=r)
+        self.running = Gauge("hypic:num_requests_running", "Requests holding a decode row.", registry=r)
+        c = lambda name, doc, labels=(): Counter(name, doc, labelnames=labels, registry=r)  # noqa: E731
+        self.prompt_tokens = c("hypic:prompt_tokens", "Prompt tokens of prefilled requests.")
+        self.cached_tokens = c("hypic:cached_tokens", "Prompt tokens served from cache entries.")
+        self.recomputed_tokens = c("hypic:recomputed_tokens", "Tokens of the final (stitched) forwards.")
+        self.cold_tokens = c("hypic:cold_tokens", "Tokens prefilled in isolation to create cache entries.")
+        self.generation_tokens = c("hypic:generation_tokens", "Generated tokens.")
+        self.cache_queries = c("hypic:cache_queries", "Segments looked up in the cache.", ("kind",))
+        self.cache_hits = c("hypic:cache_hits", "Segments found in the cache.", ("kind",))
+        self.success = c("hypic:request_success", "Finished requests.", ("finished_reason",))
+        self.errors = c("hypic:request_errors", "Accepted requests that ended in an error.", ("code",))
+        self.rejected = c("hypic:requests_rejected", "Requests refused because the queue was full.")
+        r.register(_EngineCollector(engine, self))
+
+    def mark_ready(self) -> None:
+        self.compiles_at_ready = backend_compiles()
+
+    def _prefilled(self, request) -> None:
+        stats = request.stats
+        if stats is None:
+            return
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.recomputed_tokens.inc(stats.recomputed_tokens)
+        self.cold_tokens.inc(stats.cold_tokens)
+        if stats.mode != "full_recompute":
+            kind = "prefix" if stats.mode == "prefix_cache" else "pic"
+            self.cache_queries.labels(kind).inc(stats.hits + stats.misses)
+            self.cache_hits.labels(kind).inc(stats.hits)
+
+    def record_finish(self, request, reason: str, end: float) -> None:
+        self._prefilled(request)
+        self.generation_tokens.inc(len(request.tokens))
+        self.success.labels(reason).inc()
+        if request.first_token_at is not None:
+            self.e2e.observe(end - request.arrival)
+
+    def record_error(self, request, error, end: float) -> None:
+        self._prefilled(request)
+        self.generation_tokens.inc(len(request.tokens))
+        self.errors.labels(error.code or str(error.status)).inc()

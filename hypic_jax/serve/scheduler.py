@@ -1,0 +1,395 @@
+"""The continuous-batching scheduler: one thread owns the device and runs every request's prefill and decode steps.
+
+Requests enter through a bounded queue (`submit` raises `ApiError` 429 when it is full). The loop, on its own
+thread, repeats:
+
+1. drop what is cancelled (the client went away) or past its deadline, freeing its row;
+2. admit one queued request if a row of the engine's batched decode cache is free: its prefill (cold segments,
+   then the stitched forward), then `StableEngine.slot_insert` into the lowest free row, which samples its first
+   token;
+3. run one decode step of every running request as one batched call (`StableEngine.slot_decode` over rows
+   [0, b), b the smallest batch bucket holding the highest busy row), each row sampled with its own parameters.
+
+So prefills interleave with decode steps one at a time: a running stream waits for at most one prefill between
+two of its tokens (`hypic:decode_stall_seconds` measures that wait), and a burst of arrivals fills the free rows
+one step at a time. With no request running, queued prefills run back to back.
+
+Everything a request produces goes to its `sink` (called on the scheduler thread, so it must not block): dicts
+with `type` "delta" (new text, token ids, log-probabilities), "done" (finish reason, stats) or "error" (an
+`ApiError`). Every submitted request gets exactly one "done" or "error", whatever happens, shutdown included.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+from hypic_jax.runtime import SamplingRows, StableEngine
+
+log = logging.getLogger("hypic_jax.serve")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the k most likely
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: text is released only once it is whole (no partial UTF-8
+    sequence) and cannot be the start of a stop string; a stop string ends the text before it."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, tuple(s for s in stops if s)
+        self.ids: list[int] = []
+        self._prefix = self._read = 0  # token offsets: decoded context, then tokens already turned into text
+        self.text = ""
+        self.emitted = 0
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Add a token; returns (text to release now, whether a stop string ended the text)."""
+        self.ids.append(token)
+        if self.tokenizer is None:
+            return "", False
+        prefix = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        full = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self._release(final=False)
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        limit = len(self.text)
+        if self.stops:
+            longest = max(map(len, self.stops))
+            start = max(0, self.emitted - longest + 1)
+            found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if found:
+                self.text = self.text[:min(found)]
+                delta, self.emitted = self.text[self.emitted:], len(self.text)
+                return delta, True
+            if not final:  # hold back a tail that may grow into a stop string
+                for n in range(min(longest - 1, len(self.text) - self.emitted), 0, -1):
+                    if any(s.startswith(self.text[-n:]) for s in self.stops):
+                        limit = len(self.text) - n
+                        break
+        delta, self.emitted = self.text[self.emitted:limit], max(self.emitted, limit)
+        return delta, False
+
+    def flush(self) -> tuple[str, bool]:
+        """At the end: whatever is left, an incomplete last character included."""
+        if self.tokenizer is not None and self._read < len(self.ids):
+            prefix = self.tokenizer.decode(self.ids[self._prefix:self._read])
+            self.text += self.tokenizer.decode(self.ids[self._prefix:])[len(prefix):]
+            self._prefix = self._read = len(self.ids)
+        return self._release(final=True)
+
+
+class Request:
+    """One generation request as the scheduler sees it."""
+
+    def __init__(self, segments: list[list[int]], params: SamplingParams, sink: Callable[[dict], None], *,
+                 mode: str | None = None, seam: float | None = None, cache_salt: str | None = None,
+                 timeout: float = 600.0, tokenizer=None, id: str | None = None):
+        self.id = id or uuid.uuid4().hex[:24]
+        self.segments, self.params, self.sink = segments, params, sink
+        self.mode, self.seam, self.cache_salt = mode, seam, cache_salt
+        self.prompt_tokens = sum(map(len, segments))
+        self.arrival = time.monotonic()
+        self.deadline = self.arrival + timeout
+        self.seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(1 << 62))
+        self.text = TextStream(tokenizer, params.stop)
+        self.tokens: list[int] = []
+        self.stats = None  # PrefillStats once prefilled
+        self.row: int | None = None
+        self.length = 0  # tokens in its decode cache
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished = False
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Called from any thread (the client went away): the scheduler drops it and frees its row."""
+        self.cancelled = True
+
+
+class Scheduler:
+    """See the module docstring. `engine` must have a batched decode cache (`StableEngine(max_batch=...)`) and be
+    warmed up; `metrics` a `hypic_jax.serve.metrics.Metrics` or None."""
+
+    def __init__(self, engine: StableEngine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1):
+        if not engine.max_batch:
+            raise ValueError("the scheduler needs an engine with a batched decode cache (max_batch >= 1)")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine, self.max_queue, self.metrics, self.retry_after_s = engine, max_queue, metrics, retry_after_s
+        self.rows: list[Request | None] = [None] * engine.max_batch
+        self._queue: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+        self.bucket_steps: collections.Counter = collections.Counter()  # decode steps per batch bucket
+
+    # Public -----------------------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        with self._cv:
+            if self._stopping:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            if len(self._queue) >= self.max_queue:
+                if self.metrics:
+                    self.metrics.rejected.inc()
+                raise ApiError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
+                               code="queue_full", type="rate_limit_error",
+                               headers={"Retry-After": str(self.retry_after_s)})
+            self._queue.append(request)
+            self._gauges()
+            self._cv.notify()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="hypic-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop; whatever is queued or running is answered with a 503 error."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all(ApiError(503, "the server is shutting down", code="shutting_down"))
+
+    # Loop -------------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._queue and not any(self.rows):
+                    self._cv.wait(0.5)
+                if self._stopping:
+                    return
+            try:
+                self._reap()
+                if self._queue and None in self.rows:
+                    stalled = any(self.rows)
+                    start = time.monotonic()
+                    self._admit(self._queue.popleft())
+                    if stalled and self.metrics:
+                        self.metrics.stall.observe(time.monotonic() - start)
+                if any(self.rows):
+                    self._step()
+            except Exception as error:  # noqa: BLE001  (the loop must survive; the requests it held get the error)
+                log.exception("scheduler step failed")
+                self._fail_running(ApiError(500, f"internal error: {error}", code="internal_error"))
+            finally:
+                self._gauges()
+
+    def _gauges(self) -> None:
+        if self.metrics:
+            self.metrics.waiting.set(len(self._queue))
+            self.metrics.running.set(self.running)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            queued = list(self._queue)
+        for request in queued:
+            if request.cancelled or now > request.deadline:
+                with self._cv:
+                    self._queue.remove(request)
+                self._end_unstarted(request, now)
+        for request in self.rows:
+            if request is None:
+                continue
+            if request.cancelled:
+                self._finish(request, "cancelled")
+            elif now > request.deadline:
+                self._error(request, ApiError(504, "the request ran past its deadline", code="deadline_exceeded"))
+
+    def _end_unstarted(self, request: Request, now: float) -> None:
+        if request.cancelled:
+            self._finish(request, "cancelled")
+        else:
+            self._error(request, ApiError(504, "the request waited past its deadline", code="deadline_exceeded"))
+
+    def _admit(self, request: Request) -> None:
+        now = time.monotonic()
+        if request.cancelled or now > request.deadline:
+            self._end_unstarted(request, now)
+            return
+        if self.metrics:
+            self.metrics.queue_time.observe(now - request.arrival)
+        try:
+            pre = self.engine.prefill(request.segments, mode=request.mode, seam=request.seam,
+                                      cache_salt=request.cache_salt)
+        except ValueError as error:
+            self._error(request, ApiError(400, str(error), param="prompt"))
+            return
+        except Exception as error:  # noqa: BLE001
+            log.exception("prefill failed for request %s", request.id)
+            self._error(request, ApiError(500, f"internal error during prefill: {error}", code="internal_error"))
+            return
+        request.stats = pre.stats
+        request.length = pre.stats.prompt_tokens
+        if self.metrics:
+            self.metrics.prefill_time.observe(pre.stats.ttft_s)
+        if request.params.max_tokens == 0:
+            self._finish(request, "length")
+            return
+        row = self.rows.index(None)
+        p = request.params
+        sampled = self.engine.slot_insert(row, pre, SamplingRows.build([p.temperature], [p.top_p], [p.top_k],
+                                                                       [request.seed], [0]))
+        self.rows[row] = request
+        request.row = row
+        self._accept(request, sampled, 0)
+
+    def _step(self) -> None:
+        busy = [i for i, r in enumerate(self.rows) if r is not None]
+        rows = self.engine.batch_bucket(busy[-1] + 1)
+        tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k, seeds, steps = np.zeros(rows, np.int32), np.zeros(rows, np.uint64), np.zeros(rows, np.int32)
+        for i in busy:
+            r = self.rows[i]
+            tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length, len(r.tokens)
+            temperature[i], top_p[i], top_k[i], seeds[i] = r.params.temperature, r.params.top_p, r.params.top_k, r.seed
+        sampled = self.engine.slot_decode(tokens, lengths, SamplingRows.build(temperature, top_p, top_k, seeds, steps))
+        self.steps += 1
+        self.bucket_steps[rows] += 1
+        for i in busy:
+            request = self.rows[i]
+            request.length += 1
+            self._accept(request, sampled, i)
+
+    def _accept(self, request: Request, sampled, i: int) -> None:
+        """Row i of `sampled` is `request`'s next token: release its text, then finish it if it is done."""
+        token = int(sampled.ids[i])
+        now = time.monotonic()
+        request.tokens.append(token)
+        if self.metrics:
+            if request.first_token_at is None:
+                self.metrics.ttft.observe(now - request.arrival)
+            else:
+                self.metrics.itl.observe(now - request.last_token_at)
+        if request.first_token_at is None:
+            request.first_token_at = now
+        request.last_token_at = now
+        logprobs = None
+        if request.params.logprobs is not None:
+            chosen, top_ids, top_lps = sampled.logprobs()
+            k = request.params.logprobs
+            logprobs = [(token, float(chosen[i]), [(int(a), float(b)) for a, b in zip(top_ids[i, :k], top_lps[i, :k])])]
+        p = request.params
+        if token in p.stop_token_ids:
+            text, stopped = request.text.flush()[0], True
+        else:
+            text, stopped = request.text.push(token)
+        reason = "stop" if stopped else ("length" if len(request.tokens) >= p.max_tokens else None)
+        if reason == "length":
+            tail, stopped = request.text.flush()
+            text += tail
+            reason = "stop" if stopped else reason
+        self._send(request, dict(type="delta", text=text, token_ids=[token], logprobs=logprobs))
+        if reason is not None:
+            self._finish(request, reason)
+
+    # Endings ----------------------------------------------------------------------------------------------------
+    def _release(self, request: Request) -> None:
+        if request.row is not None and self.rows[request.row] is request:
+            self.rows[request.row] = None
+        request.row = None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        self._release(request)
+        end = time.monotonic()
+        if self.metrics:
+            self.metrics.record_finish(request, reason, end)
+        self._log(request, "cancelled" if reason == "cancelled" else "ok", reason, end)
+        self._send(request, dict(type="done", finish_reason=reason, stats=request.stats, tokens=list(request.tokens),
+                                 text=request.text.text))
+
+    def _error(self, request: Request, error: ApiError) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        self._release(request)
+        end = time.monotonic()
+        if self.metrics:
+            self.metrics.record_error(request, error, end)
+        self._log(request, f"error {error.status}", error.code, end)
+        self._send(request, dict(type="error", error=error))
+
+    def _fail_running(self, error: ApiError) -> None:
+        for request in list(self.rows):
+            if request is not None:
+                self._error(request, error)
+
+    def _fail_all(self, error: ApiError) -> None:
+        with self._cv:
+            queued = list(self._queue)
+            self._queue.clear()
+        for request in queued + [r for r in self.rows if r is not None]:
+            self._error(request, error)
+        self._gauges()
+
+    def _send(self, request: Request, event: dict) -> None:
+        try:
+            request.sink(event)
+        except Exception:  # noqa: BLE001  (a client's sink failing must not stop the others)
+            log.exception("delivering an event of request %s failed", request.id)
+            request.cancel()
+
+    @staticmethod
+    def _log(request: Request, status: str, reason: Any, end: float) -> None:
+        stats = request.stats
+        ttft = None if request.first_token_at is None else round(request.first_token_at - request.arrival, 6)
+        log.info("request %s", json.dumps(dict(
+            id=request.id, status=status, finish_reason=reason, prompt_tokens=request.prompt_tokens,
+            cached_tokens=None if stats is None else stats.cached_tokens,
+            recomputed_tokens=None if stats is None else stats.recomputed_tokens,
+            cold_tokens=None if stats is None else stats.cold_tokens, completion_tokens=len(request.tokens),
+            mode=None if stats is None else stats.mode, ttft_s=ttft, e2e_s=round(end - request.arrival, 6))))

@@ -1,0 +1,453 @@
+"""The OpenAI-compatible server (`hypic_jax.serve`) on a tiny Qwen3.5 checkpoint, over a real socket.
+
+One engine and one server for the module (CPU compilation dominates): one token rung, 4 decode rows, a small
+BPE tokenizer trained in memory. Checked: the `openai` client against it (completions and chat, streaming and not,
+cached tokens of reordered documents, stop strings, seeded sampling), every bad input as a 4xx error in OpenAI's
+shape naming its field, 64 concurrent clients answered once each with the greedy outputs of the same requests run
+one at a time (and of `StableEngine.generate`), a full queue, a client leaving mid-stream, /metrics against what
+was sent, and no compilation after warmup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
+from hypic_jax.serve import Server  # noqa: E402
+from hypic_jax.serve.protocol import ChatRenderer  # noqa: E402
+from hypic_jax.serve.scheduler import TextStream  # noqa: E402
+from test_engine import _build  # noqa: E402
+
+MODEL = "tiny"
+MAX_NEW = 16
+SEAM = 4
+WORDS = ("the quick brown fox jumps over a lazy dog while seven tired cats watch from an old wall near the river "
+         "bank and every night the moon rises slowly above quiet hills").split()
+
+
+def _tokenizer(vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    alphabet = list("abcdefghijklmnopqrstuvwxyz,.?:\n\u2581")  # \u2581: the Metaspace word marker
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>"], initial_alphabet=alphabet,
+                                  limit_alphabet=len(alphabet), show_progress=False)
+    rng = np.random.default_rng(0)
+    tok.train_from_iterator([" ".join(rng.choice(WORDS, 12)) for _ in range(300)], trainer)
+    assert tok.get_vocab_size() <= vocab
+    return tok
+
+
+def _text(rng, words: int) -> str:
+    return " ".join(rng.choice(WORDS, words))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model, vocab, _ = _build("qwen_dense", str(tmp_path_factory.mktemp("serve") / "qwen_dense"))
+    tokenizer = _tokenizer(vocab)
+    engine = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
+                          max_new_tokens=MAX_NEW, max_batch=4, cache_bytes=1 << 24, seam=SEAM)
+    server = Server(engine, model_name=MODEL, max_queue=128, warm_on_start=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{port}"
+    cold = httpx.get(f"{base}/health")
+    assert cold.status_code == 503
+    assert httpx.post(f"{base}/v1/completions", json=dict(prompt=[1, 2])).status_code == 503
+    server.warmup()
+    assert httpx.get(f"{base}/health").status_code == 200
+    yield dict(server=server, engine=engine, base=base, vocab=vocab, tokenizer=tokenizer,
+               client=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0),
+               compiles=backend_compiles())
+    http.should_exit = True
+    thread.join(30)
+
+
+def _post(served, path, body, **kw):
+    return httpx.post(served["base"] + path, json=body, timeout=60, **kw)
+
+
+def _metrics(served) -> dict:
+    text = httpx.get(served["base"] + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _docs(served, seed: int, n: int = 3):
+    rng = np.random.default_rng(seed)
+    return [_text(rng, 10) for _ in range(n)], _text(rng, 4) + " ?"
+
+
+# The openai client ----------------------------------------------------------------------------------------------
+def test_completions_and_chat_with_the_openai_client(served):
+    client = served["client"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    docs, query = _docs(served, 1)
+    prompt = "<<PIC_SEP>>".join(docs + [query])
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 8
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.pic["misses"] == 3 and first.usage.pic["cold_tokens"] > 0
+    lengths = [len(served["tokenizer"].encode(d, add_special_tokens=False).ids) for d in docs]
+    reordered = "<<PIC_SEP>>".join([docs[2], docs[0], docs[1], query])
+    second = client.completions.create(model=MODEL, prompt=reordered, max_tokens=8, temperature=0,
+                                       extra_body=dict(return_token_ids=True))
+    assert second.usage.prompt_tokens_details.cached_tokens == sum(n - SEAM for n in lengths)
+    assert second.usage.pic["hits"] == 3 and second.usage.pic["cold_tokens"] == 0
+    # the text is the detokenized ids, and the ids are what the engine generates alone
+    ids = second.choices[0].model_extra["token_ids"]
+    assert second.choices[0].text == served["tokenizer"].decode(ids)
+    segs = served["engine"].segment_tokens(reordered)
+    assert ids == served["engine"].generate(segs, max_new_tokens=8).tokens
+
+    stream = client.completions.create(model=MODEL, prompt=reordered, max_tokens=8, temperature=0, stream=True,
+                                       stream_options=dict(include_usage=True))
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == second.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens_details.cached_tokens
+
+    messages = [dict(role="system", content="answer briefly"), dict(role="user", content=query)]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                          extra_body=dict(documents=docs[:2]))
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    assert chat.usage.pic["segments"] == 4  # system, two documents, the query
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=dict(documents=docs[:2][::-1]))
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and again.usage.pic["hits"] >= 2
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                              stream=True, extra_body=dict(documents=docs[:2][::-1]),
+                                              logprobs=True, top_logprobs=3)
+    parts = list(streamed)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == again.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == "length"
+    tops = [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.content]
+    assert len(tops) == 6 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in tops)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in tops)  # greedy: the top token
+
+
+def test_stop_strings_and_ids(served):
+    client = served["client"]
+    prompt = _text(np.random.default_rng(5), 12)
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                     extra_body=dict(return_token_ids=True))
+    text, ids = free.choices[0].text, free.choices[0].model_extra["token_ids"]
+    assert len(text) >= 6, text
+    stop = text[3:5]
+    cut = text[:text.find(stop)]
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0, stop=[stop])
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+    by_id = _post(served, "/v1/completions", dict(prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                                  stop_token_ids=[ids[2]], return_token_ids=True)).json()
+    first = ids.index(ids[2])
+    assert by_id["choices"][0]["token_ids"] == ids[:first + 1] and by_id["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(served):
+    client = served["client"]
+    prompt = _text(np.random.default_rng(9), 8)
+
+    def ask(seed, **kw):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.5, top_p=0.95,
+                                         seed=seed, extra_body=dict(return_token_ids=True, **kw))
+
+    alone = ask(3).choices[0].model_extra["token_ids"]
+    assert ask(3).choices[0].model_extra["token_ids"] == alone
+    others = [ask(s).choices[0].model_extra["token_ids"] for s in (4, 5, 6)]
+    assert any(o != alone for o in others)  # the seed matters
+
+    async def together():
+        aclient = openai.AsyncOpenAI(base_url=served["base"] + "/v1", api_key="none", max_retries=0)
+        outs = await asyncio.gather(*[aclient.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=1.5, top_p=0.95, seed=s,
+            extra_body=dict(return_token_ids=True)) for s in (4, 3, 5, 6)])
+        await aclient.close()
+        return [o.choices[0].model_extra["token_ids"] for o in outs]
+
+    assert asyncio.run(together()) == [others[0], alone, others[1], others[2]]
+    # top_k=1 is greedy whatever the temperature
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body=dict(return_token_ids=True)).choices[0].model_extra["token_ids"]
+    assert ask(11, top_k=1).choices[0].model_extra["token_ids"] == greedy
+
+
+# Bad input ------------------------------------------------------------------------------------------------------
+BAD = [
+    ("/v1/completions", b"{not json", None, 400),
+    ("/v1/completions", b"[1, 2]", None, 400),
+    ("/v1/completions", dict(max_tokens=2), "prompt", 400),
+    ("/v1/completions", dict(prompt=5), "prompt", 400),
+    ("/v1/completions", dict(prompt="a b", max_tokens="3"), "max_tokens", 400),
+    ("/v1/completions", dict(prompt="a b", max_tokens=True), "max_tokens", 400),
+    ("/v1/completions", dict(prompt="a b", model="gpt-4"), "model", 404),
+    ("/v1/completions", dict(prompt=""), "prompt", 400),
+    ("/v1/completions", dict(prompt=[]), "prompt", 400),
+    ("/v1/completions", dict(prompt="a b<<PIC_SEP>><<PIC_SEP>>c"), "prompt", 400),
+    ("/v1/chat/completions", dict(messages=[]), "messages", 400),
+    ("/v1/chat/completions", dict(model=MODEL), "messages", 400),
+    ("/v1/chat/completions", dict(messages=[dict(role="wizard", content="x")]), "messages[0].role", 400),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content=3)]), "messages[0].content", 400),
+    ("/v1/completions", dict(prompt=[5] * 129), "prompt", 400),
+    ("/v1/completions", dict(prompt="a b", max_tokens=-1), "max_tokens", 400),
+    ("/v1/completions", dict(prompt="a b", max_tokens=MAX_NEW + 1), "max_tokens", 400),
+    ("/v1/completions", dict(prompt=[5] * 120, max_tokens=MAX_NEW + 8), "max_tokens", 400),
+    ("/v1/completions", dict(prompt="a b", temperature=-0.1), "temperature", 400),
+    ("/v1/completions", dict(prompt="a b", top_p=0), "top_p", 400),
+    ("/v1/completions", dict(prompt="a b", top_p=1.5), "top_p", 400),
+    ("/v1/completions", dict(prompt="a b", pic_mode="magic"), "pic_mode", 400),
+    ("/v1/completions", dict(prompt="a b", seam=-1), "seam", 400),
+    ("/v1/completions", dict(prompt="a b", seam=2.5), "seam", 400),
+    ("/v1/completions", dict(prompt="a b", seam="wide"), "seam", 400),
+    ("/v1/completions", dict(prompt=[3, 1000]), "prompt", 400),
+    ("/v1/completions", dict(prompt=[3, -1]), "prompt", 400),
+    ("/v1/completions", dict(segments=[[3, 4], [9999]]), "segments[1]", 400),
+    ("/v1/completions", dict(prompt="a b", n=2), "n", 400),
+    ("/v1/completions", dict(prompt="a b", logprobs=99), "logprobs", 400),
+    ("/v1/completions", dict(prompt="a b", stop=[3]), "stop", 400),
+]
+
+
+@pytest.mark.parametrize("path,body,param,status", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_a_4xx_naming_the_field(served, path, body, param, status):
+    if isinstance(body, bytes):
+        response = httpx.post(served["base"] + path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = _post(served, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    ok = _post(served, "/v1/completions", dict(prompt="the fox", max_tokens=2, temperature=0))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_route_and_no_tokenizer(served, monkeypatch):
+    response = httpx.get(served["base"] + "/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    monkeypatch.setattr(served["server"], "tokenizer", None)
+    text = _post(served, "/v1/completions", dict(prompt="the fox"))
+    assert text.status_code == 400 and text.json()["error"]["code"] == "no_tokenizer"
+    assert text.json()["error"]["param"] == "prompt"
+    chat = _post(served, "/v1/chat/completions", dict(messages=[dict(role="user", content="hi")]))
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    ids = [7, 8, 9, 10, 11]
+    body = _post(served, "/v1/completions", dict(segments=[ids, [12, 13]], max_tokens=5, temperature=0)).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "" and len(choice["token_ids"]) == 5
+    assert choice["token_ids"] == served["engine"].generate([ids, [12, 13]], max_new_tokens=5).tokens
+
+
+# Load, queue, disconnects ---------------------------------------------------------------------------------------
+def _mixed(i: int, served) -> tuple[str, dict]:
+    rng = np.random.default_rng(100 + i)
+    docs, query = _docs(served, 200 + i % 7)  # documents shared between requests, in other orders
+    order = rng.permutation(len(docs))
+    mode = ["transition_rope_recompute", "prefix_cache", "full_recompute", "transition_rope"][i % 4]
+    common = dict(max_tokens=int(rng.integers(1, MAX_NEW + 1)), temperature=0, pic_mode=mode,
+                  stream=bool(i % 3 == 0), return_token_ids=True)
+    if i % 5 == 4:
+        return "/v1/chat/completions", dict(common, messages=[dict(role="user", content=query)],
+                                            documents=[docs[j] for j in order])
+    if i % 5 == 3:
+        vocab = served["vocab"]
+        return "/v1/completions", dict(common, segments=[rng.integers(3, vocab, 9).tolist(), [5, 6, 7]])
+    return "/v1/completions", dict(common, prompt="<<PIC_SEP>>".join([docs[j] for j in order] + [query]))
+
+
+async def _ask(client: httpx.AsyncClient, path: str, body: dict):
+    """(token ids, finish reason) of one request, streamed or not."""
+    if not body["stream"]:
+        response = await client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["token_ids"], choice["finish_reason"]
+    ids, reason = [], None
+    async with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            ids += choice.get("token_ids", [])
+            reason = choice["finish_reason"] or reason
+    return ids, reason
+
+
+def test_64_concurrent_clients_match_one_at_a_time(served):
+    requests = [_mixed(i, served) for i in range(64)]
+    scheduler = served["server"].scheduler
+    before = dict(scheduler.bucket_steps)
+
+    async def run(parallel: bool):
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=served["base"], timeout=120, limits=limits) as client:
+            if parallel:
+                return await asyncio.gather(*[_ask(client, p, b) for p, b in requests])
+            return [await _ask(client, p, b) for p, b in requests]
+
+    together = asyncio.run(run(True))
+    assert len(together) == 64
+    assert scheduler.bucket_steps[4] > before.get(4, 0)  # decode steps ran 3-4 requests as one batch
+    alone = asyncio.run(run(False))
+    for (path, body), got, want in zip(requests, together, alone):
+        assert got == want, (path, body)
+        assert len(got[0]) == body["max_tokens"] and got[1] == "length"
+    assert scheduler.running == 0 and scheduler.waiting == 0
+
+
+def test_full_queue_is_429_and_loses_no_accepted_request(served):
+    server, engine = served["server"], served["engine"]
+    scheduler = server.scheduler
+    old = scheduler.max_queue
+    scheduler.max_queue = 2
+    engine._device_lock.acquire()  # the scheduler blocks in its next prefill: arrivals queue up behind it
+    try:
+        async def burst():
+            async with httpx.AsyncClient(base_url=served["base"], timeout=120) as client:
+                post = lambda i: asyncio.create_task(client.post("/v1/completions", json=dict(  # noqa: E731
+                    prompt=[3 + i, 4, 5], max_tokens=3, temperature=0)))
+                tasks = [post(0)]
+                start = time.monotonic()
+                while scheduler.waiting or time.monotonic() - start < 0.3:  # taken: blocked in its prefill
+                    await asyncio.sleep(0.02)
+                tasks += [post(i) for i in range(1, 6)]  # two fit in the queue, three do not
+                while sum(t.done() for t in tasks) < 3:
+                    await asyncio.sleep(0.02)
+                rejected = [t.result() for t in tasks if t.done()]
+                assert scheduler.waiting == 2
+                engine._device_lock.release()
+                return rejected, await asyncio.gather(*tasks)
+
+        rejected, answers = asyncio.run(burst())
+    finally:
+        scheduler.max_queue = old
+        if engine._device_lock._is_owned():
+            engine._device_lock.release()
+    assert all(r.status_code == 429 and r.headers["retry-after"] for r in rejected)
+    assert rejected[0].json()["error"]["code"] == "queue_full"
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [200, 200, 200, 429, 429, 429]
+    assert all(a.json()["usage"]["completion_tokens"] == 3 for a in answers if a.status_code == 200)
+
+
+def test_client_leaving_mid_stream_is_cancelled_and_frees_its_row(served, monkeypatch):
+    engine, scheduler = served["engine"], served["server"].scheduler
+    gate = threading.Event()
+    real = engine.slot_decode
+
+    def gated(*args, **kwargs):  # the real step, held until the test lets it run
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "slot_decode", gated)
+    cancelled = _metrics(served).get(("hypic:request_success_total", (("finished_reason", "cancelled"),)), 0)
+    with httpx.Client(base_url=served["base"], timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=dict(prompt=[4, 5, 6], max_tokens=MAX_NEW, temperature=0,
+                                                               stream=True, return_token_ids=True)) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+            assert len(json.loads(first[6:])["choices"][0]["token_ids"]) == 1
+            assert scheduler.running == 1
+    deadline = time.monotonic() + 10
+    while not any(r is not None and r.cancelled for r in scheduler.rows) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    held = [r for r in scheduler.rows if r is not None]
+    assert held and held[0].cancelled
+    gate.set()
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert scheduler.running == 0 and len(held[0].tokens) < MAX_NEW
+    after = _metrics(served)[("hypic:request_success_total", (("finished_reason", "cancelled"),))]
+    assert after == cancelled + 1
+
+
+# Metrics and compilation ----------------------------------------------------------------------------------------
+def test_metrics_count_what_was_sent(served):
+    before = _metrics(served)
+    sent = []
+    for i in range(5):
+        docs, query = _docs(served, 300 + i % 2)
+        body = dict(prompt="<<PIC_SEP>>".join(docs[::(-1) ** i] + [query]), max_tokens=3 + i, temperature=0)
+        sent.append(_post(served, "/v1/completions", body).json()["usage"])
+    after = _metrics(served)
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert delta("hypic:prompt_tokens_total") == sum(u["prompt_tokens"] for u in sent)
+    assert delta("hypic:generation_tokens_total") == sum(u["completion_tokens"] for u in sent)
+    assert delta("hypic:cached_tokens_total") == sum(u["prompt_tokens_details"]["cached_tokens"] for u in sent) > 0
+    assert delta("hypic:cold_tokens_total") == sum(u["pic"]["cold_tokens"] for u in sent)
+    assert delta("hypic:recomputed_tokens_total") == sum(u["pic"]["recomputed_tokens"] for u in sent)
+    assert delta("hypic:cache_hits_total", (("kind", "pic"),)) == sum(u["pic"]["hits"] for u in sent)
+    assert delta("hypic:cache_queries_total", (("kind", "pic"),)) == sum(u["pic"]["hits"] + u["pic"]["misses"]
+                                                                         for u in sent)
+    assert delta("hypic:request_success_total", (("finished_reason", "length"),)) == 5
+    assert delta("hypic:time_to_first_token_seconds_count") == 5
+    assert delta("hypic:inter_token_latency_seconds_count") == sum(u["completion_tokens"] - 1 for u in sent)
+    assert after[("hypic:cache_entries", ())] > 0 and after[("hypic:cache_bytes", ())] > 0
+    assert after[("hypic:num_requests_running", ())] == 0
+
+
+def test_zz_nothing_compiled_while_serving(served):
+    """Last in the module: every request above ran on the programs compiled in warmup."""
+    assert backend_compiles() == served["compiles"]
+    assert _metrics(served)[("hypic:compilations_while_serving_total", ())] == 0
+    assert served["engine"].stats["programs"]["serving_compiles"] == 0
+
+
+# Host-side pieces -----------------------------------------------------------------------------------------------
+def test_text_stream_holds_back_a_possible_stop_string(served):
+    tok = served["tokenizer"]
+    ids = tok.encode("the quick brown fox jumps over", add_special_tokens=False).ids
+    stream = TextStream(tok, ("fox j",))
+    released = ""
+    for t in ids:
+        delta, stopped = stream.push(t)
+        released += delta
+        if stopped:
+            break
+    assert stopped and released == "the quick brown " and stream.text == released
+    plain = TextStream(tok, ())
+    assert "".join(plain.push(t)[0] for t in ids) + plain.flush()[0] == tok.decode(ids)
+
+
+def test_chat_rendering_splits_the_template_per_message():
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [dict(role="system", content="s"), dict(role="user", content="doc"), dict(role="user", content="q")]
+    parts = ChatRenderer(template).render(messages)
+    assert parts == ["<|system|>s<|end|>", "<|user|>doc<|end|>", "<|user|>q<|end|><|assistant|>"]
+    assert ChatRenderer().render(messages) == ["system: s\n", "user: doc\n", "user: q\nassistant:"]
+    rewriting = "{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert ChatRenderer(rewriting).render(messages) == ["3sdocq"]  # no per-message split: one segment
