@@ -1,4 +1,4 @@
-"""The segment cache: content-addressed entries on device, LRU-evicted under a byte budget, pinned while in use.
+"""The segment cache: content-addressed entries on device, evicted under a byte budget, pinned while in use.
 
 Keys are SHA-256 digests over the entry's token ids, the model fingerprint (which weights, which dtype), the entry
 kind and the settings that change what an entry holds (the seam length it was recorded with, the prefix it
@@ -79,6 +79,8 @@ class Entry:
     slot: int | None = None  # its row in the engine's entry pool, if any (`hypic_jax.pool`, `hypic_jax.pools`)
     rows: Any = None  # its tokens' rows in the per-token pools (`hypic_jax.pools`), if any
     dropped: bool = False  # left the cache while pinned: `on_drop` runs when the last pin goes
+    uses: int = 0  # lookups it served (the frequency a cost-aware policy weighs)
+    priority: float = 0.0  # its rank under the cache's policy: the lowest is evicted first
 
     @property
     def length(self) -> int:
@@ -100,13 +102,18 @@ class CacheStats:
 
 
 class SegmentCache:
-    """LRU map key -> Entry under a byte budget (`capacity_bytes`; None = unbounded). Thread-safe."""
+    """Map key -> Entry under a byte budget (`capacity_bytes`; None = unbounded). Thread-safe.
 
-    def __init__(self, capacity_bytes: int | None = None, on_drop=None):
+    Eviction is least recently used first, or with `policy` (an object with `rank(entry) -> float`, called on
+    insertion and on every hit, and `evicted(entry)`) lowest `entry.priority` first, least recently used among
+    equals (`hypic_jax.tiers.DevicePolicy`)."""
+
+    def __init__(self, capacity_bytes: int | None = None, on_drop=None, policy=None):
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._on_drop = on_drop
+        self._policy = policy
         self._entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()
         self._lock = threading.RLock()
         self._stats = CacheStats(capacity_bytes=capacity_bytes or 0)
@@ -121,6 +128,9 @@ class SegmentCache:
                 entry = None  # a digest collision or a mismatched key: never serve it
             if entry is not None:
                 self._entries.move_to_end(key)
+                entry.uses += 1
+                if self._policy is not None:
+                    entry.priority = self._policy.rank(entry)
             if count:
                 if entry is None:
                     self._stats.misses += 1
@@ -136,6 +146,11 @@ class SegmentCache:
         with self._lock:
             return len(self._entries)
 
+    def entries(self) -> list[Entry]:
+        """The entries now cached (a snapshot)."""
+        with self._lock:
+            return list(self._entries.values())
+
     @property
     def stats(self) -> CacheStats:
         with self._lock:
@@ -150,35 +165,44 @@ class SegmentCache:
                 self._stats.bytes -= old.nbytes  # a request still holding `old` keeps its arrays alive
                 self._drop(old)
             self._entries[entry.key] = entry
+            if self._policy is not None:
+                entry.priority = self._policy.rank(entry)
             self._stats.bytes += entry.nbytes
             self._stats.insertions += 1
             self._evict()
             return entry
 
+    def _order(self) -> list[Entry]:
+        """Entries in eviction order (the sort is stable: least recently used first among equal priorities)."""
+        entries = list(self._entries.values())
+        if self._policy is not None:
+            entries.sort(key=lambda e: e.priority)
+        return entries
+
+    def _remove(self, entry: Entry) -> None:
+        del self._entries[entry.key]
+        self._stats.bytes -= entry.nbytes
+        self._stats.evictions += 1
+        if self._policy is not None:
+            self._policy.evicted(entry)
+        self._drop(entry)
+
     def _evict(self) -> None:
-        if self.capacity_bytes is None:
+        if self.capacity_bytes is None or self._stats.bytes <= self.capacity_bytes:
             return
-        for key in list(self._entries):
+        for entry in self._order():
             if self._stats.bytes <= self.capacity_bytes:
                 break
-            entry = self._entries[key]
-            if entry.pins > 0:
-                continue
-            del self._entries[key]
-            self._stats.bytes -= entry.nbytes
-            self._stats.evictions += 1
-            self._drop(entry)
+            if entry.pins == 0:
+                self._remove(entry)
 
     def evict_one(self) -> bool:
-        """Drop the least recently used entry that no request holds (to free room in a fixed pool); False when
-        every entry is pinned."""
+        """Drop the first entry in eviction order that no request holds (to free room in a fixed pool); False
+        when every entry is pinned."""
         with self._lock:
-            for key, entry in self._entries.items():
+            for entry in self._order():
                 if entry.pins == 0:
-                    del self._entries[key]
-                    self._stats.bytes -= entry.nbytes
-                    self._stats.evictions += 1
-                    self._drop(entry)
+                    self._remove(entry)
                     return True
             return False
 

@@ -437,11 +437,16 @@ class Engine:
             keys.append(parent)
         hits: list[Entry] = []
         for doc, key in zip(docs, keys):
-            entry = self.cache.lookup(key, doc)
+            entry = self._find(key, doc, pins, kind="prefix", seam=0)
             if entry is None:
                 break
-            hits.append(pins.add(entry))
+            hits.append(entry)
         return keys, hits
+
+    def _find(self, key: str, tokens, pins, *, kind: str, seam: int) -> Entry | None:
+        """The cached entry under `key`, pinned for the request, or None."""
+        entry = self.cache.lookup(key, tokens)
+        return None if entry is None else pins.add(entry)
 
     def _plan_prefix(self, segs, ids, salt, pins):
         """Longest cached run of leading segments; the rest is computed exactly and recorded as new prefix entries."""

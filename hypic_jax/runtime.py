@@ -43,10 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax import layout as lay
+from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
 from hypic_jax.engine import MODES, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens, use_compile_cache
 from hypic_jax.models.base import ModelCache
-from hypic_jax.pools import Pools
+from hypic_jax.pools import PoolFull, Pools
 
 log = logging.getLogger("hypic_jax.runtime")
 
@@ -304,6 +305,13 @@ class StableEngine(Engine):
     ladder from `min_tokens`. cache_bytes: the pools' byte budget (allocated up
     front). max_batch: rows of the batched decode cache (0: none; see the module docstring). Other arguments as
     `hypic_jax.Engine`.
+
+    Tiers (`hypic_jax.tiers`): host_cache_bytes (0: off) and disk_cache_dir with disk_cache_bytes (None:
+    unbounded, 0: off) keep entries evicted from the pools; eviction: "cost" or "lru"; host_bandwidth and
+    disk_bandwidth (bytes/s) override what `warmup` measures; disk_write_through writes every new entry to disk
+    when it is stored (else entries reach the disk when evicted, or through `persist()`); tier_dtype="bfloat16"
+    stores the linear layers' T and S in bfloat16 off the device (half their bytes; promoted entries are the
+    rounded values, widened to float32).
     """
 
     def __init__(self, model, *, tokenizer=None, cache_bytes: int | None = None,
@@ -311,7 +319,10 @@ class StableEngine(Engine):
                  max_context: int | None = None, source: str | None = None, compose_algorithm: str | None = "auto",
                  max_prompt_tokens: int = 4096, max_segments: int = 64, max_new_tokens: int = 256,
                  min_tokens: int = 64, token_rungs: tuple[int, ...] | None = None, compile_cache=None,
-                 mean_entry_tokens: int = 512, max_batch: int = 0):
+                 mean_entry_tokens: int = 512, max_batch: int = 0, host_cache_bytes: int = 0,
+                 disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
+                 host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
+                 disk_write_through: bool = False, tier_dtype: str | None = None):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -329,7 +340,10 @@ class StableEngine(Engine):
         pieces = self.arch.pool_layout(self.config, self.model.dtype)
         budget = cache_bytes if cache_bytes is not None else 1 << 30
         self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens)
-        self.cache = SegmentCache(cache_bytes, on_drop=lambda entry: self.pools.free(entry.slot, entry.rows))
+        self._init_tiers(host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
+                         disk_bandwidth, disk_write_through, tier_dtype)
+        self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
+                                  policy=tr.DevicePolicy(self.policy) if eviction == "cost" else None)
         if not isinstance(max_batch, int) or max_batch < 0:
             raise ValueError(f"max_batch must be an integer >= 0, got {max_batch!r}")
         self.max_batch = max_batch
@@ -383,8 +397,9 @@ class StableEngine(Engine):
         seconds += self.programs.compile([k for k in keys if k not in spans], progress=False)
         if self.max_batch:
             self._slot_cache()  # allocating it compiles its fill programs: here, not while serving
+        tiers = self._warm_tiers(limit)
         self.programs.serving = True
-        return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before)
+        return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before, **tiers)
 
     def first_linear_layer(self) -> int | None:
         """0 when the model's first layer is a linear one (whose state a seam of W-1 tokens makes exact)."""
@@ -394,7 +409,7 @@ class StableEngine(Engine):
     @property
     def stats(self) -> dict:
         return dict(cache=self.cache.stats.as_dict(), programs=dataclasses.asdict(self.programs.stats),
-                    pool_slots_free=self.pools.free_slots())
+                    pool_slots_free=self.pools.free_slots(), tiers=self._tier_stats())
 
     # Running ---------------------------------------------------------------------------------------------------------
     def _run(self, kind: str, spans, fresh_tokens, *, transfer=True, rope=True):
@@ -443,6 +458,8 @@ class StableEngine(Engine):
     def _store(self, entry: Entry) -> None:
         self.cache.insert(entry)
         self._unstored.remove(entry)
+        if self.disk_write_through and self.tiers.disk is not None:
+            self._persist_entry(entry)
 
     def prefill(self, segments, mode: str | None = None, seam: float | None = None, cache_salt: str | None = None,
                 *, _want_hidden: bool = False) -> PrefillResult:
@@ -523,11 +540,11 @@ class StableEngine(Engine):
             if w >= len(doc):
                 continue
             key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
-            entry = self.cache.lookup(key, doc)
+            entry = self._find(key, doc, pins, kind="pic", seam=w)
             if entry is None:
                 missing.setdefault(key, i)
             else:
-                entries[i] = pins.add(entry)
+                entries[i] = entry
                 hits += 1
         hit_indices = set(entries)
         misses = sum(1 for i, (d, w) in enumerate(zip(docs, seams)) if w < len(d) and i not in entries)
@@ -541,7 +558,12 @@ class StableEngine(Engine):
                 fresh += docs[i]
                 stored[key] = entry
             cold_tokens = len(fresh)
-            self._run("cold", spans, fresh)
+            timed = self.programs.serving and self.cost.wants_samples()
+            cold_start = time.perf_counter()
+            cold_logits, _ = self._run("cold", spans, fresh)
+            if timed:  # calibrates the recompute cost model (waits for the cold prefill)
+                jax.block_until_ready(cold_logits)
+                self.cost.observe([len(docs[i]) for i in missing.values()], time.perf_counter() - cold_start)
             for entry in stored.values():
                 self._store(entry)
             for i, (doc, w) in enumerate(zip(docs, seams)):
@@ -629,8 +651,132 @@ class StableEngine(Engine):
                                         np.asarray(lengths, np.int32), sampling)
         return Sampled(*out)
 
-    def clear_cache(self) -> None:
-        self.cache.clear()
+    def clear_cache(self, *, disk: bool = False) -> None:
+        """Drop every entry of the device and host tiers (and with `disk`, this model's files)."""
+        self._clearing = True
+        try:
+            self.cache.clear()
+        finally:
+            self._clearing = False
+        self.tiers.clear(disk=disk)
+
+    # Tiers -----------------------------------------------------------------------------------------------------------
+    def _init_tiers(self, host_bytes, disk_dir, disk_bytes, eviction, host_bandwidth, disk_bandwidth,
+                    write_through, tier_dtype) -> None:
+        self.eviction = eviction
+        self.cost = tr.CostModel()
+        self.bandwidths = tr.Bandwidths(host=host_bandwidth or tr.DEFAULT_HOST_BANDWIDTH,
+                                        disk=disk_bandwidth or tr.DEFAULT_DISK_BANDWIDTH)
+        self._bandwidth_overrides = (host_bandwidth, disk_bandwidth)
+        self.policy = tr.Policy(eviction, self.cost, lambda: self.bandwidths)
+        if tier_dtype not in (None, "bfloat16"):
+            raise ValueError(f"tier_dtype must be None or 'bfloat16', got {tier_dtype!r}")
+        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tier_dtype)
+        self.tiers = tr.Tiers(leaves=self.mover.leaves, fingerprint=self.fingerprint, policy=self.policy,
+                              host_bytes=host_bytes or 0, disk_dir=disk_dir, disk_bytes=disk_bytes,
+                              form=tier_dtype or "exact")
+        self.disk_write_through = bool(write_through)
+        self._clearing = False
+        self._demote_errors = 0
+
+    def _warm_tiers(self, limit: int) -> dict:
+        """Compile the promote/demote programs, measure the tiers' bandwidths, calibrate the cost model."""
+        out = dict(tier_programs=0)
+        if self.tiers.enabled:
+            out["tier_programs"] = self.mover.compile(self.pools.arrays)
+            host, disk = self._bandwidth_overrides
+            folder = self.tiers.disk.folder if self.tiers.disk is not None else None
+            self.bandwidths = tr.Bandwidths.measure(folder, host=host, disk=disk)
+        if self.eviction == "cost":
+            self._calibrate(limit)
+        return out
+
+    def _calibrate(self, limit: int) -> None:
+        """Time cold prefills of the top rung and of one a quarter of its size, as one segment and as four (records
+        nothing): the cost model's first samples."""
+        rungs = [r for r in self.ladder.rungs if r <= self.ladder.rung(limit)]
+        chosen = sorted({rungs[-1], min(rungs, key=lambda r: abs(r - rungs[-1] / 4))})
+        rng = np.random.default_rng(0)
+        vocab = int(getattr(self.config, "vocab_size", 2))
+        for rung in chosen:
+            for lengths in ([rung], [max(1, rung // 4)] * min(4, self.max_segments)):
+                spans = [lay.Span(lay.FRESH, n) for n in lengths]
+                tokens = rng.integers(0, vocab, sum(lengths))
+                for attempt in range(2):  # the first run of a program pays one-time costs
+                    start = time.perf_counter()
+                    logits, _ = self._run("cold", spans, tokens)
+                    jax.block_until_ready(logits)
+                    if attempt:
+                        self.cost.observe(lengths, time.perf_counter() - start)
+
+    def _find(self, key: str, tokens, pins, *, kind: str, seam: int) -> Entry | None:
+        """The pinned device entry under `key`, promoted from the host or disk tier when it is there."""
+        entry = self.cache.lookup(key, tokens)
+        if entry is not None:
+            return pins.add(entry)
+        if not self.tiers.enabled:
+            return None
+        found = self.tiers.take(key, tuple(int(t) for t in tokens))
+        if found is None:
+            return None
+        pieces, tier = found
+        if pieces.kind != kind or pieces.seam != seam:  # the key covers both; a mismatch is never served
+            return None
+        try:
+            slot, rows = self._allocate(pieces.length)
+        except PoolFull:
+            self.tiers.give_back(pieces, tier)
+            raise
+        entry = Entry(key=key, tokens=pieces.tokens, kind=kind, seam=seam, layers=None,
+                      nbytes=self.pools.entry_bytes(pieces.length), slot=slot, rows=rows, uses=pieces.uses)
+        self._unstored.append(entry)
+        pins.add(entry)
+        with self.pools.lock:  # issued while planning: the copy overlaps with what the request does next
+            self.pools.arrays = self.mover.scatter(self.pools.arrays, slot, rows, pieces.arrays)
+        self.cache.insert(entry)
+        self._unstored.remove(entry)
+        if self.disk_write_through:
+            self.tiers.persist(pieces)
+        return entry
+
+    def _pieces(self, entry: Entry) -> tr.Pieces:
+        with self.pools.lock:
+            arrays = self.mover.gather(self.pools.arrays, entry.slot, entry.rows)
+        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
+                         uses=entry.uses)
+
+    def _dropped(self, entry: Entry) -> None:
+        """`entry` left the device tier (no request holds it): demote it, then free its pool room."""
+        try:
+            if self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache:
+                self.tiers.put(self._pieces(entry))
+        except Exception:  # a failed copy loses the entry, never the request
+            self._demote_errors += 1
+            log.exception("demoting a cache entry failed; it is dropped")
+        finally:
+            self.pools.free(entry.slot, entry.rows)
+
+    def _persist_entry(self, entry: Entry) -> bool:
+        if entry.key in self.tiers.disk:
+            return True
+        return self.tiers.persist(self._pieces(entry))
+
+    def persist(self) -> int:
+        """Write every entry of the device and host tiers to the disk tier (they stay where they are); returns
+        the entries on disk afterwards. A restarted engine on the same `disk_cache_dir` finds them."""
+        if self.tiers.disk is None:
+            raise ValueError("persist needs a disk tier (disk_cache_dir)")
+        with self._device_lock:
+            for entry in self.cache.entries():
+                self._persist_entry(entry)
+            if self.tiers.host is not None:
+                for pieces in self.tiers.host.values():
+                    self.tiers.persist(pieces)
+        return self.tiers.disk.stats.entries
+
+    def _tier_stats(self) -> dict:
+        return dict(eviction=self.eviction, **self.tiers.stats(), demote_errors=self._demote_errors,
+                    cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths))
 
 
 __all__ = ["StableEngine", "Programs", "ProgramKey", "SamplingRows", "Sampled", "backend_compiles", "MODES",

@@ -1,0 +1,787 @@
+"""Cache tiers below the device pools: host memory, then disk; the cost model and the eviction policy.
+
+An entry evicted from the device pools is demoted: its slot's pieces and its token rows are copied to host numpy
+arrays (`Mover.gather`) and kept in the host tier; the host tier's evictions go to disk, one file per entry. A hit
+in a lower tier promotes the entry back into the pools (`Mover.scatter`). The copies are compiled programs, one
+pair per bucket of whole pages (powers of two up to the longest entry), so no entry size compiles anything after
+warmup.
+
+Host tier: exclusive (a promoted entry leaves it). Disk tier: inclusive (a promoted entry's file stays, so a
+restarted process finds it; demoting an entry whose file exists writes nothing).
+
+Disk files (`DiskStore`): `<dir>/<key[:2]>/<key>.seg`, written to a temporary file in the same folder, fsynced and
+renamed into place, so a crash never leaves a partial entry under an entry's name. Layout:
+
+    8 bytes   magic b"HYPICSEG"
+    4 bytes   format version (little-endian uint32)
+    4 bytes   header length H (little-endian uint32)
+    H bytes   header, UTF-8 JSON: fingerprint, form ("exact" or the compact dtype), key, kind, seam, tokens,
+              arrays (dtype and shape of each piece), payload_bytes, payload_blake2b
+    32 bytes  BLAKE2b-256 of the version, length and header bytes
+    payload   the pieces' bytes in order (C order)
+
+Opening a folder scans the headers (the index is rebuilt from them, no separate index file): a file with a bad
+magic, header checksum, size or name is corrupt (deleted, counted); one of another format version or model
+fingerprint is foreign (left alone, counted, never read as a hit). A hit re-reads the whole file and checks the
+header, the token ids and the payload checksum before anything is served; a failure deletes the file, counts it
+and the request recomputes the entry.
+
+Policy (`Policy`): per entry, the time to bring it back from a tier (bytes over the tier's bandwidth; the disk
+adds the host copy) against the time to recompute it (`CostModel`). With `eviction="cost"`, an entry that is
+cheaper to recompute than to load is not kept in that tier, and each tier evicts by GreedyDual-Size-Frequency:
+priority = clock + uses * (recompute - load) / bytes, the lowest first, the clock rising to each evicted
+priority (recompute time saved per byte, aged). `eviction="lru"`: least recently used first, every entry kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("hypic_jax.tiers")
+
+MAGIC = b"HYPICSEG"
+FORMAT_VERSION = 1
+SUFFIX = ".seg"
+DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: padded scatter rows are dropped
+
+# Bandwidths when not measured (bytes/s): host -> device (a PCIe 5 x16 link's sustained rate, about a third of its
+# peak) and disk -> host including the payload checksum (an NVMe drive).
+DEFAULT_HOST_BANDWIDTH = 20e9
+DEFAULT_DISK_BANDWIDTH = 2e9
+# Recompute cost when not calibrated (seconds): fixed, per token, per token squared. From the full prefill of the
+# Qwen3.5-35B-A3B shape on one H200 (bench/RESULTS.md, prefill.py: 0.158 s at 8k, 0.653 s at 32k tokens).
+DEFAULT_COST = (5e-3, 1.9e-5, 2.5e-11)
+
+TIERS = ("device", "host", "disk")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cost model and policy
+
+
+class CostModel:
+    """Seconds to recompute an entry of n tokens: c0 + c1 n + c2 n^2 (linear work plus causal attention).
+
+    `observe(lengths, seconds)` records one cold prefill (its segments' lengths and its wall time); once there are
+    enough distinct samples, the constants are a non-negative least-squares fit over [1, sum n, sum n^2]. The
+    samples are bounded (`max_samples`); `wants_samples()` says whether the engine should still time its cold
+    prefills (timing one waits for it to finish)."""
+
+    def __init__(self, constants: Sequence[float] = DEFAULT_COST, max_samples: int = 32):
+        self.constants = tuple(float(c) for c in constants)
+        self.calibrated = False
+        self.max_samples = max_samples
+        self._samples: list[tuple[float, float, float, float]] = []
+        self._lock = threading.Lock()
+
+    def seconds(self, tokens: int) -> float:
+        c0, c1, c2 = self.constants
+        return c0 + c1 * tokens + c2 * tokens * tokens
+
+    def wants_samples(self) -> bool:
+        return len(self._samples) < self.max_samples
+
+    def observe(self, lengths: Sequence[int], seconds: float) -> None:
+        lengths = np.asarray(lengths, np.float64)
+        with self._lock:
+            if len(self._samples) >= self.max_samples:
+                return
+            self._samples.append((1.0, float(lengths.sum()), float((lengths**2).sum()), float(seconds)))
+            self._fit()
+
+    def _fit(self) -> None:
+        data = np.asarray(self._samples)
+        x, y = data[:, :3], data[:, 3]
+        if len({tuple(row) for row in x[:, 1:]}) < 3:
+            return  # the three constants are not determined yet
+        active = [0, 1, 2]
+        while active:  # least squares, dropping any feature whose coefficient comes out negative
+            scale = np.maximum(np.abs(x[:, active]).max(0), 1e-30)
+            coef, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
+            coef = coef / scale
+            if np.all(coef >= 0):
+                break
+            active.pop(int(np.argmin(coef)))
+        constants = [0.0, 0.0, 0.0]
+        for index, value in zip(active, coef if active else ()):
+            constants[index] = float(value)
+        if sum(constants) > 0:
+            self.constants = tuple(constants)
+            self.calibrated = True
+
+    def as_dict(self) -> dict:
+        return dict(constants=list(self.constants), calibrated=self.calibrated, samples=len(self._samples))
+
+
+@dataclasses.dataclass
+class Bandwidths:
+    """Bytes per second into the device from each lower tier (the disk's includes reading and checking)."""
+
+    host: float = DEFAULT_HOST_BANDWIDTH
+    disk: float = DEFAULT_DISK_BANDWIDTH
+    measured: bool = False
+
+    def load_s(self, tier: str, nbytes: int) -> float:
+        if tier == "device":
+            return 0.0
+        seconds = nbytes / self.host
+        return seconds + (nbytes / self.disk if tier == "disk" else 0.0)
+
+    @classmethod
+    def measure(cls, folder: str | Path | None, nbytes: int = 8 << 20, *, host: float | None = None,
+                disk: float | None = None) -> "Bandwidths":
+        """Time a host -> device copy (best of 3) and, with a folder, a write + fsync, an uncached read and its
+        checksum; `host`/`disk` given are kept as they are."""
+        data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        if host is None:
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                jax.device_put(data).block_until_ready()
+                best = min(best, time.perf_counter() - start)
+            host = nbytes / max(best, 1e-9)
+        if disk is None and folder is not None:
+            path = Path(folder) / f".bandwidth-{os.getpid()}-{uuid.uuid4().hex}"
+            try:
+                with open(path, "wb") as f:
+                    f.write(data.tobytes())
+                    f.flush()
+                    os.fsync(f.fileno())
+                start = time.perf_counter()
+                with open(path, "rb") as f:
+                    if hasattr(os, "posix_fadvise"):  # read from the drive, not the page cache
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    hashlib.blake2b(f.read(), digest_size=32).digest()
+                disk = nbytes / max(time.perf_counter() - start, 1e-9)
+            finally:
+                path.unlink(missing_ok=True)
+        return cls(host=float(host), disk=float(disk if disk is not None else DEFAULT_DISK_BANDWIDTH), measured=True)
+
+
+class Policy:
+    """Ranks and admits entries in each tier (module docstring). kind: "cost" or "lru"."""
+
+    def __init__(self, kind: str, cost: CostModel, bandwidths: Callable[[], Bandwidths]):
+        if kind not in ("cost", "lru"):
+            raise ValueError(f"eviction must be 'cost' or 'lru', got {kind!r}")
+        self.kind, self.cost, self._bandwidths = kind, cost, bandwidths
+        self.clock = {tier: 0.0 for tier in TIERS}
+        self._tick = 0
+        self._lock = threading.Lock()
+
+    def saved_s(self, tier: str, tokens: int, nbytes: int) -> float:
+        """Seconds a hit in `tier` saves against recomputing."""
+        return self.cost.seconds(tokens) - self._bandwidths().load_s(tier, nbytes)
+
+    def keeps(self, tier: str, tokens: int, nbytes: int) -> bool:
+        return self.kind == "lru" or self.saved_s(tier, tokens, nbytes) > 0
+
+    def rank(self, tier: str, tokens: int, nbytes: int, uses: int) -> float:
+        with self._lock:
+            self._tick += 1
+            if self.kind == "lru":
+                return float(self._tick)
+            saved = max(self.saved_s(tier, tokens, nbytes), 0.0)
+            return self.clock[tier] + max(uses, 1) * saved / max(nbytes, 1)
+
+    def evicted(self, tier: str, priority: float) -> None:
+        if self.kind == "cost":
+            with self._lock:
+                self.clock[tier] = max(self.clock[tier], priority)
+
+
+class DevicePolicy:
+    """The device tier's side of a `Policy`, in the protocol of `hypic_jax.cache.SegmentCache(policy=...)`."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def rank(self, entry) -> float:
+        return self.policy.rank("device", entry.length, entry.nbytes, entry.uses + 1)
+
+    def evicted(self, entry) -> None:
+        self.policy.evicted("device", entry.priority)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entries off the device
+
+
+@dataclasses.dataclass
+class Pieces:
+    """One entry's content off the device: per pooled leaf (layer by layer, in `jax.tree.leaves` order) the slot's
+    piece, or its token rows [length, ...]."""
+
+    key: str
+    tokens: tuple[int, ...]
+    kind: str
+    seam: int
+    arrays: list[np.ndarray]
+    uses: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) - self.seam
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.arrays))
+
+
+def _in_summary(path) -> bool:
+    return any(getattr(part, "key", None) == "summary" for part in path)
+
+
+class Mover:
+    """Compiled copies of one entry between the device pools and host arrays.
+
+    Token rows are padded to a bucket of whole pages (1, 2, 4, ... pages, up to the longest entry), so the
+    programs are one gather and one scatter per bucket, compiled by `compile` (the engine's warmup).
+    compact: a dtype name ("bfloat16") in which the linear layers' float32 summaries (T and S) leave the device
+    and are stored off it (the gather rounds them; the scatter widens them back to the pools' float32); None keeps
+    every piece as the pools hold it."""
+
+    def __init__(self, pools, max_tokens: int, compact: str | None = None):
+        self.kinds = pools.kinds
+        self.page = pools.page
+        self.compact = compact
+        self.leaves: list[tuple[str, tuple[int, ...], np.dtype]] = []  # (kind, per-entry/per-token shape, stored as)
+        for kind, tree in zip(pools.kinds, pools.arrays):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                dtype = np.dtype(leaf.dtype)
+                if compact and kind == "slot" and dtype == np.float32 and _in_summary(path):
+                    dtype = np.dtype(jnp.dtype(compact))
+                self.leaves.append((kind, tuple(leaf.shape[1:]), dtype))
+        self._stored = tuple(dtype.name for _, _, dtype in self.leaves)
+        top = max(1, min(-(-max_tokens // pools.page), pools.pages - 1))
+        buckets, b = [], 1
+        while b < top:
+            buckets.append(b)
+            b *= 2
+        self.buckets = tuple(buckets + [top])
+        self._gather: dict[int, Any] = {}
+        self._scatter: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def bucket(self, tokens: int) -> int:
+        pages = max(1, -(-tokens // self.page))
+        for b in self.buckets:
+            if b >= pages:
+                return b
+        raise ValueError(f"an entry of {tokens} tokens is longer than the largest bucket of {self.buckets[-1]} pages")
+
+    @staticmethod
+    def _gather_fn(arrays, slot, rows, *, kinds, stored):
+        out = []
+        for kind, tree in zip(kinds, arrays):
+            for leaf in jax.tree.leaves(tree):
+                out.append((leaf[slot] if kind == "slot" else leaf[rows]).astype(jnp.dtype(stored[len(out)])))
+        return out
+
+    @staticmethod
+    def _scatter_fn(arrays, slot, rows, pieces, *, kinds):
+        it = iter(pieces)
+        new = []
+        for kind, tree in zip(kinds, arrays):
+            leaves, treedef = jax.tree.flatten(tree)
+            put = [leaf.at[slot].set(next(it).astype(leaf.dtype)) if kind == "slot"
+                   else leaf.at[rows].set(next(it).astype(leaf.dtype), mode="drop") for leaf in leaves]
+            new.append(jax.tree.unflatten(treedef, put))
+        return tuple(new)
+
+    def _program(self, which: str, bucket: int, arrays):
+        table = self._gather if which == "gather" else self._scatter
+        with self._lock:
+            program = table.get(bucket)
+            if program is not None:
+                return program
+        import functools
+
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
+        slot = jax.ShapeDtypeStruct((), jnp.int32)
+        rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
+        gather = functools.partial(self._gather_fn, kinds=self.kinds, stored=self._stored)
+        if which == "gather":
+            program = jax.jit(gather).lower(shapes, slot, rows).compile()
+        else:
+            pieces = jax.eval_shape(gather, shapes, slot, rows)
+            program = jax.jit(functools.partial(self._scatter_fn, kinds=self.kinds), donate_argnums=0).lower(
+                shapes, slot, rows, pieces).compile()
+        with self._lock:
+            table[bucket] = program
+        return program
+
+    def compile(self, arrays) -> int:
+        for bucket in self.buckets:
+            self._program("gather", bucket, arrays)
+            self._program("scatter", bucket, arrays)
+        return 2 * len(self.buckets)
+
+    @property
+    def compiled(self) -> int:
+        return len(self._gather) + len(self._scatter)
+
+    def gather(self, arrays, slot: int, rows) -> list[np.ndarray]:
+        """Host copies of an entry's pieces (its token leaves [len(rows), ...])."""
+        rows = np.asarray(rows, np.int32)
+        bucket = self.bucket(len(rows))
+        padded = np.zeros(bucket * self.page, np.int32)  # padded reads hit row 0, which no entry owns
+        padded[: len(rows)] = rows
+        out = self._program("gather", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded)
+        host = jax.device_get(out)
+        return [np.asarray(a) if kind == "slot" else np.asarray(a)[: len(rows)]
+                for a, kind in zip(host, self._leaf_kinds(arrays))]
+
+    def scatter(self, arrays, slot: int, rows, pieces: Sequence[np.ndarray]):
+        """`arrays` (donated) with the entry's pieces written to `slot` and `rows`."""
+        rows = np.asarray(rows, np.int32)
+        bucket = self.bucket(len(rows))
+        padded = np.full(bucket * self.page, DROP, np.int32)
+        padded[: len(rows)] = rows
+        kinds = self._leaf_kinds(arrays)
+        staged = []
+        for piece, kind in zip(pieces, kinds):
+            if kind == "token":
+                full = np.zeros((bucket * self.page,) + piece.shape[1:], piece.dtype)
+                full[: len(piece)] = piece
+                piece = full
+            staged.append(jax.device_put(piece))  # asynchronous: overlaps with what the host does next
+        return self._program("scatter", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded, staged)
+
+    def _leaf_kinds(self, arrays) -> list[str]:
+        return [kind for kind, tree in zip(self.kinds, arrays) for _ in jax.tree.leaves(tree)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stores
+
+
+@dataclasses.dataclass
+class _Meta:
+    tokens: int
+    nbytes: int
+    uses: int
+    priority: float = 0.0
+    pieces: Pieces | None = None  # host tier
+    path: Path | None = None  # disk tier
+
+
+@dataclasses.dataclass
+class TierStats:
+    entries: int = 0
+    bytes: int = 0
+    capacity_bytes: int | None = None  # None: unbounded
+    hits: int = 0
+    puts: int = 0
+    evictions: int = 0
+    skipped: int = 0  # not kept: cheaper to recompute than to load, or larger than the budget
+    corrupt: int = 0  # disk: truncated or corrupt files found, deleted, never served
+    foreign: int = 0  # disk: files of another model or format version, left alone
+    write_errors: int = 0  # disk: writes that failed (the entry was dropped)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Store:
+    """Entries of one tier under a byte budget, ranked by the policy."""
+
+    tier = ""
+
+    def __init__(self, capacity_bytes: int | None, policy: Policy):
+        self.capacity_bytes = capacity_bytes
+        self.policy = policy
+        self.index: dict[str, _Meta] = {}
+        self.stats = TierStats(capacity_bytes=capacity_bytes)
+        self.lock = threading.RLock()
+
+    def __contains__(self, key: str) -> bool:
+        with self.lock:
+            return key in self.index
+
+    def _add(self, key: str, meta: _Meta) -> None:
+        old = self.index.pop(key, None)
+        if old is not None:
+            self.stats.bytes -= old.nbytes
+        meta.priority = self.policy.rank(self.tier, meta.tokens, meta.nbytes, meta.uses)
+        self.index[key] = meta
+        self.stats.bytes += meta.nbytes
+        self.stats.entries = len(self.index)
+
+    def _pop(self, key: str) -> _Meta | None:
+        meta = self.index.pop(key, None)
+        if meta is not None:
+            self.stats.bytes -= meta.nbytes
+            self.stats.entries = len(self.index)
+        return meta
+
+    def _victims(self, room: int) -> list[tuple[str, _Meta]]:
+        """Remove and return entries in eviction order until `room` more bytes fit the budget."""
+        if self.capacity_bytes is None:
+            return []
+        out = []
+        order = sorted(self.index.items(), key=lambda item: item[1].priority)  # dicts keep insertion order: LRU ties
+        for key, meta in order:
+            if self.stats.bytes + room <= self.capacity_bytes:
+                break
+            self._pop(key)
+            self.policy.evicted(self.tier, meta.priority)
+            self.stats.evictions += 1
+            out.append((key, meta))
+        return out
+
+    def fits(self, nbytes: int) -> bool:
+        return self.capacity_bytes is None or nbytes <= self.capacity_bytes
+
+
+class HostStore(_Store):
+    tier = "host"
+
+    def put(self, pieces: Pieces) -> list[Pieces]:
+        """Keep `pieces`; returns the entries evicted to make room."""
+        with self.lock:
+            evicted = [meta.pieces for _, meta in self._victims(pieces.nbytes)]
+            self._add(pieces.key, _Meta(pieces.length, pieces.nbytes, pieces.uses, pieces=pieces))
+            self.stats.puts += 1
+            return evicted
+
+    def values(self) -> list[Pieces]:
+        with self.lock:
+            return [meta.pieces for meta in self.index.values()]
+
+    def take(self, key: str, tokens: tuple[int, ...]) -> Pieces | None:
+        with self.lock:
+            meta = self.index.get(key)
+            if meta is None or meta.pieces.tokens != tokens:
+                return None
+            self._pop(key)
+            self.stats.hits += 1
+            return meta.pieces
+
+    def clear(self) -> None:
+        with self.lock:
+            self.index.clear()
+            self.stats.bytes = self.stats.entries = 0
+
+
+class DiskStore(_Store):
+    """One file per entry under `folder` (module docstring); `layout` is the engine's `pool_layout`."""
+
+    tier = "disk"
+
+    def __init__(self, folder, capacity_bytes: int | None, policy: Policy, *, fingerprint: str, leaves,
+                 form: str = "exact"):
+        super().__init__(capacity_bytes, policy)
+        self.folder = Path(folder).expanduser().resolve()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.form = form
+        self._leaves = list(leaves)  # `Mover.leaves`
+        self.scan()
+
+    # Format ---------------------------------------------------------------------------------------------------------
+    def path_of(self, key: str) -> Path:
+        return self.folder / key[:2] / f"{key}{SUFFIX}"
+
+    def _signature(self, length: int) -> list[list]:
+        return [[dtype.str if dtype.kind != "V" else dtype.name, list(shape if kind == "slot" else (length, *shape))]
+                for kind, shape, dtype in self._leaves]
+
+    def _encode(self, pieces: Pieces) -> tuple[bytes, list[np.ndarray]]:
+        arrays = [np.ascontiguousarray(a) for a in pieces.arrays]
+        digest = hashlib.blake2b(digest_size=32)
+        for a in arrays:
+            digest.update(_raw(a))
+        header = json.dumps(dict(
+            fingerprint=self.fingerprint, form=self.form, key=pieces.key, kind=pieces.kind, seam=int(pieces.seam),
+            tokens=[int(t) for t in pieces.tokens],
+            arrays=[[a.dtype.str if a.dtype.kind != "V" else a.dtype.name, list(a.shape)] for a in arrays],
+            payload_bytes=int(sum(a.nbytes for a in arrays)), payload_blake2b=digest.hexdigest()),
+            separators=(",", ":")).encode()
+        head = struct.pack("<II", FORMAT_VERSION, len(header)) + header
+        return MAGIC + head + hashlib.blake2b(head, digest_size=32).digest(), arrays
+
+    @staticmethod
+    def _read_header(f, size: int) -> tuple[str, dict | None, int]:
+        """("ok" | "corrupt" | "foreign", header, payload offset) from an open file of `size` bytes."""
+        start = f.read(16)
+        if len(start) < 16 or start[:8] != MAGIC:
+            return "corrupt", None, 0
+        version, length = struct.unpack("<II", start[8:16])
+        if version != FORMAT_VERSION:
+            return "foreign", None, 0
+        if 16 + length + 32 > size:
+            return "corrupt", None, 0
+        header = f.read(length)
+        checksum = f.read(32)
+        if hashlib.blake2b(start[8:16] + header, digest_size=32).digest() != checksum:
+            return "corrupt", None, 0
+        try:
+            meta = json.loads(header)
+        except ValueError:
+            return "corrupt", None, 0
+        return "ok", meta, 16 + length + 32
+
+    def _check(self, path: Path, f, size: int) -> tuple[str, dict | None, int]:
+        state, header, offset = self._read_header(f, size)
+        if state != "ok":
+            return state, None, 0
+        if header.get("fingerprint") != self.fingerprint or header.get("form") != self.form:
+            return "foreign", None, 0  # another model, or another storage form of this one: never served
+        try:
+            length = len(header["tokens"]) - int(header["seam"])
+            ok = (header["key"] == path.name[: -len(SUFFIX)] and header["arrays"] == self._signature(length)
+                  and offset + int(header["payload_bytes"]) == size)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        return ("ok", header, offset) if ok else ("corrupt", None, 0)
+
+    def _discard(self, path: Path, why: str) -> None:
+        log.warning("disk cache: %s file %s removed", why, path)
+        self.stats.corrupt += 1
+        path.unlink(missing_ok=True)
+
+    # Index ----------------------------------------------------------------------------------------------------------
+    def scan(self) -> None:
+        """Rebuild the index from the folder's headers (payload checksums are checked when a file is read)."""
+        with self.lock:
+            self.index.clear()
+            self.stats.bytes = 0
+            found = []
+            for path in self.folder.glob(f"*/*{SUFFIX}"):
+                try:
+                    size = path.stat().st_size
+                    with open(path, "rb") as f:
+                        state, header, _ = self._check(path, f, size)
+                except OSError:
+                    continue
+                if state == "corrupt":
+                    self._discard(path, "corrupt or truncated")
+                elif state == "foreign":
+                    self.stats.foreign += 1
+                else:
+                    found.append((path.stat().st_mtime, header["key"], len(header["tokens"]) - header["seam"],
+                                  size, path))
+            for _, key, tokens, size, path in sorted(found):  # oldest first: LRU order across a restart
+                self._add(key, _Meta(tokens, size, 1, path=path))
+            self._clean_temporaries()
+
+    def _clean_temporaries(self, age_s: float = 3600.0) -> None:
+        """Temporary files of writes that never finished (a crash); a recent one may be another process's."""
+        now = time.time()
+        for path in self.folder.glob("*/.tmp-*"):
+            try:
+                if now - path.stat().st_mtime > age_s:
+                    path.unlink()
+            except OSError:
+                pass
+
+    # Reads and writes -----------------------------------------------------------------------------------------------
+    def take(self, key: str, tokens: tuple[int, ...]) -> Pieces | None:
+        """The entry under `key` if its file is intact and holds `tokens` (the file stays)."""
+        with self.lock:
+            meta = self.index.get(key)
+            if meta is None:
+                return None
+            path = meta.path
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    state, header, offset = self._check(path, f, size)
+                    if state != "ok":
+                        self._pop(key)
+                        if state == "corrupt":
+                            self._discard(path, "corrupt or truncated")
+                        else:
+                            self.stats.foreign += 1
+                        return None
+                    if tuple(header["tokens"]) != tokens:
+                        return None  # a digest collision: never serve it
+                    payload = f.read(size - offset)
+            except OSError:
+                self._pop(key)
+                return None
+            if (len(payload) != header["payload_bytes"]
+                    or hashlib.blake2b(payload, digest_size=32).hexdigest() != header["payload_blake2b"]):
+                self._pop(key)
+                self._discard(path, "corrupt")
+                return None
+            arrays, at = [], 0
+            for dtype_name, shape in header["arrays"]:
+                dtype = np.dtype(jnp.dtype(dtype_name))
+                count = int(np.prod(shape))
+                arrays.append(np.frombuffer(payload, dtype, count, at).reshape(shape))
+                at += count * dtype.itemsize
+            meta.uses += 1
+            meta.priority = self.policy.rank(self.tier, meta.tokens, meta.nbytes, meta.uses)
+            self.index[key] = self.index.pop(key)  # most recently used
+            self.stats.hits += 1
+            return Pieces(key=key, tokens=tokens, kind=header["kind"], seam=int(header["seam"]), arrays=arrays,
+                          uses=meta.uses)
+
+    def put(self, pieces: Pieces) -> bool:
+        """Write `pieces` (atomically) unless its file exists; False when the write failed."""
+        with self.lock:
+            if pieces.key in self.index:
+                return True
+            head, arrays = self._encode(pieces)
+            size = len(head) + sum(a.nbytes for a in arrays)
+            for _, meta in self._victims(size):
+                meta.path.unlink(missing_ok=True)
+            path = self.path_of(pieces.key)
+            tmp = path.parent / f".tmp-{pieces.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                path.parent.mkdir(exist_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(head)
+                    for a in arrays:
+                        f.write(_raw(a))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(path.parent)
+            except OSError as error:
+                log.warning("disk cache: writing %s failed: %s", path, error)
+                self.stats.write_errors += 1
+                tmp.unlink(missing_ok=True)
+                return False
+            self._add(pieces.key, _Meta(pieces.length, size, pieces.uses, path=path))
+            self.stats.puts += 1
+            return True
+
+    def clear(self) -> None:
+        """Delete this model's files (foreign files stay)."""
+        with self.lock:
+            for meta in self.index.values():
+                meta.path.unlink(missing_ok=True)
+            self.index.clear()
+            self.stats.bytes = self.stats.entries = 0
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """The bytes of a contiguous array as uint8 (the buffer protocol refuses bfloat16 itself)."""
+    return a.reshape(-1).view(np.uint8)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tiers together
+
+
+class Tiers:
+    """Host and disk tiers of one engine: where a demoted entry goes, where a missing one is found.
+
+    host_bytes: the host tier's budget (0: off). disk_dir: the disk tier's folder (None: off), disk_bytes its
+    budget (None: unbounded; 0: off). policy: a `Policy` (shared with the device tier). leaves: `Mover.leaves`;
+    form: "exact", or the compact dtype the pieces are stored in (a disk file of another form is foreign)."""
+
+    def __init__(self, *, leaves, fingerprint: str, policy: Policy, host_bytes: int = 0, disk_dir=None,
+                 disk_bytes: int | None = None, form: str = "exact"):
+        for name, value in (("host_cache_bytes", host_bytes), ("disk_cache_bytes", disk_bytes)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        self.policy = policy
+        self.host = HostStore(host_bytes, policy) if host_bytes else None
+        self.disk = (DiskStore(disk_dir, disk_bytes, policy, fingerprint=fingerprint, leaves=leaves, form=form)
+                     if disk_dir is not None and disk_bytes != 0 else None)
+        self.promotions = {"host": 0, "disk": 0}
+        self.demotions = 0
+        self.lock = threading.RLock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.host is not None or self.disk is not None
+
+    def put(self, pieces: Pieces) -> None:
+        """An entry demoted from the device: into the host tier, or the disk, or nowhere (by the policy)."""
+        with self.lock:
+            self.demotions += 1
+            if self.host is not None:
+                if self.host.fits(pieces.nbytes) and self.policy.keeps("host", pieces.length, pieces.nbytes):
+                    for down in self.host.put(pieces):
+                        self._to_disk(down)
+                    return
+                self.host.stats.skipped += 1
+            self._to_disk(pieces)
+
+    def _to_disk(self, pieces: Pieces) -> None:
+        if self.disk is None:
+            return
+        if pieces.key in self.disk:
+            return
+        if self.disk.fits(pieces.nbytes) and self.policy.keeps("disk", pieces.length, pieces.nbytes):
+            self.disk.put(pieces)
+        else:
+            self.disk.stats.skipped += 1
+
+    def persist(self, pieces: Pieces) -> bool:
+        """Write an entry to disk (it also stays where it is); False when there is no disk tier or it refused."""
+        with self.lock:
+            if self.disk is None:
+                return False
+            if pieces.key not in self.disk:
+                self._to_disk(pieces)
+            return pieces.key in self.disk
+
+    def take(self, key: str, tokens: tuple[int, ...]) -> tuple[Pieces, str] | None:
+        """The entry from the host tier (leaving it) or the disk (its file stays), and which."""
+        with self.lock:
+            for store in (self.host, self.disk):
+                if store is None:
+                    continue
+                pieces = store.take(key, tokens)
+                if pieces is not None:
+                    self.promotions[store.tier] += 1
+                    return pieces, store.tier
+            return None
+
+    def give_back(self, pieces: Pieces, tier: str) -> None:
+        """A taken entry that could not be promoted (the pools were full of running requests' entries)."""
+        with self.lock:
+            self.promotions[tier] -= 1
+            if tier == "host" and self.host is not None:
+                for down in self.host.put(pieces):
+                    self._to_disk(down)
+
+    def clear(self, *, disk: bool = False) -> None:
+        with self.lock:
+            if self.host is not None:
+                self.host.clear()
+            if disk and self.disk is not None:
+                self.disk.clear()
+
+    def stats(self) -> dict:
+        with self.lock:
+            return dict(host=self.host.stats.as_dict() if self.host is not None else None,
+                        disk=self.disk.stats.as_dict() if self.disk is not None else None,
+                        promotions=dict(self.promotions), demotions=self.demotions)
+
+
+__all__ = ["Bandwidths", "CostModel", "DevicePolicy", "DiskStore", "HostStore", "Mover", "Pieces", "Policy",
+           "Tiers", "FORMAT_VERSION", "DEFAULT_COST", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_DISK_BANDWIDTH"]

@@ -1,0 +1,298 @@
+"""Cache tiers of the shape-stable engine (`hypic_jax.tiers`): device pools, host memory, disk.
+
+On one tiny Qwen3.5-MoE checkpoint and one token rung, with pools small enough that requests evict: demotion
+then promotion returns an entry bit for bit; a second engine on the same folder (a restart) serves the first
+one's entries with the same logits; flipped bytes and truncated files are detected, counted and recomputed; files
+of another model are never served; a budget of 0 switches a tier off; salts stay apart; the cost policy leaves an
+entry out of a tier slower than recomputing it; threads interleaving requests across the tiers keep every exact
+identity and compile nothing after warmup.
+
+Every engine here has the same pool shapes, so the engines after the first reuse its compiled programs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from hypic_jax.cache import entry_key
+from hypic_jax.runtime import StableEngine, backend_compiles
+from hypic_jax import tiers as tr
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_engine import _build  # noqa: E402  (the tiny checkpoints of the engine tests)
+
+BASE = dict(max_prompt_tokens=256, max_segments=8, token_rungs=(256,), max_new_tokens=8, cache_bytes=1 << 19,
+            mean_entry_tokens=64)
+SEAM = 4
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def make(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiers")
+    model, vocab, _ = _build("qwen_moe", str(root / "model"))
+    donor = StableEngine(model, **BASE, host_cache_bytes=1 << 20)
+    donor.warmup(progress=False)
+
+    def make(**options) -> StableEngine:
+        engine = StableEngine(model, **{**BASE, **options})
+        # the same pool shapes: the donor's compiled programs run this engine too
+        engine.programs._compiled.update(donor.programs._compiled)
+        if engine.mover.leaves == donor.mover.leaves:  # the copy programs too, where pieces are stored alike
+            engine.mover._gather.update(donor.mover._gather)
+            engine.mover._scatter.update(donor.mover._scatter)
+        return engine
+
+    make.vocab, make.root = vocab, root
+    return make
+
+
+def _docs(vocab, seed, count=4, low=24, high=56):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(low, high, count)]
+
+
+def _evict_device(engine) -> None:
+    with engine._device_lock:
+        while engine.cache.evict_one():
+            pass
+    assert len(engine.cache) == 0
+
+
+def _files(folder) -> list:
+    return sorted(folder.glob(f"*/*{tr.SUFFIX}"))
+
+
+def test_demotion_then_promotion_round_trips_exactly(make):
+    folder = make.root / "round_trip"
+    engine = make(host_cache_bytes=60_000, disk_cache_dir=folder)  # the host holds two of the four entries
+    segs = _docs(make.vocab, 1) + [[5, 6, 7]]
+    engine.prefill(segs, seam=SEAM)
+    warm = engine.prefill(segs, seam=SEAM)
+    assert warm.stats.hits == 4
+    _evict_device(engine)
+    stats = engine.stats["tiers"]
+    assert stats["host"]["entries"] == 2 and stats["disk"]["entries"] == 2, stats
+    back = engine.prefill(segs, seam=SEAM)
+    assert (back.stats.hits, back.stats.misses, back.stats.cold_tokens) == (4, 0, 0)
+    assert engine.stats["tiers"]["promotions"] == {"host": 2, "disk": 2}
+    np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
+
+    # prefix entries: exact, so also equal to the full recompute
+    full = engine.prefill(segs, mode="full_recompute")
+    engine.prefill(segs, mode="prefix_cache")
+    _evict_device(engine)
+    again = engine.prefill(segs, mode="prefix_cache")
+    assert again.stats.hits == 4 and again.stats.recomputed_tokens == len(segs[-1])
+    assert _rel(again.logits, full.logits) < 1e-5
+    assert engine.persist() == engine.stats["tiers"]["disk"]["entries"] == len(_files(folder))
+    assert engine.stats["tiers"]["demote_errors"] == 0
+
+
+def test_restart_serves_the_disk_and_detects_corruption(make):
+    folder = make.root / "restart"
+    first = make(disk_cache_dir=folder, disk_write_through=True)
+    segs = _docs(make.vocab, 2) + [[9, 8]]
+    first.prefill(segs, seam=SEAM)
+    cached = first.prefill(segs, seam=SEAM)
+    prefix = first.prefill(segs, mode="prefix_cache")
+    assert len(_files(folder)) == 8  # 4 PIC + 4 prefix entries, written when stored
+
+    second = make(disk_cache_dir=folder)  # a new process on the same folder
+    assert second.stats["tiers"]["disk"]["entries"] == 8
+    again = second.prefill(segs, seam=SEAM)
+    assert (again.stats.hits, again.stats.cold_tokens) == (4, 0)
+    np.testing.assert_allclose(again.logits, cached.logits, rtol=0, atol=1e-6)
+    again_prefix = second.prefill(segs, mode="prefix_cache")
+    assert again_prefix.stats.hits == 4
+    np.testing.assert_allclose(again_prefix.logits, prefix.logits, rtol=0, atol=1e-6)
+    assert second.stats["tiers"]["promotions"]["disk"] == 8
+
+    # a flipped payload byte and a truncated file, found when read: dropped, counted, recomputed
+    path = lambda doc: second.tiers.disk.path_of(  # noqa: E731
+        entry_key(doc, fingerprint=second.fingerprint, kind="pic", seam=SEAM))
+    flipped, truncated = path(segs[0]), path(segs[1])
+    data = bytearray(flipped.read_bytes())
+    data[-5] ^= 0x40
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    second.clear_cache()
+    result = second.prefill(segs, seam=SEAM)
+    assert (result.stats.hits, result.stats.misses) == (2, 2)
+    assert second.stats["tiers"]["disk"]["corrupt"] == 2
+    assert not flipped.exists() and not truncated.exists()
+    assert _rel(result.logits, cached.logits) < 1e-5
+
+    # a flipped header byte, found when the folder is scanned (the index rebuilt from the headers)
+    header = path(segs[2])
+    data = bytearray(header.read_bytes())
+    data[40] ^= 0x01
+    header.write_bytes(bytes(data))
+    second.tiers.disk.scan()
+    assert second.stats["tiers"]["disk"]["corrupt"] == 3 and not header.exists()
+    assert second.stats["tiers"]["disk"]["entries"] == 5
+    second.clear_cache()
+    assert second.prefill(segs, seam=SEAM).stats.hits == 1
+
+
+def test_files_of_another_model_are_never_served(make):
+    folder = make.root / "foreign"
+    owner = make(disk_cache_dir=folder, disk_write_through=True)
+    segs = _docs(make.vocab, 3) + [[4]]
+    owner.prefill(segs, seam=SEAM)
+    files = _files(folder)
+    assert len(files) == 4
+
+    other = make(disk_cache_dir=folder, source="another checkpoint")
+    assert other.fingerprint != owner.fingerprint
+    assert other.stats["tiers"]["disk"]["foreign"] == 4 and other.stats["tiers"]["disk"]["entries"] == 0
+    # one of the owner's files under the very name the other model looks for: still not served
+    theirs = other.tiers.disk.path_of(entry_key(segs[0], fingerprint=other.fingerprint, kind="pic", seam=SEAM))
+    theirs.parent.mkdir(exist_ok=True)
+    shutil.copy(owner.tiers.disk.path_of(entry_key(segs[0], fingerprint=owner.fingerprint, kind="pic", seam=SEAM)),
+                theirs)
+    other.tiers.disk.scan()
+    assert other.stats["tiers"]["disk"]["entries"] == 0 and other.stats["tiers"]["disk"]["foreign"] == 9
+    result = other.prefill(segs, seam=SEAM)
+    assert result.stats.hits == 0 and result.stats.misses == 4
+    assert all(f.exists() for f in files)  # another model's files are left alone
+
+
+def test_a_budget_of_zero_switches_a_tier_off(make):
+    folder = make.root / "off"
+    segs_list = [_docs(make.vocab, 10 + i) + [[3]] for i in range(4)]
+    none = make(host_cache_bytes=0, disk_cache_dir=folder, disk_cache_bytes=0)
+    assert not none.tiers.enabled
+    host_only = make(host_cache_bytes=1 << 20)
+    assert host_only.tiers.disk is None
+    for engine in (none, host_only):
+        for segs in segs_list:
+            engine.prefill(segs, seam=SEAM)
+        assert engine.stats["cache"]["evictions"] > 0
+    assert none.stats["tiers"]["demotions"] == 0 and not folder.exists()
+    assert host_only.stats["tiers"]["host"]["entries"] == host_only.stats["cache"]["evictions"]
+
+
+def test_salts_stay_apart_in_every_tier(make):
+    engine = make(host_cache_bytes=1 << 20, disk_cache_dir=make.root / "salt", disk_write_through=True)
+    segs = _docs(make.vocab, 4) + [[7, 7]]
+    engine.prefill(segs, seam=SEAM, cache_salt="tenant-a")
+    _evict_device(engine)
+    assert engine.prefill(segs, seam=SEAM, cache_salt="tenant-b").stats.hits == 0
+    _evict_device(engine)
+    engine.tiers.clear()  # the host tier empty: tenant-a's entries only on disk
+    assert engine.prefill(segs, seam=SEAM).stats.hits == 0  # no salt is a salt of its own
+    assert engine.prefill(segs, seam=SEAM, cache_salt="tenant-a").stats.hits == 4
+
+
+def test_an_entry_cheaper_to_recompute_is_not_kept(make):
+    slow = make(host_cache_bytes=1 << 20, host_bandwidth=1.0, disk_cache_dir=make.root / "slow", disk_bandwidth=1.0)
+    lru = make(host_cache_bytes=1 << 20, host_bandwidth=1.0, eviction="lru")
+    for engine in (slow, lru):
+        for i in range(3):
+            engine.prefill(_docs(make.vocab, 20 + i) + [[3]], seam=SEAM)
+        _evict_device(engine)
+    stats = slow.stats["tiers"]
+    assert stats["host"]["entries"] == stats["disk"]["entries"] == 0
+    assert stats["host"]["skipped"] == stats["disk"]["skipped"] == stats["demotions"] > 0
+    assert lru.stats["tiers"]["host"]["entries"] == lru.stats["tiers"]["demotions"] > 0  # LRU keeps everything
+
+
+def test_cost_model_and_policy():
+    cost = tr.CostModel()
+    truth = (2e-3, 3e-5, 4e-8)
+    for lengths in ([64], [256], [64] * 4, [128, 32], [200]):
+        cost.observe(lengths, truth[0] + truth[1] * sum(lengths) + truth[2] * sum(n * n for n in lengths))
+    assert cost.calibrated
+    np.testing.assert_allclose(cost.constants, truth, rtol=1e-6)
+
+    bandwidths = tr.Bandwidths(host=1e9, disk=1e8)
+    policy = tr.Policy("cost", cost, lambda: bandwidths)
+    assert policy.saved_s("disk", 100, 10**6) < policy.saved_s("host", 100, 10**6) < policy.saved_s("device", 100, 1)
+    # more recompute time saved per byte ranks higher; a second use doubles it
+    assert policy.rank("host", 200, 10**5, 1) > policy.rank("host", 20, 10**5, 1)
+    assert policy.rank("host", 20, 10**5, 2) > policy.rank("host", 20, 10**5, 1)
+    assert not policy.keeps("disk", 10, 10**9)
+    with pytest.raises(ValueError, match="eviction"):
+        tr.Policy("fifo", cost, lambda: bandwidths)
+
+
+def test_threads_interleaving_across_tiers_keep_identities_and_compile_nothing(make):
+    engine = make(host_cache_bytes=150_000, disk_cache_dir=make.root / "threads")
+    engine.warmup(progress=False)
+    rng = np.random.default_rng(5)
+    corpus = [rng.integers(3, make.vocab, int(n)).tolist() for n in rng.integers(8, 48, 24)]
+    weights = 1.0 / np.arange(1, len(corpus) + 1)
+    weights /= weights.sum()
+    before = backend_compiles()
+    failures: list = []
+
+    def worker(seed):
+        local = np.random.default_rng(seed)
+        try:
+            for _ in range(8):
+                docs = [corpus[i] for i in local.choice(len(corpus), int(local.integers(1, 6)), p=weights)]
+                segs = docs + [local.integers(3, make.vocab, 3).tolist()]
+                full = engine.prefill(segs, mode="full_recompute")
+                for mode, seam in (("prefix_cache", 0), ("transition_rope_recompute", 1.0)):
+                    result = engine.prefill(segs, mode=mode, seam=seam)
+                    assert _rel(result.logits, full.logits) < 1e-5, (mode, seam)
+                result = engine.prefill(segs, seam=SEAM)
+                assert np.all(np.isfinite(result.logits))
+        except Exception as error:  # noqa: BLE001 (reported below)
+            failures.append(error)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    assert backend_compiles() == before, "a request compiled after warmup"
+    stats = engine.stats["tiers"]
+    assert stats["demote_errors"] == 0
+    assert stats["promotions"]["host"] > 0 and stats["promotions"]["disk"] > 0, stats
+    assert engine.stats["cache"]["evictions"] > 0
+
+
+def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
+    folder = make.root / "compact"
+    exact = make(host_cache_bytes=1 << 20)
+    compact = make(host_cache_bytes=1 << 20, disk_cache_dir=folder, tier_dtype="bfloat16")
+    segs = _docs(make.vocab, 6) + [[8, 9, 10]]
+    deviation, stored = {}, {}
+    for name, engine in (("exact", exact), ("compact", compact)):
+        engine.prefill(segs, seam=SEAM)
+        warm = engine.prefill(segs, seam=SEAM)
+        _evict_device(engine)
+        stored[name] = engine.stats["tiers"]["host"]["bytes"]
+        back = engine.prefill(segs, seam=SEAM)
+        assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
+        deviation[name] = _rel(back.logits, warm.logits)
+    # the pieces that shrink: per linear layer T and S, float32 -> bfloat16, half their bytes per entry
+    summary_f32 = sum(int(np.prod(shape)) * dtype.itemsize for kind, shape, dtype in exact.mover.leaves
+                  if kind == "slot" and dtype == np.float32) - sum(
+        int(np.prod(shape)) * dtype.itemsize for kind, shape, dtype in compact.mover.leaves
+        if kind == "slot" and dtype == np.float32)
+    assert summary_f32 > 0 and stored["exact"] - stored["compact"] == 4 * summary_f32 // 2
+    assert deviation["exact"] < 1e-6
+    assert 0 < deviation["compact"] < 1e-2, deviation  # rounded T and S, composed in float32
+    # on disk the form is part of the header: an exact engine never reads a bfloat16 file
+    compact.persist()
+    files = _files(folder)
+    assert len(files) == 4
+    reader = make(disk_cache_dir=folder)
+    assert reader.stats["tiers"]["disk"]["entries"] == 0 and reader.stats["tiers"]["disk"]["foreign"] == 4
+    again = make(disk_cache_dir=folder, tier_dtype="bfloat16")
+    assert again.stats["tiers"]["disk"]["entries"] == 4
+    assert again.prefill(segs, seam=SEAM).stats.hits == 4
