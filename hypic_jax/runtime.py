@@ -415,7 +415,7 @@ class StableEngine(Engine):
         mesh = self.segment_mesh
         rungs = [r for r in self.ladder.rungs if r <= self.ladder.rung(limit)]
         seconds = mesh.compile(rungs)
-        mesh.calibrate(rungs[-1])
+        mesh.calibrate(rungs)
         return seconds
 
     def first_linear_layer(self) -> int | None:

@@ -210,15 +210,17 @@ class SegmentMesh:
                 per_bin[order[shard.device]][j] = jax.device_put(shard.data, self.home)
         return tuple(jax.tree.unflatten(treedef, part) for part in per_bin)
 
-    def calibrate(self, rung: int) -> None:
-        """Time single-device cold prefills of several bin shapes up to `rung` tokens (recording nothing; the
-        second run of each, the first pays one-time costs) and fit the segment cost model to them."""
+    def calibrate(self, rungs: Sequence[int]) -> None:
+        """Time single-device cold prefills (recording nothing; the second run of each, the first pays one-time
+        costs) of one segment filling each rung, one of half of it and four of a quarter of it, and fit the
+        segment cost model."""
         engine = self.engine
         rng = np.random.default_rng(0)
         vocab = int(getattr(engine.config, "vocab_size", 2))
-        shapes = {(rung,), (max(1, rung // 2),), (max(1, rung // 4),) * min(4, engine.max_segments),
-                  (max(1, rung // 8),) * min(8, engine.max_segments)}
-        for lengths in sorted(shapes):
+        quarters = min(4, engine.max_segments)
+        shapes = sorted({shape for rung in rungs
+                         for shape in ((rung,), (max(1, rung // 2),), (max(1, rung // 4),) * quarters)})
+        for lengths in shapes:
             spans = [lay.Span(lay.FRESH, n) for n in lengths]
             ids = rng.integers(0, vocab, sum(lengths))
             for attempt in range(2):
