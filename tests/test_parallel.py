@@ -66,6 +66,17 @@ def test_cost_model_defaults_then_calibration():
     assert cost(700) == pytest.approx(truth(700))
 
 
+def test_bad_devices():
+    import jax
+
+    from hypic_jax.segment_mesh import resolve_devices
+
+    assert resolve_devices(1) == jax.devices()[:1]
+    for bad in (0, len(jax.devices()) + 1, [], [jax.devices()[0]] * 2):
+        with pytest.raises(ValueError, match="devices"):
+            resolve_devices(bad)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="policy"):
         par.assign("random", [4], 2)
@@ -111,13 +122,16 @@ assert len(ref_entries) == 7 and all(np.abs(p).max() > 0 for e in ref_entries.va
 shared = {}
 for n in (1, 2, 4, 8):
     for policy in ("lpt", "rr"):
-        engine = StableEngine(model, **base, devices=n, policy=policy)
+        # two devices away from the home one (where the pools live): the records travel back to it
+        devices = jax.devices()[6:8] if (n, policy) == (2, "rr") else n
+        engine = StableEngine(model, **base, devices=devices, policy=policy)
         engine.programs._compiled.update(ref.programs._compiled)  # same shapes: the reference's programs
         mesh = engine.segment_mesh
-        if n in shared:  # the policies share the mesh programs of a device count
-            mesh._cold, mesh._commit = shared[n]
+        assert mesh.size == n and mesh.home == jax.devices()[0]
+        if (n, devices is n) in shared:  # the policies share the mesh programs of the same devices
+            mesh._cold, mesh._commit = shared[n, devices is n]
         engine.warmup(progress=False)
-        shared[n] = (mesh._cold, mesh._commit)
+        shared[n, devices is n] = (mesh._cold, mesh._commit)
         before = backend_compiles()
         for r, want in zip(requests, ref_logits):
             got = engine.prefill(r)
