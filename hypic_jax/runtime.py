@@ -322,7 +322,8 @@ class StableEngine(Engine):
                  mean_entry_tokens: int = 512, max_batch: int = 0, host_cache_bytes: int = 0,
                  disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
-                 disk_write_through: bool = False, tier_dtype: str | None = None):
+                 disk_write_through: bool = False, tier_dtype: str | None = None, devices=None,
+                 policy: str = "lpt"):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -356,6 +357,11 @@ class StableEngine(Engine):
         self.programs = Programs(self)
         self._device_lock = threading.RLock()
         self._unstored: list[Entry] = []
+        self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.segment_mesh`); None: one device
+        if devices is not None:
+            from hypic_jax.segment_mesh import SegmentMesh
+
+            self.segment_mesh = SegmentMesh(self, devices, policy)
 
     # Programs -------------------------------------------------------------------------------------------------------
     def _capacity(self, key: ProgramKey) -> lay.Capacity:
@@ -395,11 +401,22 @@ class StableEngine(Engine):
         spans = [k for k in keys if k.kind in ("cold", "pic", "plain")]
         seconds = self.programs.compile(spans, progress=progress)
         seconds += self.programs.compile([k for k in keys if k not in spans], progress=False)
+        if self.segment_mesh is not None:
+            seconds += self._warm_mesh(limit)
         if self.max_batch:
             self._slot_cache()  # allocating it compiles its fill programs: here, not while serving
         tiers = self._warm_tiers(limit)
         self.programs.serving = True
         return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before, **tiers)
+
+    def _warm_mesh(self, limit: int) -> float:
+        """Compile (and run once) the segment-parallel programs of every rung up to `limit`; calibrate the segment
+        cost model."""
+        mesh = self.segment_mesh
+        rungs = [r for r in self.ladder.rungs if r <= self.ladder.rung(limit)]
+        seconds = mesh.compile(rungs)
+        mesh.calibrate(rungs)
+        return seconds
 
     def first_linear_layer(self) -> int | None:
         """0 when the model's first layer is a linear one (whose state a seam of W-1 tokens makes exact)."""
@@ -408,8 +425,11 @@ class StableEngine(Engine):
 
     @property
     def stats(self) -> dict:
-        return dict(cache=self.cache.stats.as_dict(), programs=dataclasses.asdict(self.programs.stats),
-                    pool_slots_free=self.pools.free_slots(), tiers=self._tier_stats())
+        out = dict(cache=self.cache.stats.as_dict(), programs=dataclasses.asdict(self.programs.stats),
+                   pool_slots_free=self.pools.free_slots(), tiers=self._tier_stats())
+        if self.segment_mesh is not None:
+            out["segment_parallel"] = self.segment_mesh.as_dict()
+        return out
 
     # Running ---------------------------------------------------------------------------------------------------------
     def _run(self, kind: str, spans, fresh_tokens, *, transfer=True, rope=True):
@@ -560,7 +580,11 @@ class StableEngine(Engine):
             cold_tokens = len(fresh)
             timed = self.programs.serving and self.cost.wants_samples()
             cold_start = time.perf_counter()
-            cold_logits, _ = self._run("cold", spans, fresh)
+            if self.segment_mesh is not None:
+                self.segment_mesh.run(spans, [docs[i] for i in missing.values()], timed=self.programs.serving)
+                timed = False  # the mesh keeps its own predicted and measured times
+            else:
+                cold_logits, _ = self._run("cold", spans, fresh)
             if timed:  # calibrates the recompute cost model (waits for the cold prefill)
                 jax.block_until_ready(cold_logits)
                 self.cost.observe([len(docs[i]) for i in missing.values()], time.perf_counter() - cold_start)

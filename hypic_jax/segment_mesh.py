@@ -1,0 +1,235 @@
+"""The segment-parallel cold path of the shape-stable engine: a request's missing segments prefilled over a 1-D
+mesh of devices in one program.
+
+`StableEngine(devices=...)` splits the missing segments of a request into one bin per device (`hypic_jax.parallel`:
+LPT on the per-segment cost model, or round-robin), packs each bin into one isolated layout of the token rung that
+holds the largest bin, stacks the layouts along a leading `bins` axis and runs the engine's cold span program on
+every device at once (`jax.shard_map`: each device runs exactly the single-device program on its own bin). Empty
+bins run a one-token layout that records nothing.
+
+What is sharded and what is not yet: the layouts and the records are sharded over the bins; the weights are
+replicated on every device of the mesh; the entry pools stay on the home device (where the engine's pools live).
+The cold program reads no pool row in an isolated layout, so the devices receive a two-row stand-in of the pools
+instead of a copy. Each device's records are copied to the home device and written into the pools by one commit
+program, after the whole mesh program is done; the usual stitched (pic) program then runs on the home device.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hypic_jax import layout as lay
+from hypic_jax import parallel
+
+log = logging.getLogger("hypic_jax.segment_mesh")
+
+AXIS = "bins"
+
+__all__ = ["SegmentMesh", "resolve_devices", "AXIS"]
+
+
+def resolve_devices(devices) -> list:
+    """An integer N (the first N devices of the default backend) or a sequence of jax devices."""
+    if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+        available = jax.devices()
+        if not 1 <= devices <= len(available):
+            raise ValueError(f"devices={devices}: this process has {len(available)} device(s)")
+        return list(available[:devices])
+    devices = list(devices)
+    if not devices or len({d.id for d in devices}) != len(devices):
+        raise ValueError("devices must be a positive count or a non-empty sequence of distinct jax devices")
+    return devices
+
+
+class _ColdKey(NamedTuple):
+    """The fields of `hypic_jax.runtime.ProgramKey` that the engine's layout capacities read."""
+
+    kind: str
+    tokens: int
+    keys: int
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *xs: np.stack(xs), *trees)
+
+
+def _cold_bins(params, arrays, pools, *, arch, config, algorithm):
+    """One device's bin (leading axis 1): the cold span program on it, records and logits with the axis back."""
+    one = jax.tree.map(lambda a: a[0], arrays)
+    logits, writes, _ = arch.span_forward_arrays(params, config, one, pools, isolated=True, summaries=True,
+                                                 want_decode=False, algorithm=algorithm)
+    return jax.tree.map(lambda a: a[None], (logits, writes))
+
+
+def _commit_bins(pools, parts):
+    """Every bin's records (each with a leading axis of 1) written into the home pools (donated: in place)."""
+    from hypic_jax import stitch
+
+    for writes in parts:
+        pools = tuple(stitch.apply_row_writes(pool, jax.tree.map(lambda a: a[0], w)) for pool, w in zip(pools, writes))
+    return pools
+
+
+class SegmentMesh:
+    """The mesh, its programs (one cold and one commit program per token rung) and the policy of one engine."""
+
+    def __init__(self, engine, devices, policy: str = "lpt", cost: parallel.SegmentCost | None = None):
+        if policy not in parallel.POLICIES:
+            raise ValueError(f"policy must be one of {parallel.POLICIES}, got {policy!r}")
+        self.engine = engine
+        self.devices = resolve_devices(devices)
+        self.policy = policy
+        self.cost = cost or parallel.SegmentCost()
+        self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
+        self.home = next(iter(jax.tree.leaves(engine.pools.arrays)[0].devices()))
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._sharded = NamedSharding(self.mesh, PartitionSpec(AXIS))
+        self.params = jax.device_put(engine.params, self._replicated)
+        standin = tuple(jax.tree.map(lambda a: jnp.zeros((min(2, a.shape[0]),) + a.shape[1:], a.dtype), pool)
+                        for pool in engine.pools.arrays)
+        self.standin = jax.device_put(standin, self._replicated)
+        self._cold: dict[int, Any] = {}
+        self._commit: dict[int, Any] = {}
+        self.last: dict | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    # Programs ---------------------------------------------------------------------------------------------------
+    def _shapes(self, tree, sharding=None):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+    def _stacked_dummy(self, rung: int):
+        one = self.engine._dummy_layout(self._key(rung))
+        return _stack([one] * self.size)
+
+    def _key(self, rung: int):
+        return _ColdKey("cold", rung, rung)
+
+    def _build_cold(self, rung: int):
+        engine = self.engine
+        body = functools.partial(_cold_bins, arch=engine.arch, config=engine.config,
+                                 algorithm=engine.compose_algorithm)
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec(AXIS), PartitionSpec()),
+                               out_specs=PartitionSpec(AXIS), check_vma=False)
+        fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._replicated),
+                     out_shardings=self._sharded)
+        return fn.lower(self._shapes(self.params), self._shapes(self._stacked_dummy(rung)),
+                        self._shapes(self.standin)).compile()
+
+    def _build_commit(self, rung: int):
+        engine = self.engine
+        per_bin = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1,) + s.shape, s.dtype), engine._writes_shapes(rung))
+        fn = jax.jit(_commit_bins, donate_argnums=0)
+        return fn.lower(self._shapes(engine.pools.arrays), (per_bin,) * self.size).compile()
+
+    def compile(self, rungs: Sequence[int]) -> float:
+        """Compile the cold and commit programs of `rungs` and run each once on layouts that record nothing (the
+        first run of a program pays one-time costs); returns the seconds."""
+        start = time.perf_counter()
+        engine = self.engine
+        for rung in rungs:
+            cold, commit = self._program(rung)
+            _, writes = cold(self.params, jax.device_put(self._stacked_dummy(rung), self._sharded), self.standin)
+            parts = self._to_home(writes)
+            with engine.pools.lock:
+                pools, engine.pools.arrays = engine.pools.arrays, None
+                engine.pools.arrays = commit(pools, parts)
+            jax.block_until_ready(engine.pools.arrays)
+        return time.perf_counter() - start
+
+    def _program(self, rung: int):
+        if rung not in self._cold:
+            programs = self.engine.programs
+            if programs.serving:
+                programs.stats.serving_compiles += 1
+                log.warning("compiling while serving: the segment-parallel cold program for %d tokens", rung)
+            started = time.perf_counter()
+            self._cold[rung] = self._build_cold(rung)
+            self._commit[rung] = self._build_commit(rung)
+            programs.stats.compile_s += time.perf_counter() - started
+        return self._cold[rung], self._commit[rung]
+
+    # Running ----------------------------------------------------------------------------------------------------
+    def plan(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Segment indices per bin (one bin per device) under the engine's policy."""
+        return parallel.assign(self.policy, list(lengths), self.size, self.cost)
+
+    def run(self, spans: Sequence[lay.Span], tokens: Sequence[Sequence[int]], *, timed: bool = False):
+        """Prefill the isolated, recording `spans` (their tokens per span) over the mesh and commit their records
+        into the engine's pools. Returns the bins. With `timed`, waits and records predicted and measured times."""
+        engine = self.engine
+        lengths = [s.length for s in spans]
+        bins = self.plan(lengths)
+        largest = max(sum(lengths[i] for i in b) for b in bins)
+        counts = [lay.count_pieces([spans[i] for i in b], isolated=True) for b in bins]
+        capacity = engine.ladder.fit(largest, largest, max(p for p, _ in counts), max(r for _, r in counts),
+                                     isolated=True)
+        rung = capacity.tokens
+        key = self._key(rung)
+        layouts = []
+        for b in bins:
+            if b:
+                layouts.append(lay.build([spans[i] for i in b], engine._capacity(key), isolated=True,
+                                         tokens=np.asarray([t for i in b for t in tokens[i]], np.int32),
+                                         summaries=True))
+            else:
+                layouts.append(engine._dummy_layout(key))
+        cold, commit = self._program(rung)
+        start = time.perf_counter()
+        arrays = jax.device_put(_stack(layouts), self._sharded)
+        logits, writes = cold(self.params, arrays, self.standin)
+        parts = self._to_home(writes)
+        with engine.pools.lock:
+            pools, engine.pools.arrays = engine.pools.arrays, None  # donated: never left pointing at a deleted buffer
+            engine.pools.arrays = commit(pools, parts)
+        if timed:
+            jax.block_until_ready(engine.pools.arrays)
+            measured = time.perf_counter() - start
+            predicted = [self.cost.bin_seconds([lengths[i] for i in b]) for b in bins]
+            self.last = dict(rung=rung, bins=[[lengths[i] for i in b] for b in bins], predicted_s=predicted,
+                             measured_s=measured)
+        return bins
+
+    def _to_home(self, writes):
+        """Per bin, its records copied to the home device (a plain device-to-device copy of each shard)."""
+        order = {d: k for k, d in enumerate(self.devices)}
+        leaves, treedef = jax.tree.flatten(writes)
+        per_bin = [[None] * len(leaves) for _ in self.devices]
+        for j, leaf in enumerate(leaves):
+            for shard in leaf.addressable_shards:
+                per_bin[order[shard.device]][j] = jax.device_put(shard.data, self.home)
+        return tuple(jax.tree.unflatten(treedef, part) for part in per_bin)
+
+    def calibrate(self, rungs: Sequence[int]) -> None:
+        """Time single-device cold prefills (recording nothing; the second run of each, the first pays one-time
+        costs) of one segment filling each rung, one of half of it and four of a quarter of it, and fit the
+        segment cost model."""
+        engine = self.engine
+        rng = np.random.default_rng(0)
+        vocab = int(getattr(engine.config, "vocab_size", 2))
+        quarters = min(4, engine.max_segments)
+        shapes = sorted({shape for rung in rungs
+                         for shape in ((rung,), (max(1, rung // 2),), (max(1, rung // 4),) * quarters)})
+        for lengths in shapes:
+            spans = [lay.Span(lay.FRESH, n) for n in lengths]
+            ids = rng.integers(0, vocab, sum(lengths))
+            for attempt in range(2):
+                start = time.perf_counter()
+                logits, _ = engine._run("cold", spans, ids)
+                jax.block_until_ready(logits)
+                if attempt:
+                    self.cost.observe(lengths, time.perf_counter() - start)
+        self.cost.calibrate()
+
+    def as_dict(self) -> dict:
+        return dict(devices=self.size, policy=self.policy, cost=self.cost.as_dict(), last=self.last)

@@ -1,0 +1,159 @@
+"""Segment parallelism (`hypic_jax.parallel`, `hypic_jax.segment_mesh`).
+
+The policies: every segment lands in exactly one bin; LPT's makespan stays within 5% of the lower bound
+max(costliest segment, total / devices) on skewed lengths, and beats round-robin on a case built against it; the
+cost model fits its constants from measurements. The mesh path: on 1, 2, 4 and 8 fake CPU devices, with LPT and
+round-robin, a `StableEngine(devices=...)` gives the single-device engine's logits and cache entries and compiles
+nothing after warmup (one subprocess: the device count is fixed when JAX starts).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hypic_jax import parallel as par
+
+
+def _skewed(seed: int, count: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(n) for n in np.clip(rng.lognormal(5.0, 1.0, count), 8, 8192).astype(int)]
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_lpt_is_near_the_lower_bound_on_skewed_lengths(devices):
+    cost = par.SegmentCost()
+    for seed in range(50):
+        lengths = _skewed(seed, 64)
+        bins = par.lpt(lengths, devices, cost)
+        assert par.makespan(bins, lengths, cost) <= 1.05 * par.lower_bound(lengths, devices, cost), (seed, lengths)
+
+
+@pytest.mark.parametrize("policy", par.POLICIES)
+@pytest.mark.parametrize("devices", [1, 3, 8])
+def test_every_segment_is_assigned_once(policy, devices):
+    for seed in range(10):
+        lengths = _skewed(seed, int(np.random.default_rng(seed).integers(1, 40)))
+        bins = par.assign(policy, lengths, devices, par.SegmentCost())
+        assert len(bins) == devices
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+
+
+def test_lpt_beats_round_robin_where_round_robin_stacks_the_long_segments():
+    """Long and short segments alternating: round-robin puts every long one on bin 0."""
+    lengths = [2048, 64] * 8
+    cost = par.SegmentCost()
+    lpt = par.makespan(par.lpt(lengths, 2, cost), lengths, cost)
+    rr = par.makespan(par.round_robin(lengths, 2), lengths, cost)
+    assert lpt < rr
+    assert lpt <= 1.05 * par.lower_bound(lengths, 2, cost)
+    assert rr > 1.5 * lpt
+
+
+def test_cost_model_defaults_then_calibration():
+    cost = par.SegmentCost()
+    assert (cost.a, cost.b, cost.c) == par.DEFAULT_SEGMENT_COST and not cost.calibrated
+    assert not cost.calibrate()  # no samples: the defaults stay
+    truth = par.SegmentCost(3e-4, 5e-6, 2e-9)
+    for lengths in ([512], [256], [128] * 4, [64] * 8, [1024], [100, 300]):
+        cost.observe(lengths, truth.bin_seconds(lengths))
+    assert cost.calibrate() and cost.calibrated
+    np.testing.assert_allclose([cost.a, cost.b, cost.c], [truth.a, truth.b, truth.c], rtol=1e-6)
+    assert cost(700) == pytest.approx(truth(700))
+
+
+def test_bad_devices():
+    import jax
+
+    from hypic_jax.segment_mesh import resolve_devices
+
+    assert resolve_devices(1) == jax.devices()[:1]
+    for bad in (0, len(jax.devices()) + 1, [], [jax.devices()[0]] * 2):
+        with pytest.raises(ValueError, match="devices"):
+            resolve_devices(bad)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="policy"):
+        par.assign("random", [4], 2)
+    with pytest.raises(ValueError, match="devices"):
+        par.lpt([4], 0)
+    with pytest.raises(ValueError, match="at least one token"):
+        par.round_robin([4, 0], 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        par.SegmentCost(-1.0)
+
+
+_MESH_SCRIPT = r"""
+import numpy as np, jax
+from hypic_jax.demo import tiny_model
+from hypic_jax.runtime import StableEngine, backend_compiles
+
+assert len(jax.devices()) == 8
+model = tiny_model()
+base = dict(max_prompt_tokens=128, max_segments=8, token_rungs=(128,), max_new_tokens=8, cache_bytes=1 << 20,
+            mean_entry_tokens=32, seam=4, eviction="lru")
+rng = np.random.default_rng(0)
+docs = [rng.integers(0, 512, n).tolist() for n in (40, 9, 6, 20, 12, 8)]
+new = rng.integers(0, 512, 14).tolist()
+query = rng.integers(0, 512, 5).tolist()
+requests = [docs + [query], [docs[3], new, docs[0], docs[5], query]]
+
+def entries(engine):
+    out = {}
+    for entry in engine.cache.entries():
+        parts = []
+        for kind, pool in zip(engine.pools.kinds, engine.pools.arrays):
+            index = entry.slot if kind == "slot" else np.asarray(entry.rows)
+            parts += [np.asarray(leaf)[index] for leaf in jax.tree.leaves(pool)]
+        out[entry.key] = parts
+    return out
+
+ref = StableEngine(model, **base)
+ref.warmup(progress=False)
+ref_logits = [ref.prefill(r).logits for r in requests]
+ref_entries = entries(ref)
+assert len(ref_entries) == 7 and all(np.abs(p).max() > 0 for e in ref_entries.values() for p in e)
+
+shared = {}
+for n in (1, 2, 4, 8):
+    for policy in ("lpt", "rr"):
+        # two devices away from the home one (where the pools live): the records travel back to it
+        devices = jax.devices()[6:8] if (n, policy) == (2, "rr") else n
+        engine = StableEngine(model, **base, devices=devices, policy=policy)
+        engine.programs._compiled.update(ref.programs._compiled)  # same shapes: the reference's programs
+        mesh = engine.segment_mesh
+        assert mesh.size == n and mesh.home == jax.devices()[0]
+        if (n, devices is n) in shared:  # the policies share the mesh programs of the same devices
+            mesh._cold, mesh._commit = shared[n, devices is n]
+        engine.warmup(progress=False)
+        shared[n, devices is n] = (mesh._cold, mesh._commit)
+        before = backend_compiles()
+        for r, want in zip(requests, ref_logits):
+            got = engine.prefill(r)
+            err = float(np.abs(got.logits - want).max())
+            assert err <= 1e-5, (n, policy, err)
+            bins = mesh.last["bins"]
+            assert len(bins) == n and sum(len(b) for b in bins) == got.stats.misses
+            assert sum(1 for b in bins if b) == min(n, got.stats.misses), bins
+        assert backend_compiles() == before, (n, policy, backend_compiles() - before)
+        assert engine.stats["programs"]["serving_compiles"] == 0
+        got_entries = entries(engine)
+        assert set(got_entries) == set(ref_entries)
+        for key, parts in ref_entries.items():
+            for a, b in zip(got_entries[key], parts):
+                assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-5, (n, policy, key)
+        print(n, policy, mesh.last["bins"], flush=True)
+print("ok")
+"""
+
+
+def test_mesh_cold_path_matches_one_device_on_fake_meshes():
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
