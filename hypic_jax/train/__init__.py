@@ -1,0 +1,6 @@
+"""Training a small hybrid model on a generated multi-document corpus, and exporting it as a Hugging Face folder.
+
+`corpus` generates prompts (documents + question / answer pairs of four task families), `tokenizer` trains a BPE
+tokenizer on them and lays prompts out as tokens, `trainer` trains the Qwen3.5 architecture with optax in resumable
+steps, `export` writes the Hugging Face folder. `python -m hypic_jax.train --help` runs the steps.
+"""
