@@ -9,6 +9,7 @@ returns; calling it again continues from the latest checkpoint until `steps` are
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -165,8 +166,12 @@ def optimizer(settings: Settings):
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=settings.weight_decay, mask=decay_mask))
 
 
-def make_step(config: qwen3_5.Config, opt, compute_dtype):
+@functools.lru_cache(maxsize=8)
+def make_step(config: qwen3_5.Config, settings: Settings):
+    """The jitted training step (cached: a resumed run in the same process does not compile again)."""
     import optax
+
+    opt, compute_dtype = optimizer(settings), jnp.dtype(settings.compute_dtype)
 
     @jax.jit
     def step(params, opt_state, inputs, targets, weights):
@@ -239,7 +244,7 @@ def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.
     config = model_config(settings.size, tokenizer.get_vocab_size())
     opt = optimizer(settings)
     state = restore(run, settings, config, opt)
-    step_fn = make_step(config, opt, jnp.dtype(settings.compute_dtype))
+    step_fn = make_step(config, settings)
     start_step = int(state["step"])
     end_step = settings.steps if max_steps is None else min(settings.steps, start_step + max_steps)
     deadline = time.monotonic() + 60 * minutes
