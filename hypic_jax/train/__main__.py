@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = trainer.Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.Settings)})
         state = trainer.train(args.run, settings, minutes=args.minutes, max_steps=args.max_steps,
                               progress=not args.no_progress)
-        print(f"step {int(state['step'])} of {settings.steps}; {trainer.parameter_count(state['params']):,} parameters")
+        saved, _ = trainer.prepare_run(args.run, settings)  # a resumed run keeps the settings it started with
+        print(f"step {int(state['step'])} of {saved.steps}; {trainer.parameter_count(state['params']):,} parameters")
     else:
         from hypic_jax.train import export
 

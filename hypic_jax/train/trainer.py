@@ -8,6 +8,7 @@ returns; calling it again continues from the latest checkpoint until `steps` are
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -129,6 +130,8 @@ def make_batch(tokenizer, settings: Settings, step: int) -> tuple[np.ndarray, np
                 break
             except ValueError:
                 attempt += 1
+                if attempt == 100:
+                    raise ValueError(f"no prompt of the curriculum fits {shape['seq_len']} tokens") from None
         rows.append(tok.pack(docs, question, shape["seq_len"], pad))
     return tuple(np.stack(column) for column in zip(*rows))
 
@@ -251,9 +254,13 @@ def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.
     params, opt_state = state["params"], state["opt_state"]
     step, losses = start_step, []
     bar = tqdm(total=end_step, initial=start_step, disable=not progress, desc=f"train {settings.size}", unit="step")
+    # the next batch is built on the host while the device runs this step (batches depend on the step alone)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    upcoming = pool.submit(make_batch, tokenizer, settings, step)
     with open(run / "log.jsonl", "a") as log:
         while step < end_step and time.monotonic() < deadline:
-            batch = make_batch(tokenizer, settings, step)
+            batch = upcoming.result()
+            upcoming = pool.submit(make_batch, tokenizer, settings, step + 1)
             params, opt_state, loss = step_fn(params, opt_state, *batch)
             step += 1
             losses.append(float(loss))
@@ -264,6 +271,7 @@ def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.
                 log.write(json.dumps(dict(step=step, loss=mean, time=time.time())) + "\n")
                 log.flush()
     bar.close()
+    pool.shutdown(cancel_futures=True)
     state = dict(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32))
     if step > start_step:
         save(run, state)
