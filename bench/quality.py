@@ -1,10 +1,11 @@
 """Answer quality of every engine mode on held-out prompts of the generated corpus (hypic_jax.train.corpus).
 
 For each prompt (documents as cached segments, then one question as the query segment) every mode of
-`hypic_jax.engine.MODES` generates greedily until `<|eos|>`. Scores: exact match of the answer text, and token F1
+`hypic_jax.engine.MODES` generates greedily until `<|eos|>`. Scores: exact match of the answer's tokens, and token F1
 for answers of several tokens (exact match for one-token answers), per task family, per number of documents and
 per position of the answer's document (quarters of the prompt; count questions, whose evidence is everywhere, are
-left out of the positions). Held-out prompts come from a seed stream of their own (four mixed integers, where
+left out of the positions), beside the floor of answering every question of a family with its most frequent
+answer (`most_frequent_answer`). Held-out prompts come from a seed stream of their own (four mixed integers, where
 training mixes three), so they are not training prompts. `--seams` adds transition_rope_recompute at each seam
 (tokens, or a fraction < 1 of the segment); `--transformers` adds transformers' own greedy generation on the whole
 prompt, an independent check of full_recompute.
@@ -102,6 +103,14 @@ def run(args) -> dict:
                                          do_sample=False, eos_token_id=eos, pad_token_id=eos)
             predictions["transformers"].append(_strip(out[0, ids.shape[1]:].tolist(), eos))
             _record(scores, "transformers", n, q, predictions["transformers"][-1], gold)
+    # a floor to read the scores against: every question of a family answered with that family's most frequent
+    # answer among these cases (counts are small numbers, so this floor is high for them)
+    common = {}
+    for family in {q.family for *_, q in cases}:
+        golds = collections.Counter(tuple(g) for _, _, _, g, q in cases if q.family == family)
+        common[family] = list(golds.most_common(1)[0][0])
+    for n, docs, query, gold, q in cases:
+        _record(scores, "most_frequent_answer", n, q, common[q.family], gold)
     table = collections.defaultdict(dict)
     for (label, axis, value), rows in sorted(scores.items(), key=lambda kv: str(kv[0])):
         em, f1 = np.mean(rows, axis=0)
@@ -113,7 +122,10 @@ def run(args) -> dict:
     return dict(model=str(folder), device=str(jax.devices()[0]), dtype=args.dtype, seed=args.seed, docs=args.docs,
                 prompts=args.prompts, questions=args.questions, filler=args.filler, cases=len(cases),
                 skipped_over_budget=skipped, seconds=round(time.perf_counter() - started, 1), scores=dict(table),
-                agreement_with_full_recompute=agreement)
+                agreement_with_full_recompute=agreement,
+                samples=[dict(family=q.family, question=q.text, answer=q.answer,
+                              full_recompute=tokenizer.decode(pred).strip())
+                         for (_, _, _, _, q), pred in zip(cases[:12], predictions.get("full_recompute", []))])
 
 
 def _strip(tokens: list[int], eos: int) -> list[int]:
