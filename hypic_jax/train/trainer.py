@@ -24,8 +24,8 @@ from hypic_jax.models import qwen3_5
 from hypic_jax.train import corpus
 from hypic_jax.train import tokenizer as tok
 
-# name -> (model shape, data shape). "h200": 6 GDN + 2 full-attention layers of hidden 256, about 9M parameters
-# (18 MB in bfloat16); "smoke": a few minutes on one CPU core; "micro": the tests' size.
+# name -> (model shape, data shape). "h200": 6 GDN + 2 full-attention layers of hidden 256, 8.3M parameters
+# (16.6 MB in bfloat16); "smoke": a few minutes on one CPU core; "micro": the tests' size.
 SIZES = {
     "h200": dict(hidden_size=256, layers=8, intermediate_size=640, num_attention_heads=4, head_dim=64,
                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=64,
