@@ -58,7 +58,6 @@ def run(args) -> dict:
     import jax
 
     import hypic_jax
-    from hypic_jax.engine import MODES
     from hypic_jax.runtime import StableEngine
     from hypic_jax.train import tokenizer as tok
 

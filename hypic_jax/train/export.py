@@ -52,9 +52,9 @@ def hf_tensors(params: dict, config: arch.Config) -> dict[str, np.ndarray]:
 
 def hf_config(config: arch.Config, dtype: str, special: dict[str, int] | None = None,
               max_position_embeddings: int = 32768) -> dict:
-    if config.head_dim * config.rotary_dim == 0 or (config.rotary_dim / config.head_dim) * config.head_dim != \
-            config.rotary_dim:
-        raise ValueError("rotary_dim must be a fraction of head_dim")
+    factor = config.rotary_dim / config.head_dim
+    if int(config.head_dim * factor) != config.rotary_dim:  # what converters' rope_settings computes back
+        raise ValueError(f"rotary_dim {config.rotary_dim} is not recoverable from head_dim {config.head_dim}")
     special = special or {}
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
@@ -80,7 +80,7 @@ def hf_config(config: arch.Config, dtype: str, special: dict[str, int] | None = 
         "num_hidden_layers": config.num_layers,
         "num_key_value_heads": config.num_key_value_heads,
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": {"partial_rotary_factor": config.rotary_dim / config.head_dim,
+        "rope_parameters": {"partial_rotary_factor": factor,
                             "rope_theta": config.rope_theta, "rope_type": "default"},
         "tie_word_embeddings": config.tie_word_embeddings,
         "use_cache": True,

@@ -59,8 +59,8 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def encode_prompt(tokenizer, prompt: corpus.Prompt, max_tokens: int | None = None) -> tuple[list[list[int]], list[int]]:
     """(document segments as token lists, question segment tokens) and the loss mask of the question segment
-    (1 on answer tokens and their <|eos|>). With max_tokens, trailing questions that do not fit are dropped and
-    then trailing documents whose questions were all dropped (a prompt never ends without a question)."""
+    (1 on answer tokens and their <|eos|>). With max_tokens, trailing questions that do not fit are dropped; a
+    ValueError says when not even the first one fits after the documents."""
     docs = [encode(tokenizer, document_text(d)) for d in prompt.documents]
     pairs = [(encode(tokenizer, question_text(q.text)), encode(tokenizer, answer_text(q.answer)))
              for q in prompt.questions]

@@ -102,7 +102,8 @@ def _mix(*values: int) -> int:
 
 
 def encode_fitting(tokenizer, prompt: corpus.Prompt, seq_len: int):
-    """encode_prompt, dropping trailing documents (and the questions about them) until the prompt fits."""
+    """encode_prompt, dropping trailing documents until the prompt fits, with the questions whose evidence they hold
+    and the count questions (whose answers would change); ValueError when no question is left."""
     while True:
         try:
             return tok.encode_prompt(tokenizer, prompt, max_tokens=seq_len + 1)
