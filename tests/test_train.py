@@ -161,3 +161,33 @@ def test_embedded_size_fits_the_budget():
     shapes = jax.eval_shape(lambda: qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16))
     nbytes = sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
     assert 5e6 < nbytes < export.MAX_BYTES
+
+
+def test_quality_bench_at_ci_size(tmp_path, tokenizer):
+    """bench/quality.py on a micro exported model: every question is scored in each mode, prefix caching
+    generates exactly what full recompute does, and the floor row is computed from the gold answers."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parents[1] / "bench" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    config = trainer.model_config("micro", tokenizer.get_vocab_size())
+    folder = export.export_folder(_perturbed_params(config, seed=3), config, tokenizer, tmp_path / "m", "float32")
+    args = quality.argparse.Namespace(model=str(folder), dtype="float32", seed=0, docs=[2], prompts=1, questions=3,
+                                      filler=0, modes=["full_recompute", "prefix_cache"], seams=[], seam=8,
+                                      transformers=False, max_tokens=512, max_new_tokens=16)
+    report = quality.run(args)
+    assert report["cases"] == 3 and report["skipped_over_budget"] == 0
+    assert report["agreement_with_full_recompute"] == {"full_recompute": 1.0, "prefix_cache": 1.0}
+    for label in ("full_recompute", "prefix_cache", "most_frequent_answer"):
+        assert report["scores"][label]["all=all"]["n"] == 3
+    prompt = next(quality.heldout_prompts(0, [2], 1, 3, 0))[1]
+    answers = [q.answer for q in prompt.questions]
+    floor = report["scores"]["most_frequent_answer"]
+    for family in {q.family for q in prompt.questions}:
+        golds = [q.answer for q in prompt.questions if q.family == family]
+        best = max(golds.count(a) for a in golds) / len(golds)
+        assert floor[f"family={family}"]["em"] == pytest.approx(best, abs=1e-4)
+    assert len(report["samples"]) == 3 and [s["answer"] for s in report["samples"]] == answers
+    assert quality.token_f1([1, 2, 3], [2, 3, 4]) == pytest.approx(2 / 3) and quality.token_f1([5], [6]) == 0.0
