@@ -3,7 +3,8 @@
 Layers, each importing only those below it: the Pallas kernels (`hypic_jax.pallas`, on the shared definitions of
 `hypic_jax.summary`), the transfer-operator core (`linear_attn`, `conv`, `rope`, `attention`), the models
 (`hypic_jax.models`), their converters (`converters`) and checkpoints (`hypic_jax.checkpoint`), the cache and the
-engine (`spans`, `cache`, `pool`, `engine`), then `cli`, `demo` and `serve`. tests/test_imports.py checks this.
+engine (`spans`, `cache`, `pool`, `engine`), training (`hypic_jax.train`), then `cli`, `demo` and `serve`.
+tests/test_imports.py checks this.
 """
 
 __version__ = "0.1.0"

@@ -176,3 +176,17 @@ def test_only_the_command_line_imports_the_server(graph):
            for t in targets if _under(t, "hypic_jax.serve")}
     assert any(_under(t, "hypic_jax.serve") for t in graph["hypic_jax.cli"])
     assert not bad, f"modules importing the server: {sorted(bad)}"
+
+
+def test_training_sits_above_the_models_and_the_engine(graph):
+    """hypic_jax.train may use the models and the engine; only the server, the command line and the demo (which
+    pick a default model) may import it, and it never imports the server."""
+    users = {"hypic_jax.cli", "hypic_jax.demo"}
+    bad = {(m, t) for m, targets in graph.items()
+           if not (_under(m, "hypic_jax.train") or _under(m, "hypic_jax.serve") or m in users)
+           for t in targets if _under(t, "hypic_jax.train")}
+    assert "hypic_jax.models.qwen3_5" in graph["hypic_jax.train.trainer"]
+    assert not bad, f"modules importing the trainer: {sorted(bad)}"
+    up = {(m, t) for m, targets in graph.items() if _under(m, "hypic_jax.train")
+          for t in targets if _under(t, "hypic_jax.serve") or t in users}
+    assert not up, f"training importing the layers above it: {sorted(up)}"

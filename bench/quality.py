@@ -1,0 +1,198 @@
+"""Answer quality of every engine mode on held-out prompts of the generated corpus (hypic_jax.train.corpus).
+
+For each prompt (documents as cached segments, then one question as the query segment) every mode of
+`hypic_jax.engine.MODES` generates greedily until `<|eos|>`. Scores: exact match of the answer's tokens, and token F1
+for answers of several tokens (exact match for one-token answers), per task family, per number of documents and
+per position of the answer's document (quarters of the prompt; count questions, whose evidence is everywhere, are
+left out of the positions), beside the floor of answering every question of a family with its most frequent
+answer (`most_frequent_answer`). Held-out prompts come from a seed stream of their own (four mixed integers, where
+training mixes three), so they are not training prompts. `--seams` adds transition_rope_recompute at each seam
+(tokens, or a fraction < 1 of the segment); `--transformers` adds transformers' own greedy generation on the whole
+prompt, an independent check of full_recompute.
+
+    python bench/quality.py --model DIR [--docs 2 4 8 16] [--prompts 8] [--seams 0 1 2 4 8 16 32 0.05]
+    python bench/quality.py --small --model DIR     # CPU size: a few prompts of 2 and 4 documents
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EVAL_STREAM = 0xE7A1
+
+
+def heldout_prompts(seed: int, docs: list[int], prompts: int, questions: int, filler: int):
+    from hypic_jax.train import corpus, trainer
+
+    for n in docs:
+        for i in range(prompts):
+            yield n, corpus.make_prompt(trainer._mix(EVAL_STREAM, seed, n, i), n, questions, filler)
+
+
+def token_f1(pred: list[int], gold: list[int]) -> float:
+    common = sum((collections.Counter(pred) & collections.Counter(gold)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def position_bucket(question, num_docs: int) -> str | None:
+    if question.family == "count":
+        return None
+    quarter = min(3, 4 * question.evidence[-1] // num_docs)
+    return f"q{quarter + 1}"
+
+
+def run(args) -> dict:
+    import jax
+
+    import hypic_jax
+    from hypic_jax.runtime import StableEngine
+    from hypic_jax.train import tokenizer as tok
+
+    folder = Path(args.model)
+    model = hypic_jax.load(folder, dtype=args.dtype)
+    tokenizer = tok.load_tokenizer(folder)
+    eos = tokenizer.token_to_id(tok.EOS)
+    cases = []  # (num_docs, doc segments, question segment, gold ids, question)
+    skipped = 0
+    for n, prompt in heldout_prompts(args.seed, args.docs, args.prompts, args.questions, args.filler):
+        docs = [tok.encode(tokenizer, tok.document_text(d)) for d in prompt.documents]
+        for q in prompt.questions:
+            query = tok.encode(tokenizer, tok.question_text(q.text))
+            gold = tok.encode(tokenizer, tok.answer_text(q.answer))[:-1]  # without <|eos|>
+            if sum(map(len, docs)) + len(query) + len(gold) + 2 > args.max_tokens:
+                skipped += 1
+                continue
+            cases.append((n, docs, query, gold, q))
+    runs = [(mode, None) for mode in args.modes] + [("transition_rope_recompute", s) for s in args.seams]
+    engine = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=args.max_tokens,
+                          max_segments=max(args.docs) + 1, max_new_tokens=args.max_new_tokens, seam=args.seam)
+    scores = collections.defaultdict(list)  # (run label, axis, value) -> [(em, f1)]
+    predictions = collections.defaultdict(list)  # run label -> predicted answers, in case order
+    started = time.perf_counter()
+    for mode, seam in runs:
+        label = mode if seam is None else f"trr@seam={seam:g}"
+        engine.clear_cache()
+        for n, docs, query, gold, q in cases:
+            out = engine.generate(docs + [query], max_new_tokens=len(gold) + 3, stop=[eos], mode=mode,
+                                  seam=args.seam if seam is None else seam)
+            predictions[label].append(_strip(list(out.tokens), eos))
+            _record(scores, label, n, q, predictions[label][-1], gold)
+    if args.transformers:
+        import torch
+        import transformers as tf
+
+        reference = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        for n, docs, query, gold, q in cases:
+            ids = torch.tensor([[t for s in docs for t in s] + query])
+            with torch.no_grad():
+                out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(gold) + 3,
+                                         do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            predictions["transformers"].append(_strip(out[0, ids.shape[1]:].tolist(), eos))
+            _record(scores, "transformers", n, q, predictions["transformers"][-1], gold)
+    # a floor to read the scores against: every question of a family answered with that family's most frequent
+    # answer among these cases (counts are small numbers, so this floor is high for them)
+    common = {}
+    for family in {q.family for *_, q in cases}:
+        golds = collections.Counter(tuple(g) for _, _, _, g, q in cases if q.family == family)
+        common[family] = list(golds.most_common(1)[0][0])
+    for n, docs, query, gold, q in cases:
+        _record(scores, "most_frequent_answer", n, q, common[q.family], gold)
+    table = collections.defaultdict(dict)
+    for (label, axis, value), rows in sorted(scores.items(), key=lambda kv: str(kv[0])):
+        em, f1 = np.mean(rows, axis=0)
+        table[label][f"{axis}={value}"] = dict(em=round(float(em), 4), f1=round(float(f1), 4), n=len(rows))
+    # how often a run generates exactly what full_recompute generates: meaningful even where scores are at chance
+    reference = predictions.get("full_recompute")
+    agreement = {label: round(float(np.mean([a == b for a, b in zip(preds, reference)])), 4)
+                 for label, preds in predictions.items()} if reference else {}
+    return dict(model=str(folder), device=str(jax.devices()[0]), dtype=args.dtype, seed=args.seed, docs=args.docs,
+                prompts=args.prompts, questions=args.questions, filler=args.filler, cases=len(cases),
+                skipped_over_budget=skipped, seconds=round(time.perf_counter() - started, 1), scores=dict(table),
+                agreement_with_full_recompute=agreement,
+                samples=[dict(family=q.family, question=q.text, answer=q.answer,
+                              full_recompute=tokenizer.decode(pred).strip())
+                         for (_, _, _, _, q), pred in zip(cases[:12], predictions.get("full_recompute", []))])
+
+
+def _strip(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+def _record(scores, label, n, q, pred, gold) -> None:
+    em = float(pred == gold)
+    f1 = token_f1(pred, gold) if len(gold) > 1 else em
+    keys = [("all", "all"), ("family", q.family), ("docs", n)]
+    bucket = position_bucket(q, n)
+    if bucket:
+        keys.append(("position", bucket))
+    for axis, value in keys:
+        scores[(label, axis, value)].append((em, f1))
+
+
+def print_tables(report: dict) -> None:
+    scores = report["scores"]
+    columns = sorted({c for row in scores.values() for c in row},
+                     key=lambda c: (c.split("=")[0] != "all", c.split("=")[0], c))
+    print(f"{report['cases']} questions ({report['skipped_over_budget']} over the token budget skipped), "
+          f"model {report['model']}, {report['device']}; cells: F1 (exact match for one-token answers)")
+    agreement = report.get("agreement_with_full_recompute", {})
+    print(f"{'run':<26}{'EM all':>8}{'same as full':>14}" + "".join(f"{c:>17}" for c in columns))
+    for label, row in scores.items():
+        same = f"{agreement[label]:>14.3f}" if label in agreement else f"{'':>14}"
+        print(f"{label:<26}{row['all=all']['em']:>8.3f}{same}"
+              + "".join(f"{row[c]['f1']:>17.3f}" if c in row else f"{'':>17}" for c in columns))
+
+
+def main(argv=None) -> None:
+    from hypic_jax.engine import MODES
+    from hypic_jax.train import EMBEDDED_MODEL
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a Hugging Face folder with tokenizer.json (default: the "
+                        "embedded model)")
+    parser.add_argument("--small", action="store_true", help="CPU size: 2 and 4 documents, 2 prompts of 4 "
+                        "questions each, prompts up to 1024 tokens (options given explicitly win)")
+    parser.add_argument("--docs", type=int, nargs="+", default=None, help="documents per prompt (2 4 8 16)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per number of documents (8)")
+    parser.add_argument("--questions", type=int, default=None, help="questions per prompt, each asked on its own (8)")
+    parser.add_argument("--filler", type=int, default=2, help="filler sentences per document")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--seam", type=float, default=8, help="seam of transition_rope_recompute")
+    parser.add_argument("--seams", type=float, nargs="*", default=[], help="seam ablation: trr at each of these")
+    parser.add_argument("--transformers", action="store_true", help="also transformers' greedy generation")
+    parser.add_argument("--max-tokens", type=int, default=None, help="longest prompt (4096)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the report as JSON here")
+    args = parser.parse_args(argv)
+    preset = dict(docs=[2, 4], prompts=2, questions=4, max_tokens=1024) if args.small else dict(
+        docs=[2, 4, 8, 16], prompts=8, questions=8, max_tokens=4096)
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.model is None:
+        if not EMBEDDED_MODEL.exists():
+            parser.error(f"no embedded model at {EMBEDDED_MODEL}; pass --model")
+        args.model = str(EMBEDDED_MODEL)
+    report = run(args)
+    print_tables(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

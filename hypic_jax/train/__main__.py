@@ -1,0 +1,48 @@
+"""python -m hypic_jax.train {train,export} ...: train a run folder in resumable steps, export it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from hypic_jax.train import trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hypic_jax.train", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train (or resume) a run for at most --minutes, then checkpoint")
+    t.add_argument("--run", required=True, help="run folder (settings.json, tokenizer.json, checkpoints/)")
+    t.add_argument("--size", choices=tuple(trainer.SIZES), default="h200")
+    t.add_argument("--smoke", action="store_const", const="smoke", dest="size", help="the CPU size (--size smoke)")
+    t.add_argument("--minutes", type=float, default=10.0, help="wall-time limit of this call")
+    t.add_argument("--max-steps", type=int, default=None, help="at most this many steps in this call")
+    defaults = trainer.Settings()
+    for field in dataclasses.fields(trainer.Settings):
+        if field.name != "size":
+            t.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
+                           default=getattr(defaults, field.name), help="(read from settings.json on resume)")
+    t.add_argument("--no-progress", action="store_true")
+    e = sub.add_parser("export", help="export a run's latest checkpoint as a Hugging Face folder")
+    e.add_argument("--run", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--max-position-embeddings", type=int, default=32768)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        settings = trainer.Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.Settings)})
+        state = trainer.train(args.run, settings, minutes=args.minutes, max_steps=args.max_steps,
+                              progress=not args.no_progress)
+        saved, _ = trainer.prepare_run(args.run, settings)  # a resumed run keeps the settings it started with
+        print(f"step {int(state['step'])} of {saved.steps}; {trainer.parameter_count(state['params']):,} parameters")
+    else:
+        from hypic_jax.train import export
+
+        config, params, tokenizer, _ = trainer.load_run(args.run)
+        out = export.export_folder(params, config, tokenizer, args.out, args.dtype,
+                                   max_position_embeddings=args.max_position_embeddings)
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Training a small Qwen3.5-architecture hybrid (Gated DeltaNet + gated full attention) on the generated corpus.
+
+The loss is the cross entropy of the answer tokens (and the `<|eos|>` after them) only. Every batch is a function
+of (seed, step) alone, so a run resumed from a checkpoint sees the same data as one that never stopped. `train`
+runs for at most `minutes` of wall time per call, then saves an orbax checkpoint (params, optimizer state, step) and
+returns; calling it again continues from the latest checkpoint until `steps` are done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax.models import qwen3_5
+from hypic_jax.train import corpus
+from hypic_jax.train import tokenizer as tok
+
+# name -> (model shape, data shape). "h200": 6 GDN + 2 full-attention layers of hidden 256, 8.3M parameters
+# (16.6 MB in bfloat16); "smoke": a few minutes on one CPU core; "micro": the tests' size.
+SIZES = {
+    "h200": dict(hidden_size=256, layers=8, intermediate_size=640, num_attention_heads=4, head_dim=64,
+                 linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=64,
+                 vocab_size=2048, seq_len=8192, batch=8, questions=32, max_docs=64, max_filler=6),
+    "smoke": dict(hidden_size=64, layers=4, intermediate_size=192, num_attention_heads=4, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  vocab_size=1024, seq_len=512, batch=4, questions=8, max_docs=8, max_filler=2),
+    "micro": dict(hidden_size=32, layers=2, intermediate_size=64, num_attention_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                  vocab_size=512, seq_len=128, batch=2, questions=4, max_docs=3, max_filler=0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything a run depends on (saved beside its checkpoints; a resumed run reads it back)."""
+
+    size: str = "smoke"
+    seed: int = 0
+    steps: int = 2000
+    learning_rate: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    compute_dtype: str = "float32"
+    batch: int = 0  # 0: the size's default (likewise seq_len, questions)
+    seq_len: int = 0
+    questions: int = 0
+    ramp: float = 0.7  # fraction of the steps over which the curriculum grows
+
+    def shape(self) -> dict:
+        shape = dict(SIZES[self.size])
+        for name in ("batch", "seq_len", "questions"):
+            if getattr(self, name):
+                shape[name] = getattr(self, name)
+        return shape
+
+    def curriculum(self) -> corpus.Curriculum:
+        shape = self.shape()
+        return corpus.Curriculum(min_docs=(1, 2), max_docs=(2, shape["max_docs"]), min_filler=0,
+                                 max_filler=shape["max_filler"], ramp=self.ramp)
+
+
+def model_config(size: str, vocab_size: int | None = None) -> qwen3_5.Config:
+    s = SIZES[size]
+    layers = s["layers"]
+    return qwen3_5.Config(
+        vocab_size=vocab_size or s["vocab_size"], hidden_size=s["hidden_size"],
+        layer_types=qwen3_5.default_layer_types(layers) if layers >= 4 else
+        (qwen3_5.LINEAR,) * (layers - 1) + (qwen3_5.FULL,),
+        mlp_types=("dense",) * layers, num_attention_heads=s["num_attention_heads"], num_key_value_heads=2,
+        head_dim=s["head_dim"], rotary_dim=s["head_dim"] // 4, rope_theta=10_000.0,
+        linear_num_key_heads=s["linear_num_key_heads"], linear_num_value_heads=s["linear_num_value_heads"],
+        linear_key_head_dim=s["linear_key_head_dim"], linear_value_head_dim=s["linear_value_head_dim"],
+        intermediate_size=s["intermediate_size"], gdn_kernel="xla", moe_kernel="ragged",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def training_prompt(seed: int, step: int, row: int, settings: Settings) -> corpus.Prompt:
+    progress = step / max(settings.steps, 1)
+    return corpus.sample_prompt(_mix(seed, step, row), settings.curriculum(), progress, settings.shape()["questions"])
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (training seeds; bench/quality.py draws held-out seeds from another stream)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def encode_fitting(tokenizer, prompt: corpus.Prompt, seq_len: int):
+    """encode_prompt, dropping trailing documents until the prompt fits, with the questions whose evidence they hold
+    and the count questions (whose answers would change); ValueError when no question is left."""
+    while True:
+        try:
+            return tok.encode_prompt(tokenizer, prompt, max_tokens=seq_len + 1)
+        except ValueError:
+            if len(prompt.documents) <= 1:
+                raise
+            keep = len(prompt.documents) - max(1, len(prompt.documents) // 4)
+            questions = tuple(q for q in prompt.questions if max(q.evidence) < keep and q.family != "count")
+            if not questions:  # counts over the kept documents no longer hold: ask single questions instead
+                raise
+            prompt = corpus.Prompt(prompt.documents[:keep], questions)
+
+
+def make_batch(tokenizer, settings: Settings, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(inputs, targets, weights), each [batch, seq_len], of training step `step`."""
+    shape = settings.shape()
+    pad = tokenizer.token_to_id(tok.PAD)
+    rows = []
+    for row in range(shape["batch"]):
+        attempt = 0
+        while True:
+            prompt = training_prompt(settings.seed, step, row * 1000 + attempt, settings)
+            try:
+                docs, question = encode_fitting(tokenizer, prompt, shape["seq_len"])
+                break
+            except ValueError:
+                attempt += 1
+                if attempt == 100:
+                    raise ValueError(f"no prompt of the curriculum fits {shape['seq_len']} tokens") from None
+        rows.append(tok.pack(docs, question, shape["seq_len"], pad))
+    return tuple(np.stack(column) for column in zip(*rows))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model and optimizer
+
+
+_KEEP_FLOAT32 = ("A_log", "dt_bias")
+
+
+def cast_params(params: dict, dtype) -> dict:
+    """params in the compute dtype, the GDN decay parameters kept in float32 (as the model stores them)."""
+    def cast(path, x):
+        name = getattr(path[-1], "key", None)
+        return x if name in _KEEP_FLOAT32 else x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def loss_fn(params: dict, config: qwen3_5.Config, inputs, targets, weights, compute_dtype=jnp.float32):
+    """Mean cross entropy over the weighted (answer) tokens."""
+    logits, _ = qwen3_5.forward(cast_params(params, compute_dtype), config, inputs)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def optimizer(settings: Settings):
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, settings.learning_rate, min(settings.warmup, settings.steps),
+                                                  max(settings.steps, settings.warmup + 1), settings.learning_rate / 10)
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731  (no decay on norms, gates)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=settings.weight_decay, mask=decay_mask))
+
+
+@functools.lru_cache(maxsize=8)
+def make_step(config: qwen3_5.Config, settings: Settings):
+    """The jitted training step (cached: a resumed run in the same process does not compile again)."""
+    import optax
+
+    opt, compute_dtype = optimizer(settings), jnp.dtype(settings.compute_dtype)
+
+    @jax.jit
+    def step(params, opt_state, inputs, targets, weights):
+        loss, grads = jax.value_and_grad(loss_fn)(params, config, inputs, targets, weights, compute_dtype)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def init_state(settings: Settings, config: qwen3_5.Config, opt) -> dict:
+    params = qwen3_5.init_params(config, jax.random.key(settings.seed), jnp.float32)
+    return dict(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runs: a folder with settings.json, tokenizer.json, checkpoints/ and log.jsonl
+
+
+def _manager(run: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(run.absolute() / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+
+def prepare_run(run: str | Path, settings: Settings) -> tuple[Settings, object]:
+    """Create the run folder (settings, tokenizer) or read back an existing one's settings and tokenizer."""
+    run = Path(run)
+    if (run / "settings.json").exists():
+        saved = Settings(**json.loads((run / "settings.json").read_text()))
+        return saved, tok.load_tokenizer(run / "tokenizer.json")
+    run.mkdir(parents=True, exist_ok=True)
+    tokenizer = tok.train_tokenizer(SIZES[settings.size]["vocab_size"], seed=settings.seed)
+    tokenizer.save(str(run / "tokenizer.json"))
+    (run / "settings.json").write_text(json.dumps(dataclasses.asdict(settings), indent=1))
+    return settings, tokenizer
+
+
+def restore(run: str | Path, settings: Settings, config: qwen3_5.Config, opt) -> dict:
+    """The latest checkpoint of the run, or a fresh state."""
+    import orbax.checkpoint as ocp
+
+    with _manager(Path(run)) as manager:
+        latest = manager.latest_step()
+        fresh = init_state(settings, config, opt)
+        if latest is None:
+            return fresh
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh)
+        return manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+
+
+def save(run: str | Path, state: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    with _manager(Path(run)) as manager:
+        manager.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
+        manager.wait_until_finished()
+
+
+def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.0, max_steps: int | None = None,
+          progress: bool = True) -> dict:
+    """Train for at most `minutes` (and at most `max_steps` more steps), checkpoint, return the state.
+
+    The returned dict holds params, opt_state and step; log.jsonl in the run folder gets one line per 10 steps.
+    """
+    from tqdm import tqdm
+
+    run = Path(run)
+    settings, tokenizer = prepare_run(run, settings)
+    config = model_config(settings.size, tokenizer.get_vocab_size())
+    opt = optimizer(settings)
+    state = restore(run, settings, config, opt)
+    step_fn = make_step(config, settings)
+    start_step = int(state["step"])
+    end_step = settings.steps if max_steps is None else min(settings.steps, start_step + max_steps)
+    deadline = time.monotonic() + 60 * minutes
+    params, opt_state = state["params"], state["opt_state"]
+    step, losses = start_step, []
+    bar = tqdm(total=end_step, initial=start_step, disable=not progress, desc=f"train {settings.size}", unit="step")
+    # the next batch is built on the host while the device runs this step (batches depend on the step alone)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    upcoming = pool.submit(make_batch, tokenizer, settings, step)
+    with open(run / "log.jsonl", "a") as log:
+        while step < end_step and time.monotonic() < deadline:
+            batch = upcoming.result()
+            upcoming = pool.submit(make_batch, tokenizer, settings, step + 1)
+            params, opt_state, loss = step_fn(params, opt_state, *batch)
+            step += 1
+            losses.append(float(loss))
+            bar.update(1)
+            if step % 10 == 0 or step == end_step:
+                mean = float(np.mean(losses[-10:]))
+                bar.set_postfix(loss=f"{mean:.3f}")
+                log.write(json.dumps(dict(step=step, loss=mean, time=time.time())) + "\n")
+                log.flush()
+    bar.close()
+    pool.shutdown(cancel_futures=True)
+    state = dict(params=params, opt_state=opt_state, step=jnp.asarray(step, jnp.int32))
+    if step > start_step:
+        save(run, state)
+    return state
+
+
+def load_run(run: str | Path) -> tuple[qwen3_5.Config, dict, object, Settings]:
+    """(config, params, tokenizer, settings) of a run's latest checkpoint."""
+    if not (Path(run) / "settings.json").exists():
+        raise ValueError(f"{run} is not a training run (no settings.json)")
+    settings, tokenizer = prepare_run(run, Settings())
+    config = model_config(settings.size, tokenizer.get_vocab_size())
+    state = restore(run, settings, config, optimizer(settings))
+    if int(state["step"]) == 0:
+        raise ValueError(f"{run} has no checkpoint yet")
+    return config, state["params"], tokenizer, settings
+
+
+def parameter_count(params) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))

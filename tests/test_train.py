@@ -1,0 +1,193 @@
+"""The training pipeline: corpus generator, tokenizer, optimizer steps, resumable checkpoints, Hugging Face export."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hypic_jax
+from hypic_jax.models import qwen3_5
+from hypic_jax.train import corpus, export, trainer
+from hypic_jax.train import tokenizer as tok
+from qwen_helpers import relative_error
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tok.train_tokenizer(512, seed=0, prompts=120)
+
+
+def _people(document: str) -> str:
+    return re.match(r"About (.+?)\. ", document).group(1)
+
+
+def test_generator_is_deterministic_and_seeds_differ():
+    a, b = corpus.make_prompt(7, 6, 8, filler=2), corpus.make_prompt(7, 6, 8, filler=2)
+    assert a == b
+    assert corpus.make_prompt(8, 6, 8, filler=2) != a
+    assert len(a.documents) == 6 and len(a.questions) == 8
+    curriculum = corpus.Curriculum(min_docs=(1, 2), max_docs=(2, 64), max_filler=4, ramp=0.5)
+    assert curriculum.at(0.0) == ((1, 2), 0) and curriculum.at(1.0) == ((2, 64), 4)
+    sizes = [len(corpus.sample_prompt(s, curriculum, 1.0).documents) for s in range(40)]
+    assert min(sizes) >= 2 and max(sizes) <= 64 and max(sizes) > 8
+
+
+@pytest.mark.parametrize("num_docs", [2, 5, 16, 64])
+def test_answers_are_in_the_named_documents(num_docs):
+    families = set()
+    for seed in range(6):
+        prompt = corpus.make_prompt(seed, num_docs, 12, filler=1)
+        docs = prompt.documents
+        for q in prompt.questions:
+            families.add(q.family)
+            if q.family == "single":
+                (d,) = q.evidence
+                assert _people(docs[d]) in q.text and re.search(rf"\b{re.escape(q.answer)}\.", docs[d])
+            elif q.family == "multihop":
+                first, second = q.evidence
+                colleague = _people(docs[second])
+                assert _people(docs[first]) in q.text and f"works with {colleague}." in docs[first]
+                assert re.search(rf"\b{re.escape(q.answer)}\.", docs[second])
+            elif q.family == "count":
+                city = re.match(r"How many people live in (\w+)\?", q.text).group(1)
+                holders = [i for i, d in enumerate(docs) if re.search(rf"(lives in|home in) {city}\.", d)]
+                assert int(q.answer) == len(holders) and q.evidence == tuple(holders)
+            else:
+                key = re.match(r"Which value does key (\w+) hold\?", q.text).group(1)
+                (d,) = q.evidence
+                assert f"Key {key} holds {q.answer}." in docs[d]
+                assert sum(f"Key {key} " in doc for doc in docs) == 1
+    assert families == set(corpus.FAMILIES) if num_docs >= 5 else families <= set(corpus.FAMILIES)
+
+
+def test_tokenizer_round_trip_and_layout(tokenizer):
+    prompt = corpus.make_prompt(3, 4, 3, filler=1)
+    for text in map(tok.document_text, prompt.documents):
+        assert tokenizer.decode(tok.encode(tokenizer, text), skip_special_tokens=False) == text
+    ids = tok.special_ids(tokenizer)
+    assert sorted(ids.values()) == list(range(len(tok.SPECIAL_TOKENS)))
+    assert tok.encode(tokenizer, tok.ANSWER) == [ids[tok.ANSWER]]
+    docs, (tokens, mask) = tok.encode_prompt(tokenizer, prompt)
+    answers = [t for t, m in zip(tokens, mask) if m]
+    expected = [t for q in prompt.questions for t in tok.encode(tokenizer, tok.answer_text(q.answer))]
+    assert answers == expected and answers.count(ids[tok.EOS]) == 3
+    inputs, targets, weights = tok.pack(docs, (tokens, mask), 512, ids[tok.PAD])
+    assert (targets[weights > 0] == np.asarray(expected)).all()
+    assert (inputs[1:] == targets[:-1]).all()
+
+
+def _micro(**overrides) -> trainer.Settings:
+    return trainer.Settings(size="micro", seed=0, steps=4, learning_rate=1e-2, warmup=1, **overrides)
+
+
+def test_optimizer_steps_reduce_the_loss_on_a_fixed_batch(tokenizer):
+    settings = _micro()
+    config = trainer.model_config("micro", tokenizer.get_vocab_size())
+    batch = trainer.make_batch(tokenizer, settings, 0)
+    assert batch[2].sum() > 0
+    state = trainer.init_state(settings, config, trainer.optimizer(settings))
+    step = trainer.make_step(config, settings)
+    before = float(trainer.loss_fn(state["params"], config, *batch))
+    params, opt_state = state["params"], state["opt_state"]
+    for _ in range(3):
+        params, opt_state, _ = step(params, opt_state, *batch)
+    after = float(trainer.loss_fn(params, config, *batch))
+    assert after < before - 0.1, (before, after)
+
+
+def test_resumed_training_equals_uninterrupted(tmp_path):
+    straight = trainer.train(tmp_path / "a", _micro(), progress=False)
+    assert int(straight["step"]) == 4
+    first = trainer.train(tmp_path / "b", _micro(), max_steps=2, progress=False)
+    assert int(first["step"]) == 2
+    resumed = trainer.train(tmp_path / "b", _micro(), progress=False)
+    assert int(resumed["step"]) == 4
+    for x, y in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert (tmp_path / "b" / "tokenizer.json").exists()
+    fresh = trainer.init_state(_micro(), trainer.model_config("micro", 512), trainer.optimizer(_micro()))
+    assert not np.array_equal(np.asarray(fresh["params"]["embed"]), np.asarray(resumed["params"]["embed"]))
+
+
+def _perturbed_params(config, seed=0):
+    """Random params with every leaf moved off its init, so zero-initialised norms and gates matter."""
+    params = qwen3_5.init_params(config, jax.random.key(seed), jnp.float32)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    return jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+def test_export_round_trip_and_transformers_parity(tmp_path, tokenizer):
+    import torch
+    import transformers as tf
+
+    config = trainer.model_config("micro", tokenizer.get_vocab_size())
+    params = _perturbed_params(config)
+    folder = export.export_folder(params, config, tokenizer, tmp_path / "f32", "float32")
+    loaded = hypic_jax.load(folder, dtype="float32")
+    assert dataclasses.replace(loaded.config, gdn_kernel="xla", moe_kernel="ragged", chunk_size=config.chunk_size) \
+        == config
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(params)
+    for x, y in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    tokens = np.asarray([tok.encode(tokenizer, tok.document_text(corpus.make_prompt(1, 1, 1).documents[0]))[:40]],
+                        np.int32)
+    ours, _ = jax.jit(qwen3_5.forward, static_argnames="config")(params, config, tokens)
+    reference = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert type(reference).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        theirs = reference(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert relative_error(ours, theirs) < 1e-4
+
+    half = export.export_folder(params, config, tokenizer, tmp_path / "bf16")
+    assert (half / "model.safetensors").stat().st_size < export.MAX_BYTES
+    loaded = hypic_jax.load(half, dtype="bfloat16")
+    for x, y in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(trainer.cast_params(params, jnp.bfloat16))):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert tok.load_tokenizer(half).get_vocab() == tokenizer.get_vocab()
+
+
+def test_embedded_size_fits_the_budget():
+    """The GPU size's weights in bfloat16 stay under the 20 MB budget of a model shipped in the package."""
+    config = trainer.model_config("h200")
+    shapes = jax.eval_shape(lambda: qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16))
+    nbytes = sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+    assert 5e6 < nbytes < export.MAX_BYTES
+
+
+def test_quality_bench_at_ci_size(tmp_path, tokenizer):
+    """bench/quality.py on a micro exported model: every question is scored in each mode, prefix caching
+    generates exactly what full recompute does, and the floor row is computed from the gold answers."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parents[1] / "bench" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    config = trainer.model_config("micro", tokenizer.get_vocab_size())
+    folder = export.export_folder(_perturbed_params(config, seed=3), config, tokenizer, tmp_path / "m", "float32")
+    args = quality.argparse.Namespace(model=str(folder), dtype="float32", seed=0, docs=[2], prompts=1, questions=3,
+                                      filler=0, modes=["full_recompute", "prefix_cache"], seams=[], seam=8,
+                                      transformers=False, max_tokens=512, max_new_tokens=16)
+    report = quality.run(args)
+    assert report["cases"] == 3 and report["skipped_over_budget"] == 0
+    assert report["agreement_with_full_recompute"] == {"full_recompute": 1.0, "prefix_cache": 1.0}
+    for label in ("full_recompute", "prefix_cache", "most_frequent_answer"):
+        assert report["scores"][label]["all=all"]["n"] == 3
+    prompt = next(quality.heldout_prompts(0, [2], 1, 3, 0))[1]
+    answers = [q.answer for q in prompt.questions]
+    floor = report["scores"]["most_frequent_answer"]
+    for family in {q.family for q in prompt.questions}:
+        golds = [q.answer for q in prompt.questions if q.family == family]
+        best = max(golds.count(a) for a in golds) / len(golds)
+        assert floor[f"family={family}"]["em"] == pytest.approx(best, abs=1e-4)
+    assert len(report["samples"]) == 3 and [s["answer"] for s in report["samples"]] == answers
+    assert quality.token_f1([1, 2, 3], [2, 3, 4]) == pytest.approx(2 / 3) and quality.token_f1([5], [6]) == 0.0
