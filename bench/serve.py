@@ -96,7 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
     parser.add_argument("--small", action="store_true", help="CPU smoke size")
-    parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--rates", type=float, nargs="+", default=None,
+                        help="arrival rates per second (default 1 to 32; --small: 0.5 to 16)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--pool", type=int, default=200, help="documents in the pool")
@@ -112,8 +113,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.small:
-        args.rates, args.duration, args.pool = [0.25, 0.5, 1, 2], 8.0, 32
+        args.rates, args.duration, args.pool = args.rates or [0.5, 1, 2, 4, 8, 16], 8.0, 32
         args.docs_per_request, args.doc_tokens, args.query_tokens, args.max_tokens, args.max_batch = 4, 64, 16, 16, 8
+    args.rates = args.rates or [1, 2, 4, 8, 16, 32]
     prompt = args.docs_per_request * args.doc_tokens + args.query_tokens
     rung = 1 << (prompt - 1).bit_length()
     command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
