@@ -445,9 +445,15 @@ class StableEngine(Engine):
         program = self.programs.get(key)
         commit = self.programs.get(ProgramKey("commit", key.tokens, 0))
         with self.pools.lock:
+            if self.pools.arrays is None:
+                raise RuntimeError("the entry pools were lost when a write into them failed; restart the engine")
             logits, writes, decode = program(self.params, arrays, self.pools.arrays)
             pools, self.pools.arrays = self.pools.arrays, None  # donated: never left pointing at a deleted buffer
-            self.pools.arrays = commit(pools, writes)
+            try:
+                self.pools.arrays = commit(pools, writes)
+            finally:  # a commit refused before it ran (nothing donated) leaves the pools as they were
+                if self.pools.arrays is None and not any(a.is_deleted() for a in jax.tree.leaves(pools)):
+                    self.pools.arrays = pools
         return logits, decode
 
     def _writes_shapes(self, tokens: int):

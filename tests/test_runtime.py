@@ -231,3 +231,28 @@ def test_pools_are_written_in_place(engines):
     span = engine.programs._lower(ProgramKey("pic", RUNGS[0], engine.max_keys))
     outputs = {",".join(map(str, a.shape)) for a in jax.tree.leaves(span.out_info)}
     assert not outputs & pool_shapes, "a span program returns whole pools"
+
+
+def test_a_write_refused_before_it_runs_leaves_the_pools_usable(engines):
+    """The commit program donates the pools; when it is refused before running (nothing donated), the engine keeps
+    its pools and the next request is served as before."""
+    from hypic_jax.runtime import ProgramKey
+
+    engine, _, vocab = engines("qwen_moe")
+    rng = np.random.default_rng(11)
+    segs = [rng.integers(3, vocab, n).tolist() for n in (20, 9, 3)]
+    want = engine.prefill(segs, mode="full_recompute").logits
+    key = ProgramKey("commit", RUNGS[0], 0)
+    real = engine.programs.get(key)
+
+    def refused(pools, writes):
+        raise TypeError("refused before running")
+
+    engine.programs._compiled[key] = refused
+    try:
+        with pytest.raises(TypeError, match="refused"):
+            engine.prefill(segs, mode="full_recompute")
+    finally:
+        engine.programs._compiled[key] = real
+    assert engine.pools.arrays is not None
+    assert _rel(engine.prefill(segs, mode="full_recompute").logits, want) < 1e-6
