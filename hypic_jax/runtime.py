@@ -445,16 +445,25 @@ class StableEngine(Engine):
         program = self.programs.get(key)
         commit = self.programs.get(ProgramKey("commit", key.tokens, 0))
         with self.pools.lock:
-            if self.pools.arrays is None:
-                raise RuntimeError("the entry pools were lost when a write into them failed; restart the engine")
-            logits, writes, decode = program(self.params, arrays, self.pools.arrays)
-            pools, self.pools.arrays = self.pools.arrays, None  # donated: never left pointing at a deleted buffer
-            try:
-                self.pools.arrays = commit(pools, writes)
-            finally:  # a commit refused before it ran (nothing donated) leaves the pools as they were
-                if self.pools.arrays is None and not any(a.is_deleted() for a in jax.tree.leaves(pools)):
-                    self.pools.arrays = pools
+            logits, writes, decode = program(self.params, arrays, self._pool_arrays())
+            self._write_pools(commit, writes)
         return logits, decode
+
+    def _pool_arrays(self):
+        if self.pools.arrays is None:
+            raise RuntimeError("the entry pools were lost when a write into them failed; restart the engine")
+        return self.pools.arrays
+
+    def _write_pools(self, program, *args) -> None:
+        """pools = program(pools, *args), the pools donated (every program that writes them runs here, under
+        `pools.lock`). The engine never keeps a reference to donated buffers; a program refused before it ran
+        (nothing donated) leaves the pools as they were."""
+        pools, self.pools.arrays = self._pool_arrays(), None
+        try:
+            self.pools.arrays = program(pools, *args)
+        finally:
+            if self.pools.arrays is None and not any(a.is_deleted() for a in jax.tree.leaves(pools)):
+                self.pools.arrays = pools
 
     def _writes_shapes(self, tokens: int):
         """What the span programs of a token rung write (shapes only): per layer, rows of the records capacity
@@ -762,7 +771,7 @@ class StableEngine(Engine):
         self._unstored.append(entry)
         pins.add(entry)
         with self.pools.lock:  # issued while planning: the copy overlaps with what the request does next
-            self.pools.arrays = self.mover.scatter(self.pools.arrays, slot, rows, pieces.arrays)
+            self._write_pools(self.mover.scatter, slot, rows, pieces.arrays)
         self.cache.insert(entry)
         self._unstored.remove(entry)
         if self.disk_write_through:
@@ -771,7 +780,7 @@ class StableEngine(Engine):
 
     def _pieces(self, entry: Entry) -> tr.Pieces:
         with self.pools.lock:
-            arrays = self.mover.gather(self.pools.arrays, entry.slot, entry.rows)
+            arrays = self.mover.gather(self._pool_arrays(), entry.slot, entry.rows)
         return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
                          uses=entry.uses)
 

@@ -142,8 +142,7 @@ class SegmentMesh:
             _, writes = cold(self.params, jax.device_put(self._stacked_dummy(rung), self._sharded), self.standin)
             parts = self._to_home(writes)
             with engine.pools.lock:
-                pools, engine.pools.arrays = engine.pools.arrays, None
-                engine.pools.arrays = commit(pools, parts)
+                engine._write_pools(commit, parts)
             jax.block_until_ready(engine.pools.arrays)
         return time.perf_counter() - start
 
@@ -190,8 +189,7 @@ class SegmentMesh:
         logits, writes = cold(self.params, arrays, self.standin)
         parts = self._to_home(writes)
         with engine.pools.lock:
-            pools, engine.pools.arrays = engine.pools.arrays, None  # donated: never left pointing at a deleted buffer
-            engine.pools.arrays = commit(pools, parts)
+            engine._write_pools(commit, parts)
         if timed:
             jax.block_until_ready(engine.pools.arrays)
             measured = time.perf_counter() - start
