@@ -231,7 +231,7 @@ def _unit_lower_solve(lower: Array, rhs: Array, block: int = 16) -> Array:
     Blocked: the diagonal b x b blocks are inverted in parallel (`_unit_lower_inverse`), then block forward
     substitution X_i = D_i^-1 (B_i - L[i, :i] X[:i]) takes c / b matmul steps. Sequential depth b + c / b instead
     of c. Not `lax.linalg.triangular_solve`: on the CPU its LAPACK kernel splits batches over XLA's intra-op
-    thread pool and waits for them, so two solves running at once on a 2-thread pool deadlock.
+    thread pool and waits for them, so two solves running at once on a 2-thread pool can deadlock.
     """
     size = lower.shape[-1]
     if size <= block:

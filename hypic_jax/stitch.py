@@ -36,8 +36,8 @@ from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
 
-__all__ = ["conv_over_layout", "linear_over_layout", "gather_keys", "masked_attention", "row_writes", "apply_row_writes", "RowWrites",
-           "LinearResult"]
+__all__ = ["conv_over_layout", "linear_over_layout", "gather_keys", "masked_attention", "row_writes",
+           "apply_row_writes", "RowWrites", "LinearResult"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
