@@ -42,8 +42,9 @@ def engines(tmp_path_factory):
     def get(arch):
         if arch not in made:
             model, vocab, _ = _build(arch, str(root / arch))
+            # small pools (16 MB): the trace's entries are evicted as well
             engine = StableEngine(model, max_prompt_tokens=RUNGS[-1], max_segments=MAX_SEGMENTS,
-                                  token_rungs=RUNGS, cache_bytes=1 << 24, max_new_tokens=8)  # small pools: entries are evicted
+                                  token_rungs=RUNGS, cache_bytes=1 << 24, max_new_tokens=8)
             made[arch] = (engine, model, vocab)
         return made[arch]
 
