@@ -25,16 +25,11 @@ from hypic_jax import tiers as tr
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_engine import _build  # noqa: E402  (the tiny checkpoints of the engine tests)
+from test_engine import _build, _rel  # noqa: E402  (the tiny checkpoints of the engine tests)
 
 BASE = dict(max_prompt_tokens=256, max_segments=8, token_rungs=(256,), max_new_tokens=8, cache_bytes=1 << 19,
             mean_entry_tokens=64)
 SEAM = 4
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.fixture(scope="module")

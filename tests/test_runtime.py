@@ -20,18 +20,13 @@ from hypic_jax.runtime import StableEngine, backend_compiles
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_engine import _build  # noqa: E402  (the tiny checkpoints of the engine tests)
+from test_engine import _build, _rel  # noqa: E402  (the tiny checkpoints of the engine tests)
 
 ARCHS = ("qwen_moe", "ring", "kimi")
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 RUNGS = (1024,)  # one rung keeps the CPU compiles few; the trace's requests stay under it
 MAX_SEGMENTS = 24
 MAX_TRACE_TOKENS = 960
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,7 @@ class Request:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finished = False
+        self.ended: float | None = None  # monotonic time it finished or failed
         self.cancelled = False
 
     def cancel(self) -> None:
@@ -341,27 +342,28 @@ class Scheduler:
         request.row = None
 
     def _finish(self, request: Request, reason: str) -> None:
-        if request.finished:
-            return
-        request.finished = True
-        self._release(request)
-        end = time.monotonic()
-        if self.metrics:
-            self.metrics.record_finish(request, reason, end)
-        self._log(request, "cancelled" if reason == "cancelled" else "ok", reason, end)
-        self._send(request, dict(type="done", finish_reason=reason, stats=request.stats, tokens=list(request.tokens),
-                                 text=request.text.text))
+        if self._end(request):
+            if self.metrics:
+                self.metrics.record_finish(request, reason, request.ended)
+            self._log(request, "cancelled" if reason == "cancelled" else "ok", reason, request.ended)
+            self._send(request, dict(type="done", finish_reason=reason, stats=request.stats,
+                                     tokens=list(request.tokens), text=request.text.text))
 
     def _error(self, request: Request, error: ApiError) -> None:
+        if self._end(request):
+            if self.metrics:
+                self.metrics.record_error(request, error, request.ended)
+            self._log(request, f"error {error.status}", error.code, request.ended)
+            self._send(request, dict(type="error", error=error))
+
+    def _end(self, request: Request) -> bool:
+        """Mark `request` finished and free its row; False if it had already ended (a request ends once)."""
         if request.finished:
-            return
+            return False
         request.finished = True
         self._release(request)
-        end = time.monotonic()
-        if self.metrics:
-            self.metrics.record_error(request, error, end)
-        self._log(request, f"error {error.status}", error.code, end)
-        self._send(request, dict(type="error", error=error))
+        request.ended = time.monotonic()
+        return True
 
     def _fail_running(self, error: ApiError) -> None:
         for request in list(self.rows):
