@@ -12,6 +12,7 @@ prompt, an independent check of full_recompute.
 
     python bench/quality.py --model DIR [--docs 2 4 8 16] [--prompts 8] [--seams 0 1 2 4 8 16 32 0.05]
     python bench/quality.py --small --model DIR     # CPU size: a few prompts of 2 and 4 documents
+    python bench/quality.py --from-json REPORT --plot quality.png   # print and draw a saved report
 """
 
 from __future__ import annotations
@@ -28,15 +29,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-EVAL_STREAM = 0xE7A1
-
 
 def heldout_prompts(seed: int, docs: list[int], prompts: int, questions: int, filler: int):
-    from hypic_jax.train import corpus, trainer
+    from hypic_jax.train import trainer
 
     for n in docs:
         for i in range(prompts):
-            yield n, corpus.make_prompt(trainer._mix(EVAL_STREAM, seed, n, i), n, questions, filler)
+            yield n, trainer.heldout_prompt(seed, n, i, questions, filler)
 
 
 def token_f1(pred: list[int], gold: list[int]) -> float:
@@ -134,7 +133,7 @@ def _strip(tokens: list[int], eos: int) -> list[int]:
 def _record(scores, label, n, q, pred, gold) -> None:
     em = float(pred == gold)
     f1 = token_f1(pred, gold) if len(gold) > 1 else em
-    keys = [("all", "all"), ("family", q.family), ("docs", n)]
+    keys = [("all", "all"), ("family", q.family), ("docs", n), ("family@docs", f"{q.family}@{n}")]
     bucket = position_bucket(q, n)
     if bucket:
         keys.append(("position", bucket))
@@ -144,8 +143,11 @@ def _record(scores, label, n, q, pred, gold) -> None:
 
 def print_tables(report: dict) -> None:
     scores = report["scores"]
-    columns = sorted({c for row in scores.values() for c in row},
+    every = {c for row in scores.values() for c in row}
+    columns = sorted((c for c in every if not c.startswith("family@docs=")),
                      key=lambda c: (c.split("=")[0] != "all", c.split("=")[0], c))
+    crossed = sorted((c for c in every if c.startswith("family@docs=")),
+                     key=lambda c: (c.split("@")[1], int(c.rsplit("@", 1)[1])))
     print(f"{report['cases']} questions ({report['skipped_over_budget']} over the token budget skipped), "
           f"model {report['model']}, {report['device']}; cells: F1 (exact match for one-token answers)")
     agreement = report.get("agreement_with_full_recompute", {})
@@ -154,6 +156,55 @@ def print_tables(report: dict) -> None:
         same = f"{agreement[label]:>14.3f}" if label in agreement else f"{'':>14}"
         print(f"{label:<26}{row['all=all']['em']:>8.3f}{same}"
               + "".join(f"{row[c]['f1']:>17.3f}" if c in row else f"{'':>17}" for c in columns))
+    if crossed:  # exact match per task family and number of documents, with the questions per cell
+        print("exact match per family and number of documents (questions per cell in the first row)")
+        names = [c.split("=", 1)[1] for c in crossed]
+        print(f"{'run':<26}" + "".join(f"{n:>13}" for n in names))
+        first = next(iter(scores.values()))
+        print(f"{'(questions)':<26}" + "".join(f"{first.get(c, {}).get('n', 0):>13}" for c in crossed))
+        for label, row in scores.items():
+            print(f"{label:<26}" + "".join(f"{row[c]['em']:>13.3f}" if c in row else f"{'':>13}" for c in crossed))
+
+
+def plot(report: dict, path: str) -> None:
+    """Two panels: F1 per task family of each mode (beside the most-frequent-answer floor), and the seam ablation
+    (transition_rope_recompute against the seam, between addition and full_recompute)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scores = report["scores"]
+    modes = [m for m in scores if not m.startswith("trr@") and m != "transformers"]
+    families = sorted({c.split("=", 1)[1] for row in scores.values() for c in row if c.startswith("family=")})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw=dict(width_ratios=[3, 2]))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        values = [scores[mode].get(f"family={f}", {}).get("f1", 0.0) for f in families] + [scores[mode]["all=all"]["f1"]]
+        left.bar(np.arange(len(families) + 1) + (i - (len(modes) - 1) / 2) * width, values, width, label=mode)
+    left.set_xticks(np.arange(len(families) + 1), families + ["all"])
+    left.set_ylabel("F1 (exact match for one-token answers)")
+    left.set_ylim(0, 1.05)
+    left.legend(fontsize=7, ncol=2)
+    left.set_title(f"{report['cases']} held-out questions, {', '.join(map(str, report['docs']))} documents")
+    seams = sorted((float(m.split("=")[1]), m) for m in scores if m.startswith("trr@"))
+    if seams:
+        labels = [f"{v:g}" if v >= 1 or v == 0 else f"{v:.0%}" for v, _ in seams]
+        right.plot(range(len(seams)), [scores[m]["all=all"]["f1"] for _, m in seams], "o-",
+                   label="transition_rope_recompute")
+        for mode, style in (("full_recompute", "--"), ("addition", ":")):
+            if mode in scores:
+                right.axhline(scores[mode]["all=all"]["f1"], linestyle=style, color="gray", label=mode)
+        right.set_xticks(range(len(seams)), labels)
+        right.set_xlabel("seam (tokens, or a fraction of each segment)")
+        right.set_ylabel("F1, all questions")
+        right.set_ylim(0, 1.05)
+        right.legend(fontsize=8)
+        right.set_title("seam ablation")
+    else:
+        right.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> None:
@@ -178,7 +229,16 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument("--plot", default=None, help="draw the report as a PNG here (needs matplotlib: the bench "
+                        "extra)")
+    parser.add_argument("--from-json", default=None, help="print (and --plot) a saved report instead of running")
     args = parser.parse_args(argv)
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        print_tables(report)
+        if args.plot:
+            plot(report, args.plot)
+        return
     preset = dict(docs=[2, 4], prompts=2, questions=4, max_tokens=1024) if args.small else dict(
         docs=[2, 4, 8, 16], prompts=8, questions=8, max_tokens=4096)
     for name, value in preset.items():
@@ -192,6 +252,8 @@ def main(argv=None) -> None:
     print_tables(report)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, args.plot)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     diag.set_defaults(run=_diag)
     serve = commands.add_parser("serve", help="an OpenAI-compatible server with continuous batching")
     serve.add_argument("model", nargs="?", default=None,
-                       help="model folder (orbax checkpoint or Hugging Face folder); default: the built-in model")
+                       help="model folder (orbax checkpoint or Hugging Face folder); default: the model embedded in "
+                       "the package, else a tiny random-weight model")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--mode", default="transition_rope_recompute", help="default PIC mode (per request: pic_mode)")

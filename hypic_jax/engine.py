@@ -192,7 +192,8 @@ class Engine:
     """Position-independent caching on one model.
 
     Engine(model) wraps a loaded `hypic_jax.models.base.Model`; `Engine.from_pretrained(path)` loads one (and a
-    tokenizer.json next to it, if any). `mode` and `seam` are defaults that every request may override.
+    tokenizer.json next to it, if any), `Engine.from_pretrained()` the model embedded in the package. `mode` and
+    `seam` are defaults that every request may override.
     `compose_algorithm` is the dot algorithm of the dense transfer products when cached segments are stitched
     ("auto": "bf16x3" on a GPU, three bfloat16 tensor-core passes at float32-level accuracy; HIGHEST elsewhere).
     `prefix_impl` is how each linear layer's states at the segment boundaries are formed (`linear_attn.prefix_states`:
@@ -278,11 +279,16 @@ class Engine:
         self.fingerprint = model_fingerprint(self.arch.__name__, self.config, self.params, source)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: Any = "bfloat16", *, tokenizer=None, **kwargs) -> "Engine":
+    def from_pretrained(cls, path=None, dtype: Any = "bfloat16", *, tokenizer=None, **kwargs) -> "Engine":
         """Load a model folder (orbax checkpoint or Hugging Face folder); picks up tokenizer.json and the context
-        length (max_position_embeddings of config.json) when present."""
+        length (max_position_embeddings of config.json) when present. Without a path: the model embedded in the
+        package (`hypic_jax.embedded`); FileNotFoundError naming its folder when none is installed."""
         from hypic_jax.models import load
 
+        if path is None:
+            from hypic_jax.embedded import require_embedded_model
+
+            path = require_embedded_model()
         path = Path(path)
         model = load(path, dtype)
         if tokenizer is None and (path / "tokenizer.json").exists():
@@ -550,7 +556,8 @@ class Engine:
         """Prefill (any mode), then decode from the caches the span forward left behind.
 
         temperature 0 is greedy; otherwise softmax sampling at that temperature within the top-p nucleus, seeded.
-        stop: strings (need a tokenizer) and/or token ids that end generation (the stop token is kept in `tokens`).
+        stop: strings (need a tokenizer; a special token's text, such as `<|eos|>`, stops at its id) and/or token ids
+        that end generation (the stop token is kept in `tokens`).
         """
         stop_ids, stop_texts = self._check_generation(max_new_tokens, top_p, stop)
         segs = self.segment_tokens(segments)
@@ -582,7 +589,12 @@ class Engine:
         stop_texts = [s for s in stops if isinstance(s, str)]
         if stop_texts and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass token ids instead")
-        return {int(s) for s in stops if not isinstance(s, str)}, stop_texts
+        stop_ids = {int(s) for s in stops if not isinstance(s, str)}
+        if stop_texts:  # a special token never shows in decoded text: it stops by its id
+            added = getattr(self.tokenizer, "get_added_tokens_decoder", dict)()
+            special = {a.content: i for i, a in added.items() if a.special}
+            stop_ids |= {special[s] for s in stop_texts if s in special}
+        return stop_ids, stop_texts
 
     def _decode_loop(self, pre, step, cache, max_new_tokens, temperature, top_p, seed, stop_ids, stop_texts,
                      start) -> GenerateResult:

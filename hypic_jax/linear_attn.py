@@ -912,11 +912,13 @@ def gated_delta_net(
     dt_bias: Array | None,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    repeat_heads: bool = True,
 ) -> LinearInputs:
     """Gated DeltaNet with Qwen3.5 / Qwen3-Next gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
 
     q, k may have fewer (key) heads than v; each key head serves H_v / H_k consecutive value heads. a, b: [L, H_v];
-    A_log, dt_bias: [H_v].
+    A_log, dt_bias: [H_v]. repeat_heads False keeps q, k at their H_k key heads (for consumers that read them
+    grouped, like the Pallas kernels and `stitch.linear_over_layout`; the core here needs them repeated).
     """
     _require("gated_delta_net", a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     heads = v.shape[1]
@@ -926,7 +928,10 @@ def gated_delta_net(
         raise ValueError(f"A_log and dt_bias must be [H_v={heads}], got shapes {A_log.shape} and {dt_bias.shape}")
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    q, k = _repeat_heads(q, heads, "q"), _repeat_heads(k, heads, "k")
+    if repeat_heads:
+        q, k = _repeat_heads(q, heads, "q"), _repeat_heads(k, heads, "k")
+    elif heads % k.shape[1] or q.shape[1] != k.shape[1]:
+        raise ValueError(f"q, k have {q.shape[1]}, {k.shape[1]} heads, which do not divide the {heads} value heads")
     g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     return LinearInputs(q, k, v, g=g, beta=beta, scale=_default_scale(scale, k.shape[-1]))

@@ -174,12 +174,25 @@ class Programs:
         arrays = engine._dummy_layout(key)
         fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
-                                       want_decode=key.kind != "cold", algorithm=engine.compose_algorithm))
+                                       want_decode=key.kind != "cold", algorithm=engine.compose_algorithm,
+                                       linear_impl=engine.linear_impl))
         return fn.lower(shapes(engine.params), shapes(arrays), shapes(engine.pools.arrays))
 
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
-        compiled = self._lower(key).compile()
+        try:
+            compiled = self._lower(key).compile()
+        except Exception as error:  # noqa: BLE001  (a kernel's lowering or compile failed: see below)
+            engine = self.engine
+            if key.kind not in ("cold", "pic", "plain") or engine.linear_impl in ("xla", "pallas"):
+                raise
+            # the automatic choice of the Pallas linear kernels must never cost the engine its programs: fall
+            # back to the XLA chunk loops (same results up to rounding; the records keep one form)
+            log.warning("the %s program for %d tokens failed to compile with the linear cores through the Pallas "
+                        "kernels (%s: %s); every span program compiled from now on runs the XLA chunk loops",
+                        key.kind, key.tokens, type(error).__name__, str(error)[:500])
+            engine.linear_impl = "xla"
+            compiled = self._lower(key).compile()
         seconds = time.perf_counter() - start
         with self._lock:
             self._compiled[key] = compiled
@@ -222,9 +235,11 @@ class Programs:
                 for k, s in sorted(self._seconds.items())]
 
 
-def _span_program(params, arrays, pools, *, arch, config, isolated, summaries, want_decode, algorithm):
+def _span_program(params, arrays, pools, *, arch, config, isolated, summaries, want_decode, algorithm,
+                  linear_impl=None):
+    extra = {} if linear_impl is None else dict(linear_impl=linear_impl)  # None: the architecture's own choice
     return arch.span_forward_arrays(params, config, arrays, pools, isolated=isolated, summaries=summaries,
-                                    want_decode=want_decode, algorithm=algorithm)
+                                    want_decode=want_decode, algorithm=algorithm, **extra)
 
 
 def _commit(pools, writes):
@@ -312,6 +327,13 @@ class StableEngine(Engine):
     when it is stored (else entries reach the disk when evicted, or through `persist()`); tier_dtype="bfloat16"
     stores the linear layers' T and S in bfloat16 off the device (half their bytes; promoted entries are the
     rounded values, widened to float32).
+
+    linear_impl: how the span programs run the linear layers' cores (`stitch.linear_over_layout`): "xla" (the
+    default), the chunk loops everywhere; "auto", the Pallas kernels (`pallas.gdn.gdn_varlen`) where
+    `stitch.linear_kernel_fits` says they fit (a GPU, bfloat16 values); "pallas", the kernels everywhere (in the
+    Pallas interpreter off a GPU); None, the architecture's own choice (Qwen3.5 / Qwen3-Next follow `gdn_kernel`,
+    Kimi and Ring the XLA loops). The kernel path equals the loops in interpret mode (tests/test_stable_kernels.py)
+    and is opt-in until `bench/investigations/stable_kernels.py` has checked and timed it on a GPU.
     """
 
     def __init__(self, model, *, tokenizer=None, cache_bytes: int | None = None,
@@ -323,13 +345,16 @@ class StableEngine(Engine):
                  disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
                  disk_write_through: bool = False, tier_dtype: str | None = None, devices=None,
-                 policy: str = "lpt"):
+                 policy: str = "lpt", linear_impl: str | None = "xla"):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
         super().__init__(model, tokenizer=tokenizer, cache_bytes=cache_bytes, mode=mode, seam=seam,
                          separator=separator, max_context=max_context, source=source,
                          compose_algorithm=compose_algorithm, compile_cache=compile_cache, pool_entries=False)
+        if linear_impl not in (None, "xla", "pallas", "auto"):
+            raise ValueError(f"linear_impl must be None, 'xla', 'pallas' or 'auto', got {linear_impl!r}")
+        self.linear_impl = linear_impl
         if max_prompt_tokens < 1 or max_segments < 1 or max_new_tokens < 0:
             raise ValueError("max_prompt_tokens and max_segments must be >= 1 and max_new_tokens >= 0")
         self.max_prompt_tokens, self.max_segments, self.max_new_tokens = max_prompt_tokens, max_segments, max_new_tokens
@@ -377,7 +402,7 @@ class StableEngine(Engine):
         """The decode cache a stitched program returns (shapes only): the decode program's input."""
         key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
         fn = functools.partial(_span_program, arch=self.arch, config=self.config, isolated=False, summaries=False,
-                               want_decode=True, algorithm=self.compose_algorithm)
+                               want_decode=True, algorithm=self.compose_algorithm, linear_impl=self.linear_impl)
         decode = jax.eval_shape(fn, self.params, self._dummy_layout(key), self.pools.arrays)[2]
         return ModelCache(layers=tuple(decode), length=jax.ShapeDtypeStruct((), jnp.int32))
 

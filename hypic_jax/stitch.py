@@ -15,14 +15,22 @@ that fit one capacity share one compiled program, and padding costs buffer space
     3. the output chunk loop: a chunk that starts a piece loads that piece's incoming state (`chunk_load`) or
        carries on from the chunk before; it also keeps every piece's end state (prefix-cache snapshots).
   Chunk-local work (the WY/UT solves) is shared by steps 1 and 3: the widened pass only appends zero value
-  columns.
+  columns. On a GPU (`linear_kernel_fits`, `impl=`) steps 1 and 3 run the Pallas kernels instead
+  (`pallas.gdn.gdn_varlen`): the pieces are its packed segments, their offsets `cu` built from the layout's chunk
+  tables, and the padded tokens past the last piece belong to no segment. Step 1 is one zero-start launch that
+  emits every piece's (T, S); step 3 one launch where each piece starts from its incoming state or carries on from
+  the piece before (`continues`), returning every piece's end state. The kernels step only the chunks that hold
+  tokens, so padding costs no sequential step there either.
 * attention: keys are gathered in absolute order from the fresh keys and the per-token pools (`key_index`), and
   each block of queries runs an online-softmax loop over only the key blocks it can see.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +40,13 @@ from hypic_jax import linear_attn
 from hypic_jax.layout import PIECE_CACHED, PIECE_FRESH, LayoutArrays
 from hypic_jax.linear_attn import LinearInputs, Summary
 from hypic_jax.summary import apply_transfer, einsum
+from hypic_jax.pallas import gdn as pallas_gdn
 from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
 
-__all__ = ["conv_over_layout", "linear_over_layout", "gather_keys", "masked_attention", "row_writes",
-           "apply_row_writes", "RowWrites", "LinearResult"]
+__all__ = ["conv_over_layout", "linear_over_layout", "linear_kernel_fits", "LINEAR_IMPLS", "gather_keys",
+           "masked_attention", "row_writes", "apply_row_writes", "RowWrites", "LinearResult"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,6 +97,47 @@ class LinearResult:
         self.piece_summaries, self.piece_ends = piece_summaries, piece_ends
 
 
+LINEAR_IMPLS = ("xla", "pallas", "auto")
+
+
+def _kernel_problem(inputs: LinearInputs) -> str | None:
+    """Why `pallas.gdn.gdn_varlen` cannot take these inputs, or None when it can."""
+    key_dim, value_dim = inputs.k.shape[-1], inputs.v.shape[-1]
+    if inputs.q is None:
+        return "the kernels need q"
+    if not all(d >= 16 and not d & (d - 1) for d in (key_dim, value_dim)):
+        return f"K and V must be powers of two >= 16 (Triton tiles), got K={key_dim}, V={value_dim}"
+    if inputs.v.shape[1] % inputs.k.shape[1]:
+        return f"key heads {inputs.k.shape[1]} do not divide value heads {inputs.v.shape[1]}"
+    return None
+
+
+def linear_kernel_fits(inputs: LinearInputs, impl: str = "auto") -> bool:
+    """Whether `linear_over_layout` runs the linear core through the Pallas kernels (`pallas.gdn.gdn_varlen`):
+    "pallas" always (the Pallas interpreter off a GPU; a ValueError naming the problem when the kernels cannot
+    take the inputs), "auto" on a GPU for bfloat16 values when they can (the rule of the static engine's prefill,
+    `qwen3_5.Config.gdn_kernel`), "xla" never."""
+    if impl not in LINEAR_IMPLS:
+        raise ValueError(f"impl must be one of {LINEAR_IMPLS}, got {impl!r}")
+    if impl == "xla":
+        return False
+    problem = _kernel_problem(inputs)
+    if impl == "pallas":
+        if problem is not None:
+            raise ValueError(f"impl='pallas' cannot take these inputs: {problem}")
+        return True
+    return problem is None and inputs.v.dtype == jnp.bfloat16 and not pallas_gdn.default_interpret()
+
+
+def _repeat_key_heads(inputs: LinearInputs) -> LinearInputs:
+    """q and k repeated from Hk key heads to the H value heads (head h reads key head h // (H / Hk))."""
+    group = inputs.v.shape[1] // inputs.k.shape[1]
+    if group == 1:
+        return inputs
+    rep = lambda x: None if x is None else jnp.repeat(x, group, axis=1)  # noqa: E731
+    return dataclasses.replace(inputs, q=rep(inputs.q), k=rep(inputs.k))
+
+
 def linear_over_layout(
     inputs: LinearInputs,
     pool: Summary,
@@ -96,15 +146,26 @@ def linear_over_layout(
     summaries: bool,
     rotate: Callable[[Summary, Array], Summary] | None = None,
     algorithm: str | None = None,
+    impl: str = "xla",
+    kernel_config: pallas_gdn.GDNConfig | None = None,
 ) -> LinearResult:
     """A linear layer's core over the pieces of `layout`.
 
-    inputs: the family's LinearInputs of the fresh tokens ([F, H, ...]). pool: every slot's cached summary
+    inputs: the family's LinearInputs of the fresh tokens ([F, H, ...]; q and k may have fewer key heads Hk
+    dividing H, each serving H / Hk consecutive value heads). pool: every slot's cached summary
     ([S, H, K, V] states, transfers in the family's form). summaries: compute every fresh piece's own summary
     (needed when a fresh piece precedes a cached one, and for the records of a cold prefill). The layout's
     `drop_transfer` drops cached transfers (HYPIC's `addition`). rotate(summary, offset): moves a cached summary by `offset`
     positions (RoPE'd linear layers), applied when given.
+    impl: "xla" (the chunk loops below), "pallas" or "auto" (`linear_kernel_fits`): steps 1 and 3 through
+    `pallas.gdn.gdn_varlen` (its `kernel_config`; None: `default_varlen_config`). Both give the same outputs,
+    states and summaries up to rounding, except in rows that nothing reads: padded tokens' outputs (zeros from the
+    kernels), and the summaries and end states of pieces that are not fresh.
     """
+    if linear_kernel_fits(inputs, impl):
+        return _linear_over_layout_kernels(inputs, pool, layout, summaries=summaries, rotate=rotate,
+                                           algorithm=algorithm, config=kernel_config)
+    inputs = _repeat_key_heads(inputs)
     acc = jnp.float32
     form = inputs.form
     heads, key_dim, value_dim = inputs.k.shape[1], inputs.k.shape[2], inputs.v.shape[2]
@@ -144,6 +205,41 @@ def linear_over_layout(
         fresh_summary = _fresh_summaries(ends, inputs, layout, form, value_dim, acc)
 
     # 2. the fold over pieces: the state entering each one
+    folded, incoming = _fold_pieces(pool, layout, form, fresh_summary, rotate, algorithm, (heads, key_dim, value_dim))
+
+    # 3. outputs, chunk by chunk, and each piece's end state
+    def output(i, carry):
+        state, outs, ends = carry
+        state = jnp.where(layout.chunk_load[i], incoming[layout.chunk_piece[i]], state)
+        before = state
+        state, u = chunk_state_step(state, i)
+        if "q_decayed" in loc:
+            o = einsum("hck,hkv->hcv", loc["q_decayed"][i], before) + einsum(
+                "hcj,hjv->hcv", loc["scores"][i], u)
+            outs = _put(outs, i, o)
+        ends = _put(ends, jnp.where(layout.chunk_last[i], layout.chunk_piece[i], num_pieces), state)
+        return state, outs, ends
+
+    zero = jnp.zeros((heads, key_dim, value_dim), acc)
+    num_chunk_rows = layout.chunk_rows.shape[0]
+    outs = jnp.zeros((num_chunk_rows, heads, chunk_len, value_dim), acc)
+    ends = jnp.zeros((num_pieces + 1, heads, key_dim, value_dim), acc)
+    _, outs, ends = jax.lax.fori_loop(0, layout.num_chunks, output, (zero, outs, ends))
+    ends = ends[:num_pieces]
+    flat = jnp.moveaxis(outs, 1, 2).reshape(num_chunk_rows * chunk_len, heads, value_dim)
+    outputs = (inputs.scale * flat[layout.token_chunk_row]).astype(inputs.v.dtype)
+    last = layout.num_pieces - 1
+    final = jnp.where(layout.piece_kind[last] == PIECE_FRESH, ends[last], folded)
+    return LinearResult(outputs, final, fresh_summary, ends)
+
+
+def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: Summary | None, rotate, algorithm,
+                 dims: tuple[int, int, int]) -> tuple[Array, Array]:
+    """Step 2 of `linear_over_layout`: the fold over the pieces in request order. Returns (the state after the
+    last piece, the state entering every piece [N, H, K, V])."""
+    acc = jnp.float32
+    heads, key_dim, value_dim = dims
+    num_pieces = layout.piece_kind.shape[0]
     cached = Summary(pool.form, pool.state[layout.piece_slot].astype(acc),
                      None if pool.transfer is None else pool.transfer[layout.piece_slot].astype(acc))
     if rotate is not None:
@@ -173,29 +269,42 @@ def linear_over_layout(
         return state, incoming
 
     zero = jnp.zeros((heads, key_dim, value_dim), acc)
-    folded, incoming = jax.lax.fori_loop(0, layout.num_pieces, fold,
-                                         (zero, jnp.zeros((num_pieces, heads, key_dim, value_dim), acc)))
+    return jax.lax.fori_loop(0, layout.num_pieces, fold,
+                             (zero, jnp.zeros((num_pieces, heads, key_dim, value_dim), acc)))
 
-    # 3. outputs, chunk by chunk, and each piece's end state
-    def output(i, carry):
-        state, outs, ends = carry
-        state = jnp.where(layout.chunk_load[i], incoming[layout.chunk_piece[i]], state)
-        before = state
-        state, u = chunk_state_step(state, i)
-        if "q_decayed" in loc:
-            o = einsum("hck,hkv->hcv", loc["q_decayed"][i], before) + einsum(
-                "hcj,hjv->hcv", loc["scores"][i], u)
-            outs = _put(outs, i, o)
-        ends = _put(ends, jnp.where(layout.chunk_last[i], layout.chunk_piece[i], num_pieces), state)
-        return state, outs, ends
 
-    num_chunk_rows = layout.chunk_rows.shape[0]
-    outs = jnp.zeros((num_chunk_rows, heads, chunk_len, value_dim), acc)
-    ends = jnp.zeros((num_pieces + 1, heads, key_dim, value_dim), acc)
-    _, outs, ends = jax.lax.fori_loop(0, layout.num_chunks, output, (zero, outs, ends))
-    ends = ends[:num_pieces]
-    flat = jnp.moveaxis(outs, 1, 2).reshape(num_chunk_rows * chunk_len, heads, value_dim)
-    outputs = (inputs.scale * flat[layout.token_chunk_row]).astype(inputs.v.dtype)
+def _piece_offsets(layout: LayoutArrays) -> Array:
+    """cu [N + 1]: each piece's first fresh token and, last, the number of fresh tokens (cached and padded pieces
+    hold none). Fresh tokens are packed in piece order, so these are the kernels' segment offsets; the padded
+    tokens after cu[N] belong to no segment."""
+    tokens = layout.tokens.shape[0]
+    per_chunk = jnp.sum(layout.chunk_rows < tokens, axis=1).astype(jnp.int32)  # padded chunks hold none
+    lengths = jax.ops.segment_sum(per_chunk, layout.chunk_piece, num_segments=layout.piece_kind.shape[0])
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+
+
+def _piece_loads(layout: LayoutArrays) -> Array:
+    """bool [N]: the piece's first chunk loads the piece's incoming state (`chunk_load`); a fresh piece that does
+    not carries on from the piece before it (pieces without chunks: False)."""
+    first = (layout.chunk_first & layout.chunk_load).astype(jnp.int32)
+    return jnp.zeros(layout.piece_kind.shape, jnp.int32).at[layout.chunk_piece].max(first) > 0
+
+
+def _linear_over_layout_kernels(inputs: LinearInputs, pool: Summary, layout: LayoutArrays, *, summaries: bool,
+                                rotate, algorithm, config) -> LinearResult:
+    """`linear_over_layout` with steps 1 and 3 through `pallas.gdn.gdn_varlen`, the pieces as its segments."""
+    heads, key_dim, value_dim = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
+    cu = _piece_offsets(layout)
+    run = functools.partial(pallas_gdn.gdn_varlen, inputs.q, inputs.k, inputs.v, cu, g=inputs.g, gk=inputs.gk,
+                            beta=inputs.beta, scale=inputs.scale, config=config)
+    fresh_summary = None
+    if summaries:  # 1. every piece's own (T, S) from zero: one launch, its outputs unused
+        _, fresh_summary = run(emit_summary=True)
+    folded, incoming = _fold_pieces(pool, layout, inputs.form, fresh_summary, rotate, algorithm,
+                                    (heads, key_dim, value_dim))
+    # 3. outputs and every piece's end state: a piece loads its incoming state or carries on from the one before
+    outputs, ends = run(emit_summary=False, initial_state=incoming, continues=~_piece_loads(layout))
+    outputs = jnp.where(layout.valid[:, None, None], outputs, 0).astype(inputs.v.dtype)  # padding: never written
     last = layout.num_pieces - 1
     final = jnp.where(layout.piece_kind[last] == PIECE_FRESH, ends[last], folded)
     return LinearResult(outputs, final, fresh_summary, ends)

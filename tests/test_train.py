@@ -191,3 +191,70 @@ def test_quality_bench_at_ci_size(tmp_path, tokenizer):
         assert floor[f"family={family}"]["em"] == pytest.approx(best, abs=1e-4)
     assert len(report["samples"]) == 3 and [s["answer"] for s in report["samples"]] == answers
     assert quality.token_f1([1, 2, 3], [2, 3, 4]) == pytest.approx(2 / 3) and quality.token_f1([5], [6]) == 0.0
+
+
+def test_rows_take_the_shortest_length_that_holds_the_step(tokenizer):
+    """Bucketed rows: each step's rows have the shortest of the run's lengths that holds its first `batch`
+    prompts, more rows at shorter lengths, every row fits, and a step's batch depends on (seed, step) alone."""
+    settings = trainer.Settings(size="micro", seq_len=512, batch=2, min_row_len=128, steps=100, ramp=0.5)
+    assert trainer.row_lengths(settings) == (128, 256, 512)
+    assert [trainer.rows_for(settings, n) for n in (128, 256, 512)] == [4, 2, 2]
+    assert trainer.row_lengths(dataclasses.replace(settings, min_row_len=0)) == (512,)
+    assert trainer.row_lengths(dataclasses.replace(settings, min_row_len=512)) == (512,)
+    pad = tokenizer.token_to_id(tok.PAD)
+    seen = set()
+    for step in (0, 40, 99):
+        inputs, targets, weights = trainer.make_batch(tokenizer, settings, step)
+        rows, length = inputs.shape
+        seen.add(length)
+        assert length in trainer.row_lengths(settings) and rows == trainer.rows_for(settings, length)
+        assert weights.sum() > 0 and (weights.sum(axis=1) > 0).all()
+        used = (np.concatenate([inputs[:, :1], targets], axis=1) != pad).sum(axis=1)
+        # the first `batch` rows would not all have fitted the next shorter length (+1: the last target)
+        shorter = [n for n in trainer.row_lengths(settings) if n < length]
+        assert not shorter or used[:settings.shape()["batch"]].max() > shorter[-1] + 1
+        again = trainer.make_batch(tokenizer, settings, step)
+        for x, y in zip((inputs, targets, weights), again):
+            np.testing.assert_array_equal(x, y)
+    assert len(seen) > 1, seen
+
+
+def test_second_stage_starts_from_an_exported_folder(tmp_path, tokenizer):
+    """init_from: a run starts from an export's weights (bfloat16 widened to float32) and tokenizer; a folder of
+    another size is refused."""
+    config = trainer.model_config("micro", tokenizer.get_vocab_size())
+    params = _perturbed_params(config, seed=5)
+    folder = export.export_folder(params, config, tokenizer, tmp_path / "stage1")
+    settings = dataclasses.replace(_micro(), init_from=str(folder), seed=3)
+    saved, loaded_tokenizer = trainer.prepare_run(tmp_path / "stage2", settings)
+    assert loaded_tokenizer.get_vocab() == tokenizer.get_vocab() and saved.init_from == str(folder)
+    state = trainer.init_state(settings, config, trainer.optimizer(settings))
+    for x, y in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(trainer.cast_params(params, jnp.bfloat16))):
+        assert x.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y, np.float32))
+    smoke = trainer.Settings(size="smoke", init_from=str(folder))
+    with pytest.raises(ValueError, match="size 'smoke'"):
+        trainer.init_state(smoke, trainer.model_config("smoke", tokenizer.get_vocab_size()), trainer.optimizer(smoke))
+
+
+def test_teacher_forced_accuracy_equals_greedy_generation():
+    """answer_accuracy scores a question right exactly when greedy decoding writes its answer and <|eos|>: checked
+    per family against the model's own greedy generation, on the embedded trained model (which gets some right)."""
+    from hypic_jax.train import EMBEDDED_MODEL
+
+    model = hypic_jax.load(EMBEDDED_MODEL, dtype="float32")
+    tokenizer = tok.load_tokenizer(EMBEDDED_MODEL)
+    scores = trainer.answer_accuracy(model.params, model.config, tokenizer, docs=3, prompts=1, questions=6, rows=4)
+    assert scores["all"]["n"] == 6 and sum(v["n"] for k, v in scores.items() if k != "all") == 6
+    hits = {}
+    for i in range(1):
+        prompt = trainer.heldout_prompt(0, 3, i, 6, 2)
+        context = [t for d in prompt.documents for t in tok.encode(tokenizer, tok.document_text(d))]
+        for q in prompt.questions:
+            tokens = context + tok.encode(tokenizer, tok.question_text(q.text))
+            answer = tok.encode(tokenizer, tok.answer_text(q.answer))
+            generated = np.asarray(model.generate(jnp.asarray([tokens], jnp.int32), len(answer)))[0]
+            hits.setdefault(q.family, []).append(generated.tolist() == answer)
+    for family, row in hits.items():
+        assert scores[family]["em"] == pytest.approx(np.mean(row), abs=1e-4), (family, row, scores)
+    assert 0 < scores["all"]["em"], scores

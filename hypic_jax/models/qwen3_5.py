@@ -292,14 +292,17 @@ def gdn_projections(x: Array, p: dict, config: Config) -> tuple[Array, Array, Ar
     return mixed, z, a, b
 
 
-def gdn_inputs(conv_out: Array, a: Array, b: Array, p: dict, config: Config) -> linear_attn.LinearInputs:
-    """One sequence's recurrence inputs from the post-conv [q|k|v] [L, conv_dim] and the gates' a, b [L, Hv]."""
+def gdn_inputs(conv_out: Array, a: Array, b: Array, p: dict, config: Config,
+               repeat_heads: bool = True) -> linear_attn.LinearInputs:
+    """One sequence's recurrence inputs from the post-conv [q|k|v] [L, conv_dim] and the gates' a, b [L, Hv]
+    (q, k repeated to the value heads unless `repeat_heads` is False)."""
     length = conv_out.shape[0]
     q, k, v = jnp.split(conv_out, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
     hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
     q, k = q.reshape(length, hk, dk), k.reshape(length, hk, dk)
     v = v.reshape(length, config.linear_num_value_heads, config.linear_value_head_dim)
-    return linear_attn.gated_delta_net(q, k, v, a=a, b=b, A_log=p["A_log"], dt_bias=p["dt_bias"])
+    return linear_attn.gated_delta_net(q, k, v, a=a, b=b, A_log=p["A_log"], dt_bias=p["dt_bias"],
+                                       repeat_heads=repeat_heads)
 
 
 def gdn_output(core: Array, z: Array, p: dict, config: Config) -> Array:
@@ -586,18 +589,31 @@ def pool_layout(config: Config, dtype: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def span_linear_impl(config: Config, linear_impl: str | None) -> str:
+    """The `stitch.linear_over_layout` impl of the GDN layers: `linear_impl` when given, else the model's own
+    `gdn_kernel` ("auto": the Pallas kernels on a GPU for bfloat16 models, as the prefill picks them)."""
+    if linear_impl is not None:
+        return linear_impl
+    if config.gdn_kernel not in ("auto", "xla", "pallas"):
+        raise ValueError(f"gdn_kernel must be 'auto', 'xla' or 'pallas', got {config.gdn_kernel!r}")
+    return config.gdn_kernel
+
+
 def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, isolated: bool, summaries: bool,
-                        want_decode: bool = False, algorithm: str | None = None):
+                        want_decode: bool = False, algorithm: str | None = None, linear_impl: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them.
 
     isolated: a cold prefill (every span from position 0, no mixing across spans). summaries: compute each fresh
     piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
-    canonical phase) is data of the layout. Returns (float32 logits [vocab] of the last fresh token, per layer the
-    rows to write into its pool (`stitch.RowWrites`, applied by the caller), per layer the decode cache of the whole
-    request or None).
+    canonical phase) is data of the layout. linear_impl: how the GDN cores run (`stitch.linear_over_layout`'s
+    impl: "xla", "pallas", "auto"; None: `span_linear_impl`). Returns (float32 logits [vocab] of the last fresh
+    token, per layer the rows to write into its pool (`stitch.RowWrites`, applied by the caller), per layer the
+    decode cache of the whole request or None).
     """
     from hypic_jax import rope, stitch
+
+    impl = span_linear_impl(config, linear_impl)
 
     positions = layout.positions
     x = params["embed"][layout.tokens]  # [F, H]
@@ -610,9 +626,9 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
             mixed, z, a, b = gdn_projections(h, p, config)
             conv_out, conv_tail, conv_records = stitch.conv_over_layout(mixed, p["conv_weight"], pool["conv"],
                                                                         layout)
-            inputs = gdn_inputs(conv_out, a, b, p, config)
+            inputs = gdn_inputs(conv_out, a, b, p, config, repeat_heads=False)  # grouped: stitch repeats for XLA
             result = stitch.linear_over_layout(inputs, pool["summary"], layout, summaries=summaries,
-                                               algorithm=algorithm)
+                                               algorithm=algorithm, impl=impl)
             h = gdn_output(result.outputs.astype(h.dtype), z, p, config)
             records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, layout.record_slot, dict(summary=records, conv=conv_records))

@@ -573,14 +573,18 @@ def pool_layout(config: RingLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 
 
 def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools: tuple, *, isolated: bool,
-                        summaries: bool, want_decode: bool = False, algorithm: str | None = None):
+                        summaries: bool, want_decode: bool = False, algorithm: str | None = None,
+                        linear_impl: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them; see
     `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so cached summaries are moved by their pieces'
-    offsets (zero where the mode keeps them at their canonical phase). Returns (float32 logits [vocab] of the last
-    fresh token, per layer the rows to write into its pool (`stitch.RowWrites`, applied by the caller), per layer
-    the decode cache of the whole request or None)."""
+    offsets (zero where the mode keeps them at their canonical phase). linear_impl: how the lightning cores run
+    (`stitch.linear_over_layout`'s impl; None: "xla", as this model's prefill). Returns (float32 logits [vocab] of
+    the last fresh token, per layer the rows to write into its pool (`stitch.RowWrites`, applied by the caller), per
+    layer the decode cache of the whole request or None)."""
     from hypic_jax import rope, stitch
+
+    impl = linear_impl or "xla"
 
     positions = layout.positions
     x = params["embed"][layout.tokens]  # [F, D]
@@ -607,7 +611,7 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
         else:
             inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, i, config))
             result = stitch.linear_over_layout(inputs, pool["summary"], layout, summaries=summaries,
-                                               rotate=rotate_summary, algorithm=algorithm)
+                                               rotate=rotate_summary, algorithm=algorithm, impl=impl)
             mixed = linear_output(p, h[None], result.outputs[None], config)[0]
             records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, layout.record_slot, dict(summary=records))

@@ -456,7 +456,8 @@ class _PackedChunk:
         pltriton.store(rows, tile, mask=valid)
 
 
-def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False):
+def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False,
+                   skip_empty=False):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
@@ -464,13 +465,28 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
     t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     With `packed` two int32 tables src, cnt [Nc] come first and q, k, v are the whole packed sequence [L, D]:
-    chunk n is rows src[n] .. src[n] + cnt[n] (`_PackedChunk`).
+    chunk n is rows src[n] .. src[n] + cnt[n] (`_PackedChunk`). With `skip_empty` (packed only) a chunk of no
+    tokens writes nothing: its outputs are left undefined, for a state pass that never reads such chunks
+    (`gdn_varlen` bounds its pass by the chunks that hold tokens).
     """
-    if packed:
-        (src_ref, cnt_ref), refs = refs[:2], refs[2:]
-        n = pl.program_id(0)
-        chunk_rows = functools.partial(_PackedChunk, src=src_ref[n], cnt=cnt_ref[n], chunk=chunk)
-        refs = tuple(chunk_rows(r) for r in refs[:3 if delta else 2]) + tuple(refs[3 if delta else 2:])
+    body = functools.partial(_locals_body, chunk=chunk, sub=sub, delta=delta, per_key=per_key, scale=scale,
+                             prec=prec, solve=solve, solve_prec=solve_prec)
+    if not packed:
+        body(refs)
+        return
+    (src_ref, cnt_ref), refs = refs[:2], refs[2:]
+    n = pl.program_id(0)
+    cnt = cnt_ref[n]
+    chunk_rows = functools.partial(_PackedChunk, src=src_ref[n], cnt=cnt, chunk=chunk)
+    refs = tuple(chunk_rows(r) for r in refs[:3 if delta else 2]) + tuple(refs[3 if delta else 2:])
+    if skip_empty:
+        pl.when(cnt > 0)(lambda: body(refs))
+    else:
+        body(refs)
+
+
+def _locals_body(refs, *, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
+    """`_locals_kernel`'s work on one chunk, its q, k, v refs already resolved to the chunk's rows."""
     if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
     if delta:
@@ -569,7 +585,7 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, tails=False, prefetch=False, packed=False):
+                  values=True, tails=False, prefetch=False, packed=False, seg_init=False, bounded=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -584,6 +600,10 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     reset (`_varlen_transfer`). With `packed` two more int32 tables src, cnt [Nc] follow the segment tables, and
     o (and u, which is v, without the delta rule; k and q with scalar gates) are whole packed sequences [L, D]
     read and written in place, chunk n being rows src[n] .. src[n] + cnt[n] (`_PackedChunk`).
+    With `seg_init` (segments, one piece) init is [n, K, BV], one state per segment, and the start table says
+    which: 1 + the row to load before this chunk, 0 to carry the state on (so a segment may continue the one
+    before it); the state before the first chunk is zero. With `bounded` an int32 [1] table follows the segment
+    tables: the number of chunks to step (the chunks that hold tokens); the chunks after it are never read.
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -591,6 +611,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     k_ref, b_ref = next(it), next(it)
     q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
+    live_ref = next(it) if bounded else None
     src_ref, cnt_ref = (next(it), next(it)) if packed else (None, None)
     init_ref = next(it)
     o_ref = next(it) if outputs else None
@@ -598,7 +619,11 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     tail_ref = next(it) if tails else None
     c = chunk
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
-    init = init_ref[...].astype(jnp.float32)
+    if seg_init:
+        init = jnp.zeros(init_ref.shape[1:], jnp.float32)
+    else:
+        init = init_ref[...].astype(jnp.float32)
+    steps = live_ref[0] if bounded else num_chunks
 
     def small_loads(n):  # the step's loads that feed no dot directly: decays and segment tables
         first = n * c if isinstance(n, int) else pl.multiple_of(n * c, c)
@@ -609,11 +634,16 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     def body(n, carry):
         if prefetch:  # this step's small loads were issued one step earlier; issue the next step's now
             state, small = carry
-            ahead = small_loads(jnp.minimum(n + 1, num_chunks - 1))
+            ahead = small_loads(jnp.minimum(n + 1, steps - 1))
         else:
             state, small, ahead = carry, small_loads(n), None
         rows = pl.ds(pl.multiple_of(n * c, c), c)
-        if segments:
+        if seg_init:  # load the segment's own initial state (a masked load: no memory read when carrying on)
+            reset = small[1]
+            loaded = pltriton.load(init_ref.at[jnp.maximum(reset - 1, 0)], mask=jnp.full(state.shape, reset != 0),
+                                   other=0.0)
+            state = jnp.where(reset != 0, loaded.astype(jnp.float32), state)
+        elif segments:
             state = jnp.where(small[1] != 0, init, state)
         if packed:  # this chunk's rows of the packed arrays: src .. src + cnt
             in_place = functools.partial(_PackedChunk, src=small[-2], cnt=small[-1], chunk=c)
@@ -671,9 +701,9 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         return (state, ahead) if prefetch else state
 
     if prefetch:
-        state, _ = lax.fori_loop(0, num_chunks, body, (init, small_loads(0)))
+        state, _ = lax.fori_loop(0, steps, body, (init, small_loads(0)))
     else:
-        state = lax.fori_loop(0, num_chunks, body, init)
+        state = lax.fori_loop(0, steps, body, init)
     if not segments:
         final_ref[...] = state
     if tails:
@@ -688,10 +718,12 @@ def _compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None):
+def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None,
+                 skip_empty=False):
     """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
     packed: None, or the int32 tables (src, cnt) [Nc] of a chunk-aligned layout whose q, k, v stay packed
-    (`_locals_kernel`); L is then the layout's length (b's), not q's."""
+    (`_locals_kernel`); L is then the layout's length (b's), not q's. skip_empty (packed only): chunks of no
+    tokens write nothing (their outputs are undefined)."""
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
     heads = b.shape[1] if per_key else b.shape[0]
@@ -730,7 +762,8 @@ def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpr
         in_specs, args = [table, table] + list(in_specs), tuple(packed) + tuple(args)
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
                                scale=scale, prec=config.locals_precision, solve=config.solve,
-                               solve_prec=config.solve_precision, packed=packed is not None)
+                               solve_prec=config.solve_precision, packed=packed is not None,
+                               skip_empty=skip_empty and packed is not None)
     return pl.pallas_call(
         kernel,
         grid=(num_chunks, heads),
@@ -744,7 +777,7 @@ def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpr
 
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
-                segments=None, tails=False, packed=None, packed_length=None):
+                segments=None, tails=False, packed=None, packed_length=None, segment_init=False, live=None):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
@@ -754,6 +787,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     [Nc] of a chunk-aligned layout whose outputs stay packed (and k, q with scalar gates: per-key gates pass the
     chunk-local kernel's decayed k, q, chunk-aligned); L is then b's length, the layout's, and o is
     [packed_length, H, V].
+    segment_init (segments, pieces = 1): init is [n, H, K, Wd], one initial state per segment, and the start
+    table holds 1 + the row to load (0: carry on; `_state_kernel`). live: None, or an int32 [1] array, the number
+    of chunks to step (the rest are never read).
     """
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
@@ -804,14 +840,24 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         table = pl.BlockSpec((start.shape[0] // pieces,), lambda j, h, s: (s,))
         in_specs += [table, table]
         args += [start, slot]
-    elif tails:
-        raise ValueError("tails are the pieces' final states beside the segments' slots: segments needed")
+    elif tails or segment_init:
+        raise ValueError("tails and per-segment initial states belong to packed segments: segments needed")
+    if segment_init and pieces != 1:
+        raise ValueError("per-segment initial states run one piece")
+    if live is not None:
+        if pieces != 1:
+            raise ValueError("a bounded pass runs one piece")
+        in_specs.append(pl.BlockSpec((1,), lambda j, h, s: (0,)))
+        args.append(live)
     if packed is not None:
         table = pl.BlockSpec((packed[0].shape[0] // pieces,), lambda j, h, s: (s,))
         in_specs += [table, table]
         args += list(packed)
     state_spec = pl.BlockSpec((None, None, key_dim, block_v), lambda j, h, s: (s, h, 0, j))
-    in_specs.append(state_spec)
+    if segment_init:
+        in_specs.append(pl.BlockSpec((init.shape[0], None, key_dim, block_v), lambda j, h, s: (0, h, 0, j)))
+    else:
+        in_specs.append(state_spec)
     args.append(init)
     out_specs, out_shape = [], []
     if outputs and packed is not None:
@@ -828,7 +874,7 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         out_shape.append(jax.ShapeDtypeStruct((n_seg, heads, key_dim, width), jnp.float32))
         if tails:
             out_specs.append(state_spec)
-            out_shape.append(jax.ShapeDtypeStruct(init.shape, jnp.float32))
+            out_shape.append(jax.ShapeDtypeStruct((pieces,) + init.shape[1:], jnp.float32))
     kernel = functools.partial(
         _state_kernel,
         chunk=chunk,
@@ -844,6 +890,8 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         tails=tails,
         prefetch=config.state_prefetch,
         packed=packed is not None,
+        seg_init=segment_init,
+        bounded=live is not None,
     )
     res = pl.pallas_call(
         kernel,
@@ -940,7 +988,7 @@ def _prefix_tables(length: int, num_chunks: int, chunk: int) -> tuple[Array, Arr
     return jnp.asarray(np.where(cnt > 0, first, 0), jnp.int32), jnp.asarray(cnt, jnp.int32)
 
 
-def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
+def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None, skip_empty=False):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
     and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
     the decayed k e^{b_c - b} and scale q e^b per value head). packed: the tables (src, cnt) of `chunk_locals`;
@@ -960,7 +1008,7 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None):
         p, w, u = gdn_locals_mgpu.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=config.chunk, scale=scale)
         return b, p, w, u, k, q
     res = chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
-                        interpret=interpret, packed=packed)
+                       interpret=interpret, packed=packed, skip_empty=skip_empty)
     ks, qs = k, q
     if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
         res, (ks, qs) = res[:-2], res[-2:]
@@ -1196,16 +1244,21 @@ def gdn_forward(
 # Variable-length packed segments.
 
 
-def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
+def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int, loads: Array | None = None):
     """Chunk-aligned layout of packed segments (all int32, traced-friendly; only the sizes are static).
 
     Every segment is padded to whole chunks so that a chunk never straddles a boundary: the chunk-local kernel
     then needs no segment masks, and the state pass only resets at a segment's first chunk and stores at its
     last. The padded length is bounded statically by sum_i ceil(len_i / c) <= floor((L + n (c - 1)) / c) chunks.
+    Tokens from cu[n] to L (when cu[n] < L) belong to no segment and to no chunk.
+
+    loads: None (every segment resets: start is 1 at its first chunk), or int32 [n], the start-table entry of each
+    segment's first chunk (1 + the initial state it loads, or 0: it carries on from the chunk before; the
+    state pass's `seg_init`).
 
     Returns (src [Lp]: packed token of each padded position, `length` for padding; pos [L]: padded position of
-    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L]; lens [n]; chunk_begin,
-    chunk_end [n]: each segment's first chunk and one past its last).
+    each packed token; start [Nc], slot [Nc]: the state-pass tables; seg_of_token [L] (n past cu[n]); lens [n];
+    chunk_begin, chunk_end [n]: each segment's first chunk and one past its last).
     """
     num_chunks = (length + n_seg * (chunk - 1)) // chunk
     lens = cu[1:] - cu[:-1]
@@ -1216,7 +1269,10 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
     seg = jnp.searchsorted(chunk_end, ids, side="right").astype(jnp.int32)  # n_seg past the last segment
     seg_c = jnp.minimum(seg, n_seg - 1)
     live = seg < n_seg
-    start = jnp.where(live, ids == chunk_begin[seg_c], True).astype(jnp.int32)
+    if loads is None:
+        start = jnp.where(live, ids == chunk_begin[seg_c], True).astype(jnp.int32)
+    else:
+        start = jnp.where(live & (ids == chunk_begin[seg_c]), loads[seg_c], 0).astype(jnp.int32)
     slot = jnp.where(live & (ids == chunk_end[seg_c] - 1), seg, -1).astype(jnp.int32)
     padded = jnp.arange(num_chunks * chunk, dtype=jnp.int32)
     pseg = jnp.minimum(seg[padded // chunk], n_seg - 1)
@@ -1224,8 +1280,9 @@ def _varlen_layout(cu: Array, length: int, n_seg: int, chunk: int):
     valid = live[padded // chunk] & (offset < lens[pseg])
     src = jnp.where(valid, cu[pseg] + offset, length).astype(jnp.int32)
     tokens = jnp.arange(length, dtype=jnp.int32)
-    seg_of_token = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), n_seg - 1).astype(jnp.int32)
-    pos = (chunk_begin[seg_of_token] * chunk + tokens - cu[seg_of_token]).astype(jnp.int32)
+    seg_of_token = jnp.searchsorted(cu[1:], tokens, side="right").astype(jnp.int32)
+    owner = jnp.minimum(seg_of_token, n_seg - 1)
+    pos = jnp.where(tokens < cu[n_seg], chunk_begin[owner] * chunk + tokens - cu[owner], 0).astype(jnp.int32)
     return src, pos, start, slot, seg_of_token, lens, chunk_begin, chunk_end
 
 
@@ -1275,7 +1332,8 @@ def _cu_array(cu_seqlens, length: int) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "emit_summary", "interpret"))
-def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret):
+def _varlen(q, k, v, cu, g, gk, beta, initial_state=None, continues=None, *, scale, config, emit_summary,
+            interpret):
     length, key_heads, key_dim = k.shape
     heads, value_dim = v.shape[1:]
     n_seg = cu.shape[0] - 1
@@ -1283,7 +1341,14 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     chunk = config.chunk
     dense = emit_summary and beta is not None
     group = config.transfer_group if dense else 0  # 0: T from the widened state
-    src, pos, start, slot, seg_of_token, lens, chunk_begin, chunk_end = _varlen_layout(cu, length, n_seg, chunk)
+    seeded = initial_state is not None or continues is not None
+    loads = None
+    if seeded:  # start-table entries: 1 + the segment's own initial state, or 0 where it carries on
+        rows = jnp.arange(1, n_seg + 1, dtype=jnp.int32)
+        loads = rows if continues is None else jnp.where(continues, 0, rows)
+    src, pos, start, slot, seg_of_token, lens, chunk_begin, chunk_end = _varlen_layout(cu, length, n_seg, chunk,
+                                                                                       loads)
+    live = chunk_end[n_seg - 1:]  # [1]: the chunks that hold tokens; the state pass steps no others
 
     def gather(x):  # padded positions read a zero row: A = I, nothing added
         if x is None:
@@ -1300,18 +1365,29 @@ def _varlen(q, k, v, cu, g, gk, beta, *, scale, config, emit_summary, interpret)
     else:
         qp, kp, vp = map(gather, (q, k, v))
     gp, gkp, betap = map(gather, (g, gk, beta))
+    # the group transfer pass below reads every chunk, so empty chunks are skipped only without it
     b, p, w, u, ks, qs = _locals(qp, kp, vp, gp, gkp, betap, scale=scale, config=config, interpret=interpret,
-                                 packed=packed)
+                                 packed=packed, skip_empty=not (dense and group))
     if config.state_lowering == "mosaic":
         raise ValueError("gdn_varlen runs the Triton state pass only (GDNConfig.state_lowering 'auto' or 'triton')")
-    init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
-    if dense and not group:
-        init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
-                                                       (heads, key_dim, key_dim))], axis=-1)
-    o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
-                            out_dtype=jnp.result_type(q, v), scale=scale, config=config, interpret=interpret,
-                            segments=(start, slot, n_seg), packed=packed, packed_length=length)
-    finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
+    out_dtype = jnp.result_type(q, v)
+    if seeded:
+        init = (jnp.zeros((n_seg, heads, key_dim, value_dim), jnp.float32) if initial_state is None
+                else initial_state.astype(jnp.float32))
+        o, finals = _state_pass(w, u, ks, b, qs, p, init, chunk=chunk, pieces=1, value_dim=value_dim,
+                                out_dtype=out_dtype, scale=scale, config=config, interpret=interpret,
+                                segments=(start, slot, n_seg), packed=packed, packed_length=length,
+                                segment_init=True, live=live)
+        finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: their own init
+    else:
+        init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
+        if dense and not group:
+            init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
+                                                           (heads, key_dim, key_dim))], axis=-1)
+        o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
+                                out_dtype=out_dtype, scale=scale, config=config, interpret=interpret,
+                                segments=(start, slot, n_seg), packed=packed, packed_length=length, live=live)
+        finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
     if packed is None:
         o = o[pos]
     elif gk is None:  # scalar gates read k in place; the transfer pass below takes chunk-aligned keys
@@ -1343,35 +1419,59 @@ def gdn_varlen(
     config: GDNConfig | None = None,
     emit_summary: bool = True,
     interpret: bool | None = None,
+    initial_state: Array | None = None,
+    continues: Array | None = None,
 ):
-    """Many segments packed in one sequence, each run from a zero state (reset at every boundary).
+    """Many segments packed in one sequence, each run from a zero state (reset at every boundary), or from its
+    own initial state, or carrying on from the segment before it.
 
     Args:
       q, k: [L, Hk, K]; v: [L, H, V]; g, beta: [L, H]; gk: [L, H, K] (as `gdn_forward`).
       cu_seqlens: N + 1 segment offsets rising from 0 to L, static (a list) or an int32 array (traced: only N is
         static, so one compilation serves every split of L tokens into N segments); empty segments are allowed.
+        A traced array may also end short of L: tokens from cu[N] on then belong to no segment and cost no step
+        of the kernels; their outputs are undefined (a fixed-capacity buffer's padding: mask them).
       config: `GDNConfig` (None: `default_varlen_config`, which takes T from the widened state).
       emit_summary: return each segment's `linear_attn.Summary` (leading axis N): dense T for delta rules (through
         the state widened by an identity block when `config.transfer_group` is 0, or the transfer pass over
         groups of that many chunks), log sums of the gates otherwise.
+      initial_state: [N, H, K, V] float32, the state each segment starts from (default zeros).
+      continues: bool [N] (traced): segment i carries on from the state the previous non-empty segment ended with
+        (its initial state unused); a first segment that continues starts from zero. Segments that continue one
+        another run as one sequence, and the states returned are still each one's own end.
+      With initial_state or continues, emit_summary must be False: the states returned are then each segment's
+      end state from where it started (an empty segment returns its initial state).
 
-    Returns (o [L, H, V], summary) with emit_summary, else (o, states [N, H, K, V]); the states are S(C_i|0).
+    Returns (o [L, H, V], summary) with emit_summary, else (o, states [N, H, K, V]); the states are S(C_i|0)
+    (or the end states from initial_state / continues).
 
     Memory: the kernels step a chunk-aligned layout (each segment padded to whole chunks; at most N (c - 1) extra
     zero tokens) through per-chunk int32 tables, reading q, k, v and writing o in place in the packed arrays
     (`GDNConfig.packed_reads`); only the gates are gathered into the layout. With `packed_reads=False` q, k, v
     are gathered in and o out in XLA instead (one extra read and write of each).
     """
-    length, _, key_dim, _, _ = _check(q, k, v, g, gk, beta)
+    length, _, key_dim, heads, value_dim = _check(q, k, v, g, gk, beta)
     config = default_varlen_config(gk is not None) if config is None else config
     q, k = _common_dtype(q, k, v)
     cu = _cu_array(cu_seqlens, length)
+    n_seg = cu.shape[0] - 1
     if interpret is None:
         interpret = default_interpret()
     if gk is not None:
         _check_per_key_launch(config, key_dim, bool(interpret))
-    return _varlen(q, k, v, cu, g, gk, beta, scale=float(scale), config=config, emit_summary=emit_summary,
-                   interpret=bool(interpret))
+    if initial_state is not None or continues is not None:
+        if emit_summary:
+            raise ValueError("gdn_varlen's summaries are of zero-start segments: emit_summary=False with "
+                             "initial_state or continues")
+        if initial_state is not None and initial_state.shape != (n_seg, heads, key_dim, value_dim):
+            raise ValueError(f"initial_state must be [N, H, K, V] = {(n_seg, heads, key_dim, value_dim)}, got "
+                             f"{initial_state.shape}")
+        if continues is not None:
+            continues = jnp.asarray(continues, bool)
+            if continues.shape != (n_seg,):
+                raise ValueError(f"continues must be [N={n_seg}], got shape {continues.shape}")
+    return _varlen(q, k, v, cu, g, gk, beta, initial_state, continues, scale=float(scale), config=config,
+                   emit_summary=emit_summary, interpret=bool(interpret))
 
 
 def flops(length: int, heads: int, key_dim: int, value_dim: int, chunk: int, *, emit: bool = False,

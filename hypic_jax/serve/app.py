@@ -270,7 +270,7 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
     """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up."""
     from hypic_jax.serve.model import default_model, load_folder
 
-    served = default_model() if model is None else load_folder(model, dtype)
+    served = default_model(dtype) if model is None else load_folder(model, dtype)
     if served.max_context is not None and max_prompt_tokens + max_new_tokens > served.max_context:
         raise ValueError(f"max_prompt_tokens + max_new_tokens ({max_prompt_tokens + max_new_tokens}) exceeds the "
                          f"model's context of {served.max_context}")

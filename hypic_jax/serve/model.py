@@ -1,5 +1,6 @@
 """What `hypic-jax serve` serves: a model folder, or with none the default model (`default_model`, the one place
-that choice is made), with the tokenizer, chat template and end-of-sequence ids found beside it."""
+that choice is made: the embedded model when it is installed), with the tokenizer, chat template and
+end-of-sequence ids found beside it."""
 
 from __future__ import annotations
 
@@ -52,9 +53,16 @@ def _byte_of(ch: str) -> int:
     return table[ch]
 
 
-def default_model() -> Served:
-    """The model served when no MODEL is given: today the demo's tiny model with random weights (its answers are
-    noise) and a byte-level tokenizer, so that a fresh machine can run the server; a trained model replaces it here."""
+def default_model(dtype: str = "bfloat16") -> Served:
+    """The model served when no MODEL is given: the model embedded in the package (`hypic_jax.embedded`) when it is
+    installed, else the demo's tiny model with random weights (its answers are noise) and a byte-level tokenizer, so
+    that a fresh machine can run the server."""
+    from hypic_jax.embedded import embedded_model
+
+    folder = embedded_model()
+    if folder is not None:
+        log.info("no MODEL given: serving the embedded model %s", folder.name)
+        return load_folder(folder, dtype)
     from hypic_jax.demo import tiny_model
 
     log.warning("no MODEL given: serving %r, the demo's tiny model with RANDOM weights (3 GDN + 1 full-attention "
@@ -64,7 +72,9 @@ def default_model() -> Served:
 
 def load_folder(path: str | Path, dtype: str = "bfloat16") -> Served:
     """A model folder as `Engine.from_pretrained` reads it, plus tokenizer_config.json's chat template and special
-    tokens and the end-of-sequence ids of generation_config.json (else config.json or the eos token)."""
+    tokens and the end-of-sequence ids of generation_config.json (else config.json or the eos token). A folder
+    without a chat template whose tokenizer has hypic_jax.train's special tokens gets that layout's template
+    (`hypic_jax.train.tokenizer.CHAT_TEMPLATE`)."""
     from hypic_jax.models import load
 
     path = Path(path)
@@ -82,6 +92,10 @@ def load_folder(path: str | Path, dtype: str = "bfloat16") -> Served:
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if template is None and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
+    if template is None and tokenizer is not None and _qa_tokens(tokenizer):
+        from hypic_jax.train import tokenizer as qa
+
+        template = qa.CHAT_TEMPLATE  # a model of hypic_jax.train: its documents-then-question layout
     special = {}
     for name in ("bos_token", "eos_token"):
         value = tok_config.get(name)
@@ -97,6 +111,13 @@ def load_folder(path: str | Path, dtype: str = "bfloat16") -> Served:
                   eos_ids=tuple(int(e) for e in eos_ids),
                   max_context=int(config["max_position_embeddings"]) if config.get("max_position_embeddings") else None,
                   source=f"{path.resolve()}:{dtype}")
+
+
+def _qa_tokens(tokenizer) -> bool:
+    """Whether the tokenizer has the special tokens of hypic_jax.train's prompt layout (<|doc|>, <|q|>, <|a|>)."""
+    from hypic_jax.train import tokenizer as qa
+
+    return all(tokenizer.token_to_id(t) is not None for t in (qa.DOC, qa.QUESTION, qa.ANSWER))
 
 
 def _json(path: Path) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from hypic_jax.train import trainer
 
@@ -28,6 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--out", required=True)
     e.add_argument("--dtype", default="bfloat16")
     e.add_argument("--max-position-embeddings", type=int, default=32768)
+    v = sub.add_parser("evaluate", help="greedy exact match per task family on held-out prompts (teacher forced)")
+    v.add_argument("--run", required=True)
+    v.add_argument("--docs", type=int, nargs="+", default=[16])
+    v.add_argument("--prompts", type=int, default=8)
+    v.add_argument("--questions", type=int, default=8)
     args = parser.parse_args(argv)
     if args.command == "train":
         settings = trainer.Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.Settings)})
@@ -35,6 +41,11 @@ def main(argv: list[str] | None = None) -> None:
                               progress=not args.no_progress)
         saved, _ = trainer.prepare_run(args.run, settings)  # a resumed run keeps the settings it started with
         print(f"step {int(state['step'])} of {saved.steps}; {trainer.parameter_count(state['params']):,} parameters")
+    elif args.command == "evaluate":
+        config, params, tokenizer, _ = trainer.load_run(args.run)
+        for docs in args.docs:
+            scores = trainer.answer_accuracy(params, config, tokenizer, docs, args.prompts, args.questions)
+            print(json.dumps(dict(docs=docs, **scores)))
     else:
         from hypic_jax.train import export
 

@@ -111,5 +111,6 @@ def export_folder(params: dict, config: arch.Config, tokenizer, out: str | Path,
         tokenizer.save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.EOS, "pad_token": tok.PAD,
-             "additional_special_tokens": [tok.DOC, tok.QUESTION, tok.ANSWER]}, indent=2))
+             "additional_special_tokens": [tok.DOC, tok.QUESTION, tok.ANSWER], "chat_template": tok.CHAT_TEMPLATE},
+            indent=2))
     return out

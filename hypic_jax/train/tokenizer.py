@@ -37,6 +37,22 @@ def load_tokenizer(path: str | Path):
     return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
 
 
+# Chat messages in the prompt layout the model is trained on: the last user message (with the generation prompt)
+# is the question, `<|q|> question<|a|>`; a user message answered by the next assistant message is an earlier
+# question and the assistant message its answer; every other message (system prompts, documents, earlier user
+# turns) is a document, `<|doc|> text\n`. Rendered message by message, a conversation of documents and one
+# question gives one segment per document, as the engine caches them.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}{{ ' ' + message.content + '" + EOS + "' }}"
+    "{%- elif (loop.last and add_generation_prompt) or (not loop.last and messages[loop.index0 + 1].role == "
+    "'assistant') -%}{{ '" + QUESTION + " ' + message.content + '" + ANSWER + "' }}"
+    "{%- else -%}{{ '" + DOC + " ' + message.content + '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
 def special_ids(tokenizer) -> dict[str, int]:
     return {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
 

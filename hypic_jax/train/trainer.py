@@ -54,6 +54,12 @@ class Settings:
     seq_len: int = 0
     questions: int = 0
     ramp: float = 0.7  # fraction of the steps over which the curriculum grows
+    # rows are cut to the shortest of the lengths min_row_len, 2 min_row_len, ..., seq_len that holds the step's
+    # prompts, with more rows when they are short (see row_lengths); 0: every row is seq_len long
+    min_row_len: int = 1024
+    # a Hugging Face folder (an earlier run's export) whose weights and tokenizer start this run: a second stage
+    # continues a finished one with its own schedule, curriculum (ramp 0: the full curriculum throughout) and seed
+    init_from: str = ""
 
     def shape(self) -> dict:
         shape = dict(SIZES[self.size])
@@ -117,23 +123,53 @@ def encode_fitting(tokenizer, prompt: corpus.Prompt, seq_len: int):
             prompt = corpus.Prompt(prompt.documents[:keep], questions)
 
 
+def row_lengths(settings: Settings) -> tuple[int, ...]:
+    """The row lengths a run's batches take: min_row_len doubled up to seq_len (seq_len alone when min_row_len is 0
+    or not below seq_len). Early in the curriculum prompts are a few hundred tokens, so a fixed seq_len row would be
+    mostly padding; each length is one compiled step."""
+    seq_len = settings.shape()["seq_len"]
+    if not settings.min_row_len or settings.min_row_len >= seq_len:
+        return (seq_len,)
+    lengths, length = [], settings.min_row_len
+    while length < seq_len:
+        lengths.append(length)
+        length *= 2
+    return (*lengths, seq_len)
+
+
+def rows_for(settings: Settings, length: int) -> int:
+    """Rows of a batch of `length`-token rows: the size's batch at seq_len, and as many rows as fill half the
+    tokens of a seq_len batch at shorter lengths (so a short step still sees many questions)."""
+    shape = settings.shape()
+    return max(shape["batch"], shape["batch"] * shape["seq_len"] // (2 * length))
+
+
+def _encoded_row(tokenizer, settings: Settings, step: int, row: int, length: int):
+    attempt = 0
+    while True:
+        prompt = training_prompt(settings.seed, step, row * 1000 + attempt, settings)
+        try:
+            return encode_fitting(tokenizer, prompt, length)
+        except ValueError:
+            attempt += 1
+            if attempt == 100:
+                raise ValueError(f"no prompt of the curriculum fits {length} tokens") from None
+
+
 def make_batch(tokenizer, settings: Settings, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(inputs, targets, weights), each [batch, seq_len], of training step `step`."""
+    """(inputs, targets, weights), each [rows, length], of training step `step`.
+
+    The first `batch` prompts are drawn for seq_len; the row length is the shortest of `row_lengths` that holds
+    them, and the further rows of that length (`rows_for`) are fitted to it. All of it is a function of
+    (seed, step)."""
     shape = settings.shape()
     pad = tokenizer.token_to_id(tok.PAD)
-    rows = []
-    for row in range(shape["batch"]):
-        attempt = 0
-        while True:
-            prompt = training_prompt(settings.seed, step, row * 1000 + attempt, settings)
-            try:
-                docs, question = encode_fitting(tokenizer, prompt, shape["seq_len"])
-                break
-            except ValueError:
-                attempt += 1
-                if attempt == 100:
-                    raise ValueError(f"no prompt of the curriculum fits {shape['seq_len']} tokens") from None
-        rows.append(tok.pack(docs, question, shape["seq_len"], pad))
+    encoded = [_encoded_row(tokenizer, settings, step, row, shape["seq_len"]) for row in range(shape["batch"])]
+    longest = max(sum(map(len, docs)) + len(question[0]) for docs, question in encoded)
+    length = next(n for n in row_lengths(settings) if n + 1 >= longest)
+    encoded += [_encoded_row(tokenizer, settings, step, row, length)
+                for row in range(shape["batch"], rows_for(settings, length))]
+    rows = [tok.pack(docs, question, length, pad) for docs, question in encoded]
     return tuple(np.stack(column) for column in zip(*rows))
 
 
@@ -186,8 +222,31 @@ def make_step(config: qwen3_5.Config, settings: Settings):
     return step
 
 
+def compile_steps(step_fn, params, opt_state, settings: Settings) -> dict:
+    """{(rows, length): the step compiled for that batch shape}, for every row length of the run, compiled in
+    parallel (XLA compiles outside the GIL) so that no step of the loop waits for a compile."""
+    shapes = [(rows_for(settings, n), n) for n in row_lengths(settings)]
+    lowered = []
+    for rows, length in shapes:
+        tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+        lowered.append(step_fn.lower(params, opt_state, tokens, tokens, jax.ShapeDtypeStruct((rows, length),
+                                                                                             jnp.float32)))
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        compiled = list(pool.map(lambda program: program.compile(), lowered))
+    return dict(zip(shapes, compiled))
+
+
 def init_state(settings: Settings, config: qwen3_5.Config, opt) -> dict:
-    params = qwen3_5.init_params(config, jax.random.key(settings.seed), jnp.float32)
+    if settings.init_from:
+        from hypic_jax.checkpoint import load
+
+        start = load(settings.init_from, dtype="float32")
+        params = start.params
+        expected = jax.eval_shape(lambda: qwen3_5.init_params(config, jax.random.key(0)))
+        if jax.tree.structure(params) != jax.tree.structure(expected):
+            raise ValueError(f"{settings.init_from} does not hold a model of size {settings.size!r}")
+    else:
+        params = qwen3_5.init_params(config, jax.random.key(settings.seed), jnp.float32)
     return dict(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
 
 
@@ -208,7 +267,10 @@ def prepare_run(run: str | Path, settings: Settings) -> tuple[Settings, object]:
         saved = Settings(**json.loads((run / "settings.json").read_text()))
         return saved, tok.load_tokenizer(run / "tokenizer.json")
     run.mkdir(parents=True, exist_ok=True)
-    tokenizer = tok.train_tokenizer(SIZES[settings.size]["vocab_size"], seed=settings.seed)
+    if settings.init_from:
+        tokenizer = tok.load_tokenizer(settings.init_from)
+    else:
+        tokenizer = tok.train_tokenizer(SIZES[settings.size]["vocab_size"], seed=settings.seed)
     tokenizer.save(str(run / "tokenizer.json"))
     (run / "settings.json").write_text(json.dumps(dataclasses.asdict(settings), indent=1))
     return settings, tokenizer
@@ -248,28 +310,36 @@ def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.
     config = model_config(settings.size, tokenizer.get_vocab_size())
     opt = optimizer(settings)
     state = restore(run, settings, config, opt)
-    step_fn = make_step(config, settings)
     start_step = int(state["step"])
     end_step = settings.steps if max_steps is None else min(settings.steps, start_step + max_steps)
     deadline = time.monotonic() + 60 * minutes
     params, opt_state = state["params"], state["opt_state"]
-    step, losses = start_step, []
+    compile_started = time.monotonic()
+    steps = compile_steps(make_step(config, settings), params, opt_state, settings)
+    compile_s = time.monotonic() - compile_started
+    step, losses, tokens, started = start_step, [], 0, time.monotonic()
     bar = tqdm(total=end_step, initial=start_step, disable=not progress, desc=f"train {settings.size}", unit="step")
     # the next batch is built on the host while the device runs this step (batches depend on the step alone)
+    pad = tokenizer.token_to_id(tok.PAD)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     upcoming = pool.submit(make_batch, tokenizer, settings, step)
     with open(run / "log.jsonl", "a") as log:
         while step < end_step and time.monotonic() < deadline:
             batch = upcoming.result()
             upcoming = pool.submit(make_batch, tokenizer, settings, step + 1)
-            params, opt_state, loss = step_fn(params, opt_state, *batch)
+            params, opt_state, loss = steps[batch[0].shape](params, opt_state, *batch)
             step += 1
+            tokens += int(np.count_nonzero(batch[0] != pad))
             losses.append(float(loss))
             bar.update(1)
             if step % 10 == 0 or step == end_step:
                 mean = float(np.mean(losses[-10:]))
-                bar.set_postfix(loss=f"{mean:.3f}")
-                log.write(json.dumps(dict(step=step, loss=mean, time=time.time())) + "\n")
+                bar.set_postfix(loss=f"{mean:.3f}", rows=f"{batch[0].shape[0]}x{batch[0].shape[1]}")
+                elapsed = time.monotonic() - started
+                log.write(json.dumps(dict(step=step, loss=mean, time=time.time(), rows=batch[0].shape[0],
+                                          length=batch[0].shape[1], tokens_per_s=round(tokens / elapsed),
+                                          seconds_per_step=round(elapsed / (step - start_step), 4),
+                                          compile_s=round(compile_s, 1))) + "\n")
                 log.flush()
     bar.close()
     pool.shutdown(cancel_futures=True)
@@ -293,3 +363,47 @@ def load_run(run: str | Path) -> tuple[qwen3_5.Config, dict, object, Settings]:
 
 def parameter_count(params) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Held-out evaluation
+
+EVAL_STREAM = 0xE7A1  # held-out prompts mix four integers (this stream first); training prompts mix three
+
+
+def heldout_prompt(seed: int, num_docs: int, index: int, questions: int = 8, filler: int = 2) -> corpus.Prompt:
+    """Prompt `index` of `num_docs` documents of the held-out stream (bench/quality.py asks the same prompts)."""
+    return corpus.make_prompt(_mix(EVAL_STREAM, seed, num_docs, index), num_docs, questions, filler)
+
+
+def answer_accuracy(params: dict, config: qwen3_5.Config, tokenizer, docs: int = 16, prompts: int = 8,
+                    questions: int = 8, filler: int = 2, seed: int = 0, rows: int = 16) -> dict:
+    """Exact match per task family of held-out questions, each asked alone after its prompt's documents.
+
+    Scored by teacher forcing: greedy decoding writes the answer and its `<|eos|>` exactly when every one of those
+    tokens is the argmax after the gold prefix, so one forward per question gives the greedy exact match without a
+    decode loop. Returns {family: {"em", "n"}} with an "all" entry."""
+    cases = []  # (tokens, first answer position, family)
+    for i in range(prompts):
+        prompt = heldout_prompt(seed, docs, i, questions, filler)
+        context = [t for d in prompt.documents for t in tok.encode(tokenizer, tok.document_text(d))]
+        for q in prompt.questions:
+            head = context + tok.encode(tokenizer, tok.question_text(q.text))
+            cases.append((head + tok.encode(tokenizer, tok.answer_text(q.answer)), len(head), q.family))
+    length = -(-max(len(t) for t, _, _ in cases) // 256) * 256
+    pad = tokenizer.token_to_id(tok.PAD)
+    predict = jax.jit(lambda p, t: jnp.argmax(qwen3_5.forward(p, config, t)[0], axis=-1))
+    hits = []
+    for lo in range(0, len(cases), rows):
+        chunk = cases[lo:lo + rows]
+        batch = np.full((rows, length), pad, np.int32)
+        for r, (tokens, _, _) in enumerate(chunk):
+            batch[r, :len(tokens)] = tokens
+        predicted = np.asarray(predict(params, jnp.asarray(batch)))
+        for r, (tokens, start, _) in enumerate(chunk):
+            hits.append(bool((predicted[r, start - 1:len(tokens) - 1] == np.asarray(tokens[start:])).all()))
+    out = {}
+    for family in sorted({f for _, _, f in cases}) + ["all"]:
+        picked = [h for h, (_, _, f) in zip(hits, cases) if family in (f, "all")]
+        out[family] = dict(em=round(float(np.mean(picked)), 4), n=len(picked))
+    return out

@@ -1,0 +1,249 @@
+"""The shape-stable span programs' linear cores through the Pallas kernels (`stitch.linear_over_layout(impl=
+"pallas")`, `pallas.gdn.gdn_varlen` with per-segment initial states), in the Pallas interpreter on the CPU, against
+the XLA chunk loops: the same outputs, states, summaries and recorded entries on random layouts, and no compilation
+per layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hypic_jax import layout as lay
+from hypic_jax import linear_attn, stitch
+from hypic_jax.linear_attn import Summary
+from hypic_jax.pallas import gdn
+
+TOL = 1e-4  # relative, float32 inputs and "ieee" kernel dots
+HK, H, K, V = 2, 4, 16, 16
+CAP = lay.Capacity(tokens=96, pieces=10, keys=192, records=10, chunk=16, conv=3)
+SLOTS = 6
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not a.size:
+        return 0.0
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _random_spans(rng, kind: str) -> list[lay.Span]:
+    """A random request of this program kind that fits CAP: cold (fresh spans cut at a seam, recorded), plain
+    (cached prefix snapshots, then fresh spans, some recorded), pic (fresh seams and cached interiors, a query)."""
+    budget = CAP.tokens - 4
+    spans, fresh, slot = [], 0, 0
+    if kind == "plain":
+        for _ in range(int(rng.integers(0, 3))):
+            n = int(rng.integers(1, 30))
+            spans.append(lay.Span(lay.CACHED, n, canonical_start=0, slot=int(rng.integers(1, SLOTS)),
+                                  kv_rows=np.zeros(n, np.int32), snapshot=True))
+    count = int(rng.integers(1, 5))
+    for i in range(count):
+        n = int(rng.integers(1, 40))
+        if fresh + n > budget:
+            break
+        if kind == "cold":
+            cut = int(rng.integers(0, min(n, 9)))
+            spans.append(lay.Span(lay.FRESH, n, record_from=cut, record_slot=slot, record_rows=np.zeros(n - cut,
+                                                                                                          np.int32)))
+            slot += 1
+            fresh += n
+        elif kind == "plain":
+            record = bool(rng.integers(2))
+            spans.append(lay.Span(lay.FRESH, n, record_from=0 if record else None, record_slot=slot,
+                                  record_rows=np.zeros(n, np.int32) if record else None))
+            slot += record
+            fresh += n
+        else:  # pic: a seam (maybe none), then a cached interior
+            seam = int(rng.integers(0, 6))
+            if seam and fresh + seam <= budget:
+                spans.append(lay.Span(lay.FRESH, seam))
+                fresh += seam
+            spans.append(lay.Span(lay.CACHED, n, canonical_start=seam, slot=int(rng.integers(1, SLOTS)),
+                                  kv_rows=np.zeros(n, np.int32)))
+    if kind != "cold":
+        q = int(rng.integers(1, 4))
+        spans.append(lay.Span(lay.FRESH, q))
+        fresh += q
+    return spans
+
+
+def _inputs(rng, per_key: bool) -> linear_attn.LinearInputs:
+    f = CAP.tokens
+    q = jnp.asarray(rng.standard_normal((f, HK, K)), jnp.float32)
+    k = linear_attn.l2_normalize(jnp.asarray(rng.standard_normal((f, HK, K)), jnp.float32))
+    v = jnp.asarray(rng.standard_normal((f, H, V)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (f, H)), jnp.float32)
+    if per_key:  # KDA: per-key gates, as many key heads as value heads
+        q, k = jnp.repeat(q, H // HK, 1), jnp.repeat(k, H // HK, 1)
+        gk = -jnp.asarray(rng.uniform(0.01, 0.4, (f, H, K)), jnp.float32)
+        return linear_attn.LinearInputs(q, k, v, gk=gk, beta=beta, scale=K**-0.5)
+    g = -jnp.asarray(rng.uniform(0.01, 0.4, (f, H)), jnp.float32)
+    return linear_attn.LinearInputs(q, k, v, g=g, beta=beta, scale=K**-0.5)
+
+
+def _pool(rng) -> Summary:
+    state = jnp.asarray(rng.standard_normal((SLOTS, H, K, V)), jnp.float32)
+    transfer = jnp.eye(K) * 0.7 + 0.3 * jnp.asarray(rng.standard_normal((SLOTS, H, K, K)), jnp.float32) / K**0.5
+    return Summary("dense", state, transfer)
+
+
+@functools.partial(jax.jit, static_argnames=("summaries", "isolated", "impl"))
+def _core(inputs, pool, arrays, *, summaries, isolated, impl):
+    config = gdn.GDNConfig(chunk=16, block_v=16, solve="doubling" if inputs.gk is not None else "tile",
+                           transfer_group=0)
+    result = stitch.linear_over_layout(inputs, pool, arrays, summaries=summaries, impl=impl, kernel_config=config)
+    records = stitch.record_summaries(result, arrays, isolated=isolated, pool=pool)
+    return result.outputs, result.final_state, result.piece_ends, result.piece_summaries, records
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+def test_layout_core_kernels_match_the_xla_loops(per_key):
+    """Outputs of real tokens, the final state, every fresh piece's end state and own (T, S), and the records, on
+    random layouts of each program kind; every layout of one kind and capacity runs one compiled program."""
+    rng = np.random.default_rng(3 + per_key)
+    pool = _pool(rng)
+    for kind in ("cold", "plain", "pic"):
+        isolated, summaries = kind == "cold", kind != "plain"
+        compiled = None
+        for trial in range(3):
+            spans = _random_spans(rng, kind)
+            n_fresh = sum(s.length for s in spans if s.kind == lay.FRESH)
+            arrays = lay.build(spans, CAP, isolated=isolated, tokens=np.zeros(n_fresh, np.int32), summaries=summaries,
+                               transfer=bool(rng.integers(2)) or kind != "pic")
+            inputs = _inputs(rng, per_key)
+            run = functools.partial(_core, inputs, pool, arrays, summaries=summaries, isolated=isolated)
+            before = _core._cache_size()
+            xla, kernel = run(impl="xla"), run(impl="pallas")
+            if compiled is None:
+                compiled = _core._cache_size()
+            else:  # a new layout of the same capacity compiles nothing
+                assert _core._cache_size() == compiled == before, (kind, trial)
+            valid = np.asarray(arrays.valid)
+            fresh = np.asarray(arrays.piece_kind) == lay.PIECE_FRESH
+            what = (kind, trial, [(s.kind, s.length, s.record_from) for s in spans])
+            assert _rel(kernel[0][valid], xla[0][valid]) < TOL, what
+            assert _rel(kernel[1], xla[1]) < TOL, what
+            assert _rel(kernel[2][fresh], xla[2][fresh]) < TOL, what
+            if summaries:
+                assert _rel(kernel[3].state[fresh], xla[3].state[fresh]) < TOL, what
+                assert _rel(kernel[3].transfer[fresh], xla[3].transfer[fresh]) < TOL, what
+            used = np.asarray(arrays.record_slot) != lay.DROP
+            for a, b in zip(jax.tree.leaves(kernel[4]), jax.tree.leaves(xla[4])):
+                assert _rel(np.asarray(a)[used], np.asarray(b)[used]) < TOL, what
+            assert not np.any(np.asarray(kernel[0])[~valid]), "padded tokens' outputs are zeros"
+
+
+def test_varlen_initial_states_and_continues():
+    """`gdn_varlen` with per-segment initial states, segments that carry on from the one before, empty segments
+    and offsets that end short of L (the tail belongs to no segment), against `linear_attn.chunked` per run."""
+    rng = np.random.default_rng(0)
+    length = 100
+    cu = np.array([0, 10, 10, 47, 60, 90], np.int32)
+    n = len(cu) - 1
+    q = jnp.asarray(rng.standard_normal((length, HK, K)), jnp.float32)
+    k = linear_attn.l2_normalize(jnp.asarray(rng.standard_normal((length, HK, K)), jnp.float32))
+    v = jnp.asarray(rng.standard_normal((length, H, V)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.01, 0.3, (length, H)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (length, H)), jnp.float32)
+    init = jnp.asarray(rng.standard_normal((n, H, K, V)), jnp.float32)
+    continues = np.array([False, False, True, False, True])
+    o, states = gdn.gdn_varlen(q, k, v, jnp.asarray(cu), g=g, beta=beta, scale=0.5, emit_summary=False,
+                               config=gdn.GDNConfig(chunk=16, block_v=16, transfer_group=0), initial_state=init,
+                               continues=jnp.asarray(continues), interpret=True)
+    rep = lambda x: jnp.repeat(x, H // HK, 1)  # noqa: E731
+    want, ends, state = np.zeros((length, H, V), np.float32), [], None
+    for i in range(n):
+        a, b = cu[i], cu[i + 1]
+        start = (state if state is not None else jnp.zeros((H, K, V))) if continues[i] else init[i]
+        if a == b:
+            ends.append(init[i])
+            continue
+        out, state = linear_attn.chunked(rep(q[a:b]), rep(k[a:b]), v[a:b], g=g[a:b], beta=beta[a:b],
+                                         initial_state=start, scale=0.5, chunk_size=16)
+        want[a:b] = out
+        ends.append(state)
+    assert _rel(o[: cu[-1]], want[: cu[-1]]) < 1e-5  # the tail's outputs are undefined
+    assert _rel(states, jnp.stack(ends)) < 1e-5
+    with pytest.raises(ValueError, match="emit_summary"):
+        gdn.gdn_varlen(q, k, v, jnp.asarray(cu), g=g, beta=beta, initial_state=init, interpret=True)
+
+
+def _tiny_model():
+    from hypic_jax.models import qwen3_5
+    from hypic_jax.models.base import Model
+
+    config = qwen3_5.Config(
+        vocab_size=128, hidden_size=64, layer_types=("linear_attention", "linear_attention", "full_attention"),
+        mlp_types=("dense",) * 3, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rotary_dim=8, linear_num_key_heads=HK, linear_num_value_heads=H, linear_key_head_dim=K,
+        linear_value_head_dim=V, gdn_kernel="xla")
+    params = qwen3_5.init_params(config, jax.random.key(0), jnp.float32)
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype)
+                          if a.ndim > 1 else a, params)
+    return Model(qwen3_5, config, params)
+
+
+def test_stable_engine_kernels_match_the_xla_programs():
+    """A StableEngine whose span programs run the GDN cores through the Pallas kernels (interpreted) against one
+    running the XLA loops, on the same random requests of every program kind (full recompute and prefix cache:
+    the plain program; a PIC miss: the cold program, then the pic program; hits): the same logits, the same pools
+    (recorded T, S, conv tails and K/V) after every request, and no compilation after warmup in either."""
+    from hypic_jax.runtime import StableEngine, backend_compiles
+
+    model = _tiny_model()
+    make = functools.partial(StableEngine, model, max_prompt_tokens=128, max_segments=4, token_rungs=(128,),
+                             max_new_tokens=0, cache_bytes=1 << 22, mean_entry_tokens=32, eviction="lru")
+    engines = {impl: make(linear_impl=impl) for impl in ("xla", "pallas")}
+    for engine in engines.values():
+        engine.warmup(progress=False)
+    rng = np.random.default_rng(5)
+    corpus = [rng.integers(3, 128, int(n)).tolist() for n in rng.integers(3, 30, 6)]
+    before = backend_compiles()
+    hits = 0
+    for step in range(4):
+        docs = [corpus[i] for i in rng.choice(len(corpus), int(rng.integers(1, 5)), replace=False)]
+        segs = docs + [rng.integers(3, 128, int(rng.integers(1, 9))).tolist()]
+        for mode, seam in [("full_recompute", 0), ("prefix_cache", 0), ("transition_rope_recompute", 3),
+                           ("addition", 0)]:
+            got = {impl: e.prefill(segs, mode=mode, seam=seam) for impl, e in engines.items()}
+            what = (step, mode, [len(s) for s in segs])
+            assert _rel(got["pallas"].logits, got["xla"].logits) < TOL, what
+            assert got["pallas"].stats.cold_tokens == got["xla"].stats.cold_tokens, what
+            hits += got["xla"].stats.hits
+            pools = [jax.tree.leaves(e.pools.arrays) for e in engines.values()]
+            for a, b in zip(*pools):
+                assert _rel(b, a) < TOL, what
+    assert hits > 0, "no request read a cached entry"
+    assert backend_compiles() == before, "a request compiled after warmup"
+    assert all(e.stats["programs"]["serving_compiles"] == 0 for e in engines.values())
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_the_xla_loops(monkeypatch):
+    """When the engine picks the kernels by itself (linear_impl None or "auto") and a span program fails to lower
+    with them, it is compiled with the XLA loops instead (a warning says so); an explicit "pallas" raises."""
+    import dataclasses
+
+    from hypic_jax.models.base import Model
+    from hypic_jax.runtime import ProgramKey, StableEngine
+
+    model = _tiny_model()
+    model = Model(model.arch, dataclasses.replace(model.config, gdn_kernel="pallas"), model.params)
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("no lowering for this kernel here")
+
+    monkeypatch.setattr(stitch, "_linear_over_layout_kernels", broken)
+    make = functools.partial(StableEngine, model, max_prompt_tokens=64, max_segments=2, token_rungs=(64,),
+                             max_new_tokens=0, cache_bytes=1 << 20, mean_entry_tokens=16, eviction="lru")
+    engine = make(linear_impl=None)  # the model's own choice: its gdn_kernel, "pallas"
+    assert engine.linear_impl is None
+    engine.programs.get(ProgramKey("plain", 64, engine.max_keys))
+    assert engine.linear_impl == "xla"
+    assert np.all(np.isfinite(engine.prefill([[5, 6, 7], [8, 9]], mode="full_recompute").logits))
+    with pytest.raises(NotImplementedError):
+        make(linear_impl="pallas").programs.get(ProgramKey("plain", 64, 64))
