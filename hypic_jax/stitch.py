@@ -27,10 +27,9 @@ that fit one capacity share one compiled program, and padding costs buffer space
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
