@@ -208,7 +208,7 @@ def optimizer(settings: Settings):
 
 @functools.lru_cache(maxsize=8)
 def make_step(config: qwen3_5.Config, settings: Settings):
-    """The jitted training step (cached: a resumed run in the same process does not compile again)."""
+    """The jitted training step (cached, like `compile_steps` that compiles it per row length)."""
     import optax
 
     opt, compute_dtype = optimizer(settings), jnp.dtype(settings.compute_dtype)
@@ -222,9 +222,14 @@ def make_step(config: qwen3_5.Config, settings: Settings):
     return step
 
 
-def compile_steps(step_fn, params, opt_state, settings: Settings) -> dict:
+@functools.lru_cache(maxsize=8)
+def compile_steps(config: qwen3_5.Config, settings: Settings) -> dict:
     """{(rows, length): the step compiled for that batch shape}, for every row length of the run, compiled in
-    parallel (XLA compiles outside the GIL) so that no step of the loop waits for a compile."""
+    parallel (XLA compiles outside the GIL) so that no step of the loop waits for a compile; cached, so a run
+    resumed in the same process compiles nothing."""
+    step_fn, opt = make_step(config, settings), optimizer(settings)
+    params = jax.eval_shape(lambda: qwen3_5.init_params(config, jax.random.key(0), jnp.float32))
+    opt_state = jax.eval_shape(opt.init, params)
     shapes = [(rows_for(settings, n), n) for n in row_lengths(settings)]
     lowered = []
     for rows, length in shapes:
@@ -315,7 +320,7 @@ def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.
     deadline = time.monotonic() + 60 * minutes
     params, opt_state = state["params"], state["opt_state"]
     compile_started = time.monotonic()
-    steps = compile_steps(make_step(config, settings), params, opt_state, settings)
+    steps = compile_steps(config, settings)
     compile_s = time.monotonic() - compile_started
     step, losses, tokens, started = start_step, [], 0, time.monotonic()
     bar = tqdm(total=end_step, initial=start_step, disable=not progress, desc=f"train {settings.size}", unit="step")
