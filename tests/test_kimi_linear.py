@@ -25,6 +25,9 @@ from hypic_jax import load  # noqa: E402
 from hypic_jax.models import kimi_linear as kimi  # noqa: E402
 from families import fake_devices_env  # noqa: E402
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
+pytestmark = pytest.mark.xdist_group("kimi_linear")
+
 VOCAB = 128
 FIRST_TOKEN = 3  # below: pad / bos ids; generate would mask pad tokens of a prompt
 

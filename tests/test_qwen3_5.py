@@ -14,6 +14,9 @@ from hypic_jax.models import layers, qwen3_5
 from families import fake_devices_env
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoints built once
+pytestmark = pytest.mark.xdist_group("qwen3_5")
+
 KINDS = ("dense", "moe", "moe_wrapper")
 _forward = jax.jit(qwen3_5.forward, static_argnames="config")
 

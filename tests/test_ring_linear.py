@@ -32,6 +32,9 @@ from families import fake_devices_env  # noqa: E402
 from converters import ring_linear as ring_converter  # noqa: E402
 from hypic_jax.models import ring_linear  # noqa: E402
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
+pytestmark = pytest.mark.xdist_group("ring_linear")
+
 # Both layer types, both MLP kinds, grouped routing, a shared expert, partial RoPE, non-trivial GQA.
 TINY_CONFIG = {
     "architectures": ["BailingMoeLinearV2ForCausalLM"],
