@@ -84,6 +84,14 @@ def examples(default: int):
     return apply
 
 
+def fake_devices_env(count: int = 8) -> dict:
+    """The environment of a child process that sees `count` fake CPU devices (the device count is fixed when JAX
+    starts, hence a subprocess): this process's XLA flags (conftest's fast CPU compilation among them) plus the
+    device count."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
 def jitted(fn):
     """`fn` compiled as one program per layout of its arguments: array leaves are traced, every other leaf (ints,
     strings, floats, None, configs) is static and part of the cache key.

@@ -27,6 +27,9 @@ transformers = pytest.importorskip("transformers")
 
 from test_engine import _build, _rel  # noqa: E402  (the tiny checkpoints of the engine tests)
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the donor engine warmed up once
+pytestmark = pytest.mark.xdist_group("cache_tiers")
+
 BASE = dict(max_prompt_tokens=256, max_segments=8, token_rungs=(256,), max_new_tokens=8, cache_bytes=1 << 19,
             mean_entry_tokens=64)
 SEAM = 4

@@ -17,6 +17,10 @@ from hypic_jax.cli import main as cli_main
 from qwen_helpers import build, prompt, reference_logits, relative_error, save
 
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
+pytestmark = pytest.mark.xdist_group("converters")
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """A tiny qwen3_5_moe_text checkpoint (per-expert layout), its transformers model and reference logits."""

@@ -21,6 +21,10 @@ from hypic_jax.train import corpus, export, trainer
 from hypic_jax.train import tokenizer as tok
 
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the exported model built once
+pytestmark = pytest.mark.xdist_group("embedded")
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A micro model exported in bfloat16 (as the trained model is), in a folder named like the embedded one."""

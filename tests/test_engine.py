@@ -35,6 +35,20 @@ SEAM = 4  # >= W - 1 = 3: the seam covers the conv warm-up, so the first layer i
 SLOW_DECAY = float(np.log(0.05))  # A_log of linear layers: long memory, so a dropped transfer T shows
 
 
+def on_worker_of(group: str):
+    """Tests of one tiny checkpoint share it and their compiled programs (module-scoped, and JAX's caches): under
+    xdist (`--dist loadgroup`, pyproject.toml) they run on one worker, which builds and compiles them once."""
+    return pytest.mark.xdist_group(group)
+
+
+def arch_params(module: str, archs=ARCHS) -> list:
+    """`archs` as parameters, each architecture's tests in a group of their own (`on_worker_of`)."""
+    return [pytest.param(arch, marks=on_worker_of(f"{module}-{arch}")) for arch in archs]
+
+
+ENGINE_ARCHS = arch_params("engine")
+
+
 def _slow_decay(params):
     """Set every linear layer's A_log to a slow decay (random-init gates forget within a few tokens)."""
 
@@ -102,7 +116,7 @@ def _first_linear_state(result):
     return np.asarray(result.decode[0].state)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_exact_modes_equal_full_recompute(build, arch):
     model, vocab = build(arch)
     engine = Engine(model)
@@ -131,7 +145,7 @@ def test_exact_modes_equal_full_recompute(build, arch):
     assert swapped.stats.hits == 0  # a prefix cache only serves the same leading segments
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_greedy_decoding_continues_from_every_exact_mode(build, arch):
     """full_recompute decodes from the architecture's own prefill caches, prefix_cache and a whole seam from the
     span forward's: all three must continue exactly like the model's plain greedy generate."""
@@ -143,7 +157,7 @@ def test_greedy_decoding_continues_from_every_exact_mode(build, arch):
         assert engine.generate(segs, max_new_tokens=4, mode=mode, seam=seam).tokens == expected, mode
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_reordered_documents_are_served_from_the_cache(build, arch):
     model, vocab = build(arch)
     engine = Engine(model, mode="transition_rope_recompute", seam=SEAM)
@@ -166,7 +180,7 @@ def test_reordered_documents_are_served_from_the_cache(build, arch):
     assert np.isfinite(warm.logits).all()  # deeper layers are approximate (seam window); no bound on a random net
 
 
-@pytest.mark.parametrize("arch", ("qwen_moe", "kimi"))
+@pytest.mark.parametrize("arch", arch_params("engine", ("qwen_moe", "kimi")))
 def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
     """The Pallas fold with the seams entering it as chunk steps (the GPU default) reading the cached interiors in
     place from the entry pool, the same without the pool, stacked cache entries and the blocked fold, in interpret
@@ -204,38 +218,7 @@ def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
             Engine(model, **bad)
 
 
-def test_positioned_attention_path_with_and_without_packed_heads(build, monkeypatch):
-    """The GPU's attention path of the combine (the positioned flash kernel, run here in the Pallas interpreter),
-    with the query heads of a key/value head packed into one program or not, gives the XLA path's logits."""
-    import functools
-
-    from hypic_jax import spans
-    from hypic_jax.pallas import attention as pattn
-
-    model, vocab = build("qwen_moe")
-    segs = _request(vocab, seed=7)
-    shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
-    plain = Engine(model, seam=SEAM)
-    want = [plain.prefill(r).logits for r in (segs, shuffled)]
-    used = []
-
-    def interpreted(*args, config, **kwargs):
-        used.append(config.pack_gqa)
-        return pattn.positioned_attention(*args, config=config, interpret=True, **kwargs)
-
-    monkeypatch.setattr(spans, "_positioned_kernel_fits", lambda q, k, v: True)
-    monkeypatch.setattr(spans, "positioned_attention", interpreted)
-    jax.clear_caches()  # the plain engine's compiled programs (XLA path) share these engines' jit keys
-    try:
-        for pack in (False, True):
-            engine = Engine(model, seam=SEAM, attention_pack_gqa=pack)
-            for request, logits in zip((segs, shuffled), want):
-                assert _rel(engine.prefill(request).logits, logits) < 1e-5
-    finally:
-        jax.clear_caches()  # no program compiled with the interpreted kernel outlives the patch
-    assert set(used) == {False, True}
-
-
+@on_worker_of("engine-qwen_moe")
 def test_seam_precision_follows_the_model_dtype(build, monkeypatch):
     """The seam fold's seam products run single-pass bf16 only for a bfloat16 model on tensor-core composition (the
     precision of that model's own GDN kernel for the same tokens); float32 models and SpanMode(seam_precision=None)
@@ -267,7 +250,7 @@ def test_seam_precision_follows_the_model_dtype(build, monkeypatch):
     assert set(seen) == {None}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_addition_deviates_far_more_than_transition(build, arch):
     """HYPIC's ablation: dropping T (addition) breaks decaying / delta-rule states; composing with T does not.
 
@@ -292,6 +275,7 @@ def test_addition_deviates_far_more_than_transition(build, arch):
         assert _rel(added.logits, full.logits) > 2 * _rel(composed.logits, full.logits)
 
 
+@on_worker_of("engine-qwen_dense")
 @pytest.mark.parametrize("prefix_impl", ("associative", "pallas"))
 def test_eviction_under_a_small_budget_never_breaks_a_request(build, prefix_impl):
     """A budget for one entry: the request's entries stay pinned (and their pool slots unshared) until it ends,
@@ -317,6 +301,7 @@ def test_eviction_under_a_small_budget_never_breaks_a_request(build, prefix_impl
     np.testing.assert_allclose(tight.prefill(shuffled).logits, roomy.prefill(shuffled).logits, rtol=1e-6, atol=1e-6)
 
 
+@on_worker_of("engine-qwen_dense")
 def test_cache_keys_separate_tenants_and_seams(build):
     model, vocab = build("qwen_dense")
     segs = _request(vocab, seed=4)
@@ -327,6 +312,7 @@ def test_cache_keys_separate_tenants_and_seams(build):
     assert engine.prefill(segs, cache_salt="tenant-a", seam=2).stats.hits == 0  # another seam, another entry
 
 
+@on_worker_of("engine-qwen_dense")
 def test_bad_inputs_raise_clear_errors(build):
     model, vocab = build("qwen_dense")
     engine = Engine(model, max_context=64)
@@ -361,6 +347,7 @@ def _write_word_tokenizer(folder, vocab: int) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
+@on_worker_of("engine-qwen_dense")
 def test_text_prompt_generate_and_diag_cli(build, folder_of, capsys):
     model, vocab = build("qwen_dense")
     folder = folder_of("qwen_dense")
@@ -390,6 +377,7 @@ def test_text_prompt_generate_and_diag_cli(build, folder_of, capsys):
     assert report["rows"][1]["kind"] == "linear" and report["rows"][0]["deviation"] == 0.0
 
 
+@on_worker_of("engine-ring")
 def test_random_order_many_requests_keep_counters_consistent(build):
     model, vocab = build("ring")
     engine = Engine(model, mode="transition_rope")
@@ -462,6 +450,7 @@ def test_entry_pool_slots_layout_and_growth():
     np.testing.assert_array_equal(pool.pools[0].conv[slot], stored[0][0].conv)
 
 
+@on_worker_of("engine-qwen_dense")
 def test_concurrent_requests_under_a_tight_budget_match_sequential_ones(build):
     """Requests from several threads on one engine, with a budget of about one entry: entries are inserted,
     replaced (two threads missing the same document) and evicted while other requests hold them, and pool slots
@@ -543,3 +532,38 @@ def test_compile_cache_serves_programs_from_disk(tmp_path):
 
     with pytest.raises(ValueError, match="compile_cache"):
         use_compile_cache(tmp_path / "file" / "sub")
+
+
+# Last in the module (and in its worker's group): it clears JAX's caches, which every test of the same checkpoint
+# after it would otherwise compile again.
+@on_worker_of("engine-qwen_moe")
+def test_positioned_attention_path_with_and_without_packed_heads(build, monkeypatch):
+    """The GPU's attention path of the combine (the positioned flash kernel, run here in the Pallas interpreter),
+    with the query heads of a key/value head packed into one program or not, gives the XLA path's logits."""
+    import functools
+
+    from hypic_jax import spans
+    from hypic_jax.pallas import attention as pattn
+
+    model, vocab = build("qwen_moe")
+    segs = _request(vocab, seed=7)
+    shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
+    plain = Engine(model, seam=SEAM)
+    want = [plain.prefill(r).logits for r in (segs, shuffled)]
+    used = []
+
+    def interpreted(*args, config, **kwargs):
+        used.append(config.pack_gqa)
+        return pattn.positioned_attention(*args, config=config, interpret=True, **kwargs)
+
+    monkeypatch.setattr(spans, "_positioned_kernel_fits", lambda q, k, v: True)
+    monkeypatch.setattr(spans, "positioned_attention", interpreted)
+    jax.clear_caches()  # the plain engine's compiled programs (XLA path) share these engines' jit keys
+    try:
+        for pack in (False, True):
+            engine = Engine(model, seam=SEAM, attention_pack_gqa=pack)
+            for request, logits in zip((segs, shuffled), want):
+                assert _rel(engine.prefill(request).logits, logits) < 1e-5
+    finally:
+        jax.clear_caches()  # no program compiled with the interpreted kernel outlives the patch
+    assert set(used) == {False, True}

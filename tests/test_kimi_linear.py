@@ -23,6 +23,10 @@ from converters.base import CheckpointReader  # noqa: E402
 from converters import kimi_linear as kimi_converter  # noqa: E402
 from hypic_jax import load  # noqa: E402
 from hypic_jax.models import kimi_linear as kimi  # noqa: E402
+from families import fake_devices_env  # noqa: E402
+
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
+pytestmark = pytest.mark.xdist_group("kimi_linear")
 
 VOCAB = 128
 FIRST_TOKEN = 3  # below: pad / bos ids; generate would mask pad tokens of a prompt
@@ -277,13 +281,12 @@ np.save(out_file, np.asarray(logits))
 def test_sharded_forward_on_fake_mesh(checkpoint, model, tmp_path):
     """Parameters and caches placed with `param_specs` / `cache_specs` on a 2 x 4 ("data", "model") mesh of fake
     CPU devices give the single-device logits (in a subprocess: the device count is fixed when jax starts)."""
-    import os
     import subprocess
     import sys
 
     tokens = random_tokens(1, (2, 80))
     np.save(tmp_path / "tokens.npy", tokens)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     args = [str(checkpoint[0]), str(tmp_path / "tokens.npy"), str(tmp_path / "logits.npy")]
     done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, *args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

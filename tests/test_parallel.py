@@ -9,7 +9,6 @@ nothing after warmup (one subprocess: the device count is fixed when JAX starts)
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from hypic_jax import parallel as par
+from families import fake_devices_env
 
 
 def _skewed(seed: int, count: int) -> list[int]:
@@ -89,13 +89,22 @@ def test_bad_arguments():
 
 
 _MESH_SCRIPT = r"""
-import numpy as np, jax
-from hypic_jax.demo import tiny_model
+import numpy as np, jax, jax.numpy as jnp
+from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import Model
 from hypic_jax.runtime import StableEngine, backend_compiles
 
 assert len(jax.devices()) == 8
-model = tiny_model()
-base = dict(max_prompt_tokens=128, max_segments=8, token_rungs=(128,), max_new_tokens=8, cache_bytes=1 << 20,
+# the demo's tiny model cut to one Gated DeltaNet and one full-attention layer (both kinds of pooled entry), with
+# its slow decay; prefill only (no decode program): the mesh path is the cold path
+config = qwen3_5.Config(
+    vocab_size=512, hidden_size=64, layer_types=("linear_attention", "full_attention"), mlp_types=("dense",) * 2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=128, chunk_size=16)
+params = qwen3_5.init_params(config, jax.random.key(0), jnp.float32)
+params["layers"][0]["mixer"]["A_log"] = jnp.full_like(params["layers"][0]["mixer"]["A_log"], np.log(0.03))
+model = Model(qwen3_5, config, params)
+base = dict(max_prompt_tokens=128, max_segments=8, token_rungs=(128,), max_new_tokens=0, cache_bytes=1 << 20,
             mean_entry_tokens=32, seam=4, eviction="lru")
 rng = np.random.default_rng(0)
 docs = [rng.integers(0, 512, n).tolist() for n in (40, 9, 6, 20, 12, 8)]
@@ -153,7 +162,6 @@ print("ok")
 
 
 def test_mesh_cold_path_matches_one_device_on_fake_meshes():
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]

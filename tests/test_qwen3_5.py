@@ -11,7 +11,11 @@ import pytest
 import hypic_jax
 from hypic_jax import attention
 from hypic_jax.models import layers, qwen3_5
+from families import fake_devices_env
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
+
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoints built once
+pytestmark = pytest.mark.xdist_group("qwen3_5")
 
 KINDS = ("dense", "moe", "moe_wrapper")
 _forward = jax.jit(qwen3_5.forward, static_argnames="config")
@@ -141,10 +145,9 @@ print("ok")
 def test_sharded_forward_and_decode_on_fake_mesh():
     """Params and caches placed with param_specs / cache_specs on a 2 x 4 ("data", "model") mesh of fake CPU devices
     give the single-device logits through prefill + decode (subprocess: the device count is fixed when jax starts)."""
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -12,6 +12,10 @@ import hypic_jax
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
 
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
+pytestmark = pytest.mark.xdist_group("qwen3_next")
+
+
 @pytest.fixture(scope="module")
 def next_model(tmp_path_factory):
     reference = build("next")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +28,12 @@ from hypic_jax import linear_attn  # noqa: E402
 from hypic_jax import cli  # noqa: E402
 from converters import convert_folder  # noqa: E402
 from converters.base import CheckpointReader  # noqa: E402
+from families import fake_devices_env  # noqa: E402
 from converters import ring_linear as ring_converter  # noqa: E402
 from hypic_jax.models import ring_linear  # noqa: E402
+
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
+pytestmark = pytest.mark.xdist_group("ring_linear")
 
 # Both layer types, both MLP kinds, grouped routing, a shared expert, partial RoPE, non-trivial GQA.
 TINY_CONFIG = {
@@ -306,7 +309,7 @@ def test_sharded_load_on_eight_devices(checkpoint):
     """`hypic_jax.load(..., mesh=)` places the parameters with `param_specs` on a 2 x 4 ("data", "model") mesh of
     fake CPU devices and gives the single-device logits."""
     folder, _, _ = checkpoint
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(folder)], env=env, capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]

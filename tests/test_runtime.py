@@ -20,9 +20,10 @@ from hypic_jax.runtime import StableEngine, backend_compiles
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_engine import _build, _rel  # noqa: E402  (the tiny checkpoints of the engine tests)
+from test_engine import _build, _rel, arch_params, on_worker_of  # noqa: E402  (the engine tests' tiny checkpoints)
 
 ARCHS = ("qwen_moe", "ring", "kimi")
+RUNTIME_ARCHS = arch_params("runtime", ARCHS)  # an architecture's tests on one worker: its engine warms up once
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 RUNGS = (1024,)  # one rung keeps the CPU compiles few; the trace's requests stay under it
 MAX_SEGMENTS = 24
@@ -67,7 +68,7 @@ def _trace(vocab: int, seed: int, count: int):
         yield docs + [query], mode, seam, salt
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", RUNTIME_ARCHS)
 def test_random_trace_compiles_nothing_after_warmup(engines, arch):
     engine, model, vocab = engines(arch)
     report = engine.warmup(progress=False)
@@ -96,7 +97,7 @@ def test_random_trace_compiles_nothing_after_warmup(engines, arch):
     assert seen_hits > 0 and seen_misses > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", RUNTIME_ARCHS)
 def test_pic_modes_match_the_static_engine(engines, arch):
     engine, model, vocab = engines(arch)
     static = Engine(model)
@@ -112,6 +113,7 @@ def test_pic_modes_match_the_static_engine(engines, arch):
                 theirs.stats.cached_tokens, theirs.stats.recomputed_tokens)
 
 
+@on_worker_of("runtime-qwen_moe")
 def test_generate_and_limits(engines):
     engine, model, vocab = engines("qwen_moe")
     rng = np.random.default_rng(3)
@@ -209,6 +211,7 @@ def test_masked_attention_kernel_matches_the_xla_loop(isolated):
         np.testing.assert_allclose(np.asarray(xla[i]), want, rtol=1e-4, atol=1e-5)
 
 
+@on_worker_of("runtime-qwen_moe")
 def test_pools_are_written_in_place(engines):
     """Span programs only read the pools; the commit program only writes them, so XLA updates the donated pools
     in place instead of copying them whole on every request (a cost proportional to the cache's size)."""
@@ -229,6 +232,7 @@ def test_pools_are_written_in_place(engines):
     assert not outputs & pool_shapes, "a span program returns whole pools"
 
 
+@on_worker_of("runtime-qwen_moe")
 def test_a_write_refused_before_it_runs_leaves_the_pools_usable(engines):
     """The commit program donates the pools; when it is refused before running (nothing donated), the engine keeps
     its pools and the next request is served as before."""

@@ -33,6 +33,9 @@ from hypic_jax.serve.protocol import ChatRenderer  # noqa: E402
 from hypic_jax.serve.scheduler import TextStream  # noqa: E402
 from test_engine import _build  # noqa: E402
 
+# the module on one xdist worker (`--dist loadgroup`, pyproject.toml): one server and its warmed-up engine
+pytestmark = pytest.mark.xdist_group("serve")
+
 MODEL = "tiny"
 MAX_NEW = 16
 SEAM = 4

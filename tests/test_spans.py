@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypic_jax import linear_attn as la
 from hypic_jax import rope, spans
 from hypic_jax.conv import causal_conv1d
-from families import examples, make_family
+from families import array, examples, jitted, make_family, method, slice_inputs
 
 # Every new layout is a new compilation (layouts are static), so the linear-core properties run few examples each;
 # together they still cover identity-free scalar, diagonal and dense transfers and every span arrangement kind.
@@ -43,20 +43,26 @@ def _fresh_index(layout) -> np.ndarray:
     return np.concatenate([s.start + np.arange(s.length) for s in layout.fresh])
 
 
+# The references, each one compiled program per shape (run op by op, they compile every op anew for every shape
+# a property test draws): rows of every array of a pytree (the layout's fresh tokens), the causal conv.
+_take = jitted(lambda tree, index: jax.tree.map(lambda a: a[index], tree))
+_causal_conv = jax.jit(causal_conv1d)
+
+
 @given(span_plans(), st.integers(1, 4), st.integers(0, 2**31 - 1))
 @SETTINGS
 def test_conv_over_spans_equals_conv_over_the_concatenation(plan, width, seed):
     rng = np.random.default_rng(seed)
     layout = _layout(plan)
     total, dim = layout.total_length, 3
-    x = jnp.asarray(rng.standard_normal((total, dim)), jnp.float32)
-    weight = jnp.asarray(rng.standard_normal((dim, width)), jnp.float32)
-    whole, final = causal_conv1d(x, weight)
-    padded = jnp.concatenate([jnp.zeros((width - 1, dim)), x])
-    tails = [padded[s.start + s.length : s.start + s.length + width - 1] for s in layout.cached]  # true tails
-    fresh = x[_fresh_index(layout)]
+    x = rng.standard_normal((total, dim)).astype(np.float32)
+    weight = array(rng.standard_normal((dim, width)), np.float32)
+    whole, final = _causal_conv(array(x), weight)
+    padded = np.concatenate([np.zeros((width - 1, dim), np.float32), x])
+    tails = [array(padded[s.start + s.length : s.start + s.length + width - 1]) for s in layout.cached]  # true tails
+    fresh = array(x[_fresh_index(layout)])
     y, tail, _ = spans.conv_over_spans(fresh, weight, tails, layout)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(whole[_fresh_index(layout)]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(whole)[_fresh_index(layout)], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(tail), np.asarray(final), rtol=1e-6, atol=1e-6)
 
 
@@ -75,7 +81,7 @@ FAMILIES = ("lightning", "gla", "gated_delta_net", "kda")
 def test_linear_over_all_fresh_spans_equals_chunked_over_the_whole(family, plan):
     layout = _layout(plan)
     inputs = make_family(family, seed=len(plan), length=layout.total_length, heads=2, key_dim=4, value_dim=3)
-    out, state = inputs.chunked(chunk_size=CHUNK)
+    out, state = method.chunked(inputs, chunk_size=CHUNK)
     got, got_state, _ = _linear(inputs, (), layout=layout)
     np.testing.assert_allclose(np.asarray(got), np.asarray(out), rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
@@ -86,12 +92,12 @@ def _check_cached_spans_equal_the_whole(family, plan, seed, mode=spans.SpanMode(
     computed: the layout's outputs and final state equal the whole sequence's."""
     layout = _layout(plan)
     inputs = make_family(family, seed=seed, length=layout.total_length, heads=2, key_dim=4, value_dim=3)
-    out, state = inputs.chunked(chunk_size=CHUNK)
-    cut = lambda s: jax.tree.map(lambda a: a[s.start : s.start + s.length], inputs)  # noqa: E731
-    cached = tuple(cut(s).summarize(chunk_size=CHUNK) for s in layout.cached)
-    fresh = jax.tree.map(lambda a: a[_fresh_index(layout)], inputs)
+    out, state = method.chunked(inputs, chunk_size=CHUNK)
+    cut = lambda s: slice_inputs(inputs, s.start, s.start + s.length)  # noqa: E731
+    cached = tuple(method.summarize(cut(s), chunk_size=CHUNK) for s in layout.cached)
+    fresh = _take(inputs, _fresh_index(layout))
     got, got_state, _ = _linear(fresh, cached, layout=layout, mode=mode)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(out[_fresh_index(layout)]), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out)[_fresh_index(layout)], rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
 
 
@@ -160,17 +166,15 @@ def test_rope_linear_summaries_rotate_to_their_absolute_positions(plan):
     layout = _layout(plan)
     total, rotary = layout.total_length, 4
     base = make_family("lightning", seed=3, length=total, heads=2, key_dim=6, value_dim=3)
-    rotate = lambda x, pos: rope.apply_rope(x, pos, rotary_dim=rotary)  # noqa: E731
-    whole = dataclass_replace(base, q=rotate(base.q, np.arange(total)), k=rotate(base.k, np.arange(total)))
-    out, state = whole.chunked(chunk_size=CHUNK)
+    whole = _roped_from_zero(base, rotary)
+    out, state = method.chunked(whole, chunk_size=CHUNK)
     cached = []
     for s in layout.cached:  # the entry was computed in isolation, positions 0..n-1
-        piece = jax.tree.map(lambda a: a[s.start : s.start + s.length], base)
-        piece = dataclass_replace(piece, k=rotate(piece.k, np.arange(s.length)), q=rotate(piece.q, np.arange(s.length)))
-        cached.append(piece.summarize(chunk_size=CHUNK))
-    fresh = jax.tree.map(lambda a: a[_fresh_index(layout)], whole)
+        piece = _roped_from_zero(slice_inputs(base, s.start, s.start + s.length), rotary)
+        cached.append(method.summarize(piece, chunk_size=CHUNK))
+    fresh = _take(whole, _fresh_index(layout))
     got, got_state, _ = _linear(fresh, tuple(cached), layout=layout, rotary=rotary)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(out[_fresh_index(layout)]), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out)[_fresh_index(layout)], rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got_state), np.asarray(state), rtol=2e-4, atol=2e-5)
 
 
@@ -180,6 +184,29 @@ def dataclass_replace(inputs, **changes):
     return dataclasses.replace(inputs, **changes)
 
 
+@functools.partial(jax.jit, static_argnames="rotary")
+def _roped_from_zero(inputs, rotary):
+    """The inputs with q and k RoPE'd at positions 0..n-1."""
+    positions = np.arange(inputs.k.shape[0])
+    rotate = lambda x: rope.apply_rope(x, positions, rotary_dim=rotary)  # noqa: E731
+    return dataclass_replace(inputs, q=rotate(inputs.q), k=rotate(inputs.k))
+
+
+@functools.partial(jax.jit, static_argnames="rotary")
+def _causal_attention(q, k_raw, v, rotary):
+    """q and k RoPE'd at their positions, and causal attention over the whole sequence."""
+    positions = np.arange(q.shape[0])
+    q_rot = rope.apply_rope(q, positions, rotary_dim=rotary)
+    k_rot = rope.apply_rope(k_raw, positions, rotary_dim=rotary)
+    return q_rot, k_rot, jax.nn.dot_product_attention(q_rot[None], k_rot[None], v[None], scale=0.3, is_causal=True)[0]
+
+
+@functools.partial(jax.jit, static_argnames="rotary")
+def _roped_keys(k, rotary):
+    """Keys RoPE'd at positions 0..n-1 (an entry computed in isolation)."""
+    return rope.apply_rope(k, np.arange(k.shape[0]), rotary_dim=rotary)
+
+
 @given(span_plans(), st.integers(0, 2**31 - 1))
 @FEW
 def test_attention_over_spans_equals_causal_attention(plan, seed):
@@ -187,20 +214,17 @@ def test_attention_over_spans_equals_causal_attention(plan, seed):
     rng = np.random.default_rng(seed)
     layout = _layout(plan)
     total, rotary = layout.total_length, 4
-    q = jnp.asarray(rng.standard_normal((total, 4, 8)), jnp.float32)
-    k_raw = jnp.asarray(rng.standard_normal((total, 2, 8)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((total, 2, 8)), jnp.float32)
-    positions = np.arange(total)
-    q_rot = rope.apply_rope(q, positions, rotary_dim=rotary)
-    k_rot = rope.apply_rope(k_raw, positions, rotary_dim=rotary)
-    expected = jax.nn.dot_product_attention(q_rot[None], k_rot[None], v[None], scale=0.3, is_causal=True)[0]
-    cached = [(rope.apply_rope(k_raw[s.start : s.start + s.length], np.arange(s.length), rotary_dim=rotary),
-               v[s.start : s.start + s.length]) for s in layout.cached]
+    q = rng.standard_normal((total, 4, 8)).astype(np.float32)
+    k_raw = rng.standard_normal((total, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((total, 2, 8)).astype(np.float32)
+    q_rot, k_rot, expected = map(np.asarray, _causal_attention(array(q), array(k_raw), array(v), rotary))
+    cached = [(_roped_keys(array(k_raw[s.start : s.start + s.length]), rotary), array(v[s.start : s.start + s.length]))
+              for s in layout.cached]
     idx = _fresh_index(layout)
     attend = jax.jit(lambda q, k, v, cached: spans.attention_over_spans(
         q, k, v, cached, layout, scale=0.3, rotate_keys=lambda x, offset: rope.rotate_keys(x, offset, rotary_dim=rotary)))
-    out, keys, _, _ = attend(q_rot[idx], k_rot[idx], v[idx], cached)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(expected[idx]), rtol=1e-4, atol=1e-5)
+    out, keys, _, _ = attend(array(q_rot[idx]), array(k_rot[idx]), array(v[idx]), cached)
+    np.testing.assert_allclose(np.asarray(out), expected[idx], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(keys), np.asarray(k_rot), rtol=1e-4, atol=1e-5)
 
 
@@ -212,10 +236,10 @@ def test_isolated_layout_runs_every_span_from_scratch():
         [dict(kind=spans.FRESH, length=n, record_from=w) for n, w in zip(lengths, record_from)], isolated=True
     )
     total = sum(lengths)
-    x = jnp.asarray(rng.standard_normal((total, 3)), jnp.float32)
-    weight = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+    x = rng.standard_normal((total, 3)).astype(np.float32)
+    weight = array(rng.standard_normal((3, 4)), np.float32)
     inputs = make_family("gated_delta_net", seed=1, length=total, heads=2, key_dim=4, value_dim=3)
-    q = jnp.asarray(rng.standard_normal((total, 2, 4)), jnp.float32)
+    q = rng.standard_normal((total, 2, 4)).astype(np.float32)
 
     @jax.jit
     def run(x, inputs, q):
@@ -223,22 +247,24 @@ def test_isolated_layout_runs_every_span_from_scratch():
         linear = spans.linear_over_spans(inputs, [], layout, chunk_size=CHUNK)
         return conv, linear, spans.attention_over_spans(q, q, q, [], layout, scale=0.5)
 
-    (y, _, tails), (out, _, summaries), (att, _, _, kv) = run(x, inputs, q)
+    (y, _, tails), (out, _, summaries), (att, _, _, kv) = run(array(x), inputs, array(q))
+    y, out, att = np.asarray(y), np.asarray(out), np.asarray(att)
+    self_attention = jax.jit(lambda q: jax.nn.dot_product_attention(q[None], q[None], q[None], scale=0.5,
+                                                                    is_causal=True)[0])
     start = 0
     for n, w, tail, summary, (rk, _) in zip(lengths, record_from, tails, summaries, kv):
         piece = slice(start, start + n)
-        ref_y, ref_tail = causal_conv1d(x[piece], weight)
-        np.testing.assert_allclose(np.asarray(y[piece]), np.asarray(ref_y), rtol=1e-5, atol=1e-6)
+        ref_y, ref_tail = _causal_conv(array(x[piece]), weight)
+        np.testing.assert_allclose(y[piece], np.asarray(ref_y), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(tail), np.asarray(ref_tail), rtol=1e-6, atol=1e-6)
-        alone = jax.tree.map(lambda a: a[piece], inputs)
-        np.testing.assert_allclose(np.asarray(out[piece]), np.asarray(alone.chunked(chunk_size=CHUNK)[0]),
+        alone = slice_inputs(inputs, start, start + n)
+        np.testing.assert_allclose(out[piece], np.asarray(method.chunked(alone, chunk_size=CHUNK)[0]),
                                    rtol=2e-4, atol=2e-5)
-        interior = jax.tree.map(lambda a: a[w:], alone).summarize(chunk_size=CHUNK)
+        interior = method.summarize(slice_inputs(inputs, start + w, start + n), chunk_size=CHUNK)
         np.testing.assert_allclose(np.asarray(summary.transfer), np.asarray(interior.transfer), rtol=2e-4, atol=2e-5)
-        ref_att = jax.nn.dot_product_attention(q[None, piece], q[None, piece], q[None, piece], scale=0.5,
-                                               is_causal=True)[0]
-        np.testing.assert_allclose(np.asarray(att[piece]), np.asarray(ref_att), rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(np.asarray(rk), np.asarray(q[start + w : start + n]))
+        ref_att = self_attention(array(q[piece]))
+        np.testing.assert_allclose(att[piece], np.asarray(ref_att), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(rk), q[start + w : start + n])
         start += n
 
 
@@ -247,10 +273,10 @@ def test_addition_mode_drops_the_transfer():
     inputs = make_family("gated_delta_net", seed=2, length=20, heads=2, key_dim=4, value_dim=3)
     layout = spans.SpanLayout.build([dict(kind=spans.CACHED, length=8), dict(kind=spans.CACHED, length=7),
                                      dict(kind=spans.FRESH, length=5)])
-    pieces = [jax.tree.map(lambda a: a[s.start : s.start + s.length], inputs) for s in layout.spans]
-    cached = tuple(p.summarize(chunk_size=CHUNK) for p in pieces[:2])
+    pieces = [slice_inputs(inputs, s.start, s.start + s.length) for s in layout.spans]
+    cached = tuple(method.summarize(p, chunk_size=CHUNK) for p in pieces[:2])
     _, state, _ = spans.linear_over_spans(pieces[2], cached, layout, spans.MODES["addition"], chunk_size=CHUNK)
-    expected = pieces[2].chunked(initial_state=cached[0].state + cached[1].state, chunk_size=CHUNK)[1]
+    expected = method.chunked(pieces[2], initial_state=cached[0].state + cached[1].state, chunk_size=CHUNK)[1]
     np.testing.assert_allclose(np.asarray(state), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 

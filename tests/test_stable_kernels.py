@@ -156,19 +156,26 @@ def test_varlen_initial_states_and_continues():
                                config=gdn.GDNConfig(chunk=16, block_v=16, transfer_group=0), initial_state=init,
                                continues=jnp.asarray(continues), interpret=True)
     rep = lambda x: jnp.repeat(x, H // HK, 1)  # noqa: E731
-    want, ends, state = np.zeros((length, H, V), np.float32), [], None
-    for i in range(n):
-        a, b = cu[i], cu[i + 1]
-        start = (state if state is not None else jnp.zeros((H, K, V))) if continues[i] else init[i]
-        if a == b:
-            ends.append(init[i])
-            continue
-        out, state = linear_attn.chunked(rep(q[a:b]), rep(k[a:b]), v[a:b], g=g[a:b], beta=beta[a:b],
-                                         initial_state=start, scale=0.5, chunk_size=16)
-        want[a:b] = out
-        ends.append(state)
-    assert _rel(o[: cu[-1]], want[: cu[-1]]) < 1e-5  # the tail's outputs are undefined
-    assert _rel(states, jnp.stack(ends)) < 1e-5
+
+    @jax.jit  # one program: run op by op, the reference compiles every op anew for every segment's length
+    def reference(q, k, v, g, beta, init):
+        outs, ends, state = [], [], None
+        for i in range(n):
+            a, b = cu[i], cu[i + 1]
+            start = (state if state is not None else jnp.zeros((H, K, V))) if continues[i] else init[i]
+            if a == b:
+                ends.append(init[i])
+                continue
+            out, state = linear_attn.chunked(rep(q[a:b]), rep(k[a:b]), v[a:b], g=g[a:b], beta=beta[a:b],
+                                             initial_state=start, scale=0.5, chunk_size=16)
+            outs.append(out)
+            ends.append(state)
+        return jnp.concatenate(outs), jnp.stack(ends)
+
+    want, ends = reference(q, k, v, g, beta, init)
+    assert want.shape == (cu[-1], H, V)
+    assert _rel(o[: cu[-1]], want) < 1e-5  # the tail's outputs are undefined
+    assert _rel(states, ends) < 1e-5
     with pytest.raises(ValueError, match="emit_summary"):
         gdn.gdn_varlen(q, k, v, jnp.asarray(cu), g=g, beta=beta, initial_state=init, interpret=True)
 
