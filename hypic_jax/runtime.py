@@ -353,6 +353,10 @@ class StableEngine(Engine):
     stores the linear layers' T and S in bfloat16 off the device (half their bytes; promoted entries are the
     rounded values, widened to float32).
 
+    scan_layers: run the model's repeating layers as one scan in the span programs (`layer_stack`; a program
+    then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine keeps a
+    stacked copy of the layers unless the model's are stacked already (`stack_layers`); False unrolls them.
+
     linear_impl: how the span programs run the linear layers' cores (`stitch.linear_over_layout`): "xla" (the
     default), the chunk loops everywhere; "auto", the Pallas kernels (`pallas.gdn.gdn_varlen`) where
     `stitch.linear_kernel_fits` says they fit (a GPU, bfloat16 values); "pallas", the kernels everywhere (in the

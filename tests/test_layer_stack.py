@@ -5,8 +5,9 @@ round-trips; the grouped matmul reads a scanned layer's experts out of the whole
 own experts. On tiny checkpoints of every architecture whose layers repeat (Qwen3.5-MoE: 2 x [GDN, GDN,
 attention]; Kimi: a dense first layer, then 2 x [MLA, KDA], then KDA; Ring: 2 x [linear, linear, full], with a
 decay that differs per layer), the shape-stable engine with the layers scanned returns the same logits as with
-every layer unrolled, over every mode, hits and misses, entries demoted to the host tier and promoted back, and
-generation; and `hypic_jax.Engine` runs a model whose layers are stacked.
+every layer unrolled (prefix cache, full recompute, addition and transition_rope_recompute; hits and misses;
+entries demoted to the host tier and promoted back); and `hypic_jax.Engine` runs a model whose layers are
+stacked.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def test_scanned_layers_equal_unrolled(arch, tmp_path):
     model, vocab = _checkpoint(arch, tmp_path / arch)
     # a host tier: the device entries are demoted midway and promoted back through the stacked pools
     options = dict(max_prompt_tokens=128, max_segments=4, token_rungs=(128,), cache_bytes=1 << 19,
-                   mean_entry_tokens=32, max_new_tokens=4, host_cache_bytes=1 << 22, eviction="lru")
+                   mean_entry_tokens=32, max_new_tokens=0, host_cache_bytes=1 << 22, eviction="lru")
     scanned, unrolled = StableEngine(model, **options), StableEngine(model, scan_layers=False, **options)
     assert scanned.plan.scanned and not unrolled.plan.scanned
     rng = np.random.default_rng(0)
@@ -138,8 +139,6 @@ def test_scanned_layers_equal_unrolled(arch, tmp_path):
     assert hits > 0
     assert scanned.stats["tiers"]["promotions"]["host"] > 0  # pieces went to the host and came back
     assert scanned.stats["tiers"]["promotions"] == unrolled.stats["tiers"]["promotions"]
-    segs = [docs[0], query]
-    assert scanned.generate(segs, max_new_tokens=4).tokens == unrolled.generate(segs, max_new_tokens=4).tokens
 
 
 def test_engine_runs_stacked_layers(tmp_path):

@@ -2,8 +2,7 @@
 
 Hybrid models repeat a short pattern (Qwen3.5: three Gated DeltaNet layers and one gated attention layer, ten
 times over). A forward written as a Python loop hands XLA one copy of the layer code per layer, and compile time
-grows with the copies: the shape-stable engine's span programs of the 35B-A3B shape took 71 to 113 s with 40
-layers unrolled (`bench/rag_trace.py`, bench/RESULTS.md). Here:
+grows with the copies (`bench/layer_scan.py` compiles the shape-stable engine's programs both ways). Here:
 
 * `LayerPlan.find` splits the layers into a head, `repeats` groups of `period` layers of identical structure, and
   a tail (any of them may be empty);
@@ -15,13 +14,14 @@ layers unrolled (`bench/rag_trace.py`, bench/RESULTS.md). Here:
 
 What the scan body does not slice, and why. A `lax.scan` slices its stacked inputs per step; on a GPU a slice
 that feeds a custom call (a Pallas kernel) is a copy.
-* The routed experts (most of an MoE model's bytes: 1.6 GB per layer at the 35B-A3B shape) would be copied on
-  every call. The body sees each pattern position's whole expert bank instead (`ExpertBank`: [repeats, E, ...]
-  with the step's repeat index), and the grouped matmul offsets its expert ids into the bank.
+* The routed experts (most of an MoE model's bytes) would be copied on every call. The body sees each pattern
+  position's whole expert bank instead (`ExpertBank`: [repeats, E, ...] with the step's repeat index), and the
+  grouped matmul offsets its expert ids into the bank.
 * A pool slice would copy a layer's whole pool (gigabytes) per call. The body reads the flat pool, and the
   layer's base row (`repeat * lead`) is added to the layout's pool indices (`layout.shift_pool_rows`), in reads
   and in the rows it returns for writing.
-The other weights (projections, norms, the router, shared experts) are sliced per step: tens of MB per layer.
+The other weights (projections, norms, the router, shared experts) are sliced per step: a small share of a
+layer's bytes. A bank past int32 element offsets is still sliced (`layers.grouped_swiglu_experts`).
 """
 
 from __future__ import annotations
