@@ -34,6 +34,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import full_config, small_config  # noqa: E402
 
+from investigations.stable_kernels import rel, timed  # noqa: E402
+from investigations.stable_kernels import split as split_tokens  # noqa: E402
+
 from hypic_jax.engine import Engine  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
@@ -44,28 +47,9 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-
-
 def split(rng, length: int, vocab: int, docs: int, query: int) -> list[list[int]]:
-    tokens = rng.integers(3, vocab, length).tolist()
-    body, tail = tokens[:-query], tokens[-query:]
-    floor = len(body) // (4 * docs)
-    lengths = floor + rng.multinomial(len(body) - floor * docs, np.full(docs, 1.0 / docs))
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-    return [body[a:b] for a, b in zip(bounds[:-1], bounds[1:])] + [tail]
-
-
-def timed(fn, repeats: int):
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), result
+    """A random prompt of `length` tokens as `docs` documents and a `query`-token query."""
+    return split_tokens(rng, rng.integers(3, vocab, length).tolist(), docs, query)
 
 
 def requests(engine, segs, seam, repeats):
