@@ -393,7 +393,7 @@ class StableEngine(Engine):
                                  min_tokens=min_tokens, chunk=chunk, conv=conv, token_rungs=token_rungs)
         self.max_keys = max_prompt_tokens + max_new_tokens
         pieces = self.arch.pool_layout(self.config, self.model.dtype)
-        self.plan = self._layer_plan(pieces, scan_layers)
+        self.plan = layer_plan(self.model, scan=scan_layers)
         # the span programs scan the repeating layers: stacked parameters (a copy, unless the model's are stacked
         # already: `stack_layers`) and pools stored by the same plan
         self.params = dict(self.params, layers=LayerStack.build(self.params["layers"], self.plan))
@@ -420,12 +420,6 @@ class StableEngine(Engine):
             from hypic_jax.segment_mesh import SegmentMesh
 
             self.segment_mesh = SegmentMesh(self, devices, policy)
-
-    def _layer_plan(self, pieces, scan: bool) -> LayerPlan:
-        layers = self.params["layers"]
-        if isinstance(layers, LayerStack):
-            return layers.plan
-        return layer_plan(self.model, scan=scan)
 
     # Programs -------------------------------------------------------------------------------------------------------
     def _capacity(self, key: ProgramKey) -> lay.Capacity:

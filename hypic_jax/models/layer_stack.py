@@ -31,10 +31,9 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["LayerPlan", "LayerStack", "PoolStack", "ExpertBank", "EXPERT_LEAVES", "run", "expert_weights",
-           "layer_signature"]
+           "layer_signature", "PartSpec"]
 
 # Dict keys of per-layer parameters that hold routed experts ([E, in, out]); they stay whole in the scan
 # (`ExpertBank`).
@@ -363,9 +362,3 @@ def pool_stack(layers: Sequence[tuple[str, Any]], plan: LayerPlan, *, slots: int
         specs.append(PartSpec(kind, members, lead))
     return PoolStack(tuple(parts), tuple(specs), plan)
 
-
-def member_rows(spec: PartSpec, index) -> np.ndarray:
-    """Rows of all a part's layers for per-layer rows `index` (a slot, or an entry's token rows): [members, ...]."""
-    index = np.asarray(index, np.int64)
-    base = np.arange(spec.members, dtype=np.int64) * spec.lead
-    return (base.reshape((-1,) + (1,) * index.ndim) + index[None]).astype(np.int32)
