@@ -38,7 +38,7 @@ from investigations.stable_kernels import rel, timed  # noqa: E402
 from investigations.stable_kernels import split as split_tokens  # noqa: E402
 
 from hypic_jax.engine import Engine  # noqa: E402
-from hypic_jax.models import qwen3_5  # noqa: E402
+from hypic_jax.models import layer_stack, qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 from hypic_jax.runtime import ProgramKey, StableEngine, backend_compiles, stack_layers  # noqa: E402
 
@@ -107,8 +107,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-gb", type=float, default=4.0)
     parser.add_argument("--skip", nargs="*", default=[], choices=["check", "compile", "exact"])
+    parser.add_argument("--bank-max-elements", type=int, default=None,
+                        help="store expert banks past this size in chunks (the check model's are below 2^31)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.bank_max_elements:
+        layer_stack.BANK_MAX_ELEMENTS = args.bank_max_elements
 
     if args.small:
         make = lambda n: (dataclasses.replace(small_config(), layer_types=qwen3_5.default_layer_types(n),  # noqa
@@ -122,7 +126,8 @@ def main(argv=None) -> None:
         rungs, check_rungs = args.rungs or [1024, 16384], args.check_rungs or [16384]
         lengths = args.lengths or [4096, 11000]
     report = dict(device=str(jax.devices()[0]), check_layers=args.check_layers, layers=args.layers, rungs=rungs,
-                  check_rungs=check_rungs, lengths=lengths, docs=args.docs, impls=args.impls)
+                  check_rungs=check_rungs, lengths=lengths, docs=args.docs, impls=args.impls,
+                  bank_max_elements=layer_stack.BANK_MAX_ELEMENTS)
     rng = np.random.default_rng(0)
 
     def save():  # after every part, so a run cut short still leaves what it measured

@@ -10,6 +10,11 @@ the padding costs.
 
     python bench/rag_trace.py --small --requests 12        # CPU smoke size
     python bench/rag_trace.py                              # Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
+
+`--fixed-len 512 --docs 64 --corpus 64` gives the headline shape instead (every request the same 64 documents of
+512 tokens in a new order, so every request after the first is served from the cache); `--modes` with no mode
+and `--max-prompt-tokens 65536 --max-segments 128` times the warmup alone (with `--compile-cache`, run twice: cold,
+then loaded).
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ from hypic_jax.runtime import StableEngine, backend_compiles, stack_layers  # no
 MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
 
 
-def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, seed: int):
+def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, seed: int,
+          fixed_len: int | None = None):
     rng = np.random.default_rng(seed)
     lengths = np.exp(rng.uniform(np.log(min_len), np.log(max_len), corpus)).astype(int)
+    if fixed_len:
+        lengths = np.full(corpus, fixed_len)
     documents = [rng.integers(3, vocab, n).tolist() for n in lengths]
     weights = 1.0 / np.arange(1, corpus + 1) ** 1.1
     weights /= weights.sum()
@@ -64,17 +72,21 @@ def main(argv=None) -> None:
     parser.add_argument("--corpus", type=int, default=96)
     parser.add_argument("--min-len", type=int, default=200)
     parser.add_argument("--max-len", type=int, default=1200)
+    parser.add_argument("--fixed-len", type=int, default=None, help="every document this long (the headline shape)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
+    parser.add_argument("--max-segments", type=int, default=None, help="the engine's segment limit (default --docs)")
     parser.add_argument("--min-tokens", type=int, default=64, help="the ladder's smallest token rung")
     parser.add_argument("--rungs", type=int, nargs="+", default=None, help="explicit token rungs (the last >= the "
                         "longest prompt) instead of the geometric ladder")
     parser.add_argument("--cache-gb", type=float, default=24.0)
-    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), help="none: the warmup alone")
     parser.add_argument("--exact-sample", type=int, default=3, help="full_recompute prompts compiled at exact lengths")
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--linear-impl", default="xla", choices=["xla", "pallas", "auto"])
     parser.add_argument("--no-scan", dest="scan", action="store_false", help="every layer unrolled")
+    parser.add_argument("--profile-dir", default=None, help="trace one all-cached transition_rope_recompute request "
+                        "there (a Perfetto trace for bench/trace_summary.py)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -88,10 +100,10 @@ def main(argv=None) -> None:
     model = stack_layers(Model(qwen3_5, config, params), scan=args.scan, consume=True)  # one copy of the weights
     del params
     requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
-                     min_len=args.min_len, max_len=args.max_len, seed=args.seed)
+                     min_len=args.min_len, max_len=args.max_len, seed=args.seed, fixed_len=args.fixed_len)
     longest = max(sum(map(len, r)) for r in requests)
     max_prompt = args.max_prompt_tokens or (args.rungs[-1] if args.rungs else longest)
-    engine = StableEngine(model, max_prompt_tokens=max_prompt, max_segments=args.docs,
+    engine = StableEngine(model, max_prompt_tokens=max_prompt, max_segments=args.max_segments or args.docs + 1,
                           cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0,
                           compile_cache=args.compile_cache, min_tokens=args.min_tokens,
                           token_rungs=tuple(args.rungs) if args.rungs else None, linear_impl=args.linear_impl)
@@ -103,13 +115,17 @@ def main(argv=None) -> None:
     warm = engine.warmup(progress=True)
     report["warmup"] = dict(warm, wall_s=round(time.perf_counter() - start, 1), programs_detail=engine.programs.report())
     print(json.dumps(report, indent=1), flush=True)
+    last_cached = None  # an all-cached transition_rope_recompute request, for --profile-dir
     for mode in args.modes:
         engine.clear_cache()
         before = backend_compiles()
         cached, rest = [], []
         for segs in requests:
             result = engine.prefill(segs, mode=mode)
-            (cached if result.stats.misses == 0 and result.stats.hits > 0 else rest).append(result.stats.ttft_s)
+            all_cached = result.stats.misses == 0 and result.stats.hits > 0
+            (cached if all_cached else rest).append(result.stats.ttft_s)
+            if all_cached and mode == "transition_rope_recompute":
+                last_cached = segs
         row = dict(mode=mode, compiles_during_trace=backend_compiles() - before, all_cached=percentiles(cached),
                    rest=percentiles(rest))
         if mode == "full_recompute" and args.exact_sample:
@@ -124,8 +140,20 @@ def main(argv=None) -> None:
                 engine.prefill(segs, mode="full_recompute")
                 ratios.append((time.perf_counter() - t) / exact)
             row["padded_over_exact"] = [round(r, 3) for r in ratios]
+            row["padded_over_exact_p50"] = round(float(np.median(ratios)), 3)
         report.setdefault("modes", []).append(row)
         print(json.dumps(row), flush=True)
+    if args.profile_dir and "transition_rope_recompute" in args.modes and last_cached is not None:
+        engine.prefill(last_cached, mode="transition_rope_recompute")
+        with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
+            result = engine.prefill(last_cached, mode="transition_rope_recompute")
+        print(json.dumps(dict(profiled_ttft_ms=round(1e3 * result.stats.ttft_s, 2), profile_dir=args.profile_dir)))
+    rows = {row["mode"]: row for row in report.get("modes", [])}
+    full = rows.get("full_recompute", {}).get("rest", {}).get("p50_ms")  # full recompute never hits the cache
+    trr = rows.get("transition_rope_recompute", {}).get("all_cached", {}).get("p50_ms")
+    if full and trr:
+        report["full_recompute_over_all_cached_trr"] = round(full / trr, 2)
+        print(json.dumps(dict(full_recompute_over_all_cached_trr=report["full_recompute_over_all_cached_trr"])))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -6,8 +6,9 @@ whose shapes depend only on a few capacities (`Capacity`): fresh tokens, pieces 
 at its `record_from`), keys. Everything that varies from request to request (lengths, positions, slots, what to
 record) is data, so two requests that fit the same capacities run the same compiled program.
 
-The capacities come from a `Ladder`: powers of two (and 1.5 times them) from a floor to a ceiling, so a request
-pays at most 1.5x padding on its fresh tokens and keys and the number of programs stays a few dozen. Padding is
+The capacities come from a `Ladder`: powers of two and 1.5 times them from a floor, quarter octaves (1.25, 1.5,
+1.75 times a power of two) from `fine_from` (1,024 tokens) up to a ceiling, so a long request pays at most 1.25x
+padding on its fresh tokens and the number of programs stays a few dozen. Padding is
 inert by construction:
 
 * padded fresh tokens have `valid` False: no key sees them, their conv rows and linear-core rows are never read,
@@ -84,14 +85,14 @@ class Capacity:
         return -(-self.tokens // self.chunk) + self.pieces
 
 
-def _rungs(floor: int, ceiling: int) -> tuple[int, ...]:
-    """floor, then powers of two and 1.5 times powers of two up to the first one >= ceiling."""
-    values = set()
+def _rungs(floor: int, ceiling: int, fine_from: int) -> tuple[int, ...]:
+    """floor, then powers of two p and 1.5p below `fine_from`, and p, 1.25p, 1.5p, 1.75p from it on, up to the
+    first rung >= ceiling."""
+    values = {floor}
     p = 1
     while p < 2 * max(ceiling, floor):
-        for v in (p, 3 * p // 2):
-            if v >= floor:
-                values.add(v)
+        steps = (4, 5, 6, 7) if p >= fine_from else (4, 6)
+        values.update(v for v in (p * s // 4 for s in steps) if v >= floor)
         p *= 2
     out = sorted(values)
     keep = [v for v in out if v < ceiling]
@@ -102,7 +103,10 @@ def _rungs(floor: int, ceiling: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class Ladder:
     """The capacities an engine compiles: token rungs from `min_tokens` to `max_tokens` (fresh tokens and keys
-    share them), a fixed number of pieces and records. `fit` picks the smallest rung that holds a request."""
+    share them), a fixed number of pieces and records. `fit` picks the smallest rung that holds a request.
+
+    The geometric rungs step by 1.5x and 1.33x below `fine_from` tokens and by quarter octaves (1.25x at most)
+    from it on, where a padded token costs most."""
 
     max_tokens: int
     max_pieces: int
@@ -110,6 +114,7 @@ class Ladder:
     chunk: int = 64
     conv: int = 3
     token_rungs: tuple[int, ...] | None = None  # explicit rungs instead of the geometric ones
+    fine_from: int = 1024
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_pieces < 1:
@@ -125,7 +130,7 @@ class Ladder:
     def rungs(self) -> tuple[int, ...]:
         if self.token_rungs is not None:
             return tuple(self.token_rungs)
-        return _rungs(self.min_tokens, self.max_tokens)
+        return _rungs(self.min_tokens, self.max_tokens, self.fine_from)
 
     def rung(self, n: int, what: str = "tokens") -> int:
         for r in self.rungs:

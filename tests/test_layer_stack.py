@@ -13,6 +13,7 @@ stacked.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ import pytest
 
 from hypic_jax.engine import Engine
 from hypic_jax.models import layers as model_layers
-from hypic_jax.models.layer_stack import ExpertBank, LayerPlan, LayerStack
+from hypic_jax.models import layer_stack
+from hypic_jax.models.layer_stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
 from hypic_jax.runtime import StableEngine, stack_layers
 
 torch = pytest.importorskip("torch")
@@ -69,12 +71,27 @@ def test_expert_bank_in_the_grouped_matmul():
     x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.choice(experts, top, replace=False) for _ in range(tokens)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(size=(tokens, top)), jnp.float32)
+    # the bank chunked by repeats (the last chunk shorter), as `LayerStack.build` stores banks past int32 offsets
+    chunked = [ExpertChunks([w[:2], w[2:]], 2) for w in (gate_up, down)]
+
+    @functools.partial(jax.jit, static_argnames="impl")
+    def traced(layer, banks, impl):  # a traced repeat index: the chunk is chosen by lax.switch
+        return model_layers.grouped_swiglu_experts(x, weights, ids, *(ExpertBank(b, layer) for b in banks), impl=impl)
+
     for layer in range(repeats):
         want = model_layers.grouped_swiglu_experts(x, weights, ids, gate_up[layer], down[layer], impl="ragged")
         for impl in ("pallas", "ragged"):
             got = model_layers.grouped_swiglu_experts(x, weights, ids, ExpertBank(gate_up, jnp.int32(layer)),
                                                       ExpertBank(down, jnp.int32(layer)), impl=impl)
             assert _rel(got, want) < 1e-5, (layer, impl)
+            got = model_layers.grouped_swiglu_experts(x, weights, ids, *(ExpertBank(b, layer) for b in chunked),
+                                                      impl=impl)
+            assert _rel(got, want) < 1e-5, ("chunked, static", layer, impl)
+            assert _rel(traced(jnp.int32(layer), chunked, impl), want) < 1e-5, ("chunked, traced", layer, impl)
+    # a bank over one array past the limit is copied out rather than indexed past int32 offsets
+    seen = []
+    layer_stack.with_experts(lambda w, first: seen.append((w.shape, first)), ExpertBank(gate_up, 1), max_elements=10)
+    assert seen == [(gate_up.shape[1:], 0)]
 
 
 def _checkpoint(arch: str, folder):
@@ -108,14 +125,32 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-@pytest.mark.parametrize("arch", ["qwen_moe", "kimi", "ring"])
-def test_scanned_layers_equal_unrolled(arch, tmp_path):
+def _expert_chunks(stack: LayerStack) -> list[ExpertChunks]:
+    return [leaf for part in stack.parts for leaf in jax.tree.leaves(part, is_leaf=lambda x: isinstance(x, ExpertChunks))
+            if isinstance(leaf, ExpertChunks)]
+
+
+@pytest.mark.parametrize("arch,chunked", [("qwen_moe", True), ("kimi", False), ("ring", True)])
+def test_scanned_layers_equal_unrolled(arch, chunked, tmp_path, monkeypatch):
+    """Scanned span programs equal unrolled ones over every mode, hits, and host-tier demotion and promotion;
+    `chunked`: the routed experts stored one repeat per chunk (`ExpertChunks`, as banks past int32 offsets are),
+    through the scan and through the model's own forward."""
     model, vocab = _checkpoint(arch, tmp_path / arch)
+    if chunked:
+        expert_size = max(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(model.params["layers"])[0]
+                          if getattr(path[-1], "key", None) in layer_stack.EXPERT_LEAVES and leaf.ndim == 3)
+        monkeypatch.setattr(layer_stack, "BANK_MAX_ELEMENTS", expert_size)
+        stacked = stack_layers(model)
+        chunks = _expert_chunks(stacked.params["layers"])
+        assert chunks and all(len(c.chunks) == stacked.params["layers"].plan.repeats for c in chunks)
+        tokens = np.asarray([np.arange(3, 15) % vocab], np.int32)
+        np.testing.assert_allclose(np.asarray(stacked.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-5)
     # a host tier: the device entries are demoted midway and promoted back through the stacked pools
     options = dict(max_prompt_tokens=128, max_segments=4, token_rungs=(128,), cache_bytes=1 << 19,
                    mean_entry_tokens=32, max_new_tokens=0, host_cache_bytes=1 << 22, eviction="lru")
     scanned, unrolled = StableEngine(model, **options), StableEngine(model, scan_layers=False, **options)
     assert scanned.plan.scanned and not unrolled.plan.scanned
+    assert bool(_expert_chunks(scanned.params["layers"])) == chunked
     rng = np.random.default_rng(0)
     docs = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(6, 30, 4)]
     query = rng.integers(3, vocab, 7).tolist()

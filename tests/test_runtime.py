@@ -173,6 +173,26 @@ def test_padding_is_inert_across_capacities():
         lay.build([lay.Span(lay.FRESH, 17)], small, isolated=False, tokens=np.arange(17), summaries=False)
 
 
+
+@pytest.mark.parametrize("floor,ceiling,fine_from", [(64, 65536, 1024), (50, 5000, 1024), (16, 3000, 256),
+                                                     (64, 100, 1024), (1, 1, 1024), (64, 40000, 1 << 20)])
+def test_ladder_padding_bound(floor, ceiling, fine_from):
+    """Every request size from 1 to the ceiling fits a rung; the padding stays under 1.25x from `fine_from` on
+    (1.5x below it), and the rungs are increasing from the floor."""
+    ladder = lay.Ladder(max_tokens=ceiling, max_pieces=4, min_tokens=floor, fine_from=fine_from)
+    rungs = np.asarray(ladder.rungs)
+    assert rungs[0] == floor and np.all(np.diff(rungs) > 0) and rungs[-1] >= ceiling
+    sizes = np.arange(1, ceiling + 1)
+    fitted = rungs[np.searchsorted(rungs, sizes)]
+    sample = sizes[:: max(1, ceiling // 300)]
+    assert [ladder.rung(int(n)) for n in sample] == fitted[:: max(1, ceiling // 300)].tolist()
+    above = sizes > max(floor, fine_from)
+    assert np.all(fitted[above] <= 1.25 * sizes[above])
+    below = (sizes > floor) & ~above
+    assert np.all(fitted[below] <= 1.5 * sizes[below])
+    with pytest.raises(ValueError, match="largest compiled capacity"):
+        ladder.rung(int(rungs[-1]) + 1)
+
 @pytest.mark.parametrize("isolated", [True, False])
 def test_masked_attention_kernel_matches_the_xla_loop(isolated):
     """The Pallas flash kernel (interpret mode) and the XLA loop read the same mask from a layout: packed isolated

@@ -21,7 +21,13 @@ that feeds a custom call (a Pallas kernel) is a copy.
   layer's base row (`repeat * lead`) is added to the layout's pool indices (`layout.shift_pool_rows`), in reads
   and in the rows it returns for writing.
 The other weights (projections, norms, the router, shared experts) are sliced per step: a small share of a
-layer's bytes. A bank past int32 element offsets is still sliced (`layers.grouped_swiglu_experts`).
+layer's bytes.
+
+The grouped-matmul kernel addresses its weights with int32 element offsets, so no bank may hold 2^31 elements or
+more (the 35B-A3B shape's ten repeats of 256 experts hold 5.4e9). `LayerStack.build` stores such a position's
+experts as chunks of whole repeats (`ExpertChunks`), each a separate array under the limit, and `with_experts`
+runs the expert code on the chunk that holds the step's layer (a `lax.switch`: every branch reads its chunk in
+place, so nothing is copied and the body still compiles once, with one kernel launch per chunk).
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from typing import Any, Callable, Hashable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["LayerPlan", "LayerStack", "PoolStack", "ExpertBank", "EXPERT_LEAVES", "run", "expert_weights",
-           "layer_signature", "PartSpec"]
+__all__ = ["LayerPlan", "LayerStack", "PoolStack", "ExpertBank", "ExpertChunks", "EXPERT_LEAVES", "run",
+           "expert_weights", "with_experts", "layer_signature", "PartSpec", "BANK_MAX_ELEMENTS"]
 
 # Dict keys of per-layer parameters that hold routed experts ([E, in, out]); they stay whole in the scan
 # (`ExpertBank`).
 EXPERT_LEAVES = ("gate_up", "down")
+# The most elements one stored bank of experts may hold: the grouped-matmul kernel's offsets are int32.
+BANK_MAX_ELEMENTS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +132,48 @@ def layer_signature(*parts: Any) -> tuple:
 
 
 @jax.tree_util.register_pytree_node_class
+class ExpertChunks:
+    """One pattern position's stacked experts [repeats, E, ...] stored as chunks of `per_chunk` repeats (the last
+    may be shorter), each its own array of at most BANK_MAX_ELEMENTS elements."""
+
+    def __init__(self, chunks, per_chunk: int):
+        self.chunks, self.per_chunk = tuple(chunks), int(per_chunk)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(c.shape[0] for c in self.chunks),) + tuple(self.chunks[0].shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return self.chunks[0].dtype
+
+    def __getitem__(self, repeat: int):
+        return self.chunks[repeat // self.per_chunk][repeat % self.per_chunk]
+
+    def tree_flatten(self):
+        return self.chunks, self.per_chunk
+
+    @classmethod
+    def tree_unflatten(cls, per_chunk, chunks):
+        return cls(chunks, per_chunk)
+
+
+def _static_index(index) -> int | None:
+    try:
+        return int(index)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return None
+
+
+@jax.tree_util.register_pytree_node_class
 class ExpertBank:
     """The routed experts of one layer as a view into a pattern position's stacked experts: `bank` [repeats, E,
-    ...], `index` the layer's repeat (an int, or a traced int32 inside a scan). `expert_weights` turns it into the
-    flat bank [repeats * E, ...] and the offset of this layer's first expert."""
+    ...] (an array, or `ExpertChunks`), `index` the layer's repeat (an int, or a traced int32 inside a scan).
+    `with_experts` hands the bank to expert code without copying it; `materialize` copies the layer's experts out."""
 
     def __init__(self, bank, index):
         self.bank, self.index = bank, index
@@ -141,7 +187,15 @@ class ExpertBank:
         return self.bank.dtype
 
     def materialize(self):
-        return jax.lax.dynamic_index_in_dim(self.bank, self.index, 0, keepdims=False)
+        if not isinstance(self.bank, ExpertChunks):
+            return jax.lax.dynamic_index_in_dim(self.bank, self.index, 0, keepdims=False)
+        static = _static_index(self.index)
+        if static is not None:
+            return self.bank[static]
+        per = self.bank.per_chunk
+        index = jnp.asarray(self.index, jnp.int32)
+        branches = [lambda i, c=c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False) for c in self.bank.chunks]
+        return jax.lax.switch(index // per, branches, index % per)
 
     def tree_flatten(self):
         return (self.bank, self.index), None
@@ -151,20 +205,80 @@ class ExpertBank:
         return cls(*children)
 
 
+def _flat_bank(bank):
+    return bank.reshape((-1,) + tuple(bank.shape[2:]))
+
+
 def expert_weights(w) -> tuple[Any, Any]:
     """(weights [n * E, ...], offset of the layer's expert 0 in them) for an expert array [E, ...] (offset 0) or
-    an `ExpertBank`."""
+    an `ExpertBank` over one array (a chunked bank has no single array: see `with_experts`)."""
     if isinstance(w, ExpertBank):
-        experts = w.bank.shape[1]
-        return w.bank.reshape((-1,) + tuple(w.bank.shape[2:])), jnp.asarray(w.index, jnp.int32) * experts
+        if isinstance(w.bank, ExpertChunks):
+            raise ValueError("a chunked expert bank has no single array; call the expert code through with_experts")
+        return _flat_bank(w.bank), jnp.asarray(w.index, jnp.int32) * w.bank.shape[1]
     return w, 0
+
+
+def with_experts(fn: Callable, *weights, max_elements: int | None = None):
+    """fn(*flat_weights, first): the expert code `fn` given each of `weights` as one array [n * E, ...] and the
+    offset `first` of this layer's expert 0 in them, without copying a bank.
+
+    weights: expert arrays [E, ...] (first 0), or `ExpertBank`s of one layer (same repeat, banks chunked alike).
+    A bank stored as `ExpertChunks` runs `fn` on the chunk holding the layer (chosen statically for a static
+    index, else by `lax.switch`). A bank over one array with more than `max_elements` elements (None: no limit)
+    is copied out instead (`materialize`): only banks not built by `LayerStack.build` can be that large."""
+    if not any(isinstance(w, ExpertBank) for w in weights):
+        return fn(*weights, 0)
+    if not all(isinstance(w, ExpertBank) for w in weights):
+        raise ValueError("with_experts takes expert arrays or ExpertBanks, not a mix")
+    chunked = [isinstance(w.bank, ExpertChunks) for w in weights]
+    if not any(chunked):
+        if max_elements is not None and any(w.bank.size > max_elements for w in weights):
+            return fn(*[w.materialize() for w in weights], 0)
+        experts = weights[0].bank.shape[1]
+        return fn(*[_flat_bank(w.bank) for w in weights], jnp.asarray(weights[0].index, jnp.int32) * experts)
+    if not all(chunked) or len({(w.bank.per_chunk, len(w.bank.chunks)) for w in weights}) != 1:
+        raise ValueError("with_experts needs every bank chunked alike")
+    per, experts = weights[0].bank.per_chunk, weights[0].bank.shape[1]
+    chunks = list(zip(*[w.bank.chunks for w in weights]))
+    static = _static_index(weights[0].index)
+    if static is not None:
+        return fn(*[_flat_bank(c) for c in chunks[static // per]], (static % per) * experts)
+    index = jnp.asarray(weights[0].index, jnp.int32)
+    branches = [lambda first, cs=cs: fn(*[_flat_bank(c) for c in cs], first) for cs in chunks]
+    return jax.lax.switch(index // per, branches, (index % per) * experts)
 
 
 def _is_expert(path, stacked) -> bool:
     """A stacked part's leaf of routed experts: [repeats, E, in, out] under an EXPERT_LEAVES key (a dense MLP's
-    "down" is [repeats, in, out])."""
+    "down" is [repeats, in, out]), or its `ExpertChunks`."""
     last = path[-1] if path else None
-    return getattr(last, "key", None) in EXPERT_LEAVES and getattr(stacked, "ndim", 0) == 4
+    return getattr(last, "key", None) in EXPERT_LEAVES and (isinstance(stacked, ExpertChunks)
+                                                           or getattr(stacked, "ndim", 0) == 4)
+
+
+def _is_chunks(x) -> bool:
+    return isinstance(x, ExpertChunks)
+
+
+def _stack_part(members: list, consume: bool):
+    """Stack per-layer trees; routed experts whose stack would exceed BANK_MAX_ELEMENTS go in `ExpertChunks` of
+    whole repeats (one chunk size for every expert leaf of the part, so `with_experts` can pair them)."""
+    def is_layer_expert(path, leaf):
+        last = path[-1] if path else None
+        return getattr(last, "key", None) in EXPERT_LEAVES and getattr(leaf, "ndim", 0) == 3
+
+    sizes = [leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(members[0])[0]
+             if is_layer_expert(path, leaf)]
+    per_chunk = max(1, BANK_MAX_ELEMENTS // max(sizes)) if sizes else len(members)
+
+    def stack(path, *leaves):
+        if per_chunk >= len(leaves) or not is_layer_expert(path, leaves[0]):
+            return _stack(list(leaves), consume)
+        return ExpertChunks([_stack(list(leaves[i:i + per_chunk]), consume)
+                             for i in range(0, len(leaves), per_chunk)], per_chunk)
+
+    return jax.tree_util.tree_map_with_path(stack, *members)
 
 
 def _stack(leaves: list, consume: bool):
@@ -204,7 +318,7 @@ class LayerStack:
             if len(members) == 1:
                 parts.append(members[0])
             else:
-                parts.append(jax.tree.map(lambda *xs: _stack(list(xs), consume), *members))
+                parts.append(_stack_part(members, consume))
         return cls(tuple(parts), plan)
 
     @staticmethod
@@ -221,7 +335,7 @@ class LayerStack:
         if self.plan.members(part) == 1:
             return tree
         return jax.tree_util.tree_map_with_path(
-            lambda path, a: ExpertBank(a, member) if _is_expert(path, a) else a[member], tree)
+            lambda path, a: ExpertBank(a, member) if _is_expert(path, a) else a[member], tree, is_leaf=_is_chunks)
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -274,8 +388,8 @@ Step = Callable[..., tuple[Any, tuple[Any, Any]]]
 
 def _split_experts(tree):
     """(tree with expert leaves None, tree with only the expert leaves) of a stacked part."""
-    sliced = jax.tree_util.tree_map_with_path(lambda p, a: None if _is_expert(p, a) else a, tree)
-    banks = jax.tree_util.tree_map_with_path(lambda p, a: a if _is_expert(p, a) else None, tree)
+    sliced = jax.tree_util.tree_map_with_path(lambda p, a: None if _is_expert(p, a) else a, tree, is_leaf=_is_chunks)
+    banks = jax.tree_util.tree_map_with_path(lambda p, a: a if _is_expert(p, a) else None, tree, is_leaf=_is_chunks)
     return sliced, banks
 
 

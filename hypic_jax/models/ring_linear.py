@@ -380,13 +380,14 @@ def gathered_swiglu_experts(x: Array, weights: Array, experts: Array, gate_up: A
     Reads only the chosen experts, where a grouped matmul over all E groups streams every expert's weights.
     x [T, D], weights / experts [T, k], gate_up [E, D, 2I], down [E, I, D] -> [T, D] in x's dtype.
     """
-    gate_up, first = layer_stack.expert_weights(gate_up)  # a scanned layer's experts are rows of a bank
-    down, _ = layer_stack.expert_weights(down)
-    experts = experts + first
-    hidden = jnp.einsum("td,tkdi->tki", x, gate_up[experts], preferred_element_type=jnp.float32)
-    gate, up = jnp.split(hidden, 2, axis=-1)
-    activated = (jax.nn.silu(gate) * up).astype(x.dtype)
-    out = jnp.einsum("tki,tkid->tkd", activated, down[experts], preferred_element_type=jnp.float32)
+    def chosen(gate_up, down, first):  # a scanned layer's experts are rows of a bank, from `first` on
+        rows = experts + first
+        hidden = jnp.einsum("td,tkdi->tki", x, gate_up[rows], preferred_element_type=jnp.float32)
+        gate, up = jnp.split(hidden, 2, axis=-1)
+        activated = (jax.nn.silu(gate) * up).astype(x.dtype)
+        return jnp.einsum("tki,tkid->tkd", activated, down[rows], preferred_element_type=jnp.float32)
+
+    out = layer_stack.with_experts(chosen, gate_up, down)
     return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32)).astype(x.dtype)
 
 
