@@ -187,7 +187,7 @@ def _split_fold_case(n, batch, key_dim, value_dim, seed):
     return t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s)
 
 
-@examples(8)
+@examples(5)
 @given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
        value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -484,7 +484,7 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 # Property test over families, chunk sizes, solves, sub-blocks, splits and lengths.
 
 
-@examples(8)
+@examples(6)
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
@@ -666,7 +666,7 @@ def test_varlen_default_config_widens():
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
 
-@examples(8)
+@examples(5)
 @given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
        prefetch=st.booleans(), reads=st.sampled_from(["packed", "gather"]), seed=st.integers(0, 2**16))
 def test_varlen_property(cuts, group, prefetch, reads, seed):
@@ -679,7 +679,9 @@ def test_varlen_property(cuts, group, prefetch, reads, seed):
     config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch,
                        packed_reads=reads == "packed")
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
-    ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
+    # the offsets as an array: traced in the reference, one compilation for every split (the kernel takes the list)
+    ref_o, ref_sum = core.varlen_reference(q, k, v, np.asarray(cu, np.int32), g=g, beta=beta, scale=0.5,
+                                           max_len=length)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
