@@ -812,11 +812,13 @@ def test_mosaic_gpu_fold_lowers_for_cuda():
             planes, planes, states, *([] if init is None else [init])).mlir_module()
 
 
-@pytest.mark.parametrize("length, heads, key_heads, value_dim, seed", [(128, 2, 1, 128, 0), (192, 2, 2, 64, 1)])
-def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, value_dim, seed):
+@pytest.mark.parametrize("length, heads, key_heads, value_dim, block_v, seed",
+                         [(128, 2, 1, 128, 64, 0), (192, 2, 2, 64, 32, 1)])
+def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, value_dim, block_v, seed):
     """The state pass under Mosaic GPU (`gdn_mgpu`, Pallas's GPU interpreter) gives the Triton state pass's outputs
     and final state on the same chunk-local operands (bf16 state dots in both: within their rounding), with more
-    chunks than slots, grouped key heads and an initial state."""
+    chunks than slots, grouped key heads, an initial state and both column-block widths (the interpreter's time goes
+    with the blocks it runs: 64-wide blocks halve them)."""
     from hypic_jax.pallas import gdn_mgpu
 
     rng = np.random.default_rng(seed)
@@ -829,7 +831,7 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     p = (f(heads, length, c) * 0.3).astype(jnp.bfloat16)
     init = f(heads, key_dim, value_dim)
     o, final = gdn_mgpu.state_pass_mgpu(w, u, k, b, q, p, init, chunk=c, out_dtype=jnp.bfloat16, scale=0.09,
-                                        interpret=True)
+                                        config=gdn_mgpu.MosaicStateConfig(block_v=block_v), interpret=True)
     config = GDNConfig().resolved(jnp.bfloat16)
     ref_o, ref_final = gdn._state_pass(w, u, k, b, q, p, init[None], chunk=c, pieces=1, value_dim=value_dim,
                                        out_dtype=jnp.bfloat16, scale=0.09, config=config, interpret=True)
@@ -837,12 +839,13 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     assert rel(final, ref_final[0]) < 1e-3
 
 
-@pytest.mark.parametrize("length, group_chunks, heads, key_heads, seed", [(512, 4, 2, 1, 0), (128, 2, 4, 2, 1), (64, 1, 2, 1, 2)])
-def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, seed):
+@pytest.mark.parametrize("length, group_chunks, heads, key_heads, block_v, seed",
+                         [(512, 4, 2, 1, 32, 0), (128, 2, 4, 2, 64, 1), (64, 1, 2, 1, 32, 2)])
+def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, block_v, seed):
     """The transfer pass's group products under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`, Pallas's GPU
     interpreter) equal Triton's pass over the groups' identity columns within their bf16 rounding, and both are as
     close to a float64 product of the A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n of each group; down to one
-    group of one chunk (a one-chunk segment, fewer chunks than shared-memory slots)."""
+    group of one chunk (a one-chunk segment, fewer chunks than shared-memory slots); both column-block widths."""
     from hypic_jax.pallas import gdn_mgpu
 
     rng = np.random.default_rng(seed)
@@ -850,7 +853,8 @@ def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks,
     f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
     w, k = f(length, heads, key_dim), f(length, key_heads, key_dim)
     b = jnp.asarray(np.cumsum(-rng.uniform(0, 0.1, (heads, length // c, c)), -1).reshape(heads, length), jnp.float32)
-    ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True)
+    ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True,
+                                     config=gdn_mgpu.MosaicStateConfig(block_v=block_v))
     groups = length // c // group_chunks
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ref = gdn._state_pass(w, None, k, b, None, None, eye, chunk=c, pieces=groups, value_dim=key_dim,
@@ -964,11 +968,11 @@ def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("length, blocks, gate, warpgroups, seed",
-                         [(512, 2, True, 2, 0), (256, 132, True, 1, 2), (320, 4, True, 2, 3), (320, 6, False, 2, 4)])
+                         [(512, 2, True, 2, 0), (128, 132, True, 1, 2), (320, 4, True, 2, 3), (320, 6, False, 2, 4)])
 def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, warpgroups, seed):
     """The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu`, Pallas's GPU interpreter) gives the Triton
     kernel's P (to float32 rounding) and W, U within bf16 rounding, and its W, U are as close to the float32-dot
-    kernel's as Triton's are: runs of 8 chunks through 2 slots (a head's chunks in one run), runs of one chunk (4
+    kernel's as Triton's are: runs of 8 chunks through 2 slots (a head's chunks in one run), runs of one chunk (2
     runs a head), 5 chunks a head as runs of 3 and 2 (odd turns for two compute warpgroups) and as 2, 2 and 1 (runs
     of 2; a last run shorter than the slots), one or two compute warpgroups, grouped key heads, with and without a
     gate. (The GPU interpreter's time goes with the chunks it runs, hence the few and short sequences.)"""
