@@ -30,7 +30,7 @@ from prefill import full_config, small_config  # noqa: E402
 from hypic_jax.engine import Engine  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
+from hypic_jax.runtime import StableEngine, backend_compiles, stack_layers  # noqa: E402
 
 MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
 
@@ -73,6 +73,8 @@ def main(argv=None) -> None:
     parser.add_argument("--exact-sample", type=int, default=3, help="full_recompute prompts compiled at exact lengths")
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--linear-impl", default="xla", choices=["xla", "pallas", "auto"])
+    parser.add_argument("--no-scan", dest="scan", action="store_false", help="every layer unrolled")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -83,7 +85,8 @@ def main(argv=None) -> None:
     else:
         config, dtype = full_config(args.layers), jnp.bfloat16
     params = qwen3_5.init_params(config, jax.random.key(0), dtype)
-    model = Model(qwen3_5, config, params)
+    model = stack_layers(Model(qwen3_5, config, params), scan=args.scan, consume=True)  # one copy of the weights
+    del params
     requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
                      min_len=args.min_len, max_len=args.max_len, seed=args.seed)
     longest = max(sum(map(len, r)) for r in requests)
@@ -91,8 +94,9 @@ def main(argv=None) -> None:
     engine = StableEngine(model, max_prompt_tokens=max_prompt, max_segments=args.docs,
                           cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0,
                           compile_cache=args.compile_cache, min_tokens=args.min_tokens,
-                          token_rungs=tuple(args.rungs) if args.rungs else None)
+                          token_rungs=tuple(args.rungs) if args.rungs else None, linear_impl=args.linear_impl)
     report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
+                  plan=str(engine.plan), linear_impl=args.linear_impl,
                   longest_prompt=longest, max_prompt_tokens=max_prompt, rungs=list(engine.ladder.rungs),
                   pool_slots=engine.pools.slots, pool_gb=round(engine.pools.nbytes / 2**30, 2))
     start = time.perf_counter()

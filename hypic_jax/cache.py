@@ -42,9 +42,13 @@ def model_fingerprint(arch_name: str, config: Any, params: Any, source: str | No
     samples = []
     for leaf in leaves:
         digest.update(f"{leaf.shape}{leaf.dtype}".encode())
-        flat = leaf.reshape(-1)
-        samples.append(flat[:4])
-        samples.append(flat[-4:])
+        if leaf.size < 2**31:
+            flat = leaf.reshape(-1)
+            samples.append(flat[:4])
+            samples.append(flat[-4:])
+        else:  # a flat index past int32 (stacked layers): the first and last rows of the last axis instead
+            samples.append(leaf[(0,) * (leaf.ndim - 1)][:4])
+            samples.append(leaf[(-1,) * (leaf.ndim - 1)][-4:])
     for sample in jax.device_get(samples):
         digest.update(np.asarray(sample, np.float32).tobytes())
     return digest.hexdigest()

@@ -30,6 +30,7 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 FRESH = "fresh"
@@ -39,7 +40,8 @@ PIECE_PAD, PIECE_FRESH, PIECE_CACHED = 0, 1, 2
 PAD_POSITION = np.iinfo(np.int32).max // 2  # beyond every real position: a padded key is never visible
 DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: writes there are dropped (`stitch.apply_row_writes`)
 
-__all__ = ["FRESH", "CACHED", "Span", "Capacity", "Ladder", "LayoutArrays", "build", "PAD_POSITION", "DROP"]
+__all__ = ["FRESH", "CACHED", "Span", "Capacity", "Ladder", "LayoutArrays", "build", "PAD_POSITION", "DROP",
+           "shift_pool_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +185,22 @@ class LayoutArrays:
     record_piece: np.ndarray  # int32 piece whose summary (isolated) or end state (stitched) is recorded
     record_slot: np.ndarray  # int32 linear-pool slot it is written to (DROP: no record)
     fresh_dest: np.ndarray  # int32 [F] per-token pool row a fresh token's K/V is written to (DROP: not recorded)
+
+
+def shift_pool_rows(layout: LayoutArrays, kind: str, base) -> LayoutArrays:
+    """The layout as one layer whose pool rows start at `base` in a shared pool reads and writes it
+    (`hypic_jax.models.layer_stack`): "slot" pools shift the cached pieces' and the records' slots, "token" pools
+    the cached keys' rows and the fresh tokens' destinations. DROP stays past every pool (pools hold fewer than
+    DROP rows), and fresh keys keep their fresh indices."""
+    if isinstance(base, int) and base == 0:
+        return layout
+    if kind == "slot":
+        return dataclasses.replace(layout, piece_slot=layout.piece_slot + base, record_slot=layout.record_slot + base)
+    if kind == "token":
+        return dataclasses.replace(layout, key_index=jnp.where(layout.key_fresh, layout.key_index,
+                                                               layout.key_index + base),
+                                   fresh_dest=layout.fresh_dest + base)
+    raise ValueError(f"pool kind must be 'slot' or 'token', got {kind!r}")
 
 
 def _predecessors(history: list[int], rows: Sequence[int], w1: int) -> np.ndarray:

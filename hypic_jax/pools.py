@@ -2,9 +2,11 @@
 
 Per linear layer, one summary pool (states [S, H, K, V] and transfers in the family's form) and one conv-tail
 pool [S, W-1, D]: an entry owns one slot. Per attention layer, one per-token pool (K/V or latents, [R, ...]): an
-entry owns the rows of whole pages of `page` tokens. The pools are allocated once, at their full capacity, so
-their shapes never change and no request recompiles because the cache grew; a program reads them by the slot and
-row arrays of its layout and writes its records into them (donated, in place).
+entry owns the rows of whole pages of `page` tokens. The layers' pools are stored by the model's `LayerPlan`
+(`hypic_jax.models.layer_stack.PoolStack`): the layers of one pattern position share one array, each in its own
+block of S (or R) rows, so a scan over the layers reads them without slicing. The pools are allocated once, at
+their full capacity, so their shapes never change and no request recompiles because the cache grew; a program
+reads them by the slot and row arrays of its layout and writes its records into them (donated, in place).
 
 Slot 0 and page 0 belong to no entry: a layout's padded reads point there (its writes that record nothing are
 dropped instead, see `hypic_jax.layout`).
@@ -18,11 +20,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax.cache import tree_nbytes
+from hypic_jax.models.layer_stack import LayerPlan, pool_stack
 
 
 class PoolFull(Exception):
@@ -37,19 +38,17 @@ class Pools:
     per token. slots: entries the pools hold; pages: per-token pages of `page` tokens.
     """
 
-    def __init__(self, layers: list[tuple[str, Any]], *, slots: int, pages: int, page: int = 16):
+    def __init__(self, layers: list[tuple[str, Any]], *, slots: int, pages: int, page: int = 16,
+                 plan: LayerPlan | None = None):
         if slots < 2 or pages < 2:
             raise ValueError(f"the pools need at least 2 slots and 2 pages (one of each belongs to no entry), got "
                              f"{slots} slots, {pages} pages")
         self.kinds = tuple(kind for kind, _ in layers)
         self.page, self.slots, self.pages = page, slots, pages
+        self.plan = plan or LayerPlan.unrolled(len(layers))
         self.lock = threading.RLock()
-
-        def make(kind, tree):
-            lead = slots if kind == "slot" else pages * page
-            return jax.tree.map(lambda a: jnp.zeros((lead,) + tuple(a.shape), a.dtype), tree)
-
-        self.arrays = tuple(make(kind, tree) for kind, tree in layers)
+        # a PoolStack: per part of the plan (a layer, or a pattern position's layers) one tree of arrays
+        self.arrays = pool_stack(layers, self.plan, slots=slots, rows=pages * page)
         self.slot_bytes = sum(tree_nbytes(tree) for kind, tree in layers if kind == "slot")
         self.token_bytes = sum(tree_nbytes(tree) for kind, tree in layers if kind == "token")
         self._free_slots = list(range(slots - 1, 0, -1))
@@ -57,14 +56,23 @@ class Pools:
 
     @classmethod
     def for_budget(cls, layers: list[tuple[str, Any]], budget_bytes: int, *, mean_tokens: int = 512,
-                   page: int = 16) -> "Pools":
+                   page: int = 16, plan: LayerPlan | None = None) -> "Pools":
         """Pools sized for `budget_bytes`, split as if entries held `mean_tokens` tokens each."""
         slot_bytes = sum(tree_nbytes(t) for k, t in layers if k == "slot")
         token_bytes = sum(tree_nbytes(t) for k, t in layers if k == "token")
         per_entry = slot_bytes + mean_tokens * token_bytes
         slots = max(2, int(budget_bytes // max(1, per_entry)) + 1)
         pages = max(2, -(-(slots - 1) * mean_tokens // page) + 1)
-        return cls(layers, slots=slots, pages=pages, page=page)
+        return cls(layers, slots=slots, pages=pages, page=page, plan=plan)
+
+    def layers(self) -> list[tuple[str, Any, int]]:
+        """Per layer (its pool kind, its part's pool tree, its base row there): layer i's piece of an entry is row
+        `base + slot` (or rows `base + rows`) of every leaf of the tree."""
+        out = []
+        for layer in range(self.plan.layers):
+            tree, spec, base = self.arrays.layer(layer)
+            out.append((spec.kind, tree, base))
+        return out
 
     @property
     def nbytes(self) -> int:

@@ -47,6 +47,7 @@ from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
 from hypic_jax.engine import MODES, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens, use_compile_cache
 from hypic_jax.models.base import ModelCache
+from hypic_jax.models.layer_stack import LayerPlan, LayerStack
 from hypic_jax.pools import PoolFull, Pools
 
 log = logging.getLogger("hypic_jax.runtime")
@@ -67,6 +68,30 @@ def backend_compiles() -> int:
     """XLA compilations this process has run so far (every program, any caller): what a test or benchmark reads
     before and after serving to prove that nothing compiled."""
     return _compile_events[0]
+
+
+def layer_plan(model, *, scan: bool = True) -> LayerPlan:
+    """How the shape-stable engine runs `model`'s layers (`layer_stack.LayerPlan`): its repeating pattern as one
+    scan (layers share a pattern position when their parameters, pools and types have one structure), or with
+    `scan=False` every layer unrolled."""
+    layers = model.params["layers"]
+    if isinstance(layers, LayerStack):
+        return layers.plan
+    if not scan:
+        return LayerPlan.unrolled(len(layers))
+    pieces = model.arch.pool_layout(model.config, model.dtype)
+    types = [tuple(getattr(model.config, name)[i] for name in ("layer_types", "mlp_types")
+                   if hasattr(model.config, name)) for i in range(len(layers))]
+    return LayerStack.plan_for(layers, [(kind, tree, t) for (kind, tree), t in zip(pieces, types)])
+
+
+def stack_layers(model, *, scan: bool = True, consume: bool = False):
+    """`model` with its layers stacked by `layer_plan` (a `layer_stack.LayerStack`, which reads like the list of
+    layers, so `hypic_jax.Engine` and `Model` run it as well). `StableEngine` stacks a copy itself; with
+    `consume=True` the per-layer arrays are deleted as they are stacked, for a model too large for two copies
+    (every other holder of them loses them)."""
+    layers = LayerStack.build(model.params["layers"], layer_plan(model, scan=scan), consume=consume)
+    return type(model)(model.arch, model.config, dict(model.params, layers=layers))
 
 
 class ProgramKey(NamedTuple):
@@ -247,7 +272,7 @@ def _commit(pools, writes):
     a program of its own)."""
     from hypic_jax import stitch
 
-    return tuple(stitch.apply_row_writes(pool, w) for pool, w in zip(pools, writes))
+    return pools.replace(stitch.apply_row_writes(pool, w) for pool, w in zip(pools.parts, writes))
 
 
 def _decode(params, token, cache, *, arch, config):
@@ -328,6 +353,10 @@ class StableEngine(Engine):
     stores the linear layers' T and S in bfloat16 off the device (half their bytes; promoted entries are the
     rounded values, widened to float32).
 
+    scan_layers: run the model's repeating layers as one scan in the span programs (`layer_stack`; a program
+    then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine keeps a
+    stacked copy of the layers unless the model's are stacked already (`stack_layers`); False unrolls them.
+
     linear_impl: how the span programs run the linear layers' cores (`stitch.linear_over_layout`): "xla" (the
     default), the chunk loops everywhere; "auto", the Pallas kernels (`pallas.gdn.gdn_varlen`) where
     `stitch.linear_kernel_fits` says they fit (a GPU, bfloat16 values); "pallas", the kernels everywhere (in the
@@ -345,7 +374,7 @@ class StableEngine(Engine):
                  disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
                  disk_write_through: bool = False, tier_dtype: str | None = None, devices=None,
-                 policy: str = "lpt", linear_impl: str | None = "xla"):
+                 policy: str = "lpt", linear_impl: str | None = "xla", scan_layers: bool = True):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -364,8 +393,12 @@ class StableEngine(Engine):
                                  min_tokens=min_tokens, chunk=chunk, conv=conv, token_rungs=token_rungs)
         self.max_keys = max_prompt_tokens + max_new_tokens
         pieces = self.arch.pool_layout(self.config, self.model.dtype)
+        self.plan = layer_plan(self.model, scan=scan_layers)
+        # the span programs scan the repeating layers: stacked parameters (a copy, unless the model's are stacked
+        # already: `stack_layers`) and pools stored by the same plan
+        self.params = dict(self.params, layers=LayerStack.build(self.params["layers"], self.plan))
         budget = cache_bytes if cache_bytes is not None else 1 << 30
-        self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens)
+        self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens, plan=self.plan)
         self._init_tiers(host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
                          disk_bandwidth, disk_write_through, tier_dtype)
         self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
@@ -491,14 +524,15 @@ class StableEngine(Engine):
                 self.pools.arrays = pools
 
     def _writes_shapes(self, tokens: int):
-        """What the span programs of a token rung write (shapes only): per layer, rows of the records capacity
-        (linear layers' slots) or of the fresh tokens (attention layers' token rows), in the pools' own forms."""
+        """What the span programs of a token rung write (shapes only): per pool part, for each of its layers the
+        rows of the records capacity (linear layers' slots) or of the fresh tokens (attention layers' token rows),
+        in the pools' own forms."""
         from hypic_jax import stitch
 
         capacity = self._capacity(ProgramKey("pic", tokens, self.max_keys))
         out = []
-        for kind, pool in zip(self.pools.kinds, self.pools.arrays):
-            n = capacity.records if kind == "slot" else capacity.tokens
+        for spec, pool in zip(self.pools.arrays.specs, self.pools.arrays.parts):
+            n = spec.members * (capacity.records if spec.kind == "slot" else capacity.tokens)
             out.append(stitch.RowWrites(jax.ShapeDtypeStruct((n,), jnp.int32),
                                         jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype),
                                                      pool)))

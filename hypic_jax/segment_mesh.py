@@ -75,7 +75,8 @@ def _commit_bins(pools, parts):
     from hypic_jax import stitch
 
     for writes in parts:
-        pools = tuple(stitch.apply_row_writes(pool, jax.tree.map(lambda a: a[0], w)) for pool, w in zip(pools, writes))
+        pools = pools.replace(stitch.apply_row_writes(pool, jax.tree.map(lambda a: a[0], w))
+                              for pool, w in zip(pools.parts, writes))
     return pools
 
 
@@ -94,8 +95,9 @@ class SegmentMesh:
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._sharded = NamedSharding(self.mesh, PartitionSpec(AXIS))
         self.params = jax.device_put(engine.params, self._replicated)
-        standin = tuple(jax.tree.map(lambda a: jnp.zeros((min(2, a.shape[0]),) + a.shape[1:], a.dtype), pool)
-                        for pool in engine.pools.arrays)
+        # two rows per part; the PoolStack's part specs keep the real rows, so the records' rows are the pools'
+        standin = jax.tree.map(lambda a: jnp.zeros((min(2, a.shape[0]),) + a.shape[1:], a.dtype),
+                               engine.pools.arrays)
         self.standin = jax.device_put(standin, self._replicated)
         self._cold: dict[int, Any] = {}
         self._commit: dict[int, Any] = {}

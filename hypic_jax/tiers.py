@@ -256,17 +256,33 @@ class Mover:
     every piece as the pools hold it."""
 
     def __init__(self, pools, max_tokens: int, compact: str | None = None):
-        self.kinds = pools.kinds
+        stack = pools.arrays  # a layer_stack.PoolStack: per part of the layer plan, its layers' rows in blocks
+        self.specs, self.plan = stack.specs, stack.plan
         self.page = pools.page
         self.compact = compact
-        self.leaves: list[tuple[str, tuple[int, ...], np.dtype]] = []  # (kind, per-entry/per-token shape, stored as)
-        for kind, tree in zip(pools.kinds, pools.arrays):
+        # the device programs move per part and leaf all the part's layers at once ([members, ...] per slot,
+        # [rows, members, ...] per token); off the device an entry is per layer and leaf, in layer order, so
+        # its stored form does not depend on how the layers are grouped
+        part_stored: list[list[str]] = []
+        for spec, tree in zip(stack.specs, stack.parts):
+            names = []
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
                 dtype = np.dtype(leaf.dtype)
-                if compact and kind == "slot" and dtype == np.float32 and _in_summary(path):
+                if compact and spec.kind == "slot" and dtype == np.float32 and _in_summary(path):
                     dtype = np.dtype(jnp.dtype(compact))
-                self.leaves.append((kind, tuple(leaf.shape[1:]), dtype))
-        self._stored = tuple(dtype.name for _, _, dtype in self.leaves)
+                names.append(dtype.name)
+            part_stored.append(names)
+        self._stored = tuple(name for names in part_stored for name in names)
+        first = np.cumsum([0] + [len(names) for names in part_stored])
+        self.leaves: list[tuple[str, tuple[int, ...], np.dtype]] = []  # (kind, per-entry/per-token shape, stored as)
+        self._order: list[tuple[int, int]] = []  # per stored leaf: (device output, member)
+        for layer in range(stack.plan.layers):
+            part, member = stack.plan.part(layer)
+            spec = stack.specs[part]
+            for j, leaf in enumerate(jax.tree.leaves(stack.parts[part])):
+                self.leaves.append((spec.kind, tuple(leaf.shape[1:]), np.dtype(part_stored[part][j])))
+                self._order.append((int(first[part]) + j, member))
+        self._output_kinds = {i: kind for (i, _), (kind, _, _) in zip(self._order, self.leaves)}
         top = max(1, min(-(-max_tokens // pools.page), pools.pages - 1))
         buckets, b = [], 1
         while b < top:
@@ -285,23 +301,30 @@ class Mover:
         raise ValueError(f"an entry of {tokens} tokens is longer than the largest bucket of {self.buckets[-1]} pages")
 
     @staticmethod
-    def _gather_fn(arrays, slot, rows, *, kinds, stored):
+    def _rows(spec, slot, rows):
+        """Rows of every layer of a part: [members] for a slot, [len(rows), members] for token rows."""
+        base = spec.lead * jnp.arange(spec.members, dtype=jnp.int32)
+        return slot + base if spec.kind == "slot" else rows[:, None] + base[None, :]
+
+    @staticmethod
+    def _gather_fn(arrays, slot, rows, *, specs, stored):
         out = []
-        for kind, tree in zip(kinds, arrays):
+        for spec, tree in zip(specs, arrays.parts):
+            index = Mover._rows(spec, slot, rows)
             for leaf in jax.tree.leaves(tree):
-                out.append((leaf[slot] if kind == "slot" else leaf[rows]).astype(jnp.dtype(stored[len(out)])))
+                out.append(leaf[index].astype(jnp.dtype(stored[len(out)])))
         return out
 
     @staticmethod
-    def _scatter_fn(arrays, slot, rows, pieces, *, kinds):
+    def _scatter_fn(arrays, slot, rows, pieces, *, specs):
         it = iter(pieces)
         new = []
-        for kind, tree in zip(kinds, arrays):
+        for spec, tree in zip(specs, arrays.parts):
+            index = Mover._rows(spec, slot, rows)  # padded rows are DROP (+ a base): past the pool, dropped
             leaves, treedef = jax.tree.flatten(tree)
-            put = [leaf.at[slot].set(next(it).astype(leaf.dtype)) if kind == "slot"
-                   else leaf.at[rows].set(next(it).astype(leaf.dtype), mode="drop") for leaf in leaves]
-            new.append(jax.tree.unflatten(treedef, put))
-        return tuple(new)
+            new.append(jax.tree.unflatten(treedef, [leaf.at[index].set(next(it).astype(leaf.dtype), mode="drop")
+                                                    for leaf in leaves]))
+        return arrays.replace(new)
 
     def _program(self, which: str, bucket: int, arrays):
         table = self._gather if which == "gather" else self._scatter
@@ -314,12 +337,12 @@ class Mover:
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
-        gather = functools.partial(self._gather_fn, kinds=self.kinds, stored=self._stored)
+        gather = functools.partial(self._gather_fn, specs=self.specs, stored=self._stored)
         if which == "gather":
             program = jax.jit(gather).lower(shapes, slot, rows).compile()
         else:
             pieces = jax.eval_shape(gather, shapes, slot, rows)
-            program = jax.jit(functools.partial(self._scatter_fn, kinds=self.kinds), donate_argnums=0).lower(
+            program = jax.jit(functools.partial(self._scatter_fn, specs=self.specs), donate_argnums=0).lower(
                 shapes, slot, rows, pieces).compile()
         with self._lock:
             table[bucket] = program
@@ -342,9 +365,9 @@ class Mover:
         padded = np.zeros(bucket * self.page, np.int32)  # padded reads hit row 0, which no entry owns
         padded[: len(rows)] = rows
         out = self._program("gather", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded)
-        host = jax.device_get(out)
-        return [np.asarray(a) if kind == "slot" else np.asarray(a)[: len(rows)]
-                for a, kind in zip(host, self._leaf_kinds(arrays))]
+        host = [np.asarray(a) for a in jax.device_get(out)]
+        return [host[i][member] if kind == "slot" else host[i][: len(rows), member]
+                for (i, member), (kind, _, _) in zip(self._order, self.leaves)]
 
     def scatter(self, arrays, slot: int, rows, pieces: Sequence[np.ndarray]):
         """`arrays` (donated) with the entry's pieces written to `slot` and `rows`."""
@@ -352,18 +375,19 @@ class Mover:
         bucket = self.bucket(len(rows))
         padded = np.full(bucket * self.page, DROP, np.int32)
         padded[: len(rows)] = rows
-        kinds = self._leaf_kinds(arrays)
-        staged = []
-        for piece, kind in zip(pieces, kinds):
+        per_output: dict[int, list] = {}
+        for piece, (i, member), (kind, _, _) in zip(pieces, self._order, self.leaves):
             if kind == "token":
                 full = np.zeros((bucket * self.page,) + piece.shape[1:], piece.dtype)
                 full[: len(piece)] = piece
                 piece = full
-            staged.append(jax.device_put(piece))  # asynchronous: overlaps with what the host does next
+            per_output.setdefault(i, []).append((member, piece))
+        staged = []
+        for i in range(len(per_output)):
+            members = [piece for _, piece in sorted(per_output[i], key=lambda mp: mp[0])]
+            stacked = np.stack(members, axis=0 if self._output_kinds[i] == "slot" else 1)
+            staged.append(jax.device_put(stacked))  # asynchronous: overlaps with what the host does next
         return self._program("scatter", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded, staged)
-
-    def _leaf_kinds(self, arrays) -> list[str]:
-        return [kind for kind, tree in zip(self.kinds, arrays) for _ in jax.tree.leaves(tree)]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -116,8 +116,8 @@ def entries(engine):
     out = {}
     for entry in engine.cache.entries():
         parts = []
-        for kind, pool in zip(engine.pools.kinds, engine.pools.arrays):
-            index = entry.slot if kind == "slot" else np.asarray(entry.rows)
+        for kind, pool, base in engine.pools.layers():
+            index = base + (entry.slot if kind == "slot" else np.asarray(entry.rows))
             parts += [np.asarray(leaf)[index] for leaf in jax.tree.leaves(pool)]
         out[entry.key] = parts
     return out

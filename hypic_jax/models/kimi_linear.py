@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from hypic_jax import linear_attn, spans
 from hypic_jax.conv import causal_conv1d
-from hypic_jax.models import base, layers
+from hypic_jax.models import base, layer_stack, layers
 
 MODEL_TYPE = "kimi_linear"
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -748,48 +748,51 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
                         summaries: bool, want_decode: bool = False, algorithm: str | None = None,
                         linear_impl: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
-    from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them; see
-    `qwen3_5.span_forward_arrays`. Nothing here is RoPE'd, so cached pieces are used as stored. MLA keys are the
-    request's latents gathered in key order and expanded to per-head K/V; the decode cache keeps the latents.
+    from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
+    layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Nothing here is RoPE'd, so cached
+    pieces are used as stored. MLA keys are the request's latents gathered in key order and expanded to per-head
+    K/V; the decode cache keeps the latents.
     linear_impl: how the KDA cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this model's prefill;
     "pallas" runs the per-key-gate kernels).
-    Returns (float32 logits [vocab] of the last fresh token, per layer the rows to write into its pool
+    Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write into it
     (`stitch.RowWrites`, applied by the caller), per layer the decode cache of the whole request or None)."""
+    from hypic_jax import layout as lay
     from hypic_jax import stitch
 
     impl = linear_impl or "xla"
 
     c = config
-    x = params["embed"][layout.tokens]  # [F, D]
-    writes, decode = [], []
-    for i, (kind, mlp_kind) in enumerate(zip(c.layer_types, c.mlp_types)):
-        lp = params["layers"][i]
-        pool = pools[i]
+
+    def step(i, layer, lp, pool, base_row, x):
+        kind, mlp_kind = c.layer_types[i], c.mlp_types[i]
         h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
         p = lp["attn"]
         if kind == LINEAR:
+            at = lay.shift_pool_rows(layout, "slot", base_row)
             qkv, g_raw, b = kda_projections(p, c, h)
-            qkv, conv_tail, conv_records = stitch.conv_over_layout(qkv, kda_conv_taps(p, c), pool["conv"], layout)
+            qkv, conv_tail, conv_records = stitch.conv_over_layout(qkv, kda_conv_taps(p, c), pool["conv"], at)
             q, k, v = (t.reshape(t.shape[0], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, -1))
-            result = stitch.linear_over_layout(kda_inputs(p, q, k, v, g_raw, b), pool["summary"], layout,
+            result = stitch.linear_over_layout(kda_inputs(p, q, k, v, g_raw, b), pool["summary"], at,
                                                summaries=summaries, algorithm=algorithm, impl=impl)
             h = kda_output(p, c, h, result.outputs)
-            records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
-            write = stitch.row_writes(pool, layout.record_slot, dict(summary=records, conv=conv_records))
-            decode.append(base.LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode
-                          else None)
+            records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
+            write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))
+            decode = base.LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode else None
         else:
+            at = lay.shift_pool_rows(layout, "token", base_row)
             q = _mla_queries(p, c, h[None])[0]
             fresh = mla_latents(p, c, h)
-            whole = stitch.gather_keys(fresh, pool, layout)
+            whole = stitch.gather_keys(fresh, pool, at)
             keys, values = mla_expand(p, c, whole)
-            out = stitch.masked_attention(q, keys, values, layout, isolated=isolated, scale=c.qk_head_dim**-0.5)
+            out = stitch.masked_attention(q, keys, values, at, isolated=isolated, scale=c.qk_head_dim**-0.5)
             h = _linear(out.reshape(out.shape[0], -1), p["o_proj"], p.get("o_proj_bias"))
-            write = stitch.row_writes(pool, layout.fresh_dest, fresh)
-            decode.append(jax.tree.map(lambda a: a[None], whole) if want_decode else None)
-        writes.append(write)
+            write = stitch.row_writes(pool, at.fresh_dest, fresh)
+            decode = jax.tree.map(lambda a: a[None], whole) if want_decode else None
         x = x + h
         h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
         x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None])[0])
+        return x, (write, decode)
+
+    x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
     last = layers.rms_norm_plain(x[layout.last], params["final_norm"], c.rms_norm_eps)
-    return lm_head(params, c, last), tuple(writes), (tuple(decode) if want_decode else None)
+    return lm_head(params, c, last), writes, (tuple(decode) if want_decode else None)

@@ -13,6 +13,7 @@ from jax import Array
 
 # causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
 from hypic_jax.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
+from hypic_jax.models.layer_stack import ExpertBank, expert_weights
 from hypic_jax.pallas import grouped_matmul as gm
 from hypic_jax.rope import apply_rope
 
@@ -90,6 +91,11 @@ def _use_pallas_moe(impl: str, num_rows: int) -> bool:
     return impl == "pallas"
 
 
+def _kernel_indexable(bank: ExpertBank) -> bool:
+    """Whether the kernel's element offsets into the flat bank stay within int32."""
+    return bank.bank.size < 2**31
+
+
 def grouped_swiglu_experts(
     x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, *, impl: str = "auto"
 ) -> Array:
@@ -110,10 +116,18 @@ def grouped_swiglu_experts(
     num_tokens, top_k = experts.shape
     num_experts = gate_up.shape[0]
     num_rows = num_tokens * top_k
+    if isinstance(gate_up, ExpertBank) and (not _use_pallas_moe(impl, num_rows) or not _kernel_indexable(gate_up)
+                                            or not _kernel_indexable(down)):
+        # ragged_dot takes this layer's experts only; so does the kernel when the bank is past int32 offsets
+        gate_up, down = gate_up.materialize(), down.materialize()
     if _use_pallas_moe(impl, num_rows):
+        # an ExpertBank (a scanned layer) hands the kernel the whole bank and offsets the blocks' experts into it
+        gate_up, first = expert_weights(gate_up)
+        down, _ = expert_weights(down)
         config = MOE_GMM_CONFIG or gm.default_config(num_rows)
         # padded row of each (token, slot) copy; a one-hot running count rather than two sorts for few copies
         slot_rows, layout = gm.copy_layout(experts, num_experts, config.block_m)
+        layout = layout._replace(block_expert=jnp.where(layout.block_expert >= 0, layout.block_expert + first, -1))
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered

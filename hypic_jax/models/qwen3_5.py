@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from hypic_jax import linear_attn, rope, spans
 from hypic_jax.conv import causal_conv1d
-from hypic_jax.models import layers
+from hypic_jax.models import layer_stack, layers
 from hypic_jax.models.base import KVCache, LinearCache, ModelCache, cache_positions, update_kv_cache
 from hypic_jax.pallas import gdn as pallas_gdn
 
@@ -602,52 +602,56 @@ def span_linear_impl(config: Config, linear_impl: str | None) -> str:
 def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, isolated: bool, summaries: bool,
                         want_decode: bool = False, algorithm: str | None = None, linear_impl: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
-    from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them.
+    from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
+    layout's records as writes into them. With `params["layers"]` a `layer_stack.LayerStack`, the repeating
+    layers run as one scan (`layer_stack.run`).
 
     isolated: a cold prefill (every span from position 0, no mixing across spans). summaries: compute each fresh
     piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
     canonical phase) is data of the layout. linear_impl: how the GDN cores run (`stitch.linear_over_layout`'s
     impl: "xla", "pallas", "auto"; None: `span_linear_impl`). Returns (float32 logits [vocab] of the last fresh
-    token, per layer the rows to write into its pool (`stitch.RowWrites`, applied by the caller), per layer the
+    token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller), per layer the
     decode cache of the whole request or None).
     """
+    from hypic_jax import layout as lay
     from hypic_jax import rope, stitch
 
     impl = span_linear_impl(config, linear_impl)
 
     positions = layout.positions
-    x = params["embed"][layout.tokens]  # [F, H]
-    writes, decode = [], []
-    for i, lp in enumerate(params["layers"]):
-        pool = pools[i]
+
+    def step(i, layer, lp, pool, base, x):
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
         p = lp["mixer"]
         if config.layer_types[i] == LINEAR:
+            at = lay.shift_pool_rows(layout, "slot", base)
             mixed, z, a, b = gdn_projections(h, p, config)
-            conv_out, conv_tail, conv_records = stitch.conv_over_layout(mixed, p["conv_weight"], pool["conv"],
-                                                                        layout)
+            conv_out, conv_tail, conv_records = stitch.conv_over_layout(mixed, p["conv_weight"], pool["conv"], at)
             inputs = gdn_inputs(conv_out, a, b, p, config, repeat_heads=False)  # grouped: stitch repeats for XLA
-            result = stitch.linear_over_layout(inputs, pool["summary"], layout, summaries=summaries,
+            result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
                                                algorithm=algorithm, impl=impl)
             h = gdn_output(result.outputs.astype(h.dtype), z, p, config)
-            records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
-            write = stitch.row_writes(pool, layout.record_slot, dict(summary=records, conv=conv_records))
-            decode.append(LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode else None)
+            records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
+            write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))
+            decode = LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode else None
         else:
+            at = lay.shift_pool_rows(layout, "token", base)
             q, k, v, gate = attention_projections(h[None], p, config, positions)
             q, k, v, gate = q[0], k[0], v[0], gate[0]
-            keys = stitch.gather_keys(dict(k=k, v=v), pool, layout)
+            keys = stitch.gather_keys(dict(k=k, v=v), pool, at)
             if not isolated:
-                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(layout.key_fresh, 0, layout.key_offset),
+                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(at.key_fresh, 0, at.key_offset),
                                              rotary_dim=config.rotary_dim, base=config.rope_theta)
-            attended = stitch.masked_attention(q, keys["k"], keys["v"], layout, isolated=isolated,
+            attended = stitch.masked_attention(q, keys["k"], keys["v"], at, isolated=isolated,
                                                scale=config.head_dim**-0.5)
             h = attention_output(attended, gate, p)
-            write = stitch.row_writes(pool, layout.fresh_dest, dict(k=k, v=v))
-            decode.append(KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None)
-        writes.append(write)
+            write = stitch.row_writes(pool, at.fresh_dest, dict(k=k, v=v))
+            decode = KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
         x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i])[0]
+        return x, (write, decode)
+
+    x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
     last = layers.rms_norm(x[layout.last], params["final_norm"], config.rms_norm_eps, offset=1.0)
-    return lm_head(params, config, last), tuple(writes), (tuple(decode) if want_decode else None)
+    return lm_head(params, config, last), writes, (tuple(decode) if want_decode else None)

@@ -38,7 +38,7 @@ from jax import Array
 from jax.sharding import PartitionSpec as P
 
 from hypic_jax import linear_attn, rope, spans
-from hypic_jax.models import base, layers
+from hypic_jax.models import base, layer_stack, layers
 
 ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
 MODEL_TYPE = "bailing_moe_linear"
@@ -278,13 +278,18 @@ def _norm_and_rotate(p: Params, q: Array, k: Array, positions: Array, config: Ri
 def linear_inputs(p: Params, x: Array, positions: Array, layer: int,
                   config: RingLinearConfig) -> linear_attn.LinearInputs:
     """The core's view of a linear layer for x [B, L, D]: normed, rotated q, k and v [B, L, H, K] with the layer's
-    constant decay (a batched LinearInputs; vmap its methods over B). A PIC engine summarises segments from this."""
+    constant decay (a batched LinearInputs; vmap its methods over B). A PIC engine summarises segments from this.
+    layer: the layer's index, an int or (in a scan over layers) a traced int32."""
     batch, length, _ = x.shape
     h, hd = config.num_attention_heads, config.linear_head_dim
     qkv = _fused_projection(p, x).reshape(batch, length, 3 * h, hd)
     q, k, v = qkv[:, :, :h], qkv[:, :, h:2 * h], qkv[:, :, 2 * h:]
     q, k = _norm_and_rotate(p, q, k, positions, config)
-    factor = config.layer_factor(layer)
+    if isinstance(layer, int):
+        factor = config.layer_factor(layer)
+    else:  # a traced layer index (a scanned group of layers, `layer_stack.run`)
+        table = [config.layer_factor(i) for i in range(config.num_hidden_layers)]
+        factor = jnp.asarray(table, jnp.float32)[layer]
     # The decay is a compile-time constant; the barrier keeps XLA from constant-folding its per-chunk cumulative
     # sums (tens of seconds of compile at 32k tokens on a GPU).
     slopes = jax.lax.optimization_barrier(linear_attn.alibi_slopes(h))
@@ -375,6 +380,9 @@ def gathered_swiglu_experts(x: Array, weights: Array, experts: Array, gate_up: A
     Reads only the chosen experts, where a grouped matmul over all E groups streams every expert's weights.
     x [T, D], weights / experts [T, k], gate_up [E, D, 2I], down [E, I, D] -> [T, D] in x's dtype.
     """
+    gate_up, first = layer_stack.expert_weights(gate_up)  # a scanned layer's experts are rows of a bank
+    down, _ = layer_stack.expert_weights(down)
+    experts = experts + first
     hidden = jnp.einsum("td,tkdi->tki", x, gate_up[experts], preferred_element_type=jnp.float32)
     gate, up = jnp.split(hidden, 2, axis=-1)
     activated = (jax.nn.silu(gate) * up).astype(x.dtype)
@@ -576,12 +584,14 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
                         summaries: bool, want_decode: bool = False, algorithm: str | None = None,
                         linear_impl: str | None = None):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
-    from `pools` (per layer the arrays of `pool_layout`) and returning the layout's records as writes into them; see
-    `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so cached summaries are moved by their pieces'
-    offsets (zero where the mode keeps them at their canonical phase). linear_impl: how the lightning cores run
-    (`stitch.linear_over_layout`'s impl; None: "xla", as this model's prefill). Returns (float32 logits [vocab] of
-    the last fresh token, per layer the rows to write into its pool (`stitch.RowWrites`, applied by the caller), per
-    layer the decode cache of the whole request or None)."""
+    from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
+    layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so
+    cached summaries are moved by their pieces' offsets (zero where the mode keeps them at their canonical
+    phase). linear_impl: how the lightning cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this
+    model's prefill). Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write
+    into it (`stitch.RowWrites`, applied by the caller), per layer the decode cache of the whole request or
+    None)."""
+    from hypic_jax import layout as lay
     from hypic_jax import rope, stitch
 
     impl = linear_impl or "xla"
@@ -592,34 +602,37 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
     attention_rotary = config.rotary_dim(config.attention_head_dim)
     rotate_summary = lambda summary, offset: linear_attn.rotate_summary(  # noqa: E731
         summary, offset, rotary_dim=linear_rotary, base=config.rope_theta)
-    writes, decode = [], []
-    for i, lp in enumerate(params["layers"]):
-        pool = pools[i]
+
+    def step(i, layer, lp, pool, base_row, x):
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
         p = lp["attn"]
         if config.is_full_attention(i):
+            at = lay.shift_pool_rows(layout, "token", base_row)
             q, k, v = (t[0] for t in attention_projections(p, h[None], positions, config))
-            keys = stitch.gather_keys(dict(k=k, v=v), pool, layout)
+            keys = stitch.gather_keys(dict(k=k, v=v), pool, at)
             if not isolated:
-                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(layout.key_fresh, 0, layout.key_offset),
+                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(at.key_fresh, 0, at.key_offset),
                                              rotary_dim=attention_rotary, base=config.rope_theta)
-            o = stitch.masked_attention(q, keys["k"], keys["v"], layout, isolated=isolated,
+            o = stitch.masked_attention(q, keys["k"], keys["v"], at, isolated=isolated,
                                         scale=config.attention_head_dim ** -0.5)
             mixed = o.reshape(o.shape[0], -1) @ p["dense"]
-            write = stitch.row_writes(pool, layout.fresh_dest, dict(k=k, v=v))
-            decode.append(base.KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None)
+            write = stitch.row_writes(pool, at.fresh_dest, dict(k=k, v=v))
+            decode = base.KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None
         else:
-            inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, i, config))
-            result = stitch.linear_over_layout(inputs, pool["summary"], layout, summaries=summaries,
+            at = lay.shift_pool_rows(layout, "slot", base_row)
+            inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, layer, config))
+            result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
                                                rotate=rotate_summary, algorithm=algorithm, impl=impl)
             mixed = linear_output(p, h[None], result.outputs[None], config)[0]
-            records = stitch.record_summaries(result, layout, isolated=isolated, pool=pool["summary"])
-            write = stitch.row_writes(pool, layout.record_slot, dict(summary=records))
-            decode.append(base.LinearCache(state=result.final_state[None], conv=_no_conv(1, x.dtype))
-                          if want_decode else None)
-        writes.append(write)
+            records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
+            write = stitch.row_writes(pool, at.record_slot, dict(summary=records))
+            decode = base.LinearCache(state=result.final_state[None], conv=_no_conv(1, x.dtype)) if want_decode \
+                else None
         x = x + mixed
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
         x = x + (moe(lp["mlp"], h, config) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
+        return x, (write, decode)
+
+    x, writes, decode = layer_stack.run(step, x, params["layers"], pools)
     last = layers.rms_norm(x[layout.last], params["norm"], config.rms_norm_eps)
-    return unembed(params, last), tuple(writes), (tuple(decode) if want_decode else None)
+    return unembed(params, last), writes, (tuple(decode) if want_decode else None)
