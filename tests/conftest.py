@@ -35,3 +35,25 @@ def _bounded_compiled_programs():
     compiler segfaults once a worker's compiled programs reach it)."""
     yield
     trim_compiled_programs()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` (pyproject.toml), give each test marked with `xdist_group` the "@group" suffix of its
+    node id that xdist's scheduler groups by. pytest-xdist (3.8) sets it through `item._nodeid`, which pytest 9.2's
+    structured node ids no longer read (pytest-dev/pytest-xdist#1386): without this the groups are silently ignored
+    and every worker builds and compiles the shared checkpoints anew. A no-op where xdist set the suffix itself, and
+    where pytest's node ids change again (grouping only saves time; the tests are the same)."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers only
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix) or not hasattr(item, "_id"):
+            continue
+        item._id = NodeId.parse(item.nodeid + suffix)

@@ -17,6 +17,8 @@ import pytest
 from hypic_jax import linear_attn as la
 from hypic_jax.summary import advance
 
+from families import core  # the core's functions as compiled programs (the float64 reference: one per shape)
+
 TOL32 = 1e-5  # as tests/test_pallas.py: float32 kernels against a reference
 LENGTH, HEADS = 50, 2
 DIMS = [(8, 6), (24, 40)]  # both axes padded
@@ -55,9 +57,9 @@ def recurrent64(inputs: la.LinearInputs, initial_state=None, values=None):
     """`recurrent` in float64 on the same (float32) inputs; `values` replaces v (the transfer's columns)."""
     with jax.enable_x64(True):
         v = inputs.v if values is None else values
-        o, s = la.recurrent(float64(inputs.q), float64(inputs.k), float64(v), g=float64(inputs.g),
-                            gk=float64(inputs.gk), beta=float64(inputs.beta), initial_state=float64(initial_state),
-                            scale=inputs.scale)
+        o, s = core.recurrent(float64(inputs.q), float64(inputs.k), float64(v), g=float64(inputs.g),
+                              gk=float64(inputs.gk), beta=float64(inputs.beta),
+                              initial_state=float64(initial_state), scale=inputs.scale)
         return np.asarray(o), np.asarray(s)
 
 

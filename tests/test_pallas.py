@@ -187,7 +187,7 @@ def _split_fold_case(n, batch, key_dim, value_dim, seed):
     return t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s)
 
 
-@examples(8)
+@examples(5)
 @given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
        value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -484,7 +484,7 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
 # Property test over families, chunk sizes, solves, sub-blocks, splits and lengths.
 
 
-@examples(8)
+@examples(6)
 @given(family=st.sampled_from(["gdn", "deltanet", "kda", "kda+g", "gla", "decay"]),
        chunk=st.sampled_from([16, 32, 64]), solve=st.sampled_from(["rows", "doubling", "tile"]),
        sub=st.sampled_from([16, 32]), pieces=st.sampled_from([1, 2]), group=st.sampled_from([0, 1, 2, 3, 64]),
@@ -666,7 +666,7 @@ def test_varlen_default_config_widens():
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
 
-@examples(8)
+@examples(5)
 @given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
        prefetch=st.booleans(), reads=st.sampled_from(["packed", "gather"]), seed=st.integers(0, 2**16))
 def test_varlen_property(cuts, group, prefetch, reads, seed):
@@ -679,7 +679,9 @@ def test_varlen_property(cuts, group, prefetch, reads, seed):
     config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch,
                        packed_reads=reads == "packed")
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
-    ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, max_len=length)
+    # the offsets as an array: traced in the reference, one compilation for every split (the kernel takes the list)
+    ref_o, ref_sum = core.varlen_reference(q, k, v, np.asarray(cu, np.int32), g=g, beta=beta, scale=0.5,
+                                           max_len=length)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
@@ -810,11 +812,13 @@ def test_mosaic_gpu_fold_lowers_for_cuda():
             planes, planes, states, *([] if init is None else [init])).mlir_module()
 
 
-@pytest.mark.parametrize("length, heads, key_heads, value_dim, seed", [(128, 2, 1, 128, 0), (192, 2, 2, 64, 1)])
-def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, value_dim, seed):
+@pytest.mark.parametrize("length, heads, key_heads, value_dim, block_v, seed",
+                         [(128, 2, 1, 128, 64, 0), (192, 2, 2, 64, 32, 1)])
+def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, value_dim, block_v, seed):
     """The state pass under Mosaic GPU (`gdn_mgpu`, Pallas's GPU interpreter) gives the Triton state pass's outputs
     and final state on the same chunk-local operands (bf16 state dots in both: within their rounding), with more
-    chunks than slots, grouped key heads and an initial state."""
+    chunks than slots, grouped key heads, an initial state and both column-block widths (the interpreter's time goes
+    with the blocks it runs: 64-wide blocks halve them)."""
     from hypic_jax.pallas import gdn_mgpu
 
     rng = np.random.default_rng(seed)
@@ -827,7 +831,7 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     p = (f(heads, length, c) * 0.3).astype(jnp.bfloat16)
     init = f(heads, key_dim, value_dim)
     o, final = gdn_mgpu.state_pass_mgpu(w, u, k, b, q, p, init, chunk=c, out_dtype=jnp.bfloat16, scale=0.09,
-                                        interpret=True)
+                                        config=gdn_mgpu.MosaicStateConfig(block_v=block_v), interpret=True)
     config = GDNConfig().resolved(jnp.bfloat16)
     ref_o, ref_final = gdn._state_pass(w, u, k, b, q, p, init[None], chunk=c, pieces=1, value_dim=value_dim,
                                        out_dtype=jnp.bfloat16, scale=0.09, config=config, interpret=True)
@@ -835,12 +839,13 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     assert rel(final, ref_final[0]) < 1e-3
 
 
-@pytest.mark.parametrize("length, group_chunks, heads, key_heads, seed", [(512, 4, 2, 1, 0), (128, 2, 4, 2, 1), (64, 1, 2, 1, 2)])
-def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, seed):
+@pytest.mark.parametrize("length, group_chunks, heads, key_heads, block_v, seed",
+                         [(512, 4, 2, 1, 32, 0), (128, 2, 4, 2, 64, 1), (64, 1, 2, 1, 32, 2)])
+def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, block_v, seed):
     """The transfer pass's group products under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`, Pallas's GPU
     interpreter) equal Triton's pass over the groups' identity columns within their bf16 rounding, and both are as
     close to a float64 product of the A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n of each group; down to one
-    group of one chunk (a one-chunk segment, fewer chunks than shared-memory slots)."""
+    group of one chunk (a one-chunk segment, fewer chunks than shared-memory slots); both column-block widths."""
     from hypic_jax.pallas import gdn_mgpu
 
     rng = np.random.default_rng(seed)
@@ -848,7 +853,8 @@ def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks,
     f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
     w, k = f(length, heads, key_dim), f(length, key_heads, key_dim)
     b = jnp.asarray(np.cumsum(-rng.uniform(0, 0.1, (heads, length // c, c)), -1).reshape(heads, length), jnp.float32)
-    ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True)
+    ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True,
+                                     config=gdn_mgpu.MosaicStateConfig(block_v=block_v))
     groups = length // c // group_chunks
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
     _, ref = gdn._state_pass(w, None, k, b, None, None, eye, chunk=c, pieces=groups, value_dim=key_dim,
@@ -962,11 +968,11 @@ def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("length, blocks, gate, warpgroups, seed",
-                         [(512, 2, True, 2, 0), (256, 132, True, 1, 2), (320, 4, True, 2, 3), (320, 6, False, 2, 4)])
+                         [(512, 2, True, 2, 0), (128, 132, True, 1, 2), (320, 4, True, 2, 3), (320, 6, False, 2, 4)])
 def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, warpgroups, seed):
     """The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu`, Pallas's GPU interpreter) gives the Triton
     kernel's P (to float32 rounding) and W, U within bf16 rounding, and its W, U are as close to the float32-dot
-    kernel's as Triton's are: runs of 8 chunks through 2 slots (a head's chunks in one run), runs of one chunk (4
+    kernel's as Triton's are: runs of 8 chunks through 2 slots (a head's chunks in one run), runs of one chunk (2
     runs a head), 5 chunks a head as runs of 3 and 2 (odd turns for two compute warpgroups) and as 2, 2 and 1 (runs
     of 2; a last run shorter than the slots), one or two compute warpgroups, grouped key heads, with and without a
     gate. (The GPU interpreter's time goes with the chunks it runs, hence the few and short sequences.)"""

@@ -19,7 +19,7 @@ from families import array, examples, jitted, make_family, method, slice_inputs
 
 # Every new layout is a new compilation (layouts are static), so the linear-core properties run few examples each;
 # together they still cover identity-free scalar, diagonal and dense transfers and every span arrangement kind.
-SETTINGS = examples(6)
+SETTINGS = examples(4)
 FEW = examples(3)
 CHUNK = 8
 
@@ -289,7 +289,7 @@ def test_layout_validation():
     assert len(merged.spans) == 1 and merged.num_fresh_tokens == 7
 
 
-@examples(15)
+@examples(8)
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), block=st.integers(1, 8),
        isolated=st.booleans(), seed=st.integers(0, 2**16))
 def test_span_attention_blocks_equal_one_dense_masked_attention(lengths, block, isolated, seed):
