@@ -37,6 +37,7 @@ import numpy as np
 
 from hypic_jax import spans
 from hypic_jax.cache import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
+from hypic_jax.models import layer_stack
 from hypic_jax.models.base import LinearCache, ModelCache
 from hypic_jax.pool import EntryPool
 from hypic_jax.linear_attn import PREFIX_IMPLS
@@ -401,7 +402,7 @@ class Engine:
         tokens = np.asarray(tokens, np.int32)[None]  # a host array: it goes to the device inside the jit call
         call = _prefill_call_graphs if self.command_buffers else _prefill_call
         logits, cache = call(self.params, tokens, arch=self.arch, config=self.config, max_len=tokens.shape[1])
-        return spans.SpanResult(logits=logits[0], records=(), decode=tuple(cache.layers), hidden=None)
+        return spans.SpanResult(logits=logits[0], records=(), decode=cache.layers, hidden=None)
 
     def _span_mode(self, mode: str) -> spans.SpanMode:
         return dataclasses.replace(spans.MODES[mode], compose=self.compose_algorithm, prefix=self.prefix_impl,
@@ -568,8 +569,9 @@ class Engine:
         pre = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt)
         start = time.perf_counter()
         max_len = total + max(max_new_tokens, 1)
-        cache = ModelCache(layers=tuple(_pad_decode(c, total, max_len) for c in pre.decode),
-                           length=jnp.asarray(total, jnp.int32))
+        # stacked like a stacked model's layers, so that each step scans them as they are
+        layers = layer_stack.stacked_like(self.params["layers"], [_pad_decode(c, total, max_len) for c in pre.decode])
+        cache = ModelCache(layers=layers, length=jnp.asarray(total, jnp.int32))
 
         def step(token, cache):
             logits, cache = _decode_step(self.params, jnp.asarray(token, jnp.int32), cache, arch=self.arch,

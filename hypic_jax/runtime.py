@@ -47,7 +47,7 @@ from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
 from hypic_jax.engine import MODES, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens, use_compile_cache
 from hypic_jax.models.base import ModelCache
-from hypic_jax.models.layer_stack import LayerPlan, LayerStack
+from hypic_jax.models.layer_stack import LayerPlan, LayerStack, stacked_like
 from hypic_jax.pools import PoolFull, Pools
 
 log = logging.getLogger("hypic_jax.runtime")
@@ -316,7 +316,8 @@ def _sample_rows(logits, sampling: SamplingRows, top_n: int):
 
 
 def _insert(slots, row, layers, logits, sampling, *, top_n):
-    """Write one request's decode caches (batch axis 1) into `row` of the batched cache; sample its first token."""
+    """Write one request's decode caches (batch axis 1, in the form the span programs return them) into `row` of
+    the batched cache, whose leaves have the rows first; sample its first token."""
     slots = jax.tree.map(lambda full, one: jax.lax.dynamic_update_slice_in_dim(full, one[None].astype(full.dtype),
                                                                                row, axis=0), slots, layers)
     return (*_sample_rows(logits[None], sampling, top_n), slots)
@@ -353,9 +354,11 @@ class StableEngine(Engine):
     stores the linear layers' T and S in bfloat16 off the device (half their bytes; promoted entries are the
     rounded values, widened to float32).
 
-    scan_layers: run the model's repeating layers as one scan in the span programs (`layer_stack`; a program
-    then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine keeps a
-    stacked copy of the layers unless the model's are stacked already (`stack_layers`); False unrolls them.
+    scan_layers: run the model's repeating layers as one scan in the span and decode programs (`layer_stack`; a
+    program then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine
+    keeps a stacked copy of the layers unless the model's are stacked already (`stack_layers`), and the decode
+    caches stacked by the same plan (`PrefillResult.decode` is then a `LayerStack`, which reads like the tuple of
+    per-layer caches); False unrolls them.
 
     linear_impl: how the span programs run the linear layers' cores (`stitch.linear_over_layout`): "xla" (the
     default), the chunk loops everywhere; "auto", the Pallas kernels (`pallas.gdn.gdn_varlen`) where
@@ -432,15 +435,17 @@ class StableEngine(Engine):
                          tokens=np.zeros(1, np.int32), summaries=key.kind != "plain")
 
     def _decode_shapes(self):
-        """The decode cache a stitched program returns (shapes only): the decode program's input."""
+        """The decode cache a stitched program returns (shapes only): the decode program's input. With the layers
+        scanned its layers are a `LayerStack` by the engine's plan, so the decode step scans them as they are."""
         key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
         fn = functools.partial(_span_program, arch=self.arch, config=self.config, isolated=False, summaries=False,
                                want_decode=True, algorithm=self.compose_algorithm, linear_impl=self.linear_impl)
         decode = jax.eval_shape(fn, self.params, self._dummy_layout(key), self.pools.arrays)[2]
-        return ModelCache(layers=tuple(decode), length=jax.ShapeDtypeStruct((), jnp.int32))
+        return ModelCache(layers=decode, length=jax.ShapeDtypeStruct((), jnp.int32))
 
     def _slot_shapes(self):
-        """The batched decode cache: every leaf of a request's decode caches with a leading axis of max_batch rows."""
+        """The batched decode cache: every leaf of a request's decode caches (stacked ones too) with a leading axis
+        of max_batch rows."""
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.max_batch,) + s.shape, s.dtype),
                             self._decode_shapes().layers)
 
@@ -695,7 +700,7 @@ class StableEngine(Engine):
                              f"capacity of {self.max_keys} (raise max_new_tokens or max_prompt_tokens)")
         pre = self.prefill(segs, mode=mode, seam=seam, cache_salt=cache_salt)
         start = time.perf_counter()
-        cache = ModelCache(layers=tuple(pre.decode), length=np.asarray(total, np.int32))
+        cache = ModelCache(layers=stacked_like(self.params["layers"], pre.decode), length=np.asarray(total, np.int32))
         program = self.programs.get(ProgramKey("decode", 1, self.max_keys))
 
         def step(token, cache):
@@ -729,9 +734,10 @@ class StableEngine(Engine):
         if not 0 <= row < self.max_batch:
             raise ValueError(f"row must lie in [0, {self.max_batch}), got {row}")
         program = self.programs.get(ProgramKey("insert", 1, self.max_keys))
+        layers = stacked_like(self.params["layers"], prefill.decode)  # the decode program's form (as it comes)
         with self._device_lock:
             slots, self._slots = self._slot_cache(), None  # donated: never left pointing at a deleted buffer
-            *out, self._slots = program(slots, np.asarray(row, np.int32), tuple(prefill.decode),
+            *out, self._slots = program(slots, np.asarray(row, np.int32), layers,
                                         np.asarray(prefill.logits, np.float32), sampling)
         return Sampled(*out)
 

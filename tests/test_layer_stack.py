@@ -6,8 +6,9 @@ own experts. On tiny checkpoints of every architecture whose layers repeat (Qwen
 attention]; Kimi: a dense first layer, then 2 x [MLA, KDA], then KDA; Ring: 2 x [linear, linear, full], with a
 decay that differs per layer), the shape-stable engine with the layers scanned returns the same logits as with
 every layer unrolled (prefix cache, full recompute, addition and transition_rope_recompute; hits and misses;
-entries demoted to the host tier and promoted back); and `hypic_jax.Engine` runs a model whose layers are
-stacked.
+entries demoted to the host tier and promoted back), and its decode programs (the single-request step; the batched
+rows' insert and step where they run off a GPU) scan the layers' stacked caches to the same logits and tokens; and
+`hypic_jax.Engine` prefills and generates with a model whose layers are stacked.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import pytest
 from hypic_jax.engine import Engine
 from hypic_jax.models import layers as model_layers
 from hypic_jax.models import layer_stack
+from hypic_jax.models.base import ModelCache
 from hypic_jax.models.layer_stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
-from hypic_jax.runtime import StableEngine, stack_layers
+from hypic_jax.runtime import ProgramKey, SamplingRows, StableEngine, stack_layers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -59,6 +61,49 @@ def test_plan_addressing_round_trips(seed):
         assert 0 <= member < plan.members(part)
         seen.add((part, member))
     assert sum(plan.members(p) for p in range(plan.parts)) == plan.layers == len(seen)
+
+
+def _toy_layers(rng, widths):
+    """Per layer (params, cache) of a toy recurrence whose structure follows `widths` (one per layer)."""
+    layers = [dict(w=jnp.asarray(rng.normal(size=(8, w)), jnp.float32), u=jnp.asarray(rng.normal(size=(w, 8)),
+                                                                                      jnp.float32)) for w in widths]
+    caches = [jnp.asarray(rng.normal(size=(w,)), jnp.float32) for w in widths]
+    return layers, caches
+
+
+def _toy_step(i, layer, params, cache, x):
+    """A layer with a cache and a traced layer index: (new carry, new cache; None without one)."""
+    h = jnp.tanh(x @ params["w"] + (0.0 if cache is None else cache)) * (1.0 + 0.1 * layer)
+    return x + h @ params["u"], (None if cache is None else cache + h)
+
+
+def test_run_cached_forms():
+    """`run_cached` over stacked layers (head, two repeats of a period of two, tail) equals the plain loop, and
+    gives the caches back in the form given: stacked for stacked (and for none), a tuple for a tuple."""
+    rng = np.random.default_rng(0)
+    widths = [3, 4, 5, 4, 5, 6]
+    layers, caches = _toy_layers(rng, widths)
+    plan = LayerStack.plan_for(layers)
+    assert (plan.head, plan.period, plan.repeats) == (1, 2, 2)
+    stacked = LayerStack.build(layers, plan)
+    x = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
+    want_x, want = layer_stack.run_cached(_toy_step, x, layers, tuple(caches))
+    assert isinstance(want, tuple) and len(want) == len(widths)
+    for given in (tuple(caches), LayerStack.build(caches, plan)):
+        got_x, got = jax.jit(lambda x, c: layer_stack.run_cached(_toy_step, x, stacked, c))(x, given)
+        assert type(got) is type(given)
+        np.testing.assert_allclose(got_x, want_x, rtol=1e-6)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    _, none = layer_stack.run_cached(_toy_step, x, stacked, None)
+    assert isinstance(none, LayerStack) and all(c is None for c in none)
+    assert layer_stack.run_cached(_toy_step, x, layers, None)[1] == (None,) * len(widths)
+    # the per-layer helpers keep each form
+    assert isinstance(layer_stack.stacked_like(stacked, caches), LayerStack)
+    assert isinstance(layer_stack.stacked_like(layers, caches), tuple)
+    doubled = layer_stack.map_layers(lambda i, c: c * (i + 1), LayerStack.build(caches, plan))
+    for i, (a, b) in enumerate(zip(doubled, caches)):
+        np.testing.assert_allclose(a, b * (plan.layer(plan.part(i)[0]) + 1))
 
 
 def test_expert_bank_in_the_grouped_matmul():
@@ -130,6 +175,12 @@ def _expert_chunks(stack: LayerStack) -> list[ExpertChunks]:
             if isinstance(leaf, ExpertChunks)]
 
 
+def _expert_size(model) -> int:
+    """Elements of the largest layer's routed experts leaf."""
+    return max(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(model.params["layers"])[0]
+               if getattr(path[-1], "key", None) in layer_stack.EXPERT_LEAVES and leaf.ndim == 3)
+
+
 @pytest.mark.parametrize("arch,chunked", [("qwen_moe", True), ("kimi", False), ("ring", True)])
 def test_scanned_layers_equal_unrolled(arch, chunked, tmp_path, monkeypatch):
     """Scanned span programs equal unrolled ones over every mode, hits, and host-tier demotion and promotion;
@@ -137,9 +188,7 @@ def test_scanned_layers_equal_unrolled(arch, chunked, tmp_path, monkeypatch):
     through the scan and through the model's own forward."""
     model, vocab = _checkpoint(arch, tmp_path / arch)
     if chunked:
-        expert_size = max(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(model.params["layers"])[0]
-                          if getattr(path[-1], "key", None) in layer_stack.EXPERT_LEAVES and leaf.ndim == 3)
-        monkeypatch.setattr(layer_stack, "BANK_MAX_ELEMENTS", expert_size)
+        monkeypatch.setattr(layer_stack, "BANK_MAX_ELEMENTS", _expert_size(model))
         stacked = stack_layers(model)
         chunks = _expert_chunks(stacked.params["layers"])
         assert chunks and all(len(c.chunks) == stacked.params["layers"].plan.repeats for c in chunks)
@@ -176,6 +225,113 @@ def test_scanned_layers_equal_unrolled(arch, chunked, tmp_path, monkeypatch):
     assert scanned.stats["tiers"]["promotions"] == unrolled.stats["tiers"]["promotions"]
 
 
+@pytest.fixture(scope="module", params=[("qwen_moe", True), ("kimi", False), ("ring", True)],
+                ids=lambda p: p[0] + ("-chunked" if p[1] else ""))
+def decode_engines(request, tmp_path_factory):
+    """(architecture, vocab, engine with the layers scanned, engine with every layer unrolled) with room to decode
+    and two batched rows, on one tiny checkpoint; `chunked` as in `test_scanned_layers_equal_unrolled`."""
+    arch, chunked = request.param
+    model, vocab = _checkpoint(arch, tmp_path_factory.mktemp(arch))
+    options = dict(max_prompt_tokens=128, max_segments=4, token_rungs=(128,), cache_bytes=1 << 19,
+                   mean_entry_tokens=32, max_new_tokens=8, max_batch=2)
+    with pytest.MonkeyPatch.context() as patch:
+        if chunked:  # the experts are stacked when the engine is made
+            patch.setattr(layer_stack, "BANK_MAX_ELEMENTS", _expert_size(model))
+        scanned, unrolled = StableEngine(model, **options), StableEngine(model, scan_layers=False, **options)
+    assert scanned.plan.scanned and not unrolled.plan.scanned
+    assert bool(_expert_chunks(scanned.params["layers"])) == chunked
+    return arch, vocab, scanned, unrolled
+
+
+def _decode_steps(engine, segs, steps: int) -> list[np.ndarray]:
+    """Logits of `steps` greedy steps of the single-request decode program after a full prefill of `segs`."""
+    pre = engine.prefill(segs, mode="full_recompute")
+    program = engine.programs.get(ProgramKey("decode", 1, engine.max_keys))
+    cache = ModelCache(pre.decode, np.asarray(sum(map(len, segs)), np.int32))
+    logits, out = pre.logits, []
+    for _ in range(steps):
+        logits, cache = program(engine.params, np.asarray(np.argmax(logits), np.int32), cache)
+        out.append(np.asarray(logits))
+    return out
+
+
+def test_scanned_decode_equals_unrolled(decode_engines):
+    """The decode caches of a scanned engine are stacked by its plan (and read like the tuple of layers); its decode
+    step and greedy generation give the unrolled engine's logits and tokens."""
+    _, vocab, scanned, unrolled = decode_engines
+    rng = np.random.default_rng(2)
+    segs = [rng.integers(3, vocab, n).tolist() for n in (21, 9)]
+    stacked = scanned.prefill(segs, mode="full_recompute").decode
+    assert isinstance(stacked, LayerStack) and stacked.plan == scanned.plan
+    assert isinstance(unrolled.prefill(segs, mode="full_recompute").decode, tuple)
+    for step, (a, b) in enumerate(zip(_decode_steps(scanned, segs, 4), _decode_steps(unrolled, segs, 4))):
+        assert _rel(a, b) < 1e-5, step
+    a, b = (e.generate(segs, max_new_tokens=6, mode="full_recompute") for e in (scanned, unrolled))
+    assert a.tokens == b.tokens
+
+
+# XLA's ragged_dot has no batching rule for weights shared by the rows (NotImplementedError), so off a GPU (where the
+# grouped matmul is the Pallas kernel) only Ring's decode MoE (a gather of the chosen experts) runs mapped over rows
+BATCHED_OFF_GPU = ("ring",)
+
+
+def _batched(arch: str) -> bool:
+    return arch in BATCHED_OFF_GPU or jax.default_backend() == "gpu"
+
+
+def _batched_steps(engine, prompts, steps: int) -> list[tuple]:
+    """Greedy rows: each prompt's prefill inserted into its row, then `steps` steps of every row; per call the
+    sampled ids and log-probabilities."""
+    out = []
+    for row, segs in enumerate(prompts):
+        pre = engine.prefill(segs, mode="full_recompute")
+        sampled = engine.slot_insert(row, pre, SamplingRows.build([0.0], [1.0], [0], [0], [0]))
+        out.append((sampled.ids, *sampled.logprobs()))
+    tokens = np.concatenate([ids for ids, *_ in out])
+    lengths = np.asarray([sum(map(len, segs)) for segs in prompts])
+    rows = len(prompts)
+    for step in range(steps):
+        sampled = engine.slot_decode(tokens, lengths, SamplingRows.build([0.0] * rows, [1.0] * rows, [0] * rows,
+                                                                         [0] * rows, [step + 1] * rows))
+        out.append((sampled.ids, *sampled.logprobs()))
+        tokens, lengths = sampled.ids, lengths + 1
+    return out
+
+
+def test_scanned_batched_rows_equal_unrolled(decode_engines):
+    """The batched decode cache of a scanned engine holds the stacked caches with the rows first: inserting
+    prefills into rows and stepping every row gives the unrolled engine's ids and log-probabilities."""
+    arch, vocab, scanned, unrolled = decode_engines
+    if not _batched(arch):
+        pytest.skip("the MoE's ragged_dot cannot be mapped over rows")
+    rng = np.random.default_rng(3)
+    prompts = [[rng.integers(3, vocab, n).tolist() for n in lengths] for lengths in ((21, 9), (30, 4))]
+    for step, (a, b) in enumerate(zip(_batched_steps(scanned, prompts, 3), _batched_steps(unrolled, prompts, 3))):
+        np.testing.assert_array_equal(a[0], b[0], err_msg=f"step {step}")
+        for x, y in zip(a[1:], b[1:]):
+            assert _rel(x, y) < 1e-5, step
+
+
+def _cache_loops(engine, kind: str, tokens: int, shape: tuple[int, ...]) -> int:
+    """While loops of a compiled program whose state holds a float32 array of `shape`."""
+    text = engine.programs.get(ProgramKey(kind, tokens, engine.max_keys)).as_text()
+    array = "f32[" + ",".join(map(str, shape)) + "]"
+    return sum(array in line.split(" while(")[0] for line in text.splitlines() if " while(" in line)
+
+
+def test_decode_programs_scan(decode_engines):
+    """The compiled decode programs of the scanned engine loop over one period of layers, their state holding the
+    stacked caches (the unrolled ones have no such loop)."""
+    arch, _, scanned, unrolled = decode_engines
+    caches = scanned._decode_shapes().layers
+    body = caches.parts[scanned.plan.head]  # the first pattern position's caches [repeats, 1, ...]
+    leaf = max(jax.tree.leaves(body), key=lambda a: a.size).shape
+    kinds = [("decode", 1, leaf)] + ([("batch", 2, (2,) + leaf)] if _batched(arch) else [])
+    for kind, tokens, shape in kinds:
+        assert _cache_loops(scanned, kind, tokens, shape) == 1, kind
+        assert _cache_loops(unrolled, kind, tokens, shape) == 0, kind
+
+
 def test_engine_runs_stacked_layers(tmp_path):
     """`hypic_jax.Engine` and `Model` read a `LayerStack` like the list of layers (static slices; experts as
     banks), so one stacked copy serves both engines."""
@@ -189,6 +345,9 @@ def test_engine_runs_stacked_layers(tmp_path):
     assert _rel(got, want) < 1e-5
     tokens = np.asarray([segs[0][:12]], np.int32)
     np.testing.assert_allclose(np.asarray(stacked.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-5)
+    # decoding: the prefill's caches come out stacked, and each step scans them
+    want = Engine(model).generate(segs, max_new_tokens=5).tokens
+    assert Engine(stacked).generate(segs, max_new_tokens=5).tokens == want
     # a StableEngine on the stacked model uses its stack (no copy) and its plan
     engine = StableEngine(stacked, max_prompt_tokens=128, max_segments=4, token_rungs=(128,), max_new_tokens=0)
     assert engine.params["layers"] is stacked.params["layers"]

@@ -47,7 +47,9 @@ class LinearCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ModelCache:
-    """Caches of all layers (a tuple, one entry per layer, any PyTree) and the number of tokens already in them."""
+    """Caches of all layers (a tuple, one entry per layer, any PyTree; for a model whose layers are a scanned
+    `layer_stack.LayerStack`, a `LayerStack` of them by the same plan, which reads like the tuple) and the number
+    of tokens already in them."""
 
     layers: tuple
     length: Array  # int32 scalar

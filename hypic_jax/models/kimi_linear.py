@@ -598,25 +598,27 @@ def moe(p: dict[str, Any], c: KimiLinearConfig, x: Array) -> Array:
 def hidden_states(
     params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None
 ) -> tuple[Array, base.ModelCache]:
-    """The decoder stack: tokens [B, L] -> (final-normed hidden states [B, L, D], per-layer caches)."""
+    """The decoder stack: tokens [B, L] -> (final-normed hidden states [B, L, D], per-layer caches: in the form
+    `cache.layers` has, or for no cache the form a forward over `params["layers"]` keeps, see
+    `layer_stack.run_cached`)."""
     c = config
-    x = params["embed"][tokens]
     start = jnp.zeros((), jnp.int32) if cache is None else cache.length
-    new_layers = []
-    for i, (kind, mlp_kind) in enumerate(zip(c.layer_types, c.mlp_types)):
-        lp = params["layers"][i]
-        layer_cache = None if cache is None else cache.layers[i]
+
+    def step(i, layer, lp, layer_cache, x):
         h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
-        if kind == LINEAR:
+        if c.layer_types[i] == LINEAR:
             h, new_cache = kda_layer(lp["attn"], c, h, layer_cache)
         else:
             h, new_cache = mla_layer(lp["attn"], c, h, layer_cache, start)
-        new_layers.append(new_cache)
         x = x + h
         h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
-        x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h))
+        x = x + (_swiglu(lp["mlp"], h) if c.mlp_types[i] == DENSE else moe(lp["mlp"], c, h))
+        return x, new_cache
+
+    x, new_layers = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
+                                           None if cache is None else cache.layers)
     x = layers.rms_norm_plain(x, params["final_norm"], c.rms_norm_eps)
-    return x, base.ModelCache(layers=tuple(new_layers), length=start + tokens.shape[1])
+    return x, base.ModelCache(layers=new_layers, length=start + tokens.shape[1])
 
 
 def lm_head(params: dict[str, Any], config: KimiLinearConfig, x: Array) -> Array:
@@ -640,13 +642,14 @@ def forward(
 
 
 def decode_cache(config: KimiLinearConfig, caches: base.ModelCache, max_len: int) -> base.ModelCache:
-    """The caches of a cache-free forward, with the MLA latents placed in `max_len`-slot decode buffers."""
-    layers_ = []
-    for kind, got in zip(config.layer_types, caches.layers):
-        if kind == FULL:
-            got = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, max_len - a.shape[1]), (0, 0)]), got)
-        layers_.append(got)
-    return base.ModelCache(layers=tuple(layers_), length=caches.length)
+    """The caches of a cache-free forward, with the MLA latents placed in `max_len`-slot decode buffers (stacked
+    caches stay stacked)."""
+    def pad(i, got):
+        if config.layer_types[i] != FULL:
+            return got
+        return jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, max_len - a.shape[1]), (0, 0)]), got)
+
+    return base.ModelCache(layers=layer_stack.map_layers(pad, caches.layers), length=caches.length)
 
 
 def prefill(
@@ -755,7 +758,8 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
     linear_impl: how the KDA cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this model's prefill;
     "pallas" runs the per-key-gate kernels).
     Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write into it
-    (`stitch.RowWrites`, applied by the caller), per layer the decode cache of the whole request or None)."""
+    (`stitch.RowWrites`, applied by the caller), the decode caches of the whole request as `layer_stack.run`
+    returns them, or None)."""
     from hypic_jax import layout as lay
     from hypic_jax import stitch
 
@@ -795,4 +799,4 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
 
     x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
     last = layers.rms_norm_plain(x[layout.last], params["final_norm"], c.rms_norm_eps)
-    return lm_head(params, c, last), writes, (tuple(decode) if want_decode else None)
+    return lm_head(params, c, last), writes, (decode if want_decode else None)

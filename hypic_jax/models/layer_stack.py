@@ -10,7 +10,9 @@ grows with the copies (`bench/layer_scan.py` compiles the shape-stable engine's 
   over the repeats (one array per leaf);
 * `PoolStack` holds the cache pools the same way: one pool per head or tail layer, one flat pool
   [repeats * lead, ...] per pattern position (a layer's rows are those of its repeat's block);
-* `run` runs the head and the tail unrolled and the groups as one `lax.scan` whose body is one period.
+* `run` runs the head and the tail unrolled and the groups as one `lax.scan` whose body is one period;
+* `run_cached` does the same for a forward with per-layer caches (decoding): the caches of a stacked model are a
+  `LayerStack` by the same plan, carried through the scan and updated in place, layer by layer.
 
 What the scan body does not slice, and why. A `lax.scan` slices its stacked inputs per step; on a GPU a slice
 that feeds a custom call (a Pallas kernel) is a copy.
@@ -33,13 +35,15 @@ place, so nothing is copied and the body still compiles once, with one kernel la
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 __all__ = ["LayerPlan", "LayerStack", "PoolStack", "ExpertBank", "ExpertChunks", "EXPERT_LEAVES", "run",
-           "expert_weights", "with_experts", "layer_signature", "PartSpec", "BANK_MAX_ELEMENTS"]
+           "run_cached", "stacked_like", "map_layers", "expert_weights", "with_experts", "layer_signature", "PartSpec",
+           "BANK_MAX_ELEMENTS"]
 
 # Dict keys of per-layer parameters that hold routed experts ([E, in, out]); they stay whole in the scan
 # (`ExpertBank`).
@@ -410,7 +414,9 @@ def run(step: Step, carry, layers: LayerStack | Sequence, pools: PoolStack | Seq
     `writes` is a `stitch.RowWrites` of rows already offset by `base`; `decode` any tree or None.
 
     pools: a `PoolStack`, or per layer its pool (every layer then runs unrolled, and `layers` must not be
-    stacked). Returns (carry, per part the writes, flattened over the part's layers, per layer the decode tree)."""
+    stacked). Returns (carry, per part the writes, flattened over the part's layers, the decode trees: a
+    `LayerStack` by the plan when the groups are scanned, so a decode step (`run_cached`) takes them as they are;
+    else a tuple, one per layer)."""
     from hypic_jax.stitch import RowWrites
 
     if not isinstance(pools, PoolStack):  # per-layer pools: every layer unrolled
@@ -421,12 +427,12 @@ def run(step: Step, carry, layers: LayerStack | Sequence, pools: PoolStack | Seq
     if layers.plan != plan:
         raise ValueError(f"parameters stacked by {layers.plan} but pools by {plan}")
     writes: list = [None] * plan.parts
-    decode: list = [None] * plan.layers
+    decode: list = [None] * plan.parts
 
     def unrolled(part: int, carry):
         i = plan.layer(part)
         carry, (w, d) = step(i, i, layers[i], pools.parts[part], 0, carry)
-        writes[part], decode[i] = w, d
+        writes[part], decode[part] = w, d
         return carry
 
     for part in range(plan.head):
@@ -450,12 +456,110 @@ def run(step: Step, carry, layers: LayerStack | Sequence, pools: PoolStack | Seq
         carry, ys = jax.lax.scan(body, carry, (members, tuple(s for s, _ in split)))
         for j, part in enumerate(body_parts):
             w, d = ys[j]
-            writes[part] = RowWrites(w.rows.reshape(-1), _flatten_members(w.values))
-            for g in range(plan.repeats):
-                decode[plan.layer(part, g)] = None if d is None else jax.tree.map(lambda a: a[g], d)
+            writes[part], decode[part] = RowWrites(w.rows.reshape(-1), _flatten_members(w.values)), d
     for part in range(plan.head + plan.period, plan.parts):
         carry = unrolled(part, carry)
-    return carry, tuple(writes), decode
+    return carry, tuple(writes), (LayerStack(tuple(decode), plan) if plan.period else tuple(decode))
+
+
+CacheStep = Callable[..., tuple[Any, Any]]
+
+
+def _scanned(layers) -> bool:
+    return isinstance(layers, LayerStack) and layers.plan.scanned
+
+
+def stacked_like(layers, caches):
+    """Per-layer `caches` (a sequence, or a `LayerStack`) in the form a forward over `layers` keeps them: stacked
+    by their plan when `layers` are a scanned `LayerStack`, else a tuple."""
+    if _scanned(layers):
+        return LayerStack.build(caches, layers.plan)
+    return tuple(caches)
+
+
+def map_layers(fn: Callable[[int, Any], Any], caches):
+    """`fn(i, cache)` on every layer's cache of `caches` (a sequence, or a `LayerStack`) in the same form: a stacked
+    part through `jax.vmap` (i is then a representative layer index, for static choices such as the layer's type)."""
+    if not isinstance(caches, LayerStack):
+        return tuple(fn(i, c) for i, c in enumerate(caches))
+    plan = caches.plan
+    parts = [fn(plan.layer(p), tree) if plan.members(p) == 1 else jax.vmap(functools.partial(fn, plan.layer(p)))(tree)
+             for p, tree in enumerate(caches.parts)]
+    return LayerStack(tuple(parts), plan)
+
+
+def _member(stacked, g):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, 0, keepdims=False), stacked)
+
+
+def _put_member(stacked, tree, g):
+    return jax.tree.map(lambda a, t: jax.lax.dynamic_update_index_in_dim(a, t.astype(a.dtype), g, 0), stacked, tree)
+
+
+def run_cached(step: CacheStep, carry, layers: LayerStack | Sequence, caches: LayerStack | Sequence | None):
+    """Run every layer with its cache: `step(i, layer, params, cache, carry) -> (carry, new cache)`, with `i` and
+    `layer` as in `run` and `cache` the layer's (None when `caches` is None).
+
+    With `layers` a scanned `LayerStack`, the head and the tail run unrolled and the groups as one `lax.scan`
+    over the stacked parameters (routed experts closed over as `ExpertBank`s); else (a list of layers, an
+    unscanned plan) it is the plain loop over the layers. The scan carries the stacked caches and writes each
+    layer's new cache back into its member (same shapes; dtypes cast to the stack's): scanned in as inputs and out
+    as outputs they would be a second copy of every cache, while a carried stack stays in the buffers a donated
+    decode cache came in. Without caches the new ones are the scan's outputs.
+
+    Returns (carry, the new caches in the form given: a `LayerStack` by the same plan for one (or for None, when
+    `layers` are scanned), a tuple for a sequence (stacked and unstacked around the scan when `layers` are
+    scanned: pass `stacked_like` caches to a repeated step instead))."""
+    if not _scanned(layers):
+        new = []
+        for i in range(len(layers)):
+            carry, cache = step(i, i, layers[i], None if caches is None else caches[i], carry)
+            new.append(cache)
+        return carry, (LayerStack.build(new, caches.plan) if isinstance(caches, LayerStack) else tuple(new))
+    plan = layers.plan
+    given = caches
+    if caches is None:
+        caches = LayerStack((None,) * plan.parts, plan)
+    elif not isinstance(caches, LayerStack):
+        caches = LayerStack.build(caches, plan)
+    if caches.plan != plan:
+        raise ValueError(f"parameters stacked by {plan} but caches by {caches.plan}")
+    new: list = [None] * plan.parts
+
+    def unrolled(part: int, carry):
+        i = plan.layer(part)
+        carry, new[part] = step(i, i, layers[i], caches.parts[part], carry)
+        return carry
+
+    for part in range(plan.head):
+        carry = unrolled(part, carry)
+    body_parts = range(plan.head, plan.head + plan.period)
+    split = [_split_experts(layers.parts[p]) for p in body_parts]
+
+    def body(state, xs):
+        carry, held = state  # per pattern position its stacked caches (None: none given)
+        g, sliced = xs
+        held, made = list(held), []
+        for j, part in enumerate(body_parts):
+            params = _merge(sliced[j], split[j][1], g)
+            cache = None if held[j] is None else _member(held[j], g)
+            carry, cache = step(plan.layer(part), plan.head + g * plan.period + j, params, cache, carry)
+            if held[j] is None:
+                made.append(cache)
+            else:
+                held[j] = _put_member(held[j], cache, g)
+                made.append(None)
+        return (carry, tuple(held)), tuple(made)
+
+    members = jnp.arange(plan.repeats, dtype=jnp.int32)
+    held = tuple(caches.parts[p] for p in body_parts)
+    (carry, held), made = jax.lax.scan(body, (carry, held), (members, tuple(s for s, _ in split)))
+    for j, part in enumerate(body_parts):
+        new[part] = made[j] if held[j] is None else held[j]
+    for part in range(plan.head + plan.period, plan.parts):
+        carry = unrolled(part, carry)
+    stacked = LayerStack(tuple(new), plan)
+    return carry, (tuple(stacked) if given is not None and not isinstance(given, LayerStack) else stacked)
 
 
 def pool_stack(layers: Sequence[tuple[str, Any]], plan: LayerPlan, *, slots: int, rows: int,

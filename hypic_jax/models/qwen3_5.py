@@ -439,17 +439,16 @@ def init_cache(config: Config, batch: int, max_len: int, dtype: Any = jnp.bfloat
 def hidden_states(
     params: dict, config: Config, tokens: Array, cache: ModelCache | None = None, *, fresh: bool = False
 ) -> tuple[Array, ModelCache | None]:
-    """Final-normed hidden states [B, L, H] (before the LM head) and the updated cache.
+    """Final-normed hidden states [B, L, H] (before the LM head) and the updated cache (its layers in the form
+    given: a `layer_stack.LayerStack` for a stacked model's decode caches, see `layer_stack.run_cached`).
 
     fresh=True promises that `cache` is empty (length 0), which lets full attention use the causal kernel.
     """
     length = tokens.shape[1]
-    x = params["embed"][tokens]
     positions = cache_positions(cache, length)
     start = None if cache is None else cache.length
-    new_entries = []
-    for i, lp in enumerate(params["layers"]):
-        layer_cache = None if cache is None else cache.layers[i]
+
+    def step(i, layer, lp, layer_cache, x):
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
         if config.layer_types[i] == LINEAR:
             h, layer_cache = gated_delta_net(h, lp["mixer"], config, layer_cache)
@@ -458,9 +457,12 @@ def hidden_states(
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
         x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
-        new_entries.append(layer_cache)
+        return x, (None if cache is None else layer_cache)
+
+    x, new_layers = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
+                                           None if cache is None else cache.layers)
     x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
-    new_cache = None if cache is None else ModelCache(tuple(new_entries), cache.length + length)
+    new_cache = None if cache is None else ModelCache(new_layers, cache.length + length)
     return x, new_cache
 
 
@@ -486,7 +488,8 @@ def prefill(params: dict, config: Config, tokens: Array, max_len: int) -> tuple[
     """
     batch = tokens.shape[0]
     dtype = params["embed"].dtype
-    cache = init_cache(config, batch, max_len, dtype)
+    empty = init_cache(config, batch, max_len, dtype)
+    cache = ModelCache(layer_stack.stacked_like(params["layers"], empty.layers), empty.length)
     x, cache = hidden_states(params, config, tokens, cache, fresh=True)
     return lm_head(params, config, x[:, -1]), cache
 
@@ -610,8 +613,9 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
     piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
     canonical phase) is data of the layout. linear_impl: how the GDN cores run (`stitch.linear_over_layout`'s
     impl: "xla", "pallas", "auto"; None: `span_linear_impl`). Returns (float32 logits [vocab] of the last fresh
-    token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller), per layer the
-    decode cache of the whole request or None).
+    token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller), the decode caches
+    of the whole request (per layer; stacked as `layer_stack.run` returns them, the form the decode step takes) or
+    None).
     """
     from hypic_jax import layout as lay
     from hypic_jax import rope, stitch
@@ -654,4 +658,4 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
 
     x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
     last = layers.rms_norm(x[layout.last], params["final_norm"], config.rms_norm_eps, offset=1.0)
-    return lm_head(params, config, last), writes, (tuple(decode) if want_decode else None)
+    return lm_head(params, config, last), writes, (decode if want_decode else None)

@@ -409,10 +409,13 @@ def moe(p: Params, x: Array, config: RingLinearConfig) -> Array:
 
 
 def decoder_layer(p: Params, x: Array, positions: Array, layer_cache: Any, layer: int,
-                  config: RingLinearConfig) -> tuple[Array, Any]:
-    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)). Returns the layer's updated cache."""
+                  config: RingLinearConfig, *, like: int | None = None) -> tuple[Array, Any]:
+    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)). Returns the layer's updated cache.
+    layer: the layer's index (an int, or a traced int32 in a scan over layers); like: an int index of a layer of
+    the same structure, for the static choices (default: `layer`)."""
+    like = layer if like is None else like
     h = layers.rms_norm(x, p["input_norm"], config.rms_norm_eps)
-    if config.is_full_attention(layer):
+    if config.is_full_attention(like):
         mixed, new_cache = full_attention(p["attn"], h, positions, layer_cache, config)
     else:
         state = None if layer_cache is None else layer_cache.state
@@ -420,7 +423,7 @@ def decoder_layer(p: Params, x: Array, positions: Array, layer_cache: Any, layer
         new_cache = base.LinearCache(state=new_state, conv=_no_conv(x.shape[0], x.dtype))
     x = x + mixed
     h = layers.rms_norm(x, p["post_norm"], config.rms_norm_eps)
-    x = x + (moe(p["mlp"], h, config) if config.is_moe(layer) else swiglu_mlp(p["mlp"], h))
+    x = x + (moe(p["mlp"], h, config) if config.is_moe(like) else swiglu_mlp(p["mlp"], h))
     return x, new_cache
 
 
@@ -436,17 +439,19 @@ def unembed(params: Params, x: Array) -> Array:
 
 def hidden_states(params: Params, config: RingLinearConfig, tokens: Array,
                   cache: base.ModelCache | None = None) -> tuple[Array, base.ModelCache]:
-    """The final-norm hidden states [B, L, D] of int32 tokens [B, L], and the cache after them (see `forward`)."""
+    """The final-norm hidden states [B, L, D] of int32 tokens [B, L], and the cache after them (see `forward`; its
+    layers in the form `cache.layers` has, or for no cache the form a forward over `params["layers"]` keeps, see
+    `layer_stack.run_cached`)."""
     positions = base.cache_positions(cache, tokens.shape[1])
-    x = params["embed"][tokens]
-    new_caches = []
-    for i, layer_params in enumerate(params["layers"]):
-        layer_cache = None if cache is None else cache.layers[i]
-        x, new_cache = decoder_layer(layer_params, x, positions, layer_cache, i, config)
-        new_caches.append(new_cache)
+
+    def step(i, layer, layer_params, layer_cache, x):
+        return decoder_layer(layer_params, x, positions, layer_cache, layer, config, like=i)
+
+    x, new_caches = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
+                                           None if cache is None else cache.layers)
     x = layers.rms_norm(x, params["norm"], config.rms_norm_eps)
     length = jnp.int32(tokens.shape[1]) + (0 if cache is None else cache.length)
-    return x, base.ModelCache(layers=tuple(new_caches), length=length)
+    return x, base.ModelCache(layers=new_caches, length=length)
 
 
 def forward(params: Params, config: RingLinearConfig, tokens: Array,
@@ -463,12 +468,14 @@ def forward(params: Params, config: RingLinearConfig, tokens: Array,
 
 
 def decode_cache(config: RingLinearConfig, caches: base.ModelCache, max_len: int) -> base.ModelCache:
-    """The caches of a cache-free forward with their K/V placed in `max_len`-slot decode buffers."""
+    """The caches of a cache-free forward with their K/V placed in `max_len`-slot decode buffers (stacked caches
+    stay stacked)."""
     def pad(a: Array) -> Array:
         return jnp.pad(a, [(0, 0), (0, max_len - a.shape[1]), (0, 0), (0, 0)])
 
-    padded = [jax.tree.map(pad, c) if isinstance(c, base.KVCache) else c for c in caches.layers]
-    return base.ModelCache(layers=tuple(padded), length=caches.length)
+    padded = layer_stack.map_layers(lambda i, c: jax.tree.map(pad, c) if isinstance(c, base.KVCache) else c,
+                                    caches.layers)
+    return base.ModelCache(layers=padded, length=caches.length)
 
 
 def prefill(params: Params, config: RingLinearConfig, tokens: Array,
@@ -590,8 +597,8 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
     cached summaries are moved by their pieces' offsets (zero where the mode keeps them at their canonical
     phase). linear_impl: how the lightning cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this
     model's prefill). Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write
-    into it (`stitch.RowWrites`, applied by the caller), per layer the decode cache of the whole request or
-    None)."""
+    into it (`stitch.RowWrites`, applied by the caller), the decode caches of the whole request as
+    `layer_stack.run` returns them, or None)."""
     from hypic_jax import layout as lay
     from hypic_jax import rope, stitch
 
@@ -636,4 +643,4 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
 
     x, writes, decode = layer_stack.run(step, x, params["layers"], pools)
     last = layers.rms_norm(x[layout.last], params["norm"], config.rms_norm_eps)
-    return unembed(params, last), writes, (tuple(decode) if want_decode else None)
+    return unembed(params, last), writes, (decode if want_decode else None)
