@@ -9,9 +9,11 @@ Two parts, one process:
             (median of `--repeats`), the largest relative logit difference to the unrolled XLA engine, and
             full_recompute's to `hypic_jax.Engine`'s full prefill (an independent implementation)
   compile   the same widths at `--layers` layers, weights stacked in place (`runtime.stack_layers(consume=True)`,
-            so one copy fits): per `--impls` path, each span program of each `--rungs` rung compiled one at a
-            time (seconds each); then the warm requests of the check part at the longest length, with
-            `hypic_jax.Engine`'s full prefill of the same prompt compiled at its exact length beside it
+            so one copy fits): per `--impls` path, each span program of each `--rungs` rung and the decode
+            program (with `--max-batch`, the batched rows' insert and step programs too) compiled one at a time
+            (seconds each); then the warm requests of the check part at the longest length and the decode step
+            (ms per token of a greedy `generate`), with `hypic_jax.Engine`'s full prefill of the same prompt
+            compiled at its exact length beside it
 
     python bench/layer_scan.py                          # H200: 8 layers checked, 40 compiled, rungs 1024 16384
     python bench/layer_scan.py --small                  # CPU smoke run (toy widths)
@@ -70,17 +72,30 @@ def requests(engine, segs, seam, repeats):
     return {k: round(1e3 * v, 2) for k, v in out.items()}, logits
 
 
-def engine_for(model, rungs, args, impl, scan):
+def decode_ms(engine, segs, new_tokens: int, repeats: int) -> float | None:
+    """ms per step of the decode program: a greedy `generate` of `new_tokens` tokens after a warm request (its
+    `decode_s`, median of `repeats` after one untimed run)."""
+    if new_tokens < 2:
+        return None
+    run = lambda: engine.generate(segs, max_new_tokens=new_tokens, mode="transition_rope_recompute")  # noqa: E731
+    run()
+    steps = [run() for _ in range(repeats)]
+    return round(1e3 * float(np.median([r.decode_s / (len(r.tokens) - 1) for r in steps])), 3)
+
+
+def engine_for(model, rungs, args, impl, scan, *, new_tokens=0, max_batch=0):
     return StableEngine(model, max_prompt_tokens=rungs[-1], max_segments=args.docs, token_rungs=tuple(rungs),
-                        max_new_tokens=0, cache_bytes=int(args.cache_gb * (1 << 30)), eviction="lru",
-                        linear_impl=impl, scan_layers=scan, mean_entry_tokens=max(16, rungs[-1] // args.docs))
+                        max_new_tokens=new_tokens, cache_bytes=int(args.cache_gb * (1 << 30)), eviction="lru",
+                        linear_impl=impl, scan_layers=scan, mean_entry_tokens=max(16, rungs[-1] // args.docs),
+                        max_batch=max_batch)
 
 
 SPAN_KINDS = ("pic", "plain", "cold")
+DECODE_KINDS = ("decode", "insert", "batch")  # insert and batch exist with max_batch > 0
 
 
 def compile_one_by_one(engine, rungs) -> dict:
-    keys = [k for k in engine.programs.keys_for(rungs[-1]) if k.kind in SPAN_KINDS + ("commit",)]
+    keys = [k for k in engine.programs.keys_for(rungs[-1]) if k.kind in SPAN_KINDS + ("commit",) + DECODE_KINDS]
     seconds = {}
     for key in keys:
         start = time.perf_counter()
@@ -106,6 +121,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seam", type=float, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-gb", type=float, default=4.0)
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens of the compile part's decode timing")
+    parser.add_argument("--max-batch", type=int, default=0,
+                        help="rows of the batched decode cache: also compile its insert and step programs")
     parser.add_argument("--skip", nargs="*", default=[], choices=["check", "compile", "exact"])
     parser.add_argument("--bank-max-elements", type=int, default=None,
                         help="store expert banks past this size in chunks (the check model's are below 2^31)")
@@ -186,11 +204,12 @@ def main(argv=None) -> None:
         segs = split(rng, length, config.vocab_size, args.docs, args.query)
         compiled, timing = {}, {}
         for impl in args.impls:
-            engine = engine_for(model, rungs, args, impl, True)
+            engine = engine_for(model, rungs, args, impl, True, new_tokens=args.new_tokens, max_batch=args.max_batch)
             log(f"[compile {impl}] one program at a time:")
             compiled[impl] = compile_one_by_one(engine, rungs)
             before = backend_compiles()
             ms, _ = requests(engine, segs, args.seam, args.repeats)
+            ms["decode_per_token"] = decode_ms(engine, segs, args.new_tokens, args.repeats)
             timing[impl] = dict(length=length, ms=ms, compiles_while_timing=backend_compiles() - before)
             log(f"[compile {impl}] length {length}: {ms}")
             report["compile_s"], report["timing"] = compiled, timing
