@@ -85,8 +85,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--linear-impl", default="xla", choices=["xla", "pallas", "auto"])
     parser.add_argument("--no-scan", dest="scan", action="store_false", help="every layer unrolled")
-    parser.add_argument("--profile-dir", default=None, help="trace one all-cached transition_rope_recompute request "
-                        "there (a Perfetto trace for bench/trace_summary.py)")
+    parser.add_argument("--profile-dir", default=None, help="trace there (Perfetto traces for bench/trace_summary.py) "
+                        "an all-cached transition_rope_recompute request, and the first prompt's full recompute, "
+                        "padded and at its exact length")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -116,6 +117,7 @@ def main(argv=None) -> None:
     report["warmup"] = dict(warm, wall_s=round(time.perf_counter() - start, 1), programs_detail=engine.programs.report())
     print(json.dumps(report, indent=1), flush=True)
     last_cached = None  # an all-cached transition_rope_recompute request, for --profile-dir
+    static = Engine(model)  # full prefill compiled at each prompt's exact length
     for mode in args.modes:
         engine.clear_cache()
         before = backend_compiles()
@@ -129,7 +131,6 @@ def main(argv=None) -> None:
         row = dict(mode=mode, compiles_during_trace=backend_compiles() - before, all_cached=percentiles(cached),
                    rest=percentiles(rest))
         if mode == "full_recompute" and args.exact_sample:
-            static = Engine(model)
             ratios = []
             for segs in requests[: args.exact_sample]:
                 static.prefill(segs, mode="full_recompute")  # compiles this exact length
@@ -143,11 +144,21 @@ def main(argv=None) -> None:
             row["padded_over_exact_p50"] = round(float(np.median(ratios)), 3)
         report.setdefault("modes", []).append(row)
         print(json.dumps(row), flush=True)
-    if args.profile_dir and "transition_rope_recompute" in args.modes and last_cached is not None:
-        engine.prefill(last_cached, mode="transition_rope_recompute")
-        with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
-            result = engine.prefill(last_cached, mode="transition_rope_recompute")
-        print(json.dumps(dict(profiled_ttft_ms=round(1e3 * result.stats.ttft_s, 2), profile_dir=args.profile_dir)))
+    if args.profile_dir:  # one traced request each: all-cached trr, full recompute padded and at its exact length
+        def traced(name, run):
+            run()
+            with jax.profiler.trace(f"{args.profile_dir}/{name}", create_perfetto_trace=True):
+                start = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - start
+            print(json.dumps(dict(profiled=name, ms=round(1e3 * seconds, 2))), flush=True)
+
+        if "transition_rope_recompute" in args.modes and last_cached is not None:
+            traced("trr", lambda: engine.prefill(last_cached, mode="transition_rope_recompute"))
+        if "full_recompute" in args.modes:
+            traced("full", lambda: engine.prefill(requests[0], mode="full_recompute"))
+            if args.exact_sample:
+                traced("exact", lambda: static.prefill(requests[0], mode="full_recompute"))
     rows = {row["mode"]: row for row in report.get("modes", [])}
     full = rows.get("full_recompute", {}).get("rest", {}).get("p50_ms")  # full recompute never hits the cache
     trr = rows.get("transition_rope_recompute", {}).get("all_cached", {}).get("p50_ms")

@@ -200,24 +200,30 @@ class Programs:
         fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
                                        want_decode=key.kind != "cold", algorithm=engine.compose_algorithm,
-                                       linear_impl=engine.linear_impl))
+                                       linear_impl=engine.linear_impl, fold_impl=engine.fold_impl))
         return fn.lower(shapes(engine.params), shapes(arrays), shapes(engine.pools.arrays))
 
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
-        try:
-            compiled = self._lower(key).compile()
-        except Exception as error:  # noqa: BLE001  (a kernel's lowering or compile failed: see below)
-            engine = self.engine
-            if key.kind not in ("cold", "pic", "plain") or engine.linear_impl in ("xla", "pallas"):
-                raise
-            # the automatic choice of the Pallas linear kernels must never cost the engine its programs: fall
-            # back to the XLA chunk loops (same results up to rounding; the records keep one form)
-            log.warning("the %s program for %d tokens failed to compile with the linear cores through the Pallas "
-                        "kernels (%s: %s); every span program compiled from now on runs the XLA chunk loops",
-                        key.kind, key.tokens, type(error).__name__, str(error)[:500])
-            engine.linear_impl = "xla"
-            compiled = self._lower(key).compile()
+        while True:
+            try:
+                compiled = self._lower(key).compile()
+                break
+            except Exception as error:  # noqa: BLE001  (a kernel's lowering or compile failed: see below)
+                # an automatic choice of Pallas kernels must never cost the engine its programs: fall back to
+                # the XLA loops (same results up to rounding; the records keep one form), the fold first
+                engine = self.engine
+                if key.kind not in ("cold", "pic", "plain"):
+                    raise
+                if engine.fold_impl == "auto":
+                    what, engine.fold_impl = "the fold over the pieces through its Pallas kernel", "xla"
+                elif engine.linear_impl in (None, "auto"):
+                    what, engine.linear_impl = "the linear cores through the Pallas kernels", "xla"
+                else:
+                    raise
+                log.warning("the %s program for %d tokens failed to compile with %s (%s: %s); every span program "
+                            "compiled from now on runs the XLA loops instead", key.kind, key.tokens, what,
+                            type(error).__name__, str(error)[:500])
         seconds = time.perf_counter() - start
         with self._lock:
             self._compiled[key] = compiled
@@ -261,10 +267,10 @@ class Programs:
 
 
 def _span_program(params, arrays, pools, *, arch, config, isolated, summaries, want_decode, algorithm,
-                  linear_impl=None):
+                  linear_impl=None, fold_impl="auto"):
     extra = {} if linear_impl is None else dict(linear_impl=linear_impl)  # None: the architecture's own choice
     return arch.span_forward_arrays(params, config, arrays, pools, isolated=isolated, summaries=summaries,
-                                    want_decode=want_decode, algorithm=algorithm, **extra)
+                                    want_decode=want_decode, algorithm=algorithm, fold_impl=fold_impl, **extra)
 
 
 def _commit(pools, writes):
@@ -365,7 +371,9 @@ class StableEngine(Engine):
     `stitch.linear_kernel_fits` says they fit (a GPU, bfloat16 values); "pallas", the kernels everywhere (in the
     Pallas interpreter off a GPU); None, the architecture's own choice (Qwen3.5 / Qwen3-Next follow `gdn_kernel`,
     Kimi and Ring the XLA loops). The kernel path equals the loops in interpret mode (tests/test_stable_kernels.py)
-    and is opt-in until `bench/investigations/stable_kernels.py` has checked and timed it on a GPU.
+    and is opt-in until `bench/investigations/stable_kernels.py` has checked and timed it on a GPU. The fold over
+    the pieces (the state entering each) runs as one Pallas kernel per layer on a GPU (`pallas.piece_fold`; the
+    XLA loop elsewhere, and wherever the kernel fails to compile).
     """
 
     def __init__(self, model, *, tokenizer=None, cache_bytes: int | None = None,
@@ -387,6 +395,7 @@ class StableEngine(Engine):
         if linear_impl not in (None, "xla", "pallas", "auto"):
             raise ValueError(f"linear_impl must be None, 'xla', 'pallas' or 'auto', got {linear_impl!r}")
         self.linear_impl = linear_impl
+        self.fold_impl = "auto"  # the span programs' fold over the pieces (`stitch.linear_over_layout`)
         if max_prompt_tokens < 1 or max_segments < 1 or max_new_tokens < 0:
             raise ValueError("max_prompt_tokens and max_segments must be >= 1 and max_new_tokens >= 0")
         self.max_prompt_tokens, self.max_segments, self.max_new_tokens = max_prompt_tokens, max_segments, max_new_tokens
@@ -439,7 +448,8 @@ class StableEngine(Engine):
         scanned its layers are a `LayerStack` by the engine's plan, so the decode step scans them as they are."""
         key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
         fn = functools.partial(_span_program, arch=self.arch, config=self.config, isolated=False, summaries=False,
-                               want_decode=True, algorithm=self.compose_algorithm, linear_impl=self.linear_impl)
+                               want_decode=True, algorithm=self.compose_algorithm, linear_impl=self.linear_impl,
+                               fold_impl=self.fold_impl)
         decode = jax.eval_shape(fn, self.params, self._dummy_layout(key), self.pools.arrays)[2]
         return ModelCache(layers=decode, length=jax.ShapeDtypeStruct((), jnp.int32))
 

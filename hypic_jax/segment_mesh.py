@@ -61,12 +61,13 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: np.stack(xs), *trees)
 
 
-def _cold_bins(params, arrays, pools, *, arch, config, algorithm, linear_impl):
+def _cold_bins(params, arrays, pools, *, arch, config, algorithm, linear_impl, fold_impl="auto"):
     """One device's bin (leading axis 1): the cold span program on it, records and logits with the axis back."""
     one = jax.tree.map(lambda a: a[0], arrays)
     extra = {} if linear_impl is None else dict(linear_impl=linear_impl)  # None: the architecture's own choice
     logits, writes, _ = arch.span_forward_arrays(params, config, one, pools, isolated=True, summaries=True,
-                                                 want_decode=False, algorithm=algorithm, **extra)
+                                                 want_decode=False, algorithm=algorithm, fold_impl=fold_impl,
+                                                 **extra)
     return jax.tree.map(lambda a: a[None], (logits, writes))
 
 
@@ -121,7 +122,8 @@ class SegmentMesh:
     def _build_cold(self, rung: int):
         engine = self.engine
         body = functools.partial(_cold_bins, arch=engine.arch, config=engine.config,
-                                 algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl)
+                                 algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
+                                 fold_impl=engine.fold_impl)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec(AXIS), PartitionSpec()),
                                out_specs=PartitionSpec(AXIS), check_vma=False)
         fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._replicated),

@@ -40,6 +40,7 @@ from hypic_jax.layout import PIECE_CACHED, PIECE_FRESH, LayoutArrays
 from hypic_jax.linear_attn import LinearInputs, Summary
 from hypic_jax.summary import apply_transfer, einsum
 from hypic_jax.pallas import gdn as pallas_gdn
+from hypic_jax.pallas import piece_fold
 from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
@@ -147,6 +148,7 @@ def linear_over_layout(
     algorithm: str | None = None,
     impl: str = "xla",
     kernel_config: pallas_gdn.GDNConfig | None = None,
+    fold_impl: str = "auto",
 ) -> LinearResult:
     """A linear layer's core over the pieces of `layout`.
 
@@ -160,10 +162,13 @@ def linear_over_layout(
     `pallas.gdn.gdn_varlen` (its `kernel_config`; None: `default_varlen_config`). Both give the same outputs,
     states and summaries up to rounding, except in rows that nothing reads: padded tokens' outputs (zeros from the
     kernels), and the summaries and end states of pieces that are not fresh.
+    fold_impl: step 2, the fold over the pieces: "auto" the Pallas kernel `pallas.piece_fold` on a GPU where it
+    fits (`piece_fold_fits`), "pallas" always (interpreted off a GPU; also when impl is "pallas"), "xla" the loop.
     """
+    fold_impl = "pallas" if impl == "pallas" else fold_impl
     if linear_kernel_fits(inputs, impl):
         return _linear_over_layout_kernels(inputs, pool, layout, summaries=summaries, rotate=rotate,
-                                           algorithm=algorithm, config=kernel_config)
+                                           algorithm=algorithm, config=kernel_config, fold_impl=fold_impl)
     inputs = _repeat_key_heads(inputs)
     acc = jnp.float32
     form = inputs.form
@@ -204,7 +209,8 @@ def linear_over_layout(
         fresh_summary = _fresh_summaries(ends, inputs, layout, form, value_dim, acc)
 
     # 2. the fold over pieces: the state entering each one
-    folded, incoming = _fold_pieces(pool, layout, form, fresh_summary, rotate, algorithm, (heads, key_dim, value_dim))
+    folded, incoming = _fold_pieces(pool, layout, form, fresh_summary, rotate, algorithm, (heads, key_dim, value_dim),
+                                    fold_impl)
 
     # 3. outputs, chunk by chunk, and each piece's end state
     def output(i, carry):
@@ -232,19 +238,46 @@ def linear_over_layout(
     return LinearResult(outputs, final, fresh_summary, ends)
 
 
+FOLD_IMPLS = ("xla", "pallas", "auto")
+
+
+def _use_fold_kernel(fold_impl: str, key_dim: int, value_dim: int) -> bool:
+    if fold_impl not in FOLD_IMPLS:
+        raise ValueError(f"fold_impl must be one of {FOLD_IMPLS}, got {fold_impl!r}")
+    fits = piece_fold.piece_fold_fits(key_dim, value_dim)
+    if fold_impl == "pallas" and not fits:
+        raise ValueError(f"fold_impl='pallas' needs state widths that are powers of two >= 16, got K={key_dim}, "
+                         f"V={value_dim}")
+    return fold_impl == "pallas" or (fold_impl == "auto" and fits and jax.default_backend() == "gpu")
+
+
 def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: Summary | None, rotate, algorithm,
-                 dims: tuple[int, int, int]) -> tuple[Array, Array]:
+                 dims: tuple[int, int, int], fold_impl: str = "xla") -> tuple[Array, Array]:
     """Step 2 of `linear_over_layout`: the fold over the pieces in request order. Returns (the state after the
     last piece, the state entering every piece [N, H, K, V])."""
     acc = jnp.float32
     heads, key_dim, value_dim = dims
     num_pieces = layout.piece_kind.shape[0]
+    fold_form = linear_attn.FORMS[max(linear_attn.FORMS.index(pool.form), linear_attn.FORMS.index(form))]
+    kernel = _use_fold_kernel(fold_impl, key_dim, value_dim)
+    if kernel and rotate is None and pool.form == fold_form:  # the kernel reads the cached rows in the pools
+        fresh = None if fresh_summary is None else linear_attn.promote(fresh_summary, fold_form)
+        return piece_fold.piece_fold(
+            fold_form, layout.piece_kind, layout.piece_slot, layout.piece_reset, layout.num_pieces,
+            layout.drop_transfer, pool.transfer, pool.state, None if fresh is None else fresh.transfer,
+            None if fresh is None else fresh.state, algorithm=algorithm, interpret=jax.default_backend() != "gpu")
     cached = Summary(pool.form, pool.state[layout.piece_slot].astype(acc),
                      None if pool.transfer is None else pool.transfer[layout.piece_slot].astype(acc))
     if rotate is not None:
         cached = jax.vmap(rotate)(cached, layout.piece_offset)
-    fold_form = linear_attn.FORMS[max(linear_attn.FORMS.index(cached.form), linear_attn.FORMS.index(form))]
     cached = linear_attn.promote(cached, fold_form)
+    if kernel:  # rotated or promoted rows: the kernel reads them gathered, piece by piece
+        fresh = None if fresh_summary is None else linear_attn.promote(fresh_summary, fold_form)
+        return piece_fold.piece_fold(
+            fold_form, layout.piece_kind, jnp.arange(num_pieces, dtype=jnp.int32), layout.piece_reset,
+            layout.num_pieces, layout.drop_transfer, cached.transfer, cached.state,
+            None if fresh is None else fresh.transfer, None if fresh is None else fresh.state, algorithm=algorithm,
+            interpret=jax.default_backend() != "gpu")
     if cached.transfer is not None:  # `addition`: the transfer of every cached piece becomes the identity
         unit = linear_attn.promote(Summary("identity", cached.state, None), fold_form).transfer
         cached = Summary(fold_form, cached.state, jnp.where(layout.drop_transfer, unit, cached.transfer))
@@ -290,7 +323,7 @@ def _piece_loads(layout: LayoutArrays) -> Array:
 
 
 def _linear_over_layout_kernels(inputs: LinearInputs, pool: Summary, layout: LayoutArrays, *, summaries: bool,
-                                rotate, algorithm, config) -> LinearResult:
+                                rotate, algorithm, config, fold_impl: str = "auto") -> LinearResult:
     """`linear_over_layout` with steps 1 and 3 through `pallas.gdn.gdn_varlen`, the pieces as its segments."""
     heads, key_dim, value_dim = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
     cu = _piece_offsets(layout)
@@ -300,7 +333,7 @@ def _linear_over_layout_kernels(inputs: LinearInputs, pool: Summary, layout: Lay
     if summaries:  # 1. every piece's own (T, S) from zero: one launch, its outputs unused
         _, fresh_summary = run(emit_summary=True)
     folded, incoming = _fold_pieces(pool, layout, inputs.form, fresh_summary, rotate, algorithm,
-                                    (heads, key_dim, value_dim))
+                                    (heads, key_dim, value_dim), fold_impl)
     # 3. outputs and every piece's end state: a piece loads its incoming state or carries on from the one before
     outputs, ends = run(emit_summary=False, initial_state=incoming, continues=~_piece_loads(layout))
     outputs = jnp.where(layout.valid[:, None, None], outputs, 0).astype(inputs.v.dtype)  # padding: never written

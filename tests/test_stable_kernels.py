@@ -7,6 +7,7 @@ per layout.
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -248,9 +249,56 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_xla_loops(monkeypatch)
     make = functools.partial(StableEngine, model, max_prompt_tokens=64, max_segments=2, token_rungs=(64,),
                              max_new_tokens=0, cache_bytes=1 << 20, mean_entry_tokens=16, eviction="lru")
     engine = make(linear_impl=None)  # the model's own choice: its gdn_kernel, "pallas"
-    assert engine.linear_impl is None
+    assert engine.linear_impl is None and engine.fold_impl == "auto"
     engine.programs.get(ProgramKey("plain", 64, engine.max_keys))
-    assert engine.linear_impl == "xla"
+    assert engine.linear_impl == "xla" and engine.fold_impl == "xla"  # both automatic choices fell back
     assert np.all(np.isfinite(engine.prefill([[5, 6, 7], [8, 9]], mode="full_recompute").logits))
     with pytest.raises(NotImplementedError):
         make(linear_impl="pallas").programs.get(ProgramKey("plain", 64, 64))
+
+
+@pytest.mark.parametrize("form", ["dense", "diagonal", "scalar", "identity"])
+def test_piece_fold_kernel_matches_the_loop(form):
+    """The fold over pieces in one Pallas launch (`pallas.piece_fold`, interpreted) equals the XLA loop of
+    `stitch._fold_pieces` and the plain reference: random piece kinds, slots, resets, piece counts below the
+    capacity, dropped transfers, with and without fresh summaries; pieces past the count get zero states."""
+    from hypic_jax.pallas import piece_fold
+
+    rng = np.random.default_rng(["dense", "diagonal", "scalar", "identity"].index(form))
+    pieces, rows, heads, key_dim, value_dim = 7, 5, 2, 16, 32
+    tails = {"dense": (key_dim, key_dim), "diagonal": (key_dim,), "scalar": (), "identity": None}
+
+    def transfer(n):
+        if tails[form] is None:
+            return None
+        if form == "dense":
+            return jnp.asarray(rng.normal(size=(n, heads) + tails[form]) / np.sqrt(key_dim), jnp.float32)
+        return jnp.asarray(-rng.uniform(0, 1, size=(n, heads) + tails[form]), jnp.float32)  # log decays
+
+    def state(n):
+        return jnp.asarray(rng.normal(size=(n, heads, key_dim, value_dim)), jnp.float32)
+
+    pool = Summary(form, state(rows), transfer(rows))
+    for trial in range(4):
+        count = int(rng.integers(1, pieces + 1))
+        kind = np.where(rng.uniform(size=pieces) < 0.5, lay.PIECE_CACHED, lay.PIECE_FRESH)
+        kind[count:] = lay.PIECE_PAD
+        reset = rng.uniform(size=pieces) < 0.3
+        reset[0] = True
+        layout = types.SimpleNamespace(
+            piece_kind=jnp.asarray(kind, jnp.int32), piece_slot=jnp.asarray(rng.integers(0, rows, pieces), jnp.int32),
+            piece_reset=jnp.asarray(reset), num_pieces=jnp.int32(count), drop_transfer=jnp.asarray(trial == 2),
+            piece_offset=jnp.zeros(pieces, jnp.int32))
+        fresh = None if trial == 3 else Summary(form, state(pieces), transfer(pieces))
+        fold = functools.partial(stitch._fold_pieces, pool, layout, form, fresh, None, None,
+                                 (heads, key_dim, value_dim))
+        want_final, want_incoming = fold("xla")
+        got_final, got_incoming = fold("pallas")
+        ref_final, ref_incoming = piece_fold.piece_fold_reference(
+            form, kind, np.asarray(layout.piece_slot), reset, count, trial == 2, pool.transfer, pool.state,
+            None if fresh is None else fresh.transfer, None if fresh is None else fresh.state)
+        what = (form, trial, count, kind.tolist(), reset.tolist())
+        assert _rel(got_final, want_final) < TOL and _rel(ref_final, want_final) < TOL, what
+        assert _rel(got_incoming[:count], want_incoming[:count]) < TOL, what
+        assert _rel(ref_incoming, want_incoming) < TOL, what
+        assert not np.any(np.asarray(got_incoming)[count:]), what

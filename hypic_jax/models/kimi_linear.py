@@ -749,14 +749,14 @@ def pool_layout(config: KimiLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 
 def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout, pools: tuple, *, isolated: bool,
                         summaries: bool, want_decode: bool = False, algorithm: str | None = None,
-                        linear_impl: str | None = None):
+                        linear_impl: str | None = None, fold_impl: str = "auto"):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Nothing here is RoPE'd, so cached
     pieces are used as stored. MLA keys are the request's latents gathered in key order and expanded to per-head
     K/V; the decode cache keeps the latents.
     linear_impl: how the KDA cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this model's prefill;
-    "pallas" runs the per-key-gate kernels).
+    "pallas" runs the per-key-gate kernels); fold_impl: their fold over the pieces (`fold_impl` there).
     Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write into it
     (`stitch.RowWrites`, applied by the caller), the decode caches of the whole request as `layer_stack.run`
     returns them, or None)."""
@@ -777,7 +777,8 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
             qkv, conv_tail, conv_records = stitch.conv_over_layout(qkv, kda_conv_taps(p, c), pool["conv"], at)
             q, k, v = (t.reshape(t.shape[0], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, -1))
             result = stitch.linear_over_layout(kda_inputs(p, q, k, v, g_raw, b), pool["summary"], at,
-                                               summaries=summaries, algorithm=algorithm, impl=impl)
+                                               summaries=summaries, algorithm=algorithm, impl=impl,
+                                               fold_impl=fold_impl)
             h = kda_output(p, c, h, result.outputs)
             records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))

@@ -603,7 +603,8 @@ def span_linear_impl(config: Config, linear_impl: str | None) -> str:
 
 
 def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, isolated: bool, summaries: bool,
-                        want_decode: bool = False, algorithm: str | None = None, linear_impl: str | None = None):
+                        want_decode: bool = False, algorithm: str | None = None, linear_impl: str | None = None,
+                        fold_impl: str = "auto"):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them. With `params["layers"]` a `layer_stack.LayerStack`, the repeating
@@ -612,7 +613,8 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
     isolated: a cold prefill (every span from position 0, no mixing across spans). summaries: compute each fresh
     piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
     canonical phase) is data of the layout. linear_impl: how the GDN cores run (`stitch.linear_over_layout`'s
-    impl: "xla", "pallas", "auto"; None: `span_linear_impl`). Returns (float32 logits [vocab] of the last fresh
+    impl: "xla", "pallas", "auto"; None: `span_linear_impl`); fold_impl: its fold over the pieces (`fold_impl`
+    there). Returns (float32 logits [vocab] of the last fresh
     token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller), the decode caches
     of the whole request (per layer; stacked as `layer_stack.run` returns them, the form the decode step takes) or
     None).
@@ -633,7 +635,7 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
             conv_out, conv_tail, conv_records = stitch.conv_over_layout(mixed, p["conv_weight"], pool["conv"], at)
             inputs = gdn_inputs(conv_out, a, b, p, config, repeat_heads=False)  # grouped: stitch repeats for XLA
             result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
-                                               algorithm=algorithm, impl=impl)
+                                               algorithm=algorithm, impl=impl, fold_impl=fold_impl)
             h = gdn_output(result.outputs.astype(h.dtype), z, p, config)
             records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))

@@ -590,13 +590,13 @@ def pool_layout(config: RingLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 
 def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools: tuple, *, isolated: bool,
                         summaries: bool, want_decode: bool = False, algorithm: str | None = None,
-                        linear_impl: str | None = None):
+                        linear_impl: str | None = None, fold_impl: str = "auto"):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so
     cached summaries are moved by their pieces' offsets (zero where the mode keeps them at their canonical
     phase). linear_impl: how the lightning cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this
-    model's prefill). Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write
+    model's prefill); fold_impl: their fold over the pieces (`fold_impl` there). Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write
     into it (`stitch.RowWrites`, applied by the caller), the decode caches of the whole request as
     `layer_stack.run` returns them, or None)."""
     from hypic_jax import layout as lay
@@ -630,7 +630,8 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
             at = lay.shift_pool_rows(layout, "slot", base_row)
             inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, layer, config))
             result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
-                                               rotate=rotate_summary, algorithm=algorithm, impl=impl)
+                                               rotate=rotate_summary, algorithm=algorithm, impl=impl,
+                                               fold_impl=fold_impl)
             mixed = linear_output(p, h[None], result.outputs[None], config)[0]
             records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, at.record_slot, dict(summary=records))
