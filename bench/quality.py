@@ -10,7 +10,19 @@ training mixes three), so they are not training prompts. `--seams` adds transiti
 (tokens, or a fraction < 1 of the segment); `--transformers` adds transformers' own greedy generation on the whole
 prompt, an independent check of full_recompute.
 
+`--entry-forms` runs every mode that reads cache entries once per form of the entries: "device" (the default: an
+entry stays in the device pools as it was recorded), "float32" and "bfloat16" (`StableEngine`'s host tier
+with `tier_dtype` None or "bfloat16": before every question all device entries are demoted to the host tier, so
+each of the question's documents is promoted back from the stored form; the first question of a prompt is preceded
+by a prefill of the same request that records the entries, so no answer reads an entry that did not go through the
+stored form). Each such question checks, in `engine.stats["tiers"]`, that its hits were all host promotions and
+that nothing was prefilled cold. Reported per form: the promotions, the bytes per token of the entries in the host
+tier, and the share of identical answers between the forms; and the bytes per token of an entry in each form at
+the model's shape and at the Qwen3.5-35B-A3B shape (`bench/prefill.py` `full_config(40)`, bfloat16), for a
+512-token segment with the seam's tokens left out (per segment token).
+
     python bench/quality.py --model DIR [--docs 2 4 8 16] [--prompts 8] [--seams 0 1 2 4 8 16 32 0.05]
+    python bench/quality.py --modes transition_rope_recompute --entry-forms float32 bfloat16   # compact entries
     python bench/quality.py --small --model DIR     # CPU size: a few prompts of 2 and 4 documents
     python bench/quality.py --from-json REPORT --plot quality.png   # print and draw a saved report
 """
@@ -53,6 +65,51 @@ def position_bucket(question, num_docs: int) -> str | None:
     return f"q{quarter + 1}"
 
 
+ENTRY_FORMS = ("device", "float32", "bfloat16")
+
+
+def entry_bytes_per_token(layout, tokens: int, seam: int, compact: bool) -> float:
+    """Bytes of one entry off the device (a `pool_layout`'s pieces; float32 summaries halved when compact) of a
+    segment of `tokens` tokens whose first `seam` are recomputed at reuse, per token of the segment."""
+    import jax
+    import jax.numpy as jnp
+
+    total = 0
+    for kind, tree in layout:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            if compact and kind == "slot" and leaf.dtype == jnp.float32 and any(
+                    getattr(part, "key", None) == "summary" for part in path):
+                size //= 2
+            total += size if kind == "slot" else size * (tokens - seam)
+    return total / tokens
+
+
+def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
+    """Bytes per token of an entry with float32 T and S (as the pools hold them) and with bfloat16 T and S, at the
+    model's shape and the 35B-A3B shape."""
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from prefill import full_config
+
+    from hypic_jax.models import qwen3_5
+
+    out = {}
+    for name, layout in (("model", model.arch.pool_layout(model.config, model.dtype)),
+                         ("35B-A3B", qwen3_5.pool_layout(full_config(40), jnp.bfloat16))):
+        exact, compact = (entry_bytes_per_token(layout, tokens, seam, c) for c in (False, True))
+        out[name] = dict(float32=round(exact, 1), bfloat16=round(compact, 1), ratio=round(exact / compact, 3))
+    return dict(segment_tokens=tokens, seam=seam, **out)
+
+
+def _demote_all(engine) -> None:
+    """Every device entry (none is pinned between requests) into the lower tiers."""
+    with engine._device_lock:
+        while engine.cache.evict_one():
+            pass
+
+
 def run(args) -> dict:
     import jax
 
@@ -75,20 +132,60 @@ def run(args) -> dict:
                 skipped += 1
                 continue
             cases.append((n, docs, query, gold, q))
-    runs = [(mode, None) for mode in args.modes] + [("transition_rope_recompute", s) for s in args.seams]
-    engine = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=args.max_tokens,
-                          max_segments=max(args.docs) + 1, max_new_tokens=args.max_new_tokens, seam=args.seam)
+    forms = list(dict.fromkeys(getattr(args, "entry_forms", None) or ["device"]))
+    runs = [(mode, None, form) for mode in args.modes for form in (forms[:1] if mode == "full_recompute" else forms)]
+    runs += [("transition_rope_recompute", s, form) for s in args.seams for form in forms]
+    engines = {}
+    for form in {form for *_, form in runs}:
+        tiers = {} if form == "device" else dict(host_cache_bytes=1 << 40, eviction="lru",
+                                                   tier_dtype=None if form == "float32" else form)
+        engines[form] = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=args.max_tokens,
+                                     max_segments=max(args.docs) + 1, max_new_tokens=args.max_new_tokens,
+                                     seam=args.seam, **tiers)
+        if form == "bfloat16":  # the host tier really stores T and S rounded
+            assert any(dtype == np.dtype(jax.numpy.bfloat16) for *_, dtype in engines[form].mover.leaves)
     scores = collections.defaultdict(list)  # (run label, axis, value) -> [(em, f1)]
     predictions = collections.defaultdict(list)  # run label -> predicted answers, in case order
+    entries = {}  # run label -> how its entries were served and stored
+    same_run = collections.defaultdict(dict)  # label without the form -> form -> label
     started = time.perf_counter()
-    for mode, seam in runs:
-        label = mode if seam is None else f"trr@seam={seam:g}"
+    for mode, seam, form in runs:
+        base = mode if seam is None else f"trr@seam={seam:g}"
+        label = base if form == "device" or mode == "full_recompute" else f"{base} [{form}]"
+        same_run[base][form] = label
+        engine = engines[form]
         engine.clear_cache()
+        tiered = form != "device" and mode != "full_recompute"
+        recorded, served = set(), collections.Counter()
         for n, docs, query, gold, q in cases:
-            out = engine.generate(docs + [query], max_new_tokens=len(gold) + 3, stop=[eos], mode=mode,
-                                  seam=args.seam if seam is None else seam)
+            segments, seam_of_run = docs + [query], args.seam if seam is None else seam
+            if tiered:
+                prompt = tuple(map(tuple, docs))
+                if prompt not in recorded:  # record the entries before the prompt's first question
+                    engine.prefill(segments, mode=mode, seam=seam_of_run)
+                    recorded.add(prompt)
+                _demote_all(engine)
+                before = engine.stats["tiers"]["promotions"]
+            out = engine.generate(segments, max_new_tokens=len(gold) + 3, stop=[eos], mode=mode, seam=seam_of_run)
+            if tiered:
+                promoted = {t: engine.stats["tiers"]["promotions"][t] - before[t] for t in before}
+                st = out.stats
+                if st.misses or st.cold_tokens or promoted["host"] != st.hits or promoted["disk"]:
+                    raise RuntimeError(f"{label}: a question was not served from promoted {form} entries "
+                                       f"(hits {st.hits}, misses {st.misses}, cold tokens {st.cold_tokens}, "
+                                       f"promotions {promoted})")
+                served["questions"] += 1
+                served["promotions"] += promoted["host"]
+                served["cached_tokens"] += st.cached_tokens
             predictions[label].append(_strip(list(out.tokens), eos))
             _record(scores, label, n, q, predictions[label][-1], gold)
+        if tiered:
+            _demote_all(engine)
+            held = engine.tiers.host.values()
+            stored, stored_tokens = sum(p.nbytes for p in held), sum(len(p.tokens) for p in held)
+            entries[label] = dict(form=form, **served, entries=len(held), bytes=stored,
+                                  bytes_per_segment_token=round(stored / max(stored_tokens, 1), 1),
+                                  stored_dtypes=sorted({a.dtype.name for p in held for a in p.arrays}))
     if args.transformers:
         import torch
         import transformers as tf
@@ -117,10 +214,19 @@ def run(args) -> dict:
     reference = predictions.get("full_recompute")
     agreement = {label: round(float(np.mean([a == b for a, b in zip(preds, reference)])), 4)
                  for label, preds in predictions.items()} if reference else {}
+    # how often the same run gives the same answer from entries of another form (against the first form given)
+    across_forms = {}
+    for base, labels in same_run.items():
+        first, *others = list(labels.values())
+        for other in others:
+            across_forms[f"{other} vs {first}"] = round(float(np.mean(
+                [a == b for a, b in zip(predictions[other], predictions[first])])), 4)
     return dict(model=str(folder), device=str(jax.devices()[0]), dtype=args.dtype, seed=args.seed, docs=args.docs,
                 prompts=args.prompts, questions=args.questions, filler=args.filler, cases=len(cases),
                 skipped_over_budget=skipped, seconds=round(time.perf_counter() - started, 1), scores=dict(table),
-                agreement_with_full_recompute=agreement,
+                agreement_with_full_recompute=agreement, entry_forms=forms, entries=entries,
+                agreement_across_entry_forms=across_forms,
+                entry_bytes_per_token=entry_shapes(model) if any(f != "device" for f in forms) else None,
                 samples=[dict(family=q.family, question=q.text, answer=q.answer,
                               full_recompute=tokenizer.decode(pred).strip())
                          for (_, _, _, _, q), pred in zip(cases[:12], predictions.get("full_recompute", []))])
@@ -151,19 +257,32 @@ def print_tables(report: dict) -> None:
     print(f"{report['cases']} questions ({report['skipped_over_budget']} over the token budget skipped), "
           f"model {report['model']}, {report['device']}; cells: F1 (exact match for one-token answers)")
     agreement = report.get("agreement_with_full_recompute", {})
-    print(f"{'run':<26}{'EM all':>8}{'same as full':>14}" + "".join(f"{c:>17}" for c in columns))
+    print(f"{'run':<38}{'EM all':>8}{'same as full':>14}" + "".join(f"{c:>17}" for c in columns))
     for label, row in scores.items():
         same = f"{agreement[label]:>14.3f}" if label in agreement else f"{'':>14}"
-        print(f"{label:<26}{row['all=all']['em']:>8.3f}{same}"
+        print(f"{label:<38}{row['all=all']['em']:>8.3f}{same}"
               + "".join(f"{row[c]['f1']:>17.3f}" if c in row else f"{'':>17}" for c in columns))
     if crossed:  # exact match per task family and number of documents, with the questions per cell
         print("exact match per family and number of documents (questions per cell in the first row)")
         names = [c.split("=", 1)[1] for c in crossed]
-        print(f"{'run':<26}" + "".join(f"{n:>13}" for n in names))
+        print(f"{'run':<38}" + "".join(f"{n:>13}" for n in names))
         first = next(iter(scores.values()))
-        print(f"{'(questions)':<26}" + "".join(f"{first.get(c, {}).get('n', 0):>13}" for c in crossed))
+        print(f"{'(questions)':<38}" + "".join(f"{first.get(c, {}).get('n', 0):>13}" for c in crossed))
         for label, row in scores.items():
-            print(f"{label:<26}" + "".join(f"{row[c]['em']:>13.3f}" if c in row else f"{'':>13}" for c in crossed))
+            print(f"{label:<38}" + "".join(f"{row[c]['em']:>13.3f}" if c in row else f"{'':>13}" for c in crossed))
+    for label, info in (report.get("entries") or {}).items():
+        print(f"{label}: {info['questions']} questions served from {info['promotions']} host promotions "
+              f"({info['cached_tokens']} cached tokens); {info['entries']} entries stored as "
+              f"{'/'.join(info['stored_dtypes'])}, {info['bytes_per_segment_token']:,.1f} bytes per segment token")
+    for pair, share in (report.get("agreement_across_entry_forms") or {}).items():
+        print(f"same answer, {pair}: {share:.4f}")
+    shapes = report.get("entry_bytes_per_token")
+    if shapes:
+        for name in ("model", "35B-A3B"):
+            row = shapes[name]
+            print(f"entry of a {shapes['segment_tokens']}-token segment, seam {shapes['seam']}, {name} shape: "
+                  f"{row['float32']:,.1f} bytes per token exact, {row['bfloat16']:,.1f} with bfloat16 T and S "
+                  f"({row['ratio']:.3f}x smaller)")
 
 
 def plot(report: dict, path: str) -> None:
@@ -223,6 +342,9 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--seam", type=float, default=8, help="seam of transition_rope_recompute")
     parser.add_argument("--seams", type=float, nargs="*", default=[], help="seam ablation: trr at each of these")
+    parser.add_argument("--entry-forms", nargs="+", default=["device"], choices=ENTRY_FORMS,
+                        help="run each mode that reads entries with them in each form: device (kept in the pools), "
+                        "float32 or bfloat16 (every hit promoted from the host tier in that form)")
     parser.add_argument("--transformers", action="store_true", help="also transformers' greedy generation")
     parser.add_argument("--max-tokens", type=int, default=None, help="longest prompt (4096)")
     parser.add_argument("--max-new-tokens", type=int, default=16)

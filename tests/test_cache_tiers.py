@@ -294,3 +294,26 @@ def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
     again = make(disk_cache_dir=folder, tier_dtype="bfloat16")
     assert again.stats["tiers"]["disk"]["entries"] == 4
     assert again.prefill(segs, seam=SEAM).stats.hits == 4
+
+
+def test_compact_entry_bytes_per_token_at_the_35b_shape(monkeypatch):
+    """bench/quality.py's bytes per token of an entry off the device (a 512-token segment, seam 8, per segment
+    token) at the Qwen3.5-35B-A3B shape: 268,800 exact (the figure of bench/RESULTS.md), 145,920 with T and S in
+    bfloat16 (1.84x smaller: K/V and conv tails keep their bytes)."""
+    import importlib.util
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from hypic_jax.models import qwen3_5
+
+    bench = Path(__file__).parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("quality", bench / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    from prefill import full_config
+
+    layout = qwen3_5.pool_layout(full_config(40), jnp.bfloat16)
+    assert quality.entry_bytes_per_token(layout, 512, 8, compact=False) == 268_800
+    assert quality.entry_bytes_per_token(layout, 512, 8, compact=True) == 145_920
