@@ -115,6 +115,7 @@ class Ladder:
     conv: int = 3
     token_rungs: tuple[int, ...] | None = None  # explicit rungs instead of the geometric ones
     fine_from: int = 1024
+    max_records: int | None = None  # records per request (None: max_pieces); each is an entry's worth of output
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_pieces < 1:
@@ -144,8 +145,15 @@ class Ladder:
             raise ValueError(f"the request needs {pieces} spans, over the compiled limit of {self.max_pieces} "
                              f"(raise max_segments)")
         tokens = self.rung(fresh_tokens)
+        if records > self.records:
+            raise ValueError(f"the request records {records} entries, over the compiled limit of {self.records} "
+                             f"(raise max_segments)")
         return Capacity(tokens=tokens, pieces=self.max_pieces, keys=tokens if isolated else self.rung(keys, "keys"),
-                        records=self.max_pieces, chunk=self.chunk, conv=self.conv)
+                        records=self.records, chunk=self.chunk, conv=self.conv)
+
+    @property
+    def records(self) -> int:
+        return self.max_pieces if self.max_records is None else self.max_records
 
 
 @jax.tree_util.register_dataclass

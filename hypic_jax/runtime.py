@@ -401,8 +401,11 @@ class StableEngine(Engine):
         self.max_prompt_tokens, self.max_segments, self.max_new_tokens = max_prompt_tokens, max_segments, max_new_tokens
         chunk = int(getattr(self.config, "chunk_size", 64))
         conv = int(getattr(self.config, "conv_kernel", 4)) - 1
+        # a request records at most one entry per segment; a record is an entry's worth of program output
+        # (4.2 MB per linear layer at the 35B-A3B shape), so records get their own, smaller capacity
         self.ladder = lay.Ladder(max_tokens=max_prompt_tokens, max_pieces=2 * max_segments + 2,
-                                 min_tokens=min_tokens, chunk=chunk, conv=conv, token_rungs=token_rungs)
+                                 max_records=max_segments + 1, min_tokens=min_tokens, chunk=chunk, conv=conv,
+                                 token_rungs=token_rungs)
         self.max_keys = max_prompt_tokens + max_new_tokens
         pieces = self.arch.pool_layout(self.config, self.model.dtype)
         self.plan = layer_plan(self.model, scan=scan_layers)
@@ -437,7 +440,7 @@ class StableEngine(Engine):
     def _capacity(self, key: ProgramKey) -> lay.Capacity:
         kind_chunk = lay.chunk_for(key.kind, self.ladder.chunk)
         return lay.Capacity(tokens=key.tokens, pieces=self.ladder.max_pieces, keys=key.keys,
-                            records=self.ladder.max_pieces, chunk=kind_chunk, conv=self.ladder.conv)
+                            records=self.ladder.records, chunk=kind_chunk, conv=self.ladder.conv)
 
     def _dummy_layout(self, key: ProgramKey) -> lay.LayoutArrays:
         return lay.build([lay.Span(lay.FRESH, 1)], self._capacity(key), isolated=key.kind == "cold",
