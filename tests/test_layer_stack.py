@@ -181,33 +181,40 @@ def _expert_size(model) -> int:
                if getattr(path[-1], "key", None) in layer_stack.EXPERT_LEAVES and leaf.ndim == 3)
 
 
-@pytest.mark.parametrize("arch,chunked", [("qwen_moe", True), ("kimi", False), ("ring", True)])
-def test_scanned_layers_equal_unrolled(arch, chunked, tmp_path, monkeypatch):
-    """Scanned span programs equal unrolled ones over every mode, hits, and host-tier demotion and promotion;
-    `chunked`: the routed experts stored one repeat per chunk (`ExpertChunks`, as banks past int32 offsets are),
-    through the scan and through the model's own forward."""
-    model, vocab = _checkpoint(arch, tmp_path / arch)
-    if chunked:
-        monkeypatch.setattr(layer_stack, "BANK_MAX_ELEMENTS", _expert_size(model))
-        stacked = stack_layers(model)
-        chunks = _expert_chunks(stacked.params["layers"])
-        assert chunks and all(len(c.chunks) == stacked.params["layers"].plan.repeats for c in chunks)
-        tokens = np.asarray([np.arange(3, 15) % vocab], np.int32)
-        np.testing.assert_allclose(np.asarray(stacked.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-5)
-    # a host tier: the device entries are demoted midway and promoted back through the stacked pools
+@pytest.fixture(scope="module", params=[  # each checkpoint's tests on one worker (`--dist loadgroup`): built once
+    pytest.param((arch, chunked), id=arch + ("-chunked" if chunked else ""),
+                 marks=pytest.mark.xdist_group(f"layer_stack-{arch}"))
+    for arch, chunked in [("qwen_moe", True), ("kimi", False), ("ring", True)]])
+def decode_engines(request, tmp_path_factory):
+    """(architecture, vocab, engine with the layers scanned, engine with every layer unrolled) with room to decode,
+    two batched rows and a host tier, on one tiny checkpoint. `chunked`: the routed experts stored one repeat per
+    chunk (`ExpertChunks`, as banks past int32 offsets are). Every test sends both engines the same requests, so
+    their caches stay alike."""
+    arch, chunked = request.param
+    model, vocab = _checkpoint(arch, tmp_path_factory.mktemp(arch))
     options = dict(max_prompt_tokens=128, max_segments=4, token_rungs=(128,), cache_bytes=1 << 19,
-                   mean_entry_tokens=32, max_new_tokens=0, host_cache_bytes=1 << 22, eviction="lru")
-    scanned, unrolled = StableEngine(model, **options), StableEngine(model, scan_layers=False, **options)
+                   mean_entry_tokens=32, max_new_tokens=8, max_batch=2, host_cache_bytes=1 << 22,
+                   eviction="lru")
+    with pytest.MonkeyPatch.context() as patch:
+        if chunked:  # the experts are stacked when the engine is made
+            patch.setattr(layer_stack, "BANK_MAX_ELEMENTS", _expert_size(model))
+        scanned, unrolled = StableEngine(model, **options), StableEngine(model, scan_layers=False, **options)
     assert scanned.plan.scanned and not unrolled.plan.scanned
     assert bool(_expert_chunks(scanned.params["layers"])) == chunked
+    return arch, vocab, scanned, unrolled
+
+
+def test_scanned_layers_equal_unrolled(decode_engines):
+    """Scanned span programs equal unrolled ones over every mode, hits, and host-tier demotion and promotion."""
+    arch, vocab, scanned, unrolled = decode_engines
     rng = np.random.default_rng(0)
     docs = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(6, 30, 4)]
     query = rng.integers(3, vocab, 7).tolist()
     requests = [("prefix_cache", [0, 1, 2]), ("transition_rope_recompute", [3, 0, 1]), "demote",
                 ("transition_rope_recompute", [0, 1, 3]), ("addition", [2, 3]), ("full_recompute", [1, 3])]
-    hits = 0
+    hits, promoted = 0, scanned.stats["tiers"]["promotions"]["host"]
     for request in requests:
-        if request == "demote":
+        if request == "demote":  # the device entries go to the host tier and come back through the stacked pools
             for engine in (scanned, unrolled):
                 with engine._device_lock:
                     while engine.cache.evict_one():
@@ -221,26 +228,8 @@ def test_scanned_layers_equal_unrolled(arch, chunked, tmp_path, monkeypatch):
         hits += a.stats.hits
         assert _rel(a.logits, b.logits) < 1e-5, (mode, order)
     assert hits > 0
-    assert scanned.stats["tiers"]["promotions"]["host"] > 0  # pieces went to the host and came back
+    assert scanned.stats["tiers"]["promotions"]["host"] > promoted
     assert scanned.stats["tiers"]["promotions"] == unrolled.stats["tiers"]["promotions"]
-
-
-@pytest.fixture(scope="module", params=[("qwen_moe", True), ("kimi", False), ("ring", True)],
-                ids=lambda p: p[0] + ("-chunked" if p[1] else ""))
-def decode_engines(request, tmp_path_factory):
-    """(architecture, vocab, engine with the layers scanned, engine with every layer unrolled) with room to decode
-    and two batched rows, on one tiny checkpoint; `chunked` as in `test_scanned_layers_equal_unrolled`."""
-    arch, chunked = request.param
-    model, vocab = _checkpoint(arch, tmp_path_factory.mktemp(arch))
-    options = dict(max_prompt_tokens=128, max_segments=4, token_rungs=(128,), cache_bytes=1 << 19,
-                   mean_entry_tokens=32, max_new_tokens=8, max_batch=2)
-    with pytest.MonkeyPatch.context() as patch:
-        if chunked:  # the experts are stacked when the engine is made
-            patch.setattr(layer_stack, "BANK_MAX_ELEMENTS", _expert_size(model))
-        scanned, unrolled = StableEngine(model, **options), StableEngine(model, scan_layers=False, **options)
-    assert scanned.plan.scanned and not unrolled.plan.scanned
-    assert bool(_expert_chunks(scanned.params["layers"])) == chunked
-    return arch, vocab, scanned, unrolled
 
 
 def _decode_steps(engine, segs, steps: int) -> list[np.ndarray]:
