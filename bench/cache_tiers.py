@@ -91,8 +91,10 @@ def slow_decay(params, decay: float):
     return visit(params)
 
 
-def entry_bytes_per_token(layout, tokens: int, compact: bool) -> float:
-    """Bytes per token of an entry of `tokens` tokens off the device (float32 summaries halved when compact)."""
+def entry_bytes_per_token(layout, tokens: int, compact: bool, seam: int = 0) -> float:
+    """Bytes of one entry off the device (a `pool_layout`'s pieces; float32 summaries halved when compact) of a
+    segment of `tokens` tokens whose first `seam` are recomputed at reuse (not stored), per token of the
+    segment."""
     total = 0
     for kind, tree in layout:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -100,7 +102,7 @@ def entry_bytes_per_token(layout, tokens: int, compact: bool) -> float:
             if compact and kind == "slot" and leaf.dtype == jnp.float32 and any(
                     getattr(part, "key", None) == "summary" for part in path):
                 size //= 2
-            total += size if kind == "slot" else size * tokens
+            total += size if kind == "slot" else size * (tokens - seam)
     return total / tokens
 
 

@@ -68,29 +68,13 @@ def position_bucket(question, num_docs: int) -> str | None:
 ENTRY_FORMS = ("device", "float32", "bfloat16")
 
 
-def entry_bytes_per_token(layout, tokens: int, seam: int, compact: bool) -> float:
-    """Bytes of one entry off the device (a `pool_layout`'s pieces; float32 summaries halved when compact) of a
-    segment of `tokens` tokens whose first `seam` are recomputed at reuse, per token of the segment."""
-    import jax
-    import jax.numpy as jnp
-
-    total = 0
-    for kind, tree in layout:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-            if compact and kind == "slot" and leaf.dtype == jnp.float32 and any(
-                    getattr(part, "key", None) == "summary" for part in path):
-                size //= 2
-            total += size if kind == "slot" else size * (tokens - seam)
-    return total / tokens
-
-
 def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
     """Bytes per token of an entry with float32 T and S (as the pools hold them) and with bfloat16 T and S, at the
     model's shape and the 35B-A3B shape."""
     import jax.numpy as jnp
 
     sys.path.insert(0, str(ROOT / "bench"))
+    from cache_tiers import entry_bytes_per_token
     from prefill import full_config
 
     from hypic_jax.models import qwen3_5
@@ -98,7 +82,7 @@ def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
     out = {}
     for name, layout in (("model", model.arch.pool_layout(model.config, model.dtype)),
                          ("35B-A3B", qwen3_5.pool_layout(full_config(40), jnp.bfloat16))):
-        exact, compact = (entry_bytes_per_token(layout, tokens, seam, c) for c in (False, True))
+        exact, compact = (entry_bytes_per_token(layout, tokens, c, seam) for c in (False, True))
         out[name] = dict(float32=round(exact, 1), bfloat16=round(compact, 1), ratio=round(exact / compact, 3))
     return dict(segment_tokens=tokens, seam=seam, **out)
 

@@ -297,23 +297,19 @@ def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
 
 
 def test_compact_entry_bytes_per_token_at_the_35b_shape(monkeypatch):
-    """bench/quality.py's bytes per token of an entry off the device (a 512-token segment, seam 8, per segment
-    token) at the Qwen3.5-35B-A3B shape: 268,800 exact (the figure of bench/RESULTS.md), 145,920 with T and S in
-    bfloat16 (1.84x smaller: K/V and conv tails keep their bytes)."""
-    import importlib.util
+    """bench/cache_tiers.py's bytes per token of an entry off the device (a 512-token segment, seam 8, per
+    segment token; quality.py reports it) at the Qwen3.5-35B-A3B shape: 268,800 exact (the figure of
+    bench/RESULTS.md), 145,920 with T and S in bfloat16 (1.84x smaller: K/V and conv tails keep their bytes)."""
     from pathlib import Path
 
     import jax.numpy as jnp
 
     from hypic_jax.models import qwen3_5
 
-    bench = Path(__file__).parents[1] / "bench"
-    monkeypatch.syspath_prepend(str(bench))
-    spec = importlib.util.spec_from_file_location("quality", bench / "quality.py")
-    quality = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quality)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    from cache_tiers import entry_bytes_per_token
     from prefill import full_config
 
     layout = qwen3_5.pool_layout(full_config(40), jnp.bfloat16)
-    assert quality.entry_bytes_per_token(layout, 512, 8, compact=False) == 268_800
-    assert quality.entry_bytes_per_token(layout, 512, 8, compact=True) == 145_920
+    assert entry_bytes_per_token(layout, 512, False, seam=8) == 268_800
+    assert entry_bytes_per_token(layout, 512, True, seam=8) == 145_920
