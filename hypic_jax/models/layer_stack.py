@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["LayerPlan", "LayerStack", "PoolStack", "ExpertBank", "ExpertChunks", "EXPERT_LEAVES", "run",
-           "run_cached", "stacked_like", "map_layers", "expert_weights", "with_experts", "layer_signature", "PartSpec",
+           "run_cached", "stacked_like", "map_layers", "with_experts", "layer_signature", "PartSpec",
            "BANK_MAX_ELEMENTS"]
 
 # Dict keys of per-layer parameters that hold routed experts ([E, in, out]); they stay whole in the scan
@@ -211,16 +211,6 @@ class ExpertBank:
 
 def _flat_bank(bank):
     return bank.reshape((-1,) + tuple(bank.shape[2:]))
-
-
-def expert_weights(w) -> tuple[Any, Any]:
-    """(weights [n * E, ...], offset of the layer's expert 0 in them) for an expert array [E, ...] (offset 0) or
-    an `ExpertBank` over one array (a chunked bank has no single array: see `with_experts`)."""
-    if isinstance(w, ExpertBank):
-        if isinstance(w.bank, ExpertChunks):
-            raise ValueError("a chunked expert bank has no single array; call the expert code through with_experts")
-        return _flat_bank(w.bank), jnp.asarray(w.index, jnp.int32) * w.bank.shape[1]
-    return w, 0
 
 
 def with_experts(fn: Callable, *weights, max_elements: int | None = None):
