@@ -8,8 +8,7 @@ record) is data, so two requests that fit the same capacities run the same compi
 
 The capacities come from a `Ladder`: powers of two and 1.5 times them from a floor, quarter octaves (1.25, 1.5,
 1.75 times a power of two) from `fine_from` (1,024 tokens) up to a ceiling, so a long request pays at most 1.25x
-padding on its fresh tokens and the number of programs stays a few dozen. Padding is
-inert by construction:
+padding on its fresh tokens and the number of programs stays a few dozen. Padding is inert by construction:
 
 * padded fresh tokens have `valid` False: no key sees them, their conv rows and linear-core rows are never read,
   their K/V writes are dropped (destination `DROP`) and their logits are never taken;

@@ -12,9 +12,9 @@ of programs, so a workload of new document lengths and orders never compiles aft
     insert      max keys           a prefill's decode caches into a row of the batched decode cache, first token
     batch       rows, max keys     one decode step of rows [0, b) of the batched decode cache, sampled per row
 
-Token rungs are the `layout.Ladder`'s (powers of two and 1.5 times them; quarter octaves from 1,024 tokens). Everything else is data: the layout's
-arrays (`hypic_jax.layout.LayoutArrays`) and the entries' slots and rows in the pools (`hypic_jax.pools.Pools`),
-which hold every entry at their full capacity from the start. A compilation after `warmup` (a shape outside the
+Token rungs are the `layout.Ladder`'s (powers of two and 1.5 times them; quarter octaves from 1,024 tokens).
+Everything else is data: the layout's arrays (`hypic_jax.layout.LayoutArrays`) and the entries' slots and rows in
+the pools (`hypic_jax.pools.Pools`), which hold every entry at their full capacity from the start. A compilation after `warmup` (a shape outside the
 ladder) is counted in `stats` and logged with its shapes; a request over the largest rung fails with an error
 naming the limit. Which programs exist and how long they took to compile: `Programs.report()`.
 
