@@ -16,7 +16,8 @@ Token rungs are the `layout.Ladder`'s (powers of two and 1.5 times them; quarter
 Everything else is data: the layout's arrays (`hypic_jax.layout.LayoutArrays`) and the entries' slots and rows in
 the pools (`hypic_jax.pools.Pools`), which hold every entry at their full capacity from the start. A compilation
 after `warmup` (a shape outside the ladder) is counted in `stats` and logged with its shapes; a request over the
-largest rung fails with an error naming the limit. Which programs exist and how long they took to compile: `Programs.report()`.
+largest rung fails with an error naming the limit. Which programs exist and how long they took to compile:
+`Programs.report()`.
 
 Batched decoding (`max_batch` > 0, what a continuous-batching server uses): the engine keeps a decode cache of
 `max_batch` rows on the device. `slot_insert` writes a prefill's decode caches into one row and samples the
