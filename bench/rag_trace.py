@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import full_config, small_config  # noqa: E402
 
+from hypic_jax import stitch  # noqa: E402
 from hypic_jax.engine import Engine  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
@@ -84,6 +85,8 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--linear-impl", default="xla", choices=["xla", "pallas", "auto"])
+    parser.add_argument("--fold-impl", default="auto", choices=list(stitch.FOLD_IMPLS),
+                        help="the fold over the pieces (StableEngine's fold_impl)")
     parser.add_argument("--no-scan", dest="scan", action="store_false", help="every layer unrolled")
     parser.add_argument("--profile-dir", default=None, help="trace there (Perfetto traces for bench/trace_summary.py) "
                         "an all-cached transition_rope_recompute request, and the first prompt's full recompute, "
@@ -107,9 +110,10 @@ def main(argv=None) -> None:
     engine = StableEngine(model, max_prompt_tokens=max_prompt, max_segments=args.max_segments or args.docs + 1,
                           cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0,
                           compile_cache=args.compile_cache, min_tokens=args.min_tokens,
-                          token_rungs=tuple(args.rungs) if args.rungs else None, linear_impl=args.linear_impl)
+                          token_rungs=tuple(args.rungs) if args.rungs else None, linear_impl=args.linear_impl,
+                          fold_impl=args.fold_impl)
     report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
-                  plan=str(engine.plan), linear_impl=args.linear_impl,
+                  plan=str(engine.plan), linear_impl=args.linear_impl, fold_impl=args.fold_impl,
                   longest_prompt=longest, max_prompt_tokens=max_prompt, rungs=list(engine.ladder.rungs),
                   pool_slots=engine.pools.slots, pool_gb=round(engine.pools.nbytes / 2**30, 2))
     start = time.perf_counter()

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax import layout as lay
+from hypic_jax import stitch
 from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
 from hypic_jax.engine import MODES, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens, use_compile_cache
@@ -372,9 +373,12 @@ class StableEngine(Engine):
     `stitch.linear_kernel_fits` says they fit (a GPU, bfloat16 values); "pallas", the kernels everywhere (in the
     Pallas interpreter off a GPU); None, the architecture's own choice (Qwen3.5 / Qwen3-Next follow `gdn_kernel`,
     Kimi and Ring the XLA loops). The kernel path equals the loops in interpret mode (tests/test_stable_kernels.py)
-    and is opt-in until `bench/investigations/stable_kernels.py` has checked and timed it on a GPU. The fold over
-    the pieces (the state entering each) runs as one Pallas kernel per layer on a GPU (`pallas.piece_fold`; the
-    XLA loop elsewhere, and wherever the kernel fails to compile).
+    and is opt-in until `bench/investigations/stable_kernels.py` has checked and timed it on a GPU.
+
+    fold_impl: how the span programs fold the pieces (the state entering each; `stitch.linear_over_layout`):
+    "auto" (one Pallas kernel per layer on a GPU, `pallas.piece_fold`; the XLA loop elsewhere, and wherever the
+    kernel fails to compile), "pallas", "xla" (a loop over the pieces in use) or "blocked" (batched products in
+    blocks, no loop bound by data: `stitch._blocked_fold`).
     """
 
     def __init__(self, model, *, tokenizer=None, cache_bytes: int | None = None,
@@ -386,7 +390,8 @@ class StableEngine(Engine):
                  disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
                  disk_write_through: bool = False, tier_dtype: str | None = None, devices=None,
-                 policy: str = "lpt", linear_impl: str | None = "xla", scan_layers: bool = True):
+                 policy: str = "lpt", linear_impl: str | None = "xla", scan_layers: bool = True,
+                 fold_impl: str = "auto"):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -396,7 +401,9 @@ class StableEngine(Engine):
         if linear_impl not in (None, "xla", "pallas", "auto"):
             raise ValueError(f"linear_impl must be None, 'xla', 'pallas' or 'auto', got {linear_impl!r}")
         self.linear_impl = linear_impl
-        self.fold_impl = "auto"  # the span programs' fold over the pieces (`stitch.linear_over_layout`)
+        if fold_impl not in stitch.FOLD_IMPLS:
+            raise ValueError(f"fold_impl must be one of {stitch.FOLD_IMPLS}, got {fold_impl!r}")
+        self.fold_impl = fold_impl  # the span programs' fold over the pieces (`stitch.linear_over_layout`)
         if max_prompt_tokens < 1 or max_segments < 1 or max_new_tokens < 0:
             raise ValueError("max_prompt_tokens and max_segments must be >= 1 and max_new_tokens >= 0")
         self.max_prompt_tokens, self.max_segments, self.max_new_tokens = max_prompt_tokens, max_segments, max_new_tokens

@@ -163,9 +163,10 @@ def linear_over_layout(
     states and summaries up to rounding, except in rows that nothing reads: padded tokens' outputs (zeros from the
     kernels), and the summaries and end states of pieces that are not fresh.
     fold_impl: step 2, the fold over the pieces: "auto" the Pallas kernel `pallas.piece_fold` on a GPU where it
-    fits (`piece_fold_fits`), "pallas" always (interpreted off a GPU; also when impl is "pallas"), "xla" the loop.
+    fits (`piece_fold_fits`; always when impl is "pallas"), "pallas" always (interpreted off a GPU), "xla" the
+    loop, "blocked" batched products in blocks without a loop bound by data (`_blocked_fold`).
     """
-    fold_impl = "pallas" if impl == "pallas" else fold_impl
+    fold_impl = "pallas" if impl == "pallas" and fold_impl == "auto" else fold_impl
     if linear_kernel_fits(inputs, impl):
         return _linear_over_layout_kernels(inputs, pool, layout, summaries=summaries, rotate=rotate,
                                            algorithm=algorithm, config=kernel_config, fold_impl=fold_impl)
@@ -238,7 +239,7 @@ def linear_over_layout(
     return LinearResult(outputs, final, fresh_summary, ends)
 
 
-FOLD_IMPLS = ("xla", "pallas", "auto")
+FOLD_IMPLS = ("xla", "blocked", "pallas", "auto")
 
 
 def _use_fold_kernel(fold_impl: str, key_dim: int, value_dim: int) -> bool:
@@ -249,6 +250,59 @@ def _use_fold_kernel(fold_impl: str, key_dim: int, value_dim: int) -> bool:
         raise ValueError(f"fold_impl='pallas' needs state widths that are powers of two >= 16, got K={key_dim}, "
                          f"V={value_dim}")
     return fold_impl == "pallas" or (fold_impl == "auto" and fits and jax.default_backend() == "gpu")
+
+
+def _blocked_fold(sequence: Summary, reset: Array, count: Array, algorithm, block: int | None = None
+                  ) -> tuple[Array, Array]:
+    """The fold S <- T_p (0 if reset_p else S) + S_p over the N pieces of `sequence`, without a loop whose trip
+    count is data: (the state after piece count-1, the state entering every piece [N, H, K, V]).
+
+    A loop over `count` pieces is sequential in the pieces and, in XLA on a GPU, waits on the host for its
+    predicate every step. Here the pieces are cut into B blocks of L (L about sqrt(N)) and three passes of
+    batched products, all unrolled at trace time, give every state at depth L + B:
+      1. inside every block at once, the running pair (prod of T, local S) from the block's start (`compose`);
+      2. across blocks, the state at each block's end: C_b = T_b C_{b-1} + S_b with block b's whole pair;
+      3. every piece's end state, its in-block pair applied to the state before the block, in one product.
+    This costs about 3N transfer-sized products against the loop's N, in large batched matmuls. A reset is the
+    zero map folded into the piece's transfer (a zero matrix, or a log decay of -inf), so resets cost nothing.
+    Pieces past `count` come after every piece that matters: the fold never carries them backwards, and their
+    incoming states are zeroed."""
+    num, shape = reset.shape[0], sequence.state.shape[1:]
+    if sequence.form == "identity":
+        sequence = linear_attn.promote(sequence, "scalar")
+    expand = lambda m, a: m.reshape(m.shape + (1,) * (a.ndim - 1))  # noqa: E731
+    if sequence.form == "dense":
+        transfer = jnp.where(expand(reset, sequence.transfer), 0.0, sequence.transfer)
+    else:
+        transfer = jnp.where(expand(reset, sequence.transfer), -jnp.inf, sequence.transfer)
+    sequence = Summary(sequence.form, sequence.state, transfer)
+    length = block or max(1, int(round(num ** 0.5)))
+    blocks = -(-num // length)
+    pad = blocks * length - num
+    if pad:  # identity pieces at the end (zero state, transfer of the neutral element)
+        unit = linear_attn.promote(Summary("identity", jnp.zeros((pad,) + shape, jnp.float32), None), sequence.form)
+        sequence = jax.tree.map(lambda a, u: jnp.concatenate([a, u.astype(a.dtype)]), sequence, unit)
+    grid = jax.tree.map(lambda a: a.reshape((blocks, length) + a.shape[1:]), sequence)
+    # 1. running pairs inside the blocks, all blocks at once
+    running = [jax.tree.map(lambda a: a[:, 0], grid)]
+    for i in range(1, length):
+        step = jax.tree.map(lambda a, i=i: a[:, i], grid)
+        running.append(linear_attn.compose(running[-1], step, algorithm=algorithm))
+    # 2. the state at every block's end, block after block
+    ends = [running[-1].state[0]]
+    for b in range(1, blocks):
+        whole = jax.tree.map(lambda a, b=b: a[b], running[-1])
+        ends.append(apply_transfer(whole, ends[-1], algorithm) + whole.state)
+    before = jnp.stack([jnp.zeros(shape, jnp.float32)] + ends[:-1])  # [B, H, K, V]: entering each block
+    # 3. every piece's end state: its running pair applied to the state entering its block
+    pairs = jax.tree.map(lambda *a: jnp.stack(a, axis=1), *running)  # [B, L, ...]
+    moved = jnp.broadcast_to(before[:, None], (blocks, length) + shape)
+    after = (apply_transfer(pairs, moved, algorithm) + pairs.state).reshape((blocks * length,) + shape)[:num]
+    incoming = jnp.concatenate([jnp.zeros((1,) + shape, jnp.float32), after[:-1]])
+    live = (jnp.arange(num) < count) & ~reset
+    incoming = jnp.where(expand(live, incoming), incoming, 0.0)
+    final = jnp.where(count > 0, after[jnp.maximum(count - 1, 0)], 0.0)
+    return final, incoming
 
 
 def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: Summary | None, rotate, algorithm,
@@ -291,6 +345,9 @@ def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: 
         is_cached = layout.piece_kind == PIECE_CACHED
         pick = lambda c, z: jnp.where(is_cached.reshape((-1,) + (1,) * (c.ndim - 1)), c, z)  # noqa: E731
         sequence = jax.tree.map(pick, cached, identity)
+
+    if fold_impl == "blocked":
+        return _blocked_fold(sequence, layout.piece_reset, layout.num_pieces, algorithm)
 
     def fold(p, carry):
         state, incoming = carry

@@ -1,31 +1,103 @@
-"""The fold over a request's pieces (`stitch._fold_pieces`) as the XLA loop and as the Pallas kernel
-(`pallas.piece_fold`, float32 and bf16x3 dots) on one layer's worth of random pieces: a capacity of 40 pieces, 33 in
-use, 12 pool rows, 8 heads of 128 x 128 states, dense and scalar transfers. Prints the ms per call (median-free mean
-of 5, after a warm call) and the largest difference to the XLA loop in float32, relative to its largest entry.
+"""The fold over a request's pieces (`stitch._fold_pieces`) in each of its implementations, on one layer's worth
+of random pieces at the engine's shapes: 32 heads of 128 x 128 states, dense transfers, a pool of 188 rows, and
+piece capacities of 66 (32 documents: seam and cached piece each, plus the query) and 258 (128 segments), every
+piece in use, a fresh summary for every fresh piece, bf16x3 products (the engine's on a GPU).
 
-    python3 bench/investigations/piece_fold.py
+Variants: the XLA loop ("xla"), the Pallas kernel (`pallas.piece_fold`, launch parameters varied) and the blocked
+fold without a loop bound by data (`stitch._blocked_fold`, block sizes varied). Prints per variant the ms per
+call (20 calls dispatched back to back, then one wait: what a step of a compiled program costs, without the host's
+dispatch) and the largest difference to the float32 XLA loop relative to its largest entry. One JSON line each.
+
+    python3 bench/investigations/piece_fold.py [--pieces 66 258] [--heads 32]
 """
-import types, numpy as np, jax, jax.numpy as jnp
-from hypic_jax import stitch, layout as lay
+import argparse
+import functools
+import json
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax import layout as lay
+from hypic_jax import stitch
 from hypic_jax.linear_attn import Summary
+from hypic_jax.pallas import piece_fold
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--pieces", type=int, nargs="+", default=[66, 258])
+parser.add_argument("--heads", type=int, default=32)
+parser.add_argument("--rows", type=int, default=188)
+parser.add_argument("--calls", type=int, default=20)
+args = parser.parse_args()
 rng = np.random.default_rng(0)
-N, P, H, K, V = 40, 12, 8, 128, 128
-for form in ["dense", "scalar"]:
-    tr = (lambda n: jnp.asarray(rng.normal(size=(n, H, K, K)) / np.sqrt(K), jnp.float32)) if form == "dense" else (lambda n: jnp.asarray(-rng.uniform(0, 1, (n, H)), jnp.float32))
-    st = lambda n: jnp.asarray(rng.normal(size=(n, H, K, V)), jnp.float32)
-    pool = Summary(form, st(P), tr(P))
-    count = 33
-    kind = np.where(rng.uniform(size=N) < .5, lay.PIECE_CACHED, lay.PIECE_FRESH); kind[count:] = 0
-    reset = rng.uniform(size=N) < .1; reset[0] = True
-    L = types.SimpleNamespace(piece_kind=jnp.asarray(kind, jnp.int32), piece_slot=jnp.asarray(rng.integers(0, P, N), jnp.int32),
-        piece_reset=jnp.asarray(reset), num_pieces=jnp.int32(count), drop_transfer=jnp.asarray(False), piece_offset=jnp.zeros(N, jnp.int32))
-    fresh = Summary(form, st(N), tr(N))
-    res = {}
-    for impl, alg in [("xla", None), ("pallas", None), ("pallas", "bf16x3")]:
-        f = jax.jit(lambda: stitch._fold_pieces(pool, L, form, fresh, None, alg, (H, K, V), impl))
-        out = f(); jax.block_until_ready(out)
-        import time; t = time.perf_counter(); [jax.block_until_ready(f()) for _ in range(5)]; ms = (time.perf_counter() - t) / 5 * 1e3
-        res[(impl, alg)] = out
-        ref = res[("xla", None)]
-        err = max(float(jnp.max(jnp.abs((a[:count] if a.ndim == 4 else a) - (b[:count] if b.ndim == 4 else b))) / jnp.max(jnp.abs(b))) for a, b in zip(out, ref))
-        print(form, impl, alg, f"{ms:.3f} ms", "rel err vs xla f32", f"{err:.2e}", flush=True)
+H, K, V, P = args.heads, 128, 128, args.rows
+
+
+def transfers(n):  # contractive, like a product of gated delta-rule steps
+    return jnp.asarray(rng.normal(size=(n, H, K, K)) / np.sqrt(4 * K), jnp.float32)
+
+
+def states(n):
+    return jnp.asarray(rng.normal(size=(n, H, K, V)), jnp.float32)
+
+
+def timed(fn, *operands):
+    out = fn(*operands)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(args.calls):
+        out = fn(*operands)
+    jax.block_until_ready(out)
+    return out, (time.perf_counter() - start) / args.calls * 1e3
+
+
+pool = Summary("dense", states(P), transfers(P))
+for num in args.pieces:
+    kind = np.where(np.arange(num) % 2 == 0, lay.PIECE_FRESH, lay.PIECE_CACHED)  # seam, cached, seam, ... query
+    kind[-1] = lay.PIECE_FRESH
+    reset = np.zeros(num, bool)
+    reset[0] = True
+    arrays = dict(  # operands, not constants of the programs (XLA would fold them at compile time)
+        piece_kind=jnp.asarray(kind, jnp.int32), piece_slot=jnp.asarray(rng.integers(0, P, num), jnp.int32),
+        piece_reset=jnp.asarray(reset), num_pieces=jnp.int32(num), drop_transfer=jnp.asarray(False),
+        piece_offset=jnp.zeros(num, jnp.int32))
+    fresh = Summary("dense", states(num), transfers(num))
+
+    def fold(impl, algorithm, block=None):
+        def run(pool, fresh, arrays):
+            blocked = stitch._blocked_fold
+            stitch._blocked_fold = functools.partial(blocked, block=block)
+            try:
+                return stitch._fold_pieces(pool, types.SimpleNamespace(**arrays), "dense", fresh, None, algorithm,
+                                           (H, K, V), impl)
+            finally:
+                stitch._blocked_fold = blocked
+        return jax.jit(run)
+
+    def kernel(warps, width, stages):
+        def run(pool, fresh, arrays):
+            return piece_fold.piece_fold(
+                "dense", arrays["piece_kind"], arrays["piece_slot"], arrays["piece_reset"], arrays["num_pieces"],
+                arrays["drop_transfer"], pool.transfer, pool.state, fresh.transfer, fresh.state, algorithm="bf16x3",
+                block_w=width, num_warps=warps, num_stages=stages)
+        return jax.jit(run)
+
+    variants = [("xla f32", fold("xla", None)), ("xla", fold("xla", "bf16x3"))]
+    for warps, width, stages in [(4, 32, 1), (8, 32, 1), (4, 16, 1), (8, 64, 1), (4, 32, 2), (8, 32, 2)]:
+        variants.append((f"pallas warps={warps} block_w={width} stages={stages}", kernel(warps, width, stages)))
+    for block in (None, 4, 8, 12, 16, 24):
+        variants.append((f"blocked block={block or round(num ** 0.5)}", fold("blocked", "bf16x3", block)))
+    reference = None
+    for name, fn in variants:
+        try:
+            out, ms = timed(fn, pool, fresh, arrays)
+        except Exception as error:  # noqa: BLE001  (a launch configuration that does not fit: report, go on)
+            print(json.dumps(dict(pieces=num, variant=name, error=f"{type(error).__name__}: {str(error)[:200]}")),
+                  flush=True)
+            continue
+        reference = out if reference is None else reference
+        err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(out, reference))
+        print(json.dumps(dict(pieces=num, heads=H, variant=name, ms=round(ms, 3), rel_err=float(f"{err:.2e}"))),
+              flush=True)

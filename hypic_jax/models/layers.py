@@ -92,7 +92,8 @@ def _use_pallas_moe(impl: str, num_rows: int) -> bool:
 
 
 def grouped_swiglu_experts(
-    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, *, impl: str = "auto"
+    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, *, impl: str = "auto",
+    valid: Array | None = None,
 ) -> Array:
     """Routed SwiGLU experts as two grouped matmuls over expert-sorted token copies.
 
@@ -107,6 +108,8 @@ def grouped_swiglu_experts(
       gate_up: [E, H, 2I] fused [gate | up] projections.  down: [E, I, H]. Either may be an `ExpertBank` (a
         scanned layer's experts in its pattern position's bank): the kernel then reads the bank in place
         (`layer_stack.with_experts`), ragged_dot takes a copy of the layer's experts.
+      valid: [T] bool or None: tokens outside it (a bucket's padding) get zero outputs; with the Pallas kernel
+        their copies go to a null expert whose row blocks are skipped, so padding costs no expert work.
     Returns:
       [T, H] in x's dtype.
     """
@@ -116,7 +119,13 @@ def grouped_swiglu_experts(
     if _use_pallas_moe(impl, num_rows):
         config = MOE_GMM_CONFIG or gm.default_config(num_rows)
         # padded row of each (token, slot) copy; a one-hot running count rather than two sorts for few copies
-        slot_rows, layout = gm.copy_layout(experts, num_experts, config.block_m)
+        if valid is None:
+            slot_rows, layout = gm.copy_layout(experts, num_experts, config.block_m)
+        else:  # expert id num_experts: the null expert, sorted last, its blocks marked -1 (never computed)
+            null = jnp.where(valid[:, None], experts, num_experts)
+            slot_rows, layout = gm.copy_layout(null, num_experts + 1, config.block_m)
+            layout = layout._replace(block_expert=jnp.where(layout.block_expert == num_experts, -1,
+                                                            layout.block_expert))
         padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
@@ -147,19 +156,25 @@ def grouped_swiglu_experts(
         per_slot = out_rows[inverse]
     per_slot = per_slot.reshape(num_tokens, top_k, -1)
     combined = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights.astype(jnp.float32))
+    if valid is not None:  # skipped blocks hold whatever memory held: where, not a multiply
+        combined = jnp.where(valid[:, None], combined, 0.0)
     return combined.astype(x.dtype)
 
 
-def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True, impl: str = "auto") -> Array:
+def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True, impl: str = "auto",
+             valid: Array | None = None) -> Array:
     """Qwen-style sparse MoE block: softmax top-k router, SwiGLU experts, sigmoid-gated shared expert.
 
     `p` holds router [H, E], gate_up [E, H, 2I], down [E, I, H], and optionally shared_gate_proj / shared_up_proj /
-    shared_down_proj and shared_expert_gate [H, 1]. x is [..., H]; leading axes are flattened into tokens.
+    shared_down_proj and shared_expert_gate [H, 1]. x is [..., H]; leading axes are flattened into tokens. valid:
+    None or a bool mask of x's leading axes; the routed experts skip the tokens outside it (their routed part is
+    zero; see `grouped_swiglu_experts`).
     """
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     weights, experts = softmax_topk_router(tokens, p["router"], top_k, renormalize=renormalize)
-    routed = grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"], impl=impl)
+    routed = grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"], impl=impl,
+                                    valid=None if valid is None else valid.reshape(-1))
     if "shared_gate_proj" in p:
         shared = swiglu(tokens, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"])
         shared = jax.nn.sigmoid(tokens @ p["shared_expert_gate"]) * shared

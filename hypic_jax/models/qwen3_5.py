@@ -409,11 +409,13 @@ def full_attention(
     return attention_output(attended, gate, p), new_cache
 
 
-def feed_forward(x: Array, p: dict, config: Config, mlp_type: str) -> Array:
+def feed_forward(x: Array, p: dict, config: Config, mlp_type: str, valid: Array | None = None) -> Array:
+    """The layer's MLP; valid (a mask of x's leading axes, or None): the MoE skips routed work outside it."""
     if mlp_type == "dense":
         return layers.swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
     return layers.qwen_moe(
-        x, p, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob, impl=config.moe_kernel
+        x, p, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob, impl=config.moe_kernel,
+        valid=valid,
     )
 
 
@@ -655,7 +657,7 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
             decode = KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i])[0]
+        x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i], layout.valid[None])[0]
         return x, (write, decode)
 
     x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
