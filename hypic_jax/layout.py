@@ -27,6 +27,7 @@ of `chunk` tokens, each piece starting a new chunk, so a piece's state before an
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -40,8 +41,8 @@ PIECE_PAD, PIECE_FRESH, PIECE_CACHED = 0, 1, 2
 PAD_POSITION = np.iinfo(np.int32).max // 2  # beyond every real position: a padded key is never visible
 DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: writes there are dropped (`stitch.apply_row_writes`)
 
-__all__ = ["FRESH", "CACHED", "Span", "Capacity", "Ladder", "LayoutArrays", "build", "PAD_POSITION", "DROP",
-           "shift_pool_rows"]
+__all__ = ["FRESH", "CACHED", "Span", "Capacity", "Ladder", "LayoutArrays", "build", "pack", "unpack",
+           "PAD_POSITION", "DROP", "shift_pool_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,13 +216,12 @@ def shift_pool_rows(layout: LayoutArrays, kind: str, base) -> LayoutArrays:
     raise ValueError(f"pool kind must be 'slot' or 'token', got {kind!r}")
 
 
-def _predecessors(history: list[int], rows: Sequence[int], w1: int) -> np.ndarray:
+def _predecessors(history: list[int], rows: np.ndarray, w1: int) -> np.ndarray:
     """[len(rows), w1]: for each new row the w1 rows before it in `history + rows` (0 = the zero row)."""
-    seq = np.asarray([0] * w1 + history[-w1:] + list(rows), np.int64)[-(w1 + len(rows)):] if w1 else None
     if not w1:
         return np.zeros((len(rows), 0), np.int32)
-    windows = np.lib.stride_tricks.sliding_window_view(seq, w1)[: len(rows)]
-    return windows.astype(np.int32)
+    seq = np.concatenate([np.asarray(_tail(history, w1), np.int32), rows.astype(np.int32)])
+    return seq[np.arange(len(rows))[:, None] + np.arange(w1)[None, :]]
 
 
 def _tail(history: list[int], w1: int) -> list[int]:
@@ -281,7 +281,7 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
             out["piece_offset"][piece] = offset
             out["piece_reset"][piece] = piece == 0 or span.snapshot
             keep = min(span.length, w1)  # a later conv window reaches at most w1 rows back
-            history += [1 + F + piece * w1 + w1 - keep + j for j in range(keep)]
+            history = _tail(history, w1) + [1 + F + piece * w1 + w1 - keep + j for j in range(keep)]
             if key + span.length > P:
                 raise ValueError(f"the request needs more than {P} keys")
             sl = slice(key, key + span.length)
@@ -299,8 +299,8 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
             sl = slice(fresh, fresh + span.length)
             out["positions"][sl] = start + np.arange(span.length)
             out["token_segment"][sl] = index
-            out["conv_rows"][sl] = _predecessors(history, list(1 + span_fresh), w1)
-            history += list(1 + span_fresh)
+            out["conv_rows"][sl] = _predecessors(history, 1 + span_fresh, w1)
+            history = _tail(history, w1) + (1 + span_fresh[max(0, len(span_fresh) - w1):]).tolist() if w1 else []
             for lo, hi in bounds:
                 if piece >= N:
                     raise ValueError(f"the request needs more than {N} pieces")
@@ -309,10 +309,10 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
                 n_chunks = -(-(hi - lo) // c)
                 if chunk + n_chunks > C:
                     raise ValueError(f"the request needs more than {C} chunks")
-                for j in range(n_chunks):
-                    a, b = lo + j * c, min(hi, lo + (j + 1) * c)
-                    out["chunk_rows"][chunk + j, : b - a] = span_fresh[a:b]
-                    out["token_chunk_row"][span_fresh[a:b]] = (chunk + j) * c + np.arange(b - a)
+                rows = np.full(n_chunks * c, F, np.int32)  # the piece's tokens, chunk after chunk
+                rows[: hi - lo] = span_fresh[lo:hi]
+                out["chunk_rows"][chunk : chunk + n_chunks] = rows.reshape(n_chunks, c)
+                out["token_chunk_row"][span_fresh[lo:hi]] = chunk * c + np.arange(hi - lo)
                 out["chunk_piece"][chunk : chunk + n_chunks] = piece
                 out["chunk_first"][chunk] = True
                 out["chunk_last"][chunk + n_chunks - 1] = True
@@ -353,6 +353,39 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
     out["num_chunks"] = np.asarray(chunk, np.int32)
     out["num_keys"] = np.asarray(key, np.int32)
     out["drop_transfer"] = np.asarray(not transfer)
+    return LayoutArrays(**out)
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(capacity: Capacity) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+    """(name, shape, dtype) of every LayoutArrays field at `capacity`, in field order (they depend on it alone)."""
+    arrays = build([Span(FRESH, 1)], capacity, isolated=False, tokens=np.zeros(1, np.int32), summaries=True)
+    return tuple((f.name, getattr(arrays, f.name).shape, getattr(arrays, f.name).dtype)
+                 for f in dataclasses.fields(LayoutArrays))
+
+
+def pack(arrays: LayoutArrays) -> np.ndarray:
+    """Every field of a host layout in one int32 vector (bools as 0/1), so that a request sends its layout to the
+    device as one transfer instead of one per field (a few dozen); `unpack` inside the program splits it again."""
+    return np.concatenate([np.asarray(getattr(arrays, f.name)).astype(np.int32, copy=False).reshape(-1)
+                           for f in dataclasses.fields(LayoutArrays)])
+
+
+def packed_size(capacity: Capacity) -> int:
+    """The length of `pack`'s vector at `capacity`."""
+    return sum(int(np.prod(shape)) for _, shape, _ in _fields(capacity))
+
+
+def unpack(packed, capacity: Capacity) -> LayoutArrays:
+    """`pack`'s inverse for a layout of `capacity` (static slices: free inside a jitted program)."""
+    if packed.shape != (packed_size(capacity),):
+        raise ValueError(f"a packed layout of {capacity} has {packed_size(capacity)} entries, got {packed.shape}")
+    out, at = {}, 0
+    for name, shape, dtype in _fields(capacity):
+        size = int(np.prod(shape))
+        part = packed[at : at + size].reshape(shape)
+        out[name] = part != 0 if dtype == np.bool_ else part
+        at += size
     return LayoutArrays(**out)
 
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hypic_jax import executables
 from hypic_jax import layout as lay
 from hypic_jax import stitch
 from hypic_jax import tiers as tr
@@ -150,6 +151,7 @@ class ProgramStats:
     programs: int = 0
     compile_s: float = 0.0
     serving_compiles: int = 0
+    loaded: int = 0  # programs read from the engine's executable store instead of compiled
 
 
 class Programs:
@@ -163,6 +165,7 @@ class Programs:
         self._lock = threading.Lock()
         self.serving = False
         self.stats = ProgramStats()
+        self._signature = None  # the parameters' and pools' shapes, as text (part of every digest)
 
     def keys_for(self, max_prompt_tokens: int) -> list[ProgramKey]:
         ladder = self.engine.ladder
@@ -198,19 +201,40 @@ class Programs:
                                            top_n=engine.top_logprobs), donate_argnums=1)
             return fn.lower(shapes(engine.params), shapes(engine._slot_shapes()), rows, rows,
                             SamplingRows.shapes(key.tokens))
-        arrays = engine._dummy_layout(key)
-        fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config,
+        capacity = engine._capacity(key)
+        fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config, capacity=capacity,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
                                        want_decode=key.kind != "cold", algorithm=engine.compose_algorithm,
                                        linear_impl=engine.linear_impl, fold_impl=engine.fold_impl))
-        return fn.lower(shapes(engine.params), shapes(arrays), shapes(engine.pools.arrays))
+        packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
+        return fn.lower(shapes(engine.params), packed, shapes(engine.pools.arrays))
+
+    def _digest(self, key: ProgramKey) -> str:
+        """What the program of `key` is made of, without tracing it (`executables.ExecutableStore.digest`)."""
+        engine = self.engine
+        if self._signature is None:
+            self._signature = (executables.describe(engine.params), executables.describe(engine.pools.arrays))
+        capacity = engine._capacity(key) if key.kind in ("cold", "pic", "plain") else None
+        return engine.executables.digest(
+            key, capacity, engine.ladder.max_pieces, engine.ladder.records, engine.ladder.chunk, engine.ladder.conv,
+            engine.arch.__name__, repr(engine.config), engine.compose_algorithm, engine.linear_impl,
+            engine.fold_impl, engine.top_logprobs, engine.max_batch, engine.max_keys, *self._signature)
 
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
-        while True:
+        store = self.engine.executables
+        compiled = store.load(self._digest(key)) if store is not None else None
+        if compiled is not None:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self._compiled[key] = compiled
+                self._seconds[key] = seconds
+                self.stats.programs = len(self._compiled)
+                self.stats.loaded += 1
+            return compiled
+        while compiled is None:
             try:
                 compiled = self._lower(key).compile()
-                break
             except Exception as error:  # noqa: BLE001  (a kernel's lowering or compile failed: see below)
                 # an automatic choice of Pallas kernels must never cost the engine its programs: fall back to
                 # the XLA loops (same results up to rounding; the records keep one form), the fold first
@@ -226,6 +250,8 @@ class Programs:
                 log.warning("the %s program for %d tokens failed to compile with %s (%s: %s); every span program "
                             "compiled from now on runs the XLA loops instead", key.kind, key.tokens, what,
                             type(error).__name__, str(error)[:500])
+        if store is not None:
+            store.save(self._digest(key), compiled)  # under the choices it compiled with (after any fallback)
         seconds = time.perf_counter() - start
         with self._lock:
             self._compiled[key] = compiled
@@ -268,8 +294,10 @@ class Programs:
                 for k, s in sorted(self._seconds.items())]
 
 
-def _span_program(params, arrays, pools, *, arch, config, isolated, summaries, want_decode, algorithm,
+def _span_program(params, packed, pools, *, arch, config, capacity, isolated, summaries, want_decode, algorithm,
                   linear_impl=None, fold_impl="auto"):
+    """A span program: the request's layout arrives packed in one int32 vector (`layout.pack`)."""
+    arrays = lay.unpack(packed, capacity)
     extra = {} if linear_impl is None else dict(linear_impl=linear_impl)  # None: the architecture's own choice
     return arch.span_forward_arrays(params, config, arrays, pools, isolated=isolated, summaries=summaries,
                                     want_decode=want_decode, algorithm=algorithm, fold_impl=fold_impl, **extra)
@@ -435,6 +463,9 @@ class StableEngine(Engine):
         self.top_logprobs = min(TOP_LOGPROBS, self.vocab_size)
         self._slots = None  # the batched decode cache, made on first use
         self._fill_slots = None
+        # compiled programs kept whole next to JAX's cache: a restarted process loads them without lowering
+        self.executables = (None if self.compile_cache is None
+                            else executables.ExecutableStore(self.compile_cache / "hypic-programs"))
         self.programs = Programs(self)
         self._device_lock = threading.RLock()
         self._unstored: list[Entry] = []
@@ -458,10 +489,10 @@ class StableEngine(Engine):
         """The decode cache a stitched program returns (shapes only): the decode program's input. With the layers
         scanned its layers are a `LayerStack` by the engine's plan, so the decode step scans them as they are."""
         key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
-        fn = functools.partial(_span_program, arch=self.arch, config=self.config, isolated=False, summaries=False,
-                               want_decode=True, algorithm=self.compose_algorithm, linear_impl=self.linear_impl,
-                               fold_impl=self.fold_impl)
-        decode = jax.eval_shape(fn, self.params, self._dummy_layout(key), self.pools.arrays)[2]
+        fn = functools.partial(_span_program, arch=self.arch, config=self.config, capacity=self._capacity(key),
+                               isolated=False, summaries=False, want_decode=True, algorithm=self.compose_algorithm,
+                               linear_impl=self.linear_impl, fold_impl=self.fold_impl)
+        decode = jax.eval_shape(fn, self.params, lay.pack(self._dummy_layout(key)), self.pools.arrays)[2]
         return ModelCache(layers=decode, length=jax.ShapeDtypeStruct((), jnp.int32))
 
     def _slot_shapes(self):
@@ -472,9 +503,11 @@ class StableEngine(Engine):
 
     def warmup(self, max_prompt_tokens: int | None = None, max_segments: int | None = None, *,
                progress: bool = True) -> dict:
-        """Compile every program a prompt of up to `max_prompt_tokens` tokens can use, ahead of time; with JAX's
-        persistent compilation cache (`compile_cache=`) a restarted process loads them instead. Afterwards a
-        compilation counts as one while serving. Returns the programs and the seconds it took."""
+        """Compile every program a prompt of up to `max_prompt_tokens` tokens can use, ahead of time; with
+        `compile_cache=` a restarted process loads them instead (each program whole, `executables.ExecutableStore`,
+        and JAX's persistent compilation cache for the programs that cannot be stored whole). Afterwards a
+        compilation counts as one while serving. Returns the programs, the seconds it took, XLA compilations and
+        programs loaded from the store."""
         if max_segments is not None and max_segments > self.max_segments:
             raise ValueError(f"max_segments {max_segments} exceeds the engine's {self.max_segments}")
         limit = self.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
@@ -491,7 +524,8 @@ class StableEngine(Engine):
             self._slot_cache()  # allocating it compiles its fill programs: here, not while serving
         tiers = self._warm_tiers(limit)
         self.programs.serving = True
-        return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before, **tiers)
+        return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before,
+                    loaded=self.programs.stats.loaded, **tiers)
 
     def _warm_mesh(self, limit: int) -> float:
         """Compile (and run once) the segment-parallel programs of every rung up to `limit`; calibrate the segment
@@ -529,7 +563,7 @@ class StableEngine(Engine):
         program = self.programs.get(key)
         commit = self.programs.get(ProgramKey("commit", key.tokens, 0))
         with self.pools.lock:
-            logits, writes, decode = program(self.params, arrays, self._pool_arrays())
+            logits, writes, decode = program(self.params, lay.pack(arrays), self._pool_arrays())
             self._write_pools(commit, writes)
         return logits, decode
 
@@ -619,7 +653,7 @@ class StableEngine(Engine):
             prompt_tokens=total, cached_tokens=plan["cached_tokens"], recomputed_tokens=len(plan["fresh"]),
             cold_tokens=plan["cold_tokens"], hits=plan["hits"], misses=plan["misses"], ttft_s=end - start,
             cold_s=cold_s, combine_s=end - combine_start)
-        return PrefillResult(logits=logits, stats=stats, tokens=[t for s in segs for t in s], decode=decode)
+        return PrefillResult(logits=logits, stats=stats, tokens=np.concatenate(ids).tolist(), decode=decode)
 
     def _plan(self, mode, segs, ids, seam, salt, pins, total):
         if mode == "full_recompute":

@@ -10,6 +10,9 @@ engine (`hypic_jax.Engine`), which stitches by another implementation.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -171,6 +174,17 @@ def test_padding_is_inert_across_capacities():
     assert a.conv_rows[5].tolist() == tail
     with pytest.raises(ValueError, match="capacity"):
         lay.build([lay.Span(lay.FRESH, 17)], small, isolated=False, tokens=np.arange(17), summaries=False)
+    # one packed int32 vector per request (`layout.pack`) unpacks to the same fields, dtypes and shapes
+    for arrays, cap in ((a, small), (b, large)):
+        packed = lay.pack(arrays)
+        assert packed.dtype == np.int32 and packed.shape == (lay.packed_size(cap),)
+        back = jax.jit(lay.unpack, static_argnums=1)(packed, cap)
+        for field in dataclasses.fields(lay.LayoutArrays):
+            want, got = np.asarray(getattr(arrays, field.name)), np.asarray(getattr(back, field.name))
+            assert got.dtype == want.dtype and got.shape == want.shape, field.name
+            np.testing.assert_array_equal(got, want, err_msg=field.name)
+    with pytest.raises(ValueError, match="packed layout"):
+        lay.unpack(lay.pack(a), large)
 
 
 
@@ -276,3 +290,41 @@ def test_a_write_refused_before_it_runs_leaves_the_pools_usable(engines):
         engine.programs._compiled[key] = real
     assert engine.pools.arrays is not None
     assert _rel(engine.prefill(segs, mode="full_recompute").logits, want) < 1e-6
+
+
+def test_a_restarted_engine_loads_its_programs_whole(tmp_path):
+    """With compile_cache, an engine stores every compiled program whole (`executables.ExecutableStore`); a new
+    engine of the same model and choices loads them all without an XLA compilation and answers the same; a damaged
+    file is compiled again (and replaced); other choices (here the fold) are other programs."""
+    from hypic_jax.runtime import ProgramKey
+
+    model, vocab, _ = _build("qwen_moe", str(tmp_path / "model"))
+
+    def make(**kw):
+        return StableEngine(model, max_prompt_tokens=64, max_segments=3, token_rungs=(64,), cache_bytes=1 << 22,
+                            max_new_tokens=4, compile_cache=tmp_path / "cache", **kw)
+
+    rng = np.random.default_rng(5)
+    segs = [rng.integers(3, vocab, 11).tolist(), rng.integers(3, vocab, 9).tolist(), [4, 5, 6]]
+    first = make()
+    warm = first.warmup(progress=False)
+    stored = sorted((tmp_path / "cache" / "hypic-programs").glob("*.jaxexec"))
+    assert warm["loaded"] == 0 and len(stored) == warm["programs"]
+    want = [np.asarray(first.prefill(segs, mode=m).logits) for m in ("transition_rope_recompute",) * 2]
+
+    second = make()
+    before = backend_compiles()
+    warm = second.warmup(progress=False)
+    assert warm["loaded"] == warm["programs"] and backend_compiles() == before
+    got = [np.asarray(second.prefill(segs, mode=m).logits) for m in ("transition_rope_recompute",) * 2]
+    for a, b in zip(got, want):  # a miss (cold + stitched programs), then all cached
+        np.testing.assert_array_equal(a, b)
+    assert second.programs.stats.serving_compiles == 0
+
+    stored[0].write_bytes(b"damaged")
+    third = make()
+    warm = third.warmup(progress=False)
+    assert warm["loaded"] == warm["programs"] - 1 and stored[0].stat().st_size > 100  # compiled and replaced
+    key = ProgramKey("pic", 64, third.max_keys)
+    other = make(fold_impl="xla")
+    assert other.programs._digest(key) != third.programs._digest(key)

@@ -108,7 +108,7 @@ def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has
 
 def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, drop: Array, pool_t: Array | None,
                pool_s: Array, fresh_t: Array | None = None, fresh_s: Array | None = None, *,
-               algorithm: str | None = "bf16x3", block_w: int = 32, num_warps: int = 4, num_stages: int = 1,
+               algorithm: str | None = "bf16x3", block_w: int = 32, num_warps: int = 8, num_stages: int = 1,
                interpret: bool = False) -> tuple[Array, Array]:
     """The state after the last of `count` pieces and the state entering every piece, in one launch.
 
