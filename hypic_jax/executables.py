@@ -50,7 +50,8 @@ def _source_digest() -> str:
 def _settings() -> str:
     """Module-level settings of the loaded hypic_jax modules: upper-case names whose repr names no address."""
     out = []
-    for name in sorted(m for m in sys.modules if m == "hypic_jax" or m.startswith("hypic_jax.")):
+    modules = (m for m in sys.modules if (m == "hypic_jax" or m.startswith("hypic_jax.")) and m != __name__)
+    for name in sorted(modules):
         module = sys.modules[name]
         for attr, value in sorted(vars(module).items()):
             if attr.isupper() and not callable(value):
@@ -65,8 +66,9 @@ def environment() -> str:
     import jaxlib
 
     devices = jax.devices()
+    flags = os.environ.get("XLA_FLAGS", "")
     return "\n".join([f"jax={jax.__version__}", f"jaxlib={jaxlib.__version__}", f"backend={jax.default_backend()}",
-                      f"device={devices[0].device_kind} x{len(devices)}", f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}",
+                      f"device={devices[0].device_kind} x{len(devices)}", f"XLA_FLAGS={flags}",
                       f"source={_source_digest()}", _settings()])
 
 

@@ -68,8 +68,9 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def backend_compiles() -> int:
-    """XLA compilations this process has run so far (every program, any caller): what a test or benchmark reads
-    before and after serving to prove that nothing compiled."""
+    """XLA compilations this process has run so far (every program, any caller; a program that JAX's persistent
+    cache serves counts too, programs loaded from an `executables.ExecutableStore` do not): what a test or
+    benchmark reads before and after serving to prove that nothing compiled."""
     return _compile_events[0]
 
 

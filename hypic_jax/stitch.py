@@ -263,8 +263,10 @@ def _blocked_fold(sequence: Summary, reset: Array, count: Array, algorithm, bloc
       1. inside every block at once, the running pair (prod of T, local S) from the block's start (`compose`);
       2. across blocks, the state at each block's end: C_b = T_b C_{b-1} + S_b with block b's whole pair;
       3. every piece's end state, its in-block pair applied to the state before the block, in one product.
-    This costs about 3N transfer-sized products against the loop's N, in large batched matmuls. A reset is the
-    zero map folded into the piece's transfer (a zero matrix, or a log decay of -inf), so resets cost nothing.
+    This costs about 3N transfer-sized products against the loop's N, in large batched matmuls; on the H200 the
+    Pallas kernel's sequential steps still win (`bench/investigations/piece_fold.py`, bench/RESULTS.md). A reset
+    is the zero map folded into the piece's transfer (a zero matrix, or a log decay of -inf), so resets cost
+    nothing.
     Pieces past `count` come after every piece that matters: the fold never carries them backwards, and their
     incoming states are zeroed."""
     num, shape = reset.shape[0], sequence.state.shape[1:]
