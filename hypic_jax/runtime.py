@@ -238,12 +238,13 @@ class Programs:
                 compiled = self._lower(key).compile()
             except Exception as error:  # noqa: BLE001  (a kernel's lowering or compile failed: see below)
                 # an automatic choice of Pallas kernels must never cost the engine its programs: fall back to
-                # the XLA loops (same results up to rounding; the records keep one form), the fold first
+                # XLA (same results up to rounding; the records keep one form), the fold first (to the blocked
+                # fold, which needs no host round trip per piece)
                 engine = self.engine
                 if key.kind not in ("cold", "pic", "plain"):
                     raise
                 if engine.fold_impl == "auto":
-                    what, engine.fold_impl = "the fold over the pieces through its Pallas kernel", "xla"
+                    what, engine.fold_impl = "the fold over the pieces through its Pallas kernel", "blocked"
                 elif engine.linear_impl in (None, "auto"):
                     what, engine.linear_impl = "the linear cores through the Pallas kernels", "xla"
                 else:
@@ -405,9 +406,9 @@ class StableEngine(Engine):
     and is opt-in until `bench/investigations/stable_kernels.py` has checked and timed it on a GPU.
 
     fold_impl: how the span programs fold the pieces (the state entering each; `stitch.linear_over_layout`):
-    "auto" (one Pallas kernel per layer on a GPU, `pallas.piece_fold`; the XLA loop elsewhere, and wherever the
-    kernel fails to compile), "pallas", "xla" (a loop over the pieces in use) or "blocked" (batched products in
-    blocks, no loop bound by data: `stitch._blocked_fold`).
+    "auto" (one Pallas kernel per layer on a GPU, `pallas.piece_fold`; the blocked fold on a GPU where the
+    kernel does not fit or fails to compile; the XLA loop elsewhere), "pallas", "xla" (a loop over the pieces in
+    use) or "blocked" (batched products in blocks, no loop bound by data: `stitch._blocked_fold`).
     """
 
     def __init__(self, model, *, tokenizer=None, cache_bytes: int | None = None,

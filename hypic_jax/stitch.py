@@ -163,8 +163,9 @@ def linear_over_layout(
     states and summaries up to rounding, except in rows that nothing reads: padded tokens' outputs (zeros from the
     kernels), and the summaries and end states of pieces that are not fresh.
     fold_impl: step 2, the fold over the pieces: "auto" the Pallas kernel `pallas.piece_fold` on a GPU where it
-    fits (`piece_fold_fits`; always when impl is "pallas"), "pallas" always (interpreted off a GPU), "xla" the
-    loop, "blocked" batched products in blocks without a loop bound by data (`_blocked_fold`).
+    fits (`piece_fold_fits`; always when impl is "pallas"), else "blocked" on a GPU and "xla" elsewhere; "pallas"
+    always (interpreted off a GPU), "xla" the loop, "blocked" batched products in blocks without a loop bound by
+    data (`_blocked_fold`).
     """
     fold_impl = "pallas" if impl == "pallas" and fold_impl == "auto" else fold_impl
     if linear_kernel_fits(inputs, impl):
@@ -348,7 +349,8 @@ def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: 
         pick = lambda c, z: jnp.where(is_cached.reshape((-1,) + (1,) * (c.ndim - 1)), c, z)  # noqa: E731
         sequence = jax.tree.map(pick, cached, identity)
 
-    if fold_impl == "blocked":
+    if fold_impl == "blocked" or (fold_impl == "auto" and jax.default_backend() == "gpu"):
+        # on a GPU without the kernel (widths it cannot tile) the loop would wait on the host every step
         return _blocked_fold(sequence, layout.piece_reset, layout.num_pieces, algorithm)
 
     def fold(p, carry):

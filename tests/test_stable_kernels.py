@@ -233,7 +233,8 @@ def test_stable_engine_kernels_match_the_xla_programs():
 
 def test_a_kernel_that_fails_to_compile_falls_back_to_the_xla_loops(monkeypatch):
     """When the engine picks the kernels by itself (linear_impl None or "auto") and a span program fails to lower
-    with them, it is compiled with the XLA loops instead (a warning says so); an explicit "pallas" raises."""
+    with them, it is compiled with XLA instead (a warning says so): the blocked fold over the pieces, the chunk
+    loops for the linear cores; an explicit "pallas" raises."""
     import dataclasses
 
     from hypic_jax.models.base import Model
@@ -251,7 +252,7 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_xla_loops(monkeypatch)
     engine = make(linear_impl=None)  # the model's own choice: its gdn_kernel, "pallas"
     assert engine.linear_impl is None and engine.fold_impl == "auto"
     engine.programs.get(ProgramKey("plain", 64, engine.max_keys))
-    assert engine.linear_impl == "xla" and engine.fold_impl == "xla"  # both automatic choices fell back
+    assert engine.linear_impl == "xla" and engine.fold_impl == "blocked"  # both automatic choices fell back
     assert np.all(np.isfinite(engine.prefill([[5, 6, 7], [8, 9]], mode="full_recompute").logits))
     with pytest.raises(NotImplementedError):
         make(linear_impl="pallas").programs.get(ProgramKey("plain", 64, 64))
