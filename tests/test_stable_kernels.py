@@ -197,16 +197,18 @@ def _tiny_model():
 
 
 def test_stable_engine_kernels_match_the_xla_programs():
-    """A StableEngine whose span programs run the GDN cores through the Pallas kernels (interpreted) against one
-    running the XLA loops, on the same random requests of every program kind (full recompute and prefix cache:
-    the plain program; a PIC miss: the cold program, then the pic program; hits): the same logits, the same pools
-    (recorded T, S, conv tails and K/V) after every request, and no compilation after warmup in either."""
+    """A StableEngine whose span programs run the GDN cores through the Pallas kernels (interpreted), and one
+    whose programs fold the pieces with the blocked fold, against one running the XLA loops, on the same random
+    requests of every program kind (full recompute and prefix cache: the plain program; a PIC miss: the cold
+    program, then the pic program; hits): the same logits, the same pools (recorded T, S, conv tails and K/V)
+    after every request, and no compilation after warmup in any."""
     from hypic_jax.runtime import StableEngine, backend_compiles
 
     model = _tiny_model()
     make = functools.partial(StableEngine, model, max_prompt_tokens=128, max_segments=4, token_rungs=(128,),
                              max_new_tokens=0, cache_bytes=1 << 22, mean_entry_tokens=32, eviction="lru")
     engines = {impl: make(linear_impl=impl) for impl in ("xla", "pallas")}
+    engines["blocked"] = make(linear_impl="xla", fold_impl="blocked")
     for engine in engines.values():
         engine.warmup(progress=False)
     rng = np.random.default_rng(5)
@@ -220,12 +222,14 @@ def test_stable_engine_kernels_match_the_xla_programs():
                            ("addition", 0)]:
             got = {impl: e.prefill(segs, mode=mode, seam=seam) for impl, e in engines.items()}
             what = (step, mode, [len(s) for s in segs])
-            assert _rel(got["pallas"].logits, got["xla"].logits) < TOL, what
-            assert got["pallas"].stats.cold_tokens == got["xla"].stats.cold_tokens, what
+            for other in ("pallas", "blocked"):
+                assert _rel(got[other].logits, got["xla"].logits) < TOL, what + (other,)
+                assert got[other].stats.cold_tokens == got["xla"].stats.cold_tokens, what + (other,)
             hits += got["xla"].stats.hits
-            pools = [jax.tree.leaves(e.pools.arrays) for e in engines.values()]
-            for a, b in zip(*pools):
-                assert _rel(b, a) < TOL, what
+            want = jax.tree.leaves(engines["xla"].pools.arrays)
+            for other in ("pallas", "blocked"):
+                for a, b in zip(want, jax.tree.leaves(engines[other].pools.arrays)):
+                    assert _rel(b, a) < TOL, what + (other,)
     assert hits > 0, "no request read a cached entry"
     assert backend_compiles() == before, "a request compiled after warmup"
     assert all(e.stats["programs"]["serving_compiles"] == 0 for e in engines.values())
