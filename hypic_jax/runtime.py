@@ -250,7 +250,7 @@ class Programs:
                 else:
                     raise
                 log.warning("the %s program for %d tokens failed to compile with %s (%s: %s); every span program "
-                            "compiled from now on runs the XLA loops instead", key.kind, key.tokens, what,
+                            "compiled from now on runs that part through XLA instead", key.kind, key.tokens, what,
                             type(error).__name__, str(error)[:500])
         if store is not None:
             store.save(self._digest(key), compiled)  # under the choices it compiled with (after any fallback)
