@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--token-rungs", default=None, help="comma-separated token capacities (default: a ladder)")
     serve.add_argument("--separator", default="<<PIC_SEP>>", help="segment separator in prompt text")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline, seconds")
-    serve.add_argument("--compile-cache", default=None, help="folder for JAX's persistent compilation cache")
+    serve.add_argument("--compile-cache", default=None,
+                       help="folder for compiled programs (stored whole, and JAX's persistent compilation cache): "
+                            "a restarted server loads them instead of compiling")
     serve.add_argument("--dtype", default="bfloat16")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_serve)
