@@ -309,9 +309,11 @@ def _blocked_fold(sequence: Summary, reset: Array, count: Array, algorithm, bloc
 
 
 def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: Summary | None, rotate, algorithm,
-                 dims: tuple[int, int, int], fold_impl: str = "xla") -> tuple[Array, Array]:
+                 dims: tuple[int, int, int], fold_impl: str = "xla", block: int | None = None
+                 ) -> tuple[Array, Array]:
     """Step 2 of `linear_over_layout`: the fold over the pieces in request order. Returns (the state after the
-    last piece, the state entering every piece [N, H, K, V])."""
+    last piece, the state entering every piece [N, H, K, V]). block: the blocked fold's block size (None: about
+    sqrt(N); `_blocked_fold`)."""
     acc = jnp.float32
     heads, key_dim, value_dim = dims
     num_pieces = layout.piece_kind.shape[0]
@@ -351,7 +353,7 @@ def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: 
 
     if fold_impl == "blocked" or (fold_impl == "auto" and jax.default_backend() == "gpu"):
         # on a GPU without the kernel (widths it cannot tile) the loop would wait on the host every step
-        return _blocked_fold(sequence, layout.piece_reset, layout.num_pieces, algorithm)
+        return _blocked_fold(sequence, layout.piece_reset, layout.num_pieces, algorithm, block)
 
     def fold(p, carry):
         state, incoming = carry

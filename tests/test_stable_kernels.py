@@ -263,7 +263,7 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_xla_loops(monkeypatch)
 
 
 @pytest.mark.parametrize("form", ["dense", "diagonal", "scalar", "identity"])
-def test_piece_fold_kernel_matches_the_loop(form, monkeypatch):
+def test_piece_fold_kernel_matches_the_loop(form):
     """The fold over pieces in one Pallas launch (`pallas.piece_fold`, interpreted) and the blocked fold without a
     data-bound loop (`stitch._blocked_fold`, blocks of 1 to all pieces) equal the XLA loop of `stitch._fold_pieces`
     and the plain reference: random piece kinds, slots, resets, piece counts below the capacity, dropped
@@ -308,10 +308,7 @@ def test_piece_fold_kernel_matches_the_loop(form, monkeypatch):
         assert _rel(got_incoming[:count], want_incoming[:count]) < TOL, what
         assert _rel(ref_incoming, want_incoming) < TOL, what
         assert not np.any(np.asarray(got_incoming)[count:]), what
-        blocked = stitch._blocked_fold
         for block in (None, 1, 2, 3, pieces):
-            monkeypatch.setattr(stitch, "_blocked_fold", functools.partial(blocked, block=block))
-            got_final, got_incoming = fold("blocked")
+            got_final, got_incoming = fold("blocked", block=block)
             assert _rel(got_final, want_final) < TOL and _rel(got_incoming, ref_incoming) < TOL, what + (block,)
             assert np.all(np.isfinite(np.asarray(got_incoming))), what + (block,)
-        monkeypatch.setattr(stitch, "_blocked_fold", blocked)

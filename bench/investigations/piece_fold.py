@@ -11,7 +11,6 @@ dispatch) and the largest difference to the float32 XLA loop relative to its lar
     python3 bench/investigations/piece_fold.py [--pieces 66 258] [--heads 32]
 """
 import argparse
-import functools
 import json
 import time
 import types
@@ -67,13 +66,8 @@ for num in args.pieces:
 
     def fold(impl, algorithm, block=None):
         def run(pool, fresh, arrays):
-            blocked = stitch._blocked_fold
-            stitch._blocked_fold = functools.partial(blocked, block=block)
-            try:
-                return stitch._fold_pieces(pool, types.SimpleNamespace(**arrays), "dense", fresh, None, algorithm,
-                                           (H, K, V), impl)
-            finally:
-                stitch._blocked_fold = blocked
+            return stitch._fold_pieces(pool, types.SimpleNamespace(**arrays), "dense", fresh, None, algorithm,
+                                       (H, K, V), impl, block)
         return jax.jit(run)
 
     def kernel(warps, width, stages):

@@ -583,11 +583,13 @@ def _swiglu(p: dict[str, Array], x: Array) -> Array:
     return layers.swiglu(x, p["gate"], p["up"], p["down"])
 
 
-def moe(p: dict[str, Any], c: KimiLinearConfig, x: Array) -> Array:
-    """Kimi MoE over x [B, L, D]: routed SwiGLU experts plus the shared experts (always on, unscaled)."""
+def moe(p: dict[str, Any], c: KimiLinearConfig, x: Array, valid: Array | None = None) -> Array:
+    """Kimi MoE over x [B, L, D]: routed SwiGLU experts plus the shared experts (always on, unscaled). valid: None
+    or a bool mask of x's leading axes; the routed experts skip the tokens outside it (a bucket's padding)."""
     tokens = x.reshape(-1, x.shape[-1])
     weights, ids = route(p, c, tokens)
-    routed = layers.grouped_swiglu_experts(tokens, weights, ids, p["gate_up"], p["down"])
+    routed = layers.grouped_swiglu_experts(tokens, weights, ids, p["gate_up"], p["down"],
+                                           valid=None if valid is None else valid.reshape(-1))
     return (routed + _swiglu(p["shared"], tokens)).reshape(x.shape)
 
 
@@ -795,7 +797,7 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
             decode = jax.tree.map(lambda a: a[None], whole) if want_decode else None
         x = x + h
         h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
-        x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None])[0])
+        x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None], layout.valid[None])[0])
         return x, (write, decode)
 
     x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)

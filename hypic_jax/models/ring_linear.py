@@ -391,14 +391,19 @@ def gathered_swiglu_experts(x: Array, weights: Array, experts: Array, gate_up: A
     return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32)).astype(x.dtype)
 
 
-def moe(p: Params, x: Array, config: RingLinearConfig) -> Array:
+def moe(p: Params, x: Array, config: RingLinearConfig, valid: Array | None = None) -> Array:
     """Ring's MoE block on x [..., D]: routed SwiGLU experts plus the shared expert. Grouped matmuls when there
-    are at least as many (token, expert) pairs as experts, else (decode) a gather of the chosen experts only."""
+    are at least as many (token, expert) pairs as experts, else (decode) a gather of the chosen experts only.
+    valid: None or a bool mask of x's leading axes; the grouped path skips routed work outside it (a bucket's
+    padding, see `layers.grouped_swiglu_experts`)."""
     tokens = x.reshape(-1, x.shape[-1])
     weights, experts = route(p, tokens, config)
     few_pairs = tokens.shape[0] * config.num_experts_per_tok < config.num_experts
-    experts_fn = gathered_swiglu_experts if few_pairs else layers.grouped_swiglu_experts
-    out = experts_fn(tokens, weights, experts, p["gate_up"], p["down"])
+    if few_pairs:
+        out = gathered_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"])
+    else:
+        out = layers.grouped_swiglu_experts(tokens, weights, experts, p["gate_up"], p["down"],
+                                            valid=None if valid is None else valid.reshape(-1))
     if "shared" in p:
         out = out + swiglu_mlp(p["shared"], tokens)
     return out.reshape(x.shape)
@@ -596,9 +601,9 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
     layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so
     cached summaries are moved by their pieces' offsets (zero where the mode keeps them at their canonical
     phase). linear_impl: how the lightning cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this
-    model's prefill); fold_impl: their fold over the pieces (`fold_impl` there). Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write
-    into it (`stitch.RowWrites`, applied by the caller), the decode caches of the whole request as
-    `layer_stack.run` returns them, or None)."""
+    model's prefill); fold_impl: their fold over the pieces (`fold_impl` there). Returns (float32 logits [vocab]
+    of the last fresh token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller),
+    the decode caches of the whole request as `layer_stack.run` returns them, or None)."""
     from hypic_jax import layout as lay
     from hypic_jax import rope, stitch
 
@@ -639,7 +644,7 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
                 else None
         x = x + mixed
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
-        x = x + (moe(lp["mlp"], h, config) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
+        x = x + (moe(lp["mlp"], h, config, layout.valid) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
         return x, (write, decode)
 
     x, writes, decode = layer_stack.run(step, x, params["layers"], pools)
