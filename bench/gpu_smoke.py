@@ -4,7 +4,9 @@
 
 The positioned flash attention (Qwen3.5-35B-A3B full-attention shape: 16 query heads over 2 KV heads of 256, 576
 fresh queries spread over 32k keys) against its pure-JAX reference, and the prefix fold of 64 dense (T, S) groups
-x 32 heads against the associative scan. Exits non-zero on a mismatch.
+x 32 heads against the associative scan, and the packed GDN pass of a stitched request (`gdn_varlen` with
+`summary_rows`: 33 fresh pieces among 68 segments, 32 value heads of 128 x 128, T and S as two outputs) against the
+vmapped core. Exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from hypic_jax import linear_attn as la
 from hypic_jax.pallas import attention as pattn
 from hypic_jax.pallas import compose as cmp
+from hypic_jax.pallas import gdn
 
 
 def rel(a, b) -> float:
@@ -44,8 +47,28 @@ def main() -> None:
     fold = jax.block_until_ready(cmp.prefix_fold_pallas(t, s))
     print(f"prefix_fold_pallas compiled and ran in {time.perf_counter() - start:.1f} s", flush=True)
     err_fold = rel(fold, la.prefix_states(la.Summary("dense", s, t)))
-    print(f"relative error: attention {err_att:.2e} (bf16), prefix fold {err_fold:.2e} (bf16x3)", flush=True)
-    if not (err_att < 1e-2 and err_fold < 1e-4):
+    # a stitched request's fresh pieces: seams of 8 tokens and a query, between empty (cached or padded) segments
+    lengths = np.zeros(68, np.int64)
+    lengths[0:65:2] = 8
+    lengths[64] = 64
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    fresh = jnp.asarray(lengths > 0)
+    n = int(cu[-1])
+    qv = la.l2_normalize(jnp.asarray(rng.standard_normal((n, 16, 128)), jnp.float32)).astype(jnp.bfloat16)
+    kv = la.l2_normalize(jnp.asarray(rng.standard_normal((n, 16, 128)), jnp.float32)).astype(jnp.bfloat16)
+    vv = jnp.asarray(rng.standard_normal((n, 32, 128)), jnp.bfloat16)
+    g = -jnp.asarray(np.abs(rng.standard_normal((n, 32))) * 0.1, jnp.float32)
+    beta = jax.nn.sigmoid(jnp.asarray(rng.standard_normal((n, 32)), jnp.float32))
+    start = time.perf_counter()
+    _, summary = jax.block_until_ready(gdn.gdn_varlen(qv, kv, vv, jnp.asarray(cu, jnp.int32), g=g, beta=beta,
+                                                      summary_rows=fresh))
+    print(f"gdn_varlen (summary_rows) compiled and ran in {time.perf_counter() - start:.1f} s", flush=True)
+    _, ref = la.varlen_reference(qv, kv, vv, cu, g=g, beta=beta)
+    read = np.flatnonzero(lengths > 0)
+    err_var = max(rel(summary.state[read], ref.state[read]), rel(summary.transfer[read], ref.transfer[read]))
+    print(f"relative error: attention {err_att:.2e} (bf16), prefix fold {err_fold:.2e} (bf16x3), packed GDN "
+          f"summaries {err_var:.2e} (bf16 inputs)", flush=True)
+    if not (err_att < 1e-2 and err_fold < 1e-4 and err_var < 2e-2):
         raise SystemExit("GPU kernel mismatch")
 
 

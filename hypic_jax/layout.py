@@ -174,6 +174,8 @@ class LayoutArrays:
     piece_slot: np.ndarray  # int32 linear-pool slot of a cached piece (0 otherwise)
     piece_offset: np.ndarray  # int32 RoPE offset of a cached piece: start - canonical_start
     num_pieces: np.ndarray  # int32 []
+    piece_starts: np.ndarray  # int32 [N + 1] each piece's first fresh token (fresh tokens are packed in piece
+    # order; cached and padded pieces hold none), and last the number of fresh tokens: the linear kernels' offsets
     drop_transfer: np.ndarray  # bool []: cached transfers are dropped (HYPIC's `addition`)
     # linear-core chunks [C, c] / [C]
     chunk_rows: np.ndarray  # int32 [C, c] packed fresh index of each chunk row, F where padded
@@ -250,7 +252,8 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
     out = dict(
         tokens=np.zeros(F, np.int32), positions=np.zeros(F, np.int32), valid=np.zeros(F, bool),
         token_segment=np.full(F, -1, np.int32), piece_kind=np.zeros(N, np.int32), piece_reset=np.zeros(N, bool),
-        piece_slot=np.zeros(N, np.int32), piece_offset=np.zeros(N, np.int32), chunk_rows=np.full((C, c), F, np.int32),
+        piece_slot=np.zeros(N, np.int32), piece_offset=np.zeros(N, np.int32),
+        piece_starts=np.zeros(N + 1, np.int32), chunk_rows=np.full((C, c), F, np.int32),
         chunk_piece=np.zeros(C, np.int32), chunk_first=np.zeros(C, bool), chunk_last=np.zeros(C, bool),
         chunk_load=np.zeros(C, bool), token_chunk_row=np.zeros(F, np.int32), conv_rows=np.zeros((F, w1), np.int32),
         conv_records=np.zeros((R, w1), np.int32), key_fresh=np.zeros(P, bool), key_index=np.zeros(P, np.int32),
@@ -305,6 +308,7 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
                 if piece >= N:
                     raise ValueError(f"the request needs more than {N} pieces")
                 out["piece_kind"][piece] = PIECE_FRESH
+                out["piece_starts"][piece + 1] = hi - lo  # a length here; summed into offsets below
                 out["piece_reset"][piece] = (isolated and lo == 0) or piece == 0
                 n_chunks = -(-(hi - lo) // c)
                 if chunk + n_chunks > C:
@@ -347,6 +351,7 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
         out["key_positions"][:num_fresh] = out["positions"][:num_fresh]
         out["key_segment"][:num_fresh] = out["token_segment"][:num_fresh]
         key = num_fresh
+    out["piece_starts"] = np.cumsum(out["piece_starts"], dtype=np.int32)
     out["conv_final"] = np.asarray(_tail(history, w1), np.int32)
     out["last"] = np.asarray(num_fresh - 1, np.int32)
     out["num_pieces"] = np.asarray(piece, np.int32)

@@ -5,7 +5,8 @@ of programs, so a workload of new document lengths and orders never compiles aft
 
     program     per token rung     what it runs
     cold        tokens = keys      the missing segments of a request, packed and isolated, recording their entries
-    pic         tokens, max keys   a PIC request: cached interiors stitched with fresh seams and the query
+    pic         tokens, max keys   a PIC request: cached interiors stitched with fresh seams and the query (it
+                                   records nothing, so it returns no writes)
     plain       tokens, max keys   full recompute and prefix cache (fresh spans continue each other's state)
     commit      tokens             the records a span program returns, written into the pools in place
     decode      max keys           one decode step
@@ -205,8 +206,9 @@ class Programs:
         capacity = engine._capacity(key)
         fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config, capacity=capacity,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
-                                       want_decode=key.kind != "cold", algorithm=engine.compose_algorithm,
-                                       linear_impl=engine.linear_impl, fold_impl=engine.fold_impl))
+                                       want_decode=key.kind != "cold", want_writes=key.kind != "pic",
+                                       algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
+                                       fold_impl=engine.fold_impl))
         packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
         return fn.lower(shapes(engine.params), packed, shapes(engine.pools.arrays))
 
@@ -297,12 +299,16 @@ class Programs:
 
 
 def _span_program(params, packed, pools, *, arch, config, capacity, isolated, summaries, want_decode, algorithm,
-                  linear_impl=None, fold_impl="auto"):
-    """A span program: the request's layout arrives packed in one int32 vector (`layout.pack`)."""
+                  linear_impl=None, fold_impl="auto", want_writes=True):
+    """A span program: the request's layout arrives packed in one int32 vector (`layout.pack`). Without
+    `want_writes` (a stitched PIC request stores nothing) it returns None for the writes, and the rows it would
+    write are never computed."""
     arrays = lay.unpack(packed, capacity)
     extra = {} if linear_impl is None else dict(linear_impl=linear_impl)  # None: the architecture's own choice
-    return arch.span_forward_arrays(params, config, arrays, pools, isolated=isolated, summaries=summaries,
-                                    want_decode=want_decode, algorithm=algorithm, fold_impl=fold_impl, **extra)
+    logits, writes, decode = arch.span_forward_arrays(params, config, arrays, pools, isolated=isolated,
+                                                      summaries=summaries, want_decode=want_decode,
+                                                      algorithm=algorithm, fold_impl=fold_impl, **extra)
+    return logits, (writes if want_writes else None), decode
 
 
 def _commit(pools, writes):
@@ -480,8 +486,9 @@ class StableEngine(Engine):
     # Programs -------------------------------------------------------------------------------------------------------
     def _capacity(self, key: ProgramKey) -> lay.Capacity:
         kind_chunk = lay.chunk_for(key.kind, self.ladder.chunk)
+        records = 0 if key.kind == "pic" else self.ladder.records  # stitched PIC requests record nothing
         return lay.Capacity(tokens=key.tokens, pieces=self.ladder.max_pieces, keys=key.keys,
-                            records=self.ladder.records, chunk=kind_chunk, conv=self.ladder.conv)
+                            records=records, chunk=kind_chunk, conv=self.ladder.conv)
 
     def _dummy_layout(self, key: ProgramKey) -> lay.LayoutArrays:
         return lay.build([lay.Span(lay.FRESH, 1)], self._capacity(key), isolated=key.kind == "cold",
@@ -563,6 +570,10 @@ class StableEngine(Engine):
         arrays = lay.build(spans, self._capacity(key), isolated=kind == "cold", tokens=fresh_tokens,
                            summaries=kind != "plain", transfer=transfer, rope=rope)
         program = self.programs.get(key)
+        if kind == "pic":  # a stitched PIC request records nothing: no writes, no commit
+            with self.pools.lock:
+                logits, _, decode = program(self.params, lay.pack(arrays), self._pool_arrays())
+            return logits, decode
         commit = self.programs.get(ProgramKey("commit", key.tokens, 0))
         with self.pools.lock:
             logits, writes, decode = program(self.params, lay.pack(arrays), self._pool_arrays())
@@ -591,7 +602,7 @@ class StableEngine(Engine):
         in the pools' own forms."""
         from hypic_jax import stitch
 
-        capacity = self._capacity(ProgramKey("pic", tokens, self.max_keys))
+        capacity = self._capacity(ProgramKey("plain", tokens, self.max_keys))  # cold programs write the same
         out = []
         for spec, pool in zip(self.pools.arrays.specs, self.pools.arrays.parts):
             n = spec.members * (capacity.records if spec.kind == "slot" else capacity.tokens)

@@ -90,7 +90,8 @@ def _put(buffer: Array, index, value: Array) -> Array:
 
 class LinearResult:
     """What `linear_over_layout` returns: outputs [F, H, V], the state after the whole request [H, K, V], the
-    summary of every fresh piece (None unless computed) and every piece's end state [N, H, K, V]."""
+    summary of every fresh piece [N, ...] (None unless computed; the rows of other pieces are undefined with the
+    kernels) and every piece's end state [N, H, K, V]."""
 
     def __init__(self, outputs, final_state, piece_summaries, piece_ends):
         self.outputs, self.final_state = outputs, final_state
@@ -371,11 +372,9 @@ def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: 
 def _piece_offsets(layout: LayoutArrays) -> Array:
     """cu [N + 1]: each piece's first fresh token and, last, the number of fresh tokens (cached and padded pieces
     hold none). Fresh tokens are packed in piece order, so these are the kernels' segment offsets; the padded
-    tokens after cu[N] belong to no segment."""
-    tokens = layout.tokens.shape[0]
-    per_chunk = jnp.sum(layout.chunk_rows < tokens, axis=1).astype(jnp.int32)  # padded chunks hold none
-    lengths = jax.ops.segment_sum(per_chunk, layout.chunk_piece, num_segments=layout.piece_kind.shape[0])
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+    tokens after cu[N] belong to no segment. The layout carries them from the host: computed in the program, a
+    segment sum inside the layer scan would run once per layer."""
+    return layout.piece_starts
 
 
 def _piece_loads(layout: LayoutArrays) -> Array:
@@ -393,8 +392,9 @@ def _linear_over_layout_kernels(inputs: LinearInputs, pool: Summary, layout: Lay
     run = functools.partial(pallas_gdn.gdn_varlen, inputs.q, inputs.k, inputs.v, cu, g=inputs.g, gk=inputs.gk,
                             beta=inputs.beta, scale=inputs.scale, config=config)
     fresh_summary = None
-    if summaries:  # 1. every piece's own (T, S) from zero: one launch, its outputs unused
-        _, fresh_summary = run(emit_summary=True)
+    if summaries:  # 1. every fresh piece's own (T, S) from zero: one launch, its outputs unused; only fresh
+        # pieces' rows are read (`_fold_pieces`, `record_summaries`), so the empty rows of the others stay unset
+        _, fresh_summary = run(emit_summary=True, summary_rows=layout.piece_kind == PIECE_FRESH)
     folded, incoming = _fold_pieces(pool, layout, inputs.form, fresh_summary, rotate, algorithm,
                                     (heads, key_dim, value_dim), fold_impl)
     # 3. outputs and every piece's end state: a piece loads its incoming state or carries on from the one before

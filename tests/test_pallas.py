@@ -664,6 +664,15 @@ def test_varlen_default_config_widens():
     ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
+    # summary_rows: the rows read are the reference's, the empty segment's (I, 0) included when it is read
+    for rows in ([True, True, True], [True, False, True], [False, True, False]):
+        _, picked = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, summary_rows=jnp.asarray(rows),
+                                   interpret=True)
+        read = np.flatnonzero(rows)
+        assert rel(picked.state[read], ref_sum.state[read]) < TOL32
+        assert rel(picked.transfer[read], ref_sum.transfer[read]) < TOL32
+    with pytest.raises(ValueError, match="summary_rows"):
+        gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, summary_rows=jnp.ones(2, bool), interpret=True)
 
 
 @examples(5)

@@ -169,6 +169,11 @@ def test_padding_is_inert_across_capacities():
     np.testing.assert_array_equal(a.key_offset[:15], np.r_[np.zeros(5), np.full(7, 3), np.zeros(3)])
     assert a.piece_slot[1] == 3 and a.piece_kind.tolist()[:4] == [lay.PIECE_FRESH, lay.PIECE_CACHED, lay.PIECE_FRESH,
                                                                    lay.PIECE_PAD]
+    # the kernels' segment offsets: fresh pieces of 5 and 3 tokens, the cached piece and the padding hold none
+    assert a.piece_starts.tolist() == [0, 5, 5, 8, 8, 8, 8] and b.piece_starts.tolist()[:4] == [0, 5, 5, 8]
+    isolated = lay.build([lay.Span(lay.FRESH, 9, record_from=4, record_slot=1), lay.Span(lay.FRESH, 2)], small,
+                         isolated=True, tokens=np.arange(11), summaries=True)
+    assert isolated.piece_starts.tolist() == [0, 4, 9, 11, 11, 11, 11]  # a recorded span is a seam and its interior
     # conv predecessors of the first token after the cached span: its stored tail (table rows after F)
     tail = [1 + small.tokens + 1 * 3 + j for j in range(3)]
     assert a.conv_rows[5].tolist() == tail

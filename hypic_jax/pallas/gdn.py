@@ -585,7 +585,8 @@ def _locals_body(refs, *, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
-                  values=True, tails=False, prefetch=False, packed=False, seg_init=False, bounded=False):
+                  values=True, tails=False, prefetch=False, packed=False, seg_init=False, bounded=False,
+                  fill=False, split=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -604,6 +605,10 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     which: 1 + the row to load before this chunk, 0 to carry the state on (so a segment may continue the one
     before it); the state before the first chunk is zero. With `bounded` an int32 [1] table follows the segment
     tables: the number of chunks to step (the chunks that hold tokens); the chunks after it are never read.
+    With `fill` (segments) an int32 [N] table follows the init: segment rows to set to init before the pass (empty
+    segments own no chunk, so the pass never stores their rows). With `split` (segments, identity-widened) the
+    final states go to two outputs, the value columns [N, K, BV] and the transfer columns [N, K, BV], so that no
+    slice of a widened [N, K, V + K] array is copied out afterwards.
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -614,8 +619,10 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     live_ref = next(it) if bounded else None
     src_ref, cnt_ref = (next(it), next(it)) if packed else (None, None)
     init_ref = next(it)
+    fill_ref = next(it) if fill else None
     o_ref = next(it) if outputs else None
     final_ref = next(it)
+    transfer_ref = next(it) if split else None
     tail_ref = next(it) if tails else None
     c = chunk
     is_value = None if value_blocks is None else pl.program_id(0) < value_blocks
@@ -624,6 +631,29 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     else:
         init = init_ref[...].astype(jnp.float32)
     steps = live_ref[0] if bounded else num_chunks
+
+    def store_final(row, state):
+        if not split:
+            final_ref[row] = state
+            return
+
+        @pl.when(is_value)
+        def _():
+            final_ref[row] = state
+
+        @pl.when(jnp.logical_not(is_value))
+        def _():
+            transfer_ref[row] = state
+
+    if fill:
+        def fill_row(row, carry):
+            @pl.when(fill_ref[row] != 0)
+            def _():
+                store_final(row, init)
+
+            return carry
+
+        lax.fori_loop(0, fill_ref.shape[0], fill_row, 0)
 
     def small_loads(n):  # the step's loads that feed no dot directly: decays and segment tables
         first = n * c if isinstance(n, int) else pl.multiple_of(n * c, c)
@@ -696,7 +726,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
 
             @pl.when(slot >= 0)
             def _():
-                final_ref[slot] = state
+                store_final(slot, state)
 
         return (state, ahead) if prefetch else state
 
@@ -777,7 +807,8 @@ def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpr
 
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
-                segments=None, tails=False, packed=None, packed_length=None, segment_init=False, live=None):
+                segments=None, tails=False, packed=None, packed_length=None, segment_init=False, live=None,
+                fill=None, split=False):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
@@ -790,6 +821,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     segment_init (segments, pieces = 1): init is [n, H, K, Wd], one initial state per segment, and the start
     table holds 1 + the row to load (0: carry on; `_state_kernel`). live: None, or an int32 [1] array, the number
     of chunks to step (the rest are never read).
+    fill (segments, one init for all): None, or an int32 [n] table: rows of final set to init before the pass
+    (empty segments; rows that neither a chunk nor fill writes are left undefined). split (segments, widened): final
+    is two arrays, the value columns [n, H, K, V] and the transfer columns [n, H, K, Wd - V].
     """
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
@@ -844,6 +878,10 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         raise ValueError("tails and per-segment initial states belong to packed segments: segments needed")
     if segment_init and pieces != 1:
         raise ValueError("per-segment initial states run one piece")
+    if (fill is not None or split) and (segments is None or segment_init):
+        raise ValueError("fill and split belong to packed segments from one init")
+    if split and (not widened or tails):
+        raise ValueError("split needs an identity-widened state and no tails")
     if live is not None:
         if pieces != 1:
             raise ValueError("a bounded pass runs one piece")
@@ -859,6 +897,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     else:
         in_specs.append(state_spec)
     args.append(init)
+    if fill is not None:
+        in_specs.append(pl.BlockSpec((fill.shape[0],), lambda j, h, s: (0,)))
+        args.append(fill.astype(jnp.int32))
     out_specs, out_shape = [], []
     if outputs and packed is not None:
         out_specs.append(pl.BlockSpec((packed_length, None, block_v), lambda j, h, s: (0, h, vcol(j))))
@@ -869,6 +910,13 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     if segments is None:
         out_specs.append(state_spec)
         out_shape.append(jax.ShapeDtypeStruct(init.shape, jnp.float32))
+    elif split:  # programs of value columns store into the first, those of transfer columns into the second
+        out_specs.append(pl.BlockSpec((n_seg, None, key_dim, block_v),
+                                      lambda j, h, s: (0, h, 0, jnp.minimum(j, value_blocks - 1))))
+        out_shape.append(jax.ShapeDtypeStruct((n_seg, heads, key_dim, value_dim), jnp.float32))
+        out_specs.append(pl.BlockSpec((n_seg, None, key_dim, block_v),
+                                      lambda j, h, s: (0, h, 0, jnp.maximum(j - value_blocks, 0))))
+        out_shape.append(jax.ShapeDtypeStruct((n_seg, heads, key_dim, width - value_dim), jnp.float32))
     else:
         out_specs.append(pl.BlockSpec((n_seg, None, key_dim, block_v), lambda j, h, s: (0, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((n_seg, heads, key_dim, width), jnp.float32))
@@ -892,6 +940,8 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         packed=packed is not None,
         seg_init=segment_init,
         bounded=live is not None,
+        fill=fill is not None,
+        split=split,
     )
     res = pl.pallas_call(
         kernel,
@@ -1332,8 +1382,8 @@ def _cu_array(cu_seqlens, length: int) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "emit_summary", "interpret"))
-def _varlen(q, k, v, cu, g, gk, beta, initial_state=None, continues=None, *, scale, config, emit_summary,
-            interpret):
+def _varlen(q, k, v, cu, g, gk, beta, initial_state=None, continues=None, summary_rows=None, *, scale, config,
+            emit_summary, interpret):
     length, key_heads, key_dim = k.shape
     heads, value_dim = v.shape[1:]
     n_seg = cu.shape[0] - 1
@@ -1381,13 +1431,21 @@ def _varlen(q, k, v, cu, g, gk, beta, initial_state=None, continues=None, *, sca
         finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: their own init
     else:
         init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
-        if dense and not group:
+        widened = dense and not group
+        if widened:
             init = jnp.concatenate([init, jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32),
                                                            (heads, key_dim, key_dim))], axis=-1)
-        o, finals = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
-                                out_dtype=out_dtype, scale=scale, config=config, interpret=interpret,
-                                segments=(start, slot, n_seg), packed=packed, packed_length=length, live=live)
-        finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: (I, 0), never stored
+        # empty segments own no chunk, so the pass never stores their rows: it sets those that are read to init
+        # ((I, 0)) first, instead of a select over every row afterwards (a copy of [N, H, K, V + K] per call)
+        fill = lens == 0 if summary_rows is None else (lens == 0) & summary_rows
+        res = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
+                          out_dtype=out_dtype, scale=scale, config=config, interpret=interpret,
+                          segments=(start, slot, n_seg), packed=packed, packed_length=length, live=live,
+                          fill=fill, split=widened)
+        if widened:  # states and transfers as two outputs: no slices of a widened array copied out
+            o, finals, widened_transfer = res
+        else:
+            o, finals = res
     if packed is None:
         o = o[pos]
     elif gk is None:  # scalar gates read k in place; the transfer pass below takes chunk-aligned keys
@@ -1401,7 +1459,7 @@ def _varlen(q, k, v, cu, g, gk, beta, initial_state=None, continues=None, *, sca
         eye = jnp.eye(key_dim, dtype=jnp.float32)
         return o, Summary("dense", states, jnp.where((lens > 0)[:, None, None, None], transfer, eye))
     if dense:
-        return o, Summary("dense", states, finals[..., value_dim:])
+        return o, Summary("dense", states, widened_transfer)
     form, log = _log_transfer(g, gk, seg_of_token, n_seg)
     return o, Summary(form, states, log)
 
@@ -1421,6 +1479,7 @@ def gdn_varlen(
     interpret: bool | None = None,
     initial_state: Array | None = None,
     continues: Array | None = None,
+    summary_rows: Array | None = None,
 ):
     """Many segments packed in one sequence, each run from a zero state (reset at every boundary), or from its
     own initial state, or carrying on from the segment before it.
@@ -1441,6 +1500,10 @@ def gdn_varlen(
         another run as one sequence, and the states returned are still each one's own end.
       With initial_state or continues, emit_summary must be False: the states returned are then each segment's
       end state from where it started (an empty segment returns its initial state).
+      summary_rows: bool [N] or None (from a zero start only): the segments whose summaries or end states are
+        read. An empty segment's row (zero state, identity transfer) is set only where this is True (None: every
+        empty segment); the rows of other empty segments are undefined. A caller that reads only some rows saves
+        writing the others (a stitched request's cached pieces are empty segments of its varlen call).
 
     Returns (o [L, H, V], summary) with emit_summary, else (o, states [N, H, K, V]); the states are S(C_i|0)
     (or the end states from initial_state / continues).
@@ -1470,8 +1533,14 @@ def gdn_varlen(
             continues = jnp.asarray(continues, bool)
             if continues.shape != (n_seg,):
                 raise ValueError(f"continues must be [N={n_seg}], got shape {continues.shape}")
-    return _varlen(q, k, v, cu, g, gk, beta, initial_state, continues, scale=float(scale), config=config,
-                   emit_summary=emit_summary, interpret=bool(interpret))
+    if summary_rows is not None:
+        if initial_state is not None or continues is not None:
+            raise ValueError("summary_rows selects rows of zero-start segments: not with initial_state or continues")
+        summary_rows = jnp.asarray(summary_rows, bool)
+        if summary_rows.shape != (n_seg,):
+            raise ValueError(f"summary_rows must be [N={n_seg}], got shape {summary_rows.shape}")
+    return _varlen(q, k, v, cu, g, gk, beta, initial_state, continues, summary_rows, scale=float(scale),
+                   config=config, emit_summary=emit_summary, interpret=bool(interpret))
 
 
 def flops(length: int, heads: int, key_dim: int, value_dim: int, chunk: int, *, emit: bool = False,
