@@ -397,8 +397,11 @@ def _linear_over_layout_kernels(inputs: LinearInputs, pool: Summary, layout: Lay
         _, fresh_summary = run(emit_summary=True, summary_rows=layout.piece_kind == PIECE_FRESH)
     folded, incoming = _fold_pieces(pool, layout, inputs.form, fresh_summary, rotate, algorithm,
                                     (heads, key_dim, value_dim), fold_impl)
-    # 3. outputs and every piece's end state: a piece loads its incoming state or carries on from the one before
-    outputs, ends = run(emit_summary=False, initial_state=incoming, continues=~_piece_loads(layout))
+    # 3. outputs and every piece's end state: a piece loads its incoming state or carries on from the one before.
+    # With every fresh piece's summary folded, a piece's incoming state is the end state of a fresh piece before
+    # it, so every piece may load it: the pieces are then independent, and the kernel runs them side by side
+    outputs, ends = run(emit_summary=False, initial_state=incoming,
+                        continues=None if summaries else ~_piece_loads(layout))
     outputs = jnp.where(layout.valid[:, None, None], outputs, 0).astype(inputs.v.dtype)  # padding: never written
     last = layout.num_pieces - 1
     final = jnp.where(layout.piece_kind[last] == PIECE_FRESH, ends[last], folded)

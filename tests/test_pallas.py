@@ -677,8 +677,9 @@ def test_varlen_default_config_widens():
 
 @examples(5)
 @given(cuts=st.lists(st.integers(0, 120), min_size=3, max_size=3), group=st.sampled_from([0, 1, 3, 64]),
-       prefetch=st.booleans(), reads=st.sampled_from(["packed", "gather"]), seed=st.integers(0, 2**16))
-def test_varlen_property(cuts, group, prefetch, reads, seed):
+       prefetch=st.booleans(), reads=st.sampled_from(["packed", "gather"]), grid=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_varlen_property(cuts, group, prefetch, reads, grid, seed):
     """Random splits of 120 tokens into 4 segments (empty ones, one-chunk ones, segments across several transfer
     groups): outputs, S(C|0) and T of every segment against the vmapped core. The segment count and the
     reference's row length stay fixed, so examples reuse the compiled functions."""
@@ -686,7 +687,7 @@ def test_varlen_property(cuts, group, prefetch, reads, seed):
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
     config = GDNConfig(chunk=16, block_v=16, transfer_group=group, state_prefetch=prefetch,
-                       packed_reads=reads == "packed")
+                       packed_reads=reads == "packed", segment_grid=grid)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     # the offsets as an array: traced in the reference, one compilation for every split (the kernel takes the list)
     ref_o, ref_sum = core.varlen_reference(q, k, v, np.asarray(cu, np.int32), g=g, beta=beta, scale=0.5,

@@ -152,14 +152,10 @@ def test_varlen_initial_states_and_continues():
     g = -jnp.asarray(rng.uniform(0.01, 0.3, (length, H)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (length, H)), jnp.float32)
     init = jnp.asarray(rng.standard_normal((n, H, K, V)), jnp.float32)
-    continues = np.array([False, False, True, False, True])
-    o, states = gdn.gdn_varlen(q, k, v, jnp.asarray(cu), g=g, beta=beta, scale=0.5, emit_summary=False,
-                               config=gdn.GDNConfig(chunk=16, block_v=16, transfer_group=0), initial_state=init,
-                               continues=jnp.asarray(continues), interpret=True)
     rep = lambda x: jnp.repeat(x, H // HK, 1)  # noqa: E731
 
-    @jax.jit  # one program: run op by op, the reference compiles every op anew for every segment's length
-    def reference(q, k, v, g, beta, init):
+    @functools.partial(jax.jit, static_argnums=6)  # one program: op by op, every op compiles for every length
+    def reference(q, k, v, g, beta, init, continues):
         outs, ends, state = [], [], None
         for i in range(n):
             a, b = cu[i], cu[i + 1]
@@ -173,10 +169,17 @@ def test_varlen_initial_states_and_continues():
             ends.append(state)
         return jnp.concatenate(outs), jnp.stack(ends)
 
-    want, ends = reference(q, k, v, g, beta, init)
-    assert want.shape == (cu[-1], H, V)
-    assert _rel(o[: cu[-1]], want) < 1e-5  # the tail's outputs are undefined
-    assert _rel(states, ends) < 1e-5
+    # segments that continue run as one program; without continues each segment is a program of its own
+    # (`segment_grid`), or all of them one program
+    for continues, grid in (((False, False, True, False, True), True), (None, True), (None, False)):
+        config = gdn.GDNConfig(chunk=16, block_v=16, transfer_group=0, segment_grid=grid)
+        o, states = gdn.gdn_varlen(q, k, v, jnp.asarray(cu), g=g, beta=beta, scale=0.5, emit_summary=False,
+                                   config=config, initial_state=init,
+                                   continues=None if continues is None else jnp.asarray(continues), interpret=True)
+        want, ends = reference(q, k, v, g, beta, init, continues or (False,) * n)
+        assert want.shape == (cu[-1], H, V)
+        assert _rel(o[: cu[-1]], want) < 1e-5  # the tail's outputs are undefined
+        assert _rel(states, ends) < 1e-5
     with pytest.raises(ValueError, match="emit_summary"):
         gdn.gdn_varlen(q, k, v, jnp.asarray(cu), g=g, beta=beta, initial_state=init, interpret=True)
 

@@ -189,6 +189,11 @@ class GDNConfig:
       zero-padded) into the layout and o back out of it in XLA, one extra read and write of each. Every family
       and solve reads in place (per-key gates: q, k, v in the chunk-local kernel, o in the state pass, which
       takes that kernel's decayed keys and queries).
+    segment_grid: `gdn_varlen` runs segments that each start from their own state (from zero, or from
+      initial_state without continues) as separate programs, a third grid axis over the segments, so the state
+      pass's sequential depth is the longest segment's chunks instead of all of them. A stitched request's seams
+      are one chunk each, so its passes shrink from about as many steps as there are pieces to a few
+      (bench/rag_trace.py). Segments that continue one another run as one program, as with segment_grid False.
 
     Defaults: the fastest Gated DeltaNet forward at L = 32k, 16 key -> 32 value heads of 128, bf16 inputs, on the
     H200 (bench/kernels.py times the variants beside fla's chunk_gated_delta_rule; see bench/RESULTS.md): solve
@@ -218,6 +223,7 @@ class GDNConfig:
     state_stages: int = 3
     state_prefetch: bool = True
     packed_reads: bool = True
+    segment_grid: bool = True
     state_lowering: str = "auto"
     state_cluster: int = 2
     locals_lowering: str = "auto"
@@ -586,7 +592,7 @@ def _locals_body(refs, *, chunk, sub, delta, per_key, scale, prec, solve, solve_
 
 def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, value_blocks, scale, prec,
                   values=True, tails=False, prefetch=False, packed=False, seg_init=False, bounded=False,
-                  fill=False, split=False):
+                  fill=False, split=False, by_segment=False):
     """One (column block j, head, piece): S <- Diag(e^{b_c}) S + Khat^T (U - W S) over the piece's chunks.
 
     Refs: w, k, q [Lp, K]; u [Lp, BV]; p [Lp, c]; b [Lp] or [Lp, K] (per-key gates: k and q come decayed from the
@@ -608,7 +614,9 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     With `fill` (segments) an int32 [N] table follows the init: segment rows to set to init before the pass (empty
     segments own no chunk, so the pass never stores their rows). With `split` (segments, identity-widened) the
     final states go to two outputs, the value columns [N, K, BV] and the transfer columns [N, K, BV], so that no
-    slice of a widened [N, K, V + K] array is copied out afterwards.
+    slice of a widened [N, K, V + K] array is copied out afterwards. With `by_segment` (segments that each start
+    from their own state) two int32 [N] tables follow the live table's place, each segment's first chunk and one
+    past its last, and program (j, h, s) steps segment s alone (its row of fill too).
     """
     it = iter(refs)
     w_ref = next(it) if delta else None
@@ -617,6 +625,7 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
     q_ref, p_ref = (next(it), next(it)) if outputs else (None, None)
     start_ref, slot_ref = (next(it), next(it)) if segments else (None, None)
     live_ref = next(it) if bounded else None
+    begin_ref, end_ref = (next(it), next(it)) if by_segment else (None, None)
     src_ref, cnt_ref = (next(it), next(it)) if packed else (None, None)
     init_ref = next(it)
     fill_ref = next(it) if fill else None
@@ -630,7 +639,11 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         init = jnp.zeros(init_ref.shape[1:], jnp.float32)
     else:
         init = init_ref[...].astype(jnp.float32)
-    steps = live_ref[0] if bounded else num_chunks
+    if by_segment:
+        segment = pl.program_id(2)
+        first_chunk, steps = begin_ref[segment], end_ref[segment]
+    else:
+        first_chunk, steps = 0, (live_ref[0] if bounded else num_chunks)
 
     def store_final(row, state):
         if not split:
@@ -645,7 +658,11 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
         def _():
             transfer_ref[row] = state
 
-    if fill:
+    if fill and by_segment:
+        @pl.when(fill_ref[segment] != 0)
+        def _():
+            store_final(segment, init)
+    elif fill:
         def fill_row(row, carry):
             @pl.when(fill_ref[row] != 0)
             def _():
@@ -730,10 +747,11 @@ def _state_kernel(*refs, chunk, num_chunks, delta, per_key, outputs, segments, v
 
         return (state, ahead) if prefetch else state
 
-    if prefetch:
-        state, _ = lax.fori_loop(0, steps, body, (init, small_loads(0)))
+    if prefetch:  # (an empty last segment starts past the last chunk: its first loads read the last chunk's)
+        ahead = small_loads(jnp.minimum(first_chunk, num_chunks - 1)) if by_segment else small_loads(0)
+        state, _ = lax.fori_loop(first_chunk, steps, body, (init, ahead))
     else:
-        state = lax.fori_loop(0, steps, body, init)
+        state = lax.fori_loop(first_chunk, steps, body, init)
     if not segments:
         final_ref[...] = state
     if tails:
@@ -808,7 +826,7 @@ def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpr
 
 def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, scale, config, interpret,
                 segments=None, tails=False, packed=None, packed_length=None, segment_init=False, live=None,
-                fill=None, split=False):
+                fill=None, split=False, by_segment=None):
     """Run the state recurrence over `pieces` equal pieces from init [pieces, H, K, Wd] (Wd = V or V + K).
 
     Returns (o [L, H, V] or None, final [pieces, H, K, Wd]). q, p None -> no outputs. `segments` = (start, slot,
@@ -823,7 +841,10 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
     of chunks to step (the rest are never read).
     fill (segments, one init for all): None, or an int32 [n] table: rows of final set to init before the pass
     (empty segments; rows that neither a chunk nor fill writes are left undefined). split (segments, widened): final
-    is two arrays, the value columns [n, H, K, V] and the transfer columns [n, H, K, Wd - V].
+    is two arrays, the value columns [n, H, K, V] and the transfer columns [n, H, K, Wd - V]. by_segment (segments,
+    one piece, every segment starting from its own state: the start table is nonzero at each one's first chunk):
+    None, or int32 [n] tables (first chunk, one past the last) of the segments, which then run as parallel
+    programs (`GDNConfig.segment_grid`).
     """
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
@@ -880,6 +901,8 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         raise ValueError("per-segment initial states run one piece")
     if (fill is not None or split) and (segments is None or segment_init):
         raise ValueError("fill and split belong to packed segments from one init")
+    if by_segment is not None and (segments is None or pieces != 1 or tails):
+        raise ValueError("a pass by segment runs packed segments in one piece, without tails")
     if split and (not widened or tails):
         raise ValueError("split needs an identity-widened state and no tails")
     if live is not None:
@@ -887,6 +910,9 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
             raise ValueError("a bounded pass runs one piece")
         in_specs.append(pl.BlockSpec((1,), lambda j, h, s: (0,)))
         args.append(live)
+    if by_segment is not None:
+        in_specs += [pl.BlockSpec((n_seg,), lambda j, h, s: (0,))] * 2
+        args += [a.astype(jnp.int32) for a in by_segment]
     if packed is not None:
         table = pl.BlockSpec((packed[0].shape[0] // pieces,), lambda j, h, s: (s,))
         in_specs += [table, table]
@@ -942,10 +968,16 @@ def _state_pass(w, u, k, b, q, p, init, *, chunk, pieces, value_dim, out_dtype, 
         bounded=live is not None,
         fill=fill is not None,
         split=split,
+        by_segment=by_segment is not None,
     )
+    grid_last = pieces
+    if by_segment is not None:  # program s steps segment s; every block is the whole one-piece array
+        pin = lambda spec: dataclasses.replace(spec, index_map=lambda j, h, s, f=spec.index_map: f(j, h, 0))  # noqa
+        in_specs, out_specs = [pin(x) for x in in_specs], [pin(x) for x in out_specs]
+        grid_last = n_seg
     res = pl.pallas_call(
         kernel,
-        grid=(col_blocks, heads, pieces),
+        grid=(col_blocks, heads, grid_last),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -1421,13 +1453,16 @@ def _varlen(q, k, v, cu, g, gk, beta, initial_state=None, continues=None, summar
     if config.state_lowering == "mosaic":
         raise ValueError("gdn_varlen runs the Triton state pass only (GDNConfig.state_lowering 'auto' or 'triton')")
     out_dtype = jnp.result_type(q, v)
+    # every segment from its own state (none continues another): one program per segment (`segment_grid`)
+    by_segment = (chunk_begin, chunk_end) if config.segment_grid and continues is None else None
+    live = None if by_segment is not None else live
     if seeded:
         init = (jnp.zeros((n_seg, heads, key_dim, value_dim), jnp.float32) if initial_state is None
                 else initial_state.astype(jnp.float32))
         o, finals = _state_pass(w, u, ks, b, qs, p, init, chunk=chunk, pieces=1, value_dim=value_dim,
                                 out_dtype=out_dtype, scale=scale, config=config, interpret=interpret,
                                 segments=(start, slot, n_seg), packed=packed, packed_length=length,
-                                segment_init=True, live=live)
+                                segment_init=True, live=live, by_segment=by_segment)
         finals = jnp.where((lens > 0)[:, None, None, None], finals, init)  # empty segments: their own init
     else:
         init = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
@@ -1441,7 +1476,7 @@ def _varlen(q, k, v, cu, g, gk, beta, initial_state=None, continues=None, summar
         res = _state_pass(w, u, ks, b, qs, p, init[None], chunk=chunk, pieces=1, value_dim=value_dim,
                           out_dtype=out_dtype, scale=scale, config=config, interpret=interpret,
                           segments=(start, slot, n_seg), packed=packed, packed_length=length, live=live,
-                          fill=fill, split=widened)
+                          fill=fill, split=widened, by_segment=by_segment)
         if widened:  # states and transfers as two outputs: no slices of a widened array copied out
             o, finals, widened_transfer = res
         else:
