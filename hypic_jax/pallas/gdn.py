@@ -191,9 +191,11 @@ class GDNConfig:
       takes that kernel's decayed keys and queries).
     segment_grid: `gdn_varlen` runs segments that each start from their own state (from zero, or from
       initial_state without continues) as separate programs, a third grid axis over the segments, so the state
-      pass's sequential depth is the longest segment's chunks instead of all of them. A stitched request's seams
-      are one chunk each, so its passes shrink from about as many steps as there are pieces to a few
-      (bench/rag_trace.py). Segments that continue one another run as one program, as with segment_grid False.
+      pass's sequential depth is the longest segment's chunks instead of all of them (segments that continue one
+      another always run as one program). Off by default: on the H200, at a stitched request's shape (68 segment
+      slots, 33 fresh pieces of one or a few chunks, 32 heads), the passes of 30 layers took 14.9 ms with it
+      against 6.4 ms without (`bench/rag_trace.py`, bench/RESULTS.md): thousands of programs of one step each
+      cost more than the sequential steps they replace. Long packed segments (cold prefills) are not measured.
 
     Defaults: the fastest Gated DeltaNet forward at L = 32k, 16 key -> 32 value heads of 128, bf16 inputs, on the
     H200 (bench/kernels.py times the variants beside fla's chunk_gated_delta_rule; see bench/RESULTS.md): solve
@@ -223,7 +225,7 @@ class GDNConfig:
     state_stages: int = 3
     state_prefetch: bool = True
     packed_reads: bool = True
-    segment_grid: bool = True
+    segment_grid: bool = False
     state_lowering: str = "auto"
     state_cluster: int = 2
     locals_lowering: str = "auto"
