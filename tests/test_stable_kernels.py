@@ -311,6 +311,12 @@ def test_piece_fold_kernel_matches_the_loop(form):
         assert _rel(got_incoming[:count], want_incoming[:count]) < TOL, what
         assert _rel(ref_incoming, want_incoming) < TOL, what
         assert not np.any(np.asarray(got_incoming)[count:]), what
+        # the kernel that loads each piece's operands one step ahead
+        pre_final, pre_incoming = piece_fold.piece_fold(
+            form, layout.piece_kind, layout.piece_slot, layout.piece_reset, layout.num_pieces, layout.drop_transfer,
+            pool.transfer, pool.state, None if fresh is None else fresh.transfer,
+            None if fresh is None else fresh.state, algorithm=None, block_w=16, prefetch=True, interpret=True)
+        assert _rel(pre_final, want_final) < TOL and _rel(pre_incoming, ref_incoming) < TOL, what + ("prefetch",)
         for block in (None, 1, 2, 3, pieces):
             got_final, got_incoming = fold("blocked", block=block)
             assert _rel(got_final, want_final) < TOL and _rel(got_incoming, ref_incoming) < TOL, what + (block,)

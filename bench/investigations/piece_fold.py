@@ -3,8 +3,9 @@ of random pieces at the engine's shapes: 32 heads of 128 x 128 states, dense tra
 piece capacities of 66 (32 documents: seam and cached piece each, plus the query) and 258 (128 segments), every
 piece in use, a fresh summary for every fresh piece, bf16x3 products (the engine's on a GPU).
 
-Variants: the XLA loop ("xla"), the Pallas kernel (`pallas.piece_fold`, launch parameters varied) and the blocked
-fold without a loop bound by data (`stitch._blocked_fold`, block sizes varied). Prints per variant the ms per
+Variants: the XLA loop ("xla"), the Pallas kernel (`pallas.piece_fold`, launch parameters varied, with and without
+its loads issued a step ahead) and the blocked fold without a loop bound by data (`stitch._blocked_fold`, block
+sizes varied). Prints per variant the ms per
 call (20 calls dispatched back to back, then one wait: what a step of a compiled program costs, without the host's
 dispatch) and the largest difference to the float32 XLA loop relative to its largest entry. One JSON line each.
 
@@ -70,17 +71,19 @@ for num in args.pieces:
                                        (H, K, V), impl, block)
         return jax.jit(run)
 
-    def kernel(warps, width, stages):
+    def kernel(warps, width, stages, prefetch=False):
         def run(pool, fresh, arrays):
             return piece_fold.piece_fold(
                 "dense", arrays["piece_kind"], arrays["piece_slot"], arrays["piece_reset"], arrays["num_pieces"],
                 arrays["drop_transfer"], pool.transfer, pool.state, fresh.transfer, fresh.state, algorithm="bf16x3",
-                block_w=width, num_warps=warps, num_stages=stages)
+                block_w=width, num_warps=warps, num_stages=stages, prefetch=prefetch)
         return jax.jit(run)
 
     variants = [("xla f32", fold("xla", None)), ("xla", fold("xla", "bf16x3"))]
     for warps, width, stages in [(4, 32, 1), (8, 32, 1), (4, 16, 1), (8, 64, 1), (4, 32, 2), (8, 32, 2)]:
         variants.append((f"pallas warps={warps} block_w={width} stages={stages}", kernel(warps, width, stages)))
+    for warps, width in [(8, 32), (8, 16), (4, 32)]:  # the next piece's loads issued one step ahead
+        variants.append((f"pallas prefetch warps={warps} block_w={width}", kernel(warps, width, 1, True)))
     for block in (None, 4, 8, 12, 16, 24):
         variants.append((f"blocked block={block or round(num ** 0.5)}", fold("blocked", "bf16x3", block)))
     reference = None

@@ -68,8 +68,9 @@ def piece_fold_reference(form: str, kind, slot, reset, count, drop, pool_t, pool
     return state, incoming
 
 
-def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has_fresh, prec, num):
-    """One (column block, head): the fold over pieces [0, count), then zeros for the pieces past it."""
+def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has_fresh, prec, num, prefetch=False):
+    """One (column block, head): the fold over pieces [0, count), then zeros for the pieces past it. With
+    `prefetch` each step issues the loads of the next piece's (T, S) before its own products (`_prefetched`)."""
     refs = list(refs)
     t_ref = refs.pop(0) if form != "identity" else None
     s_ref = refs.pop(0)
@@ -96,7 +97,11 @@ def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has
         o_ref[p] = acc
         return lax.cond(kind_ref[p] == PIECE_CACHED, functools.partial(cached, p), functools.partial(fresh, p), acc)
 
-    acc = lax.fori_loop(0, count, step, jnp.zeros(o_ref.shape[1:], jnp.float32))
+    if prefetch:
+        acc = _prefetched(kind_ref, slot_ref, reset_ref, count, drop, t_ref, s_ref, ft_ref if has_fresh else None,
+                          fs_ref if has_fresh else None, o_ref, form=form, prec=prec, num=num)
+    else:
+        acc = lax.fori_loop(0, count, step, jnp.zeros(o_ref.shape[1:], jnp.float32))
     final_ref[...] = acc
 
     def clear(p, carry):
@@ -106,10 +111,56 @@ def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has
     lax.fori_loop(count, num, clear, 0)
 
 
+def _masked(ref, index, pred):
+    """ref[index] where pred holds, else zeros; a masked load, so nothing is read where pred is false (a 0-d row
+    is read and selected)."""
+    shape = ref.shape[1:]
+    if not shape:
+        return jnp.where(pred, ref[index], 0.0)
+    return pltriton.load(ref.at[index], mask=jnp.full(shape, pred), other=0.0)
+
+
+def _prefetched(kind_ref, slot_ref, reset_ref, count, drop, t_ref, s_ref, ft_ref, fs_ref, o_ref, *, form, prec, num):
+    """The fold of `_kernel` with the loads of piece p + 1 issued before the products of piece p: the loop carries
+    the next piece's (T, S), read from the pool row (a cached piece) or the fresh summary (a fresh piece) by masked
+    loads, so a step no longer waits on its own loads (each step is otherwise a chain: the slot, then T and S,
+    then the products). Holds two transfer tiles at a time, so it wants the wider launches (8 warps)."""
+    has_fresh = fs_ref is not None
+
+    def operands(p):
+        p = jnp.minimum(p, num - 1)
+        kind, row = kind_ref[p], slot_ref[p]
+        cached, fresh = kind == PIECE_CACHED, (kind == PIECE_FRESH) & has_fresh
+        state = _masked(s_ref, row, cached)
+        if has_fresh:
+            state = state + _masked(fs_ref, p, fresh)
+        if t_ref is None:
+            return None, state
+        transfer = _masked(t_ref, row, cached)
+        if has_fresh:
+            transfer = transfer + _masked(ft_ref, p, fresh)
+        return transfer, state
+
+    def step(p, carry):
+        acc, transfer, state = carry
+        ahead = operands(p + 1)
+        acc = jnp.where(reset_ref[p] != 0, jnp.zeros_like(acc), acc)
+        o_ref[p] = acc
+        if transfer is not None:
+            kind = kind_ref[p]
+            moves = ((kind == PIECE_CACHED) & jnp.logical_not(drop)) | ((kind == PIECE_FRESH) & has_fresh)
+            acc = jnp.where(moves, _apply(form, transfer, acc, prec), acc)
+        return (acc + state,) + ahead
+
+    zero = jnp.zeros(o_ref.shape[1:], jnp.float32)
+    acc, _, _ = lax.fori_loop(0, count, step, (zero,) + operands(0))  # (the identity form carries T as None)
+    return acc
+
+
 def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, drop: Array, pool_t: Array | None,
                pool_s: Array, fresh_t: Array | None = None, fresh_s: Array | None = None, *,
                algorithm: str | None = "bf16x3", block_w: int = 32, num_warps: int = 8, num_stages: int = 1,
-               interpret: bool = False) -> tuple[Array, Array]:
+               prefetch: bool = False, interpret: bool = False) -> tuple[Array, Array]:
     """The state after the last of `count` pieces and the state entering every piece, in one launch.
 
     kind, slot, reset: int32/bool [N] per piece (`layout` piece kinds; a cached piece's pool row; the state before
@@ -117,8 +168,9 @@ def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
     transfers are the identity (`addition`). pool_t [P, H, ...] / pool_s [P, H, K, V]: the cached summaries' rows,
     transfers in `form` (dense [K, K], diagonal log [K], scalar log [], identity None). fresh_t [N, H, ...] /
     fresh_s [N, H, K, V]: every fresh piece's own summary, or None (fresh pieces pass the state through).
-    algorithm: dot algorithm of the dense products (None: float32). Returns (final [H, K, V], incoming [N, H, K,
-    V]), float32.
+    algorithm: dot algorithm of the dense products (None: float32). prefetch: issue each piece's loads one step
+    ahead (`_prefetched`; not timed on a GPU yet: `bench/investigations/piece_fold.py`). Returns (final [H, K, V],
+    incoming [N, H, K, V]), float32.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
@@ -148,7 +200,7 @@ def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
             args.append(fresh_t.astype(jnp.float32))
         in_specs.append(s_block(num))
         args.append(fresh_s.astype(jnp.float32))
-    kernel = functools.partial(_kernel, form=form, has_fresh=has_fresh, num=num,
+    kernel = functools.partial(_kernel, form=form, has_fresh=has_fresh, num=num, prefetch=prefetch,
                                prec=_KERNEL_PRECISION["f32" if algorithm is None else algorithm])
     incoming, final = pl.pallas_call(
         kernel,
