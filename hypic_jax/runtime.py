@@ -570,14 +570,12 @@ class StableEngine(Engine):
         arrays = lay.build(spans, self._capacity(key), isolated=kind == "cold", tokens=fresh_tokens,
                            summaries=kind != "plain", transfer=transfer, rope=rope)
         program = self.programs.get(key)
-        if kind == "pic":  # a stitched PIC request records nothing: no writes, no commit
-            with self.pools.lock:
-                logits, _, decode = program(self.params, lay.pack(arrays), self._pool_arrays())
-            return logits, decode
-        commit = self.programs.get(ProgramKey("commit", key.tokens, 0))
+        # a stitched PIC request records nothing: its program returns no writes, and no commit runs
+        commit = None if kind == "pic" else self.programs.get(ProgramKey("commit", key.tokens, 0))
         with self.pools.lock:
             logits, writes, decode = program(self.params, lay.pack(arrays), self._pool_arrays())
-            self._write_pools(commit, writes)
+            if commit is not None:
+                self._write_pools(commit, writes)
         return logits, decode
 
     def _pool_arrays(self):

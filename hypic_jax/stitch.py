@@ -369,14 +369,6 @@ def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: 
                              (zero, jnp.zeros((num_pieces, heads, key_dim, value_dim), acc)))
 
 
-def _piece_offsets(layout: LayoutArrays) -> Array:
-    """cu [N + 1]: each piece's first fresh token and, last, the number of fresh tokens (cached and padded pieces
-    hold none). Fresh tokens are packed in piece order, so these are the kernels' segment offsets; the padded
-    tokens after cu[N] belong to no segment. The layout carries them from the host: computed in the program, a
-    segment sum inside the layer scan would run once per layer."""
-    return layout.piece_starts
-
-
 def _piece_loads(layout: LayoutArrays) -> Array:
     """bool [N]: the piece's first chunk loads the piece's incoming state (`chunk_load`); a fresh piece that does
     not carries on from the piece before it (pieces without chunks: False)."""
@@ -388,7 +380,9 @@ def _linear_over_layout_kernels(inputs: LinearInputs, pool: Summary, layout: Lay
                                 rotate, algorithm, config, fold_impl: str = "auto") -> LinearResult:
     """`linear_over_layout` with steps 1 and 3 through `pallas.gdn.gdn_varlen`, the pieces as its segments."""
     heads, key_dim, value_dim = inputs.v.shape[1], inputs.k.shape[2], inputs.v.shape[2]
-    cu = _piece_offsets(layout)
+    # the pieces as the kernels' segments: their token offsets come with the layout from the host (the padded
+    # tokens after cu[N] belong to no segment), not from a segment sum that the layer scan would run per layer
+    cu = layout.piece_starts
     run = functools.partial(pallas_gdn.gdn_varlen, inputs.q, inputs.k, inputs.v, cu, g=inputs.g, gk=inputs.gk,
                             beta=inputs.beta, scale=inputs.scale, config=config)
     fresh_summary = None
