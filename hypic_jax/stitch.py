@@ -91,7 +91,7 @@ def _put(buffer: Array, index, value: Array) -> Array:
 class LinearResult:
     """What `linear_over_layout` returns: outputs [F, H, V], the state after the whole request [H, K, V], the
     summary of every fresh piece [N, ...] (None unless computed; the rows of other pieces are undefined with the
-    kernels) and every piece's end state [N, H, K, V]."""
+    kernels) and every piece's end state [N, H, K, V] (both None from `_linear_over_layout_chunk_fold`)."""
 
     def __init__(self, outputs, final_state, piece_summaries, piece_ends):
         self.outputs, self.final_state = outputs, final_state
@@ -167,8 +167,13 @@ def linear_over_layout(
     fits (`piece_fold_fits`; always when impl is "pallas"), else "blocked" on a GPU and "xla" elsewhere; "pallas"
     always (interpreted off a GPU), "xla" the loop, "blocked" batched products in blocks without a loop bound by
     data (`_blocked_fold`).
+    Where the fold runs as a kernel and the layout computes summaries but records none (a stitched PIC request),
+    steps 1 to 3 become one: `_linear_over_layout_chunk_fold`. It returns no summaries and no piece end states.
     """
     fold_impl = "pallas" if impl == "pallas" and fold_impl == "auto" else fold_impl
+    if (summaries and layout.record_piece.shape[0] == 0 and inputs.q is not None
+            and _use_fold_kernel(fold_impl, inputs.k.shape[-1], inputs.v.shape[-1])):
+        return _linear_over_layout_chunk_fold(inputs, pool, layout, rotate=rotate, algorithm=algorithm)
     if linear_kernel_fits(inputs, impl):
         return _linear_over_layout_kernels(inputs, pool, layout, summaries=summaries, rotate=rotate,
                                            algorithm=algorithm, config=kernel_config, fold_impl=fold_impl)
@@ -369,6 +374,48 @@ def _fold_pieces(pool: Summary, layout: LayoutArrays, form: str, fresh_summary: 
                              (zero, jnp.zeros((num_pieces, heads, key_dim, value_dim), acc)))
 
 
+def _piece_chunks(layout: LayoutArrays) -> Array:
+    """int32 [N + 1]: piece p's chunks are [out[p], out[p + 1]) (the layout lays every fresh piece's chunks out in
+    piece order; cached pieces and padding hold none)."""
+    used = (jnp.arange(layout.chunk_piece.shape[0]) < layout.num_chunks).astype(jnp.int32)
+    counts = jnp.zeros(layout.piece_kind.shape, jnp.int32).at[layout.chunk_piece].add(used)
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+
+
+def _linear_over_layout_chunk_fold(inputs: LinearInputs, pool: Summary, layout: LayoutArrays, *, rotate,
+                                   algorithm) -> LinearResult:
+    """`linear_over_layout` for a layout that records nothing, through `pallas.piece_fold.chunk_fold`: the
+    chunk-local work of every fresh chunk at once (`linear_attn.chunk_locals`, no state), then one launch that folds
+    the pieces in order, a fresh piece chunk by chunk, and emits the fresh tokens' outputs on the way.
+
+    What it saves over steps 1 to 3 (a stitched request is mostly short seams between cached pieces): no fresh
+    piece's summary is formed (no pass with the widened state), no dense step per fresh piece, no incoming state
+    is written and no second pass reads them back. The fold's sequential depth is one dense step per cached piece
+    plus one small step per fresh chunk."""
+    inputs = _repeat_key_heads(inputs)
+    acc = jnp.float32
+    heads, key_dim = inputs.k.shape[1], inputs.k.shape[2]
+    log_decay = linear_attn.log_decay_of(inputs.g, inputs.gk, acc)
+    chunks = [_head_major_chunks(a, layout, acc) for a in (inputs.q, inputs.k, inputs.v, log_decay, inputs.beta)]
+    loc = jax.vmap(lambda *xs: linear_attn.chunk_locals(*xs, acc))(*chunks)  # [C, H, c, ...]
+    decay = jnp.broadcast_to(loc["chunk_decay"], loc["chunk_decay"].shape[:2] + (key_dim,))
+    slots = layout.piece_slot
+    cached = pool
+    if rotate is not None:  # rotated rows are gathered first, piece by piece
+        cached = jax.vmap(rotate)(Summary(pool.form, pool.state[slots],
+                                          None if pool.transfer is None else pool.transfer[slots]),
+                                  layout.piece_offset)
+        slots = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    final, outs = piece_fold.chunk_fold(
+        cached.form, layout.piece_kind, slots, layout.piece_reset, layout.num_pieces, layout.drop_transfer,
+        _piece_chunks(layout), cached.transfer, cached.state, loc["w"], loc["u"], loc["k_to_end"], decay,
+        loc["q_decayed"], loc["scores"], algorithm=algorithm, interpret=jax.default_backend() != "gpu")
+    num_chunk_rows, chunk_len = layout.chunk_rows.shape
+    flat = jnp.moveaxis(outs, 1, 2).reshape(num_chunk_rows * chunk_len, heads, outs.shape[-1])
+    outputs = jnp.where(layout.valid[:, None, None], inputs.scale * flat[layout.token_chunk_row], 0)
+    return LinearResult(outputs.astype(inputs.v.dtype), final, None, None)
+
+
 def _piece_loads(layout: LayoutArrays) -> Array:
     """bool [N]: the piece's first chunk loads the piece's incoming state (`chunk_load`); a fresh piece that does
     not carries on from the piece before it (pieces without chunks: False)."""
@@ -429,6 +476,8 @@ def record_summaries(result: LinearResult, layout: LayoutArrays, *, isolated: bo
     """The summaries to store for the layout's records, in the pool's form: a cold prefill stores each recorded
     interior's own summary; a stitched request stores each recorded span's end state (a prefix-cache snapshot,
     which a later request loads with `piece_reset`, so its transfer is never read and is stored as zeros)."""
+    if not layout.record_piece.shape[0]:  # records nothing (the result may hold no summaries nor end states)
+        return jax.tree.map(lambda a: jnp.zeros((0,) + a.shape[1:], a.dtype), pool)
     if isolated:
         rows = jax.tree.map(lambda a: a[layout.record_piece], result.piece_summaries)
         return linear_attn.promote(rows, pool.form)

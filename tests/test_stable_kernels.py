@@ -311,13 +311,111 @@ def test_piece_fold_kernel_matches_the_loop(form):
         assert _rel(got_incoming[:count], want_incoming[:count]) < TOL, what
         assert _rel(ref_incoming, want_incoming) < TOL, what
         assert not np.any(np.asarray(got_incoming)[count:]), what
-        # the kernel that loads each piece's operands one step ahead
-        pre_final, pre_incoming = piece_fold.piece_fold(
-            form, layout.piece_kind, layout.piece_slot, layout.piece_reset, layout.num_pieces, layout.drop_transfer,
-            pool.transfer, pool.state, None if fresh is None else fresh.transfer,
-            None if fresh is None else fresh.state, algorithm=None, block_w=16, prefetch=True, interpret=True)
-        assert _rel(pre_final, want_final) < TOL and _rel(pre_incoming, ref_incoming) < TOL, what + ("prefetch",)
         for block in (None, 1, 2, 3, pieces):
             got_final, got_incoming = fold("blocked", block=block)
             assert _rel(got_final, want_final) < TOL and _rel(got_incoming, ref_incoming) < TOL, what + (block,)
             assert np.all(np.isfinite(np.asarray(got_incoming))), what + (block,)
+
+
+@pytest.mark.parametrize("form", ["dense", "diagonal", "scalar", "identity"])
+def test_chunk_fold_kernel_matches_the_loop(form):
+    """The fold with fresh pieces as chunk steps (`pallas.piece_fold.chunk_fold`, interpreted) equals its plain
+    loop and, independently, the token-by-token recurrence's outputs where a piece's state is known: random piece
+    kinds, fresh pieces of one to three chunks, resets, dropped transfers, counts below the capacity, with and
+    without a delta rule (w); the chunks past the last piece's get zero outputs."""
+    from hypic_jax.pallas import piece_fold
+
+    rng = np.random.default_rng(10 + ["dense", "diagonal", "scalar", "identity"].index(form))
+    pieces, rows, heads, key_dim, value_dim, c = 6, 4, 2, 16, 32, 8
+    tails = {"dense": (key_dim, key_dim), "diagonal": (key_dim,), "scalar": (), "identity": None}
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    if form == "dense":
+        pool_t = normal(rows, heads, key_dim, key_dim) / np.sqrt(key_dim)
+    elif form == "identity":
+        pool_t = None
+    else:
+        pool_t = jnp.asarray(-rng.uniform(0, 1, size=(rows, heads) + tails[form]), jnp.float32)
+    pool_s = normal(rows, heads, key_dim, value_dim)
+    for trial in range(4):
+        count = int(rng.integers(1, pieces + 1))
+        kind = np.where(rng.uniform(size=pieces) < 0.5, lay.PIECE_CACHED, lay.PIECE_FRESH)
+        kind[count:] = lay.PIECE_PAD
+        per_piece = np.where(kind == lay.PIECE_FRESH, rng.integers(1, 4, pieces), 0)
+        piece_chunks = np.concatenate([[0], np.cumsum(per_piece)]).astype(np.int32)
+        chunks = int(piece_chunks[-1]) + 2  # two padded chunks past the last piece's
+        reset = rng.uniform(size=pieces) < 0.3
+        reset[0] = True
+        slot = rng.integers(0, rows, pieces)
+        drop = trial == 2
+        w = None if trial == 3 else normal(chunks, heads, c, key_dim) / 4
+        operands = dict(u=normal(chunks, heads, c, value_dim), k_to_end=normal(chunks, heads, c, key_dim) / 4,
+                        decay=jnp.asarray(rng.uniform(0.5, 1.0, (chunks, heads, key_dim)), jnp.float32),
+                        q_decayed=normal(chunks, heads, c, key_dim), scores=normal(chunks, heads, c, c))
+        args = (form, kind, slot, reset, count, drop, piece_chunks, pool_t, pool_s, w)
+        want_final, want_out = piece_fold.chunk_fold_reference(*args, **operands)
+        got_final, got_out = piece_fold.chunk_fold(
+            form, jnp.asarray(kind), jnp.asarray(slot), jnp.asarray(reset), jnp.int32(count), jnp.asarray(drop),
+            jnp.asarray(piece_chunks), pool_t, pool_s, w, **operands, algorithm=None, block_w=16, interpret=True)
+        what = (form, trial, count, kind.tolist(), per_piece.tolist(), reset.tolist())
+        assert _rel(got_final, want_final) < TOL, what
+        assert _rel(got_out, want_out) < TOL, what
+        assert not np.any(np.asarray(got_out)[piece_chunks[count]:]), what
+        # an independent check of the loop: a fresh piece right after a reset starts from zero, so its first
+        # chunk's outputs are its scores times U alone
+        first = [p for p in range(count) if kind[p] == lay.PIECE_FRESH and reset[p]]
+        for p in first:
+            i = piece_chunks[p]
+            alone = np.einsum("hcj,hjv->hcv", np.asarray(operands["scores"][i], np.float64),
+                              np.asarray(operands["u"][i], np.float64))
+            assert _rel(got_out[i], alone) < TOL, what + (p,)
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+def test_stitched_layout_without_records_folds_chunks(per_key):
+    """A stitched layout that records nothing (a PIC request) runs its linear core through the chunk fold when the
+    fold is a kernel: the same outputs of real tokens and final state as the XLA loops, with and without cached
+    transfers, with a rotation of the cached rows (RoPE'd linear layers read them gathered), queries of several
+    chunks; no summaries and no piece end states come back, and no layout of the capacity compiles anew."""
+    cap = lay.Capacity(tokens=96, pieces=10, keys=192, records=0, chunk=16, conv=3)
+    rng = np.random.default_rng(7 + per_key)
+    pool = _pool(rng)
+
+    def rotate(summary, offset):  # any map of a cached row by its offset: both paths must apply it alike
+        scale = jnp.cos(0.1 * offset.astype(jnp.float32))
+        return Summary(summary.form, summary.state * scale, summary.transfer)
+
+    @functools.partial(jax.jit, static_argnames=("fold_impl", "rotated"))
+    def core(inputs, arrays, *, fold_impl, rotated):
+        result = stitch.linear_over_layout(inputs, pool, arrays, summaries=True, fold_impl=fold_impl,
+                                           rotate=rotate if rotated else None)
+        assert (result.piece_summaries is None) == (fold_impl == "pallas")
+        return result.outputs, result.final_state
+
+    compiled = None
+    for trial in range(4):
+        spans, fresh = [], 0
+        for _ in range(int(rng.integers(1, 4))):
+            seam = int(rng.integers(0, 6))
+            if seam:
+                spans.append(lay.Span(lay.FRESH, seam))
+            n = int(rng.integers(1, 30))
+            spans.append(lay.Span(lay.CACHED, n, canonical_start=seam, slot=int(rng.integers(1, SLOTS)),
+                                  kv_rows=np.zeros(n, np.int32)))
+            fresh += seam
+        query = int(rng.integers(17, 45))  # two or three chunks of 16
+        spans.append(lay.Span(lay.FRESH, query))
+        arrays = lay.build(spans, cap, isolated=False, tokens=np.zeros(fresh + query, np.int32), summaries=True,
+                           transfer=trial != 1)
+        inputs = _inputs(rng, per_key)
+        rotated = trial >= 2
+        want = core(inputs, arrays, fold_impl="xla", rotated=rotated)
+        got = core(inputs, arrays, fold_impl="pallas", rotated=rotated)
+        valid = np.asarray(arrays.valid)
+        what = (trial, [(s.kind, s.length) for s in spans])
+        assert _rel(got[0][valid], want[0][valid]) < TOL, what
+        assert _rel(got[1], want[1]) < TOL, what
+        assert not np.any(np.asarray(got[0])[~valid]), what
+        if trial == 1:
+            compiled = core._cache_size()
+        elif trial == 3:
+            assert core._cache_size() == compiled + 2, "each rotated variant compiles once, new layouts never"

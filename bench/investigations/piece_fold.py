@@ -3,11 +3,16 @@ of random pieces at the engine's shapes: 32 heads of 128 x 128 states, dense tra
 piece capacities of 66 (32 documents: seam and cached piece each, plus the query) and 258 (128 segments), every
 piece in use, a fresh summary for every fresh piece, bf16x3 products (the engine's on a GPU).
 
-Variants: the XLA loop ("xla"), the Pallas kernel (`pallas.piece_fold`, launch parameters varied, with and without
-its loads issued a step ahead) and the blocked fold without a loop bound by data (`stitch._blocked_fold`, block
-sizes varied). Prints per variant the ms per
+Variants: the XLA loop ("xla"), the Pallas kernel (`pallas.piece_fold`, launch parameters varied) and the blocked
+fold without a loop bound by data (`stitch._blocked_fold`, block sizes varied). Prints per variant the ms per
 call (20 calls dispatched back to back, then one wait: what a step of a compiled program costs, without the host's
 dispatch) and the largest difference to the float32 XLA loop relative to its largest entry. One JSON line each.
+
+Then the same requests through `pallas.piece_fold.chunk_fold`, which takes each fresh piece as chunk steps (8-token
+seams and a 64-token query in chunks of 16) and emits the fresh tokens' outputs instead of incoming states: what
+it replaces in a stitched request is the fold above plus the two passes over the fresh tokens (the fresh pieces'
+summaries, then the outputs from the incoming states), which `bench/rag_trace.py --profile-dir` times in place.
+Its error is against `chunk_fold_reference` (float32, HIGHEST).
 
     python3 bench/investigations/piece_fold.py [--pieces 66 258] [--heads 32]
 """
@@ -71,19 +76,17 @@ for num in args.pieces:
                                        (H, K, V), impl, block)
         return jax.jit(run)
 
-    def kernel(warps, width, stages, prefetch=False):
+    def kernel(warps, width, stages):
         def run(pool, fresh, arrays):
             return piece_fold.piece_fold(
                 "dense", arrays["piece_kind"], arrays["piece_slot"], arrays["piece_reset"], arrays["num_pieces"],
                 arrays["drop_transfer"], pool.transfer, pool.state, fresh.transfer, fresh.state, algorithm="bf16x3",
-                block_w=width, num_warps=warps, num_stages=stages, prefetch=prefetch)
+                block_w=width, num_warps=warps, num_stages=stages)
         return jax.jit(run)
 
     variants = [("xla f32", fold("xla", None)), ("xla", fold("xla", "bf16x3"))]
     for warps, width, stages in [(4, 32, 1), (8, 32, 1), (4, 16, 1), (8, 64, 1), (4, 32, 2), (8, 32, 2)]:
         variants.append((f"pallas warps={warps} block_w={width} stages={stages}", kernel(warps, width, stages)))
-    for warps, width in [(8, 32), (8, 16), (4, 32)]:  # the next piece's loads issued one step ahead
-        variants.append((f"pallas prefetch warps={warps} block_w={width}", kernel(warps, width, 1, True)))
     for block in (None, 4, 8, 12, 16, 24):
         variants.append((f"blocked block={block or round(num ** 0.5)}", fold("blocked", "bf16x3", block)))
     reference = None
@@ -98,3 +101,38 @@ for num in args.pieces:
         err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(out, reference))
         print(json.dumps(dict(pieces=num, heads=H, variant=name, ms=round(ms, 3), rel_err=float(f"{err:.2e}"))),
               flush=True)
+
+    # the chunk fold: each fresh piece one chunk of 16 rows (a seam of 8 tokens), the query 4 chunks
+    c = 16
+    per_piece = np.where(kind == lay.PIECE_FRESH, 1, 0)
+    per_piece[-1] = 4
+    piece_chunks = np.concatenate([[0], np.cumsum(per_piece)]).astype(np.int32)
+    chunks = int(piece_chunks[-1])
+    rows_used = np.zeros((chunks, c), bool)
+    rows_used[:, :8] = True
+    rows_used[-4:] = True
+    mask = jnp.asarray(rows_used)[:, None, :, None]
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    operands = dict(w=normal(chunks, H, c, K) / np.sqrt(K) * mask, u=normal(chunks, H, c, V) * mask,
+                    k_to_end=normal(chunks, H, c, K) / np.sqrt(K) * mask,
+                    decay=jnp.asarray(rng.uniform(0.9, 1.0, (chunks, H, K)), jnp.float32),
+                    q_decayed=normal(chunks, H, c, K) * mask, scores=normal(chunks, H, c, c) * mask)
+    tables = (arrays["piece_kind"], arrays["piece_slot"], arrays["piece_reset"], arrays["num_pieces"],
+              arrays["drop_transfer"], jnp.asarray(piece_chunks))
+    want_final, want_out = piece_fold.chunk_fold_reference(
+        "dense", kind, np.asarray(arrays["piece_slot"]), reset, num, False, piece_chunks, pool.transfer, pool.state,
+        **operands)
+    for warps, width in [(8, 32), (4, 32), (8, 64), (4, 16)]:
+        fn = jax.jit(lambda tables, pool, operands, warps=warps, width=width: piece_fold.chunk_fold(
+            "dense", *tables, pool.transfer, pool.state, **operands, algorithm="bf16x3", block_w=width,
+            num_warps=warps))
+        try:
+            (final, out), ms = timed(fn, tables, pool, operands)
+        except Exception as error:  # noqa: BLE001
+            print(json.dumps(dict(pieces=num, variant=f"chunk_fold warps={warps} block_w={width}",
+                                  error=f"{type(error).__name__}: {str(error)[:200]}")), flush=True)
+            continue
+        err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in
+                  [(final, want_final), (out, want_out)])
+        print(json.dumps(dict(pieces=num, heads=H, chunks=chunks, variant=f"chunk_fold warps={warps} block_w={width}",
+                              ms=round(ms, 3), rel_err=float(f"{err:.2e}"))), flush=True)

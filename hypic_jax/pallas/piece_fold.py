@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from hypic_jax.pallas.compose import _KERNEL_PRECISION, _block_width
 
-__all__ = ["piece_fold", "piece_fold_reference", "piece_fold_fits", "FORMS"]
+__all__ = ["piece_fold", "piece_fold_reference", "piece_fold_fits", "chunk_fold", "chunk_fold_reference", "FORMS"]
 
 FORMS = ("identity", "scalar", "diagonal", "dense")
 PIECE_FRESH, PIECE_CACHED = 1, 2  # `layout.PIECE_FRESH`, `layout.PIECE_CACHED` (the kernels sit below the layout)
@@ -68,9 +68,8 @@ def piece_fold_reference(form: str, kind, slot, reset, count, drop, pool_t, pool
     return state, incoming
 
 
-def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has_fresh, prec, num, prefetch=False):
-    """One (column block, head): the fold over pieces [0, count), then zeros for the pieces past it. With
-    `prefetch` each step issues the loads of the next piece's (T, S) before its own products (`_prefetched`)."""
+def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has_fresh, prec, num):
+    """One (column block, head): the fold over pieces [0, count), then zeros for the pieces past it."""
     refs = list(refs)
     t_ref = refs.pop(0) if form != "identity" else None
     s_ref = refs.pop(0)
@@ -97,11 +96,7 @@ def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has
         o_ref[p] = acc
         return lax.cond(kind_ref[p] == PIECE_CACHED, functools.partial(cached, p), functools.partial(fresh, p), acc)
 
-    if prefetch:
-        acc = _prefetched(kind_ref, slot_ref, reset_ref, count, drop, t_ref, s_ref, ft_ref if has_fresh else None,
-                          fs_ref if has_fresh else None, o_ref, form=form, prec=prec, num=num)
-    else:
-        acc = lax.fori_loop(0, count, step, jnp.zeros(o_ref.shape[1:], jnp.float32))
+    acc = lax.fori_loop(0, count, step, jnp.zeros(o_ref.shape[1:], jnp.float32))
     final_ref[...] = acc
 
     def clear(p, carry):
@@ -111,56 +106,10 @@ def _kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, *refs, form, has
     lax.fori_loop(count, num, clear, 0)
 
 
-def _masked(ref, index, pred):
-    """ref[index] where pred holds, else zeros; a masked load, so nothing is read where pred is false (a 0-d row
-    is read and selected)."""
-    shape = ref.shape[1:]
-    if not shape:
-        return jnp.where(pred, ref[index], 0.0)
-    return pltriton.load(ref.at[index], mask=jnp.full(shape, pred), other=0.0)
-
-
-def _prefetched(kind_ref, slot_ref, reset_ref, count, drop, t_ref, s_ref, ft_ref, fs_ref, o_ref, *, form, prec, num):
-    """The fold of `_kernel` with the loads of piece p + 1 issued before the products of piece p: the loop carries
-    the next piece's (T, S), read from the pool row (a cached piece) or the fresh summary (a fresh piece) by masked
-    loads, so a step no longer waits on its own loads (each step is otherwise a chain: the slot, then T and S,
-    then the products). Holds two transfer tiles at a time, so it wants the wider launches (8 warps)."""
-    has_fresh = fs_ref is not None
-
-    def operands(p):
-        p = jnp.minimum(p, num - 1)
-        kind, row = kind_ref[p], slot_ref[p]
-        cached, fresh = kind == PIECE_CACHED, (kind == PIECE_FRESH) & has_fresh
-        state = _masked(s_ref, row, cached)
-        if has_fresh:
-            state = state + _masked(fs_ref, p, fresh)
-        if t_ref is None:
-            return None, state
-        transfer = _masked(t_ref, row, cached)
-        if has_fresh:
-            transfer = transfer + _masked(ft_ref, p, fresh)
-        return transfer, state
-
-    def step(p, carry):
-        acc, transfer, state = carry
-        ahead = operands(p + 1)
-        acc = jnp.where(reset_ref[p] != 0, jnp.zeros_like(acc), acc)
-        o_ref[p] = acc
-        if transfer is not None:
-            kind = kind_ref[p]
-            moves = ((kind == PIECE_CACHED) & jnp.logical_not(drop)) | ((kind == PIECE_FRESH) & has_fresh)
-            acc = jnp.where(moves, _apply(form, transfer, acc, prec), acc)
-        return (acc + state,) + ahead
-
-    zero = jnp.zeros(o_ref.shape[1:], jnp.float32)
-    acc, _, _ = lax.fori_loop(0, count, step, (zero,) + operands(0))  # (the identity form carries T as None)
-    return acc
-
-
 def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, drop: Array, pool_t: Array | None,
                pool_s: Array, fresh_t: Array | None = None, fresh_s: Array | None = None, *,
                algorithm: str | None = "bf16x3", block_w: int = 32, num_warps: int = 8, num_stages: int = 1,
-               prefetch: bool = False, interpret: bool = False) -> tuple[Array, Array]:
+               interpret: bool = False) -> tuple[Array, Array]:
     """The state after the last of `count` pieces and the state entering every piece, in one launch.
 
     kind, slot, reset: int32/bool [N] per piece (`layout` piece kinds; a cached piece's pool row; the state before
@@ -168,9 +117,8 @@ def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
     transfers are the identity (`addition`). pool_t [P, H, ...] / pool_s [P, H, K, V]: the cached summaries' rows,
     transfers in `form` (dense [K, K], diagonal log [K], scalar log [], identity None). fresh_t [N, H, ...] /
     fresh_s [N, H, K, V]: every fresh piece's own summary, or None (fresh pieces pass the state through).
-    algorithm: dot algorithm of the dense products (None: float32). prefetch: issue each piece's loads one step
-    ahead (`_prefetched`; not timed on a GPU yet: `bench/investigations/piece_fold.py`). Returns (final [H, K, V],
-    incoming [N, H, K, V]), float32.
+    algorithm: dot algorithm of the dense products (None: float32). Returns (final [H, K, V], incoming
+    [N, H, K, V]), float32.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
@@ -200,7 +148,7 @@ def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
             args.append(fresh_t.astype(jnp.float32))
         in_specs.append(s_block(num))
         args.append(fresh_s.astype(jnp.float32))
-    kernel = functools.partial(_kernel, form=form, has_fresh=has_fresh, num=num, prefetch=prefetch,
+    kernel = functools.partial(_kernel, form=form, has_fresh=has_fresh, num=num,
                                prec=_KERNEL_PRECISION["f32" if algorithm is None else algorithm])
     incoming, final = pl.pallas_call(
         kernel,
@@ -215,3 +163,155 @@ def piece_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
         name="piece_fold",
     )(*args)
     return final, incoming
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fold with fresh pieces as chunk steps: a stitched request's whole linear core but its chunk-local work.
+
+
+def _chunk_step(acc, w, u, k_to_end, decay, q_decayed, scores, dot):
+    """One chunk from the state acc [K, Vb]: (its unscaled outputs [c, Vb], the state after it). The chunk's
+    `linear_attn.chunk_locals` are inputs: U - W acc is what its tokens write, q_decayed acc what its queries read
+    of the state before it, scores the chunk's causal scores."""
+    inner = u if w is None else u - dot(w, acc)
+    out = dot(q_decayed, acc) + dot(scores, inner)
+    return out, decay[:, None] * acc + dot(k_to_end, inner)
+
+
+def chunk_fold_reference(form, kind, slot, reset, count, drop, piece_chunks, pool_t, pool_s, w, u, k_to_end, decay,
+                         q_decayed, scores):
+    """`chunk_fold` as a loop in float32 (HIGHEST products), with k_to_end as [C, H, c, K]; for tests."""
+    hi = lax.Precision.HIGHEST
+    heads, key_dim, value_dim = pool_s.shape[1:]
+    num_chunks, c = u.shape[0], u.shape[2]
+    state = jnp.zeros((heads, key_dim, value_dim), jnp.float32)
+    outputs = jnp.zeros((num_chunks, heads, c, value_dim), jnp.float32)
+    apply = jax.vmap(functools.partial(_apply, form, prec=hi)) if form != "identity" else None
+    step = jax.vmap(functools.partial(_chunk_step, dot=functools.partial(jnp.dot, precision=hi)))
+    for p in range(int(count)):
+        if reset[p]:
+            state = jnp.zeros_like(state)
+        if kind[p] == PIECE_CACHED:
+            moved = state if (drop or apply is None) else apply(pool_t[slot[p]], state)
+            state = moved + pool_s[slot[p]]
+        elif kind[p] == PIECE_FRESH:
+            for i in range(int(piece_chunks[p]), int(piece_chunks[p + 1])):
+                out, state = step(state, None if w is None else w[i], u[i], jnp.swapaxes(k_to_end[i], -1, -2),
+                                  decay[i], q_decayed[i], scores[i])
+                outputs = outputs.at[i].set(out)
+    return state, outputs
+
+
+def _chunk_fold_kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, chunks_ref, *refs, form, has_w, prec,
+                       num_chunks):
+    """One (column block, head): the fold over pieces [0, count), a fresh piece stepping through its chunks and
+    writing their outputs; zeros for the chunks past the last piece's."""
+    refs = list(refs)
+    t_ref = refs.pop(0) if form != "identity" else None
+    s_ref = refs.pop(0)
+    w_ref = refs.pop(0) if has_w else None
+    u_ref, kt_ref, d_ref, q_ref, sc_ref, o_ref, final_ref = refs
+    count = count_ref[0]
+    drop = drop_ref[0] != 0
+    dot = functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), precision=prec,
+                            preferred_element_type=jnp.float32)
+
+    def cached(p, acc):
+        row = slot_ref[p]
+        moved = acc if t_ref is None else jnp.where(drop, acc, _apply(form, t_ref[row], acc, prec))
+        return moved + s_ref[row]
+
+    def chunk(i, acc):
+        out, acc = _chunk_step(acc, None if w_ref is None else w_ref[i], u_ref[i], kt_ref[i], d_ref[i], q_ref[i],
+                               sc_ref[i], dot)
+        o_ref[i] = out
+        return acc
+
+    def fresh(p, acc):
+        return lax.fori_loop(chunks_ref[p], chunks_ref[p + 1], chunk, acc)
+
+    def step(p, acc):
+        acc = jnp.where(reset_ref[p] != 0, jnp.zeros_like(acc), acc)
+        return lax.cond(kind_ref[p] == PIECE_CACHED, functools.partial(cached, p), functools.partial(fresh, p), acc)
+
+    final_ref[...] = lax.fori_loop(0, count, step, jnp.zeros(final_ref.shape, jnp.float32))
+
+    def clear(i, carry):
+        o_ref[i] = jnp.zeros(o_ref.shape[1:], jnp.float32)
+        return carry
+
+    lax.fori_loop(chunks_ref[count], num_chunks, clear, 0)
+
+
+def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, drop: Array, piece_chunks: Array,
+               pool_t: Array | None, pool_s: Array, w: Array | None, u: Array, k_to_end: Array, decay: Array,
+               q_decayed: Array, scores: Array, *, algorithm: str | None = "bf16x3", block_w: int = 32,
+               num_warps: int = 8, num_stages: int = 1, interpret: bool = False) -> tuple[Array, Array]:
+    """A stitched request's linear core after its chunk-local work, in one launch: the fold over the pieces where
+    a cached piece applies its pool row (T, S) and a fresh piece steps through its chunks, each chunk's outputs
+    taken from the state entering it on the way.
+
+    Why: folding a fresh piece as its own dense summary (`piece_fold`) needs that summary first (a pass over the
+    fresh tokens with the state widened by an identity block), then a dense step per fresh piece, then a second
+    pass over the fresh tokens for the outputs from the incoming states. Here a fresh piece of c <= chunk tokens
+    (a seam) costs a few [c, K] x [K, Vb] products in the fold instead of a [K, K] x [K, Vb] one, and nothing is
+    written but the outputs ([C, c, V] per head: at 64 seams of 8 tokens, 1/8 of the incoming states that
+    `piece_fold` writes) and the final state.
+
+    kind, slot, reset, count, drop, pool_t, pool_s: as `piece_fold`. piece_chunks: int32 [N + 1], fresh piece p's
+    chunks are [piece_chunks[p], piece_chunks[p + 1]) (cached pieces hold none). The chunks' locals
+    (`linear_attn.chunk_locals`, head-major): w [C, H, c, K] or None (no delta rule), u [C, H, c, V], k_to_end
+    [C, H, c, K], decay [C, H, K] (each chunk's per-key decay over it), q_decayed [C, H, c, K], scores
+    [C, H, c, c]. Returns (the state after the last piece [H, K, V], every chunk's unscaled outputs [C, H, c, V],
+    zeros past the last piece's chunks), float32.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    num_chunks, heads, c, value_dim = u.shape
+    pool_rows, key_dim = pool_s.shape[0], pool_s.shape[2]
+    num = kind.shape[0]
+    shapes_ok = (pool_s.shape[1:] == (heads, key_dim, value_dim) and k_to_end.shape == (num_chunks, heads, c, key_dim)
+                 and q_decayed.shape == k_to_end.shape and (w is None or w.shape == k_to_end.shape)
+                 and decay.shape == (num_chunks, heads, key_dim) and scores.shape == (num_chunks, heads, c, c)
+                 and piece_chunks.shape == (num + 1,) and (form == "identity") == (pool_t is None))
+    if not shapes_ok:
+        raise ValueError(f"chunk fold operands disagree: form {form}, pool_s {pool_s.shape}, u {u.shape}, k_to_end "
+                         f"{k_to_end.shape}, q_decayed {q_decayed.shape}, w {None if w is None else w.shape}, "
+                         f"decay {decay.shape}, scores {scores.shape}, piece_chunks {piece_chunks.shape}, {num} pieces")
+    rows = max(16, -(-c // 16) * 16)  # Triton dots take 16 rows at least; zero rows add nothing
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, 0), (0, rows - c), (0, 0)])  # noqa: E731
+    bw = _block_width(block_w, value_dim)
+    t_tail = {"scalar": (), "diagonal": (key_dim,), "dense": (key_dim, key_dim)}.get(form)
+    per_head = lambda n, *tail: pl.BlockSpec((n, None) + tail, lambda j, h: (0, h) + (0,) * len(tail))  # noqa
+    columns = lambda n, r: pl.BlockSpec((n, None, r, bw), lambda j, h: (0, h, 0, j))  # noqa: E731
+    vector = lambda n: pl.BlockSpec((n,), lambda j, h: (0,))  # noqa: E731
+    in_specs = [vector(num), vector(num), vector(num), vector(1), vector(1), vector(num + 1)]
+    args = [kind.astype(jnp.int32), slot.astype(jnp.int32), reset.astype(jnp.int32),
+            jnp.reshape(count, (1,)).astype(jnp.int32), jnp.reshape(drop, (1,)).astype(jnp.int32),
+            piece_chunks.astype(jnp.int32)]
+    if pool_t is not None:
+        in_specs.append(per_head(pool_rows, *t_tail))
+        args.append(pool_t.astype(jnp.float32))
+    in_specs.append(columns(pool_rows, key_dim))
+    args.append(pool_s.astype(jnp.float32))
+    if w is not None:
+        in_specs.append(per_head(num_chunks, rows, key_dim))
+        args.append(pad(w))
+    in_specs += [columns(num_chunks, rows), per_head(num_chunks, key_dim, rows), per_head(num_chunks, key_dim),
+                 per_head(num_chunks, rows, key_dim), per_head(num_chunks, rows, rows)]
+    args += [pad(u), jnp.swapaxes(pad(k_to_end), -1, -2), decay.astype(jnp.float32), pad(q_decayed),
+             jnp.pad(scores.astype(jnp.float32), [(0, 0), (0, 0), (0, rows - c), (0, rows - c)])]
+    kernel = functools.partial(_chunk_fold_kernel, form=form, has_w=w is not None, num_chunks=num_chunks,
+                               prec=_KERNEL_PRECISION["f32" if algorithm is None else algorithm])
+    outputs, final = pl.pallas_call(
+        kernel,
+        grid=(value_dim // bw, heads),
+        in_specs=in_specs,
+        out_specs=[columns(num_chunks, rows), pl.BlockSpec((None, key_dim, bw), lambda j, h: (h, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct((num_chunks, heads, rows, value_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((heads, key_dim, value_dim), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="chunk_fold",
+    )(*args)
+    return final, outputs[:, :, :c]
