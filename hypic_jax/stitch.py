@@ -173,7 +173,8 @@ def linear_over_layout(
     fold_impl = "pallas" if impl == "pallas" and fold_impl == "auto" else fold_impl
     if (summaries and layout.record_piece.shape[0] == 0 and inputs.q is not None
             and _use_fold_kernel(fold_impl, inputs.k.shape[-1], inputs.v.shape[-1])):
-        return _linear_over_layout_chunk_fold(inputs, pool, layout, rotate=rotate, algorithm=algorithm)
+        return _linear_over_layout_chunk_fold(inputs, pool, layout, rotate=rotate, algorithm=algorithm,
+                                              kernel_locals=linear_kernel_fits(inputs, impl), config=kernel_config)
     if linear_kernel_fits(inputs, impl):
         return _linear_over_layout_kernels(inputs, pool, layout, summaries=summaries, rotate=rotate,
                                            algorithm=algorithm, config=kernel_config, fold_impl=fold_impl)
@@ -382,23 +383,70 @@ def _piece_chunks(layout: LayoutArrays) -> Array:
     return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
 
 
+def _xla_chunk_locals(inputs: LinearInputs, layout: LayoutArrays) -> tuple[dict, float]:
+    """`chunk_fold`'s chunk operands [C, H, ...] by `linear_attn.chunk_locals` (float32, every chunk at once),
+    and the scale its outputs still need."""
+    inputs = _repeat_key_heads(inputs)
+    acc = jnp.float32
+    log_decay = linear_attn.log_decay_of(inputs.g, inputs.gk, acc)
+    chunks = [_head_major_chunks(a, layout, acc) for a in (inputs.q, inputs.k, inputs.v, log_decay, inputs.beta)]
+    loc = jax.vmap(lambda *xs: linear_attn.chunk_locals(*xs, acc))(*chunks)  # [C, H, c, ...]
+    decay = jnp.broadcast_to(loc["chunk_decay"], loc["chunk_decay"].shape[:2] + (inputs.k.shape[-1],))
+    return dict(w=loc["w"], u=loc["u"], k_to_end=loc["k_to_end"], decay=decay, q_decayed=loc["q_decayed"],
+                scores=loc["scores"]), inputs.scale
+
+
+def _kernel_chunk_locals(inputs: LinearInputs, layout: LayoutArrays, config) -> tuple[dict, float]:
+    """`chunk_fold`'s chunk operands from `pallas.gdn`'s chunk-local kernel (one launch over the layout's chunks,
+    in its intermediate dtype: bfloat16 for bfloat16 inputs, as in the prefill), and the scale its outputs still
+    need (1: the kernel's scores and decayed queries carry it). The fresh tokens are gathered chunk-aligned by the
+    layout's chunk rows (padding rows: a zero token, which decays nothing and adds nothing)."""
+    c = layout.chunk_rows.shape[1]
+    rows = layout.chunk_rows.reshape(-1)
+    num_chunks = layout.chunk_rows.shape[0]
+    aligned = lambda x: None if x is None else jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[rows]  # noqa
+    q, k, v, g, gk, beta = (aligned(x) for x in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.gk, inputs.beta))
+    base = config or pallas_gdn.default_varlen_config(per_key=gk is not None)
+    config = dataclasses.replace(base, chunk=c, sub=min(base.sub, c))
+    b, p, w, u, ks, qs = pallas_gdn._locals(q, k, v, g, gk, beta, scale=inputs.scale, config=config,
+                                            interpret=pallas_gdn.default_interpret())
+    heads, key_dim = v.shape[1], k.shape[-1]
+    group = heads // k.shape[1]
+    head_major = lambda x: None if x is None else jnp.moveaxis(  # noqa: E731
+        x.reshape((num_chunks, c) + x.shape[1:]), 2, 1)  # [L, H, D] -> [C, H, c, D]
+    if gk is not None:  # b [L, H, K]; the kernel's keys and queries come decayed, per value head
+        b_last = b.reshape(num_chunks, c, heads, key_dim)[:, -1]  # [C, H, K]
+        k_to_end, q_decayed = head_major(ks), head_major(qs)
+    else:  # b [H, L]
+        b_chunks = b.reshape(heads, num_chunks, c)
+        b_last = jnp.moveaxis(b_chunks[..., -1], 0, 1)[..., None]  # [C, H, 1]
+        b_tokens = jnp.moveaxis(b_chunks, 0, 1)[..., None]  # [C, H, c, 1]
+        k_rep = head_major(jnp.repeat(k, group, axis=1)).astype(jnp.float32)
+        q_rep = head_major(jnp.repeat(q, group, axis=1)).astype(jnp.float32)
+        k_to_end = k_rep * jnp.exp(b_last[:, :, None] - b_tokens)
+        q_decayed = inputs.scale * q_rep * jnp.exp(b_tokens)
+    decay = jnp.broadcast_to(jnp.exp(b_last), (num_chunks, heads, key_dim))
+    scores = jnp.moveaxis(p.reshape(heads, num_chunks, c, c), 0, 1)  # [H, L, c] -> [C, H, c, c]
+    return dict(w=head_major(w), u=head_major(u), k_to_end=k_to_end, decay=decay, q_decayed=q_decayed,
+                scores=scores), 1.0
+
+
 def _linear_over_layout_chunk_fold(inputs: LinearInputs, pool: Summary, layout: LayoutArrays, *, rotate,
-                                   algorithm) -> LinearResult:
+                                   algorithm, kernel_locals: bool = False, config=None) -> LinearResult:
     """`linear_over_layout` for a layout that records nothing, through `pallas.piece_fold.chunk_fold`: the
-    chunk-local work of every fresh chunk at once (`linear_attn.chunk_locals`, no state), then one launch that folds
-    the pieces in order, a fresh piece chunk by chunk, and emits the fresh tokens' outputs on the way.
+    chunk-local work of every fresh chunk at once (no state: `linear_attn.chunk_locals`, or with `kernel_locals`
+    the chunk-local kernel of `pallas.gdn`), then one launch that folds the pieces in order, a fresh piece chunk by
+    chunk, and emits the fresh tokens' outputs on the way.
 
     What it saves over steps 1 to 3 (a stitched request is mostly short seams between cached pieces): no fresh
     piece's summary is formed (no pass with the widened state), no dense step per fresh piece, no incoming state
     is written and no second pass reads them back. The fold's sequential depth is one dense step per cached piece
     plus one small step per fresh chunk."""
-    inputs = _repeat_key_heads(inputs)
-    acc = jnp.float32
-    heads, key_dim = inputs.k.shape[1], inputs.k.shape[2]
-    log_decay = linear_attn.log_decay_of(inputs.g, inputs.gk, acc)
-    chunks = [_head_major_chunks(a, layout, acc) for a in (inputs.q, inputs.k, inputs.v, log_decay, inputs.beta)]
-    loc = jax.vmap(lambda *xs: linear_attn.chunk_locals(*xs, acc))(*chunks)  # [C, H, c, ...]
-    decay = jnp.broadcast_to(loc["chunk_decay"], loc["chunk_decay"].shape[:2] + (key_dim,))
+    heads = inputs.v.shape[1]
+    if kernel_locals:
+        loc, scale = _kernel_chunk_locals(inputs, layout, config)
+    else:
+        loc, scale = _xla_chunk_locals(inputs, layout)
     slots = layout.piece_slot
     cached = pool
     if rotate is not None:  # rotated rows are gathered first, piece by piece
@@ -408,11 +456,11 @@ def _linear_over_layout_chunk_fold(inputs: LinearInputs, pool: Summary, layout: 
         slots = jnp.arange(slots.shape[0], dtype=jnp.int32)
     final, outs = piece_fold.chunk_fold(
         cached.form, layout.piece_kind, slots, layout.piece_reset, layout.num_pieces, layout.drop_transfer,
-        _piece_chunks(layout), cached.transfer, cached.state, loc["w"], loc["u"], loc["k_to_end"], decay,
-        loc["q_decayed"], loc["scores"], algorithm=algorithm, interpret=jax.default_backend() != "gpu")
+        _piece_chunks(layout), cached.transfer, cached.state, **loc, algorithm=algorithm,
+        interpret=jax.default_backend() != "gpu")
     num_chunk_rows, chunk_len = layout.chunk_rows.shape
     flat = jnp.moveaxis(outs, 1, 2).reshape(num_chunk_rows * chunk_len, heads, outs.shape[-1])
-    outputs = jnp.where(layout.valid[:, None, None], inputs.scale * flat[layout.token_chunk_row], 0)
+    outputs = jnp.where(layout.valid[:, None, None], scale * flat[layout.token_chunk_row], 0)
     return LinearResult(outputs.astype(inputs.v.dtype), final, None, None)
 
 

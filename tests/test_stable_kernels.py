@@ -384,10 +384,12 @@ def test_stitched_layout_without_records_folds_chunks(per_key):
         scale = jnp.cos(0.1 * offset.astype(jnp.float32))
         return Summary(summary.form, summary.state * scale, summary.transfer)
 
-    @functools.partial(jax.jit, static_argnames=("fold_impl", "rotated"))
-    def core(inputs, arrays, *, fold_impl, rotated):
-        result = stitch.linear_over_layout(inputs, pool, arrays, summaries=True, fold_impl=fold_impl,
-                                           rotate=rotate if rotated else None)
+    config = gdn.GDNConfig(chunk=16, block_v=16, solve="doubling" if per_key else "tile", transfer_group=0)
+
+    @functools.partial(jax.jit, static_argnames=("fold_impl", "rotated", "impl"))
+    def core(inputs, arrays, *, fold_impl, rotated, impl="xla"):
+        result = stitch.linear_over_layout(inputs, pool, arrays, summaries=True, fold_impl=fold_impl, impl=impl,
+                                           rotate=rotate if rotated else None, kernel_config=config)
         assert (result.piece_summaries is None) == (fold_impl == "pallas")
         return result.outputs, result.final_state
 
@@ -415,7 +417,11 @@ def test_stitched_layout_without_records_folds_chunks(per_key):
         assert _rel(got[0][valid], want[0][valid]) < TOL, what
         assert _rel(got[1], want[1]) < TOL, what
         assert not np.any(np.asarray(got[0])[~valid]), what
+        if trial in (0, 3):  # the chunk-local work through the kernel of `pallas.gdn` as well
+            kernel = core(inputs, arrays, fold_impl="pallas", rotated=rotated, impl="pallas")
+            assert _rel(kernel[0][valid], want[0][valid]) < TOL, what + ("kernel locals",)
+            assert _rel(kernel[1], want[1]) < TOL, what + ("kernel locals",)
         if trial == 1:
             compiled = core._cache_size()
         elif trial == 3:
-            assert core._cache_size() == compiled + 2, "each rotated variant compiles once, new layouts never"
+            assert core._cache_size() == compiled + 3, "each rotated variant compiles once, new layouts never"

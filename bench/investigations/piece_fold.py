@@ -14,7 +14,7 @@ it replaces in a stitched request is the fold above plus the two passes over the
 summaries, then the outputs from the incoming states), which `bench/rag_trace.py --profile-dir` times in place.
 Its error is against `chunk_fold_reference` (float32, HIGHEST).
 
-    python3 bench/investigations/piece_fold.py [--pieces 66 258] [--heads 32]
+    python3 bench/investigations/piece_fold.py [--pieces 66 258] [--heads 32] [--blocked]
 """
 import argparse
 import json
@@ -35,6 +35,7 @@ parser.add_argument("--pieces", type=int, nargs="+", default=[66, 258])
 parser.add_argument("--heads", type=int, default=32)
 parser.add_argument("--rows", type=int, default=188)
 parser.add_argument("--calls", type=int, default=20)
+parser.add_argument("--blocked", action="store_true", help="also the blocked folds (slower on the H200)")
 args = parser.parse_args()
 rng = np.random.default_rng(0)
 H, K, V, P = args.heads, 128, 128, args.rows
@@ -76,18 +77,20 @@ for num in args.pieces:
                                        (H, K, V), impl, block)
         return jax.jit(run)
 
-    def kernel(warps, width, stages):
+    def kernel(warps, width, stages, algorithm="bf16x3"):
         def run(pool, fresh, arrays):
             return piece_fold.piece_fold(
                 "dense", arrays["piece_kind"], arrays["piece_slot"], arrays["piece_reset"], arrays["num_pieces"],
-                arrays["drop_transfer"], pool.transfer, pool.state, fresh.transfer, fresh.state, algorithm="bf16x3",
+                arrays["drop_transfer"], pool.transfer, pool.state, fresh.transfer, fresh.state, algorithm=algorithm,
                 block_w=width, num_warps=warps, num_stages=stages)
         return jax.jit(run)
 
     variants = [("xla f32", fold("xla", None)), ("xla", fold("xla", "bf16x3"))]
     for warps, width, stages in [(4, 32, 1), (8, 32, 1), (4, 16, 1), (8, 64, 1), (4, 32, 2), (8, 32, 2)]:
         variants.append((f"pallas warps={warps} block_w={width} stages={stages}", kernel(warps, width, stages)))
-    for block in (None, 4, 8, 12, 16, 24):
+    for warps, width in [(8, 32), (4, 32), (4, 16)]:  # float32 products (FMA, no tensor cores)
+        variants.append((f"pallas f32 warps={warps} block_w={width}", kernel(warps, width, 1, None)))
+    for block in (None, 4, 8, 12, 16, 24) if args.blocked else ():
         variants.append((f"blocked block={block or round(num ** 0.5)}", fold("blocked", "bf16x3", block)))
     reference = None
     for name, fn in variants:
@@ -122,17 +125,22 @@ for num in args.pieces:
     want_final, want_out = piece_fold.chunk_fold_reference(
         "dense", kind, np.asarray(arrays["piece_slot"]), reset, num, False, piece_chunks, pool.transfer, pool.state,
         **operands)
-    for warps, width in [(8, 32), (4, 32), (8, 64), (4, 16)]:
-        fn = jax.jit(lambda tables, pool, operands, warps=warps, width=width: piece_fold.chunk_fold(
-            "dense", *tables, pool.transfer, pool.state, **operands, algorithm="bf16x3", block_w=width,
-            num_warps=warps))
+    launches = [(8, 32, "bf16x3", "same"), (4, 32, "bf16x3", "same"), (8, 64, "bf16x3", "same"),
+                (8, 32, "bf16x3", None), (8, 32, "bf16x3", "bf16"), (8, 32, None, None), (4, 32, None, None),
+                (4, 16, None, None), (8, 16, None, None), (2, 16, None, None), (8, 32, "tf32x3", "same"),
+                (4, 16, "bf16x3", None)]
+    for warps, width, algorithm, chunk_algorithm in launches:
+        name = f"chunk_fold warps={warps} block_w={width} dense={algorithm or 'f32'} chunks={chunk_algorithm or 'f32'}"
+        fn = jax.jit(lambda tables, pool, operands, warps=warps, width=width, a=algorithm, ca=chunk_algorithm:
+                     piece_fold.chunk_fold("dense", *tables, pool.transfer, pool.state, **operands, algorithm=a,
+                                           chunk_algorithm=ca, block_w=width, num_warps=warps))
         try:
             (final, out), ms = timed(fn, tables, pool, operands)
         except Exception as error:  # noqa: BLE001
-            print(json.dumps(dict(pieces=num, variant=f"chunk_fold warps={warps} block_w={width}",
-                                  error=f"{type(error).__name__}: {str(error)[:200]}")), flush=True)
+            print(json.dumps(dict(pieces=num, variant=name, error=f"{type(error).__name__}: {str(error)[:200]}")),
+                  flush=True)
             continue
         err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in
                   [(final, want_final), (out, want_out)])
-        print(json.dumps(dict(pieces=num, heads=H, chunks=chunks, variant=f"chunk_fold warps={warps} block_w={width}",
-                              ms=round(ms, 3), rel_err=float(f"{err:.2e}"))), flush=True)
+        print(json.dumps(dict(pieces=num, heads=H, chunks=chunks, variant=name, ms=round(ms, 3),
+                              rel_err=float(f"{err:.2e}"))), flush=True)

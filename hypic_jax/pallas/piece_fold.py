@@ -203,7 +203,7 @@ def chunk_fold_reference(form, kind, slot, reset, count, drop, piece_chunks, poo
 
 
 def _chunk_fold_kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, chunks_ref, *refs, form, has_w, prec,
-                       num_chunks):
+                       chunk_prec, num_chunks):
     """One (column block, head): the fold over pieces [0, count), a fresh piece stepping through its chunks and
     writing their outputs; zeros for the chunks past the last piece's."""
     refs = list(refs)
@@ -213,7 +213,7 @@ def _chunk_fold_kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, chunk
     u_ref, kt_ref, d_ref, q_ref, sc_ref, o_ref, final_ref = refs
     count = count_ref[0]
     drop = drop_ref[0] != 0
-    dot = functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), precision=prec,
+    dot = functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), precision=chunk_prec,
                             preferred_element_type=jnp.float32)
 
     def cached(p, acc):
@@ -245,8 +245,9 @@ def _chunk_fold_kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, chunk
 
 def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, drop: Array, piece_chunks: Array,
                pool_t: Array | None, pool_s: Array, w: Array | None, u: Array, k_to_end: Array, decay: Array,
-               q_decayed: Array, scores: Array, *, algorithm: str | None = "bf16x3", block_w: int = 32,
-               num_warps: int = 8, num_stages: int = 1, interpret: bool = False) -> tuple[Array, Array]:
+               q_decayed: Array, scores: Array, *, algorithm: str | None = "bf16x3",
+               chunk_algorithm: str | None = "same", block_w: int = 32, num_warps: int = 8, num_stages: int = 1,
+               interpret: bool = False) -> tuple[Array, Array]:
     """A stitched request's linear core after its chunk-local work, in one launch: the fold over the pieces where
     a cached piece applies its pool row (T, S) and a fresh piece steps through its chunks, each chunk's outputs
     taken from the state entering it on the way.
@@ -262,8 +263,9 @@ def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
     chunks are [piece_chunks[p], piece_chunks[p + 1]) (cached pieces hold none). The chunks' locals
     (`linear_attn.chunk_locals`, head-major): w [C, H, c, K] or None (no delta rule), u [C, H, c, V], k_to_end
     [C, H, c, K], decay [C, H, K] (each chunk's per-key decay over it), q_decayed [C, H, c, K], scores
-    [C, H, c, c]. Returns (the state after the last piece [H, K, V], every chunk's unscaled outputs [C, H, c, V],
-    zeros past the last piece's chunks), float32.
+    [C, H, c, c]. algorithm / chunk_algorithm: dot algorithms of the cached pieces' dense products and of the
+    chunk steps' small ones (None: float32; "same": as algorithm). Returns (the state after the last piece
+    [H, K, V], every chunk's unscaled outputs [C, H, c, V], zeros past the last piece's chunks), float32.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
@@ -301,8 +303,10 @@ def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
                  per_head(num_chunks, rows, key_dim), per_head(num_chunks, rows, rows)]
     args += [pad(u), jnp.swapaxes(pad(k_to_end), -1, -2), decay.astype(jnp.float32), pad(q_decayed),
              jnp.pad(scores.astype(jnp.float32), [(0, 0), (0, 0), (0, rows - c), (0, rows - c)])]
+    chunk_algorithm = algorithm if chunk_algorithm == "same" else chunk_algorithm
     kernel = functools.partial(_chunk_fold_kernel, form=form, has_w=w is not None, num_chunks=num_chunks,
-                               prec=_KERNEL_PRECISION["f32" if algorithm is None else algorithm])
+                               prec=_KERNEL_PRECISION["f32" if algorithm is None else algorithm],
+                               chunk_prec=_KERNEL_PRECISION["f32" if chunk_algorithm is None else chunk_algorithm])
     outputs, final = pl.pallas_call(
         kernel,
         grid=(value_dim // bw, heads),
