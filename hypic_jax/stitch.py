@@ -383,9 +383,9 @@ def _piece_chunks(layout: LayoutArrays) -> Array:
     return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
 
 
-def _xla_chunk_locals(inputs: LinearInputs, layout: LayoutArrays) -> tuple[dict, float]:
+def _xla_chunk_locals(inputs: LinearInputs, layout: LayoutArrays) -> tuple[dict, float, str]:
     """`chunk_fold`'s chunk operands [C, H, ...] by `linear_attn.chunk_locals` (float32, every chunk at once),
-    and the scale its outputs still need."""
+    the scale its outputs still need, and the chunk steps' dot algorithm ("same": the fold's)."""
     inputs = _repeat_key_heads(inputs)
     acc = jnp.float32
     log_decay = linear_attn.log_decay_of(inputs.g, inputs.gk, acc)
@@ -393,24 +393,32 @@ def _xla_chunk_locals(inputs: LinearInputs, layout: LayoutArrays) -> tuple[dict,
     loc = jax.vmap(lambda *xs: linear_attn.chunk_locals(*xs, acc))(*chunks)  # [C, H, c, ...]
     decay = jnp.broadcast_to(loc["chunk_decay"], loc["chunk_decay"].shape[:2] + (inputs.k.shape[-1],))
     return dict(w=loc["w"], u=loc["u"], k_to_end=loc["k_to_end"], decay=decay, q_decayed=loc["q_decayed"],
-                scores=loc["scores"]), inputs.scale
+                scores=loc["scores"]), inputs.scale, "same"
 
 
-def _kernel_chunk_locals(inputs: LinearInputs, layout: LayoutArrays, config) -> tuple[dict, float]:
+def _kernel_chunk_locals(inputs: LinearInputs, layout: LayoutArrays, config) -> tuple[dict, float, str]:
     """`chunk_fold`'s chunk operands from `pallas.gdn`'s chunk-local kernel (one launch over the layout's chunks,
-    in its intermediate dtype: bfloat16 for bfloat16 inputs, as in the prefill), and the scale its outputs still
-    need (1: the kernel's scores and decayed queries carry it). The fresh tokens are gathered chunk-aligned by the
+    in its intermediate dtype: bfloat16 for bfloat16 inputs, as in the prefill), the scale its outputs still need
+    (1: the kernel's scores and decayed queries carry it) and the chunk steps' dot algorithm: the state pass's
+    (`GDNConfig.state_precision`: bf16 products for bfloat16 inputs, as the prefill and flash-linear-attention
+    step their states). Gates and, for the decays computed here, q and k are gathered chunk-aligned by the
     layout's chunk rows (padding rows: a zero token, which decays nothing and adds nothing)."""
     c = layout.chunk_rows.shape[1]
     rows = layout.chunk_rows.reshape(-1)
     num_chunks = layout.chunk_rows.shape[0]
     aligned = lambda x: None if x is None else jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[rows]  # noqa
-    q, k, v, g, gk, beta = (aligned(x) for x in (inputs.q, inputs.k, inputs.v, inputs.g, inputs.gk, inputs.beta))
+    q, k, g, gk, beta = (aligned(x) for x in (inputs.q, inputs.k, inputs.g, inputs.gk, inputs.beta))
     base = config or pallas_gdn.default_varlen_config(per_key=gk is not None)
     config = dataclasses.replace(base, chunk=c, sub=min(base.sub, c))
-    b, p, w, u, ks, qs = pallas_gdn._locals(q, k, v, g, gk, beta, scale=inputs.scale, config=config,
-                                            interpret=pallas_gdn.default_interpret())
-    heads, key_dim = v.shape[1], k.shape[-1]
+    # chunk n holds fresh rows src[n] .. src[n] + cnt[n] (a piece's tokens are consecutive): the kernel reads q, k,
+    # v where they lie and skips the chunks that hold none (most of the capacity), whose operands stay unset; the
+    # fold reads only the chunks of its pieces
+    cnt = jnp.sum(layout.chunk_rows < inputs.v.shape[0], axis=1).astype(jnp.int32)
+    packed = (jnp.where(cnt > 0, layout.chunk_rows[:, 0], 0).astype(jnp.int32), cnt)
+    b, p, w, u, ks, qs = pallas_gdn._locals(inputs.q, inputs.k, inputs.v, g, gk, beta, scale=inputs.scale,
+                                            config=config, interpret=pallas_gdn.default_interpret(), packed=packed,
+                                            skip_empty=True)
+    heads, key_dim = inputs.v.shape[1], k.shape[-1]
     group = heads // k.shape[1]
     head_major = lambda x: None if x is None else jnp.moveaxis(  # noqa: E731
         x.reshape((num_chunks, c) + x.shape[1:]), 2, 1)  # [L, H, D] -> [C, H, c, D]
@@ -427,8 +435,9 @@ def _kernel_chunk_locals(inputs: LinearInputs, layout: LayoutArrays, config) -> 
         q_decayed = inputs.scale * q_rep * jnp.exp(b_tokens)
     decay = jnp.broadcast_to(jnp.exp(b_last), (num_chunks, heads, key_dim))
     scores = jnp.moveaxis(p.reshape(heads, num_chunks, c, c), 0, 1)  # [H, L, c] -> [C, H, c, c]
+    chunk_algorithm = "bf16" if config.resolved(inputs.v.dtype).state_precision == "bf16" else "same"
     return dict(w=head_major(w), u=head_major(u), k_to_end=k_to_end, decay=decay, q_decayed=q_decayed,
-                scores=scores), 1.0
+                scores=scores), 1.0, chunk_algorithm
 
 
 def _linear_over_layout_chunk_fold(inputs: LinearInputs, pool: Summary, layout: LayoutArrays, *, rotate,
@@ -444,9 +453,9 @@ def _linear_over_layout_chunk_fold(inputs: LinearInputs, pool: Summary, layout: 
     plus one small step per fresh chunk."""
     heads = inputs.v.shape[1]
     if kernel_locals:
-        loc, scale = _kernel_chunk_locals(inputs, layout, config)
+        loc, scale, chunk_algorithm = _kernel_chunk_locals(inputs, layout, config)
     else:
-        loc, scale = _xla_chunk_locals(inputs, layout)
+        loc, scale, chunk_algorithm = _xla_chunk_locals(inputs, layout)
     slots = layout.piece_slot
     cached = pool
     if rotate is not None:  # rotated rows are gathered first, piece by piece
@@ -457,7 +466,7 @@ def _linear_over_layout_chunk_fold(inputs: LinearInputs, pool: Summary, layout: 
     final, outs = piece_fold.chunk_fold(
         cached.form, layout.piece_kind, slots, layout.piece_reset, layout.num_pieces, layout.drop_transfer,
         _piece_chunks(layout), cached.transfer, cached.state, **loc, algorithm=algorithm,
-        interpret=jax.default_backend() != "gpu")
+        chunk_algorithm=chunk_algorithm, interpret=jax.default_backend() != "gpu")
     num_chunk_rows, chunk_len = layout.chunk_rows.shape
     flat = jnp.moveaxis(outs, 1, 2).reshape(num_chunk_rows * chunk_len, heads, outs.shape[-1])
     outputs = jnp.where(layout.valid[:, None, None], scale * flat[layout.token_chunk_row], 0)
