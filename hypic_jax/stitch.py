@@ -15,7 +15,9 @@ that fit one capacity share one compiled program, and padding costs buffer space
     3. the output chunk loop: a chunk that starts a piece loads that piece's incoming state (`chunk_load`) or
        carries on from the chunk before; it also keeps every piece's end state (prefix-cache snapshots).
   Chunk-local work (the WY/UT solves) is shared by steps 1 and 3: the widened pass only appends zero value
-  columns. On a GPU (`linear_kernel_fits`, `impl=`) steps 1 and 3 run the Pallas kernels instead
+  columns. A stitched request that records nothing (every PIC request) runs the three steps as one where the fold
+  is a kernel (`pallas.piece_fold.chunk_fold`): the chunk-local work of all its chunks, then one fold in which a
+  fresh piece steps through its chunks and emits their outputs. On a GPU (`linear_kernel_fits`, `impl=`) steps 1 and 3 run the Pallas kernels instead
   (`pallas.gdn.gdn_varlen`): the pieces are its packed segments, their offsets `cu` built from the layout's chunk
   tables, and the padded tokens past the last piece belong to no segment. Step 1 is one zero-start launch that
   emits every piece's (T, S); step 3 one launch where each piece starts from its incoming state or carries on from
