@@ -353,12 +353,16 @@ def _conv_stream(lengths: np.ndarray, cached: np.ndarray, first_piece: np.ndarra
     F fresh ones), and w1 zero rows before the first span (before every span when isolated: its history starts
     empty). Returns the stream and where each span's tokens end in it."""
     w1 = cap.conv
-    pad = np.full(len(lengths), w1) if isolated else np.r_[w1, np.zeros(len(lengths) - 1, int)]
+    pad = np.full(len(lengths), w1) if isolated else np.zeros(len(lengths), np.int64)
+    pad[0] = w1
     n = np.where(cached, np.minimum(lengths, w1), lengths)
     base = np.where(cached, 1 + cap.tokens + (first_piece + 1) * w1 - n, 1 + fresh_start)
-    stream = _runs(base - pad, pad + n)
-    stream[_runs(np.zeros_like(pad), pad + n) < np.repeat(pad, pad + n)] = 0
-    return stream, np.cumsum(pad + n)
+    size = pad + n
+    ends = np.cumsum(size)
+    local = np.arange(ends[-1]) - np.repeat(ends - size, size)  # each item's place in its span's run
+    stream = np.repeat(base - pad, size) + local
+    stream[local < np.repeat(pad, size)] = 0
+    return stream, ends
 
 
 def _fresh_fields(tokens, lengths: np.ndarray, cached: np.ndarray, stream: np.ndarray, stream_starts: np.ndarray,
