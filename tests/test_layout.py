@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypic_jax import layout as lay
 from hypic_jax.layout import CACHED, DROP, FRESH, PAD_POSITION, PIECE_CACHED, PIECE_FRESH
 
+
 def _predecessors(history: list[int], rows: np.ndarray, w1: int) -> np.ndarray:
     """[len(rows), w1]: for each new row the w1 rows before it in `history + rows` (0 = the zero row)."""
     if not w1:
@@ -160,7 +161,6 @@ def reference_build(spans: Sequence[lay.Span], capacity: lay.Capacity, *, isolat
     return lay.LayoutArrays(**out)
 
 
-
 def differences(a: lay.LayoutArrays, b: lay.LayoutArrays) -> list[str]:
     """The fields where two layouts differ in dtype, shape or any value."""
     out = []
@@ -197,6 +197,7 @@ def rows_like(rng: np.random.Generator, n: int, kind: int):
 
 @st.composite
 def requests(draw):
+    """(spans, capacity, flags, fresh tokens): a random request, now and then one capacity too small for it."""
     isolated = draw(st.integers(0, 2)) == 0
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     spans = []
