@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import threading
 from typing import Any, Iterator, Sequence
@@ -57,12 +58,21 @@ def model_fingerprint(arch_name: str, config: Any, params: Any, source: str | No
 def entry_key(tokens: Sequence[int], *, fingerprint: str, kind: str, seam: int = 0, parent: str = "",
               salt: str | None = None) -> str:
     """SHA-256 of (fingerprint, kind, seam, parent key, salt, token ids as int32 bytes)."""
-    digest = hashlib.sha256()
-    for part in (fingerprint, kind, str(int(seam)), parent, "" if salt is None else f"salt:{salt}"):
-        digest.update(part.encode())
-        digest.update(b"\x00")
+    header = _key_header if not parent else _key_header.__wrapped__  # a chain's parents are seen once each
+    digest = header(fingerprint, kind, int(seam), parent, salt).copy()
     digest.update(np.asarray(tokens, np.int32).tobytes())
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _key_header(fingerprint: str, kind: str, seam: int, parent: str, salt: str | None):
+    """The digest of a key's settings, before its tokens: shared by every key of one kind and seam (copied, never
+    updated in place)."""
+    digest = hashlib.sha256()
+    for part in (fingerprint, kind, str(seam), parent, "" if salt is None else f"salt:{salt}"):
+        digest.update(part.encode())
+        digest.update(b"\x00")
+    return digest
 
 
 @dataclasses.dataclass
@@ -89,6 +99,17 @@ class Entry:
     @property
     def length(self) -> int:
         return len(self.tokens) - self.seam
+
+    @functools.cached_property
+    def token_bytes(self) -> bytes:
+        """Its token ids as int32 bytes: a lookup by an int32 array compares these instead of the ids one by one."""
+        return np.asarray(self.tokens, np.int32).tobytes()
+
+    def holds(self, tokens) -> bool:
+        """Whether `tokens` (a sequence of ids or an array) are its tokens."""
+        if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
+            return tokens.tobytes() == self.token_bytes
+        return self.tokens == (tuple(tokens) if isinstance(tokens, (list, tuple)) else tuple(int(t) for t in tokens))
 
 
 @dataclasses.dataclass
@@ -127,8 +148,7 @@ class SegmentCache:
         """The entry under `key` if its tokens equal `tokens` (then it becomes most recently used)."""
         with self._lock:
             entry = self._entries.get(key)
-            wanted = tuple(tokens) if isinstance(tokens, (list, tuple)) else tuple(int(t) for t in tokens)
-            if entry is not None and entry.tokens != wanted:
+            if entry is not None and not entry.holds(tokens):
                 entry = None  # a digest collision or a mismatched key: never serve it
             if entry is not None:
                 self._entries.move_to_end(key)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import math
+import struct
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -137,6 +138,25 @@ class GenerateResult:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _int32_list(ids) -> np.ndarray | None:
+    """A non-empty list or tuple of ints as an int32 array, packed in one C loop (`struct`, which refuses floats,
+    nested lists and ids past int32), or None when it holds anything else: NumPy's checks then say what. A list
+    that starts with a bool goes to NumPy as well (which refuses a list of bools)."""
+    if not isinstance(ids, (list, tuple)) or not ids or isinstance(ids[0], (bool, np.bool_)):
+        return None
+    out = np.empty(len(ids), np.int32)
+    try:
+        _int32_struct(len(ids)).pack_into(out, 0, *ids)
+    except struct.error:
+        return None
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _int32_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"={count}i")
 
 
 def seam_tokens(seam: float, length: int) -> int:
@@ -319,7 +339,8 @@ class Engine:
         return [ids.tolist() for ids in self._segment_ids(segments)]
 
     def _segment_ids(self, segments) -> list[np.ndarray]:
-        """`segment_tokens` as validated int32 arrays (the cache keys hash their bytes without another conversion)."""
+        """`segment_tokens` as validated int32 arrays (the cache keys hash their bytes without another conversion).
+        Segments are checked in order: the first problem is the one reported."""
         if isinstance(segments, str):
             segments = segments.split(self.separator)
         if isinstance(segments, np.ndarray):
@@ -327,33 +348,59 @@ class Engine:
         segments = list(segments) if segments is not None else []
         if not segments:
             raise ValueError("segments must hold at least one segment (the last one is the query)")
-        out = []
+        out, failure = [], None
         for i, segment in enumerate(segments):
-            if isinstance(segment, str):
-                if self.tokenizer is None:
-                    raise ValueError("text segments need a tokenizer: pass tokenizer= or give token-id lists")
-                ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
-            else:
-                ids = segment
-            try:  # vectorised checks: a 32k-token prompt is validated in microseconds
-                ids = np.asarray(ids).reshape(-1)
-            except ValueError as error:  # ragged nesting
-                raise ValueError(f"segment {i} holds token ids that are not integers: {error}") from None
-            if not ids.size:
-                raise ValueError(f"segment {i} is empty (every segment, the query included, needs at least one token)")
-            if ids.dtype.kind not in "iu":
-                if ids.dtype.kind != "f" or not np.array_equal(ids, np.floor(ids)):
-                    raise ValueError(f"segment {i} holds token ids that are not integers (dtype {ids.dtype})")
-                ids = ids.astype(np.int64)
-            bad = (ids < 0) | (ids >= self.vocab_size)
-            if bad.any():
-                raise ValueError(f"segment {i} holds token id {ids[bad][0]} outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
-            out.append(ids.astype(np.int32))
+            try:
+                out.append(self._segment_array(i, segment))
+            except Exception as error:  # noqa: BLE001  (raised below, after an earlier segment's bad id)
+                failure = error
+                break
+        self._check_vocabulary(out)
+        if failure is not None:
+            raise failure
         total = sum(map(len, out))
         if self.max_context is not None and total > self.max_context:
             raise ValueError(f"the prompt has {total} tokens, over the model's context of {self.max_context}")
         return out
+
+    def _segment_array(self, i: int, segment) -> np.ndarray:
+        """Segment i's token ids as an int32 array. A list of ints converts in one C loop, its vocabulary check
+        left to `_check_vocabulary` (one pass over every segment); anything else goes through NumPy's checks."""
+        if isinstance(segment, str):
+            if self.tokenizer is None:
+                raise ValueError("text segments need a tokenizer: pass tokenizer= or give token-id lists")
+            ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
+        else:
+            ids = segment
+        fast = _int32_list(ids)
+        if fast is not None:
+            return fast
+        try:  # vectorised checks: a 32k-token prompt is validated in microseconds
+            ids = np.asarray(ids).reshape(-1)
+        except ValueError as error:  # ragged nesting
+            raise ValueError(f"segment {i} holds token ids that are not integers: {error}") from None
+        if not ids.size:
+            raise ValueError(f"segment {i} is empty (every segment, the query included, needs at least one token)")
+        if ids.dtype.kind not in "iu":
+            if ids.dtype.kind != "f" or not np.array_equal(ids, np.floor(ids)):
+                raise ValueError(f"segment {i} holds token ids that are not integers (dtype {ids.dtype})")
+            ids = ids.astype(np.int64)
+        self._check_vocabulary([ids], first=i)  # before the cast to int32, which could wrap an id into range
+        return ids.astype(np.int32)
+
+    def _check_vocabulary(self, ids: list[np.ndarray], first: int = 0) -> None:
+        """Raise on the first token id outside the vocabulary (segments numbered from `first`): one pass over them
+        all, then over each while looking for the culprit."""
+        if not ids:
+            return
+        flat = np.concatenate(ids) if len(ids) > 1 else ids[0]
+        if flat.min() >= 0 and flat.max() < self.vocab_size:
+            return
+        for i, segment in enumerate(ids, first):
+            bad = (segment < 0) | (segment >= self.vocab_size)
+            if bad.any():
+                raise ValueError(f"segment {i} holds token id {segment[bad][0]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
 
     # Prefill ------------------------------------------------------------------------------------------------------
     def prefill(self, segments, mode: str | None = None, seam: float | None = None, cache_salt: str | None = None,

@@ -381,6 +381,17 @@ def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, row
     return (*_sample_rows(logits, sampling, top_n), slots)
 
 
+@functools.lru_cache(maxsize=256)
+def _seam_span(length: int) -> lay.Span:
+    """The fresh span of a seam: one shared object per length (spans are frozen), not one per document."""
+    return lay.Span(lay.FRESH, length)
+
+
+def _token_tuple(tokens) -> tuple[int, ...]:
+    """Token ids as the tuple of ints an entry keeps."""
+    return tuple(tokens.tolist()) if isinstance(tokens, np.ndarray) else tuple(int(t) for t in tokens)
+
+
 class StableEngine(Engine):
     """Position-independent caching with a bounded set of compiled programs (see the module docstring).
 
@@ -615,7 +626,7 @@ class StableEngine(Engine):
     def _new_entry(self, kind: str, key: str, doc, seam: int, pins) -> Entry:
         n = len(doc) - seam
         slot, rows = self._allocate(n)
-        entry = Entry(key=key, tokens=tuple(int(t) for t in doc), kind=kind, seam=seam, layers=None,
+        entry = Entry(key=key, tokens=_token_tuple(doc), kind=kind, seam=seam, layers=None,
                       nbytes=self.pools.entry_bytes(n), slot=slot, rows=rows)
         self._unstored.append(entry)
         return pins.add(entry)
@@ -634,25 +645,25 @@ class StableEngine(Engine):
         seam = self.seam if seam is None else seam
         seam_tokens(seam, 1)
         ids = self._segment_ids(segments)
-        segs = [i.tolist() for i in ids]
-        total = sum(map(len, segs))
+        total = sum(map(len, ids))
         if total > self.max_prompt_tokens:
             raise ValueError(f"the prompt has {total} tokens, over the engine's max_prompt_tokens of "
                              f"{self.max_prompt_tokens}")
-        if len(segs) > self.max_segments + 1:
-            raise ValueError(f"the request has {len(segs) - 1} segments before its query, over the engine's "
+        if len(ids) > self.max_segments + 1:
+            raise ValueError(f"the request has {len(ids) - 1} segments before its query, over the engine's "
                              f"max_segments of {self.max_segments}")
         start = time.perf_counter()
         with self._device_lock, self.cache.pinned() as pins:
             self._unstored = []  # given pool room by this request; freed if it fails before storing
             try:
-                plan = self._plan(mode, segs, ids, seam, cache_salt, pins, total)
+                plan = self._plan(mode, ids, seam, cache_salt, pins, total)
                 cold_s = time.perf_counter() - start
                 combine_start = time.perf_counter()
                 logits, decode = self._run(plan["kind"], plan["spans"], plan["fresh"], transfer=mode != "addition",
                                            rope=mode not in ("addition", "transition"))
                 for entry in plan["stores"]:
                     self._store(entry)
+                tokens = np.concatenate(ids).tolist()  # while the program runs
                 logits = np.asarray(logits)
             finally:
                 for entry in self._unstored:
@@ -660,22 +671,25 @@ class StableEngine(Engine):
                 self._unstored = []
         end = time.perf_counter()
         stats = PrefillStats(
-            mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(segs),
+            mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(ids),
             prompt_tokens=total, cached_tokens=plan["cached_tokens"], recomputed_tokens=len(plan["fresh"]),
             cold_tokens=plan["cold_tokens"], hits=plan["hits"], misses=plan["misses"], ttft_s=end - start,
             cold_s=cold_s, combine_s=end - combine_start)
-        return PrefillResult(logits=logits, stats=stats, tokens=np.concatenate(ids).tolist(), decode=decode)
+        return PrefillResult(logits=logits, stats=stats, tokens=tokens, decode=decode)
 
-    def _plan(self, mode, segs, ids, seam, salt, pins, total):
+    def _plan(self, mode, ids, seam, salt, pins, total):
+        """What a request runs: its spans, fresh tokens (an int32 array) and the entries it stores. `ids`: the
+        segments' token ids as int32 arrays, which stay arrays throughout (keys hash their bytes, lookups compare
+        them, fresh tokens are their slices)."""
         if mode == "full_recompute":
-            return dict(kind="plain", spans=[lay.Span(lay.FRESH, total)], fresh=[t for s in segs for t in s],
-                        cached_tokens=0, cold_tokens=0, hits=0, misses=0, stores=[])
+            return dict(kind="plain", spans=[lay.Span(lay.FRESH, total)], fresh=np.concatenate(ids), cached_tokens=0,
+                        cold_tokens=0, hits=0, misses=0, stores=[])
         if mode == "prefix_cache":
-            return self._plan_prefix_stable(segs, ids, salt, pins)
-        return self._plan_pic_stable(segs, ids, mode, seam, salt, pins)
+            return self._plan_prefix_stable(ids, salt, pins)
+        return self._plan_pic_stable(ids, mode, seam, salt, pins)
 
-    def _plan_prefix_stable(self, segs, ids, salt, pins):
-        docs, query = segs[:-1], segs[-1]
+    def _plan_prefix_stable(self, ids, salt, pins):
+        docs, query = ids[:-1], ids[-1]
         keys, hits = self._prefix_hits(docs, ids, salt, pins)
         spans, fresh, stores, position = [], [], [], 0
         for j, doc in enumerate(docs):
@@ -687,71 +701,77 @@ class StableEngine(Engine):
                 entry = self._new_entry("prefix", keys[j], doc, 0, pins)
                 spans.append(lay.Span(lay.FRESH, len(doc), record_from=0, record_slot=entry.slot,
                                       record_rows=entry.rows))
-                fresh += doc
+                fresh.append(doc)
                 stores.append(entry)
             position += len(doc)
         spans.append(lay.Span(lay.FRESH, len(query)))
-        fresh += query
-        return dict(kind="plain", spans=spans, fresh=fresh, stores=stores, cached_tokens=sum(e.length for e in hits),
-                    cold_tokens=0, hits=len(hits), misses=len(docs) - len(hits))
+        fresh.append(query)
+        return dict(kind="plain", spans=spans, fresh=np.concatenate(fresh), stores=stores,
+                    cached_tokens=sum(e.length for e in hits), cold_tokens=0, hits=len(hits),
+                    misses=len(docs) - len(hits))
 
-    def _plan_pic_stable(self, segs, ids, mode, seam, salt, pins):
-        docs, query = segs[:-1], segs[-1]
+    def _plan_pic_stable(self, ids, mode, seam, salt, pins):
+        docs, query = ids[:-1], ids[-1]
         seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
+        keys = [None if w >= len(doc) else entry_key(doc, fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
+                for doc, w in zip(docs, seams)]
         entries: dict[int, Entry] = {}
         missing: dict[str, int] = {}
-        hits = 0
-        for i, (doc, w) in enumerate(zip(docs, seams)):
-            if w >= len(doc):
+        for i, (doc, w, key) in enumerate(zip(docs, seams, keys)):
+            if key is None:
                 continue
-            key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
             entry = self._find(key, doc, pins, kind="pic", seam=w)
             if entry is None:
                 missing.setdefault(key, i)
             else:
                 entries[i] = entry
-                hits += 1
         hit_indices = set(entries)
-        misses = sum(1 for i, (d, w) in enumerate(zip(docs, seams)) if w < len(d) and i not in entries)
+        hits = len(entries)
+        misses = sum(1 for key in keys if key is not None) - hits
         cold_tokens = 0
         if missing:  # one packed, isolated prefill of every missing segment, recording its entry
-            spans, fresh, stored = [], [], {}
-            for key, i in missing.items():
-                entry = self._new_entry("pic", key, docs[i], seams[i], pins)
-                spans.append(lay.Span(lay.FRESH, len(docs[i]), record_from=seams[i], record_slot=entry.slot,
-                                      record_rows=entry.rows))
-                fresh += docs[i]
-                stored[key] = entry
-            cold_tokens = len(fresh)
-            timed = self.programs.serving and self.cost.wants_samples()
-            cold_start = time.perf_counter()
-            if self.segment_mesh is not None:
-                self.segment_mesh.run(spans, [docs[i] for i in missing.values()], timed=self.programs.serving)
-                timed = False  # the mesh keeps its own predicted and measured times
-            else:
-                cold_logits, _ = self._run("cold", spans, fresh)
-            if timed:  # calibrates the recompute cost model (waits for the cold prefill)
-                jax.block_until_ready(cold_logits)
-                self.cost.observe([len(docs[i]) for i in missing.values()], time.perf_counter() - cold_start)
-            for entry in stored.values():
-                self._store(entry)
-            for i, (doc, w) in enumerate(zip(docs, seams)):
-                if w < len(doc) and i not in entries:
-                    key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
-                    entries[i] = stored[key]
+            cold_tokens = self._prefill_missing(missing, docs, seams, pins, entries, keys)
         spans, fresh = [], []
         for i, (doc, w) in enumerate(zip(docs, seams)):
             if w:
-                spans.append(lay.Span(lay.FRESH, w))
-                fresh += doc[:w]
+                spans.append(_seam_span(w))
+                fresh.append(doc[:w])
             if w < len(doc):
                 e = entries[i]
                 spans.append(lay.Span(lay.CACHED, len(doc) - w, canonical_start=w, slot=e.slot, kv_rows=e.rows))
         cached_tokens = sum(entries[i].length for i in hit_indices)
         spans.append(lay.Span(lay.FRESH, len(query)))
-        fresh += query
-        return dict(kind="pic", spans=spans, fresh=fresh, stores=[], cached_tokens=cached_tokens,
+        fresh.append(query)
+        return dict(kind="pic", spans=spans, fresh=np.concatenate(fresh), stores=[], cached_tokens=cached_tokens,
                     cold_tokens=cold_tokens, hits=hits, misses=misses)
+
+    def _prefill_missing(self, missing: dict[str, int], docs, seams, pins, entries: dict[int, Entry], keys) -> int:
+        """Prefill the documents under `missing` (key -> first document) in one packed, isolated program that
+        records their entries; every document under a missing key then reads its entry (into `entries`). Returns
+        the tokens computed."""
+        spans, stored = [], {}
+        for key, i in missing.items():
+            entry = self._new_entry("pic", key, docs[i], seams[i], pins)
+            spans.append(lay.Span(lay.FRESH, len(docs[i]), record_from=seams[i], record_slot=entry.slot,
+                                  record_rows=entry.rows))
+            stored[key] = entry
+        cold = [docs[i] for i in missing.values()]
+        timed = self.programs.serving and self.cost.wants_samples()
+        cold_start = time.perf_counter()
+        if self.segment_mesh is not None:
+            self.segment_mesh.run(spans, cold, timed=self.programs.serving)
+            timed = False  # the mesh keeps its own predicted and measured times
+        else:
+            cold_logits, _ = self._run("cold", spans, np.concatenate(cold))
+        if timed:  # calibrates the recompute cost model (waits for the cold prefill)
+            jax.block_until_ready(cold_logits)
+            self.cost.observe([len(doc) for doc in cold], time.perf_counter() - cold_start)
+        for entry in stored.values():
+            self._store(entry)
+        for i, key in enumerate(keys):
+            if key is not None and i not in entries:
+                entries[i] = stored[key]
+        return sum(map(len, cold))
 
     # Generation -------------------------------------------------------------------------------------------------------
     def generate(self, segments, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
@@ -886,7 +906,7 @@ class StableEngine(Engine):
             return pins.add(entry)
         if not self.tiers.enabled:
             return None
-        found = self.tiers.take(key, tuple(int(t) for t in tokens))
+        found = self.tiers.take(key, _token_tuple(tokens))
         if found is None:
             return None
         pieces, tier = found

@@ -184,7 +184,7 @@ class SegmentMesh:
         for b in bins:
             if b:
                 layouts.append(lay.build([spans[i] for i in b], engine._capacity(key), isolated=True,
-                                         tokens=np.asarray([t for i in b for t in tokens[i]], np.int32),
+                                         tokens=np.concatenate([np.asarray(tokens[i], np.int32) for i in b]),
                                          summaries=True))
             else:
                 layouts.append(engine._dummy_layout(key))
