@@ -15,14 +15,15 @@ that fit one capacity share one compiled program, and padding costs buffer space
     3. the output chunk loop: a chunk that starts a piece loads that piece's incoming state (`chunk_load`) or
        carries on from the chunk before; it also keeps every piece's end state (prefix-cache snapshots).
   Chunk-local work (the WY/UT solves) is shared by steps 1 and 3: the widened pass only appends zero value
-  columns. A stitched request that records nothing (every PIC request) runs the three steps as one where the fold
-  is a kernel (`pallas.piece_fold.chunk_fold`): the chunk-local work of all its chunks, then one fold in which a
-  fresh piece steps through its chunks and emits their outputs. On a GPU (`linear_kernel_fits`, `impl=`) steps 1 and 3 run the Pallas kernels instead
+  columns. On a GPU (`linear_kernel_fits`, `impl=`) steps 1 and 3 run the Pallas kernels instead
   (`pallas.gdn.gdn_varlen`): the pieces are its packed segments, their offsets `cu` built from the layout's chunk
   tables, and the padded tokens past the last piece belong to no segment. Step 1 is one zero-start launch that
   emits every piece's (T, S); step 3 one launch where each piece starts from its incoming state or carries on from
   the piece before (`continues`), returning every piece's end state. The kernels step only the chunks that hold
   tokens, so padding costs no sequential step there either.
+  A stitched request that records nothing (every PIC request) runs the three steps as one where the fold is a
+  kernel (`pallas.piece_fold.chunk_fold`): the chunk-local work of all its chunks, then one fold in which a fresh
+  piece steps through its chunks and emits their outputs.
 * attention: keys are gathered in absolute order from the fresh keys and the per-token pools (`key_index`), and
   each block of queries runs an online-softmax loop over only the key blocks it can see.
 """
@@ -408,7 +409,9 @@ def _kernel_chunk_locals(inputs: LinearInputs, layout: LayoutArrays, config) -> 
     c = layout.chunk_rows.shape[1]
     rows = layout.chunk_rows.reshape(-1)
     num_chunks = layout.chunk_rows.shape[0]
-    aligned = lambda x: None if x is None else jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[rows]  # noqa
+    def aligned(x):
+        return None if x is None else jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[rows]
+
     q, k, g, gk, beta = (aligned(x) for x in (inputs.q, inputs.k, inputs.g, inputs.gk, inputs.beta))
     base = config or pallas_gdn.default_varlen_config(per_key=gk is not None)
     config = dataclasses.replace(base, chunk=c, sub=min(base.sub, c))
