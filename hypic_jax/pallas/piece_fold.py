@@ -12,7 +12,12 @@ block in registers, reads a cached piece's T and S where they lie in the pool (a
 would be 2 MB per piece and layer at 32 heads of 128 x 128), and stops at the piece count read from memory.
 Columns of the state are independent (T acts on rows), so they split across programs without any exchange.
 
-`piece_fold_reference` is the same fold as a plain loop, beside it for tests.
+`chunk_fold` is the same fold for a request that records nothing (a stitched PIC request): a fresh piece enters it
+as its chunks' steps instead of a dense summary, and each chunk's outputs are emitted from the state entering it,
+so neither the fresh pieces' summaries nor the incoming states are ever formed (its docstring says what that
+saves; `bench/investigations/piece_fold.py` and `bench/rag_trace.py --profile-dir` time it).
+
+`piece_fold_reference` and `chunk_fold_reference` are the same folds as plain loops, beside them for tests.
 """
 
 from __future__ import annotations
