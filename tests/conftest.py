@@ -28,25 +28,6 @@ if (os.environ.get("JAX_PLATFORMS") or "cpu").split(",")[0] == "cpu" and not _gp
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags, *_added]))
 
 
-def _pin_xdist_worker() -> None:
-    """Where xdist runs at least one worker per core (`make test`: `-n auto`), keep each worker on one core of its
-    own, before JAX (or torch) sizes its thread pools from the cores a process may use.
-
-    Unpinned, every worker's XLA compiles its kernels on as many threads as the machine has cores and runs its
-    programs on an intra-op pool of that size, so the workers' threads contend for the same cores; pinned, each
-    compiles and runs on its own core (measured: 6% off the wall time of `-n 2` on two cores). A no-op outside an
-    xdist worker, with fewer workers than cores, and where the platform cannot pin."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
-    if not worker.startswith("gw") or not worker[2:].isdigit() or not hasattr(os, "sched_setaffinity"):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    if workers >= len(cores) > 1:
-        os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
-
-
-_pin_xdist_worker()
-
 import pytest  # noqa: E402
 
 from families import trim_compiled_programs  # noqa: E402
