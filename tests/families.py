@@ -1,13 +1,17 @@
 """Random inputs for every linear-attention family, built through the core's public constructors, plus an
 independent float64 NumPy token-by-token recurrence to check them against; the property tests' hypothesis settings
-(`examples`), the guard that keeps a test process under its memory-map limit (`trim_compiled_programs`) and
-`jitted`, which runs a function as one compiled program instead of op by op."""
+(`examples`), the guard that keeps a test process under its memory-map limit (`trim_compiled_programs`),
+`jitted`, which runs a function as one compiled program instead of op by op, and
+`interpreter_threads_compiled_once`, which compiles each thread program of Pallas's Mosaic GPU interpreter once."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import gc
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +86,58 @@ def examples(default: int):
         return chosen(_trimming(test))
 
     return apply
+
+
+@contextlib.contextmanager
+def interpreter_threads_compiled_once(max_programs: int = 64):
+    """Within the block, Pallas's Mosaic GPU interpreter compiles each of its thread programs once instead of once
+    per launch.
+
+    The interpreter runs a kernel's grid as a loop whose body calls back into Python, and the callback runs every
+    warpgroup's program (one jaxpr, the thread index an argument) on a thread of its own through
+    `thread_map._run_jaxpr`, which traces, lowers and compiles that jaxpr anew on every call: a kernel of 16 grid
+    points and 2 warpgroups compiles the same program 32 times (~0.4 s each on the CPU). Here the compiled program
+    is kept per jaxpr and argument layout (the last `max_programs` of them) and called exactly as the interpreter
+    calls it, so every grid point and thread still runs the same jaxpr on its own arguments. Does nothing where that
+    function does not exist (another JAX)."""
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:
+        thread_map = None
+    original = getattr(thread_map, "_run_jaxpr", None)
+    eval_jaxpr = getattr(getattr(thread_map, "jax_core", None), "eval_jaxpr", None)
+    if original is None or eval_jaxpr is None:
+        yield
+        return
+
+    def body(jaxpr, consts, *args):
+        eval_jaxpr(jaxpr, consts, *args)
+
+    programs: collections.OrderedDict = collections.OrderedDict()
+    lock = threading.Lock()
+
+    def run(jaxpr, consts, *args):
+        leaves, tree = jax.tree.flatten((consts, args))
+        key = (id(jaxpr), tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
+        with lock:
+            entry = programs.get(key)
+            if entry is None:  # [jaxpr (kept alive: its id stays its own), compiled program, its lock]
+                entry = programs[key] = [jaxpr, None, threading.Lock()]
+                while len(programs) > max_programs:
+                    programs.popitem(last=False)
+            else:
+                programs.move_to_end(key)
+        with entry[2]:  # one thread compiles, the others of the launch wait for it
+            if entry[1] is None:
+                entry[1] = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+        entry[1](consts, *args)
+
+    thread_map._run_jaxpr = run
+    try:
+        yield
+    finally:
+        thread_map._run_jaxpr = original
+        programs.clear()
 
 
 def fake_devices_env(count: int = 8) -> dict:
@@ -220,12 +276,10 @@ def _log_linspace(start: float, stop: float, count: int, dtype):
     return array(np.log(np.linspace(start, stop, count)), dtype)
 
 
-_slice = jitted(lambda inputs, start, stop: jax.tree_util.tree_map(lambda x: x[start:stop], inputs))
-
-
 def slice_inputs(inputs: la.LinearInputs, start: int, stop: int) -> la.LinearInputs:
-    """Tokens [start, stop) of a family's inputs."""
-    return _slice(inputs, int(start), int(stop))
+    """Tokens [start, stop) of a family's inputs, cut on the host (`array`): a slice on the device compiles a
+    program for every new pair of bounds."""
+    return jax.tree_util.tree_map(lambda x: array(np.asarray(x)[int(start) : int(stop)]), inputs)
 
 
 def numpy_recurrence(inputs: la.LinearInputs, initial_state=None):

@@ -24,10 +24,18 @@ from hypic_jax.pallas import decode as dec
 from hypic_jax.pallas import gdn
 from hypic_jax.pallas.gdn import GDNConfig, _forward, gdn_forward
 
-from families import array, core, examples, jitted, method
+from families import array, core, examples, interpreter_threads_compiled_once, jitted, method
 
 TOL32 = 1e-5
 TOL16 = 2e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _mosaic_gpu_interpreter_compiles_each_thread_program_once():
+    """The Mosaic GPU kernels run in Pallas's GPU interpreter, which would compile a warpgroup's program anew for
+    every grid point (`families.interpreter_threads_compiled_once`)."""
+    with interpreter_threads_compiled_once():
+        yield
 
 
 def rel(a, b):
@@ -76,7 +84,7 @@ CASES = [
 @pytest.mark.parametrize("length,chunk,pieces,block_v,with_init", CASES)
 def test_gated_delta_float32_matches_recurrent(length, chunk, pieces, block_v, with_init):
     q, k, v, g, beta = inputs(length)
-    init = jnp.asarray(np.random.default_rng(9).standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
+    init = array(np.random.default_rng(9).standard_normal((2, 16, 16)) * 0.3, np.float32) if with_init else None
     config = GDNConfig(chunk=chunk, pieces=pieces, block_v=block_v)
     o, s, summary = gdn_forward(q, k, v, g=g, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
@@ -136,8 +144,8 @@ def test_vmap_over_batch():
 def test_compose_fold_kernel():
     rng = np.random.default_rng(5)
     n, batch, dim = 7, 3, 16
-    t = jnp.asarray(rng.standard_normal((n, batch, dim, dim)) * 0.25, jnp.float32)
-    s = jnp.asarray(rng.standard_normal((n, batch, dim, dim)), jnp.float32)
+    t = array(rng.standard_normal((n, batch, dim, dim)) * 0.25, np.float32)
+    s = array(rng.standard_normal((n, batch, dim, dim)), np.float32)
     summaries = la.Summary("dense", s, t)
     ref_states = core.prefix_states(summaries)
     total_t, total_s = cmp.compose_all(t, s, "f32")
@@ -159,7 +167,8 @@ def test_compose_fold_kernel():
 
 
 def _bf16(x):
-    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    """`x` rounded to float32, then to bfloat16 (to nearest even, as XLA does), in float64: on the host."""
+    return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float64)
 
 
 def _split_fold_case(n, batch, key_dim, value_dim, seed):
@@ -169,7 +178,7 @@ def _split_fold_case(n, batch, key_dim, value_dim, seed):
     rng = np.random.default_rng(seed)
     t = (rng.standard_normal((n,) + batch + (key_dim, key_dim)) * 0.9 / np.sqrt(key_dim)).astype(np.float32)
     s = rng.standard_normal((n,) + batch + (key_dim, value_dim)).astype(np.float32)
-    t_hi, t_lo, s_t = cmp.split_operands(jnp.asarray(t), jnp.asarray(s))
+    t_hi, t_lo, s_t = cmp.split_operands(array(t), array(s))
     assert s_t.shape == (n,) + batch + (value_dim, key_dim) and t_hi.dtype == t_lo.dtype == jnp.bfloat16
     th, tl = np.asarray(t_hi, np.float64), np.asarray(t_lo, np.float64)
     exact_t, exact_s = np.broadcast_to(np.eye(key_dim), batch + (key_dim, key_dim)), np.zeros(s.shape[1:])
@@ -224,9 +233,9 @@ def test_split_prefix_fold_gives_every_state(n, batch, key_dim, value_dim, block
         state = t[i] @ state + s[i]
         want.append(state)
     want = np.stack(want)
-    t_hi, t_lo, s_t = cmp.split_operands(jnp.asarray(t), jnp.asarray(s))
+    t_hi, t_lo, s_t = cmp.split_operands(array(t), array(s))
     config = cmp.FoldConfig(block_w=block_w, num_warps=4, num_stages=2)
-    got = cmp.prefix_fold_split_pallas(t_hi, t_lo, s_t, None if init is None else jnp.asarray(init), config=config,
+    got = cmp.prefix_fold_split_pallas(t_hi, t_lo, s_t, None if init is None else array(init), config=config,
                                        interpret=True)
     assert got.shape == (n,) + batch + (value_dim, key_dim)
     got = np.swapaxes(np.asarray(got), -1, -2)
@@ -242,7 +251,7 @@ def test_split_operands_round_and_keep_the_rest():
     compiler simplified away would leave lo = 0), and the pair holds T to about 2^-16 relative."""
     rng = np.random.default_rng(2)
     t = rng.standard_normal((3, 64, 64)).astype(np.float32)
-    hi, lo, s_t = cmp.split_operands(jnp.asarray(t), jnp.asarray(t[..., :32]))
+    hi, lo, s_t = cmp.split_operands(array(t), array(t[..., :32]))
     hi, lo = np.asarray(hi, np.float64), np.asarray(lo, np.float64)
     assert np.all(np.abs(hi - t) <= 2.0**-8 * np.abs(t))  # within half a bfloat16 ulp (8 significant bits)
     assert np.mean(lo != 0) > 0.9
@@ -288,13 +297,13 @@ def test_split_prefix_fold_mosaic_gpu_gives_every_state(n, value_dim, with_initi
     t, s, operands, _, _ = _split_fold_case(n, batch, key_dim, value_dim, seed=10 + n)
     rng = np.random.default_rng(n)
     init = rng.standard_normal(batch + (key_dim, value_dim)).astype(np.float32) if with_initial else None
-    got = compose_mgpu.prefix_fold_split_mgpu(*operands, None if init is None else jnp.asarray(init), interpret=True)
+    got = compose_mgpu.prefix_fold_split_mgpu(*operands, None if init is None else array(init), interpret=True)
     assert got.shape == (n,) + batch + (value_dim, key_dim)
     x = np.zeros(batch + (key_dim, value_dim)) if init is None else init.astype(np.float64)
     for i in range(n):
         x = t[i].astype(np.float64) @ x + s[i]
         assert rel(np.swapaxes(np.asarray(got[i]), -1, -2), x) < 5e-5
-    triton = cmp.prefix_fold_split(*operands, None if init is None else jnp.asarray(init), interpret=True)
+    triton = cmp.prefix_fold_split(*operands, None if init is None else array(init), interpret=True)
     assert rel(got, triton) < 5e-6  # "auto" on the CPU: the Triton prefix fold
 
 
@@ -317,6 +326,13 @@ def test_split_fold_rejects_bad_operands():
         cmp.prefix_fold_split(t, t, s, lowering="cuda", interpret=True)
 
 
+def _scattered(noise, slots, rows):
+    """`noise` as float32 with `rows` written at `slots` (a pool whose other rows hold noise), built on the host."""
+    pool = np.asarray(noise, np.float32)
+    pool[slots] = np.asarray(rows)
+    return array(pool)
+
+
 @pytest.mark.parametrize("family", ("gated_delta_net", "kda", "gla"))
 @pytest.mark.parametrize("n, seam, batch_shape, width", [(5, 3, (2,), 16), (1, 8, (1, 2), 32), (4, 17, (3,), 16)])
 def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n, seam, batch_shape, width):
@@ -332,8 +348,8 @@ def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n
     steps = [method.chunk_step(x) for x in seams]  # per group (w [H, c, K], u, k_to_end, decay [H, K])
     stack = lambda j: jnp.stack([st[j] for st in steps]).reshape((n,) + batch_shape + steps[0][j].shape[1:])  # noqa: E731
     w, u, kt, d = (stack(j) for j in range(4))
-    t = jnp.asarray(rng.standard_normal((n,) + batch_shape + (dim, dim)) / np.sqrt(dim), jnp.float32)
-    s = jnp.asarray(rng.standard_normal((n,) + batch_shape + (dim, width)), jnp.float32)
+    t = array(rng.standard_normal((n,) + batch_shape + (dim, dim)) / np.sqrt(dim), np.float32)
+    s = array(rng.standard_normal((n,) + batch_shape + (dim, width)), np.float32)
     want, state = [], np.zeros((heads, dim, width))
     for i in range(n):  # float64: the seam's dense summary, then the interior
         summary = method.summarize(seams[i], chunk_size=32)
@@ -350,21 +366,21 @@ def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n
     # the interiors read in place from an entry pool: scattered over a larger pool whose other rows hold noise
     capacity = n + 3
     slots = rng.permutation(capacity)[:n].astype(np.int32)
-    pool_t = jnp.asarray(rng.standard_normal((capacity,) + t.shape[1:]), jnp.float32).at[slots].set(t)
-    pool_s = jnp.asarray(rng.standard_normal((capacity,) + s.shape[1:]), jnp.float32).at[slots].set(s)
+    pool_t = _scattered(rng.standard_normal((capacity,) + t.shape[1:]), slots, t)
+    pool_s = _scattered(rng.standard_normal((capacity,) + s.shape[1:]), slots, s)
     for step in ("nested", "split"):
-        pooled = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots),
+        pooled = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots),
                                       config=cmp.FoldConfig(block_w=16, algorithm="f32", seam_step=step),
                                       interpret=True)
         assert rel(pooled, want) < TOL32
         # incoming=True: the state before each group (zero first) and the state after the last one
-        before, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots),
+        before, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots),
                                              config=cmp.FoldConfig(block_w=16, algorithm="f32", seam_step=step),
                                              interpret=True, incoming=True)
         assert before.shape == want.shape and final.shape == want.shape[1:]
         assert not np.asarray(before[0]).any()
         assert rel(before[1:], want[:-1]) < TOL32 and rel(final, want[-1]) < TOL32
-    assert rel(cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=jnp.asarray(slots)), want) < TOL32
+    assert rel(cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=array(slots)), want) < TOL32
     # in-kernel outputs: each seam's outputs from the state before its group equal `chunked` from that state
     chunks = [method.span_chunk(x) for x in seams]
     q_dec = jnp.stack([ch.q_decayed for ch in chunks]).reshape(w.shape)
@@ -373,25 +389,25 @@ def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n
     want_out = np.stack([np.moveaxis(np.asarray(method.chunked(x, initial_state=array(b, np.float32),
                                                                chunk_size=32)[0]), 0, 1) / x.scale
                          for x, b in zip(seams, before)]).reshape((n,) + batch_shape + (seam, width))
-    out, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots),
+    out, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots),
                                       config=cmp.FoldConfig(block_w=16, algorithm="f32"), interpret=True,
                                       q_decayed=q_dec, scores=scores)
     assert out.shape == want_out.shape and rel(out, want_out) < TOL32 and rel(final, want[-1]) < TOL32
-    ref_out, ref_final = cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=jnp.asarray(slots),
+    ref_out, ref_final = cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=array(slots),
                                                  q_decayed=q_dec, scores=scores)
     assert rel(ref_out, want_out) < TOL32 and rel(ref_final, want[-1]) < TOL32
     with pytest.raises(ValueError, match="disagree"):
         cmp.span_fold_pallas(w[..., 1:], u, kt, d, t, s, interpret=True)
     with pytest.raises(ValueError, match="disagree"):
-        cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, jnp.asarray(slots[:-1]), interpret=True)
+        cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots[:-1]), interpret=True)
 
 
 @pytest.mark.parametrize("n, batch, dim, width, block_w", [(7, 3, 16, 16, 16), (1, 2, 16, 32, 16), (11, 1, 32, 16, 16),
                                                      (3, 2, 16, 48, 32)])  # 48 columns: blocks of 16
 def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block_w):
     rng = np.random.default_rng(n + width)
-    t = jnp.asarray(rng.standard_normal((n, batch, dim, dim)) / np.sqrt(dim), jnp.float32)
-    s = jnp.asarray(rng.standard_normal((n, batch, dim, width)), jnp.float32)
+    t = array(rng.standard_normal((n, batch, dim, dim)) / np.sqrt(dim), np.float32)
+    s = array(rng.standard_normal((n, batch, dim, width)), np.float32)
     want, state = [], np.zeros((batch, dim, width))
     for i in range(n):  # float64 loop
         state = np.asarray(t[i], np.float64) @ state + np.asarray(s[i], np.float64)
@@ -403,7 +419,7 @@ def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block
         assert rel(got, np.stack(want)) < TOL32, block
     # through the core: the same states as the associative scan, from an initial state too
     summaries = la.Summary("dense", s, t)
-    init = jnp.asarray(rng.standard_normal((batch, dim, width)), jnp.float32)
+    init = array(rng.standard_normal((batch, dim, width)), np.float32)
     for impl in ("fold", "pallas"):
         assert rel(la.prefix_states(summaries, init, impl=impl), core.prefix_states(summaries, init)) < TOL32
     with pytest.raises(ValueError, match="impl"):
@@ -429,7 +445,7 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
     v = jnp.asarray(rng.standard_normal((lk, hkv, dim)), dtype)
     positions = np.sort(rng.integers(0, lk, lq))
     positions[0] = -1  # a padding row: sees nothing, returns zeros
-    positions = jnp.asarray(positions, jnp.int32)
+    positions = array(positions, np.int32)
     want = pattn.positioned_attention_reference(q, k, v, positions, scale=dim**-0.5)
     # bfloat16 outputs: both sides are rounded to bf16 (one ulp = 2**-8 relative) and the kernel feeds the softmax
     # weights to the value product in bf16, as flash kernels do; two ulps of the output bound the difference
@@ -455,7 +471,7 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
 
 def per_key_gates(length, heads, dim, seed, strength=0.5):
     """KDA/GLA log gates in [-strength, 0) per key channel."""
-    return -jnp.asarray(np.random.default_rng(seed).uniform(0.0, strength, (length, heads, dim)), jnp.float32)
+    return array(-np.random.default_rng(seed).uniform(0.0, strength, (length, heads, dim)), np.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -468,10 +484,10 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
     """Every solve stays float32-exact, also when the keys are 90% one vector (the case that breaks Neumann-type
     products); beta near 1 makes M's entries near 1."""
     rng = np.random.default_rng(11)
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    f = lambda *s: array(rng.standard_normal(s), np.float32)  # noqa: E731
     k = la.l2_normalize(0.9 * f(1, 2, 16) + 0.1 * f(length, 2, 16))
     q, v = la.l2_normalize(f(length, 2, 16)), f(length, 2, 16)
-    g = -jnp.asarray(rng.uniform(0.0, 0.05, (length, 2)), jnp.float32)
+    g = array(-rng.uniform(0.0, 0.05, (length, 2)), np.float32)
     beta = jax.nn.sigmoid(f(length, 2) + 2.0)
     config = GDNConfig(chunk=chunk, block_v=16, solve=solve)
     o, s, summary = gdn_forward(q, k, v, g=g, beta=beta, scale=0.5, config=config, emit_summary=True, interpret=True)
@@ -502,7 +518,7 @@ def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, g
                               delta=delta)
     gk = per_key_gates(length, 2, 16, seed=seed + 1, strength=2.0) if family in ("kda", "kda+g", "gla") else None
     rng = np.random.default_rng(seed + 2)
-    init = jnp.asarray(rng.standard_normal((2, 16, 16)) * 0.3, jnp.float32) if with_init else None
+    init = array(rng.standard_normal((2, 16, 16)) * 0.3, np.float32) if with_init else None
     config = GDNConfig(chunk=chunk, solve=solve, sub=sub, pieces=pieces, block_v=16, transfer_group=group,
                        state_prefetch=prefetch, packed_reads=packed)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
@@ -538,7 +554,7 @@ def test_doubling_inverse_is_exact(n):
     keys = rng.standard_normal((n, 8))
     keys = 0.6 * keys / np.linalg.norm(keys, axis=1, keepdims=True) + 0.4 * keys[:1] / np.linalg.norm(keys[0])
     strict = np.tril(0.9 * keys @ keys.T, -1)
-    got = gdn._inverse_doubling(jnp.asarray(strict, jnp.float32), "ieee")
+    got = gdn._inverse_doubling(array(strict, np.float32), "ieee")
     assert rel(got, np.linalg.inv(np.eye(n) + strict)) < TOL32
 
 
@@ -569,7 +585,7 @@ def test_config_refuses_bad_sub_and_group():
 def test_per_key_decays_float32(chunk, length, pieces, delta, with_g):
     q, k, v, g, beta = inputs(length, key_heads=1, seed=12, gate=with_g, delta=delta)
     gk = per_key_gates(length, 2, 16, seed=13, strength=3.0)  # strong decays: exponents must stay <= 0
-    init = jnp.asarray(np.random.default_rng(14).standard_normal((2, 16, 16)) * 0.3, jnp.float32)
+    init = array(np.random.default_rng(14).standard_normal((2, 16, 16)) * 0.3, np.float32)
     config = GDNConfig(chunk=chunk, pieces=pieces, block_v=16)
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
@@ -589,7 +605,7 @@ def test_per_key_diagonal_blocks_take_both_forms():
     q, k, v, _, beta = inputs(length, key_heads=2, seed=31)
     rng = np.random.default_rng(32)
     strength = np.where(np.arange(length)[:, None, None] < 32, 0.1, 14.0)
-    gk = -jnp.asarray(rng.uniform(0.0, 1.0, (length, 2, 16)) * strength, jnp.float32)
+    gk = array(-rng.uniform(0.0, 1.0, (length, 2, 16)) * strength, np.float32)
     for chunk in (16, 32):
         o, s = gdn_forward(q, k, v, gk=gk, beta=beta, scale=0.5, config=GDNConfig(chunk=chunk, block_v=16),
                            interpret=True)
@@ -638,7 +654,7 @@ def test_varlen_matches_reference(gates, chunk, traced, group, reads):
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
     gk = per_key_gates(length, 2, 16, seed=18) if gates == "kda" else None
     config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group, packed_reads=reads == "packed")
-    offsets = jnp.asarray(cu, jnp.int32) if traced else cu
+    offsets = array(cu, np.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
     assert summary.form == ref_sum.form and summary.state.shape == (6, 2, 16, 16)
@@ -702,7 +718,7 @@ def test_varlen_property(cuts, group, prefetch, reads, grid, seed):
 
 def test_decode_step_matches_recurrent():
     rng = np.random.default_rng(19)
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    f = lambda *s: array(rng.standard_normal(s), np.float32)  # noqa: E731
     q, k = la.l2_normalize(f(1, 16)), la.l2_normalize(f(1, 16))
     v, state = f(3, 32), f(3, 16, 32)
     g, gk, beta = -jnp.abs(f(3)), -jnp.abs(f(3, 16)), jax.nn.sigmoid(f(3))
@@ -832,12 +848,12 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     from hypic_jax.pallas import gdn_mgpu
 
     rng = np.random.default_rng(seed)
-    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)  # noqa: E731
+    f = lambda *s: array(rng.standard_normal(s) * 0.3, np.float32)  # noqa: E731
     c, key_dim = 64, 128
     w, u = f(length, heads, key_dim).astype(jnp.bfloat16), f(length, heads, value_dim).astype(jnp.bfloat16)
     k, q = (f(length, key_heads, key_dim).astype(jnp.bfloat16) for _ in range(2))
     gates = -rng.uniform(0, 0.1, (heads, length // c, c)).astype(np.float32)
-    b = jnp.asarray(np.cumsum(gates, -1).reshape(heads, length))
+    b = array(np.cumsum(gates, -1).reshape(heads, length))
     p = (f(heads, length, c) * 0.3).astype(jnp.bfloat16)
     init = f(heads, key_dim, value_dim)
     o, final = gdn_mgpu.state_pass_mgpu(w, u, k, b, q, p, init, chunk=c, out_dtype=jnp.bfloat16, scale=0.09,
@@ -862,7 +878,7 @@ def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks,
     c, key_dim = 64, 128
     f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
     w, k = f(length, heads, key_dim), f(length, key_heads, key_dim)
-    b = jnp.asarray(np.cumsum(-rng.uniform(0, 0.1, (heads, length // c, c)), -1).reshape(heads, length), jnp.float32)
+    b = array(np.cumsum(-rng.uniform(0, 0.1, (heads, length // c, c)), -1).reshape(heads, length), np.float32)
     ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True,
                                      config=gdn_mgpu.MosaicStateConfig(block_v=block_v))
     groups = length // c // group_chunks

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypic_jax import linear_attn as la
 from hypic_jax import rope, spans
 from hypic_jax.conv import causal_conv1d
-from families import array, examples, jitted, make_family, method, slice_inputs
+from families import array, examples, make_family, method, slice_inputs
 
 # Every new layout is a new compilation (layouts are static), so the linear-core properties run few examples each;
 # together they still cover identity-free scalar, diagonal and dense transfers and every span arrangement kind.
@@ -43,9 +43,14 @@ def _fresh_index(layout) -> np.ndarray:
     return np.concatenate([s.start + np.arange(s.length) for s in layout.fresh])
 
 
-# The references, each one compiled program per shape (run op by op, they compile every op anew for every shape
-# a property test draws): rows of every array of a pytree (the layout's fresh tokens), the causal conv.
-_take = jitted(lambda tree, index: jax.tree.map(lambda a: a[index], tree))
+def _take(tree, index):
+    """Rows `index` of every array of a pytree (the layout's fresh tokens), gathered on the host (`array`): a
+    gather on the device compiles a program for every new index length a property test draws."""
+    return jax.tree.map(lambda a: array(np.asarray(a)[index]), tree)
+
+
+# The reference causal conv, one compiled program per shape (run op by op, it compiles every op anew for every
+# shape a property test draws).
 _causal_conv = jax.jit(causal_conv1d)
 
 
