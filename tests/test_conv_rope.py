@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from families import array, core, examples, make_family, method, rel_err, slice_inputs
+from families import core, examples, make_family, method, rel_err, slice_inputs
 from hypic_jax import linear_attn as la
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.rope import apply_rope, rotate_keys, rotate_state_keys
@@ -35,14 +35,14 @@ def numpy_conv(x, weight, bias):
 )
 def test_conv_tail_carry_is_exact(length, channels, width, data):
     split = data.draw(st.integers(0, length), label="split")
-    rng = np.random.default_rng(length * 31 + channels)  # NumPy draws and host slices: no compilation per shape
-    x_host = rng.standard_normal((length, channels)).astype(np.float32)
-    x, weight, bias = (array(a, np.float32) for a in (x_host, rng.standard_normal((channels, width)),
-                                                       rng.standard_normal(channels)))
+    ks = jax.random.split(jax.random.PRNGKey(length * 31 + channels), 3)
+    x = jax.random.normal(ks[0], (length, channels))
+    weight = jax.random.normal(ks[1], (channels, width))
+    bias = jax.random.normal(ks[2], (channels,))
     whole, whole_state = causal_conv1d(x, weight, bias)
     assert rel_err(whole, numpy_conv(x, weight, bias)) <= 1e-6
-    first, tail = causal_conv1d(array(x_host[:split]), weight, bias)
-    second, second_state = causal_conv1d(array(x_host[split:]), weight, bias, conv_state=tail)
+    first, tail = causal_conv1d(x[:split], weight, bias)
+    second, second_state = causal_conv1d(x[split:], weight, bias, conv_state=tail)
     np.testing.assert_array_equal(np.concatenate([first, second]), whole)
     np.testing.assert_array_equal(second_state, whole_state)
     assert tail.shape == (width - 1, channels)
