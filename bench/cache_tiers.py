@@ -9,14 +9,18 @@ folder replays it (a restart). Reported per run: entry hit rate, cached share of
 tokens, the seconds spent planning and cold-prefilling (`cold_s`: the recompute the cache did not save, plus
 promotions), p50 TTFT, promotions per tier, and the cost model's constants.
 
-With `--forms`, instead: the bytes per token of an entry stored exactly and with `tier_dtype="bfloat16"` (T and S
-in bfloat16 off the device), measured on the model through the host tier and computed for the 35B-A3B shape at
-512 tokens, and the relative L2 deviation of the last logits of requests served from promoted bfloat16 entries
-against the same requests on the exact entries (the linear layers' decay is slowed to `--decay` per token, as the
-engine tests do, so that T carries weight).
+With `--forms`, instead: per stored form (`FORMS`: exact; every float32 piece in bfloat16; and also without the
+dense T heads whose largest |entry| is at most 0 or 1e-3, `tier_transfer_tol`) the bytes per segment token the host
+tier holds and the share of T heads stored, for the model with its own gates and with its linear layers' decay
+slowed to `--decay` per token (so that T carries weight, as the engine tests do), and the relative L2 deviation
+of the last logits of requests served from the promoted entries against the same requests on the device entries.
+
+With `--load-times N ...`, instead: per document length, the TTFT of a request of that document plus a short
+query when the document is missing, cached on the device, in the host tier and on disk, and the copies alone.
 
     python bench/cache_tiers.py --small            # CPU size
     python bench/cache_tiers.py --small --forms    # compact entries
+    python bench/cache_tiers.py --small --load-times
     python bench/cache_tiers.py                    # Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
 """
 
@@ -36,10 +40,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import full_config, small_config  # noqa: E402
 
+from hypic_jax import tiers as tr  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 from hypic_jax.pools import Pools  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
+from hypic_jax.runtime import StableEngine, backend_compiles, stack_layers  # noqa: E402
 
 
 def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, zipf: float, seed: int):
@@ -79,61 +84,140 @@ def run(engine: StableEngine, requests, seam: int) -> dict:
 
 def slow_decay(params, decay: float):
     """Every linear layer's A_log set to log(decay): random-init gates forget within a few tokens, so T would be
-    nearly zero and its rounding would not show."""
+    nearly zero and its rounding would not show. Works on stacked layers too; every other leaf is shared."""
+    found = []
 
-    def visit(tree):
-        if isinstance(tree, dict):
-            return {k: (jnp.full_like(v, np.log(decay)) if k == "A_log" else visit(v)) for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(visit(v) for v in tree)
-        return tree
+    def visit(path, leaf):
+        if getattr(path[-1], "key", None) == "A_log":
+            found.append(path)
+            return jnp.full_like(leaf, np.log(decay))
+        return leaf
 
-    return visit(params)
+    out = jax.tree_util.tree_map_with_path(visit, params)
+    if not found:
+        raise ValueError("the parameters have no A_log to slow")
+    return out
 
 
-def entry_bytes_per_token(layout, tokens: int, compact: bool, seam: int = 0) -> float:
-    """Bytes of one entry off the device (a `pool_layout`'s pieces; float32 summaries halved when compact) of a
-    segment of `tokens` tokens whose first `seam` are recomputed at reuse (not stored), per token of the
-    segment."""
-    total = 0
+def entry_bytes_per_token(layout, tokens: int, compact: bool, seam: int = 0, transfer_kept: float = 1.0) -> float:
+    """Bytes of one entry off the device (a `pool_layout`'s pieces; every float32 piece halved when compact, a
+    dense T's heads kept in the share `transfer_kept`) of a segment of `tokens` tokens whose first `seam` are
+    recomputed at reuse (not stored), per token of the segment."""
+    total = 0.0
     for kind, tree in layout:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dense = tr._dense_transfers(tree)
+        for flag, leaf in zip(dense, jax.tree.leaves(tree)):
             size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-            if compact and kind == "slot" and leaf.dtype == jnp.float32 and any(
-                    getattr(part, "key", None) == "summary" for part in path):
+            if compact and leaf.dtype == jnp.float32:
                 size //= 2
+            if flag and kind == "slot":
+                size *= transfer_kept
             total += size if kind == "slot" else size * (tokens - seam)
     return total / tokens
 
 
-def forms(model, config, requests, base, seam: int, layers: int) -> dict:
-    out = dict(shape_35b=dict(
-        (name, round(entry_bytes_per_token(qwen3_5.pool_layout(full_config(layers), jnp.bfloat16), 512, compact)))
-        for name, compact in (("exact", False), ("bfloat16", True))))
-    logits, rows = {}, []
-    for form in (None, "bfloat16"):
-        engine = StableEngine(model, **base, host_cache_bytes=1 << 40, tier_dtype=form)
-        engine.warmup(progress=False)
-        deviations, tokens = [], 0
-        for segs in requests:
-            engine.clear_cache()
-            engine.prefill(segs, seam=seam)
-            warm = engine.prefill(segs, seam=seam)
-            with engine._device_lock:
-                while engine.cache.evict_one():
-                    pass
-            stored = engine.stats["tiers"]["host"]["bytes"]
-            tokens = sum(len(d) - min(seam, len(d)) for d in segs[:-1])
-            back = engine.prefill(segs, seam=seam)
-            a, b = np.asarray(back.logits, np.float64), np.asarray(warm.logits, np.float64)
-            deviations.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-            rows.append(dict(form=form or "exact", bytes_per_token=round(stored / tokens, 1)))
-        logits[form or "exact"] = dict(max_rel_logit_deviation=float(f"{max(deviations):.3g}"),
-                                       median_rel_logit_deviation=float(f"{np.median(deviations):.3g}"),
-                                       bytes_per_token=round(float(np.mean([r["bytes_per_token"] for r in rows
-                                                                            if r["form"] == (form or "exact")])), 1))
-    out["model"] = logits
+# (name, tier_dtype, tier_transfer_tol) of the stored forms compared by --forms
+FORMS = (("exact", None, None), ("bfloat16", "bfloat16", None), ("bfloat16+t<=0", "bfloat16", 0.0),
+         ("bfloat16+t<=1e-3", "bfloat16", 1e-3))
+
+
+def forms(models, requests, base, seam: int, layers: int) -> dict:
+    """Per stored form and per model (name -> Model: the same shapes, so one engine's programs serve all): the
+    bytes per segment token the host tier holds, the share of dense T heads stored, and the relative L2
+    deviation of the last logits of requests served from promoted entries against the same requests on the
+    device entries."""
+    layout = qwen3_5.pool_layout(full_config(layers), jnp.bfloat16)
+    out = dict(shape_35b_analytic=dict(
+        exact=round(entry_bytes_per_token(layout, 512, False)), bfloat16=round(entry_bytes_per_token(layout, 512, True)),
+        bfloat16_no_transfer=round(entry_bytes_per_token(layout, 512, True, transfer_kept=0.0))))
+    donors = {}  # the engines' programs, and the copy programs of each way of storing pieces, compiled once
+    for model_name, model in models.items():
+        for name, dtype, tol in FORMS:
+            engine = StableEngine(model, **base, host_cache_bytes=1 << 40, tier_dtype=dtype, tier_transfer_tol=tol,
+                                  eviction="lru")
+            stored = (tuple(engine.mover.leaves), engine.mover.droppable)
+            if donors:
+                engine.programs._compiled.update(next(iter(donors.values())).programs._compiled)
+            if stored in donors:
+                engine.mover._gather.update(donors[stored].mover._gather)
+                engine.mover._scatter.update(donors[stored].mover._scatter)
+            engine.warmup(progress=False)
+            donors.setdefault(stored, engine)
+            deviations, stored, tokens, heads = [], 0, 0, [0, 0]
+            for segs in requests:
+                engine.clear_cache()
+                engine.prefill(segs, seam=seam)
+                warm = engine.prefill(segs, seam=seam)
+                with engine._device_lock:
+                    while engine.cache.evict_one():
+                        pass
+                engine.sync_tiers()
+                held = engine.tiers.host.values()
+                stored += sum(p.nbytes for p in held)
+                tokens += sum(p.length for p in held)
+                for p in held:
+                    for j, flag in enumerate(engine.mover.droppable):
+                        if flag:
+                            heads[0] += len(p.kept[j])
+                            heads[1] += engine.mover.leaves[j][1][0]
+                back = engine.prefill(segs, seam=seam)
+                a, b = np.asarray(back.logits, np.float64), np.asarray(warm.logits, np.float64)
+                deviations.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+            row = dict(model=model_name, form=name, bytes_per_token=round(stored / max(tokens, 1), 1),
+                       transfer_heads_stored=round(heads[0] / heads[1], 4) if heads[1] else None,
+                       max_rel_logit_deviation=float(f"{max(deviations):.3g}"),
+                       median_rel_logit_deviation=float(f"{np.median(deviations):.3g}"))
+            out.setdefault("measured", []).append(row)
+            print(json.dumps(row), flush=True)
     return out
+
+
+def load_times(engine: StableEngine, vocab: int, lengths, seam: int, repeats: int = 3) -> list[dict]:
+    """Per segment length: the TTFT of a request of that one document plus a 16-token query when the document is
+    missing (recomputed), on the device, in the host tier and on disk, and the copies alone (demote: what an
+    eviction costs the request that causes it, the copy issued; demote_total: until the entry is in the host tier;
+    disk read: the file read with its checks). `engine` has a host tier and a disk folder. Medians of
+    `repeats`."""
+    rng = np.random.default_rng(1)
+
+    def demote() -> tuple[float, float]:
+        """Seconds until the eviction returns (what a request waits), and until the entry is in the host tier."""
+        start = time.perf_counter()
+        with engine._device_lock:
+            while engine.cache.evict_one():
+                pass
+        issued = time.perf_counter() - start
+        engine.sync_tiers()
+        return issued, time.perf_counter() - start
+
+    rows = []
+    for n in lengths:
+        samples = {key: [] for key in ("miss", "device", "host", "disk", "demote", "demote_total", "disk_read")}
+        for _ in range(repeats):
+            engine.clear_cache(disk=True)
+            segs = [rng.integers(3, vocab, n).tolist(), rng.integers(3, vocab, 16).tolist()]
+            samples["miss"].append(engine.prefill(segs, seam=seam).stats.ttft_s)
+            samples["device"].append(engine.prefill(segs, seam=seam).stats.ttft_s)
+            issued, total = demote()
+            samples["demote"].append(issued)
+            samples["demote_total"].append(total)
+            (pieces,) = engine.tiers.host.values()
+            assert engine.persist() == 1
+            samples["host"].append(engine.prefill(segs, seam=seam).stats.ttft_s)
+            demote()
+            engine.tiers.host.clear()
+            start = time.perf_counter()
+            assert engine.tiers.disk.take(pieces.key, pieces.tokens) is not None
+            samples["disk_read"].append(time.perf_counter() - start)
+            before = engine.stats["tiers"]["promotions"]["disk"]
+            result = engine.prefill(segs, seam=seam)
+            assert result.stats.hits == 1 and engine.stats["tiers"]["promotions"]["disk"] == before + 1
+            samples["disk"].append(result.stats.ttft_s)
+        row = dict(tokens=n, entry_mb=round(pieces.nbytes / 2**20, 2),
+                   **{f"{key}_ms": round(1e3 * float(np.median(v)), 2) for key, v in samples.items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -153,7 +237,15 @@ def main(argv=None) -> None:
     parser.add_argument("--rungs", type=int, nargs="+", default=None, help="explicit token rungs (the last >= the "
                         "longest prompt; --small: 256 1024) instead of the geometric ladder from 64")
     parser.add_argument("--forms", action="store_true", help="bytes per token and logit deviation of compact entries")
-    parser.add_argument("--decay", type=float, default=0.05, help="--forms: the linear layers' per-token decay")
+    parser.add_argument("--decay", type=float, default=0.05, help="--forms: the slowed model's per-token decay")
+    parser.add_argument("--forms-requests", type=int, default=20, help="--forms: requests per form and model")
+    parser.add_argument("--tier-dtype", default=None, choices=[None, "bfloat16"],
+                        help="the trace's and --load-times' engines store entries off the device in this form")
+    parser.add_argument("--transfer-tol", type=float, default=None,
+                        help="... and without the dense T heads whose largest |entry| is at most this")
+    parser.add_argument("--load-times", type=int, nargs="*", default=None,
+                        help="instead: TTFT of one document of each of these lengths missing, on the device, in "
+                             "the host tier and on disk")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -164,7 +256,8 @@ def main(argv=None) -> None:
         args.min_len, args.max_len, args.docs = 16, 192, min(args.docs, 4)
     else:
         config, dtype = full_config(args.layers), jnp.bfloat16
-    model = Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype))
+    # the layers stacked once (`consume`: no second copy of the weights), as every engine here runs them
+    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
     documents, requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
                                 min_len=args.min_len, max_len=args.max_len, zipf=args.zipf, seed=args.seed)
     layout = qwen3_5.pool_layout(config, dtype)
@@ -177,25 +270,51 @@ def main(argv=None) -> None:
                 max_new_tokens=0,
                 cache_bytes=int(args.device_frac * corpus_bytes), mean_entry_tokens=mean_tokens)
     host_bytes = int(args.host_frac * corpus_bytes)
+    shape = "small" if args.small else f"35B-A3B x{args.layers} layers"
     if args.forms:
-        slow = Model(qwen3_5, config, slow_decay(model.params, args.decay))
-        report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
-                      requests=len(requests[:20]), decay=args.decay,
-                      **forms(slow, config, requests[:20], base, args.seam, args.layers))
+        models = {"own gates": model,
+                  f"decay {args.decay:g}": Model(qwen3_5, config, slow_decay(model.params, args.decay))}
+        picked = requests[: args.forms_requests]
+        report = dict(device=str(jax.devices()[0]), shape=shape, requests=len(picked), decay=args.decay,
+                      **forms(models, picked, base, args.seam, args.layers))
         print(json.dumps(report, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
         return
-    report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
-                  corpus=len(documents), corpus_entry_mb=round(corpus_bytes / 2**20, 2), requests=len(requests),
+    if args.load_times is not None:
+        lengths = args.load_times or ([32, 128, 512] if args.small else [128, 512, 2048, 8192])
+        top = max(lengths) + 16
+        with tempfile.TemporaryDirectory() as root:
+            engine = StableEngine(model, max_prompt_tokens=top, max_segments=1, max_new_tokens=0,
+                                  cache_bytes=1 << (27 if args.small else 32), mean_entry_tokens=top,
+                                  token_rungs=tuple(args.rungs) if args.rungs else None, host_cache_bytes=1 << 40,
+                                  disk_cache_dir=root, eviction="lru", tier_dtype=args.tier_dtype,
+                                  tier_transfer_tol=args.transfer_tol)
+            before = backend_compiles()
+            warm = engine.warmup(progress=False)
+            compiled = backend_compiles()
+            rows = load_times(engine, config.vocab_size, lengths, args.seam)
+            report = dict(device=str(jax.devices()[0]), shape=shape, seam=args.seam, rows=rows,
+                          form=tr.compact_form(args.tier_dtype, args.transfer_tol),
+                          warmup_programs=warm.get("programs"), warmup_compiles=compiled - before,
+                          compiles_while_measuring=backend_compiles() - compiled,
+                          bandwidths=dict(host=engine.bandwidths.host, disk=engine.bandwidths.disk))
+        print(json.dumps(report, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return
+    report = dict(device=str(jax.devices()[0]), shape=shape, corpus=len(documents),
+                  corpus_entry_mb=round(corpus_bytes / 2**20, 2), requests=len(requests),
                   docs_per_request=args.docs, zipf=args.zipf, longest_prompt=longest, rungs=list(rungs or ()),
-                  device_mb=round(base["cache_bytes"] / 2**20, 2), host_mb=round(host_bytes / 2**20, 2), runs=[])
+                  device_mb=round(base["cache_bytes"] / 2**20, 2), host_mb=round(host_bytes / 2**20, 2),
+                  form=tr.compact_form(args.tier_dtype, args.transfer_tol), runs=[])
 
     donor = None
     with tempfile.TemporaryDirectory() as root:
         def engine(**options):
             nonlocal donor
-            made = StableEngine(model, **base, **options)
+            made = StableEngine(model, **base, **options, tier_dtype=args.tier_dtype,
+                                tier_transfer_tol=args.transfer_tol)
             if donor is not None:  # the same pool shapes: the first engine's compiled programs serve every engine
                 made.programs._compiled.update(donor.programs._compiled)
                 made.mover._gather.update(donor.mover._gather)

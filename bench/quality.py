@@ -11,8 +11,9 @@ training mixes three), so they are not training prompts. `--seams` adds transiti
 prompt, an independent check of full_recompute.
 
 `--entry-forms` runs every mode that reads cache entries once per form of the entries: "device" (the default: an
-entry stays in the device pools as it was recorded), "float32" and "bfloat16" (`StableEngine`'s host tier
-with `tier_dtype` None or "bfloat16": before every question all device entries are demoted to the host tier, so
+entry stays in the device pools as it was recorded), "float32", "bfloat16" and "bfloat16+t<=TOL" (`StableEngine`'s
+host tier with `tier_dtype` None or "bfloat16", the last with `tier_transfer_tol` TOL, which leaves out the dense
+T heads whose largest |entry| is at most TOL: before every question all device entries are demoted to the host tier, so
 each of the question's documents is promoted back from the stored form; the first question of a prompt is preceded
 by a prefill of the same request that records the entries, so no answer reads an entry that did not go through the
 stored form). Each such question checks, in `engine.stats["tiers"]`, that its hits were all host promotions and
@@ -65,12 +66,15 @@ def position_bucket(question, num_docs: int) -> str | None:
     return f"q{quarter + 1}"
 
 
-ENTRY_FORMS = ("device", "float32", "bfloat16")
+# entry form -> the host tier's (tier_dtype, tier_transfer_tol); "device" keeps entries in the pools
+ENTRY_FORMS = {"device": None, "float32": (None, None), "bfloat16": ("bfloat16", None),
+               "bfloat16+t<=0": ("bfloat16", 0.0), "bfloat16+t<=1e-3": ("bfloat16", 1e-3)}
 
 
 def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
-    """Bytes per token of an entry with float32 T and S (as the pools hold them) and with bfloat16 T and S, at the
-    model's shape and the 35B-A3B shape."""
+    """Bytes per token of an entry as the pools hold it and with every float32 piece in bfloat16, at the model's
+    shape and the 35B-A3B shape (dense T heads dropped off the device depend on the data: `entries` measures
+    them)."""
     import jax.numpy as jnp
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -92,6 +96,7 @@ def _demote_all(engine) -> None:
     with engine._device_lock:
         while engine.cache.evict_one():
             pass
+    engine.sync_tiers()
 
 
 def run(args) -> dict:
@@ -122,11 +127,12 @@ def run(args) -> dict:
     engines = {}
     for form in {form for *_, form in runs}:
         tiers = {} if form == "device" else dict(host_cache_bytes=1 << 40, eviction="lru",
-                                                   tier_dtype=None if form == "float32" else form)
+                                                   tier_dtype=ENTRY_FORMS[form][0],
+                                                   tier_transfer_tol=ENTRY_FORMS[form][1])
         engines[form] = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=args.max_tokens,
                                      max_segments=max(args.docs) + 1, max_new_tokens=args.max_new_tokens,
                                      seam=args.seam, **tiers)
-        if form == "bfloat16":  # the host tier really stores T and S rounded
+        if form.startswith("bfloat16"):  # the host tier really stores T and S rounded
             assert any(dtype == np.dtype(jax.numpy.bfloat16) for *_, dtype in engines[form].mover.leaves)
     scores = collections.defaultdict(list)  # (run label, axis, value) -> [(em, f1)]
     predictions = collections.defaultdict(list)  # run label -> predicted answers, in case order
@@ -167,8 +173,11 @@ def run(args) -> dict:
             _demote_all(engine)
             held = engine.tiers.host.values()
             stored, stored_tokens = sum(p.nbytes for p in held), sum(len(p.tokens) for p in held)
+            kept = [(len(p.kept[j]), engine.mover.leaves[j][1][0]) for p in held for j in p.kept]
             entries[label] = dict(form=form, **served, entries=len(held), bytes=stored,
                                   bytes_per_segment_token=round(stored / max(stored_tokens, 1), 1),
+                                  transfer_heads_stored=round(sum(k for k, _ in kept) / sum(h for _, h in kept), 4)
+                                  if kept else None,
                                   stored_dtypes=sorted({a.dtype.name for p in held for a in p.arrays}))
     if args.transformers:
         import torch
@@ -257,7 +266,9 @@ def print_tables(report: dict) -> None:
     for label, info in (report.get("entries") or {}).items():
         print(f"{label}: {info['questions']} questions served from {info['promotions']} host promotions "
               f"({info['cached_tokens']} cached tokens); {info['entries']} entries stored as "
-              f"{'/'.join(info['stored_dtypes'])}, {info['bytes_per_segment_token']:,.1f} bytes per segment token")
+              f"{'/'.join(info['stored_dtypes'])}, {info['bytes_per_segment_token']:,.1f} bytes per segment token"
+              + (f", {info['transfer_heads_stored']:.1%} of T's heads stored"
+                 if info.get("transfer_heads_stored") is not None else ""))
     for pair, share in (report.get("agreement_across_entry_forms") or {}).items():
         print(f"same answer, {pair}: {share:.4f}")
     shapes = report.get("entry_bytes_per_token")
@@ -326,9 +337,10 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--seam", type=float, default=8, help="seam of transition_rope_recompute")
     parser.add_argument("--seams", type=float, nargs="*", default=[], help="seam ablation: trr at each of these")
-    parser.add_argument("--entry-forms", nargs="+", default=["device"], choices=ENTRY_FORMS,
+    parser.add_argument("--entry-forms", nargs="+", default=["device"], choices=list(ENTRY_FORMS),
                         help="run each mode that reads entries with them in each form: device (kept in the pools), "
-                        "float32 or bfloat16 (every hit promoted from the host tier in that form)")
+                        "or promoted from the host tier for every hit: float32 (exact), bfloat16 (every float32 "
+                        "piece rounded), bfloat16+t<=TOL (also without the dense T heads at most TOL)")
     parser.add_argument("--transformers", action="store_true", help="also transformers' greedy generation")
     parser.add_argument("--max-tokens", type=int, default=None, help="longest prompt (4096)")
     parser.add_argument("--max-new-tokens", type=int, default=16)

@@ -405,9 +405,10 @@ class StableEngine(Engine):
     Tiers (`hypic_jax.tiers`): host_cache_bytes (0: off) and disk_cache_dir with disk_cache_bytes (None:
     unbounded, 0: off) keep entries evicted from the pools; eviction: "cost" or "lru"; host_bandwidth and
     disk_bandwidth (bytes/s) override what `warmup` measures; disk_write_through writes every new entry to disk
-    when it is stored (else entries reach the disk when evicted, or through `persist()`); tier_dtype="bfloat16"
-    stores the linear layers' T and S in bfloat16 off the device (half their bytes; promoted entries are the
-    rounded values, widened to float32).
+    when it is stored (else entries reach the disk when evicted, or through `persist()`). Compact entries off the
+    device (`tiers.Mover`): tier_dtype="bfloat16" stores every float32 piece (T, S, float32 K/V and conv tails)
+    in bfloat16 (promoted entries are the rounded values, widened back); tier_transfer_tol stores a dense T's heads
+    only where their largest |entry| exceeds it (0: drops the heads whose T decayed to exactly zero).
 
     scan_layers: run the model's repeating layers as one scan in the span and decode programs (`layer_stack`; a
     program then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine
@@ -436,7 +437,8 @@ class StableEngine(Engine):
                  mean_entry_tokens: int = 512, max_batch: int = 0, host_cache_bytes: int = 0,
                  disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
-                 disk_write_through: bool = False, tier_dtype: str | None = None, devices=None,
+                 disk_write_through: bool = False, tier_dtype: str | None = None,
+                 tier_transfer_tol: float | None = None, devices=None,
                  policy: str = "lpt", linear_impl: str | None = "xla", scan_layers: bool = True,
                  fold_impl: str = "auto"):
         if not hasattr(model.arch, "span_forward_arrays"):
@@ -470,7 +472,7 @@ class StableEngine(Engine):
         budget = cache_bytes if cache_bytes is not None else 1 << 30
         self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens, plan=self.plan)
         self._init_tiers(host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
-                         disk_bandwidth, disk_write_through, tier_dtype)
+                         disk_bandwidth, disk_write_through, tier_dtype, tier_transfer_tol)
         self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
                                   policy=tr.DevicePolicy(self.policy) if eviction == "cost" else None)
         if not isinstance(max_batch, int) or max_batch < 0:
@@ -848,11 +850,12 @@ class StableEngine(Engine):
             self.cache.clear()
         finally:
             self._clearing = False
+        self.sync_tiers()
         self.tiers.clear(disk=disk)
 
     # Tiers -----------------------------------------------------------------------------------------------------------
     def _init_tiers(self, host_bytes, disk_dir, disk_bytes, eviction, host_bandwidth, disk_bandwidth,
-                    write_through, tier_dtype) -> None:
+                    write_through, tier_dtype, tier_transfer_tol) -> None:
         self.eviction = eviction
         self.cost = tr.CostModel()
         self.bandwidths = tr.Bandwidths(host=host_bandwidth or tr.DEFAULT_HOST_BANDWIDTH,
@@ -861,13 +864,18 @@ class StableEngine(Engine):
         self.policy = tr.Policy(eviction, self.cost, lambda: self.bandwidths)
         if tier_dtype not in (None, "bfloat16"):
             raise ValueError(f"tier_dtype must be None or 'bfloat16', got {tier_dtype!r}")
-        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tier_dtype)
+        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tier_dtype, transfer_tol=tier_transfer_tol)
         self.tiers = tr.Tiers(leaves=self.mover.leaves, fingerprint=self.fingerprint, policy=self.policy,
                               host_bytes=host_bytes or 0, disk_dir=disk_dir, disk_bytes=disk_bytes,
-                              form=tier_dtype or "exact")
+                              form=tr.compact_form(tier_dtype, tier_transfer_tol), droppable=self.mover.droppable)
         self.disk_write_through = bool(write_through)
         self._clearing = False
         self._demote_errors = 0
+        # demotions finish off the request's path: the copy out of the pools is issued at eviction (so the pool room
+        # is free at once), its transfer to the host and the tier's bookkeeping run on this one thread
+        self._demoter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hypic-demote")
+        self._demoting: dict[str, concurrent.futures.Future] = {}
+        self._demoting_lock = threading.Lock()
 
     def _warm_tiers(self, limit: int) -> dict:
         """Compile the promote/demote programs, measure the tiers' bandwidths, calibrate the cost model."""
@@ -906,6 +914,7 @@ class StableEngine(Engine):
             return pins.add(entry)
         if not self.tiers.enabled:
             return None
+        self._await_demotion(key)
         found = self.tiers.take(key, _token_tuple(tokens))
         if found is None:
             return None
@@ -922,7 +931,7 @@ class StableEngine(Engine):
         self._unstored.append(entry)
         pins.add(entry)
         with self.pools.lock:  # issued while planning: the copy overlaps with what the request does next
-            self._write_pools(self.mover.scatter, slot, rows, pieces.arrays)
+            self._write_pools(self.mover.scatter, slot, rows, pieces.arrays, pieces.kept)
         self.cache.insert(entry)
         self._unstored.remove(entry)
         if self.disk_write_through:
@@ -931,20 +940,60 @@ class StableEngine(Engine):
 
     def _pieces(self, entry: Entry) -> tr.Pieces:
         with self.pools.lock:
-            arrays = self.mover.gather(self._pool_arrays(), entry.slot, entry.rows)
+            arrays, kept = self.mover.gather(self._pool_arrays(), entry.slot, entry.rows)
         return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
-                         uses=entry.uses)
+                         uses=entry.uses, kept=kept)
+
+    # at most this many demotions in flight (each holds its entry's copy in device memory until it reaches the host)
+    MAX_PENDING_DEMOTIONS = 8
 
     def _dropped(self, entry: Entry) -> None:
-        """`entry` left the device tier (no request holds it): demote it, then free its pool room."""
+        """`entry` left the device tier (no request holds it): issue its copy out of the pools, free its pool room,
+        and let the demotion thread bring it to the host tier."""
         try:
             if self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache:
-                self.tiers.put(self._pieces(entry))
+                with self.pools.lock:
+                    started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
+                meta = dict(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, uses=entry.uses)
+                with self._demoting_lock:
+                    pending = list(self._demoting.values())
+                if len(pending) >= self.MAX_PENDING_DEMOTIONS:
+                    concurrent.futures.wait(pending[: len(pending) - self.MAX_PENDING_DEMOTIONS + 1])
+                with self._demoting_lock:
+                    future = self._demoter.submit(self._finish_demotion, started, meta)
+                    self._demoting[entry.key] = future
+                future.add_done_callback(functools.partial(self._forget_demotion, entry.key))
         except Exception:  # a failed copy loses the entry, never the request
             self._demote_errors += 1
             log.exception("demoting a cache entry failed; it is dropped")
         finally:
             self.pools.free(entry.slot, entry.rows)
+
+    def _finish_demotion(self, started, meta: dict) -> None:
+        try:
+            arrays, kept = self.mover.gather_finish(started)
+            self.tiers.put(tr.Pieces(arrays=arrays, kept=kept, **meta))
+        except Exception:
+            self._demote_errors += 1
+            log.exception("demoting a cache entry failed; it is dropped")
+
+    def _forget_demotion(self, key: str, future) -> None:
+        with self._demoting_lock:
+            if self._demoting.get(key) is future:
+                del self._demoting[key]
+
+    def _await_demotion(self, key: str) -> None:
+        """Wait for `key`'s demotion if one is in flight (so that a lookup finds it in its tier)."""
+        with self._demoting_lock:
+            future = self._demoting.get(key)
+        if future is not None:
+            concurrent.futures.wait([future])
+
+    def sync_tiers(self) -> None:
+        """Wait until every demotion issued so far has reached its tier (stats, `persist` and `clear_cache` do)."""
+        with self._demoting_lock:
+            pending = list(self._demoting.values())
+        concurrent.futures.wait(pending)
 
     def _persist_entry(self, entry: Entry) -> bool:
         if entry.key in self.tiers.disk:
@@ -956,6 +1005,7 @@ class StableEngine(Engine):
         the entries on disk afterwards. A restarted engine on the same `disk_cache_dir` finds them."""
         if self.tiers.disk is None:
             raise ValueError("persist needs a disk tier (disk_cache_dir)")
+        self.sync_tiers()
         with self._device_lock:
             for entry in self.cache.entries():
                 self._persist_entry(entry)
@@ -965,6 +1015,7 @@ class StableEngine(Engine):
         return self.tiers.disk.stats.entries
 
     def _tier_stats(self) -> dict:
+        self.sync_tiers()
         return dict(eviction=self.eviction, **self.tiers.stats(), demote_errors=self._demote_errors,
                     cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths))
 

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hypic_jax.summary import Summary
+
 log = logging.getLogger("hypic_jax.tiers")
 
 MAGIC = b"HYPICSEG"
@@ -232,6 +234,9 @@ class Pieces:
     seam: int
     arrays: list[np.ndarray]
     uses: int = 0
+    # leaf index -> the heads stored of a dense transfer leaf (increasing int16); its array holds those heads only,
+    # the others were negligible (`Mover`'s transfer_tol) and come back as zeros
+    kept: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -239,11 +244,24 @@ class Pieces:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self.arrays))
+        return int(sum(a.nbytes for a in self.arrays) + sum(k.nbytes for k in self.kept.values()))
 
 
-def _in_summary(path) -> bool:
-    return any(getattr(part, "key", None) == "summary" for part in path)
+def _dense_transfers(tree) -> list[bool]:
+    """Per leaf of a pool tree (`jax.tree.leaves` order): whether it is a dense summary's T [..., H, K, K]."""
+    flags = []
+    for item in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Summary)):
+        if isinstance(item, Summary):
+            flags += [False] + ([item.form == "dense"] if item.transfer is not None else [])
+        else:
+            flags.append(False)
+    return flags
+
+
+def compact_form(dtype: str | None, transfer_tol: float | None) -> str:
+    """The storage form's name, recorded in every disk file ("exact", "bfloat16", "bfloat16+t<=0.001", ...)."""
+    form = dtype or "exact"
+    return form if transfer_tol is None else f"{form}+t<={transfer_tol:g}"
 
 
 class Mover:
@@ -251,28 +269,42 @@ class Mover:
 
     Token rows are padded to a bucket of whole pages (1, 2, 4, ... pages, up to the longest entry), so the
     programs are one gather and one scatter per bucket, compiled by `compile` (the engine's warmup).
-    compact: a dtype name ("bfloat16") in which the linear layers' float32 summaries (T and S) leave the device
-    and are stored off it (the gather rounds them; the scatter widens them back to the pools' float32); None keeps
-    every piece as the pools hold it."""
 
-    def __init__(self, pools, max_tokens: int, compact: str | None = None):
+    Compact forms (`bench/cache_tiers.py --forms` measures their bytes and deviation):
+    - compact: a dtype name ("bfloat16") in which every float32 piece (the linear layers' T and S, float32 K/V and
+      conv tails) leaves the device and is stored off it (the gather rounds them; the scatter widens them back to
+      the pools' dtype); None keeps every piece as the pools hold it.
+    - transfer_tol: a dense T's heads whose largest |entry| is at most this are not stored and come back as zeros.
+      T_h multiplies the state entering the segment, so dropping it changes that head's state by at most
+      K * transfer_tol * max|S_in|; a gated head's T shrinks with its accumulated decay (||T_h||_2 <= prod alpha_t
+      for Gated DeltaNet), which underflows to exactly 0 over a few hundred tokens for fast-forgetting heads, so
+      0 drops only exact zeros. None stores every head."""
+
+    def __init__(self, pools, max_tokens: int, compact: str | None = None, transfer_tol: float | None = None):
         stack = pools.arrays  # a layer_stack.PoolStack: per part of the layer plan, its layers' rows in blocks
         self.specs, self.plan = stack.specs, stack.plan
         self.page = pools.page
         self.compact = compact
+        if transfer_tol is not None and not (np.isfinite(transfer_tol) and transfer_tol >= 0):
+            raise ValueError(f"transfer_tol must be None or a finite number >= 0, got {transfer_tol!r}")
+        self.transfer_tol = transfer_tol
         # the device programs move per part and leaf all the part's layers at once ([members, ...] per slot,
         # [rows, members, ...] per token); off the device an entry is per layer and leaf, in layer order, so
         # its stored form does not depend on how the layers are grouped
         part_stored: list[list[str]] = []
+        part_drop: list[list[bool]] = []
         for spec, tree in zip(stack.specs, stack.parts):
             names = []
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            for leaf in jax.tree.leaves(tree):
                 dtype = np.dtype(leaf.dtype)
-                if compact and spec.kind == "slot" and dtype == np.float32 and _in_summary(path):
+                if compact and dtype == np.float32:
                     dtype = np.dtype(jnp.dtype(compact))
                 names.append(dtype.name)
             part_stored.append(names)
+            part_drop.append([flag and spec.kind == "slot" and transfer_tol is not None
+                              for flag in _dense_transfers(tree)])
         self._stored = tuple(name for names in part_stored for name in names)
+        self._drop = tuple(flag for flags in part_drop for flag in flags)  # per device output
         first = np.cumsum([0] + [len(names) for names in part_stored])
         self.leaves: list[tuple[str, tuple[int, ...], np.dtype]] = []  # (kind, per-entry/per-token shape, stored as)
         self._order: list[tuple[int, int]] = []  # per stored leaf: (device output, member)
@@ -282,6 +314,7 @@ class Mover:
             for j, leaf in enumerate(jax.tree.leaves(stack.parts[part])):
                 self.leaves.append((spec.kind, tuple(leaf.shape[1:]), np.dtype(part_stored[part][j])))
                 self._order.append((int(first[part]) + j, member))
+        self.droppable = tuple(self._drop[i] for i, _ in self._order)  # per stored leaf
         self._output_kinds = {i: kind for (i, _), (kind, _, _) in zip(self._order, self.leaves)}
         top = max(1, min(-(-max_tokens // pools.page), pools.pages - 1))
         buckets, b = [], 1
@@ -307,13 +340,18 @@ class Mover:
         return slot + base if spec.kind == "slot" else rows[:, None] + base[None, :]
 
     @staticmethod
-    def _gather_fn(arrays, slot, rows, *, specs, stored):
-        out = []
+    def _gather_fn(arrays, slot, rows, *, specs, stored, drop):
+        """The entry's pieces in their stored dtypes, and per droppable output its heads' largest |entry|
+        [members, H] (measured before rounding)."""
+        out, head_max = [], []
         for spec, tree in zip(specs, arrays.parts):
             index = Mover._rows(spec, slot, rows)
             for leaf in jax.tree.leaves(tree):
-                out.append(leaf[index].astype(jnp.dtype(stored[len(out)])))
-        return out
+                piece = leaf[index]
+                if drop[len(out)]:
+                    head_max.append(jnp.max(jnp.abs(piece), axis=(-2, -1)).astype(jnp.float32))
+                out.append(piece.astype(jnp.dtype(stored[len(out)])))
+        return out, head_max
 
     @staticmethod
     def _scatter_fn(arrays, slot, rows, pieces, *, specs):
@@ -337,11 +375,11 @@ class Mover:
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
-        gather = functools.partial(self._gather_fn, specs=self.specs, stored=self._stored)
+        gather = functools.partial(self._gather_fn, specs=self.specs, stored=self._stored, drop=self._drop)
         if which == "gather":
             program = jax.jit(gather).lower(shapes, slot, rows).compile()
         else:
-            pieces = jax.eval_shape(gather, shapes, slot, rows)
+            pieces, _ = jax.eval_shape(gather, shapes, slot, rows)
             program = jax.jit(functools.partial(self._scatter_fn, specs=self.specs), donate_argnums=0).lower(
                 shapes, slot, rows, pieces).compile()
         with self._lock:
@@ -358,25 +396,50 @@ class Mover:
     def compiled(self) -> int:
         return len(self._gather) + len(self._scatter)
 
-    def gather(self, arrays, slot: int, rows) -> list[np.ndarray]:
-        """Host copies of an entry's pieces (its token leaves [len(rows), ...])."""
+    def gather(self, arrays, slot: int, rows) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+        """Host copies of an entry's pieces (its token leaves [len(rows), ...]) and the heads kept of its droppable
+        leaves (`Pieces.kept`)."""
+        return self.gather_finish(self.gather_start(arrays, slot, rows))
+
+    def gather_start(self, arrays, slot: int, rows):
+        """Issue the entry's copy out of the pools into device arrays of its own and return at once (the transfer
+        to the host is `gather_finish`'s: on a GPU, starting it here would block the caller for the whole copy): the
+        pools' rows may be overwritten by any program issued after this one."""
         rows = np.asarray(rows, np.int32)
         bucket = self.bucket(len(rows))
         padded = np.zeros(bucket * self.page, np.int32)  # padded reads hit row 0, which no entry owns
         padded[: len(rows)] = rows
-        out = self._program("gather", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded)
-        host = [np.asarray(a) for a in jax.device_get(out)]
-        return [host[i][member] if kind == "slot" else host[i][: len(rows), member]
-                for (i, member), (kind, _, _) in zip(self._order, self.leaves)]
+        return self._program("gather", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded), len(rows)
 
-    def scatter(self, arrays, slot: int, rows, pieces: Sequence[np.ndarray]):
-        """`arrays` (donated) with the entry's pieces written to `slot` and `rows`."""
+    def gather_finish(self, started) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+        """`gather`'s result from `gather_start`'s handle (waits for the transfer)."""
+        out, length = started
+        out, head_max = jax.device_get(out)
+        host = [np.asarray(a) for a in out]
+        maxima = dict(zip([i for i, flag in enumerate(self._drop) if flag], head_max))
+        pieces, kept = [], {}
+        for j, ((i, member), (kind, _, _)) in enumerate(zip(self._order, self.leaves)):
+            piece = host[i][member] if kind == "slot" else host[i][:length, member]
+            if i in maxima:
+                heads = np.flatnonzero(np.asarray(maxima[i][member]) > self.transfer_tol).astype(np.int16)
+                kept[j] = heads
+                piece = np.ascontiguousarray(piece[heads])
+            pieces.append(piece)
+        return pieces, kept
+
+    def scatter(self, arrays, slot: int, rows, pieces: Sequence[np.ndarray], kept: dict | None = None):
+        """`arrays` (donated) with the entry's pieces written to `slot` and `rows`; `kept` as `gather` returns it
+        (heads not kept are written as zeros)."""
         rows = np.asarray(rows, np.int32)
         bucket = self.bucket(len(rows))
         padded = np.full(bucket * self.page, DROP, np.int32)
         padded[: len(rows)] = rows
         per_output: dict[int, list] = {}
-        for piece, (i, member), (kind, _, _) in zip(pieces, self._order, self.leaves):
+        for j, (piece, (i, member), (kind, shape, _)) in enumerate(zip(pieces, self._order, self.leaves)):
+            if kept and j in kept:
+                full = np.zeros(shape, piece.dtype)
+                full[kept[j]] = piece
+                piece = full
             if kind == "token":
                 full = np.zeros((bucket * self.page,) + piece.shape[1:], piece.dtype)
                 full[: len(piece)] = piece
@@ -508,22 +571,40 @@ class DiskStore(_Store):
     tier = "disk"
 
     def __init__(self, folder, capacity_bytes: int | None, policy: Policy, *, fingerprint: str, leaves,
-                 form: str = "exact"):
+                 form: str = "exact", droppable=None):
         super().__init__(capacity_bytes, policy)
         self.folder = Path(folder).expanduser().resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
         self.form = form
         self._leaves = list(leaves)  # `Mover.leaves`
+        self._droppable = tuple(droppable) if droppable is not None else (False,) * len(self._leaves)
         self.scan()
 
     # Format ---------------------------------------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
         return self.folder / key[:2] / f"{key}{SUFFIX}"
 
-    def _signature(self, length: int) -> list[list]:
-        return [[dtype.str if dtype.kind != "V" else dtype.name, list(shape if kind == "slot" else (length, *shape))]
-                for kind, shape, dtype in self._leaves]
+    def _signature(self, length: int, kept: dict[int, list[int]]) -> list[list]:
+        """The pieces' [dtype, shape] an entry of `length` tokens must have; a leaf in `kept` holds those heads."""
+        out = []
+        for j, (kind, shape, dtype) in enumerate(self._leaves):
+            if j in kept:
+                shape = (len(kept[j]), *shape[1:])
+            out.append([dtype.str if dtype.kind != "V" else dtype.name,
+                        list(shape if kind == "slot" else (length, *shape))])
+        return out
+
+    def _kept(self, header: dict) -> dict[int, list[int]] | None:
+        """The header's kept heads per leaf, None when they are not a valid subset for this store's leaves."""
+        kept = {int(j): [int(h) for h in heads] for j, heads in header.get("kept", {}).items()}
+        for j, heads in kept.items():
+            if not (0 <= j < len(self._leaves) and self._droppable[j]):
+                return None
+            if any(b <= a for a, b in zip(heads, heads[1:])) or (heads and not 0 <= heads[0] <= heads[-1] <
+                                                                  self._leaves[j][1][0]):
+                return None
+        return kept
 
     def _encode(self, pieces: Pieces) -> tuple[bytes, list[np.ndarray]]:
         arrays = [np.ascontiguousarray(a) for a in pieces.arrays]
@@ -534,6 +615,7 @@ class DiskStore(_Store):
             fingerprint=self.fingerprint, form=self.form, key=pieces.key, kind=pieces.kind, seam=int(pieces.seam),
             tokens=[int(t) for t in pieces.tokens],
             arrays=[[a.dtype.str if a.dtype.kind != "V" else a.dtype.name, list(a.shape)] for a in arrays],
+            kept={str(j): [int(h) for h in heads] for j, heads in sorted(pieces.kept.items())},
             payload_bytes=int(sum(a.nbytes for a in arrays)), payload_blake2b=digest.hexdigest()),
             separators=(",", ":")).encode()
         head = struct.pack("<II", FORMAT_VERSION, len(header)) + header
@@ -568,7 +650,9 @@ class DiskStore(_Store):
             return "foreign", None, 0  # another model, or another storage form of this one: never served
         try:
             length = len(header["tokens"]) - int(header["seam"])
-            ok = (header["key"] == path.name[: -len(SUFFIX)] and header["arrays"] == self._signature(length)
+            kept = self._kept(header)
+            ok = (kept is not None and header["key"] == path.name[: -len(SUFFIX)]
+                  and header["arrays"] == self._signature(length, kept)
                   and offset + int(header["payload_bytes"]) == size)
         except (KeyError, TypeError, ValueError):
             ok = False
@@ -654,8 +738,9 @@ class DiskStore(_Store):
             meta.priority = self.policy.rank(self.tier, meta.tokens, meta.nbytes, meta.uses)
             self.index[key] = self.index.pop(key)  # most recently used
             self.stats.hits += 1
+            kept = {j: np.asarray(heads, np.int16) for j, heads in self._kept(header).items()}
             return Pieces(key=key, tokens=tokens, kind=header["kind"], seam=int(header["seam"]), arrays=arrays,
-                          uses=meta.uses)
+                          uses=meta.uses, kept=kept)
 
     def put(self, pieces: Pieces) -> bool:
         """Write `pieces` (atomically) unless its file exists; False when the write failed."""
@@ -723,16 +808,18 @@ class Tiers:
 
     host_bytes: the host tier's budget (0: off). disk_dir: the disk tier's folder (None: off), disk_bytes its
     budget (None: unbounded; 0: off). policy: a `Policy` (shared with the device tier). leaves: `Mover.leaves`;
-    form: "exact", or the compact dtype the pieces are stored in (a disk file of another form is foreign)."""
+    form: `compact_form`'s name of how pieces are stored (a disk file of another form is foreign); droppable:
+    `Mover.droppable`."""
 
     def __init__(self, *, leaves, fingerprint: str, policy: Policy, host_bytes: int = 0, disk_dir=None,
-                 disk_bytes: int | None = None, form: str = "exact"):
+                 disk_bytes: int | None = None, form: str = "exact", droppable=None):
         for name, value in (("host_cache_bytes", host_bytes), ("disk_cache_bytes", disk_bytes)):
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         self.policy = policy
         self.host = HostStore(host_bytes, policy) if host_bytes else None
-        self.disk = (DiskStore(disk_dir, disk_bytes, policy, fingerprint=fingerprint, leaves=leaves, form=form)
+        self.disk = (DiskStore(disk_dir, disk_bytes, policy, fingerprint=fingerprint, leaves=leaves, form=form,
+                               droppable=droppable)
                      if disk_dir is not None and disk_bytes != 0 else None)
         self.promotions = {"host": 0, "disk": 0}
         self.demotions = 0

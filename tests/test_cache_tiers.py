@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -43,15 +44,17 @@ def make(tmp_path_factory):
     donor.warmup(progress=False)
 
     def make(**options) -> StableEngine:
-        engine = StableEngine(model, **{**BASE, **options})
+        # another model of the same shapes (`options["model"]`) runs the same programs: weights are arguments
+        engine = StableEngine(options.pop("model", model), **{**BASE, **options})
         # the same pool shapes: the donor's compiled programs run this engine too
         engine.programs._compiled.update(donor.programs._compiled)
-        if engine.mover.leaves == donor.mover.leaves:  # the copy programs too, where pieces are stored alike
+        if (engine.mover.leaves, engine.mover.droppable) == (donor.mover.leaves, donor.mover.droppable):
+            # the copy programs too, where pieces are stored alike
             engine.mover._gather.update(donor.mover._gather)
             engine.mover._scatter.update(donor.mover._scatter)
         return engine
 
-    make.vocab, make.root = vocab, root
+    make.vocab, make.root, make.model = vocab, root, model
     return make
 
 
@@ -60,11 +63,13 @@ def _docs(vocab, seed, count=4, low=24, high=56):
     return [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(low, high, count)]
 
 
-def _evict_device(engine) -> None:
+def _evict_device(engine, sync: bool = True) -> None:
     with engine._device_lock:
         while engine.cache.evict_one():
             pass
     assert len(engine.cache) == 0
+    if sync:
+        engine.sync_tiers()  # the demotions reach the host tier
 
 
 def _files(folder) -> list:
@@ -89,7 +94,7 @@ def test_demotion_then_promotion_round_trips_exactly(make):
     # prefix entries: exact, so also equal to the full recompute
     full = engine.prefill(segs, mode="full_recompute")
     engine.prefill(segs, mode="prefix_cache")
-    _evict_device(engine)
+    _evict_device(engine, sync=False)  # demotions in flight: a lookup waits for its entry's
     again = engine.prefill(segs, mode="prefix_cache")
     assert again.stats.hits == 4 and again.stats.recomputed_tokens == len(segs[-1])
     assert _rel(again.logits, full.logits) < 1e-5
@@ -268,21 +273,20 @@ def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
     exact = make(host_cache_bytes=1 << 20)
     compact = make(host_cache_bytes=1 << 20, disk_cache_dir=folder, tier_dtype="bfloat16")
     segs = _docs(make.vocab, 6) + [[8, 9, 10]]
-    deviation, stored = {}, {}
+    deviation, stored, held = {}, {}, {}
     for name, engine in (("exact", exact), ("compact", compact)):
         engine.prefill(segs, seam=SEAM)
         warm = engine.prefill(segs, seam=SEAM)
         _evict_device(engine)
         stored[name] = engine.stats["tiers"]["host"]["bytes"]
+        held[name] = list(engine.tiers.host.values())
         back = engine.prefill(segs, seam=SEAM)
         assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
         deviation[name] = _rel(back.logits, warm.logits)
-    # the pieces that shrink: per linear layer T and S, float32 -> bfloat16, half their bytes per entry
-    summary_f32 = sum(int(np.prod(shape)) * dtype.itemsize for kind, shape, dtype in exact.mover.leaves
-                  if kind == "slot" and dtype == np.float32) - sum(
-        int(np.prod(shape)) * dtype.itemsize for kind, shape, dtype in compact.mover.leaves
-        if kind == "slot" and dtype == np.float32)
-    assert summary_f32 > 0 and stored["exact"] - stored["compact"] == 4 * summary_f32 // 2
+    # every float32 piece (T, S, and this float32 model's K/V rows and conv tails) is stored in half its bytes
+    float32 = sum(a.nbytes for p in held["exact"] for a in p.arrays if a.dtype == np.float32)
+    assert len(held["exact"]) == 4 and float32 > 0 and stored["exact"] - stored["compact"] == float32 // 2
+    assert {a.dtype for p in held["compact"] for a in p.arrays} == {np.dtype(jnp.bfloat16)}
     assert deviation["exact"] < 1e-6
     assert 0 < deviation["compact"] < 1e-2, deviation  # rounded T and S, composed in float32
     # on disk the form is part of the header: an exact engine never reads a bfloat16 file
@@ -296,10 +300,69 @@ def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
     assert again.prefill(segs, seam=SEAM).stats.hits == 4
 
 
+def test_negligible_transfer_heads_are_not_stored(make):
+    """tier_transfer_tol: a dense T's head is stored only when its largest |entry| exceeds the tolerance; the
+    stored heads are the exact ones, the dropped ones were within the tolerance, tolerance 0 (only heads whose T
+    decayed to exact zeros) serves the exact logits, and the kept heads survive a restart from disk. Every other
+    linear value head of the model forgets at once (its gate's decay underflows to 0), as fast heads of trained
+    models do over a document."""
+    import jax
+
+    def fast_heads(path, leaf):
+        return leaf.at[::2].set(np.log(1e4)) if getattr(path[-1], "key", None) == "A_log" else leaf
+
+    base = make.model
+    model = type(base)(base.arch, base.config, jax.tree_util.tree_map_with_path(fast_heads, base.params))
+    exact = make(model=model, host_cache_bytes=1 << 20)
+    segs = _docs(make.vocab, 7) + [[9, 10, 11]]
+    exact.prefill(segs, seam=SEAM)
+    warm = exact.prefill(segs, seam=SEAM)
+    _evict_device(exact)
+    reference = {p.key: p for p in exact.tiers.host.values()}
+    assert len(reference) == 4
+    for tol in (0.0, 1e-3):
+        folder = make.root / f"dropped-{tol:g}"
+        engine = make(model=model, host_cache_bytes=1 << 20, disk_cache_dir=folder, tier_transfer_tol=tol)
+        droppable = {j for j, flag in enumerate(engine.mover.droppable) if flag}
+        assert droppable and all(engine.mover.leaves[j][0] == "slot" for j in droppable)
+        engine.prefill(segs, seam=SEAM)
+        engine.prefill(segs, seam=SEAM)
+        _evict_device(engine)
+        dropped = 0
+        for pieces in engine.tiers.host.values():
+            ref = reference[pieces.key]
+            assert set(pieces.kept) == droppable
+            for j, (got, want) in enumerate(zip(pieces.arrays, ref.arrays)):
+                if j not in droppable:
+                    np.testing.assert_array_equal(got, want)
+                    continue
+                heads = pieces.kept[j].astype(int)
+                np.testing.assert_array_equal(got, want[heads])
+                gone = np.setdiff1d(np.arange(want.shape[0]), heads)
+                assert np.abs(want[gone]).max(initial=0.0) <= tol
+                assert (np.abs(want[heads]).max(axis=(1, 2), initial=0.0) > tol).all()
+                dropped += len(gone)
+            assert pieces.nbytes < ref.nbytes or not dropped
+        assert dropped > 0, f"no head of T was negligible at tolerance {tol}"
+        back = engine.prefill(segs, seam=SEAM)
+        assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
+        if tol == 0.0:
+            np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
+        assert _rel(back.logits, warm.logits) < 1e-5
+        assert engine.persist() == 4
+        _evict_device(engine)
+        restarted = make(model=model, disk_cache_dir=folder, tier_transfer_tol=tol)
+        again = restarted.prefill(segs, seam=SEAM)
+        assert again.stats.hits == 4 and restarted.stats["tiers"]["promotions"]["disk"] == 4
+        np.testing.assert_allclose(again.logits, back.logits, rtol=0, atol=1e-6)
+        assert make(model=model, disk_cache_dir=folder).stats["tiers"]["disk"]["foreign"] == 4  # another form
+
+
 def test_compact_entry_bytes_per_token_at_the_35b_shape(monkeypatch):
     """bench/cache_tiers.py's bytes per token of an entry off the device (a 512-token segment, seam 8, per
     segment token; quality.py reports it) at the Qwen3.5-35B-A3B shape: 268,800 exact (the figure of
-    bench/RESULTS.md), 145,920 with T and S in bfloat16 (1.84x smaller: K/V and conv tails keep their bytes)."""
+    bench/RESULTS.md), 145,920 with T and S in bfloat16 (1.84x smaller: this bfloat16 model's K/V and conv tails
+    keep their bytes), 84,480 without T as well (3.18x: 30 layers x 32 heads x 128 x 128 x 2 bytes / 512)."""
     from pathlib import Path
 
     import jax.numpy as jnp
@@ -313,3 +376,4 @@ def test_compact_entry_bytes_per_token_at_the_35b_shape(monkeypatch):
     layout = qwen3_5.pool_layout(full_config(40), jnp.bfloat16)
     assert entry_bytes_per_token(layout, 512, False, seam=8) == 268_800
     assert entry_bytes_per_token(layout, 512, True, seam=8) == 145_920
+    assert entry_bytes_per_token(layout, 512, True, seam=8, transfer_kept=0.0) == 84_480

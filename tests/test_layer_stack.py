@@ -329,14 +329,15 @@ def test_engine_runs_stacked_layers(tmp_path):
     assert isinstance(stacked.params["layers"], LayerStack) and stacked.params["layers"].plan.repeats == 2
     rng = np.random.default_rng(1)
     segs = [rng.integers(3, vocab, n).tolist() for n in (30, 20, 5)]
-    want = Engine(model).prefill(segs, mode="full_recompute").logits
-    got = Engine(stacked).prefill(segs, mode="full_recompute").logits
+    unrolled_engine, stacked_engine = Engine(model), Engine(stacked)
+    want = unrolled_engine.prefill(segs, mode="full_recompute").logits
+    got = stacked_engine.prefill(segs, mode="full_recompute").logits
     assert _rel(got, want) < 1e-5
     tokens = np.asarray([segs[0][:12]], np.int32)
     np.testing.assert_allclose(np.asarray(stacked.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-5)
     # decoding: the prefill's caches come out stacked, and each step scans them
-    want = Engine(model).generate(segs, max_new_tokens=5).tokens
-    assert Engine(stacked).generate(segs, max_new_tokens=5).tokens == want
+    want = unrolled_engine.generate(segs, max_new_tokens=5, mode="full_recompute").tokens
+    assert stacked_engine.generate(segs, max_new_tokens=5, mode="full_recompute").tokens == want
     # a StableEngine on the stacked model uses its stack (no copy) and its plan
     engine = StableEngine(stacked, max_prompt_tokens=128, max_segments=4, token_rungs=(128,), max_new_tokens=0)
     assert engine.params["layers"] is stacked.params["layers"]

@@ -333,8 +333,11 @@ def _scattered(noise, slots, rows):
     return array(pool)
 
 
-@pytest.mark.parametrize("family", ("gated_delta_net", "kda", "gla"))
-@pytest.mark.parametrize("n, seam, batch_shape, width", [(5, 3, (2,), 16), (1, 8, (1, 2), 32), (4, 17, (3,), 16)])
+# each family with one shape and each shape with one family (the delta rule, whose seams are the kernel's dense
+# chunk products, with two): the shapes vary the kernel's loop bounds, the families its gates
+@pytest.mark.parametrize("family, n, seam, batch_shape, width", [
+    ("gated_delta_net", 5, 3, (2,), 16), ("kda", 1, 8, (1, 2), 32), ("gla", 4, 17, (3,), 16),
+    ("gated_delta_net", 1, 8, (1, 2), 32)])
 def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n, seam, batch_shape, width):
     """Groups (a fresh seam as one chunk step, then a dense interior) folded by the kernel equal the float64 fold
     of the composed pairs (seam summary, then interior): the seam enters as a chunk step, never as a matrix."""
