@@ -15,8 +15,9 @@ renamed into place, so a crash never leaves a partial entry under an entry's nam
     8 bytes   magic b"HYPICSEG"
     4 bytes   format version (little-endian uint32)
     4 bytes   header length H (little-endian uint32)
-    H bytes   header, UTF-8 JSON: fingerprint, form ("exact" or the compact dtype), key, kind, seam, tokens,
-              arrays (dtype and shape of each piece), payload_bytes, payload_blake2b
+    H bytes   header, UTF-8 JSON: fingerprint, form (`compact_form`), key, kind, seam, tokens, arrays (dtype
+              and shape of each piece), kept (the dense T heads stored, where some were left out), payload_bytes,
+              digests (per piece, BLAKE2b-256 of each DIGEST_SLICE bytes of it, hex)
     32 bytes  BLAKE2b-256 of the version, length and header bytes
     payload   the pieces' bytes in order (C order)
 
@@ -35,6 +36,7 @@ priority (recompute time saved per byte, aged). `eviction="lru"`: least recently
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -56,8 +58,24 @@ from hypic_jax.summary import Summary
 log = logging.getLogger("hypic_jax.tiers")
 
 MAGIC = b"HYPICSEG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUFFIX = ".seg"
+# payload checksums: BLAKE2b-256 of each piece in slices of this many bytes, computed by a pool of threads (hashlib
+# releases the interpreter lock over large buffers), so that checking a file runs near the drive's read rate
+DIGEST_SLICE = 4 << 20
+_DIGESTERS = concurrent.futures.ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)),
+                                                   thread_name_prefix="hypic-digest")
+
+
+def _blake2b(view) -> str:
+    return hashlib.blake2b(view, digest_size=32).hexdigest()
+
+
+def payload_digests(views: Sequence[memoryview]) -> list[list[str]]:
+    """Per piece (its bytes as a memoryview) the digests of its `DIGEST_SLICE`-byte slices, in parallel."""
+    jobs = [[_DIGESTERS.submit(_blake2b, v[i: i + DIGEST_SLICE]) for i in range(0, len(v), DIGEST_SLICE)]
+            for v in views]
+    return [[job.result() for job in piece] for piece in jobs]
 DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: padded scatter rows are dropped
 
 # Bandwidths when not measured (bytes/s): host -> device (a PCIe 5 x16 link's sustained rate, about a third of its
@@ -167,7 +185,7 @@ class Bandwidths:
                 with open(path, "rb") as f:
                     if hasattr(os, "posix_fadvise"):  # read from the drive, not the page cache
                         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                    hashlib.blake2b(f.read(), digest_size=32).digest()
+                    payload_digests([memoryview(f.read())])
                 disk = nbytes / max(time.perf_counter() - start, 1e-9)
             finally:
                 path.unlink(missing_ok=True)
@@ -355,13 +373,16 @@ class Mover:
 
     @staticmethod
     def _scatter_fn(arrays, slot, rows, pieces, *, specs):
+        """`pieces`: per device output the list of its members' pieces, stacked here on the device (the host then
+        sends each stored array as it is, without a stacked copy)."""
         it = iter(pieces)
         new = []
         for spec, tree in zip(specs, arrays.parts):
             index = Mover._rows(spec, slot, rows)  # padded rows are DROP (+ a base): past the pool, dropped
             leaves, treedef = jax.tree.flatten(tree)
-            new.append(jax.tree.unflatten(treedef, [leaf.at[index].set(next(it).astype(leaf.dtype), mode="drop")
-                                                    for leaf in leaves]))
+            stacked = [jnp.stack(next(it), axis=0 if spec.kind == "slot" else 1) for _ in leaves]
+            new.append(jax.tree.unflatten(treedef, [leaf.at[index].set(piece.astype(leaf.dtype), mode="drop")
+                                                    for leaf, piece in zip(leaves, stacked)]))
         return arrays.replace(new)
 
     def _program(self, which: str, bucket: int, arrays):
@@ -379,7 +400,11 @@ class Mover:
         if which == "gather":
             program = jax.jit(gather).lower(shapes, slot, rows).compile()
         else:
-            pieces, _ = jax.eval_shape(gather, shapes, slot, rows)
+            outputs, _ = jax.eval_shape(gather, shapes, slot, rows)
+            pieces = [[jax.ShapeDtypeStruct(o.shape[1:] if self._output_kinds[i] == "slot"
+                                            else o.shape[:1] + o.shape[2:], o.dtype)
+                       for _ in range(o.shape[0 if self._output_kinds[i] == "slot" else 1])]
+                      for i, o in enumerate(outputs)]
             program = jax.jit(functools.partial(self._scatter_fn, specs=self.specs), donate_argnums=0).lower(
                 shapes, slot, rows, pieces).compile()
         with self._lock:
@@ -445,11 +470,9 @@ class Mover:
                 full[: len(piece)] = piece
                 piece = full
             per_output.setdefault(i, []).append((member, piece))
-        staged = []
-        for i in range(len(per_output)):
-            members = [piece for _, piece in sorted(per_output[i], key=lambda mp: mp[0])]
-            stacked = np.stack(members, axis=0 if self._output_kinds[i] == "slot" else 1)
-            staged.append(jax.device_put(stacked))  # asynchronous: overlaps with what the host does next
+        # each stored array goes to the device as it is (asynchronous: overlaps with what the host does next)
+        staged = [[jax.device_put(piece) for _, piece in sorted(per_output[i], key=lambda mp: mp[0])]
+                  for i in range(len(per_output))]
         return self._program("scatter", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded, staged)
 
 
@@ -608,15 +631,13 @@ class DiskStore(_Store):
 
     def _encode(self, pieces: Pieces) -> tuple[bytes, list[np.ndarray]]:
         arrays = [np.ascontiguousarray(a) for a in pieces.arrays]
-        digest = hashlib.blake2b(digest_size=32)
-        for a in arrays:
-            digest.update(_raw(a))
+        digests = payload_digests([memoryview(_raw(a)) for a in arrays])
         header = json.dumps(dict(
             fingerprint=self.fingerprint, form=self.form, key=pieces.key, kind=pieces.kind, seam=int(pieces.seam),
             tokens=[int(t) for t in pieces.tokens],
             arrays=[[a.dtype.str if a.dtype.kind != "V" else a.dtype.name, list(a.shape)] for a in arrays],
             kept={str(j): [int(h) for h in heads] for j, heads in sorted(pieces.kept.items())},
-            payload_bytes=int(sum(a.nbytes for a in arrays)), payload_blake2b=digest.hexdigest()),
+            payload_bytes=int(sum(a.nbytes for a in arrays)), digests=digests),
             separators=(",", ":")).encode()
         head = struct.pack("<II", FORMAT_VERSION, len(header)) + header
         return MAGIC + head + hashlib.blake2b(head, digest_size=32).digest(), arrays
@@ -723,17 +744,18 @@ class DiskStore(_Store):
             except OSError:
                 self._pop(key)
                 return None
-            if (len(payload) != header["payload_bytes"]
-                    or hashlib.blake2b(payload, digest_size=32).hexdigest() != header["payload_blake2b"]):
+            layout, at = [], 0  # (dtype, shape, offset) of each piece in the payload
+            for dtype_name, shape in header["arrays"]:
+                dtype = np.dtype(jnp.dtype(dtype_name))
+                layout.append((dtype, shape, at))
+                at += int(np.prod(shape)) * dtype.itemsize
+            view = memoryview(payload)
+            if (len(payload) != header["payload_bytes"] or at != len(payload) or payload_digests(
+                    [view[o: o + int(np.prod(sh)) * dt.itemsize] for dt, sh, o in layout]) != header.get("digests")):
                 self._pop(key)
                 self._discard(path, "corrupt")
                 return None
-            arrays, at = [], 0
-            for dtype_name, shape in header["arrays"]:
-                dtype = np.dtype(jnp.dtype(dtype_name))
-                count = int(np.prod(shape))
-                arrays.append(np.frombuffer(payload, dtype, count, at).reshape(shape))
-                at += count * dtype.itemsize
+            arrays = [np.frombuffer(payload, dt, int(np.prod(sh)), o).reshape(sh) for dt, sh, o in layout]
             meta.uses += 1
             meta.priority = self.policy.rank(self.tier, meta.tokens, meta.nbytes, meta.uses)
             self.index[key] = self.index.pop(key)  # most recently used
