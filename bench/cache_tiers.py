@@ -105,7 +105,7 @@ def entry_bytes_per_token(layout, tokens: int, compact: bool, seam: int = 0, tra
     recomputed at reuse (not stored), per token of the segment."""
     total = 0.0
     for kind, tree in layout:
-        dense = tr._dense_transfers(tree)
+        dense = tr.dense_transfer_leaves(tree)
         for flag, leaf in zip(dense, jax.tree.leaves(tree)):
             size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
             if compact and leaf.dtype == jnp.float32:
@@ -128,21 +128,22 @@ def forms(models, requests, base, seam: int, layers: int) -> dict:
     device entries."""
     layout = qwen3_5.pool_layout(full_config(layers), jnp.bfloat16)
     out = dict(shape_35b_analytic=dict(
-        exact=round(entry_bytes_per_token(layout, 512, False)), bfloat16=round(entry_bytes_per_token(layout, 512, True)),
+        exact=round(entry_bytes_per_token(layout, 512, False)),
+        bfloat16=round(entry_bytes_per_token(layout, 512, True)),
         bfloat16_no_transfer=round(entry_bytes_per_token(layout, 512, True, transfer_kept=0.0))))
     donors = {}  # the engines' programs, and the copy programs of each way of storing pieces, compiled once
     for model_name, model in models.items():
         for name, dtype, tol in FORMS:
             engine = StableEngine(model, **base, host_cache_bytes=1 << 40, tier_dtype=dtype, tier_transfer_tol=tol,
                                   eviction="lru")
-            stored = (tuple(engine.mover.leaves), engine.mover.droppable)
+            storage = (tuple(engine.mover.leaves), engine.mover.droppable)
             if donors:
                 engine.programs._compiled.update(next(iter(donors.values())).programs._compiled)
-            if stored in donors:
-                engine.mover._gather.update(donors[stored].mover._gather)
-                engine.mover._scatter.update(donors[stored].mover._scatter)
+            if storage in donors:
+                engine.mover._gather.update(donors[storage].mover._gather)
+                engine.mover._scatter.update(donors[storage].mover._scatter)
             engine.warmup(progress=False)
-            donors.setdefault(stored, engine)
+            donors.setdefault(storage, engine)
             deviations, stored, tokens, heads = [], 0, 0, [0, 0]
             for segs in requests:
                 engine.clear_cache()

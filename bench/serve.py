@@ -12,6 +12,7 @@ serving (must be 0). The sustained rate of a mode is the highest rate whose p50 
 
     python bench/serve.py --small            # CPU smoke size: the built-in tiny model
     python bench/serve.py --model DIR --rates 1 2 4 8 16 32 --duration 60
+    python bench/serve.py --random-35b       # the Qwen3.5-35B-A3B shape with random bf16 weights (GPU)
 """
 
 from __future__ import annotations
@@ -111,7 +112,23 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512, help="token ids are drawn below this (the model's vocabulary)")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--random-35b", action="store_true", help="serve the Qwen3.5-35B-A3B shape (bench/prefill.py "
+                        "full_config) with random weights (`hypic-jax serve --load-format dummy`)")
+    parser.add_argument("--layers", type=int, default=40, help="--random-35b: layers")
     args = parser.parse_args()
+    load = []
+    if args.random_35b:
+        import tempfile
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from prefill import full_config
+
+        from hypic_jax.checkpoint import write_metadata
+
+        config = full_config(args.layers)
+        args.model = tempfile.mkdtemp(prefix="hypic-35b-")
+        write_metadata(args.model, model_type="qwen3_5", config=config, dtype="bfloat16")
+        args.vocab, load = config.vocab_size, ["--load-format", "dummy"]
     if args.small:
         args.rates, args.duration, args.pool = args.rates or [0.5, 1, 2, 4, 8, 16], 8.0, 32
         args.docs_per_request, args.doc_tokens, args.query_tokens, args.max_tokens, args.max_batch = 4, 64, 16, 16, 8
@@ -121,7 +138,7 @@ def main() -> None:
     command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
                "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-prompt-tokens", str(rung),
                "--token-rungs", str(rung), "--max-new-tokens", str(args.max_tokens), "--max-queue", "100000",
-               "--cache-gb", "0.25" if args.small else "16", "--log-level", "warning"]
+               "--cache-gb", "0.25" if args.small else "16", "--log-level", "warning", *load]
     server = subprocess.Popen(command, env=dict(os.environ))
     base = f"http://127.0.0.1:{args.port}"
     rows = []

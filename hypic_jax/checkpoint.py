@@ -22,8 +22,8 @@ import converters
 from hypic_jax import models
 from hypic_jax.models.base import Model, named_shardings, resolve_dtype, shard_params
 
-__all__ = ["load", "save_checkpoint", "restore_params", "METADATA_FILE", "write_metadata", "read_metadata",
-           "config_to_dict", "config_from_dict"]
+__all__ = ["load", "random_model", "save_checkpoint", "restore_params", "METADATA_FILE", "write_metadata",
+           "read_metadata", "config_to_dict", "config_from_dict"]
 
 METADATA_FILE = "hypic_model.json"
 
@@ -94,3 +94,25 @@ def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh |
             params = shard_params(params, arch.param_specs(config), mesh)
         return Model(arch, config, params)
     raise ValueError(f"{path} holds neither a hypic-jax checkpoint ({METADATA_FILE}) nor a Hugging Face config.json")
+
+
+def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0) -> Model:
+    """A model of a folder's architecture and config with random weights (the architecture's `init_params`), for
+    measuring shapes whose weights are not at hand (vLLM's `--load-format dummy`). The folder needs only its
+    `METADATA_FILE` (`write_metadata`) or a Hugging Face config.json; nothing else in it is read."""
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if (path / METADATA_FILE).exists():
+        meta = read_metadata(path)
+        arch = models.architecture(meta["model_type"])
+        config = config_from_dict(arch.Config, meta["config"])
+    elif (path / "config.json").exists():
+        hf_config = json.loads((path / "config.json").read_text())
+        arch = models.architecture(models.resolve_model_type(hf_config))
+        config = arch.config_from_hf(hf_config)
+    else:
+        raise ValueError(f"{path} holds neither a hypic-jax checkpoint ({METADATA_FILE}) nor a Hugging Face "
+                         f"config.json")
+    if not hasattr(arch, "init_params"):
+        raise ValueError(f"architecture {arch.__name__} has no init_params: it cannot be given random weights")
+    return Model(arch, config, arch.init_params(config, jax.random.key(seed), dtype))

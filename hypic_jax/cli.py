@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="folder for compiled programs (stored whole, and JAX's persistent compilation cache): "
                             "a restarted server loads them instead of compiling")
     serve.add_argument("--dtype", default="bfloat16")
+    serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights of MODEL's architecture and config (for measuring shapes whose "
+                            "weights are not at hand; the output is noise)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_serve)
     args = parser.parse_args(argv)

@@ -76,6 +76,8 @@ def payload_digests(views: Sequence[memoryview]) -> list[list[str]]:
     jobs = [[_DIGESTERS.submit(_blake2b, v[i: i + DIGEST_SLICE]) for i in range(0, len(v), DIGEST_SLICE)]
             for v in views]
     return [[job.result() for job in piece] for piece in jobs]
+
+
 DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: padded scatter rows are dropped
 
 # Bandwidths when not measured (bytes/s): host -> device (a PCIe 5 x16 link's sustained rate, about a third of its
@@ -265,7 +267,7 @@ class Pieces:
         return int(sum(a.nbytes for a in self.arrays) + sum(k.nbytes for k in self.kept.values()))
 
 
-def _dense_transfers(tree) -> list[bool]:
+def dense_transfer_leaves(tree) -> list[bool]:
     """Per leaf of a pool tree (`jax.tree.leaves` order): whether it is a dense summary's T [..., H, K, K]."""
     flags = []
     for item in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Summary)):
@@ -320,7 +322,7 @@ class Mover:
                 names.append(dtype.name)
             part_stored.append(names)
             part_drop.append([flag and spec.kind == "slot" and transfer_tol is not None
-                              for flag in _dense_transfers(tree)])
+                              for flag in dense_transfer_leaves(tree)])
         self._stored = tuple(name for names in part_stored for name in names)
         self._drop = tuple(flag for flags in part_drop for flag in flags)  # per device output
         first = np.cumsum([0] + [len(names) for names in part_stored])
@@ -917,4 +919,5 @@ class Tiers:
 
 
 __all__ = ["Bandwidths", "CostModel", "DevicePolicy", "DiskStore", "HostStore", "Mover", "Pieces", "Policy",
-           "Tiers", "FORMAT_VERSION", "DEFAULT_COST", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_DISK_BANDWIDTH"]
+           "Tiers", "FORMAT_VERSION", "DEFAULT_COST", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_DISK_BANDWIDTH",
+           "compact_form", "dense_transfer_leaves", "payload_digests"]

@@ -336,8 +336,8 @@ def test_engine_runs_stacked_layers(tmp_path):
     tokens = np.asarray([segs[0][:12]], np.int32)
     np.testing.assert_allclose(np.asarray(stacked.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-5)
     # decoding: the prefill's caches come out stacked, and each step scans them
-    want = unrolled_engine.generate(segs, max_new_tokens=5, mode="full_recompute").tokens
-    assert stacked_engine.generate(segs, max_new_tokens=5, mode="full_recompute").tokens == want
+    want = unrolled_engine.generate(segs, max_new_tokens=5).tokens  # the engine's default mode: PIC spans
+    assert stacked_engine.generate(segs, max_new_tokens=5).tokens == want
     # a StableEngine on the stacked model uses its stack (no copy) and its plan
     engine = StableEngine(stacked, max_prompt_tokens=128, max_segments=4, token_rungs=(128,), max_new_tokens=0)
     assert engine.params["layers"] is stacked.params["layers"]

@@ -454,3 +454,33 @@ def test_chat_rendering_splits_the_template_per_message():
     assert ChatRenderer().render(messages) == ["system: s\n", "user: doc\n", "user: q\nassistant:"]
     rewriting = "{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
     assert ChatRenderer(rewriting).render(messages) == ["3sdocq"]  # no per-message split: one segment
+
+
+def test_dummy_load_format_gives_the_folders_shapes_random_weights(tmp_path):
+    """`hypic-jax serve MODEL --load-format dummy` (`checkpoint.random_model`): a folder with only the model's
+    metadata serves its architecture and config with random weights; without a folder it is refused."""
+    import jax
+
+    from hypic_jax import models
+    from hypic_jax.checkpoint import random_model, write_metadata
+    from hypic_jax.demo import tiny_model
+    from hypic_jax.serve.app import build
+    from hypic_jax.serve.model import load_folder
+
+    reference = tiny_model()
+    write_metadata(tmp_path, model_type="qwen3_5", config=reference.config, dtype="float32")
+    model = random_model(tmp_path, "float32")
+    assert model.config == reference.config and model.arch is reference.arch
+    want = models.abstract_params(reference.arch, reference.config, np.float32)
+    assert jax.tree.structure(model.params) == jax.tree.structure(want)
+    assert all(a.shape == b.shape and a.dtype == b.dtype
+               for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(want)))
+    assert any(float(np.abs(np.asarray(a)).max()) > 0 for a in jax.tree.leaves(model.params))
+    served = load_folder(tmp_path, "float32", load_format="dummy")
+    assert served.model.config == reference.config and served.tokenizer is None
+    with pytest.raises(ValueError, match="hypic-jax checkpoint"):
+        load_folder(tmp_path / "missing", "float32", load_format="dummy")
+    with pytest.raises(ValueError, match="needs a MODEL folder"):
+        build(None, load_format="dummy")
+    with pytest.raises(ValueError, match="load_format"):
+        load_folder(tmp_path, "float32", load_format="fake")

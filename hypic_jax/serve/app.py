@@ -266,11 +266,14 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
           seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int = 8,
           max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
           separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
-          compile_cache: str | None = None, **server_options) -> Server:
-    """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up."""
+          compile_cache: str | None = None, load_format: str = "auto", **server_options) -> Server:
+    """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
+    load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`)."""
     from hypic_jax.serve.model import default_model, load_folder
 
-    served = default_model(dtype) if model is None else load_folder(model, dtype)
+    if model is None and load_format != "auto":
+        raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
+    served = default_model(dtype) if model is None else load_folder(model, dtype, load_format)
     if served.max_context is not None and max_prompt_tokens + max_new_tokens > served.max_context:
         raise ValueError(f"max_prompt_tokens + max_new_tokens ({max_prompt_tokens + max_new_tokens}) exceeds the "
                          f"model's context of {served.max_context}")
@@ -293,7 +296,8 @@ def main(args) -> int:
     server = build(args.model, dtype=args.dtype, mode=args.mode, seam=args.seam, cache_gb=args.cache_gb,
                    max_queue=args.max_queue, max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
                    max_new_tokens=args.max_new_tokens, max_segments=args.max_segments, separator=args.separator,
-                   request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache)
+                   request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache,
+                   load_format=args.load_format)
     log.info("serving %r on http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
              args.host, args.port)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level.lower())

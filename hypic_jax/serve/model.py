@@ -70,15 +70,23 @@ def default_model(dtype: str = "bfloat16") -> Served:
     return Served(model=tiny_model(), name=DEFAULT_NAME, tokenizer=byte_tokenizer())
 
 
-def load_folder(path: str | Path, dtype: str = "bfloat16") -> Served:
+def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "auto") -> Served:
     """A model folder as `Engine.from_pretrained` reads it, plus tokenizer_config.json's chat template and special
     tokens and the end-of-sequence ids of generation_config.json (else config.json or the eos token). A folder
     without a chat template whose tokenizer has hypic_jax.train's special tokens gets that layout's template
-    (`hypic_jax.train.tokenizer.CHAT_TEMPLATE`)."""
+    (`hypic_jax.train.tokenizer.CHAT_TEMPLATE`). load_format "dummy": random weights of the folder's architecture
+    and config (`hypic_jax.checkpoint.random_model`), the rest of the folder read as usual."""
+    from hypic_jax.checkpoint import random_model
     from hypic_jax.models import load
 
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     path = Path(path)
-    model = load(path, dtype)
+    if load_format == "dummy":
+        log.warning("--load-format dummy: serving %s with RANDOM weights (its output is noise)", path.name)
+        model = random_model(path, dtype)
+    else:
+        model = load(path, dtype)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer
