@@ -69,6 +69,13 @@ def restore_params(src: str | Path, abstract: Any) -> Any:
         return checkpointer.restore(src / "params", abstract)
 
 
+def _checkpoint_config(path: Path) -> tuple[Any, Any]:
+    """(architecture module, config) of an orbax checkpoint's metadata."""
+    meta = read_metadata(path)
+    arch = models.architecture(meta["model_type"])
+    return arch, config_from_dict(arch.Config, meta["config"])
+
+
 def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh | None = None) -> Model:
     """Load a model from an orbax checkpoint written by `hypic-jax convert`, or directly from a Hugging Face folder.
 
@@ -79,9 +86,7 @@ def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh |
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if (path / METADATA_FILE).exists():
-        meta = read_metadata(path)
-        arch = models.architecture(meta["model_type"])
-        config = config_from_dict(arch.Config, meta["config"])
+        arch, config = _checkpoint_config(path)
         abstract = models.abstract_params(arch, config, dtype)
         if mesh is not None:
             shardings = named_shardings(arch.param_specs(config), mesh)
@@ -103,9 +108,7 @@ def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0) -> Mo
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if (path / METADATA_FILE).exists():
-        meta = read_metadata(path)
-        arch = models.architecture(meta["model_type"])
-        config = config_from_dict(arch.Config, meta["config"])
+        arch, config = _checkpoint_config(path)
     elif (path / "config.json").exists():
         hf_config = json.loads((path / "config.json").read_text())
         arch = models.architecture(models.resolve_model_type(hf_config))
