@@ -472,9 +472,10 @@ class Mover:
                 full[: len(piece)] = piece
                 piece = full
             per_output.setdefault(i, []).append((member, piece))
-        # each stored array goes to the device as it is (asynchronous: overlaps with what the host does next)
-        staged = [[jax.device_put(piece) for _, piece in sorted(per_output[i], key=lambda mp: mp[0])]
-                  for i in range(len(per_output))]
+        # each stored array goes to the device as it is, all in one call (asynchronous: overlaps with what the host
+        # does next)
+        staged = jax.device_put([[piece for _, piece in sorted(per_output[i], key=lambda mp: mp[0])]
+                                 for i in range(len(per_output))])
         return self._program("scatter", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded, staged)
 
 
