@@ -604,6 +604,7 @@ class DiskStore(_Store):
         self.fingerprint = fingerprint
         self.form = form
         self._leaves = list(leaves)  # `Mover.leaves`
+        self._writing: set[str] = set()  # keys whose files are being written
         self._droppable = tuple(droppable) if droppable is not None else (False,) * len(self._leaves)
         self.scan()
 
@@ -768,34 +769,41 @@ class DiskStore(_Store):
                           uses=meta.uses, kept=kept)
 
     def put(self, pieces: Pieces) -> bool:
-        """Write `pieces` (atomically) unless its file exists; False when the write failed."""
+        """Write `pieces` (atomically) unless its file exists; False when the write failed. The file is encoded and
+        written outside the store's lock, so lookups of other entries do not wait for the drive."""
         with self.lock:
-            if pieces.key in self.index:
+            if pieces.key in self.index or pieces.key in self._writing:
                 return True
+            self._writing.add(pieces.key)
+        path = self.path_of(pieces.key)
+        tmp = path.parent / f".tmp-{pieces.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
             head, arrays = self._encode(pieces)
             size = len(head) + sum(a.nbytes for a in arrays)
-            for _, meta in self._victims(size):
-                meta.path.unlink(missing_ok=True)
-            path = self.path_of(pieces.key)
-            tmp = path.parent / f".tmp-{pieces.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
-                path.parent.mkdir(exist_ok=True)
-                with open(tmp, "wb") as f:
-                    f.write(head)
-                    for a in arrays:
-                        f.write(_raw(a))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-                _fsync_dir(path.parent)
-            except OSError as error:
-                log.warning("disk cache: writing %s failed: %s", path, error)
+            with self.lock:
+                for _, meta in self._victims(size):
+                    meta.path.unlink(missing_ok=True)
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(head)
+                for a in arrays:
+                    f.write(_raw(a))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as error:
+            log.warning("disk cache: writing %s failed: %s", path, error)
+            tmp.unlink(missing_ok=True)
+            with self.lock:
                 self.stats.write_errors += 1
-                tmp.unlink(missing_ok=True)
-                return False
+                self._writing.discard(pieces.key)
+            return False
+        with self.lock:
+            self._writing.discard(pieces.key)
             self._add(pieces.key, _Meta(pieces.length, size, pieces.uses, path=path))
             self.stats.puts += 1
-            return True
+        return True
 
     def clear(self) -> None:
         """Delete this model's files (foreign files stay)."""
@@ -849,22 +857,34 @@ class Tiers:
         self.promotions = {"host": 0, "disk": 0}
         self.demotions = 0
         self.lock = threading.RLock()
+        self._spilling: dict[str, Pieces] = {}  # left the host tier, their disk files not yet written
 
     @property
     def enabled(self) -> bool:
         return self.host is not None or self.disk is not None
 
     def put(self, pieces: Pieces) -> None:
-        """An entry demoted from the device: into the host tier, or the disk, or nowhere (by the policy)."""
+        """An entry demoted from the device: into the host tier, or the disk, or nowhere (by the policy). Entries
+        bound for the disk are written after this lock is released (`take` finds them meanwhile), so that a
+        lookup never waits for the drive."""
         with self.lock:
             self.demotions += 1
+            down = [pieces]
             if self.host is not None:
                 if self.host.fits(pieces.nbytes) and self.policy.keeps("host", pieces.length, pieces.nbytes):
-                    for down in self.host.put(pieces):
-                        self._to_disk(down)
-                    return
-                self.host.stats.skipped += 1
-            self._to_disk(pieces)
+                    down = self.host.put(pieces)
+                else:
+                    self.host.stats.skipped += 1
+            if self.disk is None:
+                return
+            for p in down:
+                self._spilling[p.key] = p
+        for p in down:
+            self._to_disk(p)
+        with self.lock:
+            for p in down:
+                if self._spilling.get(p.key) is p:
+                    del self._spilling[p.key]
 
     def _to_disk(self, pieces: Pieces) -> None:
         if self.disk is None:
@@ -888,13 +908,19 @@ class Tiers:
     def take(self, key: str, tokens: tuple[int, ...]) -> tuple[Pieces, str] | None:
         """The entry from the host tier (leaving it) or the disk (its file stays), and which."""
         with self.lock:
-            for store in (self.host, self.disk):
-                if store is None:
-                    continue
-                pieces = store.take(key, tokens)
-                if pieces is not None:
-                    self.promotions[store.tier] += 1
-                    return pieces, store.tier
+            found = self.host.take(key, tokens) if self.host is not None else None
+            if found is not None:
+                self.promotions["host"] += 1
+                return found, "host"
+            spilling = self._spilling.get(key)  # on its way to disk, still in host memory: its file is written too
+            if spilling is not None and spilling.tokens == tokens:
+                tier = "host" if self.host is not None else "disk"
+                self.promotions[tier] += 1
+                return spilling, tier
+            found = self.disk.take(key, tokens) if self.disk is not None else None
+            if found is not None:
+                self.promotions["disk"] += 1
+                return found, "disk"
             return None
 
     def give_back(self, pieces: Pieces, tier: str) -> None:
@@ -907,6 +933,7 @@ class Tiers:
 
     def clear(self, *, disk: bool = False) -> None:
         with self.lock:
+            self._spilling.clear()
             if self.host is not None:
                 self.host.clear()
             if disk and self.disk is not None:

@@ -377,3 +377,38 @@ def test_compact_entry_bytes_per_token_at_the_35b_shape(monkeypatch):
     assert entry_bytes_per_token(layout, 512, False, seam=8) == 268_800
     assert entry_bytes_per_token(layout, 512, True, seam=8) == 145_920
     assert entry_bytes_per_token(layout, 512, True, seam=8, transfer_kept=0.0) == 84_480
+
+
+def test_an_entry_on_its_way_to_disk_is_still_found(make, monkeypatch):
+    """A demotion that pushes an older entry from the host tier to disk writes its file in the background: a
+    lookup of that older entry meanwhile finds it in memory (exact logits), and never waits for the drive."""
+    folder = make.root / "spilling"
+    engine = make(host_cache_bytes=1 << 20, disk_cache_dir=folder, eviction="lru")
+    first, second = (_docs(make.vocab, seed, count=1, low=40, high=41) + [[5, 6, 7]] for seed in (11, 12))
+    warm = engine.prefill(first, seam=SEAM)
+    engine.prefill(second, seam=SEAM)
+    with engine._device_lock:
+        assert engine.cache.evict_one()  # the first entry (least recently used) to the host tier
+    engine.sync_tiers()
+    (held,) = engine.tiers.host.values()
+    engine.tiers.host.capacity_bytes = held.nbytes * 3 // 2  # room for one entry: the next demotion spills it
+    gate, writing = threading.Event(), threading.Event()
+    write = tr.DiskStore.put
+
+    def slow_write(store, pieces):
+        writing.set()
+        assert gate.wait(30)
+        return write(store, pieces)
+
+    monkeypatch.setattr(tr.DiskStore, "put", slow_write)
+    with engine._device_lock:
+        assert engine.cache.evict_one()  # the second entry: the first goes to disk
+    try:
+        assert writing.wait(30)
+        back = engine.prefill(first, seam=SEAM)  # while the file is held back
+        assert (back.stats.hits, back.stats.misses) == (1, 0)
+        np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
+    finally:
+        gate.set()
+    engine.sync_tiers()
+    assert engine.stats["tiers"]["disk"]["entries"] == 1 and len(_files(folder)) == 1
