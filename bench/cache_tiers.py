@@ -149,10 +149,7 @@ def forms(models, requests, base, seam: int, layers: int) -> dict:
                 engine.clear_cache()
                 engine.prefill(segs, seam=seam)
                 warm = engine.prefill(segs, seam=seam)
-                with engine._device_lock:
-                    while engine.cache.evict_one():
-                        pass
-                engine.sync_tiers()
+                engine.demote_all()
                 held = engine.tiers.host.values()
                 stored += sum(p.nbytes for p in held)
                 tokens += sum(p.length for p in held)
@@ -184,9 +181,7 @@ def load_times(engine: StableEngine, vocab: int, lengths, seam: int, repeats: in
     def demote() -> tuple[float, float]:
         """Seconds until the eviction returns (what a request waits), and until the entry is in the host tier."""
         start = time.perf_counter()
-        with engine._device_lock:
-            while engine.cache.evict_one():
-                pass
+        engine.demote_all(sync=False)
         issued = time.perf_counter() - start
         engine.sync_tiers()
         return issued, time.perf_counter() - start

@@ -91,14 +91,6 @@ def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
     return dict(segment_tokens=tokens, seam=seam, **out)
 
 
-def _demote_all(engine) -> None:
-    """Every device entry (none is pinned between requests) into the lower tiers."""
-    with engine._device_lock:
-        while engine.cache.evict_one():
-            pass
-    engine.sync_tiers()
-
-
 def run(args) -> dict:
     import jax
 
@@ -154,7 +146,7 @@ def run(args) -> dict:
                 if prompt not in recorded:  # record the entries before the prompt's first question
                     engine.prefill(segments, mode=mode, seam=seam_of_run)
                     recorded.add(prompt)
-                _demote_all(engine)
+                engine.demote_all()
                 before = engine.stats["tiers"]["promotions"]
             out = engine.generate(segments, max_new_tokens=len(gold) + 3, stop=[eos], mode=mode, seam=seam_of_run)
             if tiered:
@@ -170,7 +162,7 @@ def run(args) -> dict:
             predictions[label].append(_strip(list(out.tokens), eos))
             _record(scores, label, n, q, predictions[label][-1], gold)
         if tiered:
-            _demote_all(engine)
+            engine.demote_all()
             held = engine.tiers.host.values()
             stored, stored_tokens = sum(p.nbytes for p in held), sum(len(p.tokens) for p in held)
             kept = [(len(p.kept[j]), engine.mover.leaves[j][1][0]) for p in held for j in p.kept]

@@ -940,7 +940,12 @@ class StableEngine(Engine):
 
     def _pieces(self, entry: Entry) -> tr.Pieces:
         with self.pools.lock:
-            arrays, kept = self.mover.gather(self._pool_arrays(), entry.slot, entry.rows)
+            started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
+        return self._stored_pieces(entry, started)
+
+    def _stored_pieces(self, entry: Entry, started) -> tr.Pieces:
+        """`entry` off the device, from `Mover.gather_start`'s handle (waits for the transfer)."""
+        arrays, kept = self.mover.gather_finish(started)
         return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
                          uses=entry.uses, kept=kept)
 
@@ -954,13 +959,12 @@ class StableEngine(Engine):
             if self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache:
                 with self.pools.lock:
                     started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
-                meta = dict(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, uses=entry.uses)
                 with self._demoting_lock:
                     pending = list(self._demoting.values())
                 if len(pending) >= self.MAX_PENDING_DEMOTIONS:
                     concurrent.futures.wait(pending[: len(pending) - self.MAX_PENDING_DEMOTIONS + 1])
                 with self._demoting_lock:
-                    future = self._demoter.submit(self._finish_demotion, started, meta)
+                    future = self._demoter.submit(self._finish_demotion, entry, started)
                     self._demoting[entry.key] = future
                 future.add_done_callback(functools.partial(self._forget_demotion, entry.key))
         except Exception:  # a failed copy loses the entry, never the request
@@ -969,10 +973,9 @@ class StableEngine(Engine):
         finally:
             self.pools.free(entry.slot, entry.rows)
 
-    def _finish_demotion(self, started, meta: dict) -> None:
+    def _finish_demotion(self, entry: Entry, started) -> None:
         try:
-            arrays, kept = self.mover.gather_finish(started)
-            self.tiers.put(tr.Pieces(arrays=arrays, kept=kept, **meta))
+            self.tiers.put(self._stored_pieces(entry, started))
         except Exception:
             self._demote_errors += 1
             log.exception("demoting a cache entry failed; it is dropped")
@@ -988,6 +991,17 @@ class StableEngine(Engine):
             future = self._demoting.get(key)
         if future is not None:
             concurrent.futures.wait([future])
+
+    def demote_all(self, *, sync: bool = True) -> int:
+        """Evict every device entry that no request holds into the lower tiers (dropped where they are off);
+        returns how many left the device. sync: wait until their demotions have reached their tiers."""
+        count = 0
+        with self._device_lock:
+            while self.cache.evict_one():
+                count += 1
+        if sync:
+            self.sync_tiers()
+        return count
 
     def sync_tiers(self) -> None:
         """Wait until every demotion issued so far has reached its tier (stats, `persist` and `clear_cache` do)."""

@@ -875,8 +875,13 @@ class Tiers:
                     down = self.host.put(pieces)
                 else:
                     self.host.stats.skipped += 1
-            if self.disk is None:
-                return
+        self._spill(down)
+
+    def _spill(self, down: list[Pieces]) -> None:
+        """Write entries that left the host tier to disk, outside this lock (`take` finds them meanwhile)."""
+        if self.disk is None or not down:
+            return
+        with self.lock:
             for p in down:
                 self._spilling[p.key] = p
         for p in down:
@@ -927,9 +932,8 @@ class Tiers:
         """A taken entry that could not be promoted (the pools were full of running requests' entries)."""
         with self.lock:
             self.promotions[tier] -= 1
-            if tier == "host" and self.host is not None:
-                for down in self.host.put(pieces):
-                    self._to_disk(down)
+            down = self.host.put(pieces) if tier == "host" and self.host is not None else []
+        self._spill(down)
 
     def clear(self, *, disk: bool = False) -> None:
         with self.lock:

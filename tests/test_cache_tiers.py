@@ -64,12 +64,8 @@ def _docs(vocab, seed, count=4, low=24, high=56):
 
 
 def _evict_device(engine, sync: bool = True) -> None:
-    with engine._device_lock:
-        while engine.cache.evict_one():
-            pass
+    engine.demote_all(sync=sync)  # sync: the demotions reach the host tier
     assert len(engine.cache) == 0
-    if sync:
-        engine.sync_tiers()  # the demotions reach the host tier
 
 
 def _files(folder) -> list:
