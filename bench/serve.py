@@ -37,8 +37,14 @@ def metric(text: str, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
+def documents(args, vocab: int) -> list[list[int]]:
+    """The pool, the same for every mode and rate."""
+    rng = np.random.default_rng(12345)
+    return [rng.integers(3, vocab, args.doc_tokens).tolist() for _ in range(args.pool)]
+
+
 def trace(args, rng: np.random.Generator, vocab: int, rate: float):
-    pool = [rng.integers(3, vocab, args.doc_tokens).tolist() for _ in range(args.pool)]
+    pool = documents(args, vocab)
     weights = 1.0 / np.arange(1, args.pool + 1) ** args.zipf
     weights /= weights.sum()
     t, out = 0.0, []
@@ -67,6 +73,19 @@ async def one(client, body, start_at, t0):
                 end=times[-1] if times else arrival)
 
 
+async def warm_pool(args, base, mode, vocab, salt) -> float:
+    """Every pool document once, `docs_per_request` to a request, one request at a time, one token each."""
+    pool, rng = documents(args, vocab), np.random.default_rng(99)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        for i in range(0, len(pool), args.docs_per_request):
+            segments = pool[i:i + args.docs_per_request] + [rng.integers(3, vocab, args.query_tokens).tolist()]
+            response = await client.post("/v1/completions", json=dict(segments=segments, max_tokens=1, temperature=0,
+                                                                    pic_mode=mode, cache_salt=salt))
+            response.raise_for_status()
+    return time.perf_counter() - start
+
+
 async def run_rate(args, base, mode, rate, vocab, salt):
     rng = np.random.default_rng(int(rate * 1000) + 7)
     requests = trace(args, rng, vocab, rate)
@@ -75,7 +94,7 @@ async def run_rate(args, base, mode, rate, vocab, salt):
         before = (await client.get("/metrics")).text
         t0 = time.perf_counter()
         results = await asyncio.gather(*[one(client, dict(segments=segs, max_tokens=args.max_tokens, temperature=0,
-                                                          pic_mode=mode, cache_salt=salt, stream=True,
+                                                          pic_mode=mode, cache_salt=salt, stream=True, ignore_eos=True,
                                                           return_token_ids=True), at, t0)
                                          for at, segs in requests])
         after = (await client.get("/metrics")).text
@@ -115,6 +134,15 @@ def main() -> None:
     parser.add_argument("--random-35b", action="store_true", help="serve the Qwen3.5-35B-A3B shape (bench/prefill.py "
                         "full_config) with random weights (`hypic-jax serve --load-format dummy`)")
     parser.add_argument("--layers", type=int, default=40, help="--random-35b: layers")
+    parser.add_argument("--token-rungs", type=int, nargs="+", default=None,
+                        help="the server's token rungs (default: one rung, the prompt's power of two)")
+    parser.add_argument("--cache-gb", type=float, default=None, help="the server's segment cache (default 16; "
+                        "--small: 0.25)")
+    parser.add_argument("--compile-cache", default=None, help="the server's compile cache folder")
+    parser.add_argument("--warm-pool", action="store_true",
+                        help="before a mode's first rate, send every pool document once (untimed, "
+                        "--docs-per-request at a time) and keep that mode's cache salt for all its rates: the rates "
+                        "then measure a warm cache instead of each starting cold")
     args = parser.parse_args()
     load = []
     if args.random_35b:
@@ -134,11 +162,15 @@ def main() -> None:
         args.docs_per_request, args.doc_tokens, args.query_tokens, args.max_tokens, args.max_batch = 4, 64, 16, 16, 8
     args.rates = args.rates or [1, 2, 4, 8, 16, 32]
     prompt = args.docs_per_request * args.doc_tokens + args.query_tokens
-    rung = 1 << (prompt - 1).bit_length()
+    rungs = sorted(args.token_rungs or [1 << (prompt - 1).bit_length()])
+    if rungs[-1] < prompt:
+        raise SystemExit(f"the largest token rung ({rungs[-1]}) is below the prompt's {prompt} tokens")
+    cache_gb = args.cache_gb if args.cache_gb is not None else (0.25 if args.small else 16)
     command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
-               "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-prompt-tokens", str(rung),
-               "--token-rungs", str(rung), "--max-new-tokens", str(args.max_tokens), "--max-queue", "100000",
-               "--cache-gb", "0.25" if args.small else "16", "--log-level", "warning", *load]
+               "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-prompt-tokens", str(rungs[-1]),
+               "--token-rungs", ",".join(map(str, rungs)), "--max-new-tokens", str(args.max_tokens),
+               "--max-queue", "100000", "--cache-gb", f"{cache_gb:g}", "--log-level", "warning", *load,
+               *(["--compile-cache", args.compile_cache] if args.compile_cache else [])]
     server = subprocess.Popen(command, env=dict(os.environ))
     base = f"http://127.0.0.1:{args.port}"
     rows = []
@@ -159,8 +191,12 @@ def main() -> None:
                   f"{'decode tok/s':>12} {'stall ms':>8} {'compiles':>8}")
         print(header)
         for mode in args.modes:
+            if args.warm_pool:
+                seconds = asyncio.run(warm_pool(args, base, mode, vocab, salt=mode))
+                print(f"{mode}: {args.pool} pool documents sent once in {seconds:.1f} s (untimed)", flush=True)
             for rate in args.rates:
-                row = asyncio.run(run_rate(args, base, mode, rate, vocab, salt=f"{mode}-{rate}"))
+                salt = mode if args.warm_pool else f"{mode}-{rate}"
+                row = asyncio.run(run_rate(args, base, mode, rate, vocab, salt=salt))
                 rows.append(row)
                 print(f"{mode:<26} {rate:>6g} {row['answered']:>4} {row['ttft_p50']:>9.3f} {row['ttft_p99']:>8.3f} "
                       f"{row['itl_p50']:>8.4f} {row['itl_p99']:>8.4f} {row['decode_tok_s']:>12.1f} "

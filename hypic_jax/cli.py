@@ -12,6 +12,7 @@ import time
 from converters import convert_folder
 from hypic_jax.checkpoint import save_checkpoint
 from hypic_jax.engine import Engine
+from hypic_jax.parallel import POLICIES
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -33,6 +34,18 @@ def _diag(args: argparse.Namespace) -> int:
         print(f"{row['layer']!s:>6} {row['kind']:<7} {row['deviation']:>38.3e}")
     print(json.dumps(dict(mode=args.mode or engine.mode, seam=args.seam, rows=rows)))
     return 0
+
+
+def _device_count(text: str) -> int:
+    """--devices N: refused here when N < 1; N above the devices this process sees is refused by `serve.build`
+    (counting them starts JAX's backend, which parsing need not)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a device count, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
+    return count
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -79,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--compile-cache", default=None,
                        help="folder for compiled programs (stored whole, and JAX's persistent compilation cache): "
                             "a restarted server loads them instead of compiling")
+    serve.add_argument("--devices", type=_device_count, default=None, metavar="N",
+                       help="prefill a request's cold (missing) segments in parallel over the first N devices, one "
+                            "bin of segments per device (hypic_jax.segment_mesh); the entry pools, the stitched "
+                            "prefill and decoding stay on the first device. Default: one device")
+    serve.add_argument("--policy", default="lpt", choices=POLICIES,
+                       help="how --devices splits the cold segments: lpt (costliest first onto the least-loaded "
+                            "device, on a cost model calibrated at warmup) or rr (round-robin); default lpt")
     serve.add_argument("--dtype", default="bfloat16")
     serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                        help="dummy: random weights of MODEL's architecture and config (for measuring shapes whose "

@@ -416,12 +416,13 @@ class StableEngine(Engine):
     caches stacked by the same plan (`PrefillResult.decode` is then a `LayerStack`, which reads like the tuple of
     per-layer caches); False unrolls them.
 
-    linear_impl: how the span programs run the linear layers' cores (`stitch.linear_over_layout`): "xla" (the
-    default), the chunk loops everywhere; "auto", the Pallas kernels (`pallas.gdn.gdn_varlen`) where
-    `stitch.linear_kernel_fits` says they fit (a GPU, bfloat16 values); "pallas", the kernels everywhere (in the
-    Pallas interpreter off a GPU); None, the architecture's own choice (Qwen3.5 / Qwen3-Next follow `gdn_kernel`,
-    Kimi and Ring the XLA loops). The kernel path equals the loops in interpret mode (tests/test_stable_kernels.py)
-    and is opt-in until `bench/investigations/stable_kernels.py` has checked and timed it on a GPU.
+    linear_impl: how the span programs run the linear layers' cores (`stitch.linear_over_layout`): "auto" (the
+    default), the Pallas kernels (`pallas.gdn.gdn_varlen`) where `stitch.linear_kernel_fits` says they fit (a GPU,
+    bfloat16 values) and the chunk loops elsewhere; "xla", the chunk loops everywhere; "pallas", the kernels
+    everywhere (in the Pallas interpreter off a GPU); None, the architecture's own choice (Qwen3.5 / Qwen3-Next
+    follow `gdn_kernel`, Kimi and Ring the XLA loops). The kernel path equals the loops in interpret mode
+    (tests/test_stable_kernels.py); on the H200 it is what every `bench/rag_trace.py` row of bench/RESULTS.md ran
+    (`--linear-impl pallas`). A kernel that fails to compile under "auto" falls back to the loops.
 
     fold_impl: how the span programs fold the pieces (the state entering each; `stitch.linear_over_layout`):
     "auto" (one Pallas kernel per layer on a GPU, `pallas.piece_fold`; the blocked fold on a GPU where the
@@ -439,7 +440,7 @@ class StableEngine(Engine):
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
                  disk_write_through: bool = False, tier_dtype: str | None = None,
                  tier_transfer_tol: float | None = None, devices=None,
-                 policy: str = "lpt", linear_impl: str | None = "xla", scan_layers: bool = True,
+                 policy: str = "lpt", linear_impl: str | None = "auto", scan_layers: bool = True,
                  fold_impl: str = "auto"):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "

@@ -257,15 +257,6 @@ def test_scanned_decode_equals_unrolled(decode_engines):
     assert a.tokens == b.tokens
 
 
-# XLA's ragged_dot has no batching rule for weights shared by the rows (NotImplementedError), so off a GPU (where the
-# grouped matmul is the Pallas kernel) only Ring's decode MoE (a gather of the chosen experts) runs mapped over rows
-BATCHED_OFF_GPU = ("ring",)
-
-
-def _batched(arch: str) -> bool:
-    return arch in BATCHED_OFF_GPU or jax.default_backend() == "gpu"
-
-
 def _batched_steps(engine, prompts, steps: int) -> list[tuple]:
     """Greedy rows: each prompt's prefill inserted into its row, then `steps` steps of every row; per call the
     sampled ids and log-probabilities."""
@@ -287,16 +278,25 @@ def _batched_steps(engine, prompts, steps: int) -> list[tuple]:
 
 def test_scanned_batched_rows_equal_unrolled(decode_engines):
     """The batched decode cache of a scanned engine holds the stacked caches with the rows first: inserting
-    prefills into rows and stepping every row gives the unrolled engine's ids and log-probabilities."""
-    arch, vocab, scanned, unrolled = decode_engines
-    if not _batched(arch):
-        pytest.skip("the MoE's ragged_dot cannot be mapped over rows")
+    prefills into rows and stepping every row gives the unrolled engine's ids and log-probabilities, and each
+    row's own single-request decode (the rows' routed experts run as one list of tokens: `layers.grouped_swiglu_experts`)."""
+    _, vocab, scanned, unrolled = decode_engines
     rng = np.random.default_rng(3)
     prompts = [[rng.integers(3, vocab, n).tolist() for n in lengths] for lengths in ((21, 9), (30, 4))]
-    for step, (a, b) in enumerate(zip(_batched_steps(scanned, prompts, 3), _batched_steps(unrolled, prompts, 3))):
+    batched = _batched_steps(scanned, prompts, 3)
+    for step, (a, b) in enumerate(zip(batched, _batched_steps(unrolled, prompts, 3))):
         np.testing.assert_array_equal(a[0], b[0], err_msg=f"step {step}")
         for x, y in zip(a[1:], b[1:]):
             assert _rel(x, y) < 1e-5, step
+    rows = len(prompts)
+    for row, segs in enumerate(prompts):
+        single = [scanned.prefill(segs, mode="full_recompute").logits] + _decode_steps(scanned, segs, 3)
+        for k, logits in enumerate(single):
+            ids, chosen = (batched[row][0][0], batched[row][1][0]) if k == 0 else (
+                batched[rows + k - 1][0][row], batched[rows + k - 1][1][row])
+            assert ids == np.argmax(logits), (row, k)
+            expected = jax.nn.log_softmax(np.asarray(logits, np.float32).reshape(-1))[ids]
+            np.testing.assert_allclose(chosen, expected, rtol=1e-4, atol=1e-4, err_msg=f"row {row}, step {k}")
 
 
 def _cache_loops(engine, kind: str, tokens: int, shape: tuple[int, ...]) -> int:
@@ -313,7 +313,7 @@ def test_decode_programs_scan(decode_engines):
     caches = scanned._decode_shapes().layers
     body = caches.parts[scanned.plan.head]  # the first pattern position's caches [repeats, 1, ...]
     leaf = max(jax.tree.leaves(body), key=lambda a: a.size).shape
-    kinds = [("decode", 1, leaf)] + ([("batch", 2, (2,) + leaf)] if _batched(arch) else [])
+    kinds = [("decode", 1, leaf), ("batch", 2, (2,) + leaf)]
     for kind, tokens, shape in kinds:
         assert _cache_loops(scanned, kind, tokens, shape) == 1, kind
         assert _cache_loops(unrolled, kind, tokens, shape) == 0, kind

@@ -7,9 +7,12 @@ float32; results come back in the activation dtype, matching the Hugging Face re
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jax import custom_batching
 
 # causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
 from hypic_jax.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
@@ -92,6 +95,46 @@ def _use_pallas_moe(impl: str, num_rows: int) -> bool:
 
 
 def grouped_swiglu_experts(
+    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, *, impl: str = "auto",
+    valid: Array | None = None,
+) -> Array:
+    """Routed SwiGLU experts as two grouped matmuls over expert-sorted token copies (`_grouped_swiglu_experts`).
+
+    Under `jax.vmap` over tokens (the batched decode maps the single-request step over its rows) every row's tokens
+    go through one grouped matmul as one list of tokens: an expert that several rows pick is read once per step, not
+    once per row, and `ragged_dot` (no batching rule but over axis 0) never sees a batch axis. The tokens are
+    independent, so this is the mapped function's own result; differentiation goes through the plain function.
+    """
+    flattening = _row_flattening(impl, valid is not None)
+    return flattening(x, weights, experts, gate_up, down, *(() if valid is None else (valid,)))
+
+
+@functools.lru_cache(maxsize=None)
+def _row_flattening(impl: str, has_valid: bool):
+    def plain(x, weights, experts, gate_up, down, *valid):
+        return _grouped_swiglu_experts(x, weights, experts, gate_up, down, impl=impl, valid=valid[0] if valid else None)
+
+    mapped = custom_batching.custom_vmap(plain)
+
+    @mapped.def_vmap
+    def rule(axis_size, in_batched, x, weights, experts, gate_up, down, *valid):
+        if any(jax.tree.leaves(in_batched[3:5])):  # experts of each row's own: nothing to share
+            axes = jax.tree.map(lambda b: 0 if b else None, tuple(in_batched))
+            return jax.vmap(plain, in_axes=axes)(x, weights, experts, gate_up, down, *valid), True
+        per_token = (x, weights, experts, *valid)
+        batched = (in_batched[0], in_batched[1], in_batched[2], *in_batched[5:])
+        rows = [(a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)) for a, b in zip(per_token, batched)]
+        tokens = x.shape[-2] if in_batched[0] else x.shape[0]
+        flat = [a.reshape((axis_size * tokens,) + a.shape[2:]) for a in rows]
+        out = mapped(flat[0], flat[1], flat[2], gate_up, down, *flat[3:])  # an outer map comes back here
+        return out.reshape((axis_size, tokens) + out.shape[1:]), True
+
+    smooth = jax.custom_jvp(mapped)
+    smooth.defjvp(lambda primals, tangents: jax.jvp(plain, primals, tangents))
+    return smooth
+
+
+def _grouped_swiglu_experts(
     x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, *, impl: str = "auto",
     valid: Array | None = None,
 ) -> Array:

@@ -23,7 +23,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hypic_jax.runtime import StableEngine
+from hypic_jax.runtime import StableEngine, stack_layers
 from hypic_jax.serve import protocol
 from hypic_jax.serve.metrics import Metrics
 from hypic_jax.serve.scheduler import ApiError, Request, Scheduler
@@ -266,22 +266,39 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
           seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int = 8,
           max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
           separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
-          compile_cache: str | None = None, load_format: str = "auto", **server_options) -> Server:
+          compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
+          policy: str = "lpt", **server_options) -> Server:
     """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
-    load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`)."""
+    load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
+    cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the
+    single-device path (a mesh of one device would only add programs). Both are checked before the model loads."""
+    from hypic_jax.parallel import POLICIES
     from hypic_jax.serve.model import default_model, load_folder
 
+    if devices is not None:
+        import jax
+
+        available = len(jax.devices())
+        if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= available:
+            raise ValueError(f"--devices {devices!r}: must be a count from 1 to {available}, the devices this "
+                             f"process sees ({jax.default_backend()})")
+    if policy not in POLICIES:
+        raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if model is None and load_format != "auto":
         raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
     served = default_model(dtype) if model is None else load_folder(model, dtype, load_format)
     if served.max_context is not None and max_prompt_tokens + max_new_tokens > served.max_context:
         raise ValueError(f"max_prompt_tokens + max_new_tokens ({max_prompt_tokens + max_new_tokens}) exceeds the "
                          f"model's context of {served.max_context}")
-    engine = StableEngine(served.model, tokenizer=served.tokenizer, cache_bytes=int(cache_gb * (1 << 30)), mode=mode,
-                          seam=seam, separator=separator, max_context=served.max_context, source=served.source,
+    # the layers stacked in place: the engine scans them stacked, and a model as large as the device cannot be held
+    # twice (`runtime.stack_layers`)
+    engine = StableEngine(stack_layers(served.model, consume=True), tokenizer=served.tokenizer,
+                          cache_bytes=int(cache_gb * (1 << 30)), mode=mode, seam=seam, separator=separator,
+                          max_context=served.max_context, source=served.source,
                           max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                           max_segments=max_segments, max_batch=max_batch, token_rungs=token_rungs,
-                          compile_cache=compile_cache)
+                          compile_cache=compile_cache, devices=None if devices in (None, 1) else devices,
+                          policy=policy)
     return Server(engine, model_name=served.name, max_queue=max_queue, separator=separator,
                   chat_template=served.chat_template, special_tokens=served.special_tokens, eos_ids=served.eos_ids,
                   request_timeout=request_timeout, **server_options)
@@ -297,8 +314,10 @@ def main(args) -> int:
                    max_queue=args.max_queue, max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
                    max_new_tokens=args.max_new_tokens, max_segments=args.max_segments, separator=args.separator,
                    request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache,
-                   load_format=args.load_format)
-    log.info("serving %r on http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
-             args.host, args.port)
+                   load_format=args.load_format, devices=args.devices, policy=args.policy)
+    mesh = server.engine.segment_mesh
+    placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
+    log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
+             placement, args.host, args.port)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

@@ -1,0 +1,113 @@
+"""The batched decode step of the shape-stable engine: time per step against the batch bucket, and the floor.
+
+    python bench/decode_step.py                 # the Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
+    python bench/decode_step.py --small         # CPU smoke size
+    python bench/decode_step.py --profile-dir DIR --profile-rows 16   # one traced step (bench/trace_summary.py)
+
+A server's decode throughput is rows / step time; `bench/serve.py` finds the transition_rope_recompute server
+decode-bound. Each bucket's program (`StableEngine.slot_decode`, the one the server runs) steps rows [0, b) of the
+batched cache, every row at `--length` cached tokens. The floor column is the bytes a step must read once: every
+parameter outside the routed experts, the routed experts that at least one row picks (uniform routing, expected
+count E (1 - (1 - 1/E)^(b k))) and each row's decode caches, at `--bandwidth` GB/s. Compilations are counted:
+after warmup there must be none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prefill import full_config, small_config  # noqa: E402
+
+from hypic_jax.models import qwen3_5  # noqa: E402
+from hypic_jax.models.base import Model  # noqa: E402
+from hypic_jax.runtime import ProgramKey, SamplingRows, StableEngine, backend_compiles, stack_layers  # noqa: E402
+
+
+def expert_bytes(params) -> tuple[int, int]:
+    """(bytes of the routed experts, bytes of everything else)."""
+    routed = other = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(p, "key", getattr(p, "name", ""))) for p in path]
+        if any(n in ("gate_up", "down") for n in names):
+            routed += leaf.size * leaf.dtype.itemsize
+        else:
+            other += leaf.size * leaf.dtype.itemsize
+    return routed, other
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=4096, help="cached tokens of every row")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s of the floor (H200: 4.8 TB/s peak)")
+    parser.add_argument("--profile-dir", default=None)
+    parser.add_argument("--profile-rows", type=int, nargs="*", default=[16])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
+    if args.small:
+        args.length = min(args.length, 200)
+    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
+    engine = StableEngine(model, max_prompt_tokens=args.length, max_new_tokens=64, max_batch=args.max_batch,
+                          cache_bytes=1 << 28, token_rungs=(args.length,))
+    keys = [ProgramKey("batch", b, engine.max_keys) for b in engine.batch_buckets]
+    start = time.perf_counter()
+    engine.programs.compile(keys)
+    engine._slot_cache()
+    compile_s = time.perf_counter() - start
+    engine.programs.serving = True
+    routed, other = expert_bytes(engine.params)
+    experts, top_k = config.num_experts, config.num_experts_per_tok
+    cache_row = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(engine._slot_shapes())) / args.max_batch
+    before = backend_compiles()
+    rows_out = []
+    print(f"{'rows':>5} {'step ms':>8} {'floor ms':>8} {'tok/s':>8} {'of floor':>8}")
+    for b in engine.batch_buckets:
+        sampling = SamplingRows.build([0.0] * b, [1.0] * b, [0] * b, list(range(b)), [0] * b)
+        tokens = np.arange(3, 3 + b, dtype=np.int32)
+        lengths = np.full(b, args.length - 1, np.int32)
+        out = engine.slot_decode(tokens, lengths, sampling)
+        np.asarray(out.ids)
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            out = engine.slot_decode(tokens, lengths, sampling)
+            np.asarray(out.ids)  # the server reads the sampled ids back every step
+            times.append(time.perf_counter() - t)
+        step = float(np.median(times))
+        touched = experts * (1 - (1 - 1 / experts) ** (b * top_k))
+        floor = (other + routed * touched / experts + b * cache_row) / (args.bandwidth * 1e9)
+        rows_out.append(dict(rows=b, step_ms=round(1e3 * step, 3), floor_ms=round(1e3 * floor, 3),
+                             tokens_per_s=round(b / step, 1)))
+        print(f"{b:>5} {1e3 * step:>8.2f} {1e3 * floor:>8.2f} {b / step:>8.1f} {floor / step:>8.2f}", flush=True)
+    report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers}",
+                  length=args.length, compile_s=round(compile_s, 1), compiles_after_warmup=backend_compiles() - before,
+                  routed_gb=round(routed / 1e9, 2), other_gb=round(other / 1e9, 2),
+                  cache_mb_per_row=round(cache_row / 1e6, 1), steps=rows_out)
+    if args.profile_dir:
+        for b in args.profile_rows:
+            sampling = SamplingRows.build([0.0] * b, [1.0] * b, [0] * b, list(range(b)), [0] * b)
+            tokens, lengths = np.arange(3, 3 + b, dtype=np.int32), np.full(b, args.length - 1, np.int32)
+            with jax.profiler.trace(f"{args.profile_dir}/rows{b}", create_perfetto_trace=True):
+                with jax.profiler.TraceAnnotation(f"decode rows{b}"):
+                    np.asarray(engine.slot_decode(tokens, lengths, sampling).ids)
+    print(json.dumps(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
