@@ -12,6 +12,13 @@ replicated on every device of the mesh; the entry pools stay on the home device 
 The cold program reads no pool row in an isolated layout, so the devices receive a two-row stand-in of the pools
 instead of a copy. Each device's records are copied to the home device and written into the pools by one commit
 program, after the whole mesh program is done; the usual stitched (pic) program then runs on the home device.
+
+Across processes (`hypic_jax.multihost`, one process per host) the mesh holds every process's devices. Each process
+keeps its own pools on its own device and runs the same requests in the same order, so every process needs every
+bin's records: the cold program returns them replicated (gathered over the mesh; its logits stay sharded, nothing
+reads them) and each process commits all of them from its own copy. The processes run the collective program on
+the coordinator's bins (`agree`) after waiting for one another (`sync`), so a missing process fails a request with
+a clear error instead of leaving the others inside the collective.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +88,12 @@ def _commit_bins(pools, parts):
     return pools
 
 
+def _commit_stacked(pools, writes, *, bins: int):
+    """Every bin's records (one tree with a leading axis of `bins`, the gathered records of a multiprocess mesh)
+    written into the home pools (donated: in place), in bin order."""
+    return _commit_bins(pools, [jax.tree.map(lambda a: a[k:k + 1], writes) for k in range(bins)])
+
+
 class SegmentMesh:
     """The mesh, its programs (one cold and one commit program per token rung) and the policy of one engine."""
 
@@ -92,6 +105,13 @@ class SegmentMesh:
         self.policy = policy
         self.cost = cost or parallel.SegmentCost()
         self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
+        # devices of other processes (`hypic_jax.multihost`): every process holds every record, so the records come
+        # back replicated (gathered over the mesh) instead of staying with the bin that made them
+        self.multiprocess = len({d.process_index for d in self.devices}) > 1
+        # set by `hypic_jax.multihost.Runner`: `agree(tag, value)` returns the coordinator's value, `sync(tag)` waits
+        # for every process (or fails with a clear error); so the processes run the same programs on the same bins
+        self.agree: Callable[[str, Any], Any] | None = None
+        self.sync: Callable[[str], None] | None = None
         self.home = next(iter(jax.tree.leaves(engine.pools.arrays)[0].devices()))
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._sharded = NamedSharding(self.mesh, PartitionSpec(AXIS))
@@ -126,13 +146,19 @@ class SegmentMesh:
                                  fold_impl=engine.fold_impl)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec(AXIS), PartitionSpec()),
                                out_specs=PartitionSpec(AXIS), check_vma=False)
-        fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._replicated),
-                     out_shardings=self._sharded)
+        # across processes every process commits every bin's records: those come back gathered (replicated)
+        out = (self._sharded, self._replicated) if self.multiprocess else self._sharded
+        fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._replicated), out_shardings=out)
         return fn.lower(self._shapes(self.params), self._shapes(self._stacked_dummy(rung)),
                         self._shapes(self.standin)).compile()
 
     def _build_commit(self, rung: int):
         engine = self.engine
+        if self.multiprocess:  # this process's copy of the gathered records, every bin on one leading axis
+            stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.size,) + s.shape, s.dtype),
+                                   engine._writes_shapes(rung))
+            fn = jax.jit(functools.partial(_commit_stacked, bins=self.size), donate_argnums=0)
+            return fn.lower(self._shapes(engine.pools.arrays), stacked).compile()
         per_bin = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1,) + s.shape, s.dtype), engine._writes_shapes(rung))
         fn = jax.jit(_commit_bins, donate_argnums=0)
         return fn.lower(self._shapes(engine.pools.arrays), (per_bin,) * self.size).compile()
@@ -144,6 +170,8 @@ class SegmentMesh:
         engine = self.engine
         for rung in rungs:
             cold, commit = self._program(rung)
+            if self.sync is not None:  # a collective program: every process must be there
+                self.sync("warmup")
             _, writes = cold(self.params, jax.device_put(self._stacked_dummy(rung), self._sharded), self.standin)
             parts = self._to_home(writes)
             with engine.pools.lock:
@@ -174,6 +202,8 @@ class SegmentMesh:
         engine = self.engine
         lengths = [s.length for s in spans]
         bins = self.plan(lengths)
+        if self.agree is not None:  # the coordinator's bins (cost models are timed per process and may differ)
+            bins = [list(map(int, b)) for b in self.agree("bins", bins)]
         largest = max(sum(lengths[i] for i in b) for b in bins)
         counts = [lay.count_pieces([spans[i] for i in b], isolated=True) for b in bins]
         capacity = engine.ladder.fit(largest, largest, max(p for p, _ in counts), max(r for _, r in counts),
@@ -189,6 +219,8 @@ class SegmentMesh:
             else:
                 layouts.append(engine._dummy_layout(key))
         cold, commit = self._program(rung)
+        if self.sync is not None:  # a collective program: every process must be there
+            self.sync("cold")
         start = time.perf_counter()
         arrays = jax.device_put(_stack(layouts), self._sharded)
         logits, writes = cold(self.params, arrays, self.standin)
@@ -204,9 +236,18 @@ class SegmentMesh:
         return bins
 
     def _to_home(self, writes):
-        """Per bin, its records copied to the home device (a plain device-to-device copy of each shard)."""
-        order = {d: k for k, d in enumerate(self.devices)}
+        """The records as the commit program takes them. One process: per bin, its records copied to the home
+        device (a plain device-to-device copy of each shard). Across processes: the gathered records (every bin)
+        as held on the home device (or copied there from another of this process's devices)."""
+        if self.multiprocess:
+            def local(leaf):
+                shards = leaf.addressable_shards
+                held = next((s.data for s in shards if s.device == self.home), None)
+                return held if held is not None else jax.device_put(shards[0].data, self.home)
+
+            return jax.tree.map(local, writes)
         leaves, treedef = jax.tree.flatten(writes)
+        order = {d: k for k, d in enumerate(self.devices)}
         per_bin = [[None] * len(leaves) for _ in self.devices]
         for j, leaf in enumerate(leaves):
             for shard in leaf.addressable_shards:
