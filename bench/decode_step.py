@@ -3,6 +3,7 @@
     python bench/decode_step.py                 # the Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
     python bench/decode_step.py --small         # CPU smoke size
     python bench/decode_step.py --profile-dir DIR --profile-rows 16   # one traced step (bench/trace_summary.py)
+    python bench/decode_step.py --few-query-rows 4 0   # decode attention in the cache layout, then as matmuls
 
 A server's decode throughput is rows / step time; `bench/serve.py` finds the transition_rope_recompute server
 decode-bound. Each bucket's program (`StableEngine.slot_decode`, the one the server runs) steps rows [0, b) of the
@@ -15,6 +16,7 @@ after warmup there must be none.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -27,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prefill import full_config, small_config  # noqa: E402
 
+from hypic_jax import attention  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 from hypic_jax.runtime import ProgramKey, SamplingRows, StableEngine, backend_compiles, stack_layers  # noqa: E402
@@ -44,22 +47,8 @@ def expert_bytes(params) -> tuple[int, int]:
     return routed, other
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true")
-    parser.add_argument("--layers", type=int, default=40)
-    parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--length", type=int, default=4096, help="cached tokens of every row")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s of the floor (H200: 4.8 TB/s peak)")
-    parser.add_argument("--profile-dir", default=None)
-    parser.add_argument("--profile-rows", type=int, nargs="*", default=[16])
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
-    if args.small:
-        args.length = min(args.length, 200)
-    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
+def measure(args, model, config, label: str) -> dict:
+    """Compile the batch programs of a new engine over `model`, time a step per bucket, profile if asked."""
     engine = StableEngine(model, max_prompt_tokens=args.length, max_new_tokens=64, max_batch=args.max_batch,
                           cache_bytes=1 << 28, token_rungs=(args.length,))
     keys = [ProgramKey("batch", b, engine.max_keys) for b in engine.batch_buckets]
@@ -73,6 +62,7 @@ def main(argv=None) -> None:
     cache_row = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(engine._slot_shapes())) / args.max_batch
     before = backend_compiles()
     rows_out = []
+    print(label)
     print(f"{'rows':>5} {'step ms':>8} {'floor ms':>8} {'tok/s':>8} {'of floor':>8}")
     for b in engine.batch_buckets:
         sampling = SamplingRows.build([0.0] * b, [1.0] * b, [0] * b, list(range(b)), [0] * b)
@@ -92,17 +82,51 @@ def main(argv=None) -> None:
         rows_out.append(dict(rows=b, step_ms=round(1e3 * step, 3), floor_ms=round(1e3 * floor, 3),
                              tokens_per_s=round(b / step, 1)))
         print(f"{b:>5} {1e3 * step:>8.2f} {1e3 * floor:>8.2f} {b / step:>8.1f} {floor / step:>8.2f}", flush=True)
-    report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers}",
-                  length=args.length, compile_s=round(compile_s, 1), compiles_after_warmup=backend_compiles() - before,
+    report = dict(variant=label, device=str(jax.devices()[0]),
+                  shape="small" if args.small else f"35B-A3B x{args.layers}", length=args.length,
+                  compile_s=round(compile_s, 1), compiles_after_warmup=backend_compiles() - before,
                   routed_gb=round(routed / 1e9, 2), other_gb=round(other / 1e9, 2),
                   cache_mb_per_row=round(cache_row / 1e6, 1), steps=rows_out)
     if args.profile_dir:
         for b in args.profile_rows:
             sampling = SamplingRows.build([0.0] * b, [1.0] * b, [0] * b, list(range(b)), [0] * b)
             tokens, lengths = np.arange(3, 3 + b, dtype=np.int32), np.full(b, args.length - 1, np.int32)
-            with jax.profiler.trace(f"{args.profile_dir}/rows{b}", create_perfetto_trace=True):
+            name = label.replace("=", "")
+            with jax.profiler.trace(f"{args.profile_dir}/{name}_rows{b}", create_perfetto_trace=True):
                 with jax.profiler.TraceAnnotation(f"decode rows{b}"):
                     np.asarray(engine.slot_decode(tokens, lengths, sampling).ids)
+    engine.clear_cache()
+    engine._slots = None  # the next variant's engine gets the memory
+    del engine
+    gc.collect()
+    return report
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=4096, help="cached tokens of every row")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bandwidth", type=float, default=4800.0, help="GB/s of the floor (H200: 4.8 TB/s peak)")
+    parser.add_argument("--profile-dir", default=None)
+    parser.add_argument("--profile-rows", type=int, nargs="*", default=[16])
+    parser.add_argument("--few-query-rows", type=int, nargs="*", default=None,
+                        help="attention.FEW_QUERY_ROWS per variant, timed one after the other in this process (0: "
+                             "every decode attention as batched matrix products); default: the package's")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
+    if args.small:
+        args.length = min(args.length, 200)
+    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
+    variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
+    reports = []
+    for few in variants:
+        attention.FEW_QUERY_ROWS = few  # read when the programs are traced
+        reports.append(measure(args, model, config, label=f"few_query_rows={few}"))
+    report = reports[0] if len(reports) == 1 else dict(variants=reports)
     print(json.dumps(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -12,6 +12,9 @@ from jax import Array
 
 # Query rows per block when a mask is materialised: bounds the [B, H, block, Lk] logits of long masked prefills.
 MASKED_QUERY_BLOCK = 512
+# At most this many query rows (a decode step) attend through `_few_query_attention`, which reads the keys and
+# values in their cache layout instead of transposing them for a batched matrix product.
+FEW_QUERY_ROWS = 4
 
 
 def _cudnn_eligible(q: Array) -> bool:
@@ -48,6 +51,8 @@ def dot_product_attention(
     batch, q_len = q.shape[:2]
     q_pos = jnp.broadcast_to(q_positions, (batch, q_len))
     k_pos = jnp.broadcast_to(k_positions, (batch, k.shape[1]))
+    if q_len <= FEW_QUERY_ROWS:
+        return _few_query_attention(q, k, v, scale, q_pos, k_pos)
 
     def block(q_block, q_pos_block):
         visible = (k_pos[:, None, :] <= q_pos_block[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, Lq, Lk]
@@ -63,3 +68,26 @@ def dot_product_attention(
     pos_blocks = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1).reshape(batch, num_blocks, -1)
     out = jax.lax.map(lambda xs: block(*xs), (jnp.moveaxis(q_blocks, 1, 0), jnp.moveaxis(pos_blocks, 1, 0)))
     return jnp.moveaxis(out, 0, 1).reshape(batch, num_blocks * MASKED_QUERY_BLOCK, *q.shape[2:])[:, :q_len]
+
+
+def _few_query_attention(q: Array, k: Array, v: Array, scale: float, q_pos: Array, k_pos: Array) -> Array:
+    """Masked GQA attention for a few query rows (a decode step) as products and sums over the cache layout.
+
+    A decode step reads each row's whole cache [B, Lk, Hkv, D] for one query token per head. As a batched matrix
+    product the batch axes (row, KV head) must lead each operand, so XLA transposes the whole cache first: a read
+    and a write of every key and value per layer and step, more than the attention itself reads. Written as an
+    elementwise product reduced over D (scores) and over Lk (outputs), each reduction fuses with its product and
+    reads the cache once, in place; the arithmetic (2 G flops per cached element, G query heads per KV head) is
+    negligible beside those bytes. Scores, softmax and the weighted sum are float32; key j is visible to query i
+    iff k_pos[b, j] <= q_pos[b, i] and k_pos[b, j] >= 0 (a query that sees no key gets a uniform average instead
+    of NaN)."""
+    batch, q_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    qg = q.reshape(batch, q_len, 1, kv_heads, group, dim).astype(jnp.float32)
+    scores = jnp.sum(qg * k[:, None, :, :, None, :].astype(jnp.float32), axis=-1) * scale  # [B, Lq, Lk, Hkv, G]
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B, Lq, Lk]
+    scores = jnp.where(visible[..., None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=2)
+    out = jnp.sum(probs[..., None] * v[:, None, :, :, None, :].astype(jnp.float32), axis=2)  # [B, Lq, Hkv, G, D]
+    return out.reshape(batch, q_len, heads, dim).astype(q.dtype)

@@ -24,8 +24,9 @@ Batched decoding (`max_batch` > 0, what a continuous-batching server uses): the 
 `max_batch` rows on the device. `slot_insert` writes a prefill's decode caches into one row and samples the
 request's first token; `slot_decode` runs one step of rows [0, b) for a batch bucket b (powers of two up to
 `max_batch`), every row at its own position, and samples each row on the device from its own parameters
-(`SamplingRows`), so only the sampled ids (and the log-probabilities, when read) leave the device. A row's step is
-the single-request decode program mapped over rows (`jax.vmap`): rows never mix.
+(`SamplingRows`), so only the sampled ids (and the log-probabilities, when read) leave the device. The step is the
+model's own forward over a batch of one-token rows, each at its own position (`ModelCache.length` per row): rows
+never mix, and each row's cache is read in place and written one token at a time.
 
 Architectures provide `pool_layout(config, dtype)` and `span_forward_arrays(...)` (see `models/qwen3_5.py`).
 """
@@ -359,26 +360,38 @@ def _sample_rows(logits, sampling: SamplingRows, top_n: int):
     return ids, chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
+def row_axes(layers):
+    """Per leaf of a decode cache (a `LayerStack` or a tuple of per-layer caches), its batch (row) axis: 1 in a
+    stacked part of a `LayerStack` (the layers come first), else 0."""
+    if isinstance(layers, LayerStack):
+        plan = layers.plan
+        return LayerStack(tuple(jax.tree.map(lambda _, axis=int(plan.members(p) > 1): axis, tree)
+                                for p, tree in enumerate(layers.parts)), plan)
+    return jax.tree.map(lambda _: 0, layers)
+
+
 def _insert(slots, row, layers, logits, sampling, *, top_n):
-    """Write one request's decode caches (batch axis 1, in the form the span programs return them) into `row` of
-    the batched cache, whose leaves have the rows first; sample its first token."""
-    slots = jax.tree.map(lambda full, one: jax.lax.dynamic_update_slice_in_dim(full, one[None].astype(full.dtype),
-                                                                               row, axis=0), slots, layers)
+    """Write one request's decode caches (batch size 1, in the form the span programs return them) into `row` of
+    the batched cache (the same form with `max_batch` rows); sample its first token."""
+    slots = jax.tree.map(lambda full, one, axis: jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype),
+                                                                                     row, axis=axis),
+                         slots, layers, row_axes(slots))
     return (*_sample_rows(logits[None], sampling, top_n), slots)
 
 
 def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, rows, top_n):
-    """One decode step of rows [0, rows) of the batched cache, each at its own length: the single-request step
-    mapped over rows, then per-row sampling."""
-    part = jax.tree.map(lambda a: a[:rows], slots)
-
-    def one(token, length, layers):
-        logits, cache = arch.forward(params, config, token.reshape(1, 1), cache=ModelCache(layers, length))
-        return logits[0, -1], cache.layers
-
-    logits, part = jax.vmap(one)(tokens, lengths, part)
-    slots = jax.tree.map(lambda full, new: jax.lax.dynamic_update_slice_in_dim(full, new, 0, axis=0), slots, part)
-    return (*_sample_rows(logits, sampling, top_n), slots)
+    """One decode step of rows [0, rows) of the batched cache, each at its own length: the model's forward over a
+    batch of `rows` one-token rows with per-row positions (`ModelCache.length` of shape [rows]: keys and values
+    are written by a scatter of one token per row, and attention reads each row's cache in place), then per-row
+    sampling. Rows never mix: every operation is per row or per token."""
+    axes = row_axes(slots)
+    part = slots if rows == jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]] else jax.tree.map(
+        lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis), slots, axes)
+    logits, cache = arch.forward(params, config, tokens[:, None], cache=ModelCache(part, lengths))
+    slots = jax.tree.map(lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype),
+                                                                                     0, axis=axis),
+                         slots, cache.layers, axes)
+    return (*_sample_rows(logits[:, -1], sampling, top_n), slots)
 
 
 @functools.lru_cache(maxsize=256)
@@ -519,10 +532,16 @@ class StableEngine(Engine):
         return ModelCache(layers=decode, length=jax.ShapeDtypeStruct((), jnp.int32))
 
     def _slot_shapes(self):
-        """The batched decode cache: every leaf of a request's decode caches (stacked ones too) with a leading axis
-        of max_batch rows."""
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.max_batch,) + s.shape, s.dtype),
-                            self._decode_shapes().layers)
+        """The batched decode cache: a request's decode caches (stacked ones too) with `max_batch` rows on each
+        leaf's batch axis (`row_axes`)."""
+        layers = self._decode_shapes().layers
+
+        def widen(s, axis):
+            shape = list(s.shape)
+            shape[axis] = self.max_batch
+            return jax.ShapeDtypeStruct(tuple(shape), s.dtype)
+
+        return jax.tree.map(widen, layers, row_axes(layers))
 
     def warmup(self, max_prompt_tokens: int | None = None, max_segments: int | None = None, *,
                progress: bool = True) -> dict:

@@ -277,7 +277,7 @@ def _batched_steps(engine, prompts, steps: int) -> list[tuple]:
 
 
 def test_scanned_batched_rows_equal_unrolled(decode_engines):
-    """The batched decode cache of a scanned engine holds the stacked caches with the rows first: inserting
+    """The batched decode cache of a scanned engine holds the stacked caches with the rows on their batch axis: inserting
     prefills into rows and stepping every row gives the unrolled engine's ids and log-probabilities, and each
     row's own single-request decode (the rows' routed experts run as one list of tokens: `layers.grouped_swiglu_experts`)."""
     _, vocab, scanned, unrolled = decode_engines
@@ -313,7 +313,7 @@ def test_decode_programs_scan(decode_engines):
     caches = scanned._decode_shapes().layers
     body = caches.parts[scanned.plan.head]  # the first pattern position's caches [repeats, 1, ...]
     leaf = max(jax.tree.leaves(body), key=lambda a: a.size).shape
-    kinds = [("decode", 1, leaf), ("batch", 2, (2,) + leaf)]
+    kinds = [("decode", 1, leaf), ("batch", 2, (leaf[0], 2) + leaf[2:])]  # rows on the batch axis
     for kind, tokens, shape in kinds:
         assert _cache_loops(scanned, kind, tokens, shape) == 1, kind
         assert _cache_loops(unrolled, kind, tokens, shape) == 0, kind

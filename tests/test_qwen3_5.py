@@ -7,11 +7,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import hypic_jax
 from hypic_jax import attention
-from hypic_jax.models import layers, qwen3_5
-from families import fake_devices_env
+from hypic_jax.models import base, layers, qwen3_5
+from families import examples, fake_devices_env
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoints built once
@@ -70,6 +72,59 @@ def test_prefill_then_decode_equals_full_forward(checkpoints, kind):
     assert relative_error(last, full[:, 8]) < 1e-5
     logits, fresh = _forward(model.params, model.config, tokens[:, 9:10], fresh)
     assert relative_error(logits[:, 0], full[:, 9]) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ("dense", "moe"))
+def test_rows_at_their_own_positions(checkpoints, kind):
+    """A batch whose rows sit at different lengths (`ModelCache.length` [B], a batched decode step) gives each row
+    the logits and caches of its own batch-of-one forward: keys written at each row's position, attention masked
+    per row, nothing mixed across rows."""
+    _, _, model = checkpoints[kind]
+    tokens = prompt(3, 14, seed=5)
+    starts = (9, 4, 12)
+    rows, alone = [], []
+    for b, start in enumerate(starts):
+        cache = model.init_cache(batch=1, max_len=16)
+        _, cache = _forward(model.params, model.config, tokens[b:b + 1, :start], cache)
+        rows.append(cache)
+        alone.append(_forward(model.params, model.config, tokens[b:b + 1, start:start + 2], cache))
+    batched = jax.tree.map(lambda *a: np.concatenate(a), *(c.layers for c in rows))
+    lengths = np.asarray(starts, np.int32)
+    step = np.stack([tokens[b, s:s + 2] for b, s in enumerate(starts)])  # two tokens per row, each at its own start
+    logits, cache = _forward(model.params, model.config, step, base.ModelCache(batched, lengths))
+    np.testing.assert_array_equal(np.asarray(cache.length), lengths + 2)
+    for b, (want_logits, want_cache) in enumerate(alone):
+        assert relative_error(logits[b:b + 1], want_logits) < 1e-5, b
+        for got, want in zip(jax.tree.leaves(cache.layers), jax.tree.leaves(want_cache.layers)):
+            assert relative_error(np.asarray(got)[b:b + 1], want) < 1e-5, b
+
+
+@examples(6)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 40), st.sampled_from([(4, 2), (6, 3), (2, 2)]),
+       st.integers(0, 2**31 - 1))
+def test_few_query_attention_matches_a_float64_reference(batch, q_len, keys, heads, seed):
+    """The decode path (at most FEW_QUERY_ROWS query rows: products and sums over the cache layout) equals masked
+    GQA softmax attention in float64, with per-row query positions and empty slots (negative key positions)."""
+    rng = np.random.default_rng(seed)
+    hq, hkv = heads
+    q = rng.standard_normal((batch, q_len, hq, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, batch, keys, hkv, 8)).astype(np.float32)
+    k_pos = np.where(rng.random((batch, keys)) < 0.15, -1, np.arange(keys)[None]).astype(np.int32)
+    q_pos = (rng.integers(0, keys, (batch, 1)) + np.arange(q_len)[None]).astype(np.int32)
+    got = np.asarray(attention.dot_product_attention(q, k, v, scale=0.3, q_positions=q_pos, k_positions=k_pos))
+    group = hq // hkv
+    want = np.zeros(q.shape)
+    for b in range(batch):
+        for i in range(q_len):
+            seen = (k_pos[b] <= q_pos[b, i]) & (k_pos[b] >= 0)
+            for h in range(hq):
+                if not seen.any():  # no visible key: a uniform average (no NaN)
+                    want[b, i, h] = v[b, :, h // group].astype(np.float64).mean(0)
+                    continue
+                s = 0.3 * k[b, seen, h // group].astype(np.float64) @ q[b, i, h].astype(np.float64)
+                p = np.exp(s - s.max())
+                want[b, i, h] = (p / p.sum()) @ v[b, seen, h // group].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_masked_attention_in_query_blocks(monkeypatch):

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Caches. Leaves carry a leading batch axis; `length` (tokens already absorbed) is shared by the whole batch.
+# Caches. Leaves carry a leading batch axis; `length` (tokens already absorbed) is one int32 for the whole batch, or
+# one per row ([B]: a batched decode step, every row at its own position).
 
 
 @jax.tree_util.register_dataclass
@@ -52,28 +53,44 @@ class ModelCache:
     of tokens already in them."""
 
     layers: tuple
-    length: Array  # int32 scalar
+    length: Array  # int32 scalar, or [B] (each row's own)
+
+
+def token_positions(start: Array | int, length: int) -> Array:
+    """Absolute positions of `length` tokens from `start`: [L] for a scalar start, [B, L] for one start per row."""
+    start = jnp.asarray(start, jnp.int32)
+    return start[..., None] + jnp.arange(length, dtype=jnp.int32)
 
 
 def cache_positions(cache: ModelCache | None, length: int) -> Array:
-    """Absolute positions [L] of the next `length` tokens."""
-    start = 0 if cache is None else cache.length
-    return start + jnp.arange(length, dtype=jnp.int32)
+    """Absolute positions of the next `length` tokens: [L], or [B, L] when the cache's length is per row."""
+    return token_positions(0 if cache is None else cache.length, length)
+
+
+def write_tokens(buffer: Array, values: Array, start: Array) -> Array:
+    """values [B, L, ...] into buffer [B, T, ...] at token offset `start`: a scalar (every row at once, one
+    `dynamic_update_slice`) or one offset per row [B] (a scatter of each row's L tokens, so a batched decode step
+    writes B tokens in place instead of rewriting whole buffers). The caller keeps start + L <= T: an update slice
+    clamps a write past the end, and the scatter drops it."""
+    values = values.astype(buffer.dtype)
+    start = jnp.asarray(start, jnp.int32)
+    if start.ndim == 0:
+        index = (jnp.zeros((), jnp.int32), start) + (jnp.zeros((), jnp.int32),) * (buffer.ndim - 2)
+        return jax.lax.dynamic_update_slice(buffer, values, index)
+    rows, length = values.shape[:2]
+    positions = token_positions(start, length)  # [B, L]
+    row_ids = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], positions.shape)
+    return buffer.at[row_ids, positions].set(values, mode="drop", unique_indices=True)
 
 
 def update_kv_cache(cache: KVCache, k: Array, v: Array, start: Array) -> tuple[KVCache, Array]:
-    """Write k, v [B, L, H, D] at positions start..start+L-1; returns the new cache and key positions [max_len].
+    """Write k, v [B, L, H, D] at positions start..start+L-1 (`start` a scalar, or [B] per row: `write_tokens`);
+    returns the new cache and key positions [max_len].
 
     Slots not yet written sit at positions >= start + L, so the causal mask on absolute positions hides them.
-    The caller keeps start + L <= max_len (size the cache for prompt + new tokens): `dynamic_update_slice` would
-    clamp the write instead of failing.
+    The caller keeps start + L <= max_len (size the cache for prompt + new tokens).
     """
-    zero = jnp.zeros((), jnp.int32)
-    index = (zero, jnp.asarray(start, jnp.int32), zero, zero)
-    new = KVCache(
-        k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), index),
-        v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), index),
-    )
+    new = KVCache(k=write_tokens(cache.k, k, start), v=write_tokens(cache.v, v, start))
     return new, jnp.arange(cache.k.shape[1], dtype=jnp.int32)
 
 

@@ -514,18 +514,12 @@ def _attend_absorbed(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: 
     q_latent = jnp.einsum("blhd,rhd->blhr", q_nope, w_k)
     scores = jnp.einsum("blhr,btr->bhlt", q_latent, kv.latent, preferred_element_type=jnp.float32)
     scores += jnp.einsum("blhd,btd->bhlt", q_rope, kv.k_rope, preferred_element_type=jnp.float32)
-    q_pos, k_pos = positions
-    visible = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, L, T]
+    q_pos, k_pos = positions  # q_pos [L] or [B, L] (one start per row)
+    visible = (k_pos[None, :] <= q_pos[..., None])[..., None, :, :]  # [1 or B, 1, L, T]
     scores = jnp.where(visible, scores * c.qk_head_dim**-0.5, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     context = jnp.einsum("bhlt,btr->blhr", probs, kv.latent)
     return jnp.einsum("blhr,rhd->blhd", context, w_v)
-
-
-def _write(buffer: Array, values: Array, start: Array) -> Array:
-    """values [B, L, N] into buffer [B, T, N] at token offset `start`."""
-    zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (zero, start, zero))
 
 
 def mla_layer(
@@ -543,9 +537,10 @@ def mla_layer(
     if cache is None:
         out = _attend_expanded(p, c, q, new, None)
     else:
-        new = MLACache(latent=_write(cache.latent, new.latent, start), k_rope=_write(cache.k_rope, new.k_rope, start))
+        new = MLACache(latent=base.write_tokens(cache.latent, new.latent, start),
+                       k_rope=base.write_tokens(cache.k_rope, new.k_rope, start))
         keys = jax.tree.map(lambda a: a.astype(x.dtype), new)
-        positions = (start + jnp.arange(length, dtype=jnp.int32), jnp.arange(cache.latent.shape[1], dtype=jnp.int32))
+        positions = (base.token_positions(start, length), jnp.arange(cache.latent.shape[1], dtype=jnp.int32))
         attend = _attend_absorbed if length == 1 else _attend_expanded
         out = attend(p, c, q, keys, positions)
     out = out.reshape(batch, length, c.num_heads * c.v_head_dim)

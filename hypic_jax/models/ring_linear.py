@@ -245,7 +245,7 @@ def shardings(config: RingLinearConfig, mesh: jax.sharding.Mesh) -> Params:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Building blocks (activations [B, L, ...]; all rows of a batch share the same positions)
+# Building blocks (activations [B, L, ...]; positions [L] shared by the rows, or [B, L] one per row)
 
 
 def group_rms_norm(x: Array, weight: Array, groups: int, eps: float) -> Array:
@@ -340,7 +340,7 @@ def full_attention(p: Params, x: Array, positions: Array, kv_cache: base.KVCache
         new_cache, keys, values = base.KVCache(k=k, v=v), k, v
         q_positions = key_positions = None  # causal within x: the fast path
     else:
-        new_cache, key_positions = base.update_kv_cache(kv_cache, k, v, positions[0])
+        new_cache, key_positions = base.update_kv_cache(kv_cache, k, v, positions[..., 0])
         keys, values, q_positions = new_cache.k, new_cache.v, positions
     o = layers.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
                                      scale=hd ** -0.5, q_positions=q_positions, k_positions=key_positions)
