@@ -10,7 +10,7 @@ time), the decode stall a prefill caused (the server's hypic:decode_stall_second
 serving (must be 0). The sustained rate of a mode is the highest rate whose p50 and p99 TTFT are both under
 `--slo`, as are those of every lower rate.
 
-    python bench/serve.py --small            # CPU smoke size: the built-in tiny model
+    python bench/serve.py --small            # CPU smoke size: the embedded model in float32
     python bench/serve.py --model DIR --rates 1 2 4 8 16 32 --duration 60
     python bench/serve.py --random-35b       # the Qwen3.5-35B-A3B shape with random bf16 weights (GPU)
 """
@@ -168,8 +168,9 @@ def main() -> None:
         args.model = tempfile.mkdtemp(prefix="hypic-35b-")
         write_metadata(args.model, model_type="qwen3_5", config=config, dtype="bfloat16")
         args.vocab, load = config.vocab_size, ["--load-format", "dummy"]
-    if args.small:
+    if args.small:  # float32: the CPU has no bfloat16 matrix units (the embedded model's bfloat16 runs emulated)
         args.rates, args.duration, args.pool = args.rates or [0.5, 1, 2, 4, 8, 16], 8.0, 32
+        load = load + ["--dtype", "float32"]
         args.docs_per_request, args.doc_tokens, args.query_tokens, args.max_tokens, args.max_batch = 4, 64, 16, 16, 8
     args.rates = args.rates or [1, 2, 4, 8, 16, 32]
     prompt = args.docs_per_request * args.doc_tokens + args.query_tokens

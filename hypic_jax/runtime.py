@@ -112,28 +112,33 @@ TOP_LOGPROBS = 20  # the most alternatives a row's sampler returns (OpenAI's top
 class SamplingRows(NamedTuple):
     """Per-row sampling parameters of a batched step (each [rows]; `key` [rows, 2] uint32 threefry key data).
     temperature 0 is greedy; top_k 0 keeps every token; `step` (tokens the row has sampled so far) is folded into
-    its key, so a seeded row draws the same numbers whatever batch it runs in."""
+    its key, so a seeded row draws the same numbers whatever batch it runs in; `top`: how many of the most likely
+    tokens the row wants with their log-probabilities (0: none; the step ranks the vocabulary only when some row
+    wants them)."""
 
     temperature: Any
     top_p: Any
     top_k: Any
     key: Any
     step: Any
+    top: Any
 
     @staticmethod
     def shapes(rows: int) -> "SamplingRows":
         sds = jax.ShapeDtypeStruct
         return SamplingRows(sds((rows,), jnp.float32), sds((rows,), jnp.float32), sds((rows,), jnp.int32),
-                            sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32))
+                            sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32), sds((rows,), jnp.int32))
 
     @staticmethod
-    def build(temperature, top_p, top_k, seed, step) -> "SamplingRows":
-        """Host arrays from per-row lists; seeds are any non-negative integers below 2**64."""
+    def build(temperature, top_p, top_k, seed, step, top=None) -> "SamplingRows":
+        """Host arrays from per-row lists; seeds are any non-negative integers below 2**64; top None: 0 per row."""
         seed = np.asarray(seed, np.uint64)
         key = np.stack([(seed >> np.uint64(32)).astype(np.uint32), (seed & np.uint64(0xFFFFFFFF)).astype(np.uint32)],
                        axis=-1)
+        step = np.asarray(step, np.int32)
+        top = np.zeros(step.shape, np.int32) if top is None else np.asarray(top, np.int32)
         return SamplingRows(np.asarray(temperature, np.float32), np.asarray(top_p, np.float32),
-                            np.asarray(top_k, np.int32), key, np.asarray(step, np.int32))
+                            np.asarray(top_k, np.int32), key, step, top)
 
 
 class Sampled:
@@ -145,7 +150,8 @@ class Sampled:
         self._device = (chosen, top_ids, top_logprobs)
 
     def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(log-probability of each sampled id [rows], the top ids [rows, k], their log-probabilities [rows, k])."""
+        """(log-probability of each sampled id [rows], the top ids [rows, k], their log-probabilities [rows, k]);
+        the top ids and log-probabilities are zeros unless some row of the step asked for them (`SamplingRows.top`)."""
         return tuple(np.asarray(a) for a in self._device)
 
 
@@ -356,8 +362,17 @@ def _sample_rows(logits, sampling: SamplingRows, top_n: int):
     drawn = jnp.argmax(scaled + jax.vmap(gumbel)(sampling.key, sampling.step), axis=-1).astype(jnp.int32)
     ids = jnp.where(sampling.temperature > 0, drawn, greedy)
     chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, top_n)
-    return ids, chosen, top_ids.astype(jnp.int32), top_logprobs
+
+    def ranked(logprobs):
+        values, indices = jax.lax.top_k(logprobs, top_n)
+        return values, indices.astype(jnp.int32)
+
+    def unranked(logprobs):
+        return jnp.zeros((logprobs.shape[0], top_n), logprobs.dtype), jnp.zeros((logprobs.shape[0], top_n), jnp.int32)
+
+    # ranking the vocabulary (a sort of every row's logits) only when a row asks for its top tokens
+    top_logprobs, top_ids = jax.lax.cond(jnp.any(sampling.top > 0), ranked, unranked, logprobs)
+    return ids, chosen, top_ids, top_logprobs
 
 
 def row_axes(layers):

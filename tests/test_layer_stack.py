@@ -26,7 +26,7 @@ from hypic_jax.models import layers as model_layers
 from hypic_jax.models import layer_stack
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.layer_stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
-from hypic_jax.runtime import ProgramKey, SamplingRows, StableEngine, stack_layers
+from hypic_jax.runtime import TOP_LOGPROBS, ProgramKey, SamplingRows, StableEngine, stack_layers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -263,14 +263,15 @@ def _batched_steps(engine, prompts, steps: int) -> list[tuple]:
     out = []
     for row, segs in enumerate(prompts):
         pre = engine.prefill(segs, mode="full_recompute")
-        sampled = engine.slot_insert(row, pre, SamplingRows.build([0.0], [1.0], [0], [0], [0]))
+        sampled = engine.slot_insert(row, pre, SamplingRows.build([0.0], [1.0], [0], [0], [0], [TOP_LOGPROBS]))
         out.append((sampled.ids, *sampled.logprobs()))
     tokens = np.concatenate([ids for ids, *_ in out])
     lengths = np.asarray([sum(map(len, segs)) for segs in prompts])
     rows = len(prompts)
     for step in range(steps):
         sampled = engine.slot_decode(tokens, lengths, SamplingRows.build([0.0] * rows, [1.0] * rows, [0] * rows,
-                                                                         [0] * rows, [step + 1] * rows))
+                                                                         [0] * rows, [step + 1] * rows,
+                                                                         [TOP_LOGPROBS] * rows))
         out.append((sampled.ids, *sampled.logprobs()))
         tokens, lengths = sampled.ids, lengths + 1
     return out

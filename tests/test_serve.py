@@ -154,7 +154,10 @@ def test_completions_and_chat_with_the_openai_client(served):
     assert parts[-1].choices[0].finish_reason == "length"
     tops = [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.content]
     assert len(tops) == 6 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in tops)
-    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in tops)  # greedy: the top token
+    # greedy: the sampled token is the most likely one, and the alternatives are ranked
+    assert all(abs(t.top_logprobs[0].logprob - t.logprob) < 1e-5 and t.top_logprobs[0].token == t.token
+               and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob > -1e30
+               for t in tops)
 
 
 def test_stop_strings_and_ids(served):

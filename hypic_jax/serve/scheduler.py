@@ -280,7 +280,7 @@ class Scheduler:
         row = self.rows.index(None)
         p = request.params
         sampled = self.engine.slot_insert(row, pre, SamplingRows.build([p.temperature], [p.top_p], [p.top_k],
-                                                                       [request.seed], [0]))
+                                                                       [request.seed], [0], [p.logprobs or 0]))
         self.rows[row] = request
         request.row = row
         self._accept(request, sampled, 0)
@@ -291,11 +291,14 @@ class Scheduler:
         tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, seeds, steps = np.zeros(rows, np.int32), np.zeros(rows, np.uint64), np.zeros(rows, np.int32)
+        top = np.zeros(rows, np.int32)
         for i in busy:
             r = self.rows[i]
             tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length, len(r.tokens)
             temperature[i], top_p[i], top_k[i], seeds[i] = r.params.temperature, r.params.top_p, r.params.top_k, r.seed
-        sampled = self.engine.slot_decode(tokens, lengths, SamplingRows.build(temperature, top_p, top_k, seeds, steps))
+            top[i] = r.params.logprobs or 0
+        sampled = self.engine.slot_decode(tokens, lengths,
+                                          SamplingRows.build(temperature, top_p, top_k, seeds, steps, top))
         self.steps += 1
         self.bucket_steps[rows] += 1
         for i in busy:
