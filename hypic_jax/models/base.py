@@ -34,6 +34,37 @@ class KVCache:
     k: Array
     v: Array
 
+    def member_view(self, member: Array) -> "StackedKV":
+        """This cache as a stack of several layers' caches ([members, B, max_len, H_kv, D], as a scan over
+        layers carries them), seen as the cache of layer `member` (`layer_stack.run_cached`)."""
+        return StackedKV(self.k, self.v, member)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StackedKV:
+    """One layer's `KVCache` inside the stack of its pattern position ([members, B, max_len, H_kv, D]), read and
+    written in place. A scanned decode step would otherwise copy the layer's whole cache out of the stack, write
+    its new token into the copy and copy it back: three passes over every cached key and value where attention
+    needs one read. `update_kv_cache` scatters the new tokens into the stack at (member, row, position) and `k` /
+    `v` are the member's slices, which XLA fuses into the attention reading them."""
+
+    k_stack: Array
+    v_stack: Array
+    member: Array
+
+    @property
+    def k(self) -> Array:
+        return jax.lax.dynamic_index_in_dim(self.k_stack, self.member, 0, keepdims=False)
+
+    @property
+    def v(self) -> Array:
+        return jax.lax.dynamic_index_in_dim(self.v_stack, self.member, 0, keepdims=False)
+
+    def stacked(self) -> KVCache:
+        """The whole stack again (what the scan carries on)."""
+        return KVCache(self.k_stack, self.v_stack)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -67,29 +98,36 @@ def cache_positions(cache: ModelCache | None, length: int) -> Array:
     return token_positions(0 if cache is None else cache.length, length)
 
 
-def write_tokens(buffer: Array, values: Array, start: Array) -> Array:
-    """values [B, L, ...] into buffer [B, T, ...] at token offset `start`: a scalar (every row at once, one
-    `dynamic_update_slice`) or one offset per row [B] (a scatter of each row's L tokens, so a batched decode step
-    writes B tokens in place instead of rewriting whole buffers). The caller keeps start + L <= T: an update slice
-    clamps a write past the end, and the scatter drops it."""
+def write_tokens(buffer: Array, values: Array, start: Array, member: Array | None = None) -> Array:
+    """values [B, L, ...] into buffer [B, T, ...] (or into member `member` of a stack [members, B, T, ...]) at
+    token offset `start`: a scalar (every row at once, one `dynamic_update_slice`) or one offset per row [B] (a
+    scatter of each row's L tokens, so a batched decode step writes B tokens in place instead of rewriting whole
+    buffers). The caller keeps start + L <= T: an update slice clamps a write past the end, and the scatter drops
+    it."""
     values = values.astype(buffer.dtype)
     start = jnp.asarray(start, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    lead = () if member is None else (jnp.asarray(member, jnp.int32),)
     if start.ndim == 0:
-        index = (jnp.zeros((), jnp.int32), start) + (jnp.zeros((), jnp.int32),) * (buffer.ndim - 2)
-        return jax.lax.dynamic_update_slice(buffer, values, index)
+        index = lead + (zero, start) + (zero,) * (values.ndim - 2)
+        return jax.lax.dynamic_update_slice(buffer, values.reshape((1,) * len(lead) + values.shape), index)
     rows, length = values.shape[:2]
     positions = token_positions(start, length)  # [B, L]
     row_ids = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], positions.shape)
-    return buffer.at[row_ids, positions].set(values, mode="drop", unique_indices=True)
+    return buffer.at[lead + (row_ids, positions)].set(values, mode="drop", unique_indices=True)
 
 
-def update_kv_cache(cache: KVCache, k: Array, v: Array, start: Array) -> tuple[KVCache, Array]:
+def update_kv_cache(cache: KVCache | StackedKV, k: Array, v: Array, start: Array) -> tuple[KVCache | StackedKV, Array]:
     """Write k, v [B, L, H, D] at positions start..start+L-1 (`start` a scalar, or [B] per row: `write_tokens`);
-    returns the new cache and key positions [max_len].
+    returns the new cache (of the same kind: a `StackedKV` is written in its stack) and key positions [max_len].
 
     Slots not yet written sit at positions >= start + L, so the causal mask on absolute positions hides them.
     The caller keeps start + L <= max_len (size the cache for prompt + new tokens).
     """
+    if isinstance(cache, StackedKV):
+        new = StackedKV(write_tokens(cache.k_stack, k, start, cache.member),
+                        write_tokens(cache.v_stack, v, start, cache.member), cache.member)
+        return new, jnp.arange(cache.k_stack.shape[2], dtype=jnp.int32)
     new = KVCache(k=write_tokens(cache.k, k, start), v=write_tokens(cache.v, v, start))
     return new, jnp.arange(cache.k.shape[1], dtype=jnp.int32)
 

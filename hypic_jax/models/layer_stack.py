@@ -479,10 +479,17 @@ def map_layers(fn: Callable[[int, Any], Any], caches):
 
 
 def _member(stacked, g):
+    """Layer g's cache out of its pattern position's stacked caches: a view into the stack where the cache type
+    offers one (`member_view`, e.g. `base.KVCache`: written and read in place), else a copy of the member."""
+    if hasattr(stacked, "member_view"):
+        return stacked.member_view(g)
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, 0, keepdims=False), stacked)
 
 
 def _put_member(stacked, tree, g):
+    """The stack with layer g's new cache: a view's own stack (already written), else the member written back."""
+    if hasattr(tree, "stacked"):
+        return tree.stacked()
     return jax.tree.map(lambda a, t: jax.lax.dynamic_update_index_in_dim(a, t.astype(a.dtype), g, 0), stacked, tree)
 
 

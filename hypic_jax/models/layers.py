@@ -100,8 +100,8 @@ def grouped_swiglu_experts(
 ) -> Array:
     """Routed SwiGLU experts as two grouped matmuls over expert-sorted token copies (`_grouped_swiglu_experts`).
 
-    Under `jax.vmap` over tokens (the batched decode maps the single-request step over its rows) every row's tokens
-    go through one grouped matmul as one list of tokens: an expert that several rows pick is read once per step, not
+    Under `jax.vmap` over tokens (a forward mapped over rows of requests) every row's tokens go through one grouped
+    matmul as one list of tokens: an expert that several rows pick is read once per step, not
     once per row, and `ragged_dot` (no batching rule but over axis 0) never sees a batch axis. The tokens are
     independent, so this is the mapped function's own result; differentiation goes through the plain function.
     """
