@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxprs_in_params
 import numpy as np
 import pytest
 
@@ -108,7 +109,8 @@ def test_run_cached_forms():
 
 def test_expert_bank_in_the_grouped_matmul():
     """A scanned layer's experts as rows of the bank (`ExpertBank`), through the Pallas kernel (interpret mode)
-    and through ragged_dot, equal the layer's own experts."""
+    and through ragged_dot, equal the layer's own experts; so does a bank stored in chunks, whose chunk the kernel
+    chooses from a traced index (`grouped_matmul.ChunkedWeights`)."""
     rng = np.random.default_rng(0)
     repeats, experts, hidden, width, tokens, top = 3, 8, 32, 16, 12, 2
     gate_up = jnp.asarray(rng.normal(size=(repeats, experts, hidden, 2 * width)), jnp.float32)
@@ -120,8 +122,13 @@ def test_expert_bank_in_the_grouped_matmul():
     chunked = [ExpertChunks([w[:2], w[2:]], 2) for w in (gate_up, down)]
 
     @functools.partial(jax.jit, static_argnames="impl")
-    def traced(layer, banks, impl):  # a traced repeat index: the chunk is chosen by lax.switch
+    def traced(layer, banks, impl):  # a traced repeat index: the kernel reads the chunk, ragged_dot's copy switches
         return model_layers.grouped_swiglu_experts(x, weights, ids, *(ExpertBank(b, layer) for b in banks), impl=impl)
+
+    # the kernel chooses the chunk itself: no conditional in the program (on a GPU one waits for the host)
+    closed = jax.make_jaxpr(functools.partial(traced.__wrapped__, impl="pallas"))(jnp.int32(1), chunked)
+    outside = _primitives_outside_kernels(closed.jaxpr)
+    assert "pallas_call" in outside and "cond" not in outside
 
     for layer in range(repeats):
         want = model_layers.grouped_swiglu_experts(x, weights, ids, gate_up[layer], down[layer], impl="ragged")
@@ -137,6 +144,19 @@ def test_expert_bank_in_the_grouped_matmul():
     seen = []
     layer_stack.with_experts(lambda w, first: seen.append((w.shape, first)), ExpertBank(gate_up, 1), max_elements=10)
     assert seen == [(gate_up.shape[1:], 0)]
+
+
+def _primitives_outside_kernels(jaxpr) -> set[str]:
+    """Primitive names of a jaxpr and its sub-jaxprs, except inside Pallas kernels (whose `pl.when` are
+    conditionals of the kernel's own, on the device)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for sub in jaxprs_in_params(eqn.params):
+            names |= _primitives_outside_kernels(sub)
+    return names
 
 
 def _checkpoint(arch: str, folder):

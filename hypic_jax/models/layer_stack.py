@@ -213,14 +213,17 @@ def _flat_bank(bank):
     return bank.reshape((-1,) + tuple(bank.shape[2:]))
 
 
-def with_experts(fn: Callable, *weights, max_elements: int | None = None):
+def with_experts(fn: Callable, *weights, max_elements: int | None = None, chunked_fn: Callable | None = None):
     """fn(*flat_weights, first): the expert code `fn` given each of `weights` as one array [n * E, ...] and the
     offset `first` of this layer's expert 0 in them, without copying a bank.
 
     weights: expert arrays [E, ...] (first 0), or `ExpertBank`s of one layer (same repeat, banks chunked alike).
-    A bank stored as `ExpertChunks` runs `fn` on the chunk holding the layer (chosen statically for a static
-    index, else by `lax.switch`). A bank over one array with more than `max_elements` elements (None: no limit)
-    is copied out instead (`materialize`): only banks not built by `LayerStack.build` can be that large."""
+    A bank stored as `ExpertChunks` runs `fn` on the chunk holding the layer when the index is static; for a
+    traced index (a scan over layers) `chunked_fn(*chunks, chunk, first)` gets every chunk of each weight (tuples
+    of flat arrays) and the chunk to read, to choose inside its own code, and without `chunked_fn` `fn` runs on
+    the chunk chosen by `lax.switch` (a conditional: on a GPU the host waits to read its predicate). A bank over
+    one array with more than `max_elements` elements (None: no limit) is copied out instead (`materialize`):
+    only banks not built by `LayerStack.build` can be that large."""
     if not any(isinstance(w, ExpertBank) for w in weights):
         return fn(*weights, 0)
     if not all(isinstance(w, ExpertBank) for w in weights):
@@ -239,6 +242,9 @@ def with_experts(fn: Callable, *weights, max_elements: int | None = None):
     if static is not None:
         return fn(*[_flat_bank(c) for c in chunks[static // per]], (static % per) * experts)
     index = jnp.asarray(weights[0].index, jnp.int32)
+    if chunked_fn is not None:
+        return chunked_fn(*[tuple(_flat_bank(c) for c in w.bank.chunks) for w in weights], index // per,
+                          (index % per) * experts)
     branches = [lambda first, cs=cs: fn(*[_flat_bank(c) for c in cs], first) for cs in chunks]
     return jax.lax.switch(index // per, branches, (index % per) * experts)
 

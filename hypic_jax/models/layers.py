@@ -173,7 +173,7 @@ def _grouped_swiglu_experts(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
 
-        def routed(gate_up, down, first):
+        def routed(gate_up, down, first):  # arrays, or `gm.ChunkedWeights` (the kernel picks the chunk)
             block_expert = jnp.where(layout.block_expert >= 0, layout.block_expert + first, -1)
             if num_rows <= gm.FEW_ROWS_MAX:  # few copies (a PIC request's seams and query): the kernel gathers
                 # each block's token rows and applies the activation itself (long prefills keep the separate
@@ -184,7 +184,10 @@ def _grouped_swiglu_experts(
                 act = jax.nn.silu(gate) * up
             return gm.gmm(act, block_expert, down, config=config)[slot_rows]
 
-        per_slot = with_experts(routed, gate_up, down, max_elements=BANK_MAX_ELEMENTS)
+        def routed_chunks(gate_ups, downs, chunk, first):
+            return routed(gm.ChunkedWeights(gate_ups, chunk), gm.ChunkedWeights(downs, chunk), first)
+
+        per_slot = with_experts(routed, gate_up, down, max_elements=BANK_MAX_ELEMENTS, chunked_fn=routed_chunks)
     else:
         if isinstance(gate_up, ExpertBank):
             gate_up, down = gate_up.materialize(), down.materialize()

@@ -25,7 +25,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["BlockLayout", "GMMConfig", "FEW_ROWS_CONFIG", "ONE_HOT_ROUTING_MAX", "block_layout", "copy_layout",
+__all__ = ["BlockLayout", "ChunkedWeights", "GMMConfig", "FEW_ROWS_CONFIG", "ONE_HOT_ROUTING_MAX", "block_layout", "copy_layout",
            "default_config", "gmm", "default_interpret", "sorted_copies"]
 
 
@@ -146,27 +146,45 @@ def _ends_passed(ends: Array, length: int) -> Array:
     return jnp.cumsum(marks).astype(jnp.int32)
 
 
-def _gmm_kernel(expert_ref, *refs, block_k, num_k, gather, swiglu):
+class ChunkedWeights(NamedTuple):
+    """Expert weights stored as several arrays (`chunks`, each [E_c, K, N] with at most 2**31 - 1 elements, so the
+    kernel's int32 offsets reach every element) and `index`, the chunk that a call's expert ids index (an int32
+    scalar, traced inside a scan over layers). The kernel reads only that chunk: choosing it inside the kernel
+    instead of with `lax.switch` around the call keeps the program free of conditionals, which on a GPU wait for
+    the host to read their predicate (three per scanned step of a 40-layer MoE model)."""
+
+    chunks: tuple
+    index: Array
+
+
+def _gmm_kernel(expert_ref, *refs, block_k, num_k, gather, swiglu, chunks):
     """One (row block, column block): x rows @ the block's expert's weight columns, over K in block_k steps.
     gather: the first ref holds the block's source rows of x, which is then the whole unpadded x.
     swiglu: the weights come as a gate tile and the matching up tile (two refs); the block's output is
-    silu(x W_gate) * (x W_up), computed from the float32 accumulators."""
+    silu(x W_gate) * (x W_up), computed from the float32 accumulators.
+    chunks: the weights as that many chunks (a ref of the chunk index first, then each chunk's weight refs); only
+    the indexed chunk is read."""
+    chunk_ref, refs = (refs[0], refs[1:]) if chunks else (None, refs)
     rows_ref, x_ref, *w_refs, o_ref = refs if gather else (None, *refs)
     expert = jnp.sum(expert_ref[...])  # the block's expert as a scalar (a [1] tile summed: no register indexing)
     rows = rows_ref[...] if gather else slice(None)
     dims = (((1,), (0,)), ((), ()))
+    per_chunk = len(w_refs) // max(chunks, 1)
+    chunk = jnp.sum(chunk_ref[...]) if chunks else 0
 
-    @pl.when(expert >= 0)
-    def _():
+    def compute(refs):
         def body(t, accs):
             cols = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
             x = x_ref[rows, cols]
             return tuple(acc + lax.dot_general(x, w_ref[expert, cols, :], dims, preferred_element_type=jnp.float32)
-                         for acc, w_ref in zip(accs, w_refs))
+                         for acc, w_ref in zip(accs, refs))
 
-        accs = lax.fori_loop(0, num_k, body, tuple(jnp.zeros(o_ref.shape, jnp.float32) for _ in w_refs))
+        accs = lax.fori_loop(0, num_k, body, tuple(jnp.zeros(o_ref.shape, jnp.float32) for _ in refs))
         out = accs[0] * jax.nn.sigmoid(accs[0]) * accs[1] if swiglu else accs[0]
         o_ref[...] = out.astype(o_ref.dtype)
+
+    for c in range(max(chunks, 1)):
+        pl.when((expert >= 0) & (chunk == c))(functools.partial(compute, w_refs[c * per_chunk:(c + 1) * per_chunk]))
 
 
 def _tile(block: int, dim: int) -> int:
@@ -183,7 +201,7 @@ def _tile(block: int, dim: int) -> int:
 def gmm(
     x: Array,
     block_expert: Array,
-    weights: Array,
+    weights: Array | ChunkedWeights,
     *,
     config: GMMConfig = GMMConfig(),
     interpret: bool | None = None,
@@ -199,6 +217,7 @@ def gmm(
     MoE layer at a PIC request's shape, where x itself is 2.4 MB) and each column block would read it back.
     swiglu: weights are [E, K, 2I] fused [gate | up] and the result is silu(x W_gate) * (x W_up) [rows, I], the
     activation applied to the float32 accumulators: the [rows, 2I] product is never written and read back.
+    weights may be `ChunkedWeights`: the block experts then index the chunk `weights.index`.
     """
     if interpret is None:
         interpret = default_interpret()
@@ -207,7 +226,11 @@ def gmm(
         raise ValueError(f"gmm rows must be a vector of source rows, got shape {rows.shape}")
     rows_total = rows.shape[0] if gather else x.shape[0]  # padded rows
     k_dim = x.shape[1]
-    num_experts, k_w, n_dim = weights.shape
+    chunked = isinstance(weights, ChunkedWeights)
+    parts = tuple(weights.chunks) if chunked else (weights,)
+    if len({w.shape[1:] for w in parts}) != 1:
+        raise ValueError(f"gmm weight chunks must agree but in their experts, got {[w.shape for w in parts]}")
+    _, k_w, n_dim = parts[0].shape
     if swiglu:
         if n_dim % 2:
             raise ValueError(f"gmm swiglu needs fused [gate | up] weights of even width, got {weights.shape}")
@@ -218,26 +241,32 @@ def gmm(
     num_warps, num_stages = config.num_warps, config.num_stages
     if k_w != k_dim or rows_total != num_blocks * block_m or n_dim % block_n or k_dim % block_k:
         raise ValueError(
-            f"gmm shapes: x {x.shape} ({rows_total} padded rows), weights {weights.shape}, {num_blocks} blocks, "
-            f"block_n {block_n}, block_k {block_k}"
+            f"gmm shapes: x {x.shape} ({rows_total} padded rows), weights {[w.shape for w in parts]}, "
+            f"{num_blocks} blocks, block_n {block_n}, block_k {block_k}"
         )
-    kernel = functools.partial(_gmm_kernel, block_k=block_k, num_k=k_dim // block_k, gather=gather, swiglu=swiglu)
+    kernel = functools.partial(_gmm_kernel, block_k=block_k, num_k=k_dim // block_k, gather=gather, swiglu=swiglu,
+                               chunks=len(parts) if chunked else 0)
     n_blocks = n_dim // block_n
-    w_specs = [pl.BlockSpec((num_experts, k_dim, block_n), lambda i, j: (0, 0, j))]
-    if swiglu:  # the up tile is the gate tile's partner n_blocks column blocks further on
-        w_specs.append(pl.BlockSpec((num_experts, k_dim, block_n), lambda i, j: (0, 0, j + n_blocks)))
+    w_specs, w_args = [], []
+    for w in parts:
+        w_specs.append(pl.BlockSpec((w.shape[0], k_dim, block_n), lambda i, j: (0, 0, j)))
+        if swiglu:  # the up tile is the gate tile's partner n_blocks column blocks further on
+            w_specs.append(pl.BlockSpec((w.shape[0], k_dim, block_n), lambda i, j: (0, 0, j + n_blocks)))
+        w_args += [w.astype(x.dtype)] * (2 if swiglu else 1)
     if gather:
         x_specs = [pl.BlockSpec((block_m,), lambda i, j: (i,)), pl.BlockSpec(x.shape, lambda i, j: (0, 0))]
         x_args = [rows.astype(jnp.int32), x]
     else:
         x_specs, x_args = [pl.BlockSpec((block_m, k_dim), lambda i, j: (i, 0))], [x]
+    chunk_specs, chunk_args = ([pl.BlockSpec((1,), lambda i, j: (0,))],
+                               [jnp.reshape(weights.index, (1,)).astype(jnp.int32)]) if chunked else ([], [])
     return pl.pallas_call(
         kernel,
         grid=(num_blocks, n_blocks),
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)), *x_specs, *w_specs],
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (i,)), *chunk_specs, *x_specs, *w_specs],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((rows_total, n_dim), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="moe_grouped_matmul",
-    )(block_expert.astype(jnp.int32), *x_args, *[weights.astype(x.dtype)] * len(w_specs))
+    )(block_expert.astype(jnp.int32), *chunk_args, *x_args, *w_args)
