@@ -28,8 +28,10 @@ layer's bytes.
 The grouped-matmul kernel addresses its weights with int32 element offsets, so no bank may hold 2^31 elements or
 more (the 35B-A3B shape's ten repeats of 256 experts hold 5.4e9). `LayerStack.build` stores such a position's
 experts as chunks of whole repeats (`ExpertChunks`), each a separate array under the limit, and `with_experts`
-runs the expert code on the chunk that holds the step's layer (a `lax.switch`: every branch reads its chunk in
-place, so nothing is copied and the body still compiles once, with one kernel launch per chunk).
+hands the expert code every chunk and the index of the one holding the step's layer: the grouped matmul reads
+that chunk in place (`grouped_matmul.ChunkedWeights`), so nothing is copied and the program has no conditional
+(a `lax.switch` over the chunks would make the GPU wait for the host three times per scanned step). Expert code
+that cannot choose a chunk itself runs under a `lax.switch`.
 """
 
 from __future__ import annotations
