@@ -375,7 +375,7 @@ def _sample_rows(logits, sampling: SamplingRows, top_n: int):
     return ids, chosen, top_ids, top_logprobs
 
 
-def row_axes(layers):
+def _row_axes(layers):
     """Per leaf of a decode cache (a `LayerStack` or a tuple of per-layer caches), its batch (row) axis: 1 in a
     stacked part of a `LayerStack` (the layers come first), else 0."""
     if isinstance(layers, LayerStack):
@@ -390,7 +390,7 @@ def _insert(slots, row, layers, logits, sampling, *, top_n):
     the batched cache (the same form with `max_batch` rows); sample its first token."""
     slots = jax.tree.map(lambda full, one, axis: jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype),
                                                                                      row, axis=axis),
-                         slots, layers, row_axes(slots))
+                         slots, layers, _row_axes(slots))
     return (*_sample_rows(logits[None], sampling, top_n), slots)
 
 
@@ -399,9 +399,10 @@ def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, row
     batch of `rows` one-token rows with per-row positions (`ModelCache.length` of shape [rows]: keys and values
     are written by a scatter of one token per row, and attention reads each row's cache in place), then per-row
     sampling. Rows never mix: every operation is per row or per token."""
-    axes = row_axes(slots)
-    part = slots if rows == jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]] else jax.tree.map(
-        lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis), slots, axes)
+    axes = _row_axes(slots)
+    capacity = jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]]  # max_batch
+    part = slots if rows == capacity else jax.tree.map(lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis),
+                                                       slots, axes)
     logits, cache = arch.forward(params, config, tokens[:, None], cache=ModelCache(part, lengths))
     slots = jax.tree.map(lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype),
                                                                                      0, axis=axis),
@@ -548,7 +549,7 @@ class StableEngine(Engine):
 
     def _slot_shapes(self):
         """The batched decode cache: a request's decode caches (stacked ones too) with `max_batch` rows on each
-        leaf's batch axis (`row_axes`)."""
+        leaf's batch axis (`_row_axes`)."""
         layers = self._decode_shapes().layers
 
         def widen(s, axis):
@@ -556,7 +557,7 @@ class StableEngine(Engine):
             shape[axis] = self.max_batch
             return jax.ShapeDtypeStruct(tuple(shape), s.dtype)
 
-        return jax.tree.map(widen, layers, row_axes(layers))
+        return jax.tree.map(widen, layers, _row_axes(layers))
 
     def warmup(self, max_prompt_tokens: int | None = None, max_segments: int | None = None, *,
                progress: bool = True) -> dict:
