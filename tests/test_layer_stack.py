@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ import pytest
 
 from hypic_jax.engine import Engine
 from hypic_jax.models import layers as model_layers
-from hypic_jax.models import layer_stack
+from hypic_jax.models import base, layer_stack
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.layer_stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
 from hypic_jax.runtime import TOP_LOGPROBS, ProgramKey, SamplingRows, StableEngine, stack_layers
@@ -144,6 +145,20 @@ def test_expert_bank_in_the_grouped_matmul():
     seen = []
     layer_stack.with_experts(lambda w, first: seen.append((w.shape, first)), ExpertBank(gate_up, 1), max_elements=10)
     assert seen == [(gate_up.shape[1:], 0)]
+
+
+def _instructions(text: str) -> tuple[dict[str, str], list[tuple[str, str, str | None]]]:
+    """A compiled program's HLO text: (instruction name -> its array shape "[d0,d1,...]", and per instruction
+    (opcode, shape, name of its second operand))."""
+    shapes, ops = {}, []
+    for line in text.splitlines():
+        found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = \w+(\[[\d,]*\])\S* ([\w\-]+)\(([^)]*)\)", line)
+        if found:
+            name, shape, op, operands = found.groups()
+            shapes[name] = shape
+            names = re.findall(r"%([\w.\-]+)", operands)
+            ops.append((op, shape, names[1] if len(names) > 1 else None))
+    return shapes, ops
 
 
 def _primitives_outside_kernels(jaxpr) -> set[str]:
@@ -338,6 +353,22 @@ def test_decode_programs_scan(decode_engines):
     for kind, tokens, shape in kinds:
         assert _cache_loops(scanned, kind, tokens, shape) == 1, kind
         assert _cache_loops(unrolled, kind, tokens, shape) == 0, kind
+    # the keys and values stay in their stacks: none is copied whole, and in the batched step none has a whole
+    # layer's cache written back into it, only the new tokens (`base.StackedKV`; one row's layer is copied out
+    # and back, a few MB)
+    slots = scanned._slot_shapes()
+    stacked_kv = [leaf for p, part in enumerate(slots.parts) if scanned.plan.members(p) > 1
+                  and isinstance(part, base.KVCache) for leaf in (part.k, part.v)]
+    assert stacked_kv or arch == "kimi", arch  # Kimi's attention caches are MLA latents, copied per layer
+    for kind, rows in (("batch", 2), ("decode", 1)):
+        shapes, writes = _instructions(scanned.programs.get(ProgramKey(kind, rows, scanned.max_keys)).as_text())
+        for leaf in stacked_kv:
+            stack = leaf.shape if kind == "batch" else (leaf.shape[0], 1) + leaf.shape[2:]
+            member = "[" + ",".join(map(str, (1,) + stack[1:])) + "]"
+            stack = "[" + ",".join(map(str, stack)) + "]"
+            assert not [op for op, shape, _ in writes if op == "copy" and shape == stack], (arch, kind)
+            assert kind == "decode" or not [op for op, shape, update in writes if op == "dynamic-update-slice"
+                                            and shape == stack and shapes.get(update) == member], (arch, kind)
 
 
 def test_engine_runs_stacked_layers(tmp_path):

@@ -34,10 +34,12 @@ class KVCache:
     k: Array
     v: Array
 
-    def member_view(self, member: Array) -> "StackedKV":
+    def member_view(self, member: Array) -> "StackedKV | None":
         """This cache as a stack of several layers' caches ([members, B, max_len, H_kv, D], as a scan over
-        layers carries them), seen as the cache of layer `member` (`layer_stack.run_cached`)."""
-        return StackedKV(self.k, self.v, member)
+        layers carries them), seen as the cache of layer `member` (`layer_stack.run_cached`); None for a stack of
+        one row, whose member is cheaper to copy out and back: XLA folds the row's single-token scatter into an
+        update slice, and the member's slice that attention reads then costs a copy of the whole stack."""
+        return StackedKV(self.k, self.v, member) if self.k.shape[1] > 1 else None
 
 
 @jax.tree_util.register_dataclass
@@ -106,14 +108,16 @@ def write_tokens(buffer: Array, values: Array, start: Array, member: Array | Non
     it."""
     values = values.astype(buffer.dtype)
     start = jnp.asarray(start, jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
-    lead = () if member is None else (jnp.asarray(member, jnp.int32),)
-    if start.ndim == 0:
-        index = lead + (zero, start) + (zero,) * (values.ndim - 2)
-        return jax.lax.dynamic_update_slice(buffer, values.reshape((1,) * len(lead) + values.shape), index)
+    if start.ndim == 0 and member is None:
+        index = (jnp.zeros((), jnp.int32), start) + (jnp.zeros((), jnp.int32),) * (values.ndim - 2)
+        return jax.lax.dynamic_update_slice(buffer, values, index)
+    # a scatter also for one start into a stack: an update slice there is fused into the member's slice that
+    # attention reads, which then reads the stack from before its in-place update, and XLA copies the whole stack
+    # to allow it (twice per layer and step in the CPU HLO); a scatter is never fused into its readers
     rows, length = values.shape[:2]
-    positions = token_positions(start, length)  # [B, L]
+    positions = jnp.broadcast_to(token_positions(start, length), (rows, length))  # [B, L]
     row_ids = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], positions.shape)
+    lead = () if member is None else (jnp.asarray(member, jnp.int32),)
     return buffer.at[lead + (row_ids, positions)].set(values, mode="drop", unique_indices=True)
 
 

@@ -488,9 +488,11 @@ def map_layers(fn: Callable[[int, Any], Any], caches):
 
 def _member(stacked, g):
     """Layer g's cache out of its pattern position's stacked caches: a view into the stack where the cache type
-    offers one (`member_view`, e.g. `base.KVCache`: written and read in place), else a copy of the member."""
-    if hasattr(stacked, "member_view"):
-        return stacked.member_view(g)
+    offers one (`member_view`, e.g. a `base.KVCache` of several rows: written and read in place), else a copy of
+    the member."""
+    view = stacked.member_view(g) if hasattr(stacked, "member_view") else None
+    if view is not None:
+        return view
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, 0, keepdims=False), stacked)
 
 
