@@ -102,10 +102,10 @@ def cache_positions(cache: ModelCache | None, length: int) -> Array:
 
 def write_tokens(buffer: Array, values: Array, start: Array, member: Array | None = None) -> Array:
     """values [B, L, ...] into buffer [B, T, ...] (or into member `member` of a stack [members, B, T, ...]) at
-    token offset `start`: a scalar (every row at once, one `dynamic_update_slice`) or one offset per row [B] (a
-    scatter of each row's L tokens, so a batched decode step writes B tokens in place instead of rewriting whole
-    buffers). The caller keeps start + L <= T: an update slice clamps a write past the end, and the scatter drops
-    it."""
+    token offset `start`: a scalar (every row at once: one `dynamic_update_slice`, or a scatter into a stack) or
+    one offset per row [B] (a scatter of each row's L tokens, so a batched decode step writes B tokens in place
+    instead of rewriting whole buffers). The caller keeps start + L <= T: an update slice clamps a write past the
+    end, and the scatter drops it."""
     values = values.astype(buffer.dtype)
     start = jnp.asarray(start, jnp.int32)
     if start.ndim == 0 and member is None:
