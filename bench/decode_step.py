@@ -114,18 +114,18 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-rows", type=int, nargs="*", default=[16])
     parser.add_argument("--few-query-rows", type=int, nargs="*", default=None,
                         help="attention.FEW_QUERY_ROWS per variant, timed one after the other in this process (0: "
-                             "every decode attention as batched matrix products); default: the package's")
+                             "every decode attention as batched matrix products); default: the backend's")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
     if args.small:
         args.length = min(args.length, 200)
     model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
-    variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
+    variants = args.few_query_rows if args.few_query_rows else [None]
     reports = []
     for few in variants:
         attention.FEW_QUERY_ROWS = few  # read when the programs are traced
-        reports.append(measure(args, model, config, label=f"few_query_rows={few}"))
+        reports.append(measure(args, model, config, label=f"few_query_rows={attention.few_query_rows()}"))
     report = reports[0] if len(reports) == 1 else dict(variants=reports)
     print(json.dumps(report))
     if args.json:

@@ -13,8 +13,18 @@ from jax import Array
 # Query rows per block when a mask is materialised: bounds the [B, H, block, Lk] logits of long masked prefills.
 MASKED_QUERY_BLOCK = 512
 # At most this many query rows (a decode step) attend through `_few_query_attention`, which reads the keys and
-# values in their cache layout instead of transposing them for a batched matrix product.
-FEW_QUERY_ROWS = 4
+# values in their cache layout instead of transposing them for a batched matrix product. None: 4 on a GPU (the
+# H200 trace of a batched decode step shows whole caches transposed: bench/RESULTS.md, "decode_step.py"), 0
+# elsewhere (the CPU's dot reads the cache as it lies and is faster there: `python bench/decode_step.py --small
+# --few-query-rows 4 0`). An int chooses on every backend.
+FEW_QUERY_ROWS: int | None = None
+
+
+def few_query_rows() -> int:
+    """The query rows up to which attention takes `_few_query_attention` on this backend (`FEW_QUERY_ROWS`)."""
+    if FEW_QUERY_ROWS is not None:
+        return FEW_QUERY_ROWS
+    return 4 if jax.default_backend() == "gpu" else 0
 
 
 def _cudnn_eligible(q: Array) -> bool:
@@ -51,7 +61,7 @@ def dot_product_attention(
     batch, q_len = q.shape[:2]
     q_pos = jnp.broadcast_to(q_positions, (batch, q_len))
     k_pos = jnp.broadcast_to(k_positions, (batch, k.shape[1]))
-    if q_len <= FEW_QUERY_ROWS:
+    if q_len <= few_query_rows():
         return _few_query_attention(q, k, v, scale, q_pos, k_pos)
 
     def block(q_block, q_pos_block):

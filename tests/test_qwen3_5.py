@@ -103,14 +103,16 @@ def test_rows_at_their_own_positions(checkpoints, kind):
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 40), st.sampled_from([(4, 2), (6, 3), (2, 2)]),
        st.integers(0, 2**31 - 1))
 def test_few_query_attention_matches_a_float64_reference(batch, q_len, keys, heads, seed):
-    """The decode path (at most FEW_QUERY_ROWS query rows: products and sums over the cache layout) equals masked
-    GQA softmax attention in float64, with per-row query positions and empty slots (negative key positions)."""
+    """The decode path (a few query rows: products and sums over the cache layout) and whichever path the backend
+    takes equal masked GQA softmax attention in float64, with per-row query positions and empty slots (negative
+    key positions)."""
     rng = np.random.default_rng(seed)
     hq, hkv = heads
     q = rng.standard_normal((batch, q_len, hq, 8)).astype(np.float32)
     k, v = rng.standard_normal((2, batch, keys, hkv, 8)).astype(np.float32)
     k_pos = np.where(rng.random((batch, keys)) < 0.15, -1, np.arange(keys)[None]).astype(np.int32)
     q_pos = (rng.integers(0, keys, (batch, 1)) + np.arange(q_len)[None]).astype(np.int32)
+    few = np.asarray(attention._few_query_attention(q, k, v, 0.3, q_pos, k_pos))
     got = np.asarray(attention.dot_product_attention(q, k, v, scale=0.3, q_positions=q_pos, k_positions=k_pos))
     group = hq // hkv
     want = np.zeros(q.shape)
@@ -124,7 +126,8 @@ def test_few_query_attention_matches_a_float64_reference(batch, q_len, keys, hea
                 s = 0.3 * k[b, seen, h // group].astype(np.float64) @ q[b, i, h].astype(np.float64)
                 p = np.exp(s - s.max())
                 want[b, i, h] = (p / p.sum()) @ v[b, seen, h // group].astype(np.float64)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(few, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # the backend's choice of path
 
 
 def test_masked_attention_in_query_blocks(monkeypatch):
