@@ -130,13 +130,10 @@ class Cluster:
     def read(self, key: str, timeout_s: float | None = None) -> Any:
         """The value under `key`, waiting up to `timeout_s` (default: the cluster's); ClusterError past it."""
         seconds = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            return json.loads(self.client.blocking_key_value_get(f"{PREFIX}/{key}", max(1, int(1000 * seconds))))
-        except Exception as error:  # noqa: BLE001
-            if _status(error) == "DEADLINE_EXCEEDED":
-                raise ClusterError(f"no value for {key!r} within {seconds:g} s") from error
-            raise ClusterError(f"cannot read {key!r}: the coordination service (process 0) is unreachable "
-                               f"({_short(error)})") from error
+        found, value = self.poll(key, seconds)
+        if not found:
+            raise ClusterError(f"no value for {key!r} within {seconds:g} s")
+        return value
 
     def poll(self, key: str, timeout_s: float) -> tuple[bool, Any]:
         """(True, value) once `key` holds one within `timeout_s`, else (False, None); ClusterError when the

@@ -26,7 +26,7 @@ request's first token; `slot_decode` runs one step of rows [0, b) for a batch bu
 `max_batch`), every row at its own position, and samples each row on the device from its own parameters
 (`SamplingRows`), so only the sampled ids (and the log-probabilities, when read) leave the device. The step is the
 model's own forward over a batch of one-token rows, each at its own position (`ModelCache.length` per row): rows
-never mix, and each row's cache is read in place and written one token at a time.
+never mix, and each row's cache is written one token at a time (and on a GPU read in place, `attention`).
 
 Architectures provide `pool_layout(config, dtype)` and `span_forward_arrays(...)` (see `models/qwen3_5.py`).
 """
@@ -397,8 +397,7 @@ def _insert(slots, row, layers, logits, sampling, *, top_n):
 def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, rows, top_n):
     """One decode step of rows [0, rows) of the batched cache, each at its own length: the model's forward over a
     batch of `rows` one-token rows with per-row positions (`ModelCache.length` of shape [rows]: keys and values
-    are written by a scatter of one token per row, and attention reads each row's cache in place), then per-row
-    sampling. Rows never mix: every operation is per row or per token."""
+    are written by a scatter of one token per row), then per-row sampling. Rows never mix: every operation is per row or per token."""
     axes = _row_axes(slots)
     capacity = jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]]  # max_batch
     part = slots if rows == capacity else jax.tree.map(lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis),
