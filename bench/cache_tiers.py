@@ -140,8 +140,7 @@ def forms(models, requests, base, seam: int, layers: int) -> dict:
             if donors:
                 engine.programs._compiled.update(next(iter(donors.values())).programs._compiled)
             if storage in donors:
-                engine.mover._gather.update(donors[storage].mover._gather)
-                engine.mover._scatter.update(donors[storage].mover._scatter)
+                engine.mover.adopt(donors[storage].mover)
             engine.warmup(progress=False)
             donors.setdefault(storage, engine)
             deviations, stored, tokens, heads = [], 0, 0, [0, 0]
@@ -313,8 +312,7 @@ def main(argv=None) -> None:
                                 tier_transfer_tol=args.transfer_tol)
             if donor is not None:  # the same pool shapes: the first engine's compiled programs serve every engine
                 made.programs._compiled.update(donor.programs._compiled)
-                made.mover._gather.update(donor.mover._gather)
-                made.mover._scatter.update(donor.mover._scatter)
+                made.mover.adopt(donor.mover)
             made.warmup(progress=False)
             donor = donor or made
             return made

@@ -114,14 +114,14 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-rows", type=int, nargs="*", default=[16])
     parser.add_argument("--few-query-rows", type=int, nargs="*", default=None,
                         help="attention.FEW_QUERY_ROWS per variant, timed one after the other in this process (0: "
-                             "every decode attention as batched matrix products); default: the backend's")
+                             "every decode attention as batched matrix products); default: attention.FEW_QUERY_ROWS")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
     if args.small:
         args.length = min(args.length, 200)
     model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
-    variants = args.few_query_rows if args.few_query_rows else [None]
+    variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
     reports = []
     for few in variants:
         attention.FEW_QUERY_ROWS = few  # read when the programs are traced

@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="CPU smoke size")
     parser.add_argument("--rates", type=float, nargs="+", default=None,
                         help="arrival rates per second (default 1 to 32; --small: 0.5 to 16)")
+    parser.add_argument("--mode-rates", nargs="+", default=[], metavar="MODE=R1,R2,...",
+                        help="rates of one mode instead of --rates (e.g. prefix_cache=4,5,6)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--pool", type=int, default=200, help="documents in the pool")
@@ -173,6 +175,12 @@ def main() -> None:
         load = load + ["--dtype", "float32"]
         args.docs_per_request, args.doc_tokens, args.query_tokens, args.max_tokens, args.max_batch = 4, 64, 16, 16, 8
     args.rates = args.rates or [1, 2, 4, 8, 16, 32]
+    mode_rates = {}
+    for item in args.mode_rates:
+        mode, _, rates = item.partition("=")
+        if mode not in MODES or not rates:
+            raise SystemExit(f"--mode-rates takes MODE=R1,R2,... with MODE one of {MODES}, got {item!r}")
+        mode_rates[mode] = [float(r) for r in rates.split(",")]
     prompt = args.docs_per_request * args.doc_tokens + args.query_tokens
     rungs = sorted(args.token_rungs or [1 << (prompt - 1).bit_length()])
     if rungs[-1] < prompt:
@@ -190,8 +198,11 @@ def main() -> None:
         start = time.perf_counter()
         while True:
             try:
-                if httpx.get(f"{base}/health").status_code == 200:
+                health = httpx.get(f"{base}/health")
+                if health.status_code == 200:
                     break
+                if health.status_code == 500:
+                    raise SystemExit(f"the server's warmup failed: {health.json().get('error')}")
             except httpx.TransportError:
                 pass
             if server.poll() is not None:
@@ -206,7 +217,7 @@ def main() -> None:
             if args.warm_pool:
                 seconds = asyncio.run(warm_pool(args, base, mode, vocab, salt=mode))
                 print(f"{mode}: {args.pool} pool documents sent once in {seconds:.1f} s (untimed)", flush=True)
-            for rate in args.rates:
+            for rate in mode_rates.get(mode, args.rates):
                 salt = mode if args.warm_pool else f"{mode}-{rate}"
                 row = asyncio.run(run_rate(args, base, mode, rate, vocab, salt=salt))
                 rows.append(row)

@@ -13,18 +13,15 @@ from jax import Array
 # Query rows per block when a mask is materialised: bounds the [B, H, block, Lk] logits of long masked prefills.
 MASKED_QUERY_BLOCK = 512
 # At most this many query rows (a decode step) attend through `_few_query_attention`, which reads the keys and
-# values in their cache layout instead of transposing them for a batched matrix product. None: 4 on a GPU (the
-# H200 trace of a batched decode step shows whole caches transposed: bench/RESULTS.md, "decode_step.py"), 0
-# elsewhere (the CPU's dot reads the cache as it lies and is faster there: `python bench/decode_step.py --small
-# --few-query-rows 4 0`). An int chooses on every backend.
-FEW_QUERY_ROWS: int | None = None
+# values in their cache layout instead of as a batched matrix product. 0 (off) by default: a batched decode step of
+# the 35B-A3B shape is faster as matrix products on the H200 as well as on the CPU (`python bench/decode_step.py
+# --few-query-rows 4 0`, bench/RESULTS.md "decode_step.py"). An int turns it on up to that many rows.
+FEW_QUERY_ROWS: int = 0
 
 
 def few_query_rows() -> int:
-    """The query rows up to which attention takes `_few_query_attention` on this backend (`FEW_QUERY_ROWS`)."""
-    if FEW_QUERY_ROWS is not None:
-        return FEW_QUERY_ROWS
-    return 4 if jax.default_backend() == "gpu" else 0
+    """The query rows up to which attention takes `_few_query_attention` (`FEW_QUERY_ROWS`)."""
+    return FEW_QUERY_ROWS
 
 
 def _cudnn_eligible(q: Array) -> bool:

@@ -26,7 +26,7 @@ request's first token; `slot_decode` runs one step of rows [0, b) for a batch bu
 `max_batch`), every row at its own position, and samples each row on the device from its own parameters
 (`SamplingRows`), so only the sampled ids (and the log-probabilities, when read) leave the device. The step is the
 model's own forward over a batch of one-token rows, each at its own position (`ModelCache.length` per row): rows
-never mix, and each row's cache is written one token at a time (and on a GPU read in place, `attention`).
+never mix, and each row's cache is written one token at a time.
 
 Architectures provide `pool_layout(config, dtype)` and `span_forward_arrays(...)` (see `models/qwen3_5.py`).
 """
@@ -519,6 +519,8 @@ class StableEngine(Engine):
         self.programs = Programs(self)
         self._device_lock = threading.RLock()
         self._unstored: list[Entry] = []
+        # key -> (entry, tr.Transfer, tr.Pieces, tier): this request's promotions not yet written into the pools
+        self._promoting: dict[str, tuple] = {}
         self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.segment_mesh`); None: one device
         if devices is not None:
             from hypic_jax.segment_mesh import SegmentMesh
@@ -692,6 +694,7 @@ class StableEngine(Engine):
         start = time.perf_counter()
         with self._device_lock, self.cache.pinned() as pins:
             self._unstored = []  # given pool room by this request; freed if it fails before storing
+            self._promoting = {}
             try:
                 plan = self._plan(mode, ids, seam, cache_salt, pins, total)
                 cold_s = time.perf_counter() - start
@@ -703,6 +706,9 @@ class StableEngine(Engine):
                 tokens = np.concatenate(ids).tolist()  # while the program runs
                 logits = np.asarray(logits)
             finally:
+                for _, _, pieces, tier in self._promoting.values():  # a failed request's promotions go back
+                    self.tiers.give_back(pieces, tier)
+                self._promoting = {}
                 for entry in self._unstored:
                     self.pools.free(entry.slot, entry.rows)
                 self._unstored = []
@@ -728,6 +734,7 @@ class StableEngine(Engine):
     def _plan_prefix_stable(self, ids, salt, pins):
         docs, query = ids[:-1], ids[-1]
         keys, hits = self._prefix_hits(docs, ids, salt, pins)
+        self._finish_promotions()
         spans, fresh, stores, position = [], [], [], 0
         for j, doc in enumerate(docs):
             if j < len(hits):
@@ -768,6 +775,7 @@ class StableEngine(Engine):
         cold_tokens = 0
         if missing:  # one packed, isolated prefill of every missing segment, recording its entry
             cold_tokens = self._prefill_missing(missing, docs, seams, pins, entries, keys)
+        self._finish_promotions()  # after the cold prefill was issued: the promotions' copies overlap with it
         spans, fresh = [], []
         for i, (doc, w) in enumerate(zip(docs, seams)):
             if w:
@@ -943,7 +951,12 @@ class StableEngine(Engine):
                         self.cost.observe(lengths, time.perf_counter() - start)
 
     def _find(self, key: str, tokens, pins, *, kind: str, seam: int) -> Entry | None:
-        """The pinned device entry under `key`, promoted from the host or disk tier when it is there."""
+        """The pinned device entry under `key`, promoted from the host or disk tier when it is there. A promotion's
+        copy is issued here and written into the pools by `_finish_promotions`, which the request calls after it
+        issued its cold prefill (so the copy overlaps with it); until then the entry is this request's alone."""
+        promoting = self._promoting.get(key)
+        if promoting is not None:
+            return pins.add(promoting[0])
         entry = self.cache.lookup(key, tokens)
         if entry is not None:
             return pins.add(entry)
@@ -965,13 +978,27 @@ class StableEngine(Engine):
                       nbytes=self.pools.entry_bytes(pieces.length), slot=slot, rows=rows, uses=pieces.uses)
         self._unstored.append(entry)
         pins.add(entry)
-        with self.pools.lock:  # issued while planning: the copy overlaps with what the request does next
-            self._write_pools(self.mover.scatter, slot, rows, pieces.arrays, pieces.kept)
-        self.cache.insert(entry)
-        self._unstored.remove(entry)
-        if self.disk_write_through:
-            self.tiers.persist(pieces)
+        try:
+            transfer = self.mover.transfer(self.mover.stage(pieces), slot, rows)
+        except Exception:
+            self.tiers.give_back(pieces, tier)
+            raise
+        self._promoting[key] = (entry, transfer, pieces, tier)
         return entry
+
+    def _finish_promotions(self) -> None:
+        """Write the promotions `_find` issued into the pools and make their entries visible to later requests."""
+        while self._promoting:  # one at a time: a failure leaves the rest to `prefill`, which gives them back
+            key = next(iter(self._promoting))
+            entry, transfer, pieces, _ = self._promoting[key]
+            with self.pools.lock:
+                for program, args in self.mover.scatter_programs(self._pool_arrays(), transfer):
+                    self._write_pools(program, *args)
+            del self._promoting[key]
+            self.cache.insert(entry)
+            self._unstored.remove(entry)
+            if self.disk_write_through:
+                self.tiers.persist(pieces)
 
     def _pieces(self, entry: Entry) -> tr.Pieces:
         with self.pools.lock:
@@ -980,9 +1007,9 @@ class StableEngine(Engine):
 
     def _stored_pieces(self, entry: Entry, started) -> tr.Pieces:
         """`entry` off the device, from `Mover.gather_start`'s handle (waits for the transfer)."""
-        arrays, kept = self.mover.gather_finish(started)
+        arrays, kept, staged = self.mover.gather_finish(started)
         return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
-                         uses=entry.uses, kept=kept)
+                         uses=entry.uses, kept=kept, staged=staged)
 
     # at most this many demotions in flight (each holds its entry's copy in device memory until it reaches the host)
     MAX_PENDING_DEMOTIONS = 8

@@ -1,10 +1,11 @@
 """Cache tiers below the device pools: host memory, then disk; the cost model and the eviction policy.
 
-An entry evicted from the device pools is demoted: its slot's pieces and its token rows are copied to host numpy
-arrays (`Mover.gather`) and kept in the host tier; the host tier's evictions go to disk, one file per entry. A hit
-in a lower tier promotes the entry back into the pools (`Mover.scatter`). The copies are compiled programs, one
-pair per bucket of whole pages (powers of two up to the longest entry), so no entry size compiles anything after
-warmup.
+An entry evicted from the device pools is demoted: its slot's pieces and its token rows are copied to the host in
+one buffer (`Mover.gather`) and kept in the host tier; the host tier's evictions go to disk, one file per entry. A
+hit in a lower tier promotes the entry back into the pools: its buffer goes to the device in one transfer, issued
+while the request plans, and is written into the pools after the request's cold prefill was issued, so the copy
+overlaps with it (`Mover.transfer`, `Mover.scatter_programs`). The copies are compiled programs, one pair per bucket
+of whole pages (powers of two up to the longest entry), so no entry size compiles anything after warmup.
 
 Host tier: exclusive (a promoted entry leaves it). Disk tier: inclusive (a promoted entry's file stays, so a
 restarted process finds it; demoting an entry whose file exists writes nothing).
@@ -257,6 +258,9 @@ class Pieces:
     # leaf index -> the heads stored of a dense transfer leaf (increasing int16); its array holds those heads only,
     # the others were negligible (`Mover`'s transfer_tol) and come back as zeros
     kept: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # the buffers `arrays` and `kept` are views of, when the entry came off the device (`Mover.gather`): what a
+    # promotion sends as it is
+    staged: "Staged | None" = None
 
     @property
     def length(self) -> int:
@@ -264,6 +268,8 @@ class Pieces:
 
     @property
     def nbytes(self) -> int:
+        if self.staged is not None:
+            return self.staged.nbytes
         return int(sum(a.nbytes for a in self.arrays) + sum(k.nbytes for k in self.kept.values()))
 
 
@@ -284,11 +290,56 @@ def compact_form(dtype: str | None, transfer_tol: float | None) -> str:
     return form if transfer_tol is None else f"{form}+t<={transfer_tol:g}"
 
 
-class Mover:
-    """Compiled copies of one entry between the device pools and host arrays.
+@dataclasses.dataclass
+class Staged:
+    """An entry in the form its promotion sends (`Mover.stage`): one byte buffer of every piece at the static
+    offsets of its bucket (token rows padded to the bucket), and the kept heads of the droppable T leaves as rows of
+    one array, with the stored leaf and head each row belongs to (padded to a power of two with leaf -1)."""
 
-    Token rows are padded to a bucket of whole pages (1, 2, 4, ... pages, up to the longest entry), so the
-    programs are one gather and one scatter per bucket, compiled by `compile` (the engine's warmup).
+    bucket: int
+    main: np.ndarray  # uint8 [Mover.main_bytes(bucket)]
+    heads: np.ndarray | None = None  # [hb, *head shape] in the T leaves' stored dtype
+    head_leaf: np.ndarray | None = None  # int32 [hb]
+    head_id: np.ndarray | None = None  # int32 [hb]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.main.nbytes + (0 if self.heads is None else self.heads.nbytes + 8 * len(self.heads)))
+
+
+@dataclasses.dataclass
+class Transfer:
+    """A promotion in flight (`Mover.transfer`): its buffers sent to the device, the rows they go to."""
+
+    bucket: int
+    slot: np.ndarray  # int32 scalar
+    rows: np.ndarray  # int32 [bucket pages * page], DROP past the entry
+    main: Any  # the device copy of `Staged.main`
+    heads: tuple | None  # (heads, rows [droppable outputs, hb], head ids), on the device
+
+
+def _as_bytes(x):
+    """A device array's bytes, flat uint8 (bitcast: no conversion)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b, dtype, shape):
+    """`_as_bytes`'s inverse for one piece."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(b, dtype).reshape(shape)
+    return jax.lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype).reshape(shape)
+
+
+class Mover:
+    """Compiled copies of one entry between the device pools and the host, in one buffer each way.
+
+    An entry has one piece per pooled leaf and layer (hundreds at the 35B-A3B shape); copying each on its own costs
+    a fixed overhead per array that dominates the copy at these sizes. So the gather program writes every piece's
+    bytes into one uint8 buffer at static offsets (`Staged`), the host keeps that buffer as the entry (its pieces
+    are views into it, `views`), and a promotion sends it back as one transfer (`transfer`) that a scatter program
+    cuts up on the device. Token rows are padded to a bucket of whole pages (1, 2, 4, ... pages, up to the longest
+    entry), so the programs are one gather and one scatter per bucket, compiled by `compile` (the engine's warmup).
 
     Compact forms (`bench/cache_tiers.py --forms` measures their bytes and deviation):
     - compact: a dtype name ("bfloat16") in which every float32 piece (the linear layers' T and S, float32 K/V and
@@ -298,7 +349,9 @@ class Mover:
       T_h multiplies the state entering the segment, so dropping it changes that head's state by at most
       K * transfer_tol * max|S_in|; a gated head's T shrinks with its accumulated decay (||T_h||_2 <= prod alpha_t
       for Gated DeltaNet), which underflows to exactly 0 over a few hundred tokens for fast-forgetting heads, so
-      0 drops only exact zeros. None stores every head."""
+      0 drops only exact zeros. None stores every head. The kept heads travel as rows of their own array (padded
+      to a power of two of heads, one small program per size) and the scatter writes zeros for the rest on the
+      device: the link carries only what is stored."""
 
     def __init__(self, pools, max_tokens: int, compact: str | None = None, transfer_tol: float | None = None):
         stack = pools.arrays  # a layer_stack.PoolStack: per part of the layer plan, its layers' rows in blocks
@@ -313,18 +366,21 @@ class Mover:
         # its stored form does not depend on how the layers are grouped
         part_stored: list[list[str]] = []
         part_drop: list[list[bool]] = []
-        for spec, tree in zip(stack.specs, stack.parts):
+        output_part: list[int] = []
+        for p, (spec, tree) in enumerate(zip(stack.specs, stack.parts)):
             names = []
             for leaf in jax.tree.leaves(tree):
                 dtype = np.dtype(leaf.dtype)
                 if compact and dtype == np.float32:
                     dtype = np.dtype(jnp.dtype(compact))
                 names.append(dtype.name)
+                output_part.append(p)
             part_stored.append(names)
             part_drop.append([flag and spec.kind == "slot" and transfer_tol is not None
                               for flag in dense_transfer_leaves(tree)])
         self._stored = tuple(name for names in part_stored for name in names)
         self._drop = tuple(flag for flags in part_drop for flag in flags)  # per device output
+        self._output_part = tuple(output_part)
         first = np.cumsum([0] + [len(names) for names in part_stored])
         self.leaves: list[tuple[str, tuple[int, ...], np.dtype]] = []  # (kind, per-entry/per-token shape, stored as)
         self._order: list[tuple[int, int]] = []  # per stored leaf: (device output, member)
@@ -336,15 +392,31 @@ class Mover:
                 self._order.append((int(first[part]) + j, member))
         self.droppable = tuple(self._drop[i] for i, _ in self._order)  # per stored leaf
         self._output_kinds = {i: kind for (i, _), (kind, _, _) in zip(self._order, self.leaves)}
+        # per stored leaf: its row in its part's pools is slot + this
+        self._row_base = tuple(int(self.specs[self._output_part[i]].lead) * member for i, member in self._order)
+        self._drop_outputs = tuple(i for i, flag in enumerate(self._drop) if flag)
+        heads = {(self.leaves[j][1][1:], self.leaves[j][2]) for j, flag in enumerate(self.droppable) if flag}
+        if len(heads) > 1:
+            raise ValueError(f"transfer_tol needs the dense transfers of every layer in one shape and dtype, got "
+                             f"{sorted(heads, key=str)}")
+        self.head_shape, self.head_dtype = next(iter(heads)) if heads else ((), None)
         top = max(1, min(-(-max_tokens // pools.page), pools.pages - 1))
-        buckets, b = [], 1
-        while b < top:
-            buckets.append(b)
-            b *= 2
-        self.buckets = tuple(buckets + [top])
+        self.buckets = self._powers(top)
+        total_heads = sum(self.leaves[j][1][0] for j, flag in enumerate(self.droppable) if flag)
+        self.head_buckets = self._powers(total_heads) if total_heads else ()
+        self._layouts: dict[int, tuple[list[tuple[int, int]], int]] = {}
         self._gather: dict[int, Any] = {}
         self._scatter: dict[int, Any] = {}
+        self._heads: dict[int, Any] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _powers(top: int) -> tuple[int, ...]:
+        out, b = [], 1
+        while b < top:
+            out.append(b)
+            b *= 2
+        return tuple(out + [top])
 
     def bucket(self, tokens: int) -> int:
         pages = max(1, -(-tokens // self.page))
@@ -353,42 +425,97 @@ class Mover:
                 return b
         raise ValueError(f"an entry of {tokens} tokens is longer than the largest bucket of {self.buckets[-1]} pages")
 
+    def head_bucket(self, heads: int) -> int:
+        return next(b for b in self.head_buckets if b >= heads)
+
+    def layout(self, bucket: int) -> tuple[list[tuple[int, int]], int]:
+        """Per stored leaf (offset, bytes) in a `Staged.main` buffer of `bucket` pages (0 bytes for a droppable
+        leaf, whose heads travel apart), and the buffer's size."""
+        with self._lock:
+            found = self._layouts.get(bucket)
+        if found is not None:
+            return found
+        out, at = [], 0
+        for (kind, shape, dtype), drop in zip(self.leaves, self.droppable):
+            n = 0 if drop else int(np.prod(shape)) * dtype.itemsize * (1 if kind == "slot" else bucket * self.page)
+            out.append((at, n))
+            at += n
+        with self._lock:
+            self._layouts[bucket] = (out, at)
+        return out, at
+
+    def adopt(self, donor: "Mover") -> None:
+        """Use `donor`'s compiled programs (an engine of the same pool shapes and stored forms)."""
+        if (donor.leaves, donor.droppable, donor.specs) != (self.leaves, self.droppable, self.specs):
+            raise ValueError("the donor's pools or stored forms differ")
+        self._gather.update(donor._gather)
+        self._scatter.update(donor._scatter)
+        self._heads.update(donor._heads)
+
+    # Device programs --------------------------------------------------------------------------------------------
     @staticmethod
     def _rows(spec, slot, rows):
         """Rows of every layer of a part: [members] for a slot, [len(rows), members] for token rows."""
         base = spec.lead * jnp.arange(spec.members, dtype=jnp.int32)
         return slot + base if spec.kind == "slot" else rows[:, None] + base[None, :]
 
-    @staticmethod
-    def _gather_fn(arrays, slot, rows, *, specs, stored, drop):
-        """The entry's pieces in their stored dtypes, and per droppable output its heads' largest |entry|
-        [members, H] (measured before rounding)."""
-        out, head_max = [], []
-        for spec, tree in zip(specs, arrays.parts):
+    def _gather_fn(self, arrays, slot, rows):
+        """The entry as one byte buffer (`layout`), the droppable outputs' pieces as they are and their heads'
+        largest |entry| [members, H] (measured before rounding)."""
+        outputs, head_max = [], []
+        for spec, tree in zip(self.specs, arrays.parts):
             index = Mover._rows(spec, slot, rows)
             for leaf in jax.tree.leaves(tree):
                 piece = leaf[index]
-                if drop[len(out)]:
+                if self._drop[len(outputs)]:
                     head_max.append(jnp.max(jnp.abs(piece), axis=(-2, -1)).astype(jnp.float32))
-                out.append(piece.astype(jnp.dtype(stored[len(out)])))
-        return out, head_max
+                outputs.append(piece.astype(jnp.dtype(self._stored[len(outputs)])))
+        parts = [_as_bytes(outputs[i][member] if self._output_kinds[i] == "slot" else outputs[i][:, member])
+                 for (i, member), drop in zip(self._order, self.droppable) if not drop]
+        main = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+        return main, [outputs[i] for i in self._drop_outputs], head_max
 
-    @staticmethod
-    def _scatter_fn(arrays, slot, rows, pieces, *, specs):
-        """`pieces`: per device output the list of its members' pieces, stacked here on the device (the host then
-        sends each stored array as it is, without a stacked copy)."""
-        it = iter(pieces)
-        new = []
-        for spec, tree in zip(specs, arrays.parts):
-            index = Mover._rows(spec, slot, rows)  # padded rows are DROP (+ a base): past the pool, dropped
+    def _scatter_fn(self, arrays, slot, rows, main, *, bucket):
+        """`main` cut into the pieces at `layout(bucket)`'s offsets, written to the entry's rows (padded rows are
+        DROP, past the pool: dropped); droppable leaves are written as zeros (`_heads_fn` adds the kept heads)."""
+        offsets, _ = self.layout(bucket)
+        pieces: dict[int, list] = {}
+        for (i, member), (kind, shape, dtype), (at, n), drop in zip(self._order, self.leaves, offsets,
+                                                                     self.droppable):
+            full = shape if kind == "slot" else (bucket * self.page,) + shape
+            piece = jnp.zeros(full, dtype) if drop else _from_bytes(main[at: at + n], dtype, full)
+            pieces.setdefault(i, []).append((member, piece))
+        new, out = [], 0
+        for spec, tree in zip(self.specs, arrays.parts):
+            index = Mover._rows(spec, slot, rows)
             leaves, treedef = jax.tree.flatten(tree)
-            stacked = [jnp.stack(next(it), axis=0 if spec.kind == "slot" else 1) for _ in leaves]
-            new.append(jax.tree.unflatten(treedef, [leaf.at[index].set(piece.astype(leaf.dtype), mode="drop")
-                                                    for leaf, piece in zip(leaves, stacked)]))
+            written = []
+            for leaf in leaves:
+                members = [p for _, p in sorted(pieces[out], key=lambda mp: mp[0])]
+                stacked = jnp.stack(members, axis=0 if spec.kind == "slot" else 1)
+                written.append(leaf.at[index].set(stacked.astype(leaf.dtype), mode="drop"))
+                out += 1
+            new.append(jax.tree.unflatten(treedef, written))
+        return arrays.replace(new)
+
+    def _heads_fn(self, arrays, heads, head_rows, head_ids):
+        """The kept heads written into the droppable outputs: row r of `heads` goes to pool row head_rows[k, r]
+        (DROP where it belongs to another output) of droppable output k, head head_ids[r]."""
+        new, out, k = [], 0, 0
+        for tree in arrays.parts:
+            leaves, treedef = jax.tree.flatten(tree)
+            written = []
+            for leaf in leaves:
+                if self._drop[out]:
+                    leaf = leaf.at[head_rows[k], head_ids].set(heads.astype(leaf.dtype), mode="drop")
+                    k += 1
+                written.append(leaf)
+                out += 1
+            new.append(jax.tree.unflatten(treedef, written))
         return arrays.replace(new)
 
     def _program(self, which: str, bucket: int, arrays):
-        table = self._gather if which == "gather" else self._scatter
+        table = {"gather": self._gather, "scatter": self._scatter, "heads": self._heads}[which]
         with self._lock:
             program = table.get(bucket)
             if program is not None:
@@ -397,18 +524,19 @@ class Mover:
 
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
         slot = jax.ShapeDtypeStruct((), jnp.int32)
-        rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
-        gather = functools.partial(self._gather_fn, specs=self.specs, stored=self._stored, drop=self._drop)
         if which == "gather":
-            program = jax.jit(gather).lower(shapes, slot, rows).compile()
-        else:
-            outputs, _ = jax.eval_shape(gather, shapes, slot, rows)
-            pieces = [[jax.ShapeDtypeStruct(o.shape[1:] if self._output_kinds[i] == "slot"
-                                            else o.shape[:1] + o.shape[2:], o.dtype)
-                       for _ in range(o.shape[0 if self._output_kinds[i] == "slot" else 1])]
-                      for i, o in enumerate(outputs)]
-            program = jax.jit(functools.partial(self._scatter_fn, specs=self.specs), donate_argnums=0).lower(
-                shapes, slot, rows, pieces).compile()
+            rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
+            program = jax.jit(self._gather_fn).lower(shapes, slot, rows).compile()
+        elif which == "scatter":
+            rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
+            main = jax.ShapeDtypeStruct((self.layout(bucket)[1],), jnp.uint8)
+            program = jax.jit(functools.partial(self._scatter_fn, bucket=bucket), donate_argnums=0).lower(
+                shapes, slot, rows, main).compile()
+        else:  # bucket: rows of kept heads
+            heads = jax.ShapeDtypeStruct((bucket, *self.head_shape), self.head_dtype)
+            head_rows = jax.ShapeDtypeStruct((len(self._drop_outputs), bucket), jnp.int32)
+            ids = jax.ShapeDtypeStruct((bucket,), jnp.int32)
+            program = jax.jit(self._heads_fn, donate_argnums=0).lower(shapes, heads, head_rows, ids).compile()
         with self._lock:
             table[bucket] = program
         return program
@@ -417,15 +545,18 @@ class Mover:
         for bucket in self.buckets:
             self._program("gather", bucket, arrays)
             self._program("scatter", bucket, arrays)
-        return 2 * len(self.buckets)
+        for bucket in self.head_buckets:
+            self._program("heads", bucket, arrays)
+        return 2 * len(self.buckets) + len(self.head_buckets)
 
     @property
     def compiled(self) -> int:
-        return len(self._gather) + len(self._scatter)
+        return len(self._gather) + len(self._scatter) + len(self._heads)
 
-    def gather(self, arrays, slot: int, rows) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
-        """Host copies of an entry's pieces (its token leaves [len(rows), ...]) and the heads kept of its droppable
-        leaves (`Pieces.kept`)."""
+    # Demotion: pools -> host ------------------------------------------------------------------------------------
+    def gather(self, arrays, slot: int, rows) -> tuple[list[np.ndarray], dict[int, np.ndarray], Staged]:
+        """Host copies of an entry's pieces (its token leaves [len(rows), ...]), the heads kept of its droppable
+        leaves (`Pieces.kept`) and the buffers they are views of."""
         return self.gather_finish(self.gather_start(arrays, slot, rows))
 
     def gather_start(self, arrays, slot: int, rows):
@@ -438,45 +569,120 @@ class Mover:
         padded[: len(rows)] = rows
         return self._program("gather", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded), len(rows)
 
-    def gather_finish(self, started) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+    def gather_finish(self, started) -> tuple[list[np.ndarray], dict[int, np.ndarray], Staged]:
         """`gather`'s result from `gather_start`'s handle (waits for the transfer)."""
         out, length = started
-        out, head_max = jax.device_get(out)
-        host = [np.asarray(a) for a in out]
-        maxima = dict(zip([i for i, flag in enumerate(self._drop) if flag], head_max))
-        pieces, kept = [], {}
-        for j, ((i, member), (kind, _, _)) in enumerate(zip(self._order, self.leaves)):
-            piece = host[i][member] if kind == "slot" else host[i][:length, member]
-            if i in maxima:
-                heads = np.flatnonzero(np.asarray(maxima[i][member]) > self.transfer_tol).astype(np.int16)
-                kept[j] = heads
-                piece = np.ascontiguousarray(piece[heads])
-            pieces.append(piece)
-        return pieces, kept
+        main, dense, head_max = jax.device_get(out)
+        staged = Staged(bucket=self.bucket(length), main=np.asarray(main))
+        if self._drop_outputs:
+            dense = dict(zip(self._drop_outputs, dense))
+            maxima = dict(zip(self._drop_outputs, head_max))
+            rows, leaf_of, ids = [], [], []
+            for j, (i, member) in enumerate(self._order):
+                if self.droppable[j]:
+                    heads = np.flatnonzero(np.asarray(maxima[i][member]) > self.transfer_tol)
+                    rows.append(np.asarray(dense[i][member])[heads])
+                    leaf_of += [j] * len(heads)
+                    ids += heads.tolist()
+            self._stage_heads(staged, np.concatenate(rows), leaf_of, ids)
+        arrays, kept = self.views(staged, length)
+        return arrays, kept, staged
 
-    def scatter(self, arrays, slot: int, rows, pieces: Sequence[np.ndarray], kept: dict | None = None):
-        """`arrays` (donated) with the entry's pieces written to `slot` and `rows`; `kept` as `gather` returns it
-        (heads not kept are written as zeros)."""
+    def _stage_heads(self, staged: Staged, rows: np.ndarray, leaf_of, ids) -> None:
+        n = len(leaf_of)
+        if not n:
+            return
+        hb = self.head_bucket(n)
+        staged.heads = np.zeros((hb, *self.head_shape), self.head_dtype)
+        staged.heads[:n] = rows
+        staged.head_leaf = np.full(hb, -1, np.int32)
+        staged.head_leaf[:n] = leaf_of
+        staged.head_id = np.zeros(hb, np.int32)
+        staged.head_id[:n] = ids
+
+    def views(self, staged: Staged, length: int) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+        """The pieces of a staged entry of `length` tokens as views of its buffers, and its kept heads."""
+        offsets, size = self.layout(staged.bucket)
+        if staged.main.shape != (size,) or staged.main.dtype != np.uint8:
+            raise ValueError(f"a staged entry of bucket {staged.bucket} needs {size} bytes, got {staged.main.shape}")
+        arrays, kept = [], {}
+        leaf_of = staged.head_leaf if staged.heads is not None else np.zeros(0, np.int32)
+        for j, ((kind, shape, dtype), (at, n)) in enumerate(zip(self.leaves, offsets)):
+            if self.droppable[j]:
+                take = np.flatnonzero(leaf_of == j)
+                lo, hi = (int(take[0]), int(take[-1]) + 1) if len(take) else (0, 0)
+                arrays.append(staged.heads[lo:hi] if len(take) else np.zeros((0, *shape[1:]), dtype))
+                kept[j] = (staged.head_id[lo:hi] if len(take) else np.zeros(0)).astype(np.int16)
+                continue
+            full = shape if kind == "slot" else (staged.bucket * self.page,) + shape
+            piece = np.frombuffer(staged.main, dtype, int(np.prod(full)), at).reshape(full)
+            arrays.append(piece if kind == "slot" else piece[:length])
+        return arrays, kept
+
+    # Promotion: host -> pools -----------------------------------------------------------------------------------
+    def stage(self, pieces: "Pieces") -> Staged:
+        """`pieces` in the form a promotion sends (the demotion's own buffers when it has them)."""
+        if pieces.staged is not None:
+            return pieces.staged
+        bucket = self.bucket(pieces.length)
+        offsets, size = self.layout(bucket)
+        main = np.zeros(size, np.uint8)
+        rows, leaf_of, ids = [], [], []
+        for j, (piece, (kind, shape, dtype), (at, n)) in enumerate(zip(pieces.arrays, self.leaves, offsets)):
+            want = shape if kind == "slot" else (pieces.length,) + shape
+            if self.droppable[j]:
+                heads = (np.asarray(pieces.kept[j], np.int64) if j in pieces.kept
+                         else np.arange(shape[0]))
+                if piece.dtype != dtype or piece.shape != (len(heads), *shape[1:]):
+                    raise ValueError(f"piece {j}: {piece.dtype}{list(piece.shape)} is not this engine's stored form")
+                rows.append(piece)
+                leaf_of += [j] * len(heads)
+                ids += heads.tolist()
+                continue
+            if piece.dtype != dtype or piece.shape != want:
+                raise ValueError(f"piece {j}: {piece.dtype}{list(piece.shape)}, this engine stores "
+                                 f"{dtype}{list(want)}")
+            raw = _raw(np.ascontiguousarray(piece))
+            main[at: at + raw.nbytes] = raw
+        staged = Staged(bucket=bucket, main=main)
+        if rows:
+            self._stage_heads(staged, np.concatenate(rows), leaf_of, ids)
+        return staged
+
+    def transfer(self, staged: Staged, slot: int, rows) -> Transfer:
+        """Start sending a staged entry to the device, bound for `slot` and `rows` (asynchronous: returns before
+        the copy is done; `scatter_programs` writes it into the pools)."""
         rows = np.asarray(rows, np.int32)
-        bucket = self.bucket(len(rows))
-        padded = np.full(bucket * self.page, DROP, np.int32)
+        if self.bucket(len(rows)) != staged.bucket:
+            raise ValueError(f"an entry of {len(rows)} rows does not fit a staged entry of bucket {staged.bucket}")
+        padded = np.full(staged.bucket * self.page, DROP, np.int32)
         padded[: len(rows)] = rows
-        per_output: dict[int, list] = {}
-        for j, (piece, (i, member), (kind, shape, _)) in enumerate(zip(pieces, self._order, self.leaves)):
-            if kept and j in kept:
-                full = np.zeros(shape, piece.dtype)
-                full[kept[j]] = piece
-                piece = full
-            if kind == "token":
-                full = np.zeros((bucket * self.page,) + piece.shape[1:], piece.dtype)
-                full[: len(piece)] = piece
-                piece = full
-            per_output.setdefault(i, []).append((member, piece))
-        # each stored array goes to the device as it is, all in one call (asynchronous: overlaps with what the host
-        # does next)
-        staged = jax.device_put([[piece for _, piece in sorted(per_output[i], key=lambda mp: mp[0])]
-                                 for i in range(len(per_output))])
-        return self._program("scatter", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded, staged)
+        slot = np.asarray(slot, np.int32)
+        host = [staged.main]
+        if staged.heads is not None:
+            head_rows = np.full((len(self._drop_outputs), len(staged.heads)), DROP, np.int32)
+            column = {i: k for k, i in enumerate(self._drop_outputs)}
+            for r, j in enumerate(staged.head_leaf.tolist()):
+                if j >= 0:
+                    head_rows[column[self._order[j][0]], r] = int(slot) + self._row_base[j]
+            host += [staged.heads, head_rows, staged.head_id]
+        device = jax.device_put(host)  # one call: every buffer's copy is issued at once
+        return Transfer(bucket=staged.bucket, slot=slot, rows=padded, main=device[0],
+                        heads=tuple(device[1:]) if staged.heads is not None else None)
+
+    def scatter_programs(self, arrays, transfer: Transfer) -> list[tuple[Any, tuple]]:
+        """(program, arguments after the pools) per program that writes `transfer` into the pools, in order; each
+        donates the pools (`StableEngine._write_pools`)."""
+        out = [(self._program("scatter", transfer.bucket, arrays), (transfer.slot, transfer.rows, transfer.main))]
+        if transfer.heads is not None:
+            out.append((self._program("heads", len(transfer.heads[0]), arrays), transfer.heads))
+        return out
+
+    def scatter(self, arrays, slot: int, rows, pieces: "Pieces"):
+        """`arrays` (donated) with `pieces` written to `slot` and `rows` (heads not kept are written as zeros)."""
+        for program, args in self.scatter_programs(arrays, self.transfer(self.stage(pieces), slot, rows)):
+            arrays = program(arrays, *args)
+        return arrays
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -951,5 +1157,5 @@ class Tiers:
 
 
 __all__ = ["Bandwidths", "CostModel", "DevicePolicy", "DiskStore", "HostStore", "Mover", "Pieces", "Policy",
-           "Tiers", "FORMAT_VERSION", "DEFAULT_COST", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_DISK_BANDWIDTH",
+           "Staged", "Tiers", "Transfer", "FORMAT_VERSION", "DEFAULT_COST", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_DISK_BANDWIDTH",
            "compact_form", "dense_transfer_leaves", "payload_digests"]

@@ -50,8 +50,7 @@ def make(tmp_path_factory):
         engine.programs._compiled.update(donor.programs._compiled)
         if (engine.mover.leaves, engine.mover.droppable) == (donor.mover.leaves, donor.mover.droppable):
             # the copy programs too, where pieces are stored alike
-            engine.mover._gather.update(donor.mover._gather)
-            engine.mover._scatter.update(donor.mover._scatter)
+            engine.mover.adopt(donor.mover)
         return engine
 
     make.vocab, make.root, make.model = vocab, root, model
@@ -74,8 +73,12 @@ def _files(folder) -> list:
 
 def test_demotion_then_promotion_round_trips_exactly(make):
     folder = make.root / "round_trip"
-    engine = make(host_cache_bytes=60_000, disk_cache_dir=folder)  # the host holds two of the four entries
     segs = _docs(make.vocab, 1) + [[5, 6, 7]]
+    # a host budget that holds any two of the four entries and no three (an entry's host bytes: its staged buffers)
+    mover = make(host_cache_bytes=1).mover
+    sizes = sorted(mover.layout(mover.bucket(len(d) - SEAM))[1] for d in segs[:-1])
+    assert sizes[-1] + sizes[-2] < sum(sizes[:3])
+    engine = make(host_cache_bytes=sizes[-1] + sizes[-2], disk_cache_dir=folder)
     engine.prefill(segs, seam=SEAM)
     warm = engine.prefill(segs, seam=SEAM)
     assert warm.stats.hits == 4
@@ -279,8 +282,12 @@ def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
         back = engine.prefill(segs, seam=SEAM)
         assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
         deviation[name] = _rel(back.logits, warm.logits)
-    # every float32 piece (T, S, and this float32 model's K/V rows and conv tails) is stored in half its bytes
-    float32 = sum(a.nbytes for p in held["exact"] for a in p.arrays if a.dtype == np.float32)
+    # every float32 piece (T, S, and this float32 model's K/V rows and conv tails, padded to the entry's bucket of
+    # pages) is stored in half its bytes
+    mover = exact.mover
+    float32 = sum(n for p in held["exact"] for (_, n), (_, _, dtype) in zip(mover.layout(p.staged.bucket)[0],
+                                                                           mover.leaves) if dtype == np.float32)
+    assert float32 >= sum(a.nbytes for p in held["exact"] for a in p.arrays if a.dtype == np.float32)
     assert len(held["exact"]) == 4 and float32 > 0 and stored["exact"] - stored["compact"] == float32 // 2
     assert {a.dtype for p in held["compact"] for a in p.arrays} == {np.dtype(jnp.bfloat16)}
     assert deviation["exact"] < 1e-6
@@ -408,3 +415,46 @@ def test_an_entry_on_its_way_to_disk_is_still_found(make, monkeypatch):
         gate.set()
     engine.sync_tiers()
     assert engine.stats["tiers"]["disk"]["entries"] == 1 and len(_files(folder)) == 1
+
+
+def test_a_promotion_overlaps_the_cold_prefill_and_a_failed_request_gives_it_back(make, monkeypatch):
+    """A request with a host hit and a miss: the promotion's copy is issued while planning and written into the
+    pools only after the cold prefill was issued (exact logits either way); when the request fails between the two,
+    the promoted entry goes back to its tier, and the next request still hits it."""
+    engine = make(host_cache_bytes=1 << 20)
+    held_doc, new_doc = _docs(make.vocab, 13, count=2, low=30, high=50)
+    query = [4, 5, 6]
+    engine.prefill([held_doc, query], seam=SEAM)
+    _evict_device(engine)
+    order = []
+    cold, finish = engine._prefill_missing, engine._finish_promotions
+
+    def cold_then_note(*args, **kwargs):
+        assert engine._promoting, "the promotion was not in flight when the cold prefill was issued"
+        order.append("cold")
+        return cold(*args, **kwargs)
+
+    def finish_then_note():
+        order.append("promotions")
+        return finish()
+
+    monkeypatch.setattr(engine, "_prefill_missing", cold_then_note)
+    monkeypatch.setattr(engine, "_finish_promotions", finish_then_note)
+    mixed = engine.prefill([held_doc, new_doc, query], seam=SEAM)
+    assert order == ["cold", "promotions"] and (mixed.stats.hits, mixed.stats.misses) == (1, 1)
+    reference = make().prefill([held_doc, new_doc, query], seam=SEAM)
+    np.testing.assert_allclose(mixed.logits, reference.logits, rtol=0, atol=1e-6)
+
+    _evict_device(engine)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the cold prefill failed")
+
+    monkeypatch.setattr(engine, "_prefill_missing", broken)
+    with pytest.raises(RuntimeError, match="cold prefill failed"):
+        engine.prefill([held_doc, _docs(make.vocab, 14, count=1)[0], query], seam=SEAM)
+    assert engine.stats["tiers"]["host"]["entries"] == 2 and not engine._promoting
+    monkeypatch.setattr(engine, "_prefill_missing", cold)
+    again = engine.prefill([held_doc, new_doc, query], seam=SEAM)
+    assert (again.stats.hits, again.stats.misses) == (2, 0)
+    np.testing.assert_allclose(again.logits, reference.logits, rtol=0, atol=1e-6)

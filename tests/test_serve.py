@@ -487,3 +487,26 @@ def test_dummy_load_format_gives_the_folders_shapes_random_weights(tmp_path):
         build(None, load_format="dummy")
     with pytest.raises(ValueError, match="load_format"):
         load_folder(tmp_path, "float32", load_format="fake")
+
+
+def test_a_failed_warmup_stops_the_server_with_its_error():
+    """A warmup that fails (out of device memory, say) is reported by /health as a 500 naming the error and stops
+    the server (`hypic-jax serve` exits 1) instead of answering 503 forever."""
+    from starlette.testclient import TestClient
+
+    from hypic_jax.demo import tiny_model
+
+    engine = StableEngine(tiny_model(), max_prompt_tokens=32, token_rungs=(32,), max_new_tokens=4, max_batch=1)
+
+    def out_of_memory(**_):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    engine.warmup = out_of_memory
+    server = Server(engine, model_name=MODEL)
+    stopped = threading.Event()
+    server.on_warmup_failure = lambda error: stopped.set()
+    with TestClient(server.app) as client:
+        assert stopped.wait(30)
+        health = client.get("/health")
+    assert health.status_code == 500 and "out of memory" in health.json()["error"]
+    assert not server.ready

@@ -67,6 +67,8 @@ class Server:
                                       eos_ids=tuple(eos_ids))
         self.ready = False
         self.warm_on_start = warm_on_start
+        self.warmup_error: str | None = None  # why the warmup failed (the server then stops: `on_warmup_failure`)
+        self.on_warmup_failure = None  # called with the error when the warmup thread fails
         self.warmup_report: dict | None = None
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -90,10 +92,21 @@ class Server:
         log.info("ready: %s", json.dumps(self.warmup_report))
         return self.warmup_report
 
+    def _warmup_or_stop(self) -> None:
+        """The startup's warmup: a failure (out of device memory, say) is logged, /health answers 500 with it, and
+        the server stops instead of answering 503 forever."""
+        try:
+            self.warmup()
+        except Exception as error:
+            self.warmup_error = f"{type(error).__name__}: {error}"
+            log.critical("warmup failed, the server stops: %s", self.warmup_error, exc_info=True)
+            if self.on_warmup_failure is not None:
+                self.on_warmup_failure(error)
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         if self.warm_on_start and not self.ready:
-            threading.Thread(target=self.warmup, name="hypic-warmup", daemon=True).start()
+            threading.Thread(target=self._warmup_or_stop, name="hypic-warmup", daemon=True).start()
         try:
             yield
         finally:
@@ -101,6 +114,8 @@ class Server:
 
     # Plain endpoints --------------------------------------------------------------------------------------------
     async def health(self, request: HttpRequest) -> Response:
+        if self.warmup_error is not None:
+            return JSONResponse(dict(status="failed", error=self.warmup_error), status_code=500)
         if not self.ready:
             total = getattr(self, "_programs_total", None)
             return JSONResponse(dict(status="warming up", programs_compiled=self.engine.programs.stats.programs,
@@ -319,5 +334,8 @@ def main(args) -> int:
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
              placement, args.host, args.port)
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level.lower())
-    return 0
+    runner = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port,
+                                           log_level=args.log_level.lower()))
+    server.on_warmup_failure = lambda error: setattr(runner, "should_exit", True)
+    runner.run()
+    return 1 if server.warmup_error is not None else 0
