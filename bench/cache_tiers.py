@@ -79,7 +79,8 @@ def run(engine: StableEngine, requests, seam: int) -> dict:
                 cold_tokens=cold, cold_s=round(cold_s, 3), p50_ttft_ms=round(float(np.percentile(ttft, 50)) * 1e3, 2),
                 trace_s=round(wall, 2), promotions=tiers["promotions"], demotions=tiers["demotions"],
                 corrupt=tiers["disk"]["corrupt"] if tiers["disk"] else 0, compiles=backend_compiles() - before,
-                cost=[float(f"{c:.3g}") for c in tiers["cost"]["constants"]])
+                cost=[float(f"{c:.3g}") for c in tiers["cost"]["constants"]], host_memory=tiers["host_memory"],
+                tier_s=tiers["seconds"])
 
 
 def slow_decay(params, decay: float):
@@ -241,6 +242,8 @@ def main(argv=None) -> None:
     parser.add_argument("--load-times", type=int, nargs="*", default=None,
                         help="instead: TTFT of one document of each of these lengths missing, on the device, in "
                              "the host tier and on disk")
+    parser.add_argument("--host-memory", nargs="+", default=["pinned"], choices=list(tr.HOST_MEMORY),
+                        help="where the host tier keeps entries; several: the trace's host-tier runs once per kind")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -284,7 +287,7 @@ def main(argv=None) -> None:
                                   cache_bytes=1 << (27 if args.small else 32), mean_entry_tokens=top,
                                   token_rungs=tuple(args.rungs) if args.rungs else None, host_cache_bytes=1 << 40,
                                   disk_cache_dir=root, eviction="lru", tier_dtype=args.tier_dtype,
-                                  tier_transfer_tol=args.transfer_tol)
+                                  tier_transfer_tol=args.transfer_tol, host_memory=args.host_memory[0])
             before = backend_compiles()
             warm = engine.warmup(progress=False)
             compiled = backend_compiles()
@@ -317,12 +320,16 @@ def main(argv=None) -> None:
             donor = donor or made
             return made
 
-        settings = [("device", {}), ("device+host", dict(host_cache_bytes=host_bytes)),
-                    ("device+host+disk", dict(host_cache_bytes=host_bytes))]
+        kinds = args.host_memory
+        named = (lambda name, kind: name if len(kinds) == 1 else f"{name} ({kind})")
+        settings = ([("device", {})]
+                    + [(named("device+host", k), dict(host_cache_bytes=host_bytes, host_memory=k)) for k in kinds]
+                    + [(named("device+host+disk", k), dict(host_cache_bytes=host_bytes, host_memory=k))
+                       for k in kinds])
         for name, options in settings:
             for policy in args.policies:
-                if name.endswith("disk"):
-                    options = dict(options, disk_cache_dir=str(Path(root) / policy))
+                if "disk" in name:
+                    options = dict(options, disk_cache_dir=str(Path(root) / f"{policy}-{options['host_memory']}"))
                 made = engine(eviction=policy, **options)
                 row = dict(tiers=name, eviction=policy, **run(made, requests, args.seam))
                 if made.tiers.disk is not None:
@@ -330,7 +337,8 @@ def main(argv=None) -> None:
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
         for policy in args.policies:  # a new process on the disk folder: the trace again, from the disk
-            restarted = engine(eviction=policy, host_cache_bytes=host_bytes, disk_cache_dir=str(Path(root) / policy))
+            restarted = engine(eviction=policy, host_cache_bytes=host_bytes, host_memory=kinds[0],
+                               disk_cache_dir=str(Path(root) / f"{policy}-{kinds[0]}"))
             row = dict(tiers="restart on the disk", eviction=policy, **run(restarted, requests, args.seam))
             report["runs"].append(row)
             print(json.dumps(row), flush=True)

@@ -436,7 +436,9 @@ class StableEngine(Engine):
     when it is stored (else entries reach the disk when evicted, or through `persist()`). Compact entries off the
     device (`tiers.Mover`): tier_dtype="bfloat16" stores every float32 piece (T, S, float32 K/V and conv tails)
     in bfloat16 (promoted entries are the rounded values, widened back); tier_transfer_tol stores a dense T's heads
-    only where their largest |entry| exceeds it (0: drops the heads whose T decayed to exactly zero).
+    only where their largest |entry| exceeds it (0: drops the heads whose T decayed to exactly zero). host_memory:
+    "pinned" (the default) keeps the host tier's entries in page-locked memory where the device has it (demotions
+    are written there by the gather program, promotions are one DMA each), "pageable" in numpy arrays.
 
     scan_layers: run the model's repeating layers as one scan in the span and decode programs (`layer_stack`; a
     program then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine
@@ -467,7 +469,7 @@ class StableEngine(Engine):
                  disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
                  disk_write_through: bool = False, tier_dtype: str | None = None,
-                 tier_transfer_tol: float | None = None, devices=None,
+                 tier_transfer_tol: float | None = None, host_memory: str = "pinned", devices=None,
                  policy: str = "lpt", linear_impl: str | None = "auto", scan_layers: bool = True,
                  fold_impl: str = "auto"):
         if not hasattr(model.arch, "span_forward_arrays"):
@@ -501,7 +503,7 @@ class StableEngine(Engine):
         budget = cache_bytes if cache_bytes is not None else 1 << 30
         self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens, plan=self.plan)
         self._init_tiers(host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
-                         disk_bandwidth, disk_write_through, tier_dtype, tier_transfer_tol)
+                         disk_bandwidth, disk_write_through, tier_dtype, tier_transfer_tol, host_memory)
         self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
                                   policy=tr.DevicePolicy(self.policy) if eviction == "cost" else None)
         if not isinstance(max_batch, int) or max_batch < 0:
@@ -898,7 +900,7 @@ class StableEngine(Engine):
 
     # Tiers -----------------------------------------------------------------------------------------------------------
     def _init_tiers(self, host_bytes, disk_dir, disk_bytes, eviction, host_bandwidth, disk_bandwidth,
-                    write_through, tier_dtype, tier_transfer_tol) -> None:
+                    write_through, tier_dtype, tier_transfer_tol, host_memory) -> None:
         self.eviction = eviction
         self.cost = tr.CostModel()
         self.bandwidths = tr.Bandwidths(host=host_bandwidth or tr.DEFAULT_HOST_BANDWIDTH,
@@ -907,13 +909,17 @@ class StableEngine(Engine):
         self.policy = tr.Policy(eviction, self.cost, lambda: self.bandwidths)
         if tier_dtype not in (None, "bfloat16"):
             raise ValueError(f"tier_dtype must be None or 'bfloat16', got {tier_dtype!r}")
-        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tier_dtype, transfer_tol=tier_transfer_tol)
+        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tier_dtype, transfer_tol=tier_transfer_tol,
+                              host_memory=host_memory)
         self.tiers = tr.Tiers(leaves=self.mover.leaves, fingerprint=self.fingerprint, policy=self.policy,
                               host_bytes=host_bytes or 0, disk_dir=disk_dir, disk_bytes=disk_bytes,
                               form=tr.compact_form(tier_dtype, tier_transfer_tol), droppable=self.mover.droppable)
         self.disk_write_through = bool(write_through)
         self._clearing = False
         self._demote_errors = 0
+        # seconds a request spent on the tiers' copies (where a tiered request's time goes, `bench/cache_tiers.py`):
+        # issuing demotions and waiting for the ones in flight, issuing promotions, writing them into the pools
+        self.tier_seconds = dict(demote_issue=0.0, demote_wait=0.0, promote_issue=0.0, promote_write=0.0)
         # demotions finish off the request's path: the copy out of the pools is issued at eviction (so the pool room
         # is free at once), its transfer to the host and the tier's bookkeeping run on this one thread
         self._demoter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hypic-demote")
@@ -927,7 +933,8 @@ class StableEngine(Engine):
             out["tier_programs"] = self.mover.compile(self.pools.arrays)
             host, disk = self._bandwidth_overrides
             folder = self.tiers.disk.folder if self.tiers.disk is not None else None
-            self.bandwidths = tr.Bandwidths.measure(folder, host=host, disk=disk)
+            self.bandwidths = tr.Bandwidths.measure(folder, host=host, disk=disk, staging=self.mover.host_sharding,
+                                                    device=self.mover.device_sharding)
         if self.eviction == "cost":
             self._calibrate(limit)
         return out
@@ -962,7 +969,9 @@ class StableEngine(Engine):
             return pins.add(entry)
         if not self.tiers.enabled:
             return None
+        waited = time.perf_counter()
         self._await_demotion(key)
+        self.tier_seconds["demote_wait"] += time.perf_counter() - waited
         found = self.tiers.take(key, _token_tuple(tokens))
         if found is None:
             return None
@@ -978,8 +987,10 @@ class StableEngine(Engine):
                       nbytes=self.pools.entry_bytes(pieces.length), slot=slot, rows=rows, uses=pieces.uses)
         self._unstored.append(entry)
         pins.add(entry)
+        issued = time.perf_counter()
         try:
             transfer = self.mover.transfer(self.mover.stage(pieces), slot, rows)
+            self.tier_seconds["promote_issue"] += time.perf_counter() - issued
         except Exception:
             self.tiers.give_back(pieces, tier)
             raise
@@ -991,9 +1002,11 @@ class StableEngine(Engine):
         while self._promoting:  # one at a time: a failure leaves the rest to `prefill`, which gives them back
             key = next(iter(self._promoting))
             entry, transfer, pieces, _ = self._promoting[key]
+            written = time.perf_counter()
             with self.pools.lock:
                 for program, args in self.mover.scatter_programs(self._pool_arrays(), transfer):
                     self._write_pools(program, *args)
+            self.tier_seconds["promote_write"] += time.perf_counter() - written
             del self._promoting[key]
             self.cache.insert(entry)
             self._unstored.remove(entry)
@@ -1007,9 +1020,8 @@ class StableEngine(Engine):
 
     def _stored_pieces(self, entry: Entry, started) -> tr.Pieces:
         """`entry` off the device, from `Mover.gather_start`'s handle (waits for the transfer)."""
-        arrays, kept, staged = self.mover.gather_finish(started)
-        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
-                         uses=entry.uses, kept=kept, staged=staged)
+        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, uses=entry.uses,
+                         staged=self.mover.gather_finish(started))
 
     # at most this many demotions in flight (each holds its entry's copy in device memory until it reaches the host)
     MAX_PENDING_DEMOTIONS = 8
@@ -1019,12 +1031,16 @@ class StableEngine(Engine):
         and let the demotion thread bring it to the host tier."""
         try:
             if self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache:
+                issued = time.perf_counter()
                 with self.pools.lock:
                     started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
+                waited = time.perf_counter()
+                self.tier_seconds["demote_issue"] += waited - issued
                 with self._demoting_lock:
                     pending = list(self._demoting.values())
                 if len(pending) >= self.MAX_PENDING_DEMOTIONS:
                     concurrent.futures.wait(pending[: len(pending) - self.MAX_PENDING_DEMOTIONS + 1])
+                self.tier_seconds["demote_wait"] += time.perf_counter() - waited
                 with self._demoting_lock:
                     future = self._demoter.submit(self._finish_demotion, entry, started)
                     self._demoting[entry.key] = future
@@ -1093,7 +1109,9 @@ class StableEngine(Engine):
     def _tier_stats(self) -> dict:
         self.sync_tiers()
         return dict(eviction=self.eviction, **self.tiers.stats(), demote_errors=self._demote_errors,
-                    cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths))
+                    cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths),
+                    host_memory="pinned" if self.mover.host_sharding is not None else "pageable",
+                    seconds={k: round(v, 6) for k, v in self.tier_seconds.items()})
 
 
 __all__ = ["StableEngine", "Programs", "ProgramKey", "SamplingRows", "Sampled", "backend_compiles", "MODES",

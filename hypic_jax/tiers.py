@@ -79,6 +79,9 @@ def payload_digests(views: Sequence[memoryview]) -> list[list[str]]:
     return [[job.result() for job in piece] for piece in jobs]
 
 
+# where the host tier keeps entries (`Mover`): "pinned" (page-locked, where the device has such memory) or "pageable"
+HOST_MEMORY = ("pinned", "pageable")
+
 DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: padded scatter rows are dropped
 
 # Bandwidths when not measured (bytes/s): host -> device (a PCIe 5 x16 link's sustained rate, about a third of its
@@ -166,15 +169,17 @@ class Bandwidths:
 
     @classmethod
     def measure(cls, folder: str | Path | None, nbytes: int = 8 << 20, *, host: float | None = None,
-                disk: float | None = None) -> "Bandwidths":
-        """Time a host -> device copy (best of 3) and, with a folder, a write + fsync, an uncached read and its
-        checksum; `host`/`disk` given are kept as they are."""
+                disk: float | None = None, staging=None, device=None) -> "Bandwidths":
+        """Time a host -> device copy (best of 3; from a buffer placed by `staging`, a sharding in pinned host
+        memory, as promotions send, else from numpy) to `device` (a sharding; None: the default device) and, with a
+        folder, a write + fsync, an uncached read and its checksum; `host`/`disk` given are kept as they are."""
         data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
         if host is None:
+            source = data if staging is None else jax.device_put(data, staging)
             best = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
-                jax.device_put(data).block_until_ready()
+                jax.device_put(source, device).block_until_ready()
                 best = min(best, time.perf_counter() - start)
             host = nbytes / max(best, 1e-9)
         if disk is None and folder is not None:
@@ -244,33 +249,46 @@ class DevicePolicy:
 # Entries off the device
 
 
-@dataclasses.dataclass
 class Pieces:
     """One entry's content off the device: per pooled leaf (layer by layer, in `jax.tree.leaves` order) the slot's
-    piece, or its token rows [length, ...]."""
+    piece, or its token rows [length, ...] (`arrays`), and `kept`: leaf index -> the heads stored of a dense
+    transfer leaf (increasing int16), whose array then holds those heads only (the others were negligible, `Mover`'s
+    transfer_tol, and come back as zeros).
 
-    key: str
-    tokens: tuple[int, ...]
-    kind: str
-    seam: int
-    arrays: list[np.ndarray]
-    uses: int = 0
-    # leaf index -> the heads stored of a dense transfer leaf (increasing int16); its array holds those heads only,
-    # the others were negligible (`Mover`'s transfer_tol) and come back as zeros
-    kept: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    # the buffers `arrays` and `kept` are views of, when the entry came off the device (`Mover.gather`): what a
-    # promotion sends as it is
-    staged: "Staged | None" = None
+    An entry that came off the device holds its `Staged` buffers only (in pinned host memory where the device has
+    it), which a promotion sends as they are; `arrays` and `kept` are then host copies made when asked for (a disk
+    write). An entry read from disk holds its arrays."""
+
+    def __init__(self, key: str, tokens: tuple[int, ...], kind: str, seam: int, arrays: list | None = None,
+                 uses: int = 0, kept: dict | None = None, staged: "Staged | None" = None):
+        if arrays is None and staged is None:
+            raise ValueError("Pieces need their arrays or their staged buffers")
+        self.key, self.tokens, self.kind, self.seam, self.uses = key, tokens, kind, seam, uses
+        self.staged = staged
+        self._arrays = arrays
+        self._kept = dict(kept or {})
 
     @property
     def length(self) -> int:
         return len(self.tokens) - self.seam
 
     @property
+    def arrays(self) -> list[np.ndarray]:
+        return self._arrays if self._arrays is not None else self.staged.views(self.length)[0]
+
+    @property
+    def kept(self) -> dict[int, np.ndarray]:
+        return self._kept if self._arrays is not None else self.staged.views(self.length)[1]
+
+    @property
     def nbytes(self) -> int:
         if self.staged is not None:
             return self.staged.nbytes
-        return int(sum(a.nbytes for a in self.arrays) + sum(k.nbytes for k in self.kept.values()))
+        return int(sum(a.nbytes for a in self._arrays) + sum(k.nbytes for k in self._kept.values()))
+
+    def __repr__(self) -> str:
+        return f"Pieces(key={self.key[:12]}..., kind={self.kind}, seam={self.seam}, tokens={self.length}, " \
+               f"nbytes={self.nbytes}, staged={self.staged is not None})"
 
 
 def dense_transfer_leaves(tree) -> list[bool]:
@@ -294,17 +312,23 @@ def compact_form(dtype: str | None, transfer_tol: float | None) -> str:
 class Staged:
     """An entry in the form its promotion sends (`Mover.stage`): one byte buffer of every piece at the static
     offsets of its bucket (token rows padded to the bucket), and the kept heads of the droppable T leaves as rows of
-    one array, with the stored leaf and head each row belongs to (padded to a power of two with leaf -1)."""
+    one array, with the stored leaf and head each row belongs to (padded to a power of two with leaf -1). `main`
+    and `heads` are numpy arrays, or jax arrays in pinned host memory (`Mover`'s host_sharding)."""
 
     bucket: int
-    main: np.ndarray  # uint8 [Mover.main_bytes(bucket)]
-    heads: np.ndarray | None = None  # [hb, *head shape] in the T leaves' stored dtype
+    main: Any  # uint8 [Mover.layout(bucket)[1]]
+    heads: Any = None  # [hb, *head shape] in the T leaves' stored dtype
     head_leaf: np.ndarray | None = None  # int32 [hb]
     head_id: np.ndarray | None = None  # int32 [hb]
+    owner: "Mover | None" = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return int(self.main.nbytes + (0 if self.heads is None else self.heads.nbytes + 8 * len(self.heads)))
+        return int(self.main.nbytes + (0 if self.heads is None else self.heads.nbytes + 8 * len(self.head_id)))
+
+    def views(self, length: int) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+        """Host arrays of the pieces of an entry of `length` tokens and its kept heads (`Mover.views`)."""
+        return self.owner.views(self, length)
 
 
 @dataclasses.dataclass
@@ -353,10 +377,21 @@ class Mover:
       to a power of two of heads, one small program per size) and the scatter writes zeros for the rest on the
       device: the link carries only what is stored."""
 
-    def __init__(self, pools, max_tokens: int, compact: str | None = None, transfer_tol: float | None = None):
+    def __init__(self, pools, max_tokens: int, compact: str | None = None, transfer_tol: float | None = None,
+                 host_memory: str = "pinned"):
         stack = pools.arrays  # a layer_stack.PoolStack: per part of the layer plan, its layers' rows in blocks
         self.specs, self.plan = stack.specs, stack.plan
         self.page = pools.page
+        if host_memory not in HOST_MEMORY:
+            raise ValueError(f"host_memory must be one of {HOST_MEMORY}, got {host_memory!r}")
+        device = next(iter(jax.tree.leaves(stack.parts)[0].devices()))
+        self.device_sharding = jax.sharding.SingleDeviceSharding(device)
+        # where demoted entries live: page-locked host memory, which the device reads and writes by DMA at the
+        # link's rate and without the caller waiting (pageable memory goes through a staging copy), where the
+        # device has it; else numpy arrays
+        kinds = {m.kind for m in device.addressable_memories()}
+        self.host_sharding = (jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+                              if host_memory == "pinned" and "pinned_host" in kinds else None)
         self.compact = compact
         if transfer_tol is not None and not (np.isfinite(transfer_tol) and transfer_tol >= 0):
             raise ValueError(f"transfer_tol must be None or a finite number >= 0, got {transfer_tol!r}")
@@ -524,9 +559,9 @@ class Mover:
 
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
         slot = jax.ShapeDtypeStruct((), jnp.int32)
-        if which == "gather":
+        if which == "gather":  # its outputs land in host memory when pinned (the program's own copy out)
             rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
-            program = jax.jit(self._gather_fn).lower(shapes, slot, rows).compile()
+            program = jax.jit(self._gather_fn, out_shardings=self.host_sharding).lower(shapes, slot, rows).compile()
         elif which == "scatter":
             rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
             main = jax.ShapeDtypeStruct((self.layout(bucket)[1],), jnp.uint8)
@@ -554,9 +589,8 @@ class Mover:
         return len(self._gather) + len(self._scatter) + len(self._heads)
 
     # Demotion: pools -> host ------------------------------------------------------------------------------------
-    def gather(self, arrays, slot: int, rows) -> tuple[list[np.ndarray], dict[int, np.ndarray], Staged]:
-        """Host copies of an entry's pieces (its token leaves [len(rows), ...]), the heads kept of its droppable
-        leaves (`Pieces.kept`) and the buffers they are views of."""
+    def gather(self, arrays, slot: int, rows) -> Staged:
+        """The entry at `slot` and `rows` in its staged form, off the device (`views` gives its pieces)."""
         return self.gather_finish(self.gather_start(arrays, slot, rows))
 
     def gather_start(self, arrays, slot: int, rows):
@@ -569,12 +603,16 @@ class Mover:
         padded[: len(rows)] = rows
         return self._program("gather", bucket, arrays)(arrays, np.asarray(slot, np.int32), padded), len(rows)
 
-    def gather_finish(self, started) -> tuple[list[np.ndarray], dict[int, np.ndarray], Staged]:
+    def gather_finish(self, started) -> Staged:
         """`gather`'s result from `gather_start`'s handle (waits for the transfer)."""
-        out, length = started
-        main, dense, head_max = jax.device_get(out)
-        staged = Staged(bucket=self.bucket(length), main=np.asarray(main))
+        (main, dense, head_max), length = started
+        if self.host_sharding is None:
+            main = np.asarray(jax.device_get(main))
+        else:  # already in pinned host memory once the program is done
+            main.block_until_ready()
+        staged = Staged(bucket=self.bucket(length), main=main, owner=self)
         if self._drop_outputs:
+            dense, head_max = jax.device_get((dense, head_max))
             dense = dict(zip(self._drop_outputs, dense))
             maxima = dict(zip(self._drop_outputs, head_max))
             rows, leaf_of, ids = [], [], []
@@ -585,16 +623,16 @@ class Mover:
                     leaf_of += [j] * len(heads)
                     ids += heads.tolist()
             self._stage_heads(staged, np.concatenate(rows), leaf_of, ids)
-        arrays, kept = self.views(staged, length)
-        return arrays, kept, staged
+        return staged
 
     def _stage_heads(self, staged: Staged, rows: np.ndarray, leaf_of, ids) -> None:
         n = len(leaf_of)
         if not n:
             return
         hb = self.head_bucket(n)
-        staged.heads = np.zeros((hb, *self.head_shape), self.head_dtype)
-        staged.heads[:n] = rows
+        heads = np.zeros((hb, *self.head_shape), self.head_dtype)
+        heads[:n] = rows
+        staged.heads = heads if self.host_sharding is None else jax.device_put(heads, self.host_sharding)
         staged.head_leaf = np.full(hb, -1, np.int32)
         staged.head_leaf[:n] = leaf_of
         staged.head_id = np.zeros(hb, np.int32)
@@ -605,17 +643,19 @@ class Mover:
         offsets, size = self.layout(staged.bucket)
         if staged.main.shape != (size,) or staged.main.dtype != np.uint8:
             raise ValueError(f"a staged entry of bucket {staged.bucket} needs {size} bytes, got {staged.main.shape}")
+        main = np.asarray(staged.main)  # a host copy where the buffer is a jax array in pinned memory
+        all_heads = None if staged.heads is None else np.asarray(staged.heads)
         arrays, kept = [], {}
         leaf_of = staged.head_leaf if staged.heads is not None else np.zeros(0, np.int32)
         for j, ((kind, shape, dtype), (at, n)) in enumerate(zip(self.leaves, offsets)):
             if self.droppable[j]:
                 take = np.flatnonzero(leaf_of == j)
                 lo, hi = (int(take[0]), int(take[-1]) + 1) if len(take) else (0, 0)
-                arrays.append(staged.heads[lo:hi] if len(take) else np.zeros((0, *shape[1:]), dtype))
+                arrays.append(all_heads[lo:hi] if len(take) else np.zeros((0, *shape[1:]), dtype))
                 kept[j] = (staged.head_id[lo:hi] if len(take) else np.zeros(0)).astype(np.int16)
                 continue
             full = shape if kind == "slot" else (staged.bucket * self.page,) + shape
-            piece = np.frombuffer(staged.main, dtype, int(np.prod(full)), at).reshape(full)
+            piece = np.frombuffer(main, dtype, int(np.prod(full)), at).reshape(full)
             arrays.append(piece if kind == "slot" else piece[:length])
         return arrays, kept
 
@@ -644,7 +684,7 @@ class Mover:
                                  f"{dtype}{list(want)}")
             raw = _raw(np.ascontiguousarray(piece))
             main[at: at + raw.nbytes] = raw
-        staged = Staged(bucket=bucket, main=main)
+        staged = Staged(bucket=bucket, main=main, owner=self)
         if rows:
             self._stage_heads(staged, np.concatenate(rows), leaf_of, ids)
         return staged
@@ -666,7 +706,7 @@ class Mover:
                 if j >= 0:
                     head_rows[column[self._order[j][0]], r] = int(slot) + self._row_base[j]
             host += [staged.heads, head_rows, staged.head_id]
-        device = jax.device_put(host)  # one call: every buffer's copy is issued at once
+        device = jax.device_put(host, self.device_sharding)  # one call: every buffer's copy is issued at once
         return Transfer(bucket=staged.bucket, slot=slot, rows=padded, main=device[0],
                         heads=tuple(device[1:]) if staged.heads is not None else None)
 

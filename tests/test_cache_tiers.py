@@ -458,3 +458,29 @@ def test_a_promotion_overlaps_the_cold_prefill_and_a_failed_request_gives_it_bac
     again = engine.prefill([held_doc, new_doc, query], seam=SEAM)
     assert (again.stats.hits, again.stats.misses) == (2, 0)
     np.testing.assert_allclose(again.logits, reference.logits, rtol=0, atol=1e-6)
+
+
+def test_host_memory_pinned_and_pageable_serve_the_same_entries(make):
+    """host_memory="pinned" keeps a demoted entry as one buffer in page-locked host memory (the gather program
+    writes it there); "pageable" as a numpy array. Both promote to the same logits, and an unknown kind is refused."""
+    segs = _docs(make.vocab, 15) + [[7, 8, 9]]
+    logits = {}
+    for kind in ("pinned", "pageable"):
+        engine = make(host_cache_bytes=1 << 20, host_memory=kind)
+        warm = engine.prefill(segs, seam=SEAM)
+        _evict_device(engine)
+        held = engine.tiers.host.values()
+        assert len(held) == 4
+        for pieces in held:
+            main = pieces.staged.main
+            if kind == "pinned":
+                assert main.sharding.memory_kind == "pinned_host"
+            else:
+                assert isinstance(main, np.ndarray)
+        back = engine.prefill(segs, seam=SEAM)
+        assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
+        np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
+        logits[kind] = back.logits
+    np.testing.assert_array_equal(logits["pinned"], logits["pageable"])
+    with pytest.raises(ValueError, match="host_memory"):
+        make(host_cache_bytes=1 << 20, host_memory="managed")
