@@ -4,6 +4,8 @@
     python bench/decode_step.py --small         # CPU smoke size
     python bench/decode_step.py --profile-dir DIR --profile-rows 16   # one traced step (bench/trace_summary.py)
     python bench/decode_step.py --few-query-rows 4 0   # decode attention in the cache layout, then as matmuls
+    python bench/decode_step.py --slot-layouts default auto   # the decode cache row-major, then in the layouts
+                                                              # the compiler picks (StableEngine(slot_layouts=...))
 
 A server's decode throughput is rows / step time; `bench/serve.py` finds the transition_rope_recompute server
 decode-bound. Each bucket's program (`StableEngine.slot_decode`, the one the server runs) steps rows [0, b) of the
@@ -47,9 +49,10 @@ def expert_bytes(params) -> tuple[int, int]:
     return routed, other
 
 
-def measure(args, model, config, label: str) -> dict:
+def measure(args, model, config, label: str, slot_layouts: str = "default") -> dict:
     """Compile the batch programs of a new engine over `model`, time a step per bucket, profile if asked."""
     engine = StableEngine(model, max_prompt_tokens=args.length, max_new_tokens=64, max_batch=args.max_batch,
+                          slot_layouts=slot_layouts,
                           cache_bytes=1 << 28, token_rungs=(args.length,))
     keys = [ProgramKey("batch", b, engine.max_keys) for b in engine.batch_buckets]
     start = time.perf_counter()
@@ -91,7 +94,7 @@ def measure(args, model, config, label: str) -> dict:
         for b in args.profile_rows:
             sampling = SamplingRows.build([0.0] * b, [1.0] * b, [0] * b, list(range(b)), [0] * b)
             tokens, lengths = np.arange(3, 3 + b, dtype=np.int32), np.full(b, args.length - 1, np.int32)
-            name = label.replace("=", "")
+            name = label.replace("=", "").replace(" ", "_")
             with jax.profiler.trace(f"{args.profile_dir}/{name}_rows{b}", create_perfetto_trace=True):
                 with jax.profiler.TraceAnnotation(f"decode rows{b}"):
                     np.asarray(engine.slot_decode(tokens, lengths, sampling).ids)
@@ -115,6 +118,8 @@ def main(argv=None) -> None:
     parser.add_argument("--few-query-rows", type=int, nargs="*", default=None,
                         help="attention.FEW_QUERY_ROWS per variant, timed one after the other in this process (0: "
                              "every decode attention as batched matrix products); default: attention.FEW_QUERY_ROWS")
+    parser.add_argument("--slot-layouts", nargs="*", default=["default"], choices=["default", "auto"],
+                        help="StableEngine(slot_layouts=...) per variant (each with every --few-query-rows)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
@@ -123,9 +128,12 @@ def main(argv=None) -> None:
     model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
     variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
     reports = []
-    for few in variants:
-        attention.FEW_QUERY_ROWS = few  # read when the programs are traced
-        reports.append(measure(args, model, config, label=f"few_query_rows={attention.few_query_rows()}"))
+    for slot_layouts in args.slot_layouts or ["default"]:
+        for few in variants:
+            attention.FEW_QUERY_ROWS = few  # read when the programs are traced
+            label = f"few_query_rows={attention.few_query_rows()}" + (
+                "" if slot_layouts == "default" else f" slot_layouts={slot_layouts}")
+            reports.append(measure(args, model, config, label=label, slot_layouts=slot_layouts))
     report = reports[0] if len(reports) == 1 else dict(variants=reports)
     print(json.dumps(report))
     if args.json:

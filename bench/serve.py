@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--cache-gb", type=float, default=None, help="the server's segment cache (default 16; "
                         "--small: 0.25)")
     parser.add_argument("--compile-cache", default=None, help="the server's compile cache folder")
+    parser.add_argument("--slot-layouts", default=None, choices=["default", "auto"],
+                        help="the server's --slot-layouts (default: the server's default)")
     parser.add_argument("--warm-pool", action="store_true",
                         help="before a mode's first rate, send every pool document once (untimed, "
                         "--docs-per-request at a time) and keep that mode's cache salt for all its rates: the rates "
@@ -190,7 +192,8 @@ def main() -> None:
                "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-prompt-tokens", str(rungs[-1]),
                "--token-rungs", ",".join(map(str, rungs)), "--max-new-tokens", str(args.max_tokens),
                "--max-queue", "100000", "--cache-gb", f"{cache_gb:g}", "--log-level", "warning", *load,
-               *(["--compile-cache", args.compile_cache] if args.compile_cache else [])]
+               *(["--compile-cache", args.compile_cache] if args.compile_cache else []),
+               *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else [])]
     server = subprocess.Popen(command, env=dict(os.environ))
     base = f"http://127.0.0.1:{args.port}"
     rows = []

@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--policy", default="lpt", choices=POLICIES,
                        help="how --devices splits the cold segments: lpt (costliest first onto the least-loaded "
                             "device, on a cost model calibrated at warmup) or rr (round-robin); default lpt")
+    serve.add_argument("--slot-layouts", default="default", choices=["default", "auto"],
+                       help="memory layouts of the batched decode cache: default (row-major) or auto (the compiler "
+                            "picks them for the decode step; StableEngine(slot_layouts=...))")
     serve.add_argument("--dtype", default="bfloat16")
     serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                        help="dummy: random weights of MODEL's architecture and config (for measuring shapes whose "

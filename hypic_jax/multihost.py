@@ -299,6 +299,9 @@ class Runner:
                             sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)))
         cluster.barrier(name, what=what, timeout_s=cluster.setup_timeout_s)
         verdicts = {int(p): v for p, v in cluster.listing(f"{name}/verdict").items()}
+        # every process has read the verdicts before any acts on them: a refused coordinator that exits at once
+        # would otherwise take the coordination service away from a process still reading
+        cluster.barrier(f"{name}/read", what=what, timeout_s=cluster.setup_timeout_s)
         if any(verdicts.values()):
             raise ValueError(f"the processes' engines differ from the coordinator's ({what}): " + "; ".join(
                 f"process {p}: {', '.join(v)}" for p, v in sorted(verdicts.items()) if v))

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 from hypic_jax import executables
 from hypic_jax import layout as lay
@@ -107,6 +108,7 @@ class ProgramKey(NamedTuple):
 
 
 TOP_LOGPROBS = 20  # the most alternatives a row's sampler returns (OpenAI's top_logprobs limit)
+SLOT_LAYOUTS = ("default", "auto")  # StableEngine(slot_layouts=...): the batched decode cache's memory layouts
 
 
 class SamplingRows(NamedTuple):
@@ -201,15 +203,19 @@ class Programs:
             return fn.lower(shapes(engine.pools.arrays), engine._writes_shapes(key.tokens))
         if key.kind == "insert":
             layers = engine._decode_shapes().layers
-            fn = jax.jit(functools.partial(_insert, top_n=engine.top_logprobs), donate_argnums=0)
-            return fn.lower(shapes(engine._slot_shapes()), jax.ShapeDtypeStruct((), jnp.int32), layers,
-                            jax.ShapeDtypeStruct((engine.vocab_size,), jnp.float32), SamplingRows.shapes(1))
+            args = (shapes(engine._slot_shapes()), jax.ShapeDtypeStruct((), jnp.int32), layers,
+                    jax.ShapeDtypeStruct((engine.vocab_size,), jnp.float32), SamplingRows.shapes(1))
+            body = functools.partial(_insert, top_n=engine.top_logprobs)
+            return self._slot_jit(body, args, 0, self.slot_formats()).lower(*args)
         if key.kind == "batch":
             rows = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
-            fn = jax.jit(functools.partial(_batch_decode, arch=engine.arch, config=engine.config, rows=key.tokens,
-                                           top_n=engine.top_logprobs), donate_argnums=1)
-            return fn.lower(shapes(engine.params), shapes(engine._slot_shapes()), rows, rows,
-                            SamplingRows.shapes(key.tokens))
+            args = (shapes(engine.params), shapes(engine._slot_shapes()), rows, rows, SamplingRows.shapes(key.tokens))
+            body = functools.partial(_batch_decode, arch=engine.arch, config=engine.config, rows=key.tokens,
+                                     top_n=engine.top_logprobs)
+            # the largest bucket chooses the cache's layouts (slot_layouts="auto"); the rest take its choice
+            chooses = key == self._layout_key()
+            formats = Format(Layout.AUTO) if chooses else self.slot_formats()
+            return self._slot_jit(body, args, 1, formats).lower(*args)
         capacity = engine._capacity(key)
         fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config, capacity=capacity,
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
@@ -218,6 +224,35 @@ class Programs:
                                        fold_impl=engine.fold_impl))
         packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
         return fn.lower(shapes(engine.params), packed, shapes(engine.pools.arrays))
+
+    @staticmethod
+    def _slot_jit(body, args, slot_arg: int, formats):
+        """jit of a program that takes the decode cache as argument `slot_arg` (donated) and returns it last, with
+        the cache in `formats` (None: the default layouts) on the way in and out."""
+        if formats is None:
+            return jax.jit(body, donate_argnums=slot_arg)
+        outputs = jax.eval_shape(body, *args)
+        in_shardings = tuple(formats if i == slot_arg else None for i in range(len(args)))
+        out_shardings = tuple([None] * (len(outputs) - 1) + [formats])
+        return jax.jit(body, donate_argnums=slot_arg, in_shardings=in_shardings, out_shardings=out_shardings)
+
+    def _layout_key(self) -> ProgramKey | None:
+        """The program that chooses the decode cache's layouts (slot_layouts="auto"): the largest batch bucket's."""
+        engine = self.engine
+        if engine.slot_layouts != "auto" or not engine.batch_buckets:
+            return None
+        return ProgramKey("batch", engine.batch_buckets[-1], engine.max_keys)
+
+    def slot_formats(self):
+        """The decode cache's formats (a tree like it): those the largest batch program chose, with
+        slot_layouts="auto" (compiling that program first if needed); None for the default layouts."""
+        if self._layout_key() is None:
+            return None
+        compiled = self.get(self._layout_key())
+        slots_in, slots_out = compiled.input_formats[0][1], compiled.output_formats[-1]
+        if jax.tree.leaves(slots_in) != jax.tree.leaves(slots_out):
+            raise RuntimeError("the batch program chose different layouts for the decode cache it takes and returns")
+        return slots_in
 
     def _digest(self, key: ProgramKey) -> str:
         """What the program of `key` is made of, without tracing it (`executables.ExecutableStore.digest`)."""
@@ -228,7 +263,8 @@ class Programs:
         return engine.executables.digest(
             key, capacity, engine.ladder.max_pieces, engine.ladder.records, engine.ladder.chunk, engine.ladder.conv,
             engine.arch.__name__, repr(engine.config), engine.compose_algorithm, engine.linear_impl,
-            engine.fold_impl, engine.top_logprobs, engine.max_batch, engine.max_keys, *self._signature)
+            engine.fold_impl, engine.top_logprobs, engine.max_batch, engine.max_keys, engine.slot_layouts,
+            *self._signature)
 
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
@@ -285,15 +321,22 @@ class Programs:
         """Compile `keys` (those not compiled yet), lowering one by one and compiling on a thread pool: XLA
         compiles release the GIL. Returns the wall time."""
         todo = [k for k in keys if k not in self._compiled]
+        # the program that chooses the decode cache's layouts comes before those that take them
+        first = [k for k in todo if k == self._layout_key()]
         start = time.perf_counter()
         bar = None
         if progress and todo:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(todo), desc="compiling programs", unit="program")
-        workers = workers or min(8, max(1, len(todo)))
+        for key in first:
+            self._build(key)
+            if bar is not None:
+                bar.update(1)
+        rest = [k for k in todo if k not in first]
+        workers = workers or min(8, max(1, len(rest)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for _ in pool.map(self._build, todo):
+            for _ in pool.map(self._build, rest):
                 if bar is not None:
                     bar.update(1)
         if bar is not None:
@@ -454,6 +497,13 @@ class StableEngine(Engine):
     (tests/test_stable_kernels.py); on the H200 it is what every `bench/rag_trace.py` row of bench/RESULTS.md ran
     (`--linear-impl pallas`). A kernel that fails to compile under "auto" falls back to the loops.
 
+    slot_layouts: the memory layouts of the batched decode cache. "default": row-major, as every other array.
+    "auto": the compiler picks them for the largest batch program and every program that reads or writes the cache
+    (the other batch buckets, the insert, the cache's allocation) uses the same ones. A step whose layers run as a
+    scan then reads each layer's keys, values and states in the layout its products want instead of transposing
+    whole stacks of them on the way into the scan and back (the H200 trace of `bench/decode_step.py`). Results are
+    the same either way.
+
     fold_impl: how the span programs fold the pieces (the state entering each; `stitch.linear_over_layout`):
     "auto" (one Pallas kernel per layer on a GPU, `pallas.piece_fold`; the blocked fold on a GPU where the
     kernel does not fit or fails to compile; the XLA loop elsewhere), "pallas", "xla" (a loop over the pieces in
@@ -471,7 +521,7 @@ class StableEngine(Engine):
                  disk_write_through: bool = False, tier_dtype: str | None = None,
                  tier_transfer_tol: float | None = None, host_memory: str = "pinned", devices=None,
                  policy: str = "lpt", linear_impl: str | None = "auto", scan_layers: bool = True,
-                 fold_impl: str = "auto"):
+                 fold_impl: str = "auto", slot_layouts: str = "default"):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")
@@ -509,6 +559,9 @@ class StableEngine(Engine):
         if not isinstance(max_batch, int) or max_batch < 0:
             raise ValueError(f"max_batch must be an integer >= 0, got {max_batch!r}")
         self.max_batch = max_batch
+        if slot_layouts not in SLOT_LAYOUTS:
+            raise ValueError(f"slot_layouts must be one of {SLOT_LAYOUTS}, got {slot_layouts!r}")
+        self.slot_layouts = slot_layouts
         # powers of two below max_batch, then max_batch: a step pays for at most twice its busy rows
         self.batch_buckets = tuple(b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch) + (
             (max_batch,) if max_batch else ())
@@ -857,7 +910,8 @@ class StableEngine(Engine):
         if self._slots is None:
             if self._fill_slots is None:  # kept: a cache lost to a failed step is remade without compiling
                 shapes = self._slot_shapes()
-                self._fill_slots = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+                self._fill_slots = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                                           out_shardings=self.programs.slot_formats())
             self._slots = self._fill_slots()
         return self._slots
 

@@ -391,3 +391,50 @@ def test_engine_runs_stacked_layers(tmp_path):
     # a StableEngine on the stacked model uses its stack (no copy) and its plan
     engine = StableEngine(stacked, max_prompt_tokens=128, max_segments=4, token_rungs=(128,), max_new_tokens=0)
     assert engine.params["layers"] is stacked.params["layers"]
+
+
+def test_decode_cache_layouts_do_not_change_results(monkeypatch):
+    """slot_layouts="auto" (the compiler picks the batched decode cache's layouts; the CPU keeps row-major) and a
+    cache forced into non-default layouts (the two minor axes of every leaf of rank >= 3 swapped, in every program
+    that takes it and in its allocation) decode the same ids and log-probabilities as the default layouts, and
+    compile nothing after warmup. An unknown choice is refused."""
+    from jax.experimental.layout import Format, Layout
+
+    from hypic_jax.demo import tiny_model
+    from hypic_jax.runtime import Programs, backend_compiles
+
+    model = tiny_model()
+    rng = np.random.default_rng(5)
+    prompts = [[rng.integers(3, 200, n).tolist() for n in lengths] for lengths in ((17, 5), (12, 3))]
+    options = dict(max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=8, max_batch=2)
+
+    def swapped(self):
+        shapes = self.engine._slot_shapes()
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+        def form(s):
+            order = tuple(range(s.ndim)) if s.ndim < 3 else tuple(range(s.ndim - 2)) + (s.ndim - 1, s.ndim - 2)
+            return Format(Layout(major_to_minor=order), device)
+
+        return jax.tree.map(form, shapes)
+
+    runs = {}
+    for name in ("default", "auto", "swapped"):
+        with monkeypatch.context() as patch:
+            if name == "swapped":
+                patch.setattr(Programs, "slot_formats", swapped)
+            engine = StableEngine(model, slot_layouts="auto" if name == "auto" else "default", **options)
+            engine.warmup(progress=False)
+            before = backend_compiles()
+            runs[name] = _batched_steps(engine, prompts, 3)
+            assert backend_compiles() == before, name
+            if name == "swapped":
+                leaf = next(a for a in jax.tree.leaves(engine._slots) if a.ndim >= 3)
+                assert leaf.format.layout.major_to_minor[-2:] == (leaf.ndim - 1, leaf.ndim - 2)
+    for name in ("auto", "swapped"):
+        for step, (a, b) in enumerate(zip(runs[name], runs["default"])):
+            np.testing.assert_array_equal(a[0], b[0], err_msg=f"{name}, step {step}")
+            for x, y in zip(a[1:], b[1:]):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"{name}, step {step}")
+    with pytest.raises(ValueError, match="slot_layouts"):
+        StableEngine(model, slot_layouts="fast", **options)

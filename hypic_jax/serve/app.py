@@ -282,7 +282,7 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
           max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
           separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
           compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
-          policy: str = "lpt", **server_options) -> Server:
+          policy: str = "lpt", slot_layouts: str = "default", **server_options) -> Server:
     """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
     load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
     cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the
@@ -313,7 +313,7 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
                           max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                           max_segments=max_segments, max_batch=max_batch, token_rungs=token_rungs,
                           compile_cache=compile_cache, devices=None if devices in (None, 1) else devices,
-                          policy=policy)
+                          policy=policy, slot_layouts=slot_layouts)
     return Server(engine, model_name=served.name, max_queue=max_queue, separator=separator,
                   chat_template=served.chat_template, special_tokens=served.special_tokens, eos_ids=served.eos_ids,
                   request_timeout=request_timeout, **server_options)
@@ -329,7 +329,8 @@ def main(args) -> int:
                    max_queue=args.max_queue, max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
                    max_new_tokens=args.max_new_tokens, max_segments=args.max_segments, separator=args.separator,
                    request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache,
-                   load_format=args.load_format, devices=args.devices, policy=args.policy)
+                   load_format=args.load_format, devices=args.devices, policy=args.policy,
+                   slot_layouts=args.slot_layouts)
     mesh = server.engine.segment_mesh
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
