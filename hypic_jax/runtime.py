@@ -108,7 +108,16 @@ class ProgramKey(NamedTuple):
 
 
 TOP_LOGPROBS = 20  # the most alternatives a row's sampler returns (OpenAI's top_logprobs limit)
-SLOT_LAYOUTS = ("default", "auto")  # StableEngine(slot_layouts=...): the batched decode cache's memory layouts
+SLOT_LAYOUTS = ("default", "auto")
+
+
+class DeviceMemoryError(RuntimeError):
+    """The engine's programs do not fit the device memory JAX may use (the message says what it holds)."""
+
+
+def _out_of_memory(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text  # StableEngine(slot_layouts=...): the batched decode cache's memory layouts
 
 
 class SamplingRows(NamedTuple):
@@ -627,6 +636,33 @@ class StableEngine(Engine):
         limit = self.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
         if limit > self.max_prompt_tokens:
             raise ValueError(f"max_prompt_tokens {limit} exceeds the engine's {self.max_prompt_tokens}")
+        try:
+            return self._warmup(limit, progress)
+        except Exception as error:
+            if _out_of_memory(error):
+                raise DeviceMemoryError(self._memory_advice(error)) from error
+            raise
+
+    def _memory_advice(self, error: Exception) -> str:
+        """What a warmup that ran out of device memory should say: what the engine holds, what JAX may use, and
+        what to change."""
+        from hypic_jax.cache import tree_nbytes
+
+        gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
+        held = [f"{gb(tree_nbytes(self.params))} of weights",
+                f"{gb(self.pools.nbytes)} of entry pools (cache_bytes)"]
+        if self.max_batch:
+            held.append(f"{gb(sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(self._slot_shapes())))} of "
+                        f"batched decode rows (max_batch={self.max_batch})")
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = (f"; JAX may use {gb(stats['bytes_limit'])} of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 of "
+                 f"it unless set)" if "bytes_limit" in stats else "")
+        first = str(error).strip().splitlines()[0][:300]
+        return (f"warmup ran out of device memory ({first}). The engine holds {', '.join(held)}{limit}. Lower "
+                f"cache_bytes (--cache-gb), max_batch or max_prompt_tokens, or let JAX use more of the device "
+                f"(XLA_PYTHON_CLIENT_MEM_FRACTION before the process starts; hypic-jax serve --gpu-memory-fraction).")
+
+    def _warmup(self, limit: int, progress: bool) -> dict:
         before = backend_compiles()
         keys = self.programs.keys_for(limit)
         spans = [k for k in keys if k.kind in ("cold", "pic", "plain")]
@@ -1169,4 +1205,5 @@ class StableEngine(Engine):
 
 
 __all__ = ["StableEngine", "Programs", "ProgramKey", "SamplingRows", "Sampled", "backend_compiles", "MODES",
+           "DeviceMemoryError",
            "use_compile_cache"]

@@ -510,3 +510,45 @@ def test_a_failed_warmup_stops_the_server_with_its_error():
         health = client.get("/health")
     assert health.status_code == 500 and "out of memory" in health.json()["error"]
     assert not server.ready
+
+
+def test_gpu_memory_fraction_sets_jax_share_before_the_backend_starts(monkeypatch):
+    """`hypic-jax serve --gpu-memory-fraction F` sets XLA_PYTHON_CLIENT_MEM_FRACTION for the process (the flag wins
+    over the environment; without either, the server's default); a value outside (0, 1] is refused."""
+    from hypic_jax import cli
+    from hypic_jax.serve import app
+
+    seen = []
+    monkeypatch.setattr(app, "main", lambda args: seen.append(__import__("os").environ.get(
+        "XLA_PYTHON_CLIENT_MEM_FRACTION")) or 0)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert cli.main(["serve"]) == 0
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    assert cli.main(["serve"]) == 0
+    assert cli.main(["serve", "--gpu-memory-fraction", "0.95"]) == 0
+    assert seen == [f"{cli.DEFAULT_GPU_MEMORY_FRACTION:g}", "0.6", "0.95"]
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--gpu-memory-fraction", "1.5"])
+
+
+def test_warmup_out_of_device_memory_says_what_the_engine_holds():
+    """A warmup that runs out of device memory raises DeviceMemoryError naming the weights, pools and decode rows
+    the engine holds and what to change; other errors pass through as they are."""
+    from hypic_jax.demo import tiny_model
+    from hypic_jax.runtime import DeviceMemoryError
+
+    engine = StableEngine(tiny_model(), max_prompt_tokens=32, token_rungs=(32,), max_new_tokens=4, max_batch=2)
+
+    def exhausted(*_, **__):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.67GiB")
+
+    engine._warmup = exhausted
+    with pytest.raises(DeviceMemoryError, match="of weights.*of entry pools.*decode rows.*cache-gb"):
+        engine.warmup(progress=False)
+
+    def broken(*_, **__):
+        raise ValueError("something else")
+
+    engine._warmup = broken
+    with pytest.raises(ValueError, match="something else"):
+        engine.warmup(progress=False)
