@@ -108,7 +108,7 @@ class ProgramKey(NamedTuple):
 
 
 TOP_LOGPROBS = 20  # the most alternatives a row's sampler returns (OpenAI's top_logprobs limit)
-SLOT_LAYOUTS = ("default", "auto")
+SLOT_LAYOUTS = ("default", "auto")  # StableEngine(slot_layouts=...): the batched decode cache's memory layouts
 
 
 class DeviceMemoryError(RuntimeError):
@@ -117,7 +117,7 @@ class DeviceMemoryError(RuntimeError):
 
 def _out_of_memory(error: Exception) -> bool:
     text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text  # StableEngine(slot_layouts=...): the batched decode cache's memory layouts
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 class SamplingRows(NamedTuple):
@@ -1113,7 +1113,8 @@ class StableEngine(Engine):
         return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, uses=entry.uses,
                          staged=self.mover.gather_finish(started))
 
-    # at most this many demotions in flight (each holds its entry's copy in device memory until it reaches the host)
+    # at most this many demotions in flight (each holds its entry's copy, in device memory when the host tier is
+    # pageable, until the host tier has it)
     MAX_PENDING_DEMOTIONS = 8
 
     def _dropped(self, entry: Entry) -> None:
