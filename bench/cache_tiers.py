@@ -242,6 +242,11 @@ def main(argv=None) -> None:
     parser.add_argument("--load-times", type=int, nargs="*", default=None,
                         help="instead: TTFT of one document of each of these lengths missing, on the device, in "
                              "the host tier and on disk")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="the engines' devices (StableEngine(devices=N)); above 1 the trace also runs with a "
+                             "peer tier on the other devices")
+    parser.add_argument("--peer-frac", type=float, default=0.3,
+                        help="the peer tier's budget, as a share of the corpus's entry bytes over all other devices")
     parser.add_argument("--host-memory", nargs="+", default=["pinned"], choices=list(tr.HOST_MEMORY),
                         help="where the host tier keeps entries; several: the trace's host-tier runs once per kind")
     parser.add_argument("--seed", type=int, default=0)
@@ -268,6 +273,9 @@ def main(argv=None) -> None:
                 max_new_tokens=0,
                 cache_bytes=int(args.device_frac * corpus_bytes), mean_entry_tokens=mean_tokens)
     host_bytes = int(args.host_frac * corpus_bytes)
+    peer_bytes = int(args.peer_frac * corpus_bytes / max(1, args.devices - 1)) if args.devices > 1 else 0
+    if args.devices > 1:
+        base["devices"] = args.devices  # every run: the same cold path over the mesh
     shape = "small" if args.small else f"35B-A3B x{args.layers} layers"
     if args.forms:
         models = {"own gates": model,
@@ -305,6 +313,7 @@ def main(argv=None) -> None:
                   corpus_entry_mb=round(corpus_bytes / 2**20, 2), requests=len(requests),
                   docs_per_request=args.docs, zipf=args.zipf, longest_prompt=longest, rungs=list(rungs or ()),
                   device_mb=round(base["cache_bytes"] / 2**20, 2), host_mb=round(host_bytes / 2**20, 2),
+                  devices=args.devices, peer_mb_per_device=round(peer_bytes / 2**20, 2),
                   form=tr.compact_form(args.tier_dtype, args.transfer_tol), runs=[])
 
     donor = None
@@ -322,7 +331,10 @@ def main(argv=None) -> None:
 
         kinds = args.host_memory
         named = (lambda name, kind: name if len(kinds) == 1 else f"{name} ({kind})")
-        settings = ([("device", {})]
+        peer = [("device+peer", dict(peer_cache_bytes=peer_bytes)),
+                ("device+peer+host", dict(peer_cache_bytes=peer_bytes, host_cache_bytes=host_bytes,
+                                          host_memory=kinds[0]))] if peer_bytes else []
+        settings = ([("device", {})] + peer
                     + [(named("device+host", k), dict(host_cache_bytes=host_bytes, host_memory=k)) for k in kinds]
                     + [(named("device+host+disk", k), dict(host_cache_bytes=host_bytes, host_memory=k))
                        for k in kinds])

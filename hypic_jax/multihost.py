@@ -265,10 +265,9 @@ class Runner:
     the requests run one at a time."""
 
     def __init__(self, engine, cluster: Cluster):
-        if getattr(engine, "tiers", None) is not None and (engine.tiers.host is not None
-                                                            or engine.tiers.disk is not None):
-            raise ValueError("a multi-host engine has no host or disk tier (their timing-driven choices would "
-                             "differ per process)")
+        if getattr(engine, "tiers", None) is not None and engine.tiers.enabled:
+            raise ValueError("a multi-host engine has no peer, host or disk tier (their timing-driven choices "
+                             "would differ per process)")
         if getattr(engine, "eviction", "lru") != "lru":
             raise ValueError(f"a multi-host engine evicts by 'lru' (the same choice on every process), not "
                              f"{engine.eviction!r}")

@@ -488,7 +488,10 @@ class StableEngine(Engine):
     when it is stored (else entries reach the disk when evicted, or through `persist()`). Compact entries off the
     device (`tiers.Mover`): tier_dtype="bfloat16" stores every float32 piece (T, S, float32 K/V and conv tails)
     in bfloat16 (promoted entries are the rounded values, widened back); tier_transfer_tol stores a dense T's heads
-    only where their largest |entry| exceeds it (0: drops the heads whose T decayed to exactly zero). host_memory:
+    only where their largest |entry| exceeds it (0: drops the heads whose T decayed to exactly zero).
+    peer_cache_bytes (0: off): the peer tier, a budget on each of the engine's other devices (`devices=N`) that
+    holds entries demoted from the first device before the host tier does; a hit there is one copy between devices
+    (over NVLink on a GPU host) instead of one from host memory. host_memory:
     "pinned" (the default) keeps the host tier's entries in page-locked memory where the device has it (demotions
     are written there by the gather program, promotions are one DMA each), "pageable" in numpy arrays.
 
@@ -528,7 +531,8 @@ class StableEngine(Engine):
                  disk_cache_dir=None, disk_cache_bytes: int | None = None, eviction: str = "cost",
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
                  disk_write_through: bool = False, tier_dtype: str | None = None,
-                 tier_transfer_tol: float | None = None, host_memory: str = "pinned", devices=None,
+                 tier_transfer_tol: float | None = None, host_memory: str = "pinned", peer_cache_bytes: int = 0,
+                 devices=None,
                  policy: str = "lpt", linear_impl: str | None = "auto", scan_layers: bool = True,
                  fold_impl: str = "auto", slot_layouts: str = "default"):
         if not hasattr(model.arch, "span_forward_arrays"):
@@ -562,7 +566,8 @@ class StableEngine(Engine):
         budget = cache_bytes if cache_bytes is not None else 1 << 30
         self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens, plan=self.plan)
         self._init_tiers(host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
-                         disk_bandwidth, disk_write_through, tier_dtype, tier_transfer_tol, host_memory)
+                         disk_bandwidth, disk_write_through, tier_dtype, tier_transfer_tol, host_memory,
+                         peer_cache_bytes, devices)
         self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
                                   policy=tr.DevicePolicy(self.policy) if eviction == "cost" else None)
         if not isinstance(max_batch, int) or max_batch < 0:
@@ -990,7 +995,7 @@ class StableEngine(Engine):
 
     # Tiers -----------------------------------------------------------------------------------------------------------
     def _init_tiers(self, host_bytes, disk_dir, disk_bytes, eviction, host_bandwidth, disk_bandwidth,
-                    write_through, tier_dtype, tier_transfer_tol, host_memory) -> None:
+                    write_through, tier_dtype, tier_transfer_tol, host_memory, peer_bytes=0, devices=None) -> None:
         self.eviction = eviction
         self.cost = tr.CostModel()
         self.bandwidths = tr.Bandwidths(host=host_bandwidth or tr.DEFAULT_HOST_BANDWIDTH,
@@ -1001,9 +1006,18 @@ class StableEngine(Engine):
             raise ValueError(f"tier_dtype must be None or 'bfloat16', got {tier_dtype!r}")
         self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tier_dtype, transfer_tol=tier_transfer_tol,
                               host_memory=host_memory)
+        peers = ()
+        if peer_bytes:  # the peer tier: the engine's other devices (this process's), a budget on each
+            if devices is None:
+                raise ValueError("peer_cache_bytes needs the engine's other devices (devices=N with N >= 2)")
+            from hypic_jax.segment_mesh import resolve_devices
+
+            home = self.mover.device
+            peers = tuple(d for d in resolve_devices(devices) if d != home and d.process_index == jax.process_index())
         self.tiers = tr.Tiers(leaves=self.mover.leaves, fingerprint=self.fingerprint, policy=self.policy,
                               host_bytes=host_bytes or 0, disk_dir=disk_dir, disk_bytes=disk_bytes,
-                              form=tr.compact_form(tier_dtype, tier_transfer_tol), droppable=self.mover.droppable)
+                              form=tr.compact_form(tier_dtype, tier_transfer_tol), droppable=self.mover.droppable,
+                              peers=peers, peer_bytes=peer_bytes or 0, mover=self.mover)
         self.disk_write_through = bool(write_through)
         self._clearing = False
         self._demote_errors = 0
@@ -1024,7 +1038,8 @@ class StableEngine(Engine):
             host, disk = self._bandwidth_overrides
             folder = self.tiers.disk.folder if self.tiers.disk is not None else None
             self.bandwidths = tr.Bandwidths.measure(folder, host=host, disk=disk, staging=self.mover.host_sharding,
-                                                    device=self.mover.device_sharding)
+                                                    device=self.mover.device_sharding,
+                                                    peers=[p.device for p in self.tiers.peers])
         if self.eviction == "cost":
             self._calibrate(limit)
         return out

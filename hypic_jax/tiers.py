@@ -88,11 +88,13 @@ DROP = np.iinfo(np.int32).max // 2  # a pool row past every pool: padded scatter
 # peak) and disk -> host including the payload checksum (an NVMe drive).
 DEFAULT_HOST_BANDWIDTH = 20e9
 DEFAULT_DISK_BANDWIDTH = 2e9
+# device -> device between the engine's devices (the peer tier) when not measured: NVLink 4's sustained rate
+DEFAULT_PEER_BANDWIDTH = 200e9
 # Recompute cost when not calibrated (seconds): fixed, per token, per token squared. From the full prefill of the
 # Qwen3.5-35B-A3B shape on one H200 (bench/RESULTS.md, prefill.py: 0.158 s at 8k, 0.653 s at 32k tokens).
 DEFAULT_COST = (5e-3, 1.9e-5, 2.5e-11)
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "peer", "host", "disk")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,29 +161,39 @@ class Bandwidths:
 
     host: float = DEFAULT_HOST_BANDWIDTH
     disk: float = DEFAULT_DISK_BANDWIDTH
+    peer: float = DEFAULT_PEER_BANDWIDTH
     measured: bool = False
 
     def load_s(self, tier: str, nbytes: int) -> float:
         if tier == "device":
             return 0.0
+        if tier == "peer":
+            return nbytes / self.peer
         seconds = nbytes / self.host
         return seconds + (nbytes / self.disk if tier == "disk" else 0.0)
 
     @classmethod
     def measure(cls, folder: str | Path | None, nbytes: int = 8 << 20, *, host: float | None = None,
-                disk: float | None = None, staging=None, device=None) -> "Bandwidths":
+                disk: float | None = None, staging=None, device=None, peers=(), peer: float | None = None
+                ) -> "Bandwidths":
         """Time a host -> device copy (best of 3; from a buffer placed by `staging`, a sharding in pinned host
-        memory, as promotions send, else from numpy) to `device` (a sharding; None: the default device) and, with a
-        folder, a write + fsync, an uncached read and its checksum; `host`/`disk` given are kept as they are."""
+        memory, as promotions send, else from numpy) to `device` (a sharding; None: the default device), with
+        `peers` (devices of the peer tier) a copy from the first of them to `device`, and, with a folder, a
+        write + fsync, an uncached read and its checksum; `host`/`disk`/`peer` given are kept as they are."""
         data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        if host is None:
-            source = data if staging is None else jax.device_put(data, staging)
+
+        def best_copy(source) -> float:
             best = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
                 jax.device_put(source, device).block_until_ready()
                 best = min(best, time.perf_counter() - start)
-            host = nbytes / max(best, 1e-9)
+            return nbytes / max(best, 1e-9)
+
+        if host is None:
+            host = best_copy(data if staging is None else jax.device_put(data, staging))
+        if peer is None and peers:
+            peer = best_copy(jax.device_put(data, peers[0]).block_until_ready())
         if disk is None and folder is not None:
             path = Path(folder) / f".bandwidth-{os.getpid()}-{uuid.uuid4().hex}"
             try:
@@ -197,7 +209,8 @@ class Bandwidths:
                 disk = nbytes / max(time.perf_counter() - start, 1e-9)
             finally:
                 path.unlink(missing_ok=True)
-        return cls(host=float(host), disk=float(disk if disk is not None else DEFAULT_DISK_BANDWIDTH), measured=True)
+        return cls(host=float(host), disk=float(disk if disk is not None else DEFAULT_DISK_BANDWIDTH),
+                   peer=float(peer if peer is not None else DEFAULT_PEER_BANDWIDTH), measured=True)
 
 
 class Policy:
@@ -384,7 +397,7 @@ class Mover:
         self.page = pools.page
         if host_memory not in HOST_MEMORY:
             raise ValueError(f"host_memory must be one of {HOST_MEMORY}, got {host_memory!r}")
-        device = next(iter(jax.tree.leaves(stack.parts)[0].devices()))
+        self.device = device = next(iter(jax.tree.leaves(stack.parts)[0].devices()))  # the pools'
         self.device_sharding = jax.sharding.SingleDeviceSharding(device)
         # where demoted entries live: page-locked host memory, which the device reads and writes by DMA at the
         # link's rate and without the caller waiting (pageable memory goes through a staging copy), where the
@@ -659,6 +672,19 @@ class Mover:
             arrays.append(piece if kind == "slot" else piece[:length])
         return arrays, kept
 
+    def moved(self, staged: Staged, where=None) -> Staged:
+        """`staged` with its buffers on another device (`where`, a jax device: the peer tier) or, with None, in the
+        host tier's memory (pinned where the device has it, else numpy). The copies are issued, not awaited."""
+        if where is not None:
+            target = jax.sharding.SingleDeviceSharding(where)
+            move = lambda a: jax.device_put(a, target)  # noqa: E731
+        elif self.host_sharding is not None:
+            move = lambda a: jax.device_put(a, self.host_sharding)  # noqa: E731
+        else:
+            move = lambda a: np.asarray(jax.device_get(a))  # noqa: E731
+        return dataclasses.replace(staged, main=move(staged.main),
+                                   heads=None if staged.heads is None else move(staged.heads))
+
     # Promotion: host -> pools -----------------------------------------------------------------------------------
     def stage(self, pieces: "Pieces") -> Staged:
         """`pieces` in the form a promotion sends (the demotion's own buffers when it has them)."""
@@ -835,6 +861,22 @@ class HostStore(_Store):
         with self.lock:
             self.index.clear()
             self.stats.bytes = self.stats.entries = 0
+
+
+class PeerStore(HostStore):
+    """The peer tier on one device: entries demoted from the engine's device into another device's memory (the
+    engine's mesh: `StableEngine(devices=N, peer_cache_bytes=...)`), from which a promotion is one copy between
+    devices. Exclusive, like the host tier."""
+
+    tier = "peer"
+
+    def __init__(self, capacity_bytes: int | None, policy: Policy, device):
+        super().__init__(capacity_bytes, policy)
+        self.device = device
+
+    @property
+    def room(self) -> int:
+        return (self.capacity_bytes or 0) - self.stats.bytes
 
 
 class DiskStore(_Store):
@@ -1091,36 +1133,71 @@ class Tiers:
     `Mover.droppable`."""
 
     def __init__(self, *, leaves, fingerprint: str, policy: Policy, host_bytes: int = 0, disk_dir=None,
-                 disk_bytes: int | None = None, form: str = "exact", droppable=None):
-        for name, value in (("host_cache_bytes", host_bytes), ("disk_cache_bytes", disk_bytes)):
+                 disk_bytes: int | None = None, form: str = "exact", droppable=None, peers=(), peer_bytes: int = 0,
+                 mover: "Mover | None" = None):
+        for name, value in (("host_cache_bytes", host_bytes), ("disk_cache_bytes", disk_bytes),
+                            ("peer_cache_bytes", peer_bytes)):
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if peer_bytes and not peers:
+            raise ValueError("peer_cache_bytes needs other devices to hold the peer tier (StableEngine(devices=N), "
+                             "N >= 2)")
+        if peer_bytes and mover is None:
+            raise ValueError("the peer tier needs the engine's Mover (its entries move between devices)")
         self.policy = policy
+        self.mover = mover
+        # the peer tier: a store per other device of the engine, each with `peer_bytes`
+        self.peers = [PeerStore(peer_bytes, policy, device) for device in peers] if peer_bytes else []
         self.host = HostStore(host_bytes, policy) if host_bytes else None
         self.disk = (DiskStore(disk_dir, disk_bytes, policy, fingerprint=fingerprint, leaves=leaves, form=form,
                                droppable=droppable)
                      if disk_dir is not None and disk_bytes != 0 else None)
-        self.promotions = {"host": 0, "disk": 0}
+        self.promotions = dict({"peer": 0} if self.peers else {}, host=0, disk=0)
         self.demotions = 0
         self.lock = threading.RLock()
         self._spilling: dict[str, Pieces] = {}  # left the host tier, their disk files not yet written
 
     @property
     def enabled(self) -> bool:
-        return self.host is not None or self.disk is not None
+        return self.host is not None or self.disk is not None or bool(self.peers)
+
+    def _relocated(self, pieces: Pieces, where) -> Pieces:
+        """`pieces` with its buffers moved to device `where` (the peer tier) or, with None, to host memory."""
+        staged = self.mover.moved(self.mover.stage(pieces), where)
+        return Pieces(key=pieces.key, tokens=pieces.tokens, kind=pieces.kind, seam=pieces.seam, uses=pieces.uses,
+                      staged=staged)
+
+    def _into_peer(self, pieces: Pieces) -> list[Pieces]:
+        """Keep `pieces` in the peer store with the most room (moved to its device); returns what goes below, in
+        host memory: the entries evicted to make room, or `pieces` itself when the peer tier does not keep it."""
+        stores = [p for p in self.peers if p.fits(pieces.nbytes)]
+        if not stores or not self.policy.keeps("peer", pieces.length, pieces.nbytes):
+            self.peers[0].stats.skipped += 1
+            return [pieces]
+        store = max(stores, key=lambda p: p.room)
+        evicted = store.put(self._relocated(pieces, store.device))
+        return [self._relocated(p, None) for p in evicted]
+
+    def _into_host(self, down: list[Pieces]) -> list[Pieces]:
+        if self.host is None:
+            return down
+        out = []
+        for pieces in down:
+            if self.host.fits(pieces.nbytes) and self.policy.keeps("host", pieces.length, pieces.nbytes):
+                out += self.host.put(pieces)
+            else:
+                self.host.stats.skipped += 1
+                out.append(pieces)
+        return out
 
     def put(self, pieces: Pieces) -> None:
-        """An entry demoted from the device: into the host tier, or the disk, or nowhere (by the policy). Entries
-        bound for the disk are written after this lock is released (`take` finds them meanwhile), so that a
-        lookup never waits for the drive."""
+        """An entry demoted from the device: into the peer tier, or the host tier, or the disk, or nowhere (by the
+        policy); what a tier evicts to make room goes one tier down. Entries bound for the disk are written after
+        this lock is released (`take` finds them meanwhile), so that a lookup never waits for the drive."""
         with self.lock:
             self.demotions += 1
-            down = [pieces]
-            if self.host is not None:
-                if self.host.fits(pieces.nbytes) and self.policy.keeps("host", pieces.length, pieces.nbytes):
-                    down = self.host.put(pieces)
-                else:
-                    self.host.stats.skipped += 1
+            down = self._into_peer(pieces) if self.peers else [pieces]
+            down = self._into_host(down)
         self._spill(down)
 
     def _spill(self, down: list[Pieces]) -> None:
@@ -1157,8 +1234,13 @@ class Tiers:
             return pieces.key in self.disk
 
     def take(self, key: str, tokens: tuple[int, ...]) -> tuple[Pieces, str] | None:
-        """The entry from the host tier (leaving it) or the disk (its file stays), and which."""
+        """The entry from the peer or host tier (leaving it) or the disk (its file stays), and which."""
         with self.lock:
+            for store in self.peers:
+                found = store.take(key, tokens)
+                if found is not None:
+                    self.promotions["peer"] += 1
+                    return found, "peer"
             found = self.host.take(key, tokens) if self.host is not None else None
             if found is not None:
                 self.promotions["host"] += 1
@@ -1175,15 +1257,23 @@ class Tiers:
             return None
 
     def give_back(self, pieces: Pieces, tier: str) -> None:
-        """A taken entry that could not be promoted (the pools were full of running requests' entries)."""
+        """A taken entry that could not be promoted (the pools were full of running requests' entries, or the
+        request failed first)."""
         with self.lock:
             self.promotions[tier] -= 1
-            down = self.host.put(pieces) if tier == "host" and self.host is not None else []
+            if tier == "peer":
+                devices = pieces.staged.main.devices()
+                store = next(p for p in self.peers if p.device in devices)
+                down = self._into_host([self._relocated(p, None) for p in store.put(pieces)])
+            else:
+                down = self.host.put(pieces) if tier == "host" and self.host is not None else []
         self._spill(down)
 
     def clear(self, *, disk: bool = False) -> None:
         with self.lock:
             self._spilling.clear()
+            for store in self.peers:
+                store.clear()
             if self.host is not None:
                 self.host.clear()
             if disk and self.disk is not None:
@@ -1191,11 +1281,18 @@ class Tiers:
 
     def stats(self) -> dict:
         with self.lock:
-            return dict(host=self.host.stats.as_dict() if self.host is not None else None,
+            peer = None
+            if self.peers:
+                per = [p.stats.as_dict() for p in self.peers]
+                peer = {k: sum(d[k] for d in per) for k in per[0] if k != "capacity_bytes"}
+                peer.update(capacity_bytes=sum(d["capacity_bytes"] for d in per), devices=len(per),
+                            entries_per_device=[d["entries"] for d in per])
+            return dict(peer=peer, host=self.host.stats.as_dict() if self.host is not None else None,
                         disk=self.disk.stats.as_dict() if self.disk is not None else None,
                         promotions=dict(self.promotions), demotions=self.demotions)
 
 
-__all__ = ["Bandwidths", "CostModel", "DevicePolicy", "DiskStore", "HostStore", "Mover", "Pieces", "Policy",
-           "Staged", "Tiers", "Transfer", "FORMAT_VERSION", "DEFAULT_COST", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_DISK_BANDWIDTH",
+__all__ = ["Bandwidths", "CostModel", "DevicePolicy", "DiskStore", "HostStore", "Mover", "PeerStore", "Pieces",
+           "Policy", "Staged", "Tiers", "Transfer", "FORMAT_VERSION", "DEFAULT_COST", "DEFAULT_HOST_BANDWIDTH",
+           "DEFAULT_DISK_BANDWIDTH", "DEFAULT_PEER_BANDWIDTH",
            "compact_form", "dense_transfer_leaves", "payload_digests"]
