@@ -1,13 +1,16 @@
-"""Cache tiers below the device pools: host memory, then disk; the cost model and the eviction policy.
+"""Cache tiers below the device pools: other devices' memory, host memory, then disk; the cost model and the
+eviction policy.
 
 An entry evicted from the device pools is demoted: its slot's pieces and its token rows are copied to the host in
-one buffer (`Mover.gather`) and kept in the host tier; the host tier's evictions go to disk, one file per entry. A
+one buffer (`Mover.gather`) and kept in the peer tier (that buffer moved to the memory of one of the engine's other
+devices, `PeerStore`) or the host tier; the peer tier's evictions go to the host tier, the host tier's to disk, one
+file per entry. A
 hit in a lower tier promotes the entry back into the pools: its buffer goes to the device in one transfer, issued
 while the request plans, and is written into the pools after the request's cold prefill was issued, so the copy
 overlaps with it (`Mover.transfer`, `Mover.scatter_programs`). The copies are compiled programs, one pair per bucket
 of whole pages (powers of two up to the longest entry), so no entry size compiles anything after warmup.
 
-Host tier: exclusive (a promoted entry leaves it). Disk tier: inclusive (a promoted entry's file stays, so a
+Peer and host tiers: exclusive (a promoted entry leaves them). Disk tier: inclusive (a promoted entry's file stays, so a
 restarted process finds it; demoting an entry whose file exists writes nothing).
 
 Disk files (`DiskStore`): `<dir>/<key[:2]>/<key>.seg`, written to a temporary file in the same folder, fsynced and
