@@ -577,7 +577,18 @@ class Mover:
         slot = jax.ShapeDtypeStruct((), jnp.int32)
         if which == "gather":  # its outputs land in host memory when pinned (the program's own copy out)
             rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
-            program = jax.jit(self._gather_fn, out_shardings=self.host_sharding).lower(shapes, slot, rows).compile()
+            try:
+                program = jax.jit(self._gather_fn, out_shardings=self.host_sharding).lower(
+                    shapes, slot, rows).compile()
+            except Exception as error:  # noqa: BLE001  (a backend without host outputs: numpy on the host instead)
+                if self.host_sharding is None:
+                    raise
+                log.warning("the host tier cannot keep entries in pinned host memory here (%s: %s); it keeps them "
+                            "in pageable memory", type(error).__name__, str(error)[:300])
+                with self._lock:  # programs that wrote to pinned memory are not used again
+                    self.host_sharding = None
+                    self._gather.clear()
+                program = jax.jit(self._gather_fn).lower(shapes, slot, rows).compile()
         elif which == "scatter":
             rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
             main = jax.ShapeDtypeStruct((self.layout(bucket)[1],), jnp.uint8)

@@ -484,3 +484,29 @@ def test_host_memory_pinned_and_pageable_serve_the_same_entries(make):
     np.testing.assert_array_equal(logits["pinned"], logits["pageable"])
     with pytest.raises(ValueError, match="host_memory"):
         make(host_cache_bytes=1 << 20, host_memory="managed")
+
+
+def test_a_backend_without_pinned_outputs_falls_back_to_pageable_memory(make, caplog, monkeypatch):
+    """Where the gather program cannot write to pinned host memory, the host tier keeps its entries in numpy
+    arrays instead (with a warning), and serves them exactly."""
+    import jax
+
+    real = jax.jit
+
+    def no_host_outputs(fn, **options):
+        if getattr(fn, "__name__", "") == "_gather_fn" and options.get("out_shardings") is not None:
+            raise RuntimeError("this backend has no outputs in host memory")
+        return real(fn, **options)
+
+    engine = make(host_cache_bytes=1 << 20)
+    engine.mover._gather.clear()  # compiled anew below, where writing to pinned memory fails
+    monkeypatch.setattr(jax, "jit", no_host_outputs)
+    segs = _docs(make.vocab, 16) + [[7, 8, 9]]
+    warm = engine.prefill(segs, seam=SEAM)
+    with caplog.at_level("WARNING", logger="hypic_jax.tiers"):
+        _evict_device(engine)
+    assert "pageable memory" in caplog.text and engine.mover.host_sharding is None
+    assert all(isinstance(p.staged.main, np.ndarray) for p in engine.tiers.host.values())
+    back = engine.prefill(segs, seam=SEAM)
+    assert back.stats.hits == 4
+    np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
