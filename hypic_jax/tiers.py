@@ -376,8 +376,8 @@ class Mover:
 
     An entry has one piece per pooled leaf and layer (hundreds at the 35B-A3B shape); copying each on its own costs
     a fixed overhead per array that dominates the copy at these sizes. So the gather program writes every piece's
-    bytes into one uint8 buffer at static offsets (`Staged`), the host keeps that buffer as the entry (its pieces
-    are views into it, `views`), and a promotion sends it back as one transfer (`transfer`) that a scatter program
+    bytes into one uint8 buffer at static offsets (`Staged`), the tier keeps that buffer as the entry (`views`
+    reads its pieces back out), and a promotion sends it back as one transfer (`transfer`) that a scatter program
     cuts up on the device. Token rows are padded to a bucket of whole pages (1, 2, 4, ... pages, up to the longest
     entry), so the programs are one gather and one scatter per bucket, compiled by `compile` (the engine's warmup).
 
