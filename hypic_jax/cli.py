@@ -75,7 +75,6 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hypic-jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
