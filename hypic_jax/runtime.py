@@ -153,12 +153,21 @@ class SamplingRows(NamedTuple):
 
 
 class Sampled:
-    """What a batched step returns: the sampled ids on the host, the log-probabilities (of the model's own
-    distribution, before temperature and truncation) left on the device until `logprobs()` asks for them."""
+    """What a batched step returns, as soon as the step is dispatched: `ids`, the sampled ids on the host (reading
+    them waits for the step), `device_ids`, the same on the device (the next step's tokens, with no trip through
+    the host), and the log-probabilities (of the model's own distribution, before temperature and truncation),
+    left on the device until `logprobs()` asks for them."""
 
     def __init__(self, ids, chosen, top_ids, top_logprobs):
-        self.ids = np.asarray(ids)
+        self.device_ids = ids
+        self._ids: np.ndarray | None = None
         self._device = (chosen, top_ids, top_logprobs)
+
+    @property
+    def ids(self) -> np.ndarray:
+        if self._ids is None:
+            self._ids = np.asarray(self.device_ids)
+        return self._ids
 
     def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(log-probability of each sampled id [rows], the top ids [rows, k], their log-probabilities [rows, k]);
@@ -972,15 +981,16 @@ class StableEngine(Engine):
     def slot_decode(self, tokens, lengths, sampling: SamplingRows) -> Sampled:
         """One decode step of rows [0, b), b = len(tokens) (a batch bucket): row i takes `tokens[i]` at position
         `lengths[i]` (the tokens its cache already holds). Rows without a request may be passed anything: rows never
-        mix, and `slot_insert` overwrites a row whole."""
+        mix, and `slot_insert` overwrites a row whole. `tokens` may be the previous step's `Sampled.device_ids` (a
+        step of the same bucket): the step is then dispatched without waiting for that one."""
         rows = len(tokens)
         if rows not in self.batch_buckets:
             raise ValueError(f"{rows} rows is not a batch bucket {self.batch_buckets}")
         program = self.programs.get(ProgramKey("batch", rows, self.max_keys))
         with self._device_lock:
             slots, self._slots = self._slot_cache(), None
-            *out, self._slots = program(self.params, slots, np.asarray(tokens, np.int32),
-                                        np.asarray(lengths, np.int32), sampling)
+            tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
+            *out, self._slots = program(self.params, slots, tokens, np.asarray(lengths, np.int32), sampling)
         return Sampled(*out)
 
     def clear_cache(self, *, disk: bool = False) -> None:

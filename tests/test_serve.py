@@ -11,6 +11,7 @@ was sent, and no compilation after warmup.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -552,3 +553,65 @@ def test_warmup_out_of_device_memory_says_what_the_engine_holds():
     engine._warmup = broken
     with pytest.raises(ValueError, match="something else"):
         engine.warmup(progress=False)
+
+
+def test_overlapped_decode_steps_give_the_same_tokens():
+    """With decode steps chained on the device (`Scheduler(overlap=True)`, the default) every request gets the
+    tokens, log-probabilities and finish reasons it gets with each step read back before the next: greedy and
+    seeded sampled rows, stop ids that end rows while a step for them is in flight, lengths that free the highest
+    row (a smaller bucket), and admissions between steps."""
+    from hypic_jax.demo import tiny_model
+    from hypic_jax.serve.scheduler import Request, SamplingParams, Scheduler
+
+    engine = StableEngine(tiny_model(), max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=MAX_NEW,
+                          max_batch=4, seam=SEAM)
+    engine.warmup(progress=False)
+    rng = np.random.default_rng(11)
+    specs = []
+    for i in range(10):
+        segments = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(2, 20, rng.integers(1, 4))]
+        params = SamplingParams(max_tokens=int(rng.integers(1, MAX_NEW + 1)),
+                                temperature=float(rng.choice([0.0, 0.8, 1.3])), top_p=float(rng.choice([1.0, 0.9])),
+                                top_k=int(rng.choice([0, 5])), seed=int(rng.integers(1 << 30)),
+                                logprobs=2 if i % 4 == 0 else None)
+        specs.append((segments, params))
+
+    def run(overlap: bool) -> list:
+        scheduler = Scheduler(engine, overlap=overlap)
+        done, events = threading.Event(), [[] for _ in specs]
+
+        def sink(k):
+            def put(event):
+                events[k].append(event)
+                if sum(e["type"] in ("done", "error") for es in events for e in es) == len(specs):
+                    done.set()
+            return put
+
+        scheduler.start()
+        try:
+            for k, (segments, params) in enumerate(specs):
+                scheduler.submit(Request(segments, params, sink(k), mode="transition_rope_recompute", seam=SEAM))
+            assert done.wait(120)
+        finally:
+            scheduler.stop()
+        out = []
+        for es in events:
+            end = es[-1]
+            assert end["type"] == "done", end
+            logprobs = [lp for e in es if e["type"] == "delta" and e["logprobs"] for lp in e["logprobs"]]
+            out.append((end["tokens"], end["finish_reason"], logprobs))
+        return out, scheduler
+
+    first, _ = run(False)
+    for k, ((tokens, _, _), (segments, params)) in enumerate(zip(first, specs)):
+        if k % 3 == 0 and len(tokens) >= 3:  # a stop id that ends the row mid-way
+            specs[k] = (segments, dataclasses.replace(params, stop_token_ids=frozenset({tokens[1]})))
+    chained, overlapped = run(True)
+    plain, _ = run(False)
+    assert overlapped.chained_steps > 0, (overlapped.chained_steps, overlapped.steps)
+    for k, ((a_tokens, a_reason, a_lp), (b_tokens, b_reason, b_lp)) in enumerate(zip(chained, plain)):
+        assert a_tokens == b_tokens and a_reason == b_reason, k
+        assert len(a_lp) == len(b_lp)
+        for (ta, ca, topa), (tb, cb, topb) in zip(a_lp, b_lp):
+            assert ta == tb and abs(ca - cb) < 1e-5 and [t for t, _ in topa] == [t for t, _ in topb], k
+    assert any(reason == "stop" for _, reason, _ in plain), plain

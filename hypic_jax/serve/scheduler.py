@@ -10,6 +10,14 @@ thread, repeats:
 3. run one decode step of every running request as one batched call (`StableEngine.slot_decode` over rows
    [0, b), b the smallest batch bucket holding the highest busy row), each row sampled with its own parameters.
 
+Decode steps overlap with the host's work (`overlap=True`, the default): step k+1 is dispatched with step k's
+sampled ids as its tokens, still on the device, before the host reads step k's ids back and turns them into text,
+stop checks and events. The device then runs a step while the host handles the one before, instead of waiting for
+it. A row that step k finishes (a stop, its length) has one more token computed in step k+1, which is discarded. A
+step chains only onto one of the same batch bucket with no admission between (an admission, or a change of
+bucket, first finishes the step in flight), so the rows' tokens, positions and seeded draws are the same as
+without overlap.
+
 So prefills interleave with decode steps one at a time: a running stream waits for at most one prefill between
 two of its tokens (`hypic:decode_stall_seconds` measures that wait), and a burst of arrivals fills the free rows
 one step at a time. With no request running, queued prefills run back to back.
@@ -146,7 +154,8 @@ class Scheduler:
     """See the module docstring. `engine` must have a batched decode cache (`StableEngine(max_batch=...)`) and be
     warmed up; `metrics` a `hypic_jax.serve.metrics.Metrics` or None."""
 
-    def __init__(self, engine: StableEngine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1):
+    def __init__(self, engine: StableEngine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1,
+                 overlap: bool = True):
         if not engine.max_batch:
             raise ValueError("the scheduler needs an engine with a batched decode cache (max_batch >= 1)")
         if max_queue < 1:
@@ -159,6 +168,11 @@ class Scheduler:
         self._stopping = False
         self.steps = 0
         self.bucket_steps: collections.Counter = collections.Counter()  # decode steps per batch bucket
+        self.overlap = overlap
+        self.chained_steps = 0  # decode steps dispatched before the host read the step before them
+        # the decode step in flight, whose ids the host has not read yet: (Sampled, its bucket, the request of each
+        # row it stepped)
+        self._pending: tuple | None = None
 
     # Public -----------------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -212,15 +226,20 @@ class Scheduler:
             try:
                 self._reap()
                 if self._queue and None in self.rows:
+                    self._drain()  # an admission changes the rows: the step in flight is finished first
                     stalled = any(self.rows)
                     start = time.monotonic()
-                    self._admit(self._queue.popleft())
+                    if None in self.rows:
+                        self._admit(self._queue.popleft())
                     if stalled and self.metrics:
                         self.metrics.stall.observe(time.monotonic() - start)
                 if any(self.rows):
                     self._step()
+                else:
+                    self._drain()
             except Exception as error:  # noqa: BLE001  (the loop must survive; the requests it held get the error)
                 log.exception("scheduler step failed")
+                self._pending = None
                 self._fail_running(ApiError(500, f"internal error: {error}", code="internal_error"))
             finally:
                 self._gauges()
@@ -286,25 +305,53 @@ class Scheduler:
         self._accept(request, sampled, 0)
 
     def _step(self) -> None:
+        """Dispatch the next decode step of the running rows; with overlap, chained onto the step in flight (whose
+        results are then handled while this one runs), else after it."""
         busy = [i for i, r in enumerate(self.rows) if r is not None]
         rows = self.engine.batch_bucket(busy[-1] + 1)
+        chained = self.overlap and self._pending is not None and self._pending[1] == rows
+        if not chained:
+            self._drain()
+            busy = [i for i, r in enumerate(self.rows) if r is not None]
+            if not busy:
+                return
+            rows = self.engine.batch_bucket(busy[-1] + 1)
+        # a chained step's rows are one token ahead of what the host has read: the token in flight
+        ahead = 1 if chained else 0
         tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, seeds, steps = np.zeros(rows, np.int32), np.zeros(rows, np.uint64), np.zeros(rows, np.int32)
         top = np.zeros(rows, np.int32)
         for i in busy:
             r = self.rows[i]
-            tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length, len(r.tokens)
+            tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length + ahead, len(r.tokens) + ahead
             temperature[i], top_p[i], top_k[i], seeds[i] = r.params.temperature, r.params.top_p, r.params.top_k, r.seed
             top[i] = r.params.logprobs or 0
-        sampled = self.engine.slot_decode(tokens, lengths,
-                                          SamplingRows.build(temperature, top_p, top_k, seeds, steps, top))
+        sampling = SamplingRows.build(temperature, top_p, top_k, seeds, steps, top)
+        sampled = self.engine.slot_decode(self._pending[0].device_ids if chained else tokens, lengths, sampling)
         self.steps += 1
+        self.chained_steps += chained
         self.bucket_steps[rows] += 1
-        for i in busy:
-            request = self.rows[i]
-            request.length += 1
-            self._accept(request, sampled, i)
+        previous, self._pending = self._pending if chained else None, (sampled, rows, {i: self.rows[i] for i in busy})
+        if previous is not None:
+            self._take(previous)
+        if not self.overlap:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Handle the step in flight, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._take(pending)
+
+    def _take(self, pending: tuple) -> None:
+        """A dispatched step's tokens to the requests it stepped that are still running (reading them waits for
+        the step); a row whose request ended since (a stop, a cancel) is discarded."""
+        sampled, _, requests = pending
+        for i, request in requests.items():
+            if self.rows[i] is request and not request.finished:
+                request.length += 1
+                self._accept(request, sampled, i)
 
     def _accept(self, request: Request, sampled, i: int) -> None:
         """Row i of `sampled` is `request`'s next token: release its text, then finish it if it is done."""
