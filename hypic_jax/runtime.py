@@ -102,7 +102,9 @@ def stack_layers(model, *, scan: bool = True, consume: bool = False):
 
 
 class ProgramKey(NamedTuple):
-    kind: str  # "cold" | "pic" | "plain" | "commit" | "decode" | "insert" | "batch" (tokens: the rows)
+    # "cold" | "pic" | "plain" | "commit" | "decode" | "insert" | "batch" (tokens: the rows), and "insert_full" /
+    # "batch_full", their samplers with truncation and ranking (`SamplingRows.full`)
+    kind: str
     tokens: int
     keys: int
 
@@ -124,8 +126,8 @@ class SamplingRows(NamedTuple):
     """Per-row sampling parameters of a batched step (each [rows]; `key` [rows, 2] uint32 threefry key data).
     temperature 0 is greedy; top_k 0 keeps every token; `step` (tokens the row has sampled so far) is folded into
     its key, so a seeded row draws the same numbers whatever batch it runs in; `top`: how many of the most likely
-    tokens the row wants with their log-probabilities (0: none; the step ranks the vocabulary only when some row
-    wants them)."""
+    tokens the row wants with their log-probabilities (0: none). A step where some row truncates or ranks runs the
+    sampler that sorts the vocabulary (`full`), the others the one that does not."""
 
     temperature: Any
     top_p: Any
@@ -139,6 +141,13 @@ class SamplingRows(NamedTuple):
         sds = jax.ShapeDtypeStruct
         return SamplingRows(sds((rows,), jnp.float32), sds((rows,), jnp.float32), sds((rows,), jnp.int32),
                             sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32), sds((rows,), jnp.int32))
+
+    def full(self) -> bool:
+        """Whether some row truncates its distribution (top_p < 1 or top_k > 0 at a temperature above 0) or asks
+        for its top log-probabilities: the step then runs the sampler that sorts the vocabulary (`_sample_rows`)."""
+        temperature, top_p, top_k = (np.asarray(a) for a in (self.temperature, self.top_p, self.top_k))
+        truncates = (temperature > 0) & ((top_p < 1) | (top_k > 0))
+        return bool(np.any(truncates) or np.any(np.asarray(self.top) > 0))
 
     @staticmethod
     def build(temperature, top_p, top_k, seed, step, top=None) -> "SamplingRows":
@@ -205,8 +214,9 @@ class Programs:
         keys += [ProgramKey("commit", r, 0) for r in rungs]
         keys.append(ProgramKey("decode", 1, self.engine.max_keys))
         if self.engine.max_batch:
-            keys.append(ProgramKey("insert", 1, self.engine.max_keys))
-            keys += [ProgramKey("batch", b, self.engine.max_keys) for b in self.engine.batch_buckets]
+            keys += [ProgramKey(kind, 1, self.engine.max_keys) for kind in ("insert", "insert_full")]
+            keys += [ProgramKey(kind, b, self.engine.max_keys) for kind in ("batch", "batch_full")
+                     for b in self.engine.batch_buckets]
         return keys
 
     def _lower(self, key: ProgramKey):
@@ -219,17 +229,17 @@ class Programs:
         if key.kind == "commit":
             fn = jax.jit(_commit, donate_argnums=0)
             return fn.lower(shapes(engine.pools.arrays), engine._writes_shapes(key.tokens))
-        if key.kind == "insert":
+        if key.kind in ("insert", "insert_full"):
             layers = engine._decode_shapes().layers
             args = (shapes(engine._slot_shapes()), jax.ShapeDtypeStruct((), jnp.int32), layers,
                     jax.ShapeDtypeStruct((engine.vocab_size,), jnp.float32), SamplingRows.shapes(1))
-            body = functools.partial(_insert, top_n=engine.top_logprobs)
+            body = functools.partial(_insert, top_n=engine.top_logprobs, full=key.kind == "insert_full")
             return self._slot_jit(body, args, 0, self.slot_formats()).lower(*args)
-        if key.kind == "batch":
+        if key.kind in ("batch", "batch_full"):
             rows = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
             args = (shapes(engine.params), shapes(engine._slot_shapes()), rows, rows, SamplingRows.shapes(key.tokens))
             body = functools.partial(_batch_decode, arch=engine.arch, config=engine.config, rows=key.tokens,
-                                     top_n=engine.top_logprobs)
+                                     top_n=engine.top_logprobs, full=key.kind == "batch_full")
             # the largest bucket chooses the cache's layouts (slot_layouts="auto"); the rest take its choice
             chooses = key == self._layout_key()
             formats = Format(Layout.AUTO) if chooses else self.slot_formats()
@@ -392,17 +402,21 @@ def _decode(params, token, cache, *, arch, config):
     return logits[0, -1], cache
 
 
-def _sample_rows(logits, sampling: SamplingRows, top_n: int):
-    """Per row: greedy (temperature 0) or a Gumbel-max draw from the temperature-scaled distribution restricted to
-    the top_k tokens and then to the top_p nucleus (the smallest prefix whose mass reaches top_p, as
-    `hypic_jax.engine`'s host sampler). Returns (ids, their log-probabilities, top-n ids and log-probabilities)."""
+def _sample_rows(logits, sampling: SamplingRows, top_n: int, full: bool):
+    """Per row: greedy (temperature 0) or a Gumbel-max draw from the temperature-scaled distribution, restricted
+    (with `full`) to the top_k tokens and then to the top_p nucleus of the rows that ask for it (the smallest prefix
+    whose mass reaches top_p, as `hypic_jax.engine`'s host sampler). Returns (ids, their log-probabilities, top-n ids
+    and log-probabilities; the top are zeros without `full`).
+
+    `full` is static, one program each (`SamplingRows.full` chooses): a sort of every row's vocabulary is the costly
+    part of truncation and ranking, and choosing it on the device (a conditional) would make the host wait for the
+    whole step to reach the choice before it could issue anything after it."""
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(sampling.temperature, 1e-6)[:, None]
-
-    def truncate(scaled):
+    if full:
         ordered = -jnp.sort(-scaled, axis=-1)  # descending
         rank = jnp.arange(vocab)[None]
         k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)[:, None]
@@ -411,10 +425,8 @@ def _sample_rows(logits, sampling: SamplingRows, top_n: int):
         keep = (jnp.cumsum(probs, axis=-1) - probs < sampling.top_p[:, None]) & (rank < k)
         kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
         threshold = jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)
-        return jnp.where(scaled >= threshold, scaled, -jnp.inf)
-
-    truncating = jnp.any(((sampling.top_p < 1) | (sampling.top_k > 0)) & (sampling.temperature > 0))
-    scaled = jax.lax.cond(truncating, truncate, lambda x: x, scaled)  # the sort only when a row asks for it
+        truncates = (sampling.top_p < 1) | (sampling.top_k > 0)  # per row: the others draw from all tokens
+        scaled = jnp.where(truncates[:, None] & (scaled < threshold), -jnp.inf, scaled)
 
     def gumbel(key, step):
         key = jax.random.fold_in(jax.random.wrap_key_data(key, impl="threefry2x32"), step)
@@ -423,16 +435,12 @@ def _sample_rows(logits, sampling: SamplingRows, top_n: int):
     drawn = jnp.argmax(scaled + jax.vmap(gumbel)(sampling.key, sampling.step), axis=-1).astype(jnp.int32)
     ids = jnp.where(sampling.temperature > 0, drawn, greedy)
     chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
-
-    def ranked(logprobs):
-        values, indices = jax.lax.top_k(logprobs, top_n)
-        return values, indices.astype(jnp.int32)
-
-    def unranked(logprobs):
-        return jnp.zeros((logprobs.shape[0], top_n), logprobs.dtype), jnp.zeros((logprobs.shape[0], top_n), jnp.int32)
-
-    # ranking the vocabulary (a sort of every row's logits) only when a row asks for its top tokens
-    top_logprobs, top_ids = jax.lax.cond(jnp.any(sampling.top > 0), ranked, unranked, logprobs)
+    if full:
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, top_n)
+        top_ids = top_ids.astype(jnp.int32)
+    else:
+        top_logprobs = jnp.zeros((logprobs.shape[0], top_n), logprobs.dtype)
+        top_ids = jnp.zeros((logprobs.shape[0], top_n), jnp.int32)
     return ids, chosen, top_ids, top_logprobs
 
 
@@ -446,16 +454,16 @@ def _row_axes(layers):
     return jax.tree.map(lambda _: 0, layers)
 
 
-def _insert(slots, row, layers, logits, sampling, *, top_n):
+def _insert(slots, row, layers, logits, sampling, *, top_n, full):
     """Write one request's decode caches (batch size 1, in the form the span programs return them) into `row` of
     the batched cache (the same form with `max_batch` rows); sample its first token."""
     slots = jax.tree.map(lambda full, one, axis: jax.lax.dynamic_update_slice_in_dim(full, one.astype(full.dtype),
                                                                                      row, axis=axis),
                          slots, layers, _row_axes(slots))
-    return (*_sample_rows(logits[None], sampling, top_n), slots)
+    return (*_sample_rows(logits[None], sampling, top_n, full), slots)
 
 
-def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, rows, top_n):
+def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, rows, top_n, full):
     """One decode step of rows [0, rows) of the batched cache, each at its own length: the model's forward over a
     batch of `rows` one-token rows with per-row positions (`ModelCache.length` of shape [rows]: keys and values
     are written by a scatter of one token per row), then per-row sampling. Rows never mix: every operation is per row or per token."""
@@ -467,7 +475,7 @@ def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, row
     slots = jax.tree.map(lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype),
                                                                                      0, axis=axis),
                          slots, cache.layers, axes)
-    return (*_sample_rows(logits[:, -1], sampling, top_n), slots)
+    return (*_sample_rows(logits[:, -1], sampling, top_n, full), slots)
 
 
 @functools.lru_cache(maxsize=256)
@@ -970,7 +978,7 @@ class StableEngine(Engine):
         sample the request's first token from its logits with `sampling` (one row)."""
         if not 0 <= row < self.max_batch:
             raise ValueError(f"row must lie in [0, {self.max_batch}), got {row}")
-        program = self.programs.get(ProgramKey("insert", 1, self.max_keys))
+        program = self.programs.get(ProgramKey("insert_full" if sampling.full() else "insert", 1, self.max_keys))
         layers = stacked_like(self.params["layers"], prefill.decode)  # the decode program's form (as it comes)
         with self._device_lock:
             slots, self._slots = self._slot_cache(), None  # donated: never left pointing at a deleted buffer
@@ -986,7 +994,7 @@ class StableEngine(Engine):
         rows = len(tokens)
         if rows not in self.batch_buckets:
             raise ValueError(f"{rows} rows is not a batch bucket {self.batch_buckets}")
-        program = self.programs.get(ProgramKey("batch", rows, self.max_keys))
+        program = self.programs.get(ProgramKey("batch_full" if sampling.full() else "batch", rows, self.max_keys))
         with self._device_lock:
             slots, self._slots = self._slot_cache(), None
             tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)

@@ -371,6 +371,23 @@ def test_decode_programs_scan(decode_engines):
                                             and shape == stack and shapes.get(update) == member], (arch, kind)
 
 
+def test_batched_decode_programs_have_no_conditionals(decode_engines):
+    """The programs of a batched decode step, and the insert, have no conditional of their own: on a GPU the host
+    waits at a conditional for the device to reach it (its predicate is read back), so a step that had one could
+    not be issued ahead of the one before (`Scheduler(overlap=True)`). Sampling chooses its truncating, ranking
+    program on the host instead (`SamplingRows.full`). The one conditional left is a chunked expert bank's on the
+    CPU, inside the layer loop: there the experts go through `ragged_dot`, which takes the layer's experts chosen
+    by `lax.switch`; a GPU's kernel reads the chunk itself (`grouped_matmul.ChunkedWeights`)."""
+    arch, _, scanned, unrolled = decode_engines
+    chunked = bool(_expert_chunks(scanned.params["layers"]))
+    for engine in (scanned, unrolled):
+        for kind, rows in (("batch", 1), ("batch", 2), ("batch_full", 2), ("insert", 1), ("insert_full", 1)):
+            text = engine.programs.get(ProgramKey(kind, rows, engine.max_keys)).as_text()
+            conditionals = [line for line in text.splitlines() if " conditional(" in line]
+            allowed = [line for line in conditionals if chunked and engine.plan.scanned and "/while/" in line]
+            assert conditionals == allowed, (arch, kind, rows, engine.plan.scanned)
+
+
 def test_engine_runs_stacked_layers(tmp_path):
     """`hypic_jax.Engine` and `Model` read a `LayerStack` like the list of layers (static slices; experts as
     banks), so one stacked copy serves both engines."""
