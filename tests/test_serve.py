@@ -615,3 +615,14 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         for (ta, ca, topa), (tb, cb, topb) in zip(a_lp, b_lp):
             assert ta == tb and abs(ca - cb) < 1e-5 and [t for t, _ in topa] == [t for t, _ in topb], k
     assert any(reason == "stop" for _, reason, _ in plain), plain
+    # a lone request that ends by its length costs no step beyond its last token
+    lone = Scheduler(engine)
+    finished = threading.Event()
+    lone.start()
+    try:
+        lone.submit(Request(specs[1][0], dataclasses.replace(specs[1][1], max_tokens=6),
+                            lambda event: event["type"] in ("done", "error") and finished.set()))
+        assert finished.wait(60)
+    finally:
+        lone.stop()
+    assert lone.steps == 5 and lone.chained_steps == 4, (lone.steps, lone.chained_steps)

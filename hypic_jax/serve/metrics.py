@@ -8,7 +8,9 @@ hypic:cache_entries. Counters (exposed with `_total`): hypic:prompt_tokens, hypi
 hypic:recomputed_tokens, hypic:cold_tokens, hypic:generation_tokens, hypic:cache_queries{kind},
 hypic:cache_hits{kind} (segments looked up and found, kind "pic" or "prefix"), hypic:cache_evictions,
 hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429),
-hypic:compilations_while_serving (XLA compilations since the server became ready).
+hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
+before, `Scheduler(overlap=True)`), hypic:compilations_while_serving (XLA compilations since the server became
+ready).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class Metrics:
         self.success = c("hypic:request_success", "Finished requests.", ("finished_reason",))
         self.errors = c("hypic:request_errors", "Accepted requests that ended in an error.", ("code",))
         self.rejected = c("hypic:requests_rejected", "Requests refused because the queue was full.")
+        self.decode_steps = c("hypic:decode_steps", "Batched decode steps; chained: dispatched before the host read "
+                              "the step before.", ("chained",))
         r.register(_EngineCollector(engine, self))
 
     def mark_ready(self) -> None:

@@ -13,8 +13,8 @@ thread, repeats:
 Decode steps overlap with the host's work (`overlap=True`, the default): step k+1 is dispatched with step k's
 sampled ids as its tokens, still on the device, before the host reads step k's ids back and turns them into text,
 stop checks and events. The device then runs a step while the host handles the one before, instead of waiting for
-it. A row that step k finishes (a stop, its length) has one more token computed in step k+1, which is discarded. A
-step chains only onto one of the same batch bucket with no admission between (an admission, or a change of
+it. A row that a stop ends at step k has one more token computed in step k+1, which is discarded (a row whose token
+in flight is its last, by `max_tokens`, is not stepped again). A step chains only onto one of the same batch bucket with no admission between (an admission, or a change of
 bucket, first finishes the step in flight), so the rows' tokens, positions and seeded draws are the same as
 without overlap.
 
@@ -307,9 +307,12 @@ class Scheduler:
     def _step(self) -> None:
         """Dispatch the next decode step of the running rows; with overlap, chained onto the step in flight (whose
         results are then handled while this one runs), else after it."""
-        busy = [i for i, r in enumerate(self.rows) if r is not None]
-        rows = self.engine.batch_bucket(busy[-1] + 1)
-        chained = self.overlap and self._pending is not None and self._pending[1] == rows
+        # rows that need another token: with a step in flight, one whose token in flight is its last (max_tokens)
+        # needs none
+        ahead = int(self._pending is not None)
+        busy = [i for i, r in enumerate(self.rows) if r is not None and len(r.tokens) + ahead < r.params.max_tokens]
+        rows = self.engine.batch_bucket(busy[-1] + 1) if busy else 0
+        chained = self.overlap and ahead and rows == self._pending[1]
         if not chained:
             self._drain()
             busy = [i for i, r in enumerate(self.rows) if r is not None]
@@ -332,6 +335,8 @@ class Scheduler:
         self.steps += 1
         self.chained_steps += chained
         self.bucket_steps[rows] += 1
+        if self.metrics:
+            self.metrics.decode_steps.labels("true" if chained else "false").inc()
         previous, self._pending = self._pending if chained else None, (sampled, rows, {i: self.rows[i] for i in busy})
         if previous is not None:
             self._take(previous)
