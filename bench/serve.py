@@ -6,8 +6,9 @@ replacement and shuffled (so a prefix cache rarely matches while a position-inde
 query; prompts are token-id segments (the `segments` extension), each streamed with greedy decoding. For each mode
 (`pic_mode`) and rising rate, with a fresh `cache_salt` per run (every run starts cold): TTFT p50 / p99 (arrival
 to the first token, client side), inter-token p50 / p99, decode tokens/s (generated tokens over the run's wall
-time), the decode stall a prefill caused (the server's hypic:decode_stall_seconds), and the compilations while
-serving (must be 0). The sustained rate of a mode is the highest rate whose p50 and p99 TTFT are both under
+time), the decode stall a prefill caused (the server's hypic:decode_stall_seconds), the share of decode steps
+dispatched before the host read the one before (hypic:decode_steps{chained}), and the compilations while serving
+(must be 0). The sustained rate of a mode is the highest rate whose p50 and p99 TTFT are both under
 `--slo`, as are those of every lower rate.
 
     python bench/serve.py --small            # CPU smoke size: the embedded model in float32
@@ -31,10 +32,11 @@ import numpy as np
 MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
 
 
-def metric(text: str, name: str) -> float:
+def metric(text: str, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def sustained(rows, mode: str, slo: float) -> float:
@@ -115,12 +117,16 @@ async def run_rate(args, base, mode, rate, vocab, salt):
     wall = max(r["end"] for r in ok) - t0
     stall_n = metric(after, "hypic:decode_stall_seconds_count") - metric(before, "hypic:decode_stall_seconds_count")
     stall_s = metric(after, "hypic:decode_stall_seconds_sum") - metric(before, "hypic:decode_stall_seconds_sum")
+    steps = metric(after, "hypic:decode_steps_total") - metric(before, "hypic:decode_steps_total")
+    chained = (metric(after, "hypic:decode_steps_total", chained="true")
+               - metric(before, "hypic:decode_steps_total", chained="true"))
     return dict(mode=mode, rate=rate, requests=len(requests), answered=len(ok),
                 ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
                 itl_p50=float(np.percentile(gaps, 50)), itl_p99=float(np.percentile(gaps, 99)),
                 decode_tok_s=sum(r["tokens"] for r in ok) / wall,
                 stall_mean_ms=1e3 * stall_s / stall_n if stall_n else 0.0,
-                compiles=metric(after, "hypic:compilations_while_serving_total"))
+                compiles=metric(after, "hypic:compilations_while_serving_total"),
+                decode_steps=steps, chained_share=round(chained / steps, 3) if steps else 0.0)
 
 
 def main() -> None:
@@ -152,6 +158,7 @@ def main() -> None:
     parser.add_argument("--cache-gb", type=float, default=None, help="the server's segment cache (default 16; "
                         "--small: 0.25)")
     parser.add_argument("--compile-cache", default=None, help="the server's compile cache folder")
+    parser.add_argument("--overlap", action="store_true", help="the server's --overlap")
     parser.add_argument("--slot-layouts", default=None, choices=["default", "auto"],
                         help="the server's --slot-layouts (default: the server's default)")
     parser.add_argument("--warm-pool", action="store_true",
@@ -193,7 +200,8 @@ def main() -> None:
                "--token-rungs", ",".join(map(str, rungs)), "--max-new-tokens", str(args.max_tokens),
                "--max-queue", "100000", "--cache-gb", f"{cache_gb:g}", "--log-level", "warning", *load,
                *(["--compile-cache", args.compile_cache] if args.compile_cache else []),
-               *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else [])]
+               *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else []),
+               *(["--overlap"] if args.overlap else [])]
     server = subprocess.Popen(command, env=dict(os.environ))
     base = f"http://127.0.0.1:{args.port}"
     rows = []
@@ -214,7 +222,7 @@ def main() -> None:
         print(f"server ready in {time.perf_counter() - start:.1f} s: {' '.join(command[2:])}", flush=True)
         vocab = args.vocab
         header = (f"{'mode':<26} {'rate/s':>6} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
-                  f"{'decode tok/s':>12} {'stall ms':>8} {'compiles':>8}")
+                  f"{'decode tok/s':>12} {'stall ms':>8} {'chained':>7} {'compiles':>8}")
         print(header)
         for mode in args.modes:
             if args.warm_pool:
@@ -226,7 +234,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{mode:<26} {rate:>6g} {row['answered']:>4} {row['ttft_p50']:>9.3f} {row['ttft_p99']:>8.3f} "
                       f"{row['itl_p50']:>8.4f} {row['itl_p99']:>8.4f} {row['decode_tok_s']:>12.1f} "
-                      f"{row['stall_mean_ms']:>8.1f} {row['compiles']:>8g}", flush=True)
+                      f"{row['stall_mean_ms']:>8.1f} {row['chained_share']:>7.2f} {row['compiles']:>8g}", flush=True)
                 if row["ttft_p99"] > 4 * args.slo:  # far past the SLO: higher rates only queue longer
                     break
         print(f"\nsustained rate (p50 and p99 TTFT < {args.slo} s):")

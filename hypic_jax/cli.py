@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--slot-layouts", default="default", choices=["default", "auto"],
                        help="memory layouts of the batched decode cache: default (row-major) or auto (the compiler "
                             "picks them for the decode step; StableEngine(slot_layouts=...))")
+    serve.add_argument("--overlap", action="store_true",
+                       help="dispatch each decode step before reading the previous one's ids back "
+                            "(hypic_jax.serve.scheduler; off by default until measured on a GPU)")
     serve.add_argument("--gpu-memory-fraction", type=_memory_fraction, default=None, metavar="F",
                        help=f"the share of the accelerator's memory JAX may take (XLA_PYTHON_CLIENT_MEM_FRACTION; "
                             f"default: the variable's value if set, else {DEFAULT_GPU_MEMORY_FRACTION})")

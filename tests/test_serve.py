@@ -556,7 +556,7 @@ def test_warmup_out_of_device_memory_says_what_the_engine_holds():
 
 
 def test_overlapped_decode_steps_give_the_same_tokens():
-    """With decode steps chained on the device (`Scheduler(overlap=True)`, the default) every request gets the
+    """With decode steps chained on the device (`Scheduler(overlap=True)`) every request gets the
     tokens, log-probabilities and finish reasons it gets with each step read back before the next: greedy and
     seeded sampled rows, stop ids that end rows while a step for them is in flight, lengths that free the highest
     row (a smaller bucket), and admissions between steps."""
@@ -616,7 +616,7 @@ def test_overlapped_decode_steps_give_the_same_tokens():
             assert ta == tb and abs(ca - cb) < 1e-5 and [t for t, _ in topa] == [t for t, _ in topb], k
     assert any(reason == "stop" for _, reason, _ in plain), plain
     # a lone request that ends by its length costs no step beyond its last token
-    lone = Scheduler(engine)
+    lone = Scheduler(engine, overlap=True)
     finished = threading.Event()
     lone.start()
     try:

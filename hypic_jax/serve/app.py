@@ -53,13 +53,14 @@ class Server:
 
     def __init__(self, engine: StableEngine, *, model_name: str = "hypic", max_queue: int = 256,
                  separator: str | None = None, chat_template: str | None = None, special_tokens: dict | None = None,
-                 eos_ids=(), request_timeout: float = 600.0, warm_on_start: bool = True, registry=None):
+                 eos_ids=(), request_timeout: float = 600.0, warm_on_start: bool = True, registry=None,
+                 overlap: bool = False):
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.tokenizer
         self.separator = separator or engine.separator
         self.request_timeout = request_timeout
         self.metrics = Metrics(engine, registry)
-        self.scheduler = Scheduler(engine, max_queue=max_queue, metrics=self.metrics)
+        self.scheduler = Scheduler(engine, max_queue=max_queue, metrics=self.metrics, overlap=overlap)
         self.renderer = protocol.ChatRenderer(chat_template, special_tokens)
         self.limits = protocol.Limits(vocab_size=engine.vocab_size, max_prompt_tokens=engine.max_prompt_tokens,
                                       max_keys=engine.max_keys, max_new_tokens=engine.max_new_tokens,
@@ -330,7 +331,7 @@ def main(args) -> int:
                    max_new_tokens=args.max_new_tokens, max_segments=args.max_segments, separator=args.separator,
                    request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache,
                    load_format=args.load_format, devices=args.devices, policy=args.policy,
-                   slot_layouts=args.slot_layouts)
+                   slot_layouts=args.slot_layouts, overlap=args.overlap)
     mesh = server.engine.segment_mesh
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
