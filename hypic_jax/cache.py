@@ -144,8 +144,11 @@ class SegmentCache:
         self._stats = CacheStats(capacity_bytes=capacity_bytes or 0)
 
     # Queries ------------------------------------------------------------------------------------------------------
-    def lookup(self, key: str, tokens: Sequence[int], *, count: bool = True) -> Entry | None:
-        """The entry under `key` if its tokens equal `tokens` (then it becomes most recently used)."""
+    def lookup(self, key: str, tokens: Sequence[int], *, count: bool = True,
+               pins: "PinSet | None" = None) -> Entry | None:
+        """The entry under `key` if its tokens equal `tokens` (then it becomes most recently used), added to `pins`
+        in the same critical section: pinned after the lookup instead, it could be evicted (and its pool slot
+        handed to another entry) by another thread in between."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and not entry.holds(tokens):
@@ -160,6 +163,8 @@ class SegmentCache:
                     self._stats.misses += 1
                 else:
                     self._stats.hits += 1
+            if entry is not None and pins is not None:
+                pins.add(entry)
             return entry
 
     def __contains__(self, key: str) -> bool:

@@ -499,8 +499,7 @@ class Engine:
 
     def _find(self, key: str, tokens, pins, *, kind: str, seam: int) -> Entry | None:
         """The cached entry under `key`, pinned for the request, or None."""
-        entry = self.cache.lookup(key, tokens)
-        return None if entry is None else pins.add(entry)
+        return self.cache.lookup(key, tokens, pins=pins)
 
     def _plan_prefix(self, segs, ids, salt, pins):
         """Longest cached run of leading segments; the rest is computed exactly and recorded as new prefix entries."""
@@ -532,11 +531,11 @@ class Engine:
             if w >= len(doc):
                 continue  # recomputed whole: nothing to cache
             key = entry_key(ids[i], fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
-            entry = self.cache.lookup(key, doc)
+            entry = self.cache.lookup(key, doc, pins=pins)
             if entry is None:
                 missing.append((i, key))
             else:
-                entries[i] = pins.add(entry)
+                entries[i] = entry
                 hits += 1
         cached_tokens = sum(e.length for e in entries.values())
         cold_tokens = 0

@@ -1087,9 +1087,9 @@ class StableEngine(Engine):
         promoting = self._promoting.get(key)
         if promoting is not None:
             return pins.add(promoting[0])
-        entry = self.cache.lookup(key, tokens)
+        entry = self.cache.lookup(key, tokens, pins=pins)
         if entry is not None:
-            return pins.add(entry)
+            return entry
         if not self.tiers.enabled:
             return None
         waited = time.perf_counter()

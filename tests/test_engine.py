@@ -410,6 +410,51 @@ def test_dropped_entries_reach_on_drop_once_and_only_when_unpinned():
     assert dropped == ["a", "b", "a"]  # the second "a"
 
 
+def test_a_lookup_pins_its_entry_before_another_thread_can_evict_it():
+    """`lookup(..., pins=)` pins the entry it finds inside the cache's lock: an eviction that another thread runs
+    right after the lookup skips it, and its on_drop (which frees the entry's pool slot) runs once, after the
+    request lets go. Pinned after the lookup instead, the entry could be evicted in between and its slot freed
+    twice (once by the eviction, once by the unpinning), the second time while another entry may own it."""
+    import threading
+
+    from hypic_jax.cache import Entry, SegmentCache
+
+    dropped = []
+    cache = SegmentCache(capacity_bytes=100, on_drop=lambda e: dropped.append(e.key))
+    cache.insert(Entry(key="a", tokens=(1,), kind="pic", seam=0, layers=(), nbytes=6))
+    evicted = threading.Event()
+    real_lock = cache._lock
+
+    class EvictInside:  # runs another thread's eviction the moment the lookup lets go of the lock
+        depth = 0
+
+        def __enter__(self):
+            out = real_lock.__enter__()
+            self.depth += 1
+            return out
+
+        def __exit__(self, *exc):
+            self.depth -= 1
+            out = real_lock.__exit__(*exc)
+            if self.depth == 0 and not evicted.is_set():
+                evicted.set()
+                worker = threading.Thread(target=cache.evict_one)
+                worker.start()
+                worker.join(10)
+                assert not worker.is_alive()
+            return out
+
+    with cache.pinned() as pins:
+        cache._lock = EvictInside()
+        found = cache.lookup("a", (1,), pins=pins)
+        cache._lock = real_lock
+        assert evicted.is_set() and found is not None and found.pins == 1
+        assert "a" in cache and dropped == []  # the eviction found it pinned
+        cache.insert(Entry(key="a", tokens=(1,), kind="pic", seam=0, layers=(), nbytes=6))  # replaced while held
+        assert dropped == []
+    assert dropped == ["a"]  # once, when the request let go
+
+
 def test_entry_pool_slots_layout_and_growth():
     """Pool rows hold exactly what was stored; pieces of another layout stay out of the pool; growth keeps rows."""
     from hypic_jax import linear_attn as la
