@@ -2,9 +2,9 @@
 eviction policy.
 
 An entry evicted from the device pools is demoted: its slot's pieces and its token rows are copied to the host in
-one buffer (`Mover.gather`) and kept in the peer tier (that buffer moved to the memory of one of the engine's other
-devices, `PeerStore`) or the host tier; the peer tier's evictions go to the host tier, the host tier's to disk, one
-file per entry. A
+one buffer (`Mover.gather_start`, `Mover.gather_finish`) and kept in the peer tier (that buffer moved to the memory
+of one of the engine's other devices, `PeerStore`) or the host tier; the peer tier's evictions go to the host tier,
+the host tier's to disk, one file per entry. A
 hit in a lower tier promotes the entry back into the pools: its buffer goes to the device in one transfer, issued
 while the request plans, and is written into the pools after the request's cold prefill was issued, so the copy
 overlaps with it (`Mover.transfer`, `Mover.scatter_programs`). The copies are compiled programs, one pair per bucket
@@ -366,8 +366,6 @@ def _as_bytes(x):
 def _from_bytes(b, dtype, shape):
     """`_as_bytes`'s inverse for one piece."""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1:
-        return jax.lax.bitcast_convert_type(b, dtype).reshape(shape)
     return jax.lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype).reshape(shape)
 
 
@@ -616,10 +614,6 @@ class Mover:
         return len(self._gather) + len(self._scatter) + len(self._heads)
 
     # Demotion: pools -> host ------------------------------------------------------------------------------------
-    def gather(self, arrays, slot: int, rows) -> Staged:
-        """The entry at `slot` and `rows` in its staged form, off the device (`views` gives its pieces)."""
-        return self.gather_finish(self.gather_start(arrays, slot, rows))
-
     def gather_start(self, arrays, slot: int, rows):
         """Issue the entry's copy out of the pools into device arrays of its own and return at once (the transfer
         to the host is `gather_finish`'s: on a GPU, starting it here would block the caller for the whole copy): the
@@ -757,12 +751,6 @@ class Mover:
         if transfer.heads is not None:
             out.append((self._program("heads", len(transfer.heads[0]), arrays), transfer.heads))
         return out
-
-    def scatter(self, arrays, slot: int, rows, pieces: "Pieces"):
-        """`arrays` (donated) with `pieces` written to `slot` and `rows` (heads not kept are written as zeros)."""
-        for program, args in self.scatter_programs(arrays, self.transfer(self.stage(pieces), slot, rows)):
-            arrays = program(arrays, *args)
-        return arrays
 
 
 # ----------------------------------------------------------------------------------------------------------------

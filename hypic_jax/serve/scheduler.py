@@ -231,8 +231,7 @@ class Scheduler:
                     self._drain()  # an admission changes the rows: the step in flight is finished first
                     stalled = any(self.rows)
                     start = time.monotonic()
-                    if None in self.rows:
-                        self._admit(self._queue.popleft())
+                    self._admit(self._queue.popleft())
                     if stalled and self.metrics:
                         self.metrics.stall.observe(time.monotonic() - start)
                 if any(self.rows):
