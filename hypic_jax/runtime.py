@@ -466,7 +466,8 @@ def _insert(slots, row, layers, logits, sampling, *, top_n, full):
 def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, rows, top_n, full):
     """One decode step of rows [0, rows) of the batched cache, each at its own length: the model's forward over a
     batch of `rows` one-token rows with per-row positions (`ModelCache.length` of shape [rows]: keys and values
-    are written by a scatter of one token per row), then per-row sampling. Rows never mix: every operation is per row or per token."""
+    are written by a scatter of one token per row), then per-row sampling. Rows never mix: every operation is per
+    row or per token."""
     axes = _row_axes(slots)
     capacity = jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]]  # max_batch
     part = slots if rows == capacity else jax.tree.map(lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis),

@@ -11,14 +11,14 @@ thread, repeats:
    [0, b), b the smallest batch bucket holding the highest busy row), each row sampled with its own parameters.
 
 With `overlap=True` (`hypic-jax serve --overlap`), decode steps overlap with the host's work: step k+1 is
-dispatched with step k's
-sampled ids as its tokens, still on the device, before the host reads step k's ids back and turns them into
-text, stop checks and events. The device then runs a step while the host handles the one before, instead of
-waiting for it. It is off by default: on the 2-core CPU it gains nothing (the host and the "device" share the
-cores), and on a GPU it is not measured yet. A row that a stop ends at step k has one more token computed in step k+1, which is discarded (a row whose token
-in flight is its last, by `max_tokens`, is not stepped again). A step chains only onto one of the same batch bucket with no admission between (an admission, or a change of
-bucket, first finishes the step in flight), so the rows' tokens, positions and seeded draws are the same as
-without overlap.
+dispatched with step k's sampled ids as its tokens, still on the device, before the host reads step k's ids back
+and turns them into text, stop checks and events. The device then runs a step while the host handles the one
+before, instead of waiting for it. A row that a stop ends at step k has one more token computed in step k+1, which
+is discarded (a row whose token in flight is its last, by `max_tokens`, is not stepped again). A step chains only
+onto one of the same batch bucket with no admission between (an admission, or a change of bucket, first finishes
+the step in flight), so the rows' tokens, positions and seeded draws are the same as without overlap. It is off by
+default: on the 2-core CPU it gains nothing (the host and the "device" share the cores), and on a GPU it is not
+measured yet.
 
 So prefills interleave with decode steps one at a time: a running stream waits for at most one prefill between
 two of its tokens (`hypic:decode_stall_seconds` measures that wait), and a burst of arrivals fills the free rows
