@@ -49,7 +49,7 @@ def expert_bytes(params) -> tuple[int, int]:
     return routed, other
 
 
-def measure(args, model, config, label: str, slot_layouts: str = "default") -> dict:
+def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict:
     """Compile the batch programs of a new engine over `model`, time a step per bucket, profile if asked."""
     engine = StableEngine(model, max_prompt_tokens=args.length, max_new_tokens=64, max_batch=args.max_batch,
                           slot_layouts=slot_layouts,
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     parser.add_argument("--few-query-rows", type=int, nargs="*", default=None,
                         help="attention.FEW_QUERY_ROWS per variant, timed one after the other in this process (0: "
                              "every decode attention as batched matrix products); default: attention.FEW_QUERY_ROWS")
-    parser.add_argument("--slot-layouts", nargs="*", default=["default"], choices=["default", "auto"],
+    parser.add_argument("--slot-layouts", nargs="*", default=["auto"], choices=["default", "auto"],
                         help="StableEngine(slot_layouts=...) per variant (each with every --few-query-rows)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -128,11 +128,10 @@ def main(argv=None) -> None:
     model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
     variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
     reports = []
-    for slot_layouts in args.slot_layouts or ["default"]:
+    for slot_layouts in args.slot_layouts or ["auto"]:
         for few in variants:
             attention.FEW_QUERY_ROWS = few  # read when the programs are traced
-            label = f"few_query_rows={attention.few_query_rows()}" + (
-                "" if slot_layouts == "default" else f" slot_layouts={slot_layouts}")
+            label = f"few_query_rows={attention.few_query_rows()} slot_layouts={slot_layouts}"
             reports.append(measure(args, model, config, label=label, slot_layouts=slot_layouts))
     report = reports[0] if len(reports) == 1 else dict(variants=reports)
     print(json.dumps(report))

@@ -91,6 +91,24 @@ def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
     return dict(segment_tokens=tokens, seam=seam, **out)
 
 
+def transformers_reference(folder: Path):
+    """transformers' float32 model of the folder. The bench folder leaves sys.path while transformers loads: it
+    probes for an optional package named `kernels`, and bench/kernels.py would be taken for it."""
+    bench = (ROOT / "bench").resolve()
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != bench]
+    shadow = sys.modules.get("kernels")
+    if shadow is not None and Path(getattr(shadow, "__file__", "") or ".").resolve().parent == bench:
+        del sys.modules["kernels"]
+    try:
+        import torch
+        import transformers as tf
+
+        return tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    finally:
+        sys.path[:] = saved
+
+
 def run(args) -> dict:
     import jax
 
@@ -99,6 +117,7 @@ def run(args) -> dict:
     from hypic_jax.train import tokenizer as tok
 
     folder = Path(args.model)
+    reference = transformers_reference(folder) if args.transformers else None  # before the modes: fail early
     model = hypic_jax.load(folder, dtype=args.dtype)
     tokenizer = tok.load_tokenizer(folder)
     eos = tokenizer.token_to_id(tok.EOS)
@@ -171,11 +190,9 @@ def run(args) -> dict:
                                   transfer_heads_stored=round(sum(k for k, _ in kept) / sum(h for _, h in kept), 4)
                                   if kept else None,
                                   stored_dtypes=sorted({a.dtype.name for p in held for a in p.arrays}))
-    if args.transformers:
+    if reference is not None:
         import torch
-        import transformers as tf
 
-        reference = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         for n, docs, query, gold, q in cases:
             ids = torch.tensor([[t for s in docs for t in s] + query])
             with torch.no_grad():

@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--policy", default="lpt", choices=POLICIES,
                        help="how --devices splits the cold segments: lpt (costliest first onto the least-loaded "
                             "device, on a cost model calibrated at warmup) or rr (round-robin); default lpt")
-    serve.add_argument("--slot-layouts", default="default", choices=["default", "auto"],
-                       help="memory layouts of the batched decode cache: default (row-major) or auto (the compiler "
-                            "picks them for the decode step; StableEngine(slot_layouts=...))")
+    serve.add_argument("--slot-layouts", default="auto", choices=["default", "auto"],
+                       help="memory layouts of the batched decode cache: auto (the compiler picks them for the "
+                            "decode step; the default) or default (row-major); StableEngine(slot_layouts=...)")
     serve.add_argument("--overlap", action="store_true",
                        help="dispatch each decode step before reading the previous one's ids back "
                             "(hypic_jax.serve.scheduler; off by default until measured on a GPU)")

@@ -527,12 +527,12 @@ class StableEngine(Engine):
     (tests/test_stable_kernels.py); on the H200 it is what every `bench/rag_trace.py` row of bench/RESULTS.md ran
     (`--linear-impl pallas`). A kernel that fails to compile under "auto" falls back to the loops.
 
-    slot_layouts: the memory layouts of the batched decode cache. "default": row-major, as every other array.
-    "auto": the compiler picks them for the largest batch program and every program that reads or writes the cache
-    (the other batch buckets, the insert, the cache's allocation) uses the same ones. A step whose layers run as a
-    scan then reads each layer's keys, values and states in the layout its products want instead of transposing
-    whole stacks of them on the way into the scan and back (the H200 trace of `bench/decode_step.py`). Results are
-    the same either way.
+    slot_layouts: the memory layouts of the batched decode cache. "auto" (the default): the compiler picks them
+    for the largest batch program and every program that reads or writes the cache (the other batch buckets, the
+    insert, the cache's allocation) uses the same ones. A step whose layers run as a scan then reads each layer's
+    keys, values and states in the layout its products want instead of transposing whole stacks of them on the way
+    into the scan and back, as the row-major "default" makes a GPU do (`bench/decode_step.py --slot-layouts default
+    auto` times both). Results are the same either way.
 
     fold_impl: how the span programs fold the pieces (the state entering each; `stitch.linear_over_layout`):
     "auto" (one Pallas kernel per layer on a GPU, `pallas.piece_fold`; the blocked fold on a GPU where the
@@ -552,7 +552,7 @@ class StableEngine(Engine):
                  tier_transfer_tol: float | None = None, host_memory: str = "pinned", peer_cache_bytes: int = 0,
                  devices=None,
                  policy: str = "lpt", linear_impl: str | None = "auto", scan_layers: bool = True,
-                 fold_impl: str = "auto", slot_layouts: str = "default"):
+                 fold_impl: str = "auto", slot_layouts: str = "auto"):
         if not hasattr(model.arch, "span_forward_arrays"):
             raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the shape-stable "
                              f"engine cannot run it")

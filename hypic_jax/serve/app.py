@@ -283,7 +283,7 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
           max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
           separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
           compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
-          policy: str = "lpt", slot_layouts: str = "default", **server_options) -> Server:
+          policy: str = "lpt", slot_layouts: str = "auto", **server_options) -> Server:
     """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
     load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
     cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import cache_positions
 from hypic_jax.train import corpus
 from hypic_jax.train import tokenizer as tok
 
@@ -60,6 +61,15 @@ class Settings:
     # a Hugging Face folder (an earlier run's export) whose weights and tokenizer start this run: a second stage
     # continues a finished one with its own schedule, curriculum (ramp 0: the full curriculum throughout) and seed
     init_from: str = ""
+    # a penalty on the GDN gates' per-token decay rate -g beyond decay_budget, weighted by decay_weight (0: off).
+    # Trained on answer tokens alone, the linear layers learn to forget within a document (their states then carry
+    # nothing across documents, and dropping T costs nothing); a budget keeps their memory longer than a document
+    decay_budget: float = 0.0
+    decay_weight: float = 0.0
+    # added to every GDN layer's A_log of the starting weights: a shift of -log(r) divides every gate's decay rate
+    # by r, so a trained model whose gates forget within a token (rates of 3 to 100 per token) starts a stage with
+    # its decay under the budget instead of walking there one optimizer step at a time
+    gate_shift: float = 0.0
 
     def shape(self) -> dict:
         shape = dict(SIZES[self.size])
@@ -188,12 +198,59 @@ def cast_params(params: dict, dtype) -> dict:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def loss_fn(params: dict, config: qwen3_5.Config, inputs, targets, weights, compute_dtype=jnp.float32):
-    """Mean cross entropy over the weighted (answer) tokens."""
-    logits, _ = qwen3_5.forward(cast_params(params, compute_dtype), config, inputs)
+def forward_with_decay(params: dict, config: qwen3_5.Config, tokens, decay_budget: float = 0.0):
+    """(logits [B, L, vocab], decay excess): the model's forward (`qwen3_5.hidden_states`' layers), carrying beside
+    the hidden states the mean over GDN layers, tokens and value heads of max(0, -g - decay_budget), g the gate's
+    log decay per token (0 for a model without GDN layers)."""
+    from hypic_jax.models import layer_stack, layers
+
+    positions = cache_positions(None, tokens.shape[1])
+    linear = config.layer_types.count(qwen3_5.LINEAR)
+
+    def step(i, layer, lp, layer_cache, carry):
+        x, excess = carry
+        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
+        if config.layer_types[i] == qwen3_5.LINEAR:
+            _, _, a, _ = qwen3_5.gdn_projections(h, lp["mixer"], config)
+            p = lp["mixer"]
+            rate = jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+                a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+            excess = excess + jnp.mean(jax.nn.relu(rate - decay_budget)) / linear
+            h, _ = qwen3_5.gated_delta_net(h, lp["mixer"], config, None)
+        else:
+            h, _ = qwen3_5.full_attention(h, lp["mixer"], config, positions, None, None, True)
+        x = x + h
+        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
+        x = x + qwen3_5.feed_forward(h, lp["mlp"], config, config.mlp_types[i])
+        return (x, excess), None
+
+    (x, excess), _ = layer_stack.run_cached(step, (params["embed"][tokens], jnp.zeros((), jnp.float32)),
+                                            params["layers"], None)
+    x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
+    return qwen3_5.lm_head(params, config, x), excess
+
+
+def answer_loss(params: dict, config: qwen3_5.Config, inputs, targets, weights, compute_dtype=jnp.float32,
+                decay_budget: float = 0.0, with_decay: bool = False):
+    """(mean cross entropy over the weighted (answer) tokens, the decay excess of `forward_with_decay`: 0 unless
+    with_decay)."""
+    cast = cast_params(params, compute_dtype)
+    if with_decay:
+        logits, excess = forward_with_decay(cast, config, inputs, decay_budget)
+    else:
+        (logits, _), excess = qwen3_5.forward(cast, config, inputs), jnp.zeros((), jnp.float32)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0), excess
+
+
+def loss_fn(params: dict, config: qwen3_5.Config, inputs, targets, weights, compute_dtype=jnp.float32,
+            decay_budget: float = 0.0, decay_weight: float = 0.0):
+    """The training objective: the answer tokens' mean cross entropy, plus decay_weight times the decay excess
+    (`forward_with_decay`) when decay_weight is set."""
+    nll, excess = answer_loss(params, config, inputs, targets, weights, compute_dtype, decay_budget,
+                              bool(decay_weight))
+    return nll + decay_weight * excess
 
 
 def optimizer(settings: Settings):
@@ -213,11 +270,17 @@ def make_step(config: qwen3_5.Config, settings: Settings):
 
     opt, compute_dtype = optimizer(settings), jnp.dtype(settings.compute_dtype)
 
+    def objective(params, inputs, targets, weights):
+        nll, excess = answer_loss(params, config, inputs, targets, weights, compute_dtype, settings.decay_budget,
+                                  bool(settings.decay_weight))
+        return nll + settings.decay_weight * excess, (nll, excess)
+
     @jax.jit
     def step(params, opt_state, inputs, targets, weights):
-        loss, grads = jax.value_and_grad(loss_fn)(params, config, inputs, targets, weights, compute_dtype)
+        """-> (params, opt_state, (answer loss, decay excess)); the objective is their weighted sum."""
+        (_, parts), grads = jax.value_and_grad(objective, has_aux=True)(params, inputs, targets, weights)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, parts
 
     return step
 
@@ -252,7 +315,16 @@ def init_state(settings: Settings, config: qwen3_5.Config, opt) -> dict:
             raise ValueError(f"{settings.init_from} does not hold a model of size {settings.size!r}")
     else:
         params = qwen3_5.init_params(config, jax.random.key(settings.seed), jnp.float32)
+    if settings.gate_shift:
+        params = shift_gates(params, settings.gate_shift)
     return dict(params=params, opt_state=opt.init(params), step=jnp.zeros((), jnp.int32))
+
+
+def shift_gates(params: dict, shift: float) -> dict:
+    """params with `shift` added to every A_log (each GDN gate's decay rate times exp(shift))."""
+    def move(path, x):
+        return x + shift if getattr(path[-1], "key", None) == "A_log" else x
+    return jax.tree_util.tree_map_with_path(move, params)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -322,7 +394,7 @@ def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.
     compile_started = time.monotonic()
     steps = compile_steps(config, settings)
     compile_s = time.monotonic() - compile_started
-    step, losses, tokens, started = start_step, [], 0, time.monotonic()
+    step, losses, excesses, tokens, started = start_step, [], [], 0, time.monotonic()
     bar = tqdm(total=end_step, initial=start_step, disable=not progress, desc=f"train {settings.size}", unit="step")
     # the next batch is built on the host while the device runs this step (batches depend on the step alone)
     pad = tokenizer.token_to_id(tok.PAD)
@@ -332,16 +404,18 @@ def train(run: str | Path, settings: Settings = Settings(), minutes: float = 10.
         while step < end_step and time.monotonic() < deadline:
             batch = upcoming.result()
             upcoming = pool.submit(make_batch, tokenizer, settings, step + 1)
-            params, opt_state, loss = steps[batch[0].shape](params, opt_state, *batch)
+            params, opt_state, (loss, excess) = steps[batch[0].shape](params, opt_state, *batch)
             step += 1
             tokens += int(np.count_nonzero(batch[0] != pad))
             losses.append(float(loss))
+            excesses.append(float(excess))
             bar.update(1)
             if step % 10 == 0 or step == end_step:
                 mean = float(np.mean(losses[-10:]))
                 bar.set_postfix(loss=f"{mean:.3f}", rows=f"{batch[0].shape[0]}x{batch[0].shape[1]}")
                 elapsed = time.monotonic() - started
-                log.write(json.dumps(dict(step=step, loss=mean, time=time.time(), rows=batch[0].shape[0],
+                extra = dict(decay_excess=round(float(np.mean(excesses[-10:])), 5)) if settings.decay_weight else {}
+                log.write(json.dumps(dict(step=step, loss=mean, **extra, time=time.time(), rows=batch[0].shape[0],
                                           length=batch[0].shape[1], tokens_per_s=round(tokens / elapsed),
                                           seconds_per_step=round(elapsed / (step - start_step), 4),
                                           compile_s=round(compile_s, 1))) + "\n")
