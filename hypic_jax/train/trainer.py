@@ -211,8 +211,8 @@ def forward_with_decay(params: dict, config: qwen3_5.Config, tokens, decay_budge
         x, excess = carry
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
         if config.layer_types[i] == qwen3_5.LINEAR:
-            _, _, a, _ = qwen3_5.gdn_projections(h, lp["mixer"], config)
             p = lp["mixer"]
+            a = h @ p["in_proj_a"]  # the gate's input, as `qwen3_5.gdn_projections` forms it
             rate = jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
                 a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
             excess = excess + jnp.mean(jax.nn.relu(rate - decay_budget)) / linear
