@@ -1,7 +1,8 @@
 """How much of a Gated DeltaNet state survives one document: per (document, value head, GDN layer), the decay
 factor exp(sum of the gate g over the document's tokens) of a Qwen3.5-architecture model on held-out prompts of
 `hypic_jax.train`'s corpus. A factor near 0 means the state entering the document is forgotten by its end, so
-dropping the transfer operator (HYPIC's `addition`) changes little downstream of that document.
+dropping the transfer operator (HYPIC's `addition`) changes little downstream of that document. Also each head's
+median decay rate -g per token. The gates are read by `trainer.forward_with_gates` (the model's own layers).
 
     python bench/investigations/gate_decay.py [--model DIR] [--docs 16] [--prompts 4]
 """
@@ -18,13 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main(argv=None) -> None:
-    import jax
     import jax.numpy as jnp
 
     import hypic_jax
     from hypic_jax.embedded import EMBEDDED_MODEL
-    from hypic_jax.models import layers
-    from hypic_jax.models import qwen3_5 as arch
     from hypic_jax.train import tokenizer as tok
     from hypic_jax.train import trainer
 
@@ -36,28 +34,24 @@ def main(argv=None) -> None:
     model = hypic_jax.load(args.model, dtype="float32")
     config, params = model.config, model.params
     tokenizer = tok.load_tokenizer(args.model)
-    log_decay, lengths = [], []
+    log_decay, lengths, rates = [], [], []
     for i in range(args.prompts):
         prompt = trainer.heldout_prompt(0, args.docs, i)
         docs = [tok.encode(tokenizer, tok.document_text(d)) for d in prompt.documents]
         lengths += map(len, docs)
         tokens = jnp.asarray([sum(docs, [])], jnp.int32)
         bounds = np.cumsum([0] + [len(d) for d in docs])
-        positions = arch.cache_positions(None, tokens.shape[1])
-        x = params["embed"][tokens]
-        for li, p in enumerate(params["layers"]):  # the model's own layer loop, reading the gates on the way
-            h = layers.rms_norm(x, p["input_norm"], config.rms_norm_eps, offset=1.0)
-            if config.layer_types[li] == arch.LINEAR:
-                _, _, a, _ = arch.gdn_projections(h, p["mixer"], config)
-                g = -jnp.exp(p["mixer"]["A_log"]) * jax.nn.softplus(a[0] + p["mixer"]["dt_bias"])  # [L, Hv]
-                total = np.concatenate([np.zeros((1, g.shape[1])), np.cumsum(np.asarray(g, np.float64), 0)])
-                log_decay.append(total[bounds[1:]] - total[bounds[:-1]])  # [docs, Hv]
-                h, _ = arch.gated_delta_net(h, p["mixer"], config, None)
-            else:
-                h, _ = arch.full_attention(h, p["mixer"], config, positions, None, None)
-            x = x + h
-            h = layers.rms_norm(x, p["post_norm"], config.rms_norm_eps, offset=1.0)
-            x = x + arch.feed_forward(h, p["mlp"], config, config.mlp_types[li])
+        _, gates = trainer.forward_with_gates(params, config, tokens, lambda acc, g: acc + (g[0],), ())
+        rates.append([np.asarray(-g, np.float64) for g in gates])  # per GDN layer [L, Hv]
+        for g in gates:
+            total = np.concatenate([np.zeros((1, g.shape[-1])), np.cumsum(np.asarray(g, np.float64), 0)])
+            log_decay.append(total[bounds[1:]] - total[bounds[:-1]])  # [docs, Hv]
+    # each (GDN layer, value head)'s median decay rate -g per token over every prompt's tokens
+    head_rates = np.stack([np.median(np.concatenate([r[j] for r in rates]), axis=0) for j in range(len(rates[0]))])
+    print(f"median decay rate per token of each of the {head_rates.size} (GDN layer, value head) pairs: "
+          f"{np.mean(head_rates >= 1):.3f} at least 1 (the state keeps under e^-1 per token), those between "
+          f"{head_rates[head_rates >= 1].min() if (head_rates >= 1).any() else float('nan'):.3g} and "
+          f"{head_rates.max():.3g}; the median pair {np.median(head_rates):.3g}")
     factors = np.exp(np.concatenate([d.reshape(-1) for d in log_decay]))
     print(f"{factors.size} (document, head, layer) triples; documents of {np.mean(lengths):.1f} tokens on average")
     for bound in (0.5, 1e-1, 1e-3, 1e-6):

@@ -67,7 +67,7 @@ class Settings:
     decay_budget: float = 0.0
     decay_weight: float = 0.0
     # added to every GDN layer's A_log of the starting weights: a shift of -log(r) divides every gate's decay rate
-    # by r, so a trained model whose gates forget within a token (rates of 3 to 100 per token) starts a stage with
+    # by r, so a trained model whose gates forget within a token (rates of 1 to 110 per token) starts a stage with
     # its decay under the budget instead of walking there one optimizer step at a time
     gate_shift: float = 0.0
 
@@ -198,36 +198,43 @@ def cast_params(params: dict, dtype) -> dict:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def forward_with_decay(params: dict, config: qwen3_5.Config, tokens, decay_budget: float = 0.0):
-    """(logits [B, L, vocab], decay excess): the model's forward (`qwen3_5.hidden_states`' layers), carrying beside
-    the hidden states the mean over GDN layers, tokens and value heads of max(0, -g - decay_budget), g the gate's
-    log decay per token (0 for a model without GDN layers)."""
+def forward_with_gates(params: dict, config: qwen3_5.Config, tokens, gate_stat, init):
+    """(logits [B, L, vocab], stat): the model's forward (the layers of `qwen3_5.hidden_states`), folding each GDN
+    layer's gate, its log decay per token g [B, L, Hv], into `stat = gate_stat(stat, g)` from `init` on the way.
+    The stat rides beside the hidden states, so it may be any pytree whose structure the layers keep (under a
+    scanned layer stack: fixed shapes)."""
     from hypic_jax.models import layer_stack, layers
 
     positions = cache_positions(None, tokens.shape[1])
-    linear = config.layer_types.count(qwen3_5.LINEAR)
 
     def step(i, layer, lp, layer_cache, carry):
-        x, excess = carry
+        x, stat = carry
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
         if config.layer_types[i] == qwen3_5.LINEAR:
             p = lp["mixer"]
             a = h @ p["in_proj_a"]  # the gate's input, as `qwen3_5.gdn_projections` forms it
-            rate = jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+            g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
                 a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-            excess = excess + jnp.mean(jax.nn.relu(rate - decay_budget)) / linear
-            h, _ = qwen3_5.gated_delta_net(h, lp["mixer"], config, None)
+            stat = gate_stat(stat, g)
+            h, _ = qwen3_5.gated_delta_net(h, p, config, None)
         else:
             h, _ = qwen3_5.full_attention(h, lp["mixer"], config, positions, None, None, True)
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
         x = x + qwen3_5.feed_forward(h, lp["mlp"], config, config.mlp_types[i])
-        return (x, excess), None
+        return (x, stat), None
 
-    (x, excess), _ = layer_stack.run_cached(step, (params["embed"][tokens], jnp.zeros((), jnp.float32)),
-                                            params["layers"], None)
+    (x, stat), _ = layer_stack.run_cached(step, (params["embed"][tokens], init), params["layers"], None)
     x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
-    return qwen3_5.lm_head(params, config, x), excess
+    return qwen3_5.lm_head(params, config, x), stat
+
+
+def forward_with_decay(params: dict, config: qwen3_5.Config, tokens, decay_budget: float = 0.0):
+    """(logits, decay excess): the mean over GDN layers, tokens and value heads of max(0, -g - decay_budget), g the
+    gate's log decay per token (0 for a model without GDN layers)."""
+    linear = config.layer_types.count(qwen3_5.LINEAR)
+    excess = lambda acc, g: acc + jnp.mean(jax.nn.relu(-g - decay_budget)) / linear  # noqa: E731
+    return forward_with_gates(params, config, tokens, excess, jnp.zeros((), jnp.float32))
 
 
 def answer_loss(params: dict, config: qwen3_5.Config, inputs, targets, weights, compute_dtype=jnp.float32,
