@@ -63,7 +63,7 @@ def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, ma
 def run(engine: StableEngine, requests, seam: int) -> dict:
     before = backend_compiles()
     hits = misses = cached = doc_tokens = cold = 0
-    cold_s, ttft = 0.0, []
+    cold_s, ttft, all_hit = 0.0, [], []
     start = time.perf_counter()
     for segs in requests:
         result = engine.prefill(segs, seam=seam)
@@ -72,11 +72,16 @@ def run(engine: StableEngine, requests, seam: int) -> dict:
         doc_tokens += sum(len(d) - min(seam, len(d)) for d in segs[:-1])
         cold_s += s.cold_s
         ttft.append(s.ttft_s)
+        all_hit.append(s.misses == 0)
     wall = time.perf_counter() - start
     tiers = engine.stats["tiers"]
+    ttft, all_hit = np.asarray(ttft), np.asarray(all_hit)
+    p50 = lambda x: round(float(np.percentile(x, 50)) * 1e3, 2) if len(x) else None  # noqa: E731
     return dict(hit_rate=round(hits / max(1, hits + misses), 3),
                 cached_token_share=round(cached / max(1, doc_tokens), 3),
-                cold_tokens=cold, cold_s=round(cold_s, 3), p50_ttft_ms=round(float(np.percentile(ttft, 50)) * 1e3, 2),
+                cold_tokens=cold, cold_s=round(cold_s, 3), p50_ttft_ms=p50(ttft),
+                all_hit_share=round(float(all_hit.mean()), 3), p50_ttft_all_hit_ms=p50(ttft[all_hit]),
+                p50_ttft_with_miss_ms=p50(ttft[~all_hit]),
                 trace_s=round(wall, 2), promotions=tiers["promotions"], demotions=tiers["demotions"],
                 corrupt=tiers["disk"]["corrupt"] if tiers["disk"] else 0, compiles=backend_compiles() - before,
                 cost=[float(f"{c:.3g}") for c in tiers["cost"]["constants"]], host_memory=tiers["host_memory"],
@@ -249,6 +254,9 @@ def main(argv=None) -> None:
                         help="the peer tier's budget, as a share of the corpus's entry bytes over all other devices")
     parser.add_argument("--host-memory", nargs="+", default=["pinned"], choices=list(tr.HOST_MEMORY),
                         help="where the host tier keeps entries; several: the trace's host-tier runs once per kind")
+    parser.add_argument("--demote-copy", nargs="+", default=["program"], choices=["program", "thread"],
+                        help="who copies a demoted entry to pinned host memory (`tiers.Mover.DEMOTE_COPY`); "
+                             "several: the trace's host-tier runs once per choice")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -318,10 +326,14 @@ def main(argv=None) -> None:
 
     donor = None
     with tempfile.TemporaryDirectory() as root:
-        def engine(**options):
+        def engine(demote_copy="program", **options):
             nonlocal donor
-            made = StableEngine(model, **base, **options, tier_dtype=args.tier_dtype,
-                                tier_transfer_tol=args.transfer_tol)
+            tr.Mover.DEMOTE_COPY = demote_copy
+            try:
+                made = StableEngine(model, **base, **options, tier_dtype=args.tier_dtype,
+                                    tier_transfer_tol=args.transfer_tol)
+            finally:
+                tr.Mover.DEMOTE_COPY = "program"
             if donor is not None:  # the same pool shapes: the first engine's compiled programs serve every engine
                 made.programs._compiled.update(donor.programs._compiled)
                 made.mover.adopt(donor.mover)
@@ -330,18 +342,26 @@ def main(argv=None) -> None:
             return made
 
         kinds = args.host_memory
-        named = (lambda name, kind: name if len(kinds) == 1 else f"{name} ({kind})")
+        # the host tier's variants: where entries live, and for pinned memory who copies them there
+        hosts = [(k, c) for k in kinds for c in (args.demote_copy if k == "pinned" else ["program"])]
+        def named(name, kind, copy):
+            tags = ([kind] if len(kinds) > 1 else []) + ([f"copy by {copy}"] if len(args.demote_copy) > 1
+                                                          and kind == "pinned" else [])
+            return f"{name} ({', '.join(tags)})" if tags else name
+
         peer = [("device+peer", dict(peer_cache_bytes=peer_bytes)),
                 ("device+peer+host", dict(peer_cache_bytes=peer_bytes, host_cache_bytes=host_bytes,
                                           host_memory=kinds[0]))] if peer_bytes else []
         settings = ([("device", {})] + peer
-                    + [(named("device+host", k), dict(host_cache_bytes=host_bytes, host_memory=k)) for k in kinds]
-                    + [(named("device+host+disk", k), dict(host_cache_bytes=host_bytes, host_memory=k))
-                       for k in kinds])
+                    + [(named("device+host", k, c), dict(host_cache_bytes=host_bytes, host_memory=k,
+                                                         demote_copy=c)) for k, c in hosts]
+                    + [(named("device+host+disk", k, c), dict(host_cache_bytes=host_bytes, host_memory=k,
+                                                              demote_copy=c)) for k, c in hosts])
         for name, options in settings:
             for policy in args.policies:
                 if "disk" in name:
-                    options = dict(options, disk_cache_dir=str(Path(root) / f"{policy}-{options['host_memory']}"))
+                    options = dict(options, disk_cache_dir=str(
+                        Path(root) / f"{policy}-{options['host_memory']}-{options['demote_copy']}"))
                 made = engine(eviction=policy, **options)
                 row = dict(tiers=name, eviction=policy, **run(made, requests, args.seam))
                 if made.tiers.disk is not None:
@@ -350,7 +370,8 @@ def main(argv=None) -> None:
                 print(json.dumps(row), flush=True)
         for policy in args.policies:  # a new process on the disk folder: the trace again, from the disk
             restarted = engine(eviction=policy, host_cache_bytes=host_bytes, host_memory=kinds[0],
-                               disk_cache_dir=str(Path(root) / f"{policy}-{kinds[0]}"))
+                               disk_cache_dir=str(Path(root) / f"{policy}-{kinds[0]}-{hosts[0][1]}"),
+                               demote_copy=hosts[0][1])
             row = dict(tiers="restart on the disk", eviction=policy, **run(restarted, requests, args.seam))
             report["runs"].append(row)
             print(json.dumps(row), flush=True)

@@ -29,6 +29,7 @@ if "--small" in sys.argv:  # the host device count is read when JAX starts
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -93,6 +94,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--policies", nargs="+", default=["lpt", "rr"], choices=parallel.POLICIES)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-gb", type=float, default=None,
+                        help="each engine's pool budget (default: 16 MiB small, 12 GiB full; at most two engines "
+                             "hold pools at once)")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="keep the cost model's default constants (no compile of every rung; enough for one "
+                             "device, where the plan is one bin)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = parser.parse_args()
@@ -104,7 +111,7 @@ def main() -> None:
         segments, length = args.segments or 16, args.segment_len or 64
         query = min(args.query, 32)
         rungs = (128, 256, 512, 1088)
-        cache_bytes = 1 << 24
+        cache_bytes = int((args.cache_gb or 1 / 64) * 2**30)
     else:
         from prefill import full_config
 
@@ -116,7 +123,7 @@ def main() -> None:
         segments, length = args.segments or 64, args.segment_len or 512
         query = args.query
         rungs = None
-        cache_bytes = 16 << 30
+        cache_bytes = int((args.cache_gb or 12) * 2**30)
     total = segments * length + query
     available = len(jax.devices())
     counts = [n for n in args.devices if n <= available]
@@ -129,11 +136,14 @@ def main() -> None:
                   shape="tiny (demo)" if args.small else f"35B-A3B x{args.layers} layers", segments=segments,
                   segment_len=length, query=query, rows=[])
     cost = parallel.SegmentCost()
-    calibrator = StableEngine(model, **base, devices=1)
-    calibrator.programs = plain.programs  # the single-device programs are shared: same shapes
-    calibrator.segment_mesh.cost = cost
-    top = plain.ladder.rung(max(sum(map(len, r[:-1])) for r in cases.values()))
-    calibrator.segment_mesh.calibrate([r for r in plain.ladder.rungs if r <= top])
+    if args.calibrate:
+        calibrator = StableEngine(model, **base, devices=1)
+        calibrator.programs = plain.programs  # the single-device programs are shared: same shapes
+        calibrator.segment_mesh.cost = cost
+        top = plain.ladder.rung(max(sum(map(len, r[:-1])) for r in cases.values()))
+        calibrator.segment_mesh.calibrate([r for r in plain.ladder.rungs if r <= top])
+        del calibrator  # its pools: at most the plain engine and one mesh engine hold pools at once
+        gc.collect()
     report["cost"] = cost.as_dict()
     print(json.dumps(dict(cost=report["cost"])), flush=True)
 
@@ -161,6 +171,8 @@ def main() -> None:
                 report["rows"].append(row)
                 print(json.dumps(row), flush=True)
             shared[n] = (mesh._cold, mesh._commit)
+            del engine, mesh
+            gc.collect()
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1))
 

@@ -1236,6 +1236,7 @@ class StableEngine(Engine):
         return dict(eviction=self.eviction, **self.tiers.stats(), demote_errors=self._demote_errors,
                     cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths),
                     host_memory="pinned" if self.mover.host_sharding is not None else "pageable",
+                    demote_copy=self.mover.demote_copy,
                     seconds={k: round(v, 6) for k, v in self.tier_seconds.items()})
 
 

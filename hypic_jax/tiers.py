@@ -391,6 +391,8 @@ class Mover:
       to a power of two of heads, one small program per size) and the scatter writes zeros for the rest on the
       device: the link carries only what is stored."""
 
+    DEMOTE_COPY = "program"  # or "thread": see __init__
+
     def __init__(self, pools, max_tokens: int, compact: str | None = None, transfer_tol: float | None = None,
                  host_memory: str = "pinned"):
         stack = pools.arrays  # a layer_stack.PoolStack: per part of the layer plan, its layers' rows in blocks
@@ -406,6 +408,10 @@ class Mover:
         kinds = {m.kind for m in device.addressable_memories()}
         self.host_sharding = (jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
                               if host_memory == "pinned" and "pinned_host" in kinds else None)
+        # who copies a demoted entry to pinned host memory: the gather program itself, its output placed there
+        # ("program"), or the demotion thread after the gather wrote it to device memory ("thread"), so that the
+        # request's path issues a device-only program (`bench/cache_tiers.py --demote-copy` times both)
+        self.demote_copy = self.DEMOTE_COPY
         self.compact = compact
         if transfer_tol is not None and not (np.isfinite(transfer_tol) and transfer_tol >= 0):
             raise ValueError(f"transfer_tol must be None or a finite number >= 0, got {transfer_tol!r}")
@@ -497,7 +503,8 @@ class Mover:
         """Use `donor`'s compiled programs (an engine of the same pool shapes and stored forms)."""
         if (donor.leaves, donor.droppable, donor.specs) != (self.leaves, self.droppable, self.specs):
             raise ValueError("the donor's pools or stored forms differ")
-        self._gather.update(donor._gather)
+        if donor.demote_copy == self.demote_copy and donor.host_sharding == self.host_sharding:
+            self._gather.update(donor._gather)  # their outputs' placement differs otherwise
         self._scatter.update(donor._scatter)
         self._heads.update(donor._heads)
 
@@ -576,8 +583,8 @@ class Mover:
         if which == "gather":  # its outputs land in host memory when pinned (the program's own copy out)
             rows = jax.ShapeDtypeStruct((bucket * self.page,), jnp.int32)
             try:
-                program = jax.jit(self._gather_fn, out_shardings=self.host_sharding).lower(
-                    shapes, slot, rows).compile()
+                out = self.host_sharding if self.demote_copy == "program" else None
+                program = jax.jit(self._gather_fn, out_shardings=out).lower(shapes, slot, rows).compile()
             except Exception as error:  # noqa: BLE001  (a backend without host outputs: numpy on the host instead)
                 if self.host_sharding is None:
                     raise
@@ -629,7 +636,9 @@ class Mover:
         (main, dense, head_max), length = started
         if self.host_sharding is None:
             main = np.asarray(jax.device_get(main))
-        else:  # already in pinned host memory once the program is done
+        else:  # in pinned host memory once the program is done, or copied there now
+            if main.sharding.memory_kind != self.host_sharding.memory_kind:
+                main = jax.device_put(main, self.host_sharding)
             main.block_until_ready()
         staged = Staged(bucket=self.bucket(length), main=main, owner=self)
         if self._drop_outputs:

@@ -460,13 +460,16 @@ def test_a_promotion_overlaps_the_cold_prefill_and_a_failed_request_gives_it_bac
     np.testing.assert_allclose(again.logits, reference.logits, rtol=0, atol=1e-6)
 
 
-def test_host_memory_pinned_and_pageable_serve_the_same_entries(make):
+def test_host_memory_pinned_and_pageable_serve_the_same_entries(make, monkeypatch):
     """host_memory="pinned" keeps a demoted entry as one buffer in page-locked host memory (the gather program
-    writes it there); "pageable" as a numpy array. Both promote to the same logits, and an unknown kind is refused."""
+    writes it there, or the demotion thread copies the gather's device output there); "pageable" as a numpy
+    array. All promote to the same logits, and an unknown kind is refused."""
     segs = _docs(make.vocab, 15) + [[7, 8, 9]]
     logits = {}
-    for kind in ("pinned", "pageable"):
+    for kind, copy in (("pinned", "program"), ("pinned", "thread"), ("pageable", "program")):
+        monkeypatch.setattr(tr.Mover, "DEMOTE_COPY", copy)
         engine = make(host_cache_bytes=1 << 20, host_memory=kind)
+        assert engine.stats["tiers"]["demote_copy"] == copy
         warm = engine.prefill(segs, seam=SEAM)
         _evict_device(engine)
         held = engine.tiers.host.values()
@@ -480,8 +483,9 @@ def test_host_memory_pinned_and_pageable_serve_the_same_entries(make):
         back = engine.prefill(segs, seam=SEAM)
         assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
         np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
-        logits[kind] = back.logits
-    np.testing.assert_array_equal(logits["pinned"], logits["pageable"])
+        logits[kind, copy] = back.logits
+    np.testing.assert_array_equal(logits["pinned", "program"], logits["pageable", "program"])
+    np.testing.assert_array_equal(logits["pinned", "thread"], logits["pageable", "program"])
     with pytest.raises(ValueError, match="host_memory"):
         make(host_cache_bytes=1 << 20, host_memory="managed")
 
