@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--seam", type=float, default=8, help="default seam (per request: seam)")
     serve.add_argument("--cache-gb", type=float, default=1.0, help="segment cache budget, GiB (allocated up front)")
     serve.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429")
-    serve.add_argument("--max-batch", type=int, default=8, help="requests decoding at once (rows)")
+    serve.add_argument("--max-batch", type=int, default=64,
+                       help="requests decoding at once (rows of the preallocated decode cache; a step's cost grows "
+                            "little with rows: bench/RESULTS.md, decode_step.py)")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument("--max-new-tokens", type=int, default=256)
     serve.add_argument("--max-segments", type=int, default=64)

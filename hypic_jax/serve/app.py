@@ -279,7 +279,7 @@ def _sse(payload: dict) -> str:
 
 
 def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "transition_rope_recompute",
-          seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int = 8,
+          seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int = 64,
           max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
           separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
           compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
