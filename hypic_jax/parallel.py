@@ -10,13 +10,19 @@ slowest bin: the policy minimises the makespan, the largest bin's predicted cost
   Graham's bound puts its makespan within 4/3 of the optimum, and much closer on many small segments.
 * `round_robin`: segment i onto bin i mod devices, in request order; the comparison policy.
 
+Rungs. A mesh program runs every bin at the token rung of its largest bin, so a bin a few tokens past a rung costs
+the next rung on every device (`bench/segment_parallel.py --small`: a bin of 514 tokens among rungs 512 and 1,088
+took 97 ms alone against 68 ms for its 510-token neighbour). Given the rungs, `lpt` therefore repacks when its
+bins' largest token count lands past a rung that some split could stay under: for each smaller rung (from the
+smallest any split could fit), LPT with that rung as every bin's token capacity, then first-fit decreasing by
+tokens; the first packing that fits is taken.
+
 Pure Python: nothing here touches a device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import threading
 from typing import Callable, Sequence
 
@@ -103,19 +109,57 @@ def _check(lengths: Sequence[int], devices: int) -> None:
         raise ValueError("every segment needs at least one token")
 
 
-def lpt(lengths: Sequence[int], devices: int, cost: Callable[[int], float] | None = None) -> list[list[int]]:
-    """Bins (lists of segment indices, each in increasing order) of `devices` bins: costliest segment first onto
-    the least-loaded bin (ties: the lower bin). Deterministic."""
-    _check(lengths, devices)
-    cost = cost or SegmentCost()
+def _lpt_capped(lengths: Sequence[int], devices: int, cost: Callable[[int], float],
+                capacity: int | None) -> list[list[int]] | None:
+    """LPT where a bin takes a segment only while its tokens stay within `capacity` (None: no cap); None when a
+    segment fits no bin."""
     order = sorted(range(len(lengths)), key=lambda i: (-cost(lengths[i]), i))
-    heap = [(0.0, d) for d in range(devices)]
+    load = [0.0] * devices
+    tokens = [0] * devices
     bins: list[list[int]] = [[] for _ in range(devices)]
     for i in order:
-        load, d = heapq.heappop(heap)
+        room = [d for d in range(devices) if capacity is None or tokens[d] + lengths[i] <= capacity]
+        if not room:
+            return None
+        d = min(room, key=lambda d: (load[d], d))
         bins[d].append(i)
-        heapq.heappush(heap, (load + cost(lengths[i]), d))
+        load[d] += cost(lengths[i])
+        tokens[d] += lengths[i]
     return [sorted(b) for b in bins]
+
+
+def _first_fit_decreasing(lengths: Sequence[int], devices: int, capacity: int) -> list[list[int]] | None:
+    """Longest segment first into the first bin with room for it; None when one has none."""
+    tokens = [0] * devices
+    bins: list[list[int]] = [[] for _ in range(devices)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        d = next((d for d in range(devices) if tokens[d] + lengths[i] <= capacity), None)
+        if d is None:
+            return None
+        bins[d].append(i)
+        tokens[d] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def lpt(lengths: Sequence[int], devices: int, cost: Callable[[int], float] | None = None,
+        rungs: Sequence[int] | None = None) -> list[list[int]]:
+    """Bins (lists of segment indices, each in increasing order) of `devices` bins: costliest segment first onto
+    the least-loaded bin (ties: the lower bin). With `rungs` (token capacities a bin's program runs at), repacked
+    to fit a smaller rung where one can be fitted (the module docstring). Deterministic."""
+    _check(lengths, devices)
+    cost = cost or SegmentCost()
+    bins = _lpt_capped(lengths, devices, cost, None)
+    if not rungs or not lengths:
+        return bins
+    rungs = sorted(set(int(r) for r in rungs))
+    largest = max(sum(lengths[i] for i in b) for b in bins)
+    at = next((r for r in rungs if r >= largest), None)  # past the top rung: whatever a smaller rung can hold
+    floor = max(max(lengths), -(-sum(lengths) // devices))
+    for rung in (r for r in rungs if floor <= r and (at is None or r < at)):
+        packed = _lpt_capped(lengths, devices, cost, rung) or _first_fit_decreasing(lengths, devices, rung)
+        if packed is not None:
+            return packed
+    return bins
 
 
 def round_robin(lengths: Sequence[int], devices: int) -> list[list[int]]:
@@ -124,9 +168,11 @@ def round_robin(lengths: Sequence[int], devices: int) -> list[list[int]]:
     return [list(range(d, len(lengths), devices)) for d in range(devices)]
 
 
-def assign(policy: str, lengths: Sequence[int], devices: int, cost: Callable[[int], float] | None = None):
+def assign(policy: str, lengths: Sequence[int], devices: int, cost: Callable[[int], float] | None = None,
+           rungs: Sequence[int] | None = None):
+    """Bins under `policy`; `rungs` (the token rungs of the bins' program) steer `lpt` only."""
     if policy == "lpt":
-        return lpt(lengths, devices, cost)
+        return lpt(lengths, devices, cost, rungs)
     if policy == "rr":
         return round_robin(lengths, devices)
     raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

@@ -194,7 +194,7 @@ class SegmentMesh:
     # Running ----------------------------------------------------------------------------------------------------
     def plan(self, lengths: Sequence[int]) -> list[list[int]]:
         """Segment indices per bin (one bin per device) under the engine's policy."""
-        return parallel.assign(self.policy, list(lengths), self.size, self.cost)
+        return parallel.assign(self.policy, list(lengths), self.size, self.cost, self.engine.ladder.rungs)
 
     def run(self, spans: Sequence[lay.Span], tokens: Sequence[Sequence[int]], *, timed: bool = False):
         """Prefill the isolated, recording `spans` (their tokens per span) over the mesh and commit their records

@@ -54,6 +54,42 @@ def test_lpt_beats_round_robin_where_round_robin_stacks_the_long_segments():
     assert rr > 1.5 * lpt
 
 
+def _rung(rungs, tokens):
+    return next((r for r in sorted(rungs) if r >= tokens), float("inf"))
+
+
+def test_lpt_repacks_its_bins_under_a_smaller_rung_where_they_fit():
+    """Greedy LPT puts [5, 5, 4, 3, 3] on 2 devices as 11 / 9 tokens, one past the rung of 10; a split of 10 / 10
+    exists, and with the rungs LPT finds it."""
+    lengths, rungs = [5, 5, 4, 3, 3], [10, 20]
+    plain = par.lpt(lengths, 2, par.SegmentCost())
+    assert max(sum(lengths[i] for i in b) for b in plain) == 11
+    packed = par.lpt(lengths, 2, par.SegmentCost(), rungs)
+    assert sorted(i for b in packed for i in b) == list(range(5))
+    assert [sum(lengths[i] for i in b) for b in packed] == [10, 10]
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4, 8])
+def test_lpt_with_rungs_never_needs_a_larger_rung_and_stays_a_partition(devices):
+    """Random lengths and ladders: the bins with rungs are a partition whose largest bin needs no larger rung than
+    plain LPT's, and no rung below the one any split needs; where plain LPT already fits the smallest rung it
+    could, the bins are plain LPT's."""
+    rng = np.random.default_rng(devices)
+    cost = par.SegmentCost()
+    for _ in range(200):
+        lengths = [int(n) for n in rng.integers(1, 300, int(rng.integers(1, 30)))]
+        rungs = sorted({int(r) for r in rng.integers(16, 2000, int(rng.integers(1, 6)))})
+        plain = par.lpt(lengths, devices, cost)
+        packed = par.lpt(lengths, devices, cost, rungs)
+        assert len(packed) == devices and sorted(i for b in packed for i in b) == list(range(len(lengths)))
+        top = lambda bins: max(sum(lengths[i] for i in b) for b in bins)  # noqa: E731
+        assert _rung(rungs, top(packed)) <= _rung(rungs, top(plain)), (lengths, rungs)
+        floor = max(max(lengths), -(-sum(lengths) // devices))
+        assert _rung(rungs, top(packed)) >= _rung(rungs, floor)
+        if _rung(rungs, top(plain)) == _rung(rungs, floor):
+            assert packed == plain
+
+
 def test_cost_model_defaults_then_calibration():
     cost = par.SegmentCost()
     assert (cost.a, cost.b, cost.c) == par.DEFAULT_SEGMENT_COST and not cost.calibrated
