@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hypic_jax import layout as lay  # noqa: E402
 from hypic_jax import parallel  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
+from hypic_jax.runtime import StableEngine, backend_compiles, stack_layers  # noqa: E402
 
 
 def requests(vocab: int, segments: int, length: int, query: int, seed: int) -> dict:
@@ -119,7 +119,9 @@ def main() -> None:
         from hypic_jax.models.base import Model
 
         config = full_config(args.layers)
-        model = Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16))
+        # the layers stacked once (`consume`: no second copy of the weights); every engine here shares them
+        model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16)),
+                             consume=True)
         segments, length = args.segments or 64, args.segment_len or 512
         query = args.query
         rungs = None
