@@ -102,6 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--mode", default="transition_rope_recompute", help="default PIC mode (per request: pic_mode)")
     serve.add_argument("--seam", type=float, default=8, help="default seam (per request: seam)")
     serve.add_argument("--cache-gb", type=float, default=1.0, help="segment cache budget, GiB (allocated up front)")
+    serve.add_argument("--host-cache-gb", type=float, default=0.0,
+                       help="host-memory tier below the device cache, GiB (0: off); evicted entries are demoted "
+                            "there and promoted back on a hit")
+    serve.add_argument("--disk-cache-dir", default=None,
+                       help="disk tier folder (one checksummed file per entry): entries evicted below the host "
+                            "tier, and every entry on a graceful shutdown, so a restarted server serves them")
+    serve.add_argument("--disk-cache-gb", type=float, default=None, help="disk tier budget, GiB (default: unbounded)")
+    serve.add_argument("--eviction", default="cost", choices=["cost", "lru"],
+                       help="tier eviction: cost (recompute time saved per byte; entries cheaper to recompute than "
+                            "to load are not kept in a tier) or lru")
+    serve.add_argument("--tier-dtype", default=None, choices=["bfloat16"],
+                       help="store float32 pieces of entries below the device (T, S) in this dtype (default: as held)")
     serve.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429")
     serve.add_argument("--max-batch", type=int, default=64,
                        help="requests decoding at once (rows of the preallocated decode cache; a step's cost grows "

@@ -142,6 +142,28 @@ def test_serve_builds_on_the_embedded_model(installed):
     assert server.model_name == "hypic-qa" and server.limits.eos_ids == (tok.SPECIAL_TOKENS.index(tok.EOS),)
     assert server.renderer.render([dict(role="user", content="d"), dict(role="user", content="q")]) == [
         tok.document_text("d"), tok.question_text("q")]
+    assert server.engine.tiers.host is None and server.engine.tiers.disk is None  # tiers are opt-in
+
+
+def test_serve_flags_reach_the_cache_tiers(installed, tmp_path, monkeypatch):
+    """`hypic-jax serve --host-cache-gb --disk-cache-dir --disk-cache-gb --eviction --tier-dtype` build an engine
+    with those tiers; a negative budget is refused."""
+    from hypic_jax import cli
+    from hypic_jax.serve import app
+
+    built = []
+    monkeypatch.setattr(app, "main", lambda args: built.append(app.build(
+        args.model, dtype="float32", cache_gb=0.02, max_batch=1, max_prompt_tokens=256, max_new_tokens=16,
+        max_segments=4, host_cache_gb=args.host_cache_gb, disk_cache_dir=args.disk_cache_dir,
+        disk_cache_gb=args.disk_cache_gb, eviction=args.eviction, tier_dtype=args.tier_dtype)) or 0)
+    assert cli.main(["serve", "--host-cache-gb", "0.01", "--disk-cache-dir", str(tmp_path / "disk"),
+                     "--disk-cache-gb", "0.5", "--eviction", "lru", "--tier-dtype", "bfloat16"]) == 0
+    engine = built[0].engine
+    assert engine.tiers.host is not None and engine.tiers.disk is not None and engine.eviction == "lru"
+    assert engine.tiers.disk.folder == tmp_path / "disk" and engine.mover.compact == "bfloat16"
+    assert engine.tiers.disk.capacity_bytes == 1 << 29 and engine.tiers.host.capacity_bytes == int(0.01 * (1 << 30))
+    with pytest.raises(ValueError, match="host-cache-gb"):
+        app.build(None, host_cache_gb=-1.0)
 
 
 def test_demo_questions_in_every_mode(installed, capsys):

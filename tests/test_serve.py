@@ -626,3 +626,41 @@ def test_overlapped_decode_steps_give_the_same_tokens():
     finally:
         lone.stop()
     assert lone.steps == 5 and lone.chained_steps == 4, (lone.steps, lone.chained_steps)
+
+
+def test_a_restarted_server_serves_its_entries_from_the_disk_tier(tmp_path):
+    """A server with a disk tier writes its cache there on a graceful shutdown; a new server on the same folder
+    answers the same documents (reordered) from it: cached tokens, no cold prefill, the first server's answer."""
+    from starlette.testclient import TestClient
+
+    model, vocab, _ = _build("qwen_dense", str(tmp_path / "qwen_dense"))
+    tokenizer = _tokenizer(vocab)
+    docs, query = _docs(dict(), 7)
+    lengths = [len(tokenizer.encode(d, add_special_tokens=False).ids) for d in docs]
+    answers, donor = [], None
+    for order in ([0, 1, 2], [2, 0, 1]):
+        engine = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
+                              max_new_tokens=4, max_batch=1, cache_bytes=1 << 24, seam=SEAM,
+                              disk_cache_dir=str(tmp_path / "disk"))
+        if donor is not None:  # the same shapes: the first server's compiled programs
+            engine.programs._compiled.update(donor.programs._compiled)
+            engine.mover.adopt(donor.mover)
+        server = Server(engine, model_name=MODEL, warm_on_start=False)
+        with TestClient(server.app) as client:
+            server.warmup()
+            prompt = "<<PIC_SEP>>".join([docs[i] for i in order] + [query])
+            reply = client.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=4,
+                                                                temperature=0)).json()
+        answers.append(reply)
+        donor = engine
+    first, second = answers
+    assert first["usage"]["pic"]["misses"] == 3 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["pic"]["hits"] == 3 and second["usage"]["pic"]["cold_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == sum(n - SEAM for n in lengths)
+    assert donor.stats["tiers"]["promotions"]["disk"] == 3
+    # the reordered prompt: the same entries, so the greedy answer matches a fresh engine's on that order
+    reference = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
+                             max_new_tokens=4, cache_bytes=1 << 24, seam=SEAM)
+    reference.programs._compiled.update(donor.programs._compiled)
+    want = reference.generate([docs[2], docs[0], docs[1], query], max_new_tokens=4)
+    assert second["choices"][0]["text"] == tokenizer.decode(want.tokens)

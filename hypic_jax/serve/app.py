@@ -112,6 +112,21 @@ class Server:
             yield
         finally:
             self.scheduler.stop()
+            self.persist()
+
+    def persist(self) -> int | None:
+        """On shutdown: every entry of the device and host tiers written to the disk tier, where there is one, so
+        a restarted server serves them (`StableEngine.persist`); the entries on disk, or None without a disk tier.
+        A failure is logged, never raised (the shutdown goes on)."""
+        if not self.ready or getattr(self.engine, "tiers", None) is None or self.engine.tiers.disk is None:
+            return None
+        try:
+            entries = self.engine.persist()
+        except Exception:
+            log.exception("writing the cache to the disk tier at shutdown failed")
+            return None
+        log.info("cache written to the disk tier: %d entries", entries)
+        return entries
 
     # Plain endpoints --------------------------------------------------------------------------------------------
     async def health(self, request: HttpRequest) -> Response:
@@ -283,11 +298,15 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
           max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
           separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
           compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
-          policy: str = "lpt", slot_layouts: str = "auto", **server_options) -> Server:
+          policy: str = "lpt", slot_layouts: str = "auto", host_cache_gb: float = 0.0,
+          disk_cache_dir: str | None = None, disk_cache_gb: float | None = None, eviction: str = "cost",
+          tier_dtype: str | None = None, **server_options) -> Server:
     """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
     load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
     cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the
-    single-device path (a mesh of one device would only add programs). Both are checked before the model loads."""
+    single-device path (a mesh of one device would only add programs). Both are checked before the model loads.
+    host_cache_gb, disk_cache_dir, disk_cache_gb, eviction, tier_dtype: the cache tiers below the device
+    (`StableEngine`'s host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, tier_dtype)."""
     from hypic_jax.parallel import POLICIES
     from hypic_jax.serve.model import default_model, load_folder
 
@@ -300,6 +319,8 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
                              f"process sees ({jax.default_backend()})")
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if host_cache_gb < 0 or (disk_cache_gb is not None and disk_cache_gb < 0):
+        raise ValueError(f"--host-cache-gb and --disk-cache-gb must be >= 0, got {host_cache_gb}, {disk_cache_gb}")
     if model is None and load_format != "auto":
         raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
     served = default_model(dtype) if model is None else load_folder(model, dtype, load_format)
@@ -314,7 +335,10 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
                           max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                           max_segments=max_segments, max_batch=max_batch, token_rungs=token_rungs,
                           compile_cache=compile_cache, devices=None if devices in (None, 1) else devices,
-                          policy=policy, slot_layouts=slot_layouts)
+                          policy=policy, slot_layouts=slot_layouts, host_cache_bytes=int(host_cache_gb * (1 << 30)),
+                          disk_cache_dir=disk_cache_dir,
+                          disk_cache_bytes=None if disk_cache_gb is None else int(disk_cache_gb * (1 << 30)),
+                          eviction=eviction, tier_dtype=tier_dtype)
     return Server(engine, model_name=served.name, max_queue=max_queue, separator=separator,
                   chat_template=served.chat_template, special_tokens=served.special_tokens, eos_ids=served.eos_ids,
                   request_timeout=request_timeout, **server_options)
@@ -331,7 +355,9 @@ def main(args) -> int:
                    max_new_tokens=args.max_new_tokens, max_segments=args.max_segments, separator=args.separator,
                    request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache,
                    load_format=args.load_format, devices=args.devices, policy=args.policy,
-                   slot_layouts=args.slot_layouts, overlap=args.overlap)
+                   slot_layouts=args.slot_layouts, overlap=args.overlap, host_cache_gb=args.host_cache_gb,
+                   disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb, eviction=args.eviction,
+                   tier_dtype=args.tier_dtype)
     mesh = server.engine.segment_mesh
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
