@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="disk tier folder (one checksummed file per entry): entries evicted below the host "
                             "tier, and every entry on a graceful shutdown, so a restarted server serves them")
     serve.add_argument("--disk-cache-gb", type=float, default=None, help="disk tier budget, GiB (default: unbounded)")
+    serve.add_argument("--peer-cache-gb", type=float, default=0.0,
+                       help="with --devices N >= 2: a tier of this many GiB on each other device, between the first "
+                            "device's cache and the host tier (0: off)")
     serve.add_argument("--eviction", default="cost", choices=["cost", "lru"],
                        help="tier eviction: cost (recompute time saved per byte; entries cheaper to recompute than "
                             "to load are not kept in a tier) or lru")

@@ -58,6 +58,9 @@ for devices, policy in ((None, "lpt"), (2, "lpt"), (2, "rr")):
     choice = answer["choices"][0]
     out[f"{devices}-{policy}"] = dict(tokens=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
                                       top=choice["logprobs"]["top_logprobs"])
+# --peer-cache-gb: a tier on the other device
+peered = build(folder, devices=2, peer_cache_gb=1 / 256, **options).engine.tiers
+assert len(peered.peers) == 1 and peered.peers[0].capacity_bytes == 1 << 22 and peered.enabled
 print(json.dumps(out))
 """
 
@@ -98,3 +101,5 @@ def test_bad_devices_and_policy_are_refused_naming_the_option(capsys, monkeypatc
         build(devices=0)
     with pytest.raises(ValueError, match="--policy"):
         build(policy="random")
+    with pytest.raises(ValueError, match="--peer-cache-gb needs --devices"):
+        build(peer_cache_gb=0.5)

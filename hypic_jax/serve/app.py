@@ -300,13 +300,14 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
           compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
           policy: str = "lpt", slot_layouts: str = "auto", host_cache_gb: float = 0.0,
           disk_cache_dir: str | None = None, disk_cache_gb: float | None = None, eviction: str = "cost",
-          tier_dtype: str | None = None, **server_options) -> Server:
+          tier_dtype: str | None = None, peer_cache_gb: float = 0.0, **server_options) -> Server:
     """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
     load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
     cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the
     single-device path (a mesh of one device would only add programs). Both are checked before the model loads.
-    host_cache_gb, disk_cache_dir, disk_cache_gb, eviction, tier_dtype: the cache tiers below the device
-    (`StableEngine`'s host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, tier_dtype)."""
+    host_cache_gb, disk_cache_dir, disk_cache_gb, eviction, tier_dtype, peer_cache_gb: the cache tiers below the
+    device (`StableEngine`'s host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, tier_dtype,
+    peer_cache_bytes)."""
     from hypic_jax.parallel import POLICIES
     from hypic_jax.serve.model import default_model, load_folder
 
@@ -319,8 +320,11 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
                              f"process sees ({jax.default_backend()})")
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if host_cache_gb < 0 or (disk_cache_gb is not None and disk_cache_gb < 0):
-        raise ValueError(f"--host-cache-gb and --disk-cache-gb must be >= 0, got {host_cache_gb}, {disk_cache_gb}")
+    if host_cache_gb < 0 or peer_cache_gb < 0 or (disk_cache_gb is not None and disk_cache_gb < 0):
+        raise ValueError(f"--host-cache-gb, --peer-cache-gb and --disk-cache-gb must be >= 0, got {host_cache_gb}, "
+                         f"{peer_cache_gb}, {disk_cache_gb}")
+    if peer_cache_gb and devices in (None, 1):
+        raise ValueError("--peer-cache-gb needs --devices N with N >= 2 (the tier lives on the other devices)")
     if model is None and load_format != "auto":
         raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
     served = default_model(dtype) if model is None else load_folder(model, dtype, load_format)
@@ -338,7 +342,8 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
                           policy=policy, slot_layouts=slot_layouts, host_cache_bytes=int(host_cache_gb * (1 << 30)),
                           disk_cache_dir=disk_cache_dir,
                           disk_cache_bytes=None if disk_cache_gb is None else int(disk_cache_gb * (1 << 30)),
-                          eviction=eviction, tier_dtype=tier_dtype)
+                          eviction=eviction, tier_dtype=tier_dtype,
+                          peer_cache_bytes=int(peer_cache_gb * (1 << 30)))
     return Server(engine, model_name=served.name, max_queue=max_queue, separator=separator,
                   chat_template=served.chat_template, special_tokens=served.special_tokens, eos_ids=served.eos_ids,
                   request_timeout=request_timeout, **server_options)
@@ -357,7 +362,7 @@ def main(args) -> int:
                    load_format=args.load_format, devices=args.devices, policy=args.policy,
                    slot_layouts=args.slot_layouts, overlap=args.overlap, host_cache_gb=args.host_cache_gb,
                    disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb, eviction=args.eviction,
-                   tier_dtype=args.tier_dtype)
+                   tier_dtype=args.tier_dtype, peer_cache_gb=args.peer_cache_gb)
     mesh = server.engine.segment_mesh
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
