@@ -118,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--tier-dtype", default=None, choices=["bfloat16"],
                        help="store float32 pieces of entries below the device (T, S) in this dtype (default: as held)")
     serve.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429")
-    serve.add_argument("--max-batch", type=int, default=64,
+    serve.add_argument("--max-batch", type=int, default=None,
                        help="requests decoding at once (rows of the preallocated decode cache; a step's cost grows "
-                            "little with rows: bench/RESULTS.md, decode_step.py)")
+                            "little with rows: bench/RESULTS.md, decode_step.py); default 64 on an accelerator, 8 "
+                            "on the CPU")
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument("--max-new-tokens", type=int, default=256)
     serve.add_argument("--max-segments", type=int, default=64)

@@ -293,8 +293,17 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def default_max_batch() -> int:
+    """Decode rows when none are asked for: 64 on an accelerator, where a 64-row step costs 1.19x a 32-row one
+    (bench/RESULTS.md, decode_step.py); 8 on the CPU, where every row bucket adds compile time to the warmup (the
+    embedded model's: 258 s with 8 rows, 315 s with 64, on 2 cores)."""
+    import jax
+
+    return 8 if jax.default_backend() == "cpu" else 64
+
+
 def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "transition_rope_recompute",
-          seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int = 64,
+          seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int | None = None,
           max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
           separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
           compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
@@ -305,6 +314,7 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
     load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
     cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the
     single-device path (a mesh of one device would only add programs). Both are checked before the model loads.
+    max_batch None: `default_max_batch()` (64 decode rows on an accelerator, 8 on the CPU).
     host_cache_gb, disk_cache_dir, disk_cache_gb, eviction, tier_dtype, peer_cache_gb: the cache tiers below the
     device (`StableEngine`'s host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, tier_dtype,
     peer_cache_bytes)."""
@@ -327,6 +337,7 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
         raise ValueError("--peer-cache-gb needs --devices N with N >= 2 (the tier lives on the other devices)")
     if model is None and load_format != "auto":
         raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
+    max_batch = default_max_batch() if max_batch is None else max_batch
     served = default_model(dtype) if model is None else load_folder(model, dtype, load_format)
     if served.max_context is not None and max_prompt_tokens + max_new_tokens > served.max_context:
         raise ValueError(f"max_prompt_tokens + max_new_tokens ({max_prompt_tokens + max_new_tokens}) exceeds the "
