@@ -164,6 +164,9 @@ def test_serve_flags_reach_the_cache_tiers(installed, tmp_path, monkeypatch):
     assert engine.tiers.disk.capacity_bytes == 1 << 29 and engine.tiers.host.capacity_bytes == int(0.01 * (1 << 30))
     with pytest.raises(ValueError, match="host-cache-gb"):
         app.build(None, host_cache_gb=-1.0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--disk-cache-dir .*cannot create it"):
+        app.build(None, disk_cache_dir=str(tmp_path / "file" / "under"))
     # no --max-batch: 64 decode rows on an accelerator, 8 on the CPU (these tests' backend)
     assert app.default_max_batch() == 8
     assert app.build(None, dtype="float32", cache_gb=0.02, max_prompt_tokens=256, max_new_tokens=16,

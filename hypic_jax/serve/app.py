@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -333,6 +334,15 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
     if host_cache_gb < 0 or peer_cache_gb < 0 or (disk_cache_gb is not None and disk_cache_gb < 0):
         raise ValueError(f"--host-cache-gb, --peer-cache-gb and --disk-cache-gb must be >= 0, got {host_cache_gb}, "
                          f"{peer_cache_gb}, {disk_cache_gb}")
+    if disk_cache_dir is not None:
+        import os
+
+        try:
+            Path(disk_cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"--disk-cache-dir {disk_cache_dir}: cannot create it ({error.strerror})") from None
+        if not os.access(disk_cache_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"--disk-cache-dir {disk_cache_dir}: not writable")
     if peer_cache_gb and devices in (None, 1):
         raise ValueError("--peer-cache-gb needs --devices N with N >= 2 (the tier lives on the other devices)")
     if model is None and load_format != "auto":
