@@ -121,6 +121,7 @@ class Server:
         A failure is logged, never raised (the shutdown goes on)."""
         if not self.ready or getattr(self.engine, "tiers", None) is None or self.engine.tiers.disk is None:
             return None
+        log.info("writing the cache to the disk tier %s before exiting", self.engine.tiers.disk.folder)
         try:
             entries = self.engine.persist()
         except Exception:
