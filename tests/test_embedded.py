@@ -162,8 +162,9 @@ def test_serve_flags_reach_the_cache_tiers(installed, tmp_path, monkeypatch):
     assert engine.tiers.host is not None and engine.tiers.disk is not None and engine.eviction == "lru"
     assert engine.tiers.disk.folder == tmp_path / "disk" and engine.mover.compact == "bfloat16"
     assert engine.tiers.disk.capacity_bytes == 1 << 29 and engine.tiers.host.capacity_bytes == int(0.01 * (1 << 30))
-    with pytest.raises(ValueError, match="host-cache-gb"):
-        app.build(None, host_cache_gb=-1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--host-cache-gb must be a finite number >= 0"):
+            app.build(None, host_cache_gb=bad)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="--disk-cache-dir .*cannot create it"):
         app.build(None, disk_cache_dir=str(tmp_path / "file" / "under"))

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import os
 import sys
 import threading
 import time
@@ -332,12 +334,11 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
                              f"process sees ({jax.default_backend()})")
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if host_cache_gb < 0 or peer_cache_gb < 0 or (disk_cache_gb is not None and disk_cache_gb < 0):
-        raise ValueError(f"--host-cache-gb, --peer-cache-gb and --disk-cache-gb must be >= 0, got {host_cache_gb}, "
-                         f"{peer_cache_gb}, {disk_cache_gb}")
+    for flag, value in (("--host-cache-gb", host_cache_gb), ("--peer-cache-gb", peer_cache_gb),
+                        ("--disk-cache-gb", disk_cache_gb)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
     if disk_cache_dir is not None:
-        import os
-
         try:
             Path(disk_cache_dir).mkdir(parents=True, exist_ok=True)
         except OSError as error:
