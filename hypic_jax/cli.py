@@ -62,9 +62,22 @@ def _memory_fraction(text: str) -> float:
     return value
 
 
+def default_compile_cache() -> str:
+    """The server's compile cache when none is named: $HYPIC_JAX_CACHE, else $XDG_CACHE_HOME/hypic-jax, else
+    ~/.cache/hypic-jax (the convention of per-user caches)."""
+    import os
+
+    if os.environ.get("HYPIC_JAX_CACHE"):
+        return os.environ["HYPIC_JAX_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hypic-jax")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
+    if args.compile_cache is not None and args.compile_cache.lower() == "none":
+        args.compile_cache = None
     # before JAX's backend starts (it reads the variable once): an explicit flag wins, else the environment's
     # value, else DEFAULT_GPU_MEMORY_FRACTION
     if args.gpu_memory_fraction is not None or "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
@@ -128,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--token-rungs", default=None, help="comma-separated token capacities (default: a ladder)")
     serve.add_argument("--separator", default="<<PIC_SEP>>", help="segment separator in prompt text")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline, seconds")
-    serve.add_argument("--compile-cache", default=None,
+    serve.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR|none",
                        help="folder for compiled programs (stored whole, and JAX's persistent compilation cache): "
-                            "a restarted server loads them instead of compiling")
+                            "a restarted server loads them instead of compiling. Default: $HYPIC_JAX_CACHE, else "
+                            "$XDG_CACHE_HOME/hypic-jax, else ~/.cache/hypic-jax; 'none': compile every start. "
+                            "Whoever can write the folder can make the server run code: keep it private")
     serve.add_argument("--devices", type=_device_count, default=None, metavar="N",
                        help="prefill a request's cold (missing) segments in parallel over the first N devices, one "
                             "bin of segments per device (hypic_jax.segment_mesh); the entry pools, the stitched "

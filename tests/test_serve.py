@@ -532,6 +532,28 @@ def test_gpu_memory_fraction_sets_jax_share_before_the_backend_starts(monkeypatc
         cli.main(["serve", "--gpu-memory-fraction", "1.5"])
 
 
+def test_the_compile_cache_defaults_to_a_per_user_folder(monkeypatch, tmp_path):
+    """`hypic-jax serve` keeps compiled programs in $HYPIC_JAX_CACHE, else $XDG_CACHE_HOME/hypic-jax, else
+    ~/.cache/hypic-jax; `--compile-cache DIR` names another and `--compile-cache none` keeps none."""
+    from hypic_jax import cli
+    from hypic_jax.serve import app
+
+    seen = []
+    monkeypatch.setattr(app, "main", lambda args: seen.append(args.compile_cache) or 0)
+    monkeypatch.delenv("HYPIC_JAX_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cli.main(["serve"]) == 0
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cli.main(["serve"]) == 0
+    monkeypatch.setenv("HYPIC_JAX_CACHE", str(tmp_path / "mine"))
+    assert cli.main(["serve"]) == 0
+    assert cli.main(["serve", "--compile-cache", str(tmp_path / "flag")]) == 0
+    assert cli.main(["serve", "--compile-cache", "none"]) == 0
+    assert seen == [str(tmp_path / "xdg" / "hypic-jax"), str(tmp_path / "home" / ".cache" / "hypic-jax"),
+                    str(tmp_path / "mine"), str(tmp_path / "flag"), None]
+
+
 def test_warmup_out_of_device_memory_says_what_the_engine_holds():
     """A warmup that runs out of device memory raises DeviceMemoryError naming the weights, pools and decode rows
     the engine holds and what to change; other errors pass through as they are."""
