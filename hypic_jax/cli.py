@@ -76,7 +76,15 @@ def default_compile_cache() -> str:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    if args.compile_cache is not None and args.compile_cache.lower() == "none":
+    if args.compile_cache is None:  # the default folder; one that cannot be made is skipped with a warning
+        folder = default_compile_cache()
+        try:
+            os.makedirs(folder, exist_ok=True)
+            args.compile_cache = folder
+        except OSError as error:
+            print(f"hypic-jax serve: warning: no compile cache ({folder}: {error.strerror}); every start compiles",
+                  file=sys.stderr)
+    elif args.compile_cache.lower() == "none":
         args.compile_cache = None
     # before JAX's backend starts (it reads the variable once): an explicit flag wins, else the environment's
     # value, else DEFAULT_GPU_MEMORY_FRACTION
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--token-rungs", default=None, help="comma-separated token capacities (default: a ladder)")
     serve.add_argument("--separator", default="<<PIC_SEP>>", help="segment separator in prompt text")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline, seconds")
-    serve.add_argument("--compile-cache", default=default_compile_cache(), metavar="DIR|none",
+    serve.add_argument("--compile-cache", default=None, metavar="DIR|none",
                        help="folder for compiled programs (stored whole, and JAX's persistent compilation cache): "
                             "a restarted server loads them instead of compiling. Default: $HYPIC_JAX_CACHE, else "
                             "$XDG_CACHE_HOME/hypic-jax, else ~/.cache/hypic-jax; 'none': compile every start. "

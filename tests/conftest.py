@@ -61,3 +61,11 @@ def pytest_collection_modifyitems(config, items):
         if not names or item.nodeid.endswith(suffix) or not hasattr(item, "_id"):
             continue
         item._id = NodeId.parse(item.nodeid + suffix)
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_cache_in_home(tmp_path_factory, monkeypatch):
+    """`hypic-jax serve` keeps compiled programs in a per-user folder by default; tests that run its command line
+    keep theirs in a temporary one instead of the home directory."""
+    if "HYPIC_JAX_CACHE" not in os.environ:
+        monkeypatch.setenv("HYPIC_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "hypic-jax-cache"))

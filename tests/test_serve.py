@@ -532,7 +532,7 @@ def test_gpu_memory_fraction_sets_jax_share_before_the_backend_starts(monkeypatc
         cli.main(["serve", "--gpu-memory-fraction", "1.5"])
 
 
-def test_the_compile_cache_defaults_to_a_per_user_folder(monkeypatch, tmp_path):
+def test_the_compile_cache_defaults_to_a_per_user_folder(monkeypatch, tmp_path, capsys):
     """`hypic-jax serve` keeps compiled programs in $HYPIC_JAX_CACHE, else $XDG_CACHE_HOME/hypic-jax, else
     ~/.cache/hypic-jax; `--compile-cache DIR` names another and `--compile-cache none` keeps none."""
     from hypic_jax import cli
@@ -550,8 +550,13 @@ def test_the_compile_cache_defaults_to_a_per_user_folder(monkeypatch, tmp_path):
     assert cli.main(["serve"]) == 0
     assert cli.main(["serve", "--compile-cache", str(tmp_path / "flag")]) == 0
     assert cli.main(["serve", "--compile-cache", "none"]) == 0
+    # a default folder that cannot be made: a warning, and no cache (a named one fails when the server builds)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HYPIC_JAX_CACHE", str(tmp_path / "file" / "under"))
+    assert cli.main(["serve"]) == 0
     assert seen == [str(tmp_path / "xdg" / "hypic-jax"), str(tmp_path / "home" / ".cache" / "hypic-jax"),
-                    str(tmp_path / "mine"), str(tmp_path / "flag"), None]
+                    str(tmp_path / "mine"), str(tmp_path / "flag"), None, None]
+    assert "no compile cache" in capsys.readouterr().err
 
 
 def test_warmup_out_of_device_memory_says_what_the_engine_holds():
