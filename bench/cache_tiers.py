@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill import full_config, small_config  # noqa: E402
+from prefill import full_config, random_model, small_config  # noqa: E402
 
 from hypic_jax import tiers as tr  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 from hypic_jax.pools import Pools  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles, stack_layers  # noqa: E402
+from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
 
 
 def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, zipf: float, seed: int):
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
     else:
         config, dtype = full_config(args.layers), jnp.bfloat16
     # the layers stacked once (`consume`: no second copy of the weights), as every engine here runs them
-    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
+    model = random_model(config, dtype)
     documents, requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
                                 min_len=args.min_len, max_len=args.max_len, zipf=args.zipf, seed=args.seed)
     layout = qwen3_5.pool_layout(config, dtype)

@@ -29,12 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prefill import full_config, small_config  # noqa: E402
+from prefill import full_config, random_model, small_config  # noqa: E402
 
 from hypic_jax import attention  # noqa: E402
-from hypic_jax.models import qwen3_5  # noqa: E402
-from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.runtime import ProgramKey, SamplingRows, StableEngine, backend_compiles, stack_layers  # noqa: E402
+from hypic_jax.runtime import ProgramKey, SamplingRows, StableEngine, backend_compiles  # noqa: E402
 
 
 def expert_bytes(params) -> tuple[int, int]:
@@ -125,7 +123,7 @@ def main(argv=None) -> None:
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
     if args.small:
         args.length = min(args.length, 200)
-    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
+    model = random_model(config, dtype)
     variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
     reports = []
     for slot_layouts in args.slot_layouts or ["auto"]:

@@ -28,6 +28,18 @@ import numpy as np
 from hypic_jax.models import qwen3_5
 
 
+def random_model(config: qwen3_5.Config, dtype, *, scan: bool = True):
+    """`config` with random weights (seed 0), its layers stacked once (`stack_layers(..., consume=True)`), so that
+    every engine built on it shares one copy of the weights: an engine given an unstacked model stacks a copy of its
+    own, and at the 35B-A3B shape two copies and the pools do not fit on one card (bench/RESULTS.md,
+    "segment_parallel.py")."""
+    from hypic_jax.models.base import Model
+    from hypic_jax.runtime import stack_layers
+
+    return stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), scan=scan,
+                        consume=True)
+
+
 def full_config(layers: int = 40) -> qwen3_5.Config:
     return qwen3_5.Config(
         vocab_size=248320,

@@ -30,13 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill import full_config, small_config  # noqa: E402
+from prefill import full_config, random_model, small_config  # noqa: E402
 
 from hypic_jax import stitch  # noqa: E402
 from hypic_jax.engine import Engine  # noqa: E402
-from hypic_jax.models import qwen3_5  # noqa: E402
-from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles, stack_layers  # noqa: E402
+from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
 
 MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
 
@@ -100,9 +98,7 @@ def main(argv=None) -> None:
         args.cache_gb = min(args.cache_gb, 0.25)
     else:
         config, dtype = full_config(args.layers), jnp.bfloat16
-    params = qwen3_5.init_params(config, jax.random.key(0), dtype)
-    model = stack_layers(Model(qwen3_5, config, params), scan=args.scan, consume=True)  # one copy of the weights
-    del params
+    model = random_model(config, dtype, scan=args.scan)
     requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
                      min_len=args.min_len, max_len=args.max_len, seed=args.seed, fixed_len=args.fixed_len)
     longest = max(sum(map(len, r)) for r in requests)

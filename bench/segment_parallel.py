@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hypic_jax import layout as lay  # noqa: E402
 from hypic_jax import parallel  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles, stack_layers  # noqa: E402
+from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
 
 
 def requests(vocab: int, segments: int, length: int, query: int, seed: int) -> dict:
@@ -113,15 +113,11 @@ def main() -> None:
         rungs = (128, 256, 512, 1088)
         cache_bytes = int((args.cache_gb or 1 / 64) * 2**30)
     else:
-        from prefill import full_config
+        from prefill import full_config, random_model
 
-        from hypic_jax.models import qwen3_5
-        from hypic_jax.models.base import Model
 
         config = full_config(args.layers)
-        # the layers stacked once (`consume`: no second copy of the weights); every engine here shares them
-        model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16)),
-                             consume=True)
+        model = random_model(config, jnp.bfloat16)  # every engine here shares its weights
         segments, length = args.segments or 64, args.segment_len or 512
         query = args.query
         rungs = None

@@ -44,11 +44,9 @@ def decode_calls(engine, prompts, steps: int) -> list[tuple]:
 def main(argv=None) -> None:
     import jax
     import jax.numpy as jnp
-    from prefill import full_config, small_config
+    from prefill import full_config, random_model, small_config
 
-    from hypic_jax.models import qwen3_5
-    from hypic_jax.models.base import Model
-    from hypic_jax.runtime import StableEngine, stack_layers
+    from hypic_jax.runtime import StableEngine
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true")
@@ -57,7 +55,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
-    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), consume=True)
+    model = random_model(config, dtype)
     rng = np.random.default_rng(5)
     prompts = [[rng.integers(3, min(5000, config.vocab_size), n).tolist() for n in lengths]
                for lengths in ((90, 20), (60, 7), (100, 3), (30, 30))]

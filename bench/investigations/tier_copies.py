@@ -28,15 +28,12 @@ def demotion(layers: int) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from prefill import full_config
+    from prefill import full_config, random_model
 
-    from hypic_jax.models import qwen3_5
-    from hypic_jax.models.base import Model
-    from hypic_jax.runtime import StableEngine, stack_layers
+    from hypic_jax.runtime import StableEngine
 
     config = full_config(layers)
-    model = stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16)),
-                         consume=True)
+    model = random_model(config, jnp.bfloat16)
     for dtype, tol in ((None, None), ("bfloat16", 0.0)):
         engine = StableEngine(model, max_prompt_tokens=1040, max_segments=1, max_new_tokens=0, cache_bytes=1 << 31,
                               mean_entry_tokens=1040, token_rungs=(528, 1040), host_cache_bytes=1 << 40,
