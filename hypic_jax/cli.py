@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -65,8 +66,6 @@ def _memory_fraction(text: str) -> float:
 def default_compile_cache() -> str:
     """The server's compile cache when none is named: $HYPIC_JAX_CACHE, else $XDG_CACHE_HOME/hypic-jax, else
     ~/.cache/hypic-jax (the convention of per-user caches)."""
-    import os
-
     if os.environ.get("HYPIC_JAX_CACHE"):
         return os.environ["HYPIC_JAX_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -74,8 +73,6 @@ def default_compile_cache() -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
     if args.compile_cache is None:  # the default folder; one that cannot be made is skipped with a warning
         folder = default_compile_cache()
         try:

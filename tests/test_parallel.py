@@ -173,6 +173,12 @@ for n in (1, 2, 4, 8):
         engine.programs._compiled.update(ref.programs._compiled)  # same shapes: the reference's programs
         mesh = engine.segment_mesh
         assert mesh.size == n and mesh.home == jax.devices()[0]
+        # where the mesh holds the home device, the replicated weights' shards there are the engine's own buffers
+        # (no second copy of the weights on it)
+        for mine, rep in zip(jax.tree.leaves(engine.params), jax.tree.leaves(mesh.params)):
+            home = [s.data for s in rep.addressable_shards if s.device == mesh.home]
+            assert len(home) == (mesh.home in mesh.devices)
+            assert all(h.unsafe_buffer_pointer() == mine.unsafe_buffer_pointer() for h in home)
         if (n, devices is n) in shared:  # the policies share the mesh programs of the same devices
             mesh._cold, mesh._commit = shared[n, devices is n]
         engine.warmup(progress=False)

@@ -121,7 +121,7 @@ class Server:
         """On shutdown: every entry of the device and host tiers written to the disk tier, where there is one, so
         a restarted server serves them (`StableEngine.persist`); the entries on disk, or None without a disk tier.
         A failure is logged, never raised (the shutdown goes on)."""
-        if not self.ready or getattr(self.engine, "tiers", None) is None or self.engine.tiers.disk is None:
+        if not self.ready or self.engine.tiers.disk is None:
             return None
         log.info("writing the cache to the disk tier %s before exiting", self.engine.tiers.disk.folder)
         try:

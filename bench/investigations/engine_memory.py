@@ -1,0 +1,78 @@
+"""What a `StableEngine` adds to device memory when it is built, from an unstacked model and from one stacked once
+(`prefill.random_model`), and whether a segment mesh's replicated parameters share the home device's buffers.
+
+`bench/segment_parallel.py` builds a plain engine and a mesh engine on one model; its first GPU runs ran out of
+memory. Per step this prints the bytes held on the first device: the device's own counter where it has one
+(`memory_stats()["bytes_in_use"]`, a GPU), and everywhere the bytes of the distinct buffers behind the live arrays
+(two arrays on one buffer count once).
+
+    python3 bench/investigations/engine_memory.py --layers 12 --cache-gb 6     # a GPU
+    python3 bench/investigations/engine_memory.py --small                      # the CPU
+"""
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefill import full_config, random_model, small_config  # noqa: E402
+
+from hypic_jax.models import qwen3_5  # noqa: E402
+from hypic_jax.models.base import Model  # noqa: E402
+from hypic_jax.runtime import StableEngine  # noqa: E402
+
+
+def held(device) -> tuple[float, float | None]:
+    """MiB: the distinct buffers of the live arrays on `device`, and the device's own counter (None without one)."""
+    gc.collect()
+    buffers = {}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    stats = device.memory_stats() or {}
+    counter = stats.get("bytes_in_use")
+    return sum(buffers.values()) / 2**20, None if counter is None else counter / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--cache-gb", type=float, default=6.0)
+    args = parser.parse_args()
+    config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
+    cache_gb = 1 / 1024 if args.small else args.cache_gb
+    base = dict(max_prompt_tokens=1024, max_segments=8, max_new_tokens=8, cache_bytes=int(cache_gb * 2**30))
+    device = jax.devices()[0]
+
+    def report(step: str) -> None:
+        buffers, counter = held(device)
+        shown = "" if counter is None else f", device counter {counter:10.1f} MiB"
+        print(f"{step:48s} buffers {buffers:10.1f} MiB{shown}", flush=True)
+
+    for name in ("unstacked", "stacked once"):
+        if name == "unstacked":
+            model = Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype))
+        else:
+            model = random_model(config, dtype)
+        report(f"{name}: the model")
+        plain = StableEngine(model, **base)
+        report(f"{name}: + a plain engine")
+        mesh = StableEngine(model, **base, devices=1)
+        report(f"{name}: + a mesh engine of one device")
+        leaf = jax.tree.leaves(mesh.params)[-1]
+        replicated = jax.tree.leaves(mesh.segment_mesh.params)[-1]
+        home = next(s.data for s in replicated.addressable_shards if s.device == device)
+        print(f"{name}: the mesh's replicated parameters share the engine's buffers: "
+              f"{home.unsafe_buffer_pointer() == leaf.unsafe_buffer_pointer()}", flush=True)
+        del model, plain, mesh, leaf, replicated, home
+        report(f"{name}: all released")
+
+
+if __name__ == "__main__":
+    main()
