@@ -4,10 +4,11 @@ A cold request (every document missing from the cache) of `--segments` documents
 each) and skewed (log-normal lengths of the same total), plus a query, served in `transition_rope_recompute`.
 For each device count that this process has (1, 2, 4, 8 by default) and each policy (`lpt`, `rr`) an engine with
 that mesh serves the request `--repeats` times, its cache cleared before each; the plain single-device cold path
-(`devices=None`) is the baseline. Reported per run: median TTFT (cold prefill over the mesh, the copies of the
-records to the home device, their commit and the stitched program), the bins' token counts, and per bin the cost
-model's prediction against the bin measured alone on one device (the single-device cold program on that bin's
-segments). The cost model is
+(`devices=None`) is the baseline. Reported per run: median TTFT (cold prefill over the mesh with each bin's
+records written into its own device's pools, the copies of the entries to the home device and the stitched
+program), the same phases timed one after the other in one more run (`phases`: each waited for, so they do not
+overlap as in the timed runs), the bins' token counts, and per bin the cost model's prediction against the bin
+measured alone on one device (the single-device cold program on that bin's segments). The cost model is
 calibrated once (`SegmentMesh.calibrate`) and shared by every engine.
 
     python bench/segment_parallel.py --small     # CPU: a tiny model on 8 forced host devices (they share the cores)
@@ -82,6 +83,38 @@ def serve(engine: StableEngine, request, repeats: int) -> dict:
         engine.clear_cache()
         ttft.append(engine.prefill(request).stats.ttft_s)  # the logits are on the host: the request is done
     return dict(ttft_s=round(statistics.median(ttft), 6), compiles_while_timed=backend_compiles() - before)
+
+
+def phases(engine: StableEngine, request) -> dict:
+    """One more cold run of `request`, stopped after each phase to time it (so its phases do not overlap as they
+    do in the timed runs): the mesh program with each bin's records written into its device's pools, the copies
+    of the entries to the home device written into its pools, and the rest (planning and the stitched program)."""
+    mesh, times = engine.segment_mesh, {}
+    run, finish = mesh.run, engine._finish_promotions
+
+    def timed_run(*args, **kwargs):
+        start = time.perf_counter()
+        out = run(*args, **dict(kwargs, timed=True))  # waits for every device's pools
+        times["mesh_s"] = time.perf_counter() - start
+        return out
+
+    def timed_finish():
+        start = time.perf_counter()
+        finish()
+        jax.block_until_ready(engine.pools.arrays)
+        times["copies_home_s"] = times.get("copies_home_s", 0.0) + time.perf_counter() - start
+
+    mesh.run, engine._finish_promotions = timed_run, timed_finish
+    try:
+        engine.clear_cache()
+        start = time.perf_counter()
+        engine.prefill(request)
+        total = time.perf_counter() - start
+    finally:
+        del mesh.run, engine._finish_promotions  # the methods again
+    times["rest_s"] = total - sum(times.values())
+    times["phased_total_s"] = total
+    return {k: round(v, 6) for k, v in times.items()}
 
 
 def main() -> None:
@@ -160,6 +193,9 @@ def main() -> None:
                 mesh._cold, mesh._commit = shared[n]
             for name, request in cases.items():
                 row = dict(case=name, devices=n, policy=policy, **serve(engine, request, args.repeats))
+                fetched = mesh.pools.stats.fetches
+                row["phases"] = phases(engine, request)
+                row["phases"]["entries_copied_home"] = mesh.pools.stats.fetches - fetched
                 docs = request[:-1]
                 bins = mesh.plan([len(d) for d in docs])
                 row["bins_tokens"] = [sum(len(docs[i]) for i in b) for b in bins]

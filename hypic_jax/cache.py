@@ -92,6 +92,8 @@ class Entry:
     pins: int = 0
     slot: int | None = None  # its row in the engine's entry pool, if any (`hypic_jax.pool`, `hypic_jax.pools`)
     rows: Any = None  # its tokens' rows in the per-token pools (`hypic_jax.pools`), if any
+    device: int | None = None  # the segment mesh device whose pools hold it (`hypic_jax.mesh_pools`); None: the
+    # engine's own pools
     dropped: bool = False  # left the cache while pinned: `on_drop` runs when the last pin goes
     uses: int = 0  # lookups it served (the frequency a cost-aware policy weighs)
     priority: float = 0.0  # its rank under the cache's policy: the lowest is evicted first

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax.cache import tree_nbytes
@@ -39,7 +40,7 @@ class Pools:
     """
 
     def __init__(self, layers: list[tuple[str, Any]], *, slots: int, pages: int, page: int = 16,
-                 plan: LayerPlan | None = None):
+                 plan: LayerPlan | None = None, device=None):
         if slots < 2 or pages < 2:
             raise ValueError(f"the pools need at least 2 slots and 2 pages (one of each belongs to no entry), got "
                              f"{slots} slots, {pages} pages")
@@ -48,7 +49,10 @@ class Pools:
         self.plan = plan or LayerPlan.unrolled(len(layers))
         self.lock = threading.RLock()
         # a PoolStack: per part of the plan (a layer, or a pattern position's layers) one tree of arrays
-        self.arrays = pool_stack(layers, self.plan, slots=slots, rows=pages * page)
+        # on `device` (a jax device; None: the default one)
+        make = None if device is None else (lambda shape, dtype: jnp.zeros(shape, dtype, device=device))
+        self.arrays = pool_stack(layers, self.plan, slots=slots, rows=pages * page, make=make)
+        self.layer_pieces = list(layers)
         self.slot_bytes = sum(tree_nbytes(tree) for kind, tree in layers if kind == "slot")
         self.token_bytes = sum(tree_nbytes(tree) for kind, tree in layers if kind == "token")
         self._free_slots = list(range(slots - 1, 0, -1))
@@ -64,6 +68,11 @@ class Pools:
         slots = max(2, int(budget_bytes // max(1, per_entry)) + 1)
         pages = max(2, -(-(slots - 1) * mean_tokens // page) + 1)
         return cls(layers, slots=slots, pages=pages, page=page, plan=plan)
+
+    def like(self, device) -> "Pools":
+        """Empty pools of the same shapes and capacity on another device."""
+        return Pools(self.layer_pieces, slots=self.slots, pages=self.pages, page=self.page, plan=self.plan,
+                     device=device)
 
     def layers(self) -> list[tuple[str, Any, int]]:
         """Per layer (its pool kind, its part's pool tree, its base row there): layer i's piece of an entry is row

@@ -513,6 +513,11 @@ class StableEngine(Engine):
     "pinned" (the default) keeps the host tier's entries in page-locked memory where the device has it (demotions
     are written there by the gather program, promotions are one DMA each), "pageable" in numpy arrays.
 
+    devices (None: one device): a count or a list of jax devices over which a PIC request's missing segments are
+    prefilled in one program, split into one bin per device by `policy` ("lpt" or "rr"; `hypic_jax.segment_mesh`).
+    In one process each of those devices holds entry pools of `cache_bytes` of its own, where the entries its bins
+    compute stay; the stitched program reads copies of them on the first device (`hypic_jax.mesh_pools`).
+
     scan_layers: run the model's repeating layers as one scan in the span and decode programs (`layer_stack`; a
     program then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine
     keeps a stacked copy of the layers unless the model's are stacked already (`stack_layers`), and the decode
@@ -606,8 +611,10 @@ class StableEngine(Engine):
         self.programs = Programs(self)
         self._device_lock = threading.RLock()
         self._unstored: list[Entry] = []
-        # key -> (entry, tr.Transfer, tr.Pieces, tier): this request's promotions not yet written into the pools
+        # key -> (entry, tr.Transfer, tr.Pieces, tier): this request's promotions not yet written into the pools;
+        # tier "device": a copy from another device's pools (`mesh_pools`), whose pieces are None
         self._promoting: dict[str, tuple] = {}
+        self._fetching: list = []  # this request's copies from other devices' pools, not yet issued (`mesh_pools`)
         self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.segment_mesh`); None: one device
         if devices is not None:
             from hypic_jax.segment_mesh import SegmentMesh
@@ -776,13 +783,25 @@ class StableEngine(Engine):
     def _allocate(self, tokens: int):
         return self.pools.allocate(tokens, self.cache.evict_one)
 
-    def _new_entry(self, kind: str, key: str, doc, seam: int, pins) -> Entry:
+    def _new_entry(self, kind: str, key: str, doc, seam: int, pins, device: int | None = None) -> Entry:
+        """A pinned entry given room in the engine's pools, or with `device` in the pools of that device of the
+        segment mesh (`mesh_pools`; the home device's are the engine's own)."""
         n = len(doc) - seam
-        slot, rows = self._allocate(n)
+        mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
+        if mesh_pools is None or not mesh_pools.remote(device):
+            device = None
+        slot, rows = self._allocate(n) if device is None else mesh_pools.allocate(device, n)
         entry = Entry(key=key, tokens=_token_tuple(doc), kind=kind, seam=seam, layers=None,
-                      nbytes=self.pools.entry_bytes(n), slot=slot, rows=rows)
+                      nbytes=self.pools.entry_bytes(n), slot=slot, rows=rows, device=device)
         self._unstored.append(entry)
         return pins.add(entry)
+
+    def _free(self, entry: Entry) -> None:
+        """Give an entry's pool room back (in whichever device's pools it has it)."""
+        if entry.device is None:
+            self.pools.free(entry.slot, entry.rows)
+        else:
+            self.segment_mesh.pools.free(entry)
 
     def _store(self, entry: Entry) -> None:
         self.cache.insert(entry)
@@ -809,6 +828,7 @@ class StableEngine(Engine):
         with self._device_lock, self.cache.pinned() as pins:
             self._unstored = []  # given pool room by this request; freed if it fails before storing
             self._promoting = {}
+            self._fetching = []
             try:
                 plan = self._plan(mode, ids, seam, cache_salt, pins, total)
                 cold_s = time.perf_counter() - start
@@ -821,10 +841,12 @@ class StableEngine(Engine):
                 logits = np.asarray(logits)
             finally:
                 for _, _, pieces, tier in self._promoting.values():  # a failed request's promotions go back
-                    self.tiers.give_back(pieces, tier)
+                    if tier != "device":  # another device's pools still hold those
+                        self.tiers.give_back(pieces, tier)
                 self._promoting = {}
+                self._fetching = []
                 for entry in self._unstored:
-                    self.pools.free(entry.slot, entry.rows)
+                    self._free(entry)
                 self._unstored = []
         end = time.perf_counter()
         stats = PrefillStats(
@@ -908,25 +930,36 @@ class StableEngine(Engine):
         """Prefill the documents under `missing` (key -> first document) in one packed, isolated program that
         records their entries; every document under a missing key then reads its entry (into `entries`). Returns
         the tokens computed."""
+        mesh = self.segment_mesh
+        bins, device_of = None, {}
+        if mesh is not None and mesh.pools is not None:  # each entry in the pools of the device that computes it
+            bins = mesh.bins([len(docs[i]) for i in missing.values()])
+            device_of = {j: k for k, b in enumerate(bins) for j in b}
+            self._issue_fetches()  # this request's hits on other devices: their gathers go before the bins
         spans, stored = [], {}
-        for key, i in missing.items():
-            entry = self._new_entry("pic", key, docs[i], seams[i], pins)
+        for j, (key, i) in enumerate(missing.items()):
+            entry = self._new_entry("pic", key, docs[i], seams[i], pins, device=device_of.get(j))
             spans.append(lay.Span(lay.FRESH, len(docs[i]), record_from=seams[i], record_slot=entry.slot,
                                   record_rows=entry.rows))
             stored[key] = entry
         cold = [docs[i] for i in missing.values()]
         timed = self.programs.serving and self.cost.wants_samples()
         cold_start = time.perf_counter()
-        if self.segment_mesh is not None:
-            self.segment_mesh.run(spans, cold, timed=self.programs.serving)
+        if mesh is not None:
+            mesh.run(spans, cold, bins=bins, timed=self.programs.serving)
             timed = False  # the mesh keeps its own predicted and measured times
         else:
             cold_logits, _ = self._run("cold", spans, np.concatenate(cold))
         if timed:  # calibrates the recompute cost model (waits for the cold prefill)
             jax.block_until_ready(cold_logits)
             self.cost.observe([len(doc) for doc in cold], time.perf_counter() - cold_start)
-        for entry in stored.values():
-            self._store(entry)
+        for key, entry in stored.items():
+            if entry.device is None:
+                self._store(entry)
+            else:  # kept where it was computed; the request reads a home copy (`_finish_promotions` writes it)
+                mesh.pools.caches[entry.device].insert(entry)
+                self._unstored.remove(entry)
+                stored[key] = self._fetch_home(entry, pins)
         for i, key in enumerate(keys):
             if key is not None and i not in entries:
                 entries[i] = stored[key]
@@ -1007,6 +1040,8 @@ class StableEngine(Engine):
         self._clearing = True
         try:
             self.cache.clear()
+            if self.segment_mesh is not None and self.segment_mesh.pools is not None:
+                self.segment_mesh.pools.clear()
         finally:
             self._clearing = False
         self.sync_tiers()
@@ -1091,6 +1126,11 @@ class StableEngine(Engine):
         entry = self.cache.lookup(key, tokens, pins=pins)
         if entry is not None:
             return entry
+        mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
+        if mesh_pools is not None:
+            source = mesh_pools.lookup(key, tokens, pins)
+            if source is not None:  # on another device: a home copy, issued with this request's other copies
+                return self._fetch_home(source, pins)
         if not self.tiers.enabled:
             return None
         waited = time.perf_counter()
@@ -1121,20 +1161,45 @@ class StableEngine(Engine):
         self._promoting[key] = (entry, transfer, pieces, tier)
         return entry
 
+    def _fetch_home(self, source: Entry, pins) -> Entry:
+        """A home entry for `source`, an entry in another device's pools: its copy is issued with the request's
+        other copies (`_issue_fetches`) and written like a promotion; `source` stays where it is."""
+        from hypic_jax.mesh_pools import Fetch
+
+        doc = np.asarray(source.tokens, np.int32)
+        target = self._new_entry(source.kind, source.key, doc, source.seam, pins)
+        target.uses = source.uses
+        self._fetching.append(Fetch(source.device, source, target))
+        self._promoting[source.key] = (target, None, None, "device")
+        return target
+
+    def _issue_fetches(self) -> None:
+        """Issue the copies `_fetch_home` queued (`MeshPools.fetch`: at most one gather per device and bucket)."""
+        if not self._fetching:
+            return
+        fetching, self._fetching = self._fetching, []
+        for fetch, transfer in self.segment_mesh.pools.fetch(fetching):
+            key = fetch.target.key
+            self._promoting[key] = (fetch.target, transfer, None, "device")
+
     def _finish_promotions(self) -> None:
-        """Write the promotions `_find` issued into the pools and make their entries visible to later requests."""
+        """Write the promotions `_find` issued (and the copies from other devices) into the pools and make their
+        entries visible to later requests."""
+        self._issue_fetches()
         while self._promoting:  # one at a time: a failure leaves the rest to `prefill`, which gives them back
             key = next(iter(self._promoting))
-            entry, transfer, pieces, _ = self._promoting[key]
+            entry, transfer, pieces, tier = self._promoting[key]
             written = time.perf_counter()
             with self.pools.lock:
-                for program, args in self.mover.scatter_programs(self._pool_arrays(), transfer):
+                programs = (self.segment_mesh.pools.scatter_programs(transfer) if tier == "device"
+                            else self.mover.scatter_programs(self._pool_arrays(), transfer))
+                for program, args in programs:
                     self._write_pools(program, *args)
             self.tier_seconds["promote_write"] += time.perf_counter() - written
             del self._promoting[key]
             self.cache.insert(entry)
             self._unstored.remove(entry)
-            if self.disk_write_through:
+            if self.disk_write_through and pieces is not None:
                 self.tiers.persist(pieces)
 
     def _pieces(self, entry: Entry) -> tr.Pieces:
@@ -1154,8 +1219,13 @@ class StableEngine(Engine):
     def _dropped(self, entry: Entry) -> None:
         """`entry` left the device tier (no request holds it): issue its copy out of the pools, free its pool room,
         and let the demotion thread bring it to the host tier."""
+        if entry.device is not None:  # another device's pools: dropped there (`mesh_pools`)
+            self._free(entry)
+            return
+        mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
         try:
-            if self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache:
+            if (self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache
+                    and not (mesh_pools is not None and mesh_pools.holds(entry.key))):
                 issued = time.perf_counter()
                 with self.pools.lock:
                     started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
@@ -1226,6 +1296,12 @@ class StableEngine(Engine):
         with self._device_lock:
             for entry in self.cache.entries():
                 self._persist_entry(entry)
+            mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
+            for entry in mesh_pools.entries() if mesh_pools is not None else ():
+                if entry.key not in self.tiers.disk:  # held on another device only: in the stored form
+                    arrays = [a.astype(dtype) for a, (_, _, dtype) in zip(mesh_pools.pieces(entry), self.mover.leaves)]
+                    self.tiers.persist(tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind,
+                                                 seam=entry.seam, arrays=arrays, uses=entry.uses))
             if self.tiers.host is not None:
                 for pieces in self.tiers.host.values():
                     self.tiers.persist(pieces)

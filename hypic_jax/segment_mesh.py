@@ -7,16 +7,18 @@ holds the largest bin, stacks the layouts along a leading `bins` axis and runs t
 every device at once (`jax.shard_map`: each device runs exactly the single-device program on its own bin). Empty
 bins run a one-token layout that records nothing.
 
-What is sharded and what is not yet: the layouts and the records are sharded over the bins; the weights are
-replicated on every device of the mesh; the entry pools stay on the home device (where the engine's pools live).
-The cold program reads no pool row in an isolated layout, so the devices receive a two-row stand-in of the pools
-instead of a copy. Each device's records are copied to the home device and written into the pools by one commit
-program, after the whole mesh program is done; the usual stitched (pic) program then runs on the home device.
+In one process every device of the mesh has entry pools of its own (`hypic_jax.mesh_pools.MeshPools`): the engine
+allocates each new entry in the pools of the device its bin runs on, and the cold program writes each bin's
+records there, in place (the pools of every device are one sharded array per leaf, donated), so records never
+leave the device that computed them on their way into the cache. The stitched (pic) program then runs on the home
+device (where the engine's own pools live) after `MeshPools.fetch` copied the entries it needs there. The weights
+are replicated on every device of the mesh.
 
 Across processes (`hypic_jax.multihost`, one process per host) the mesh holds every process's devices. Each process
 keeps its own pools on its own device and runs the same requests in the same order, so every process needs every
 bin's records: the cold program returns them replicated (gathered over the mesh; its logits stay sharded, nothing
-reads them) and each process commits all of them from its own copy. The processes run the collective program on
+reads them) and each process commits all of them from its own copy into its home pools (the devices receive a
+two-row stand-in of the pools, which an isolated layout never reads). The processes run the collective program on
 the coordinator's bins (`agree`) after waiting for one another (`sync`), so a missing process fails a request with
 a clear error instead of leaving the others inside the collective.
 """
@@ -88,6 +90,13 @@ def _commit_bins(pools, parts):
     return pools
 
 
+def _cold_in_place(params, arrays, pools, **options):
+    """One device's bin with that device's own pools (donated): `_cold_bins`, its records written into those
+    pools; the logits and the pools."""
+    logits, writes = _cold_bins(params, arrays, pools, **options)
+    return logits, _commit_bins(pools, [writes])
+
+
 def _commit_stacked(pools, writes, *, bins: int):
     """Every bin's records (one tree with a leading axis of `bins`, the gathered records of a multiprocess mesh)
     written into the home pools (donated: in place), in bin order."""
@@ -104,6 +113,7 @@ class SegmentMesh:
         self.devices = resolve_devices(devices)
         self.policy = policy
         self.cost = cost or parallel.SegmentCost()
+        self.axis = AXIS
         self.mesh = Mesh(np.asarray(self.devices, dtype=object), (AXIS,))
         # devices of other processes (`hypic_jax.multihost`): every process holds every record, so the records come
         # back replicated (gathered over the mesh) instead of staying with the bin that made them
@@ -116,13 +126,19 @@ class SegmentMesh:
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._sharded = NamedSharding(self.mesh, PartitionSpec(AXIS))
         self.params = jax.device_put(engine.params, self._replicated)
-        # two rows per part; the PoolStack's part specs keep the real rows, so the records' rows are the pools'
-        standin = jax.tree.map(lambda a: jnp.zeros((min(2, a.shape[0]),) + a.shape[1:], a.dtype),
-                               engine.pools.arrays)
-        self.standin = jax.device_put(standin, self._replicated)
         self._cold: dict[int, Any] = {}
         self._commit: dict[int, Any] = {}
         self.last: dict | None = None
+        self.pools = None  # a pool per device (`MeshPools`), in one process
+        self.standin = None  # across processes: two rows per part (the part specs keep the real rows)
+        if self.multiprocess:
+            standin = jax.tree.map(lambda a: jnp.zeros((min(2, a.shape[0]),) + a.shape[1:], a.dtype),
+                                   engine.pools.arrays)
+            self.standin = jax.device_put(standin, self._replicated)
+        else:
+            from hypic_jax.mesh_pools import MeshPools
+
+            self.pools = MeshPools(engine, self)
 
     @property
     def size(self) -> int:
@@ -141,43 +157,66 @@ class SegmentMesh:
 
     def _build_cold(self, rung: int):
         engine = self.engine
+        if self.pools is not None:  # each bin's records into its own device's pools, in the program
+            body = functools.partial(_cold_in_place, arch=engine.arch, config=engine.config,
+                                     algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
+                                     fold_impl=engine.fold_impl)
+            spec = PartitionSpec(AXIS)
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), spec, spec),
+                                   out_specs=(spec, spec), check_vma=False)
+            fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._sharded),
+                         out_shardings=(self._sharded, self._sharded), donate_argnums=2)
+            return fn.lower(self._shapes(self.params), self._shapes(self._stacked_dummy(rung)),
+                            self.pools.shapes()).compile()
         body = functools.partial(_cold_bins, arch=engine.arch, config=engine.config,
                                  algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
                                  fold_impl=engine.fold_impl)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec(AXIS), PartitionSpec()),
                                out_specs=PartitionSpec(AXIS), check_vma=False)
         # across processes every process commits every bin's records: those come back gathered (replicated)
-        out = (self._sharded, self._replicated) if self.multiprocess else self._sharded
-        fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._replicated), out_shardings=out)
+        fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._replicated),
+                     out_shardings=(self._sharded, self._replicated))
         return fn.lower(self._shapes(self.params), self._shapes(self._stacked_dummy(rung)),
                         self._shapes(self.standin)).compile()
 
     def _build_commit(self, rung: int):
         engine = self.engine
-        if self.multiprocess:  # this process's copy of the gathered records, every bin on one leading axis
-            stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.size,) + s.shape, s.dtype),
-                                   engine._writes_shapes(rung))
-            fn = jax.jit(functools.partial(_commit_stacked, bins=self.size), donate_argnums=0)
-            return fn.lower(self._shapes(engine.pools.arrays), stacked).compile()
-        per_bin = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1,) + s.shape, s.dtype), engine._writes_shapes(rung))
-        fn = jax.jit(_commit_bins, donate_argnums=0)
-        return fn.lower(self._shapes(engine.pools.arrays), (per_bin,) * self.size).compile()
+        if self.pools is not None:
+            return None  # the cold program commits
+        # this process's copy of the gathered records, every bin on one leading axis
+        stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.size,) + s.shape, s.dtype),
+                               engine._writes_shapes(rung))
+        fn = jax.jit(functools.partial(_commit_stacked, bins=self.size), donate_argnums=0)
+        return fn.lower(self._shapes(engine.pools.arrays), stacked).compile()
 
     def compile(self, rungs: Sequence[int]) -> float:
         """Compile the cold and commit programs of `rungs` and run each once on layouts that record nothing (the
-        first run of a program pays one-time costs); returns the seconds."""
+        first run of a program pays one-time costs), and the copies between the devices' pools; returns the
+        seconds."""
         start = time.perf_counter()
-        engine = self.engine
         for rung in rungs:
             cold, commit = self._program(rung)
             if self.sync is not None:  # a collective program: every process must be there
                 self.sync("warmup")
-            _, writes = cold(self.params, jax.device_put(self._stacked_dummy(rung), self._sharded), self.standin)
-            parts = self._to_home(writes)
-            with engine.pools.lock:
-                engine._write_pools(commit, parts)
-            jax.block_until_ready(engine.pools.arrays)
+            self._issue(cold, commit, jax.device_put(self._stacked_dummy(rung), self._sharded))
+            self._wait()
+        if self.pools is not None:
+            self.pools.compile()
         return time.perf_counter() - start
+
+    def _wait(self) -> None:
+        """Until every pool the cold program writes is written."""
+        jax.block_until_ready(self.engine.pools.arrays if self.pools is None else [p.arrays for p in self.pools.pools])
+
+    def _issue(self, cold, commit, arrays):
+        """Run the cold program on the stacked layouts `arrays` and commit its records (asynchronous)."""
+        if self.pools is not None:
+            return self.pools.write(lambda pools: cold(self.params, arrays, pools))
+        logits, writes = cold(self.params, arrays, self.standin)
+        parts = self._to_home(writes)
+        with self.engine.pools.lock:
+            self.engine._write_pools(commit, parts)
+        return logits
 
     def _program(self, rung: int):
         if rung not in self._cold:
@@ -196,14 +235,24 @@ class SegmentMesh:
         """Segment indices per bin (one bin per device) under the engine's policy."""
         return parallel.assign(self.policy, list(lengths), self.size, self.cost, self.engine.ladder.rungs)
 
-    def run(self, spans: Sequence[lay.Span], tokens: Sequence[Sequence[int]], *, timed: bool = False):
-        """Prefill the isolated, recording `spans` (their tokens per span) over the mesh and commit their records
-        into the engine's pools. Returns the bins. With `timed`, waits and records predicted and measured times."""
+    def bins(self, lengths: Sequence[int]) -> list[list[int]]:
+        """`plan`'s bins, or across processes the coordinator's (cost models are timed per process and may
+        differ)."""
+        bins = self.plan(lengths)
+        if self.agree is not None:
+            bins = [list(map(int, b)) for b in self.agree("bins", bins)]
+        return bins
+
+    def run(self, spans: Sequence[lay.Span], tokens: Sequence[Sequence[int]], *, bins=None, timed: bool = False):
+        """Prefill the isolated, recording `spans` (their tokens per span) over the mesh and commit their records:
+        bin k's into the pools of device k (`pools`), or across processes every record into the home pools.
+        `bins`: segment indices per device (default: `bins(lengths)`); a record's slot and rows must be in the
+        pools of its bin's device. Returns the bins. With `timed`, waits and records predicted and measured
+        times."""
         engine = self.engine
         lengths = [s.length for s in spans]
-        bins = self.plan(lengths)
-        if self.agree is not None:  # the coordinator's bins (cost models are timed per process and may differ)
-            bins = [list(map(int, b)) for b in self.agree("bins", bins)]
+        if bins is None:
+            bins = self.bins(lengths)
         largest = max(sum(lengths[i] for i in b) for b in bins)
         counts = [lay.count_pieces([spans[i] for i in b], isolated=True) for b in bins]
         capacity = engine.ladder.fit(largest, largest, max(p for p, _ in counts), max(r for _, r in counts),
@@ -222,13 +271,9 @@ class SegmentMesh:
         if self.sync is not None:  # a collective program: every process must be there
             self.sync("cold")
         start = time.perf_counter()
-        arrays = jax.device_put(_stack(layouts), self._sharded)
-        logits, writes = cold(self.params, arrays, self.standin)
-        parts = self._to_home(writes)
-        with engine.pools.lock:
-            engine._write_pools(commit, parts)
+        self._issue(cold, commit, jax.device_put(_stack(layouts), self._sharded))
         if timed:
-            jax.block_until_ready(engine.pools.arrays)
+            self._wait()
             measured = time.perf_counter() - start
             predicted = [self.cost.bin_seconds([lengths[i] for i in b]) for b in bins]
             self.last = dict(rung=rung, bins=[[lengths[i] for i in b] for b in bins], predicted_s=predicted,
@@ -236,23 +281,14 @@ class SegmentMesh:
         return bins
 
     def _to_home(self, writes):
-        """The records as the commit program takes them. One process: per bin, its records copied to the home
-        device (a plain device-to-device copy of each shard). Across processes: the gathered records (every bin)
-        as held on the home device (or copied there from another of this process's devices)."""
-        if self.multiprocess:
-            def local(leaf):
-                shards = leaf.addressable_shards
-                held = next((s.data for s in shards if s.device == self.home), None)
-                return held if held is not None else jax.device_put(shards[0].data, self.home)
+        """The gathered records (every bin) as held on the home device (or copied there from another of this
+        process's devices): the commit program's input across processes."""
+        def local(leaf):
+            shards = leaf.addressable_shards
+            held = next((s.data for s in shards if s.device == self.home), None)
+            return held if held is not None else jax.device_put(shards[0].data, self.home)
 
-            return jax.tree.map(local, writes)
-        leaves, treedef = jax.tree.flatten(writes)
-        order = {d: k for k, d in enumerate(self.devices)}
-        per_bin = [[None] * len(leaves) for _ in self.devices]
-        for j, leaf in enumerate(leaves):
-            for shard in leaf.addressable_shards:
-                per_bin[order[shard.device]][j] = jax.device_put(shard.data, self.home)
-        return tuple(jax.tree.unflatten(treedef, part) for part in per_bin)
+        return jax.tree.map(local, writes)
 
     def calibrate(self, rungs: Sequence[int]) -> None:
         """Time single-device cold prefills (recording nothing; the second run of each, the first pays one-time
@@ -276,4 +312,5 @@ class SegmentMesh:
         self.cost.calibrate()
 
     def as_dict(self) -> dict:
-        return dict(devices=self.size, policy=self.policy, cost=self.cost.as_dict(), last=self.last)
+        return dict(devices=self.size, policy=self.policy, cost=self.cost.as_dict(), last=self.last,
+                    pools=None if self.pools is None else self.pools.as_dict())

@@ -3,8 +3,10 @@
 The policies: every segment lands in exactly one bin; LPT's makespan stays within 5% of the lower bound
 max(costliest segment, total / devices) on skewed lengths, and beats round-robin on a case built against it; the
 cost model fits its constants from measurements. The mesh path: on 1, 2, 4 and 8 fake CPU devices, with LPT and
-round-robin, a `StableEngine(devices=...)` gives the single-device engine's logits and cache entries and compiles
-nothing after warmup (one subprocess: the device count is fixed when JAX starts).
+round-robin, a `StableEngine(devices=...)` gives the single-device engine's logits and cache entries (in the pools
+of the device that computed each, and the home device's copies), serves entries that left the home device from
+the devices that hold them, and compiles nothing after warmup; a home entry held on another device is not demoted,
+and `persist` writes every device's entries to disk (one subprocess: the device count is fixed when JAX starts).
 """
 
 from __future__ import annotations
@@ -148,15 +150,20 @@ new = rng.integers(0, 512, 14).tolist()
 query = rng.integers(0, 512, 5).tolist()
 requests = [docs + [query], [docs[3], new, docs[0], docs[5], query]]
 
-def entries(engine):
+def entries(engine, cache=None, pools=None):
     out = {}
-    for entry in engine.cache.entries():
+    for entry in (engine.cache if cache is None else cache).entries():
         parts = []
-        for kind, pool, base in engine.pools.layers():
+        for kind, pool, base in (engine.pools if pools is None else pools).layers():
             index = base + (entry.slot if kind == "slot" else np.asarray(entry.rows))
             parts += [np.asarray(leaf)[index] for leaf in jax.tree.leaves(pool)]
         out[entry.key] = parts
     return out
+
+def same(got, want, label):
+    for key, parts in got.items():
+        for a, b in zip(parts, want[key]):
+            assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-5, (label, key)
 
 ref = StableEngine(model, **base)
 ref.warmup(progress=False)
@@ -195,10 +202,48 @@ for n in (1, 2, 4, 8):
         assert engine.stats["programs"]["serving_compiles"] == 0
         got_entries = entries(engine)
         assert set(got_entries) == set(ref_entries)
-        for key, parts in ref_entries.items():
-            for a, b in zip(got_entries[key], parts):
-                assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-5, (n, policy, key)
-        print(n, policy, mesh.last["bins"], flush=True)
+        same(got_entries, ref_entries, (n, policy, "home"))
+        # every entry stays in the pools of the device that computed it (the home device's are the engine's):
+        # the home pools hold a copy of the others'
+        pools = mesh.pools
+        remote = {}
+        for k in range(n):
+            if pools.remote(k):
+                remote.update(entries(engine, pools.caches[k], pools.pools[k]))
+        same(remote, ref_entries, (n, policy, "remote"))
+        assert pools.stats.fetches == len(remote), (pools.stats, len(remote))
+        assert len(remote) == 7 if pools.home_index is None else (n == 1) == (not remote), (n, len(remote))
+        # a request whose entries left the home device is served from the devices that hold them
+        engine.cache.clear()
+        held = sum(1 for d in docs if any(e.tokens == tuple(d) for e in pools.entries()))
+        got = engine.prefill(requests[0])
+        assert float(np.abs(got.logits - ref_logits[0]).max()) <= 1e-5, (n, policy)
+        assert got.stats.hits == held and got.stats.misses == len(docs) - held, (got.stats, held)
+        assert pools.stats.remote_hits >= held
+        assert backend_compiles() == before, (n, policy, backend_compiles() - before)
+        print(n, policy, mesh.last["bins"], pools.as_dict(), flush=True)
+
+# lower tiers: a home entry that another device still holds is not demoted (that device's pools are the copy);
+# `persist` writes every device's entries, and an engine of one device serves them from disk
+import tempfile
+folder = tempfile.mkdtemp()
+engine = StableEngine(model, **base, devices=2, host_cache_bytes=1 << 20, disk_cache_dir=folder)
+engine.programs._compiled.update(ref.programs._compiled)
+mesh = engine.segment_mesh
+mesh._cold, mesh._commit = shared[2, True]
+engine.warmup(progress=False)
+engine.prefill(requests[0])
+remote = {e.key for e in mesh.pools.entries()}
+assert 0 < len(remote) < 6
+left = engine.demote_all()
+assert left == 6 and engine.tiers.demotions == 6 - len(remote), (left, engine.tiers.demotions, len(remote))
+assert engine.persist() == 6
+restarted = StableEngine(model, **base, disk_cache_dir=folder)
+restarted.programs._compiled.update(ref.programs._compiled)
+restarted.warmup(progress=False)
+got = restarted.prefill(requests[0])
+assert got.stats.hits == 6 and got.stats.cold_tokens == 0, got.stats
+assert float(np.abs(got.logits - ref_logits[0]).max()) <= 1e-5
 print("ok")
 """
 

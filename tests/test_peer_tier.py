@@ -36,6 +36,9 @@ engine = StableEngine(model, devices=4, peer_cache_bytes=1 << 20, host_cache_byt
 engine.warmup(progress=False)
 before = backend_compiles()
 first = engine.prefill(docs + [query])
+# the entries that other devices computed stay in their pools (`mesh_pools`), so evicting their home copies would
+# demote nothing: dropped there, every entry is the home device's alone and goes to the peer tier
+engine.segment_mesh.pools.clear()
 engine.demote_all()
 tiers = engine.stats["tiers"]
 assert tiers["peer"]["entries"] == 6 and tiers["host"]["entries"] == 0, tiers
@@ -79,6 +82,7 @@ tight.mover.adopt(engine.mover)
 tight.warmup(progress=False)
 before = backend_compiles()
 tight.prefill(docs + [query])
+tight.segment_mesh.pools.clear()
 tight.demote_all()
 tiers = tight.stats["tiers"]
 held = tiers["peer"]["entries"]
