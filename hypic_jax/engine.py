@@ -66,11 +66,11 @@ _SPAN_STATIC = ("arch", "config", "layout", "mode", "want_logits", "want_decode"
 # Without XLA's dot merger: it joins the products that share an input (a layer's q/k/v or qkv/z projections) into
 # one by concatenating their weights, and for a few hundred fresh tokens that copy (50 MB per GDN layer, 28 us on
 # the H200) costs more than the second product it saves.
-_SPAN_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
+SPAN_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 _span_call = jax.jit(_span_forward, static_argnames=_SPAN_STATIC,
-                     compiler_options={**_SPAN_OPTIONS, "xla_gpu_enable_command_buffer": ""})
+                     compiler_options={**SPAN_OPTIONS, "xla_gpu_enable_command_buffer": ""})
 _span_call_graphs = jax.jit(_span_forward, static_argnames=_SPAN_STATIC,
-                            compiler_options=_SPAN_OPTIONS)  # command buffers on (XLA's default)
+                            compiler_options=SPAN_OPTIONS)  # command buffers on (XLA's default)
 
 
 def _prefill(params, tokens, *, arch, config, max_len):

@@ -51,7 +51,8 @@ from hypic_jax import layout as lay
 from hypic_jax import stitch
 from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
-from hypic_jax.engine import MODES, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens, use_compile_cache
+from hypic_jax.engine import (MODES, SPAN_OPTIONS, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens,
+                              use_compile_cache)
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.layer_stack import LayerPlan, LayerStack, stacked_like
 from hypic_jax.pools import PoolFull, Pools
@@ -249,7 +250,8 @@ class Programs:
                                        isolated=key.kind == "cold", summaries=key.kind != "plain",
                                        want_decode=key.kind != "cold", want_writes=key.kind != "pic",
                                        algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
-                                       fold_impl=engine.fold_impl))
+                                       fold_impl=engine.fold_impl),
+                     compiler_options=SPAN_OPTIONS)  # without the dot merger (`hypic_jax.engine`; rag_trace.py)
         packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
         return fn.lower(shapes(engine.params), packed, shapes(engine.pools.arrays))
 
@@ -292,7 +294,7 @@ class Programs:
             key, capacity, engine.ladder.max_pieces, engine.ladder.records, engine.ladder.chunk, engine.ladder.conv,
             engine.arch.__name__, repr(engine.config), engine.compose_algorithm, engine.linear_impl,
             engine.fold_impl, engine.top_logprobs, engine.max_batch, engine.max_keys, engine.slot_layouts,
-            *self._signature)
+            repr(sorted(SPAN_OPTIONS.items())), *self._signature)
 
     def _build(self, key: ProgramKey):
         start = time.perf_counter()

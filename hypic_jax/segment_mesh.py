@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hypic_jax import layout as lay
 from hypic_jax import parallel
+from hypic_jax.engine import SPAN_OPTIONS
 
 log = logging.getLogger("hypic_jax.segment_mesh")
 
@@ -165,7 +166,7 @@ class SegmentMesh:
             mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), spec, spec),
                                    out_specs=(spec, spec), check_vma=False)
             fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._sharded),
-                         out_shardings=(self._sharded, self._sharded), donate_argnums=2)
+                         out_shardings=(self._sharded, self._sharded), donate_argnums=2, compiler_options=SPAN_OPTIONS)
             return fn.lower(self._shapes(self.params), self._shapes(self._stacked_dummy(rung)),
                             self.pools.shapes()).compile()
         body = functools.partial(_cold_bins, arch=engine.arch, config=engine.config,
@@ -175,7 +176,7 @@ class SegmentMesh:
                                out_specs=PartitionSpec(AXIS), check_vma=False)
         # across processes every process commits every bin's records: those come back gathered (replicated)
         fn = jax.jit(mapped, in_shardings=(self._replicated, self._sharded, self._replicated),
-                     out_shardings=(self._sharded, self._replicated))
+                     out_shardings=(self._sharded, self._replicated), compiler_options=SPAN_OPTIONS)
         return fn.lower(self._shapes(self.params), self._shapes(self._stacked_dummy(rung)),
                         self._shapes(self.standin)).compile()
 

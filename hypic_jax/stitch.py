@@ -404,15 +404,15 @@ def _kernel_chunk_locals(inputs: LinearInputs, layout: LayoutArrays, config) -> 
     in its intermediate dtype: bfloat16 for bfloat16 inputs, as in the prefill), the scale its outputs still need
     (1: the kernel's scores and decayed queries carry it) and the chunk steps' dot algorithm: the state pass's
     (`GDNConfig.state_precision`: bf16 products for bfloat16 inputs, as the prefill and flash-linear-attention
-    step their states). Gates and, for the decays computed here, q and k are gathered chunk-aligned by the
-    layout's chunk rows (padding rows: a zero token, which decays nothing and adds nothing)."""
+    step their states). The gates are gathered chunk-aligned by the layout's chunk rows (padding rows: a zero
+    token, which decays nothing and adds nothing); q, k and v are read where they lie."""
     c = layout.chunk_rows.shape[1]
     rows = layout.chunk_rows.reshape(-1)
     num_chunks = layout.chunk_rows.shape[0]
     def aligned(x):
         return None if x is None else jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[rows]
 
-    q, k, g, gk, beta = (aligned(x) for x in (inputs.q, inputs.k, inputs.g, inputs.gk, inputs.beta))
+    g, gk, beta = (aligned(x) for x in (inputs.g, inputs.gk, inputs.beta))
     base = config or pallas_gdn.default_varlen_config(per_key=gk is not None)
     config = dataclasses.replace(base, chunk=c, sub=min(base.sub, c))
     # chunk n holds fresh rows src[n] .. src[n] + cnt[n] (a piece's tokens are consecutive): the kernel reads q, k,
@@ -420,29 +420,19 @@ def _kernel_chunk_locals(inputs: LinearInputs, layout: LayoutArrays, config) -> 
     # fold reads only the chunks of its pieces
     cnt = jnp.sum(layout.chunk_rows < inputs.v.shape[0], axis=1).astype(jnp.int32)
     packed = (jnp.where(cnt > 0, layout.chunk_rows[:, 0], 0).astype(jnp.int32), cnt)
-    b, p, w, u, ks, qs = pallas_gdn._locals(inputs.q, inputs.k, inputs.v, g, gk, beta, scale=inputs.scale,
-                                            config=config, interpret=pallas_gdn.default_interpret(), packed=packed,
-                                            skip_empty=True)
-    heads, key_dim = inputs.v.shape[1], k.shape[-1]
-    group = heads // k.shape[1]
-    head_major = lambda x: None if x is None else jnp.moveaxis(  # noqa: E731
-        x.reshape((num_chunks, c) + x.shape[1:]), 2, 1)  # [L, H, D] -> [C, H, c, D]
-    if gk is not None:  # b [L, H, K]; the kernel's keys and queries come decayed, per value head
+    # the kernel writes every output chunk by chunk and head by head ([C, H, c, D], the decayed keys as [C, H, K, c]:
+    # the fold's layouts), the keys and queries already decayed: no transpose or decay runs in between
+    b, scores, w, u, k_to_end, q_decayed = pallas_gdn._locals(
+        inputs.q, inputs.k, inputs.v, g, gk, beta, scale=inputs.scale, config=config,
+        interpret=pallas_gdn.default_interpret(), packed=packed, skip_empty=True, head_major=True)
+    heads, key_dim = inputs.v.shape[1], inputs.k.shape[-1]
+    if gk is not None:  # b [L, H, K]
         b_last = b.reshape(num_chunks, c, heads, key_dim)[:, -1]  # [C, H, K]
-        k_to_end, q_decayed = head_major(ks), head_major(qs)
     else:  # b [H, L]
-        b_chunks = b.reshape(heads, num_chunks, c)
-        b_last = jnp.moveaxis(b_chunks[..., -1], 0, 1)[..., None]  # [C, H, 1]
-        b_tokens = jnp.moveaxis(b_chunks, 0, 1)[..., None]  # [C, H, c, 1]
-        k_rep = head_major(jnp.repeat(k, group, axis=1)).astype(jnp.float32)
-        q_rep = head_major(jnp.repeat(q, group, axis=1)).astype(jnp.float32)
-        k_to_end = k_rep * jnp.exp(b_last[:, :, None] - b_tokens)
-        q_decayed = inputs.scale * q_rep * jnp.exp(b_tokens)
+        b_last = jnp.moveaxis(b.reshape(heads, num_chunks, c)[..., -1], 0, 1)[..., None]  # [C, H, 1]
     decay = jnp.broadcast_to(jnp.exp(b_last), (num_chunks, heads, key_dim))
-    scores = jnp.moveaxis(p.reshape(heads, num_chunks, c, c), 0, 1)  # [H, L, c] -> [C, H, c, c]
     chunk_algorithm = "bf16" if config.resolved(inputs.v.dtype).state_precision == "bf16" else "same"
-    return dict(w=head_major(w), u=head_major(u), k_to_end=k_to_end, decay=decay, q_decayed=q_decayed,
-                scores=scores), 1.0, chunk_algorithm
+    return dict(w=w, u=u, k_to_end_t=k_to_end, decay=decay, q_decayed=q_decayed, scores=scores), 1.0, chunk_algorithm
 
 
 def _linear_over_layout_chunk_fold(inputs: LinearInputs, pool: Summary, layout: LayoutArrays, *, rotate,

@@ -360,6 +360,14 @@ def test_chunk_fold_kernel_matches_the_loop(form):
         assert _rel(got_final, want_final) < TOL, what
         assert _rel(got_out, want_out) < TOL, what
         assert not np.any(np.asarray(got_out)[piece_chunks[count]:]), what
+        if trial == 1:  # the keys given transposed, as the chunk-local kernel writes them: the same fold
+            transposed = dict(operands, k_to_end_t=jnp.swapaxes(operands["k_to_end"], -1, -2), k_to_end=None)
+            t_final, t_out = piece_fold.chunk_fold(
+                form, jnp.asarray(kind), jnp.asarray(slot), jnp.asarray(reset), jnp.int32(count), jnp.asarray(drop),
+                jnp.asarray(piece_chunks), pool_t, pool_s, w, **transposed, algorithm=None, block_w=16,
+                interpret=True)
+            np.testing.assert_array_equal(np.asarray(t_final), np.asarray(got_final))
+            np.testing.assert_array_equal(np.asarray(t_out), np.asarray(got_out))
         # an independent check of the loop: a fresh piece right after a reset starts from zero, so its first
         # chunk's outputs are its scores times U alone
         first = [p for p in range(count) if kind[p] == lay.PIECE_FRESH and reset[p]]

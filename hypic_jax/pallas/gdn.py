@@ -465,12 +465,12 @@ class _PackedChunk:
 
 
 def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, packed=False,
-                   skip_empty=False):
+                   skip_empty=False, decayed=None, keys_t=False):
     """One (chunk, head): P = scale mask(Q K^T e^{b_t - b_j}) and, for the delta rule, W and U (WY/UT form).
 
     Refs (head axis squeezed by the BlockSpecs): q, k [c, K]; v [c, V]; b [c] or [c, K] (per key), beta [c]
-    (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates the state pass's decayed keys
-    k e^{b_c - b} and queries scale q e^b [c, K] (per value head). Every exponent is a difference b_t - b_j with
+    (float32); outputs p [c, c], w [c, K], u [c, V], and with per-key gates (or `decayed`) the state pass's
+    decayed keys k e^{b_c - b} and queries scale q e^b [c, K] (per value head; with `keys_t` the keys as [K, c]). Every exponent is a difference b_t - b_j with
     t >= j (or split at a reference token between them), so <= 0 for decaying gates.
     With `packed` two int32 tables src, cnt [Nc] come first and q, k, v are the whole packed sequence [L, D]:
     chunk n is rows src[n] .. src[n] + cnt[n] (`_PackedChunk`). With `skip_empty` (packed only) a chunk of no
@@ -478,7 +478,8 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
     (`gdn_varlen` bounds its pass by the chunks that hold tokens).
     """
     body = functools.partial(_locals_body, chunk=chunk, sub=sub, delta=delta, per_key=per_key, scale=scale,
-                             prec=prec, solve=solve, solve_prec=solve_prec)
+                             prec=prec, solve=solve, solve_prec=solve_prec,
+                             decayed=per_key if decayed is None else decayed, keys_t=keys_t)
     if not packed:
         body(refs)
         return
@@ -493,9 +494,12 @@ def _locals_kernel(*refs, chunk, sub, delta, per_key, scale, prec, solve, solve_
         body(refs)
 
 
-def _locals_body(refs, *, chunk, sub, delta, per_key, scale, prec, solve, solve_prec):
+def _locals_body(refs, *, chunk, sub, delta, per_key, scale, prec, solve, solve_prec, decayed=False, keys_t=False):
     """`_locals_kernel`'s work on one chunk, its q, k, v refs already resolved to the chunk's rows."""
-    if per_key:  # the state pass's keys and queries, decayed here once instead of in every state step
+    def store_keys(tile):  # [c, K], or transposed into a [K, c] block
+        kd_ref[...] = (tile.T if keys_t else tile).astype(kd_ref.dtype)
+
+    if decayed:  # the state pass's keys and queries, decayed here once instead of in every state step
         refs, (kd_ref, qd_ref) = refs[:-2], refs[-2:]
     if delta:
         q_ref, k_ref, v_ref, b_ref, beta_ref, p_ref, w_ref, u_ref = refs
@@ -503,10 +507,15 @@ def _locals_body(refs, *, chunk, sub, delta, per_key, scale, prec, solve, solve_
         q_ref, k_ref, b_ref, p_ref = refs
     c = chunk
     nb = c // sub
+    if decayed and not per_key:  # a scalar gate per token: b [c]
+        b_chunk = b_ref[...]
+        b_end = b_ref[pl.ds(c - 1, 1)]  # [1]
+        store_keys(k_ref[...].astype(jnp.float32) * jnp.exp(b_end - b_chunk)[:, None])
+        qd_ref[...] = (scale * q_ref[...].astype(jnp.float32) * jnp.exp(b_chunk)[:, None]).astype(qd_ref.dtype)
     if per_key:
         b_chunk = b_ref[...]
         b_end = b_ref[pl.ds(c - 1, 1), :]  # [1, K]
-        kd_ref[...] = (k_ref[...].astype(jnp.float32) * jnp.exp(b_end - b_chunk)).astype(kd_ref.dtype)
+        store_keys(k_ref[...].astype(jnp.float32) * jnp.exp(b_end - b_chunk))
         qd_ref[...] = (scale * q_ref[...].astype(jnp.float32) * jnp.exp(b_chunk)).astype(qd_ref.dtype)
     if per_key:  # scores by 16 x 16 blocks (zeros above the diagonal)
         for i in range(nb):
@@ -769,11 +778,17 @@ def _compiler_params(warps, stages):
 
 
 def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpret, packed=None,
-                 skip_empty=False):
+                 skip_empty=False, head_major=False):
     """P, W, U for every (chunk, head). b: [H, L] (scalar gate) or [L, H, K] (per key); beta [H, L] or None.
     packed: None, or the int32 tables (src, cnt) [Nc] of a chunk-aligned layout whose q, k, v stay packed
     (`_locals_kernel`); L is then the layout's length (b's), not q's. skip_empty (packed only): chunks of no
-    tokens write nothing (their outputs are undefined)."""
+    tokens write nothing (their outputs are undefined).
+
+    Outputs are token-major (P [H, L, c], W, U and decayed keys and queries [L, H, D]), or with `head_major` chunk
+    by chunk and head by head ([Nc, H, c, c] and [Nc, H, c, D], the decayed keys transposed: [Nc, H, K, c]), the
+    layouts `piece_fold.chunk_fold` reads, so that no transpose of these arrays runs between the kernels;
+    head_major also returns the decayed keys and queries of a scalar gate (float32), which the fold's chunk steps
+    take."""
     key_heads, key_dim = k.shape[1:]
     per_key = b.ndim == 3
     heads = b.shape[1] if per_key else b.shape[0]
@@ -791,27 +806,42 @@ def chunk_locals(q, k, v, b, beta, *, chunk, scale, inter_dtype, config, interpr
         v_spec = None if v is None else pl.BlockSpec((chunk, None, v.shape[-1]), lambda n, h: (n, h, 0))
     beta_spec = pl.BlockSpec((None, chunk), lambda n, h: (h, n))
     b_spec = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)) if per_key else beta_spec
-    p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
-    p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
+
+    def rows_out(width, dtype):  # one (chunk, head) block of rows of `width`: its spec and the whole output
+        if head_major:
+            return (pl.BlockSpec((None, None, chunk, width), lambda n, h: (n, h, 0, 0)),
+                    jax.ShapeDtypeStruct((num_chunks, heads, chunk, width), dtype))
+        return (pl.BlockSpec((chunk, None, width), lambda n, h: (n, h, 0)),
+                jax.ShapeDtypeStruct((length, heads, width), dtype))
+
+    if head_major:
+        p_spec, p_shape = rows_out(chunk, inter_dtype)
+    else:
+        p_spec = pl.BlockSpec((None, chunk, chunk), lambda n, h: (h, n, 0))
+        p_shape = jax.ShapeDtypeStruct((heads, length, chunk), inter_dtype)
     if delta:
         value_dim = v.shape[-1]
         in_specs = [qk_spec, qk_spec, v_spec, b_spec, beta_spec]
         args = (q, k, v, b, beta)
-        out_specs = [p_spec, pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0)),
-                     pl.BlockSpec((chunk, None, value_dim), lambda n, h: (n, h, 0))]
-        out_shape = [p_shape, jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype),
-                     jax.ShapeDtypeStruct((length, heads, value_dim), inter_dtype)]
+        (w_spec, w_shape), (u_spec, u_shape) = rows_out(key_dim, inter_dtype), rows_out(value_dim, inter_dtype)
+        out_specs, out_shape = [p_spec, w_spec, u_spec], [p_shape, w_shape, u_shape]
     else:
         in_specs, args = [qk_spec, qk_spec, b_spec], (q, k, b)
         out_specs, out_shape = [p_spec], [p_shape]
-    if per_key:  # decayed keys and queries for the state pass, per value head
-        decayed = pl.BlockSpec((chunk, None, key_dim), lambda n, h: (n, h, 0))
-        out_specs += [decayed, decayed]
-        out_shape += [jax.ShapeDtypeStruct((length, heads, key_dim), inter_dtype)] * 2
+    decayed = per_key or head_major
+    if decayed:  # decayed keys and queries for the state pass, per value head
+        dtype = inter_dtype if per_key else jnp.float32
+        q_spec, q_shape = rows_out(key_dim, dtype)
+        k_spec, k_shape = q_spec, q_shape
+        if head_major:  # keys transposed, [K, c] per block
+            k_spec = pl.BlockSpec((None, None, key_dim, chunk), lambda n, h: (n, h, 0, 0))
+            k_shape = jax.ShapeDtypeStruct((num_chunks, heads, key_dim, chunk), dtype)
+        out_specs += [k_spec, q_spec]
+        out_shape += [k_shape, q_shape]
     if packed is not None:
         in_specs, args = [table, table] + list(in_specs), tuple(packed) + tuple(args)
     kernel = functools.partial(_locals_kernel, chunk=chunk, sub=min(config.sub, chunk), delta=delta, per_key=per_key,
-                               scale=scale, prec=config.locals_precision, solve=config.solve,
+                               decayed=decayed, keys_t=head_major, scale=scale, prec=config.locals_precision, solve=config.solve,
                                solve_prec=config.solve_precision, packed=packed is not None,
                                skip_empty=skip_empty and packed is not None)
     return pl.pallas_call(
@@ -1072,11 +1102,15 @@ def _prefix_tables(length: int, num_chunks: int, chunk: int) -> tuple[Array, Arr
     return jnp.asarray(np.where(cnt > 0, first, 0), jnp.int32), jnp.asarray(cnt, jnp.int32)
 
 
-def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None, skip_empty=False):
+def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None, skip_empty=False, head_major=False):
     """Gates and chunk-local kernel on a chunk-aligned (padded) sequence: returns (b, p, w, u, ks, qs); w is None
     and u = v without the delta rule; ks, qs are the keys and queries the state pass reads (k, q; with per-key gates
     the decayed k e^{b_c - b} and scale q e^b per value head). packed: the tables (src, cnt) of `chunk_locals`;
-    q, k, v then stay packed while the gates (g, gk, beta) come chunk-aligned."""
+    q, k, v then stay packed while the gates (g, gk, beta) come chunk-aligned. head_major (with the delta rule):
+    p, w, u, ks, qs as `chunk_locals` writes them with head_major, ks and qs decayed for either gate (ks
+    transposed, [Nc, H, K, c])."""
+    if head_major and beta is None:
+        raise ValueError("head_major outputs need the delta rule (beta)")
     length = k.shape[0] if packed is None else packed[0].shape[0] * config.chunk
     heads = v.shape[1]
     if config.inter_dtype is None:
@@ -1088,13 +1122,13 @@ def _locals(q, k, v, g, gk, beta, *, scale, config, interpret, packed=None, skip
     else:
         b = _chunk_cumsum(g, length, heads, config.chunk)
     beta_t = None if beta is None else beta.astype(jnp.float32).T
-    if _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret):
+    if not head_major and _mosaic_locals(config, q, k, v, gk, beta, inter, packed, interpret):
         p, w, u = gdn_locals_mgpu.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=config.chunk, scale=scale)
         return b, p, w, u, k, q
     res = chunk_locals(q, k, v, b, beta_t, chunk=config.chunk, scale=scale, inter_dtype=inter, config=config,
-                       interpret=interpret, packed=packed, skip_empty=skip_empty)
+                       interpret=interpret, packed=packed, skip_empty=skip_empty, head_major=head_major)
     ks, qs = k, q
-    if gk is not None:  # the decayed keys and queries are the kernel's last two outputs
+    if gk is not None or head_major:  # the decayed keys and queries are the kernel's last two outputs
         res, (ks, qs) = res[:-2], res[-2:]
     if beta is not None:
         p, w, u = res

@@ -249,8 +249,9 @@ def _chunk_fold_kernel(kind_ref, slot_ref, reset_ref, count_ref, drop_ref, chunk
 
 
 def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, drop: Array, piece_chunks: Array,
-               pool_t: Array | None, pool_s: Array, w: Array | None, u: Array, k_to_end: Array, decay: Array,
-               q_decayed: Array, scores: Array, *, algorithm: str | None = "bf16x3",
+               pool_t: Array | None, pool_s: Array, w: Array | None, u: Array, k_to_end: Array | None = None,
+               decay: Array | None = None, q_decayed: Array | None = None, scores: Array | None = None, *,
+               k_to_end_t: Array | None = None, algorithm: str | None = "bf16x3",
                chunk_algorithm: str | None = "same", block_w: int = 32, num_warps: int = 8, num_stages: int = 1,
                interpret: bool = False) -> tuple[Array, Array]:
     """A stitched request's linear core after its chunk-local work, in one launch: the fold over the pieces where
@@ -268,7 +269,8 @@ def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
     chunks are [piece_chunks[p], piece_chunks[p + 1]) (cached pieces hold none). The chunks' locals
     (`linear_attn.chunk_locals`, head-major): w [C, H, c, K] or None (no delta rule), u [C, H, c, V], k_to_end
     [C, H, c, K], decay [C, H, K] (each chunk's per-key decay over it), q_decayed [C, H, c, K], scores
-    [C, H, c, c]. algorithm / chunk_algorithm: dot algorithms of the cached pieces' dense products and of the
+    [C, H, c, c]; or instead of k_to_end its transpose k_to_end_t [C, H, K, c], the layout the kernel reads (as
+    `pallas.gdn.chunk_locals(head_major=True)` writes it: no transpose in between). algorithm / chunk_algorithm: dot algorithms of the cached pieces' dense products and of the
     chunk steps' small ones (None: float32; "same": as algorithm). Returns (the state after the last piece
     [H, K, V], every chunk's unscaled outputs [C, H, c, V], zeros past the last piece's chunks), float32.
     """
@@ -276,14 +278,17 @@ def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     num_chunks, heads, c, value_dim = u.shape
     pool_rows, key_dim = pool_s.shape[0], pool_s.shape[2]
+    if (k_to_end is None) == (k_to_end_t is None) or decay is None or q_decayed is None or scores is None:
+        raise ValueError("chunk_fold takes one of k_to_end and k_to_end_t, and decay, q_decayed and scores")
+    keys = tuple(k_to_end.shape) if k_to_end is not None else tuple(k_to_end_t.shape[i] for i in (0, 1, 3, 2))
     num = kind.shape[0]
-    shapes_ok = (pool_s.shape[1:] == (heads, key_dim, value_dim) and k_to_end.shape == (num_chunks, heads, c, key_dim)
-                 and q_decayed.shape == k_to_end.shape and (w is None or w.shape == k_to_end.shape)
+    shapes_ok = (pool_s.shape[1:] == (heads, key_dim, value_dim) and keys == (num_chunks, heads, c, key_dim)
+                 and q_decayed.shape == keys and (w is None or w.shape == keys)
                  and decay.shape == (num_chunks, heads, key_dim) and scores.shape == (num_chunks, heads, c, c)
                  and piece_chunks.shape == (num + 1,) and (form == "identity") == (pool_t is None))
     if not shapes_ok:
         raise ValueError(f"chunk fold operands disagree: form {form}, pool_s {pool_s.shape}, u {u.shape}, k_to_end "
-                         f"{k_to_end.shape}, q_decayed {q_decayed.shape}, w {None if w is None else w.shape}, "
+                         f"{keys}, q_decayed {q_decayed.shape}, w {None if w is None else w.shape}, "
                          f"decay {decay.shape}, scores {scores.shape}, piece_chunks {piece_chunks.shape}, {num} pieces")
     rows = max(16, -(-c // 16) * 16)  # Triton dots take 16 rows at least; zero rows add nothing
     pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, 0), (0, rows - c), (0, 0)])  # noqa: E731
@@ -306,7 +311,9 @@ def chunk_fold(form: str, kind: Array, slot: Array, reset: Array, count: Array, 
         args.append(pad(w))
     in_specs += [columns(num_chunks, rows), per_head(num_chunks, key_dim, rows), per_head(num_chunks, key_dim),
                  per_head(num_chunks, rows, key_dim), per_head(num_chunks, rows, rows)]
-    args += [pad(u), jnp.swapaxes(pad(k_to_end), -1, -2), decay.astype(jnp.float32), pad(q_decayed),
+    keys = (jnp.swapaxes(pad(k_to_end), -1, -2) if k_to_end_t is None
+            else jnp.pad(k_to_end_t.astype(jnp.float32), [(0, 0), (0, 0), (0, 0), (0, rows - c)]))
+    args += [pad(u), keys, decay.astype(jnp.float32), pad(q_decayed),
              jnp.pad(scores.astype(jnp.float32), [(0, 0), (0, 0), (0, rows - c), (0, rows - c)])]
     chunk_algorithm = algorithm if chunk_algorithm == "same" else chunk_algorithm
     kernel = functools.partial(_chunk_fold_kernel, form=form, has_w=w is not None, num_chunks=num_chunks,
