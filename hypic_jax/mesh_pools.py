@@ -97,6 +97,9 @@ class MeshPools:
         per = []
         for k, pools in enumerate(self.pools):
             arrays = self.engine._pool_arrays() if pools is self.engine.pools else pools.arrays
+            if arrays is None:
+                raise RuntimeError(f"the entry pools of {self.devices[k]} were lost when a write into them failed; "
+                                   f"restart the engine")
             per.append(jax.tree.leaves(arrays))
         treedef = jax.tree.structure(self.pools[0].arrays)
         leaves = []
@@ -129,8 +132,9 @@ class MeshPools:
             try:
                 out, new = program(arrays)
             except Exception:
-                if any(a.is_deleted() for a in jax.tree.leaves(arrays)):
-                    home.arrays = None  # donated and lost: the engine refuses further requests
+                for pools in self.pools:  # donated and lost: the engine refuses further requests
+                    if pools.arrays is not None and any(a.is_deleted() for a in jax.tree.leaves(pools.arrays)):
+                        pools.arrays = None
                 raise
             self.adopt(new)
         return out

@@ -789,7 +789,7 @@ class StableEngine(Engine):
         """A pinned entry given room in the engine's pools, or with `device` in the pools of that device of the
         segment mesh (`mesh_pools`; the home device's are the engine's own)."""
         n = len(doc) - seam
-        mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
+        mesh_pools = self._mesh_pools
         if mesh_pools is None or not mesh_pools.remote(device):
             device = None
         slot, rows = self._allocate(n) if device is None else mesh_pools.allocate(device, n)
@@ -798,12 +798,17 @@ class StableEngine(Engine):
         self._unstored.append(entry)
         return pins.add(entry)
 
+    @property
+    def _mesh_pools(self):
+        """The pools of the segment mesh's devices (`mesh_pools.MeshPools`), or None."""
+        return None if self.segment_mesh is None else self.segment_mesh.pools
+
     def _free(self, entry: Entry) -> None:
         """Give an entry's pool room back (in whichever device's pools it has it)."""
         if entry.device is None:
             self.pools.free(entry.slot, entry.rows)
         else:
-            self.segment_mesh.pools.free(entry)
+            self._mesh_pools.free(entry)
 
     def _store(self, entry: Entry) -> None:
         self.cache.insert(entry)
@@ -961,6 +966,8 @@ class StableEngine(Engine):
             else:  # kept where it was computed; the request reads a home copy (`_finish_promotions` writes it)
                 mesh.pools.caches[entry.device].insert(entry)
                 self._unstored.remove(entry)
+                if self.disk_write_through and self.tiers.disk is not None:
+                    self.tiers.persist(self._remote_pieces(entry))
                 stored[key] = self._fetch_home(entry, pins)
         for i, key in enumerate(keys):
             if key is not None and i not in entries:
@@ -1042,8 +1049,8 @@ class StableEngine(Engine):
         self._clearing = True
         try:
             self.cache.clear()
-            if self.segment_mesh is not None and self.segment_mesh.pools is not None:
-                self.segment_mesh.pools.clear()
+            if self._mesh_pools is not None:
+                self._mesh_pools.clear()
         finally:
             self._clearing = False
         self.sync_tiers()
@@ -1128,7 +1135,7 @@ class StableEngine(Engine):
         entry = self.cache.lookup(key, tokens, pins=pins)
         if entry is not None:
             return entry
-        mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
+        mesh_pools = self._mesh_pools
         if mesh_pools is not None:
             source = mesh_pools.lookup(key, tokens, pins)
             if source is not None:  # on another device: a home copy, issued with this request's other copies
@@ -1180,7 +1187,7 @@ class StableEngine(Engine):
         if not self._fetching:
             return
         fetching, self._fetching = self._fetching, []
-        for fetch, transfer in self.segment_mesh.pools.fetch(fetching):
+        for fetch, transfer in self._mesh_pools.fetch(fetching):
             key = fetch.target.key
             self._promoting[key] = (fetch.target, transfer, None, "device")
 
@@ -1193,7 +1200,7 @@ class StableEngine(Engine):
             entry, transfer, pieces, tier = self._promoting[key]
             written = time.perf_counter()
             with self.pools.lock:
-                programs = (self.segment_mesh.pools.scatter_programs(transfer) if tier == "device"
+                programs = (self._mesh_pools.scatter_programs(transfer) if tier == "device"
                             else self.mover.scatter_programs(self._pool_arrays(), transfer))
                 for program, args in programs:
                     self._write_pools(program, *args)
@@ -1220,11 +1227,12 @@ class StableEngine(Engine):
 
     def _dropped(self, entry: Entry) -> None:
         """`entry` left the device tier (no request holds it): issue its copy out of the pools, free its pool room,
-        and let the demotion thread bring it to the host tier."""
-        if entry.device is not None:  # another device's pools: dropped there (`mesh_pools`)
+        and let the demotion thread bring it to the host tier. An entry that another device of the segment mesh
+        still holds is not demoted (that device keeps it); one evicted from another device's pools is dropped."""
+        if entry.device is not None:
             self._free(entry)
             return
-        mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
+        mesh_pools = self._mesh_pools
         try:
             if (self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache
                     and not (mesh_pools is not None and mesh_pools.holds(entry.key))):
@@ -1289,21 +1297,25 @@ class StableEngine(Engine):
             return True
         return self.tiers.persist(self._pieces(entry))
 
+    def _remote_pieces(self, entry: Entry) -> tr.Pieces:
+        """An entry of another device's pools off the device, in the tiers' stored form (its dtypes; every head)."""
+        arrays = [a.astype(dtype) for a, (_, _, dtype) in zip(self._mesh_pools.pieces(entry), self.mover.leaves)]
+        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
+                         uses=entry.uses)
+
     def persist(self) -> int:
-        """Write every entry of the device and host tiers to the disk tier (they stay where they are); returns
-        the entries on disk afterwards. A restarted engine on the same `disk_cache_dir` finds them."""
+        """Write every entry of the device tier (every device of the segment mesh) and the host tier to the disk tier
+        (they stay where they are); returns the entries on disk afterwards. A restarted engine on the same
+        `disk_cache_dir` finds them."""
         if self.tiers.disk is None:
             raise ValueError("persist needs a disk tier (disk_cache_dir)")
         self.sync_tiers()
         with self._device_lock:
             for entry in self.cache.entries():
                 self._persist_entry(entry)
-            mesh_pools = self.segment_mesh.pools if self.segment_mesh is not None else None
-            for entry in mesh_pools.entries() if mesh_pools is not None else ():
-                if entry.key not in self.tiers.disk:  # held on another device only: in the stored form
-                    arrays = [a.astype(dtype) for a, (_, _, dtype) in zip(mesh_pools.pieces(entry), self.mover.leaves)]
-                    self.tiers.persist(tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind,
-                                                 seam=entry.seam, arrays=arrays, uses=entry.uses))
+            for entry in self._mesh_pools.entries() if self._mesh_pools is not None else ():
+                if entry.key not in self.tiers.disk:  # held on another device only
+                    self.tiers.persist(self._remote_pieces(entry))
             if self.tiers.host is not None:
                 for pieces in self.tiers.host.values():
                     self.tiers.persist(pieces)

@@ -244,6 +244,13 @@ restarted.warmup(progress=False)
 got = restarted.prefill(requests[0])
 assert got.stats.hits == 6 and got.stats.cold_tokens == 0, got.stats
 assert float(np.abs(got.logits - ref_logits[0]).max()) <= 1e-5
+# written through: every new entry reaches the disk when it is stored, on whichever device it stays
+through = StableEngine(model, **base, devices=2, disk_cache_dir=tempfile.mkdtemp(), disk_write_through=True)
+through.programs._compiled.update(ref.programs._compiled)
+through.segment_mesh._cold, through.segment_mesh._commit = shared[2, True]
+through.warmup(progress=False)
+through.prefill(requests[0])
+assert through.segment_mesh.pools.entries() and through.tiers.disk.stats.entries == 6, through.tiers.disk.stats
 print("ok")
 """
 
