@@ -44,7 +44,9 @@ for devices, policy in ((None, "lpt"), (2, "lpt"), (2, "rr")):
     assert (mesh is None) == (devices is None)
     server.warmup()
     try:
-        response = TestClient(server.app).post("/v1/completions", json=body)
+        client = TestClient(server.app)
+        response = client.post("/v1/completions", json=body)
+        metrics = client.get("/metrics").text
     finally:
         server.scheduler.stop()
     assert response.status_code == 200, response.text
@@ -55,6 +57,14 @@ for devices, policy in ((None, "lpt"), (2, "lpt"), (2, "rr")):
         # both devices prefilled segments, and nothing compiled while serving
         assert mesh.size == 2 and mesh.policy == policy and all(mesh.last["bins"]), mesh.last
         assert server.engine.stats["programs"]["serving_compiles"] == 0
+        # each device keeps the entries it computed; the first device's copies of the other's were fetched
+        from prometheus_client.parser import text_string_to_metric_families
+        families = {f.name: f for f in text_string_to_metric_families(metrics)}
+        held = {s.labels["device"]: s.value for s in families["hypic:device_cache_entries"].samples}
+        other = len(mesh.last["bins"][1])
+        assert held == {"0": 4, "1": other}, held
+        fetched = [s.value for s in families["hypic:device_cache_fetches"].samples if s.name.endswith("_total")]
+        assert fetched == [other], fetched
     choice = answer["choices"][0]
     out[f"{devices}-{policy}"] = dict(tokens=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
                                       top=choice["logprobs"]["top_logprobs"])

@@ -4,13 +4,14 @@ Histograms: hypic:time_to_first_token_seconds (arrival to first token), hypic:in
 hypic:e2e_request_latency_seconds, hypic:request_queue_time_seconds, hypic:request_prefill_time_seconds,
 hypic:decode_stall_seconds (how long running streams waited on a prefill between two decode steps).
 Gauges: hypic:num_requests_waiting, hypic:num_requests_running, hypic:cache_bytes, hypic:cache_capacity_bytes,
-hypic:cache_entries. Counters (exposed with `_total`): hypic:prompt_tokens, hypic:cached_tokens,
+hypic:cache_entries (the first device's), hypic:device_cache_entries{device} (with --devices N: the entries each
+device of the segment mesh holds in its own pools). Counters (exposed with `_total`): hypic:prompt_tokens, hypic:cached_tokens,
 hypic:recomputed_tokens, hypic:cold_tokens, hypic:generation_tokens, hypic:cache_queries{kind},
 hypic:cache_hits{kind} (segments looked up and found, kind "pic" or "prefix"), hypic:cache_evictions,
 hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429),
 hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
 before, `Scheduler(overlap=True)`), hypic:compilations_while_serving (XLA compilations since the server became
-ready).
+ready), hypic:device_cache_fetches (entries copied from another device's pools to the first device's).
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ class _EngineCollector:
         yield GaugeMetricFamily("hypic:cache_capacity_bytes", "The cache's byte budget.", value=stats.capacity_bytes)
         yield GaugeMetricFamily("hypic:cache_entries", "Cache entries.", value=stats.entries)
         yield CounterMetricFamily("hypic:cache_evictions", "Entries evicted from the cache.", value=stats.evictions)
+        mesh = getattr(self.engine, "segment_mesh", None)
+        if mesh is not None and mesh.pools is not None:
+            held = GaugeMetricFamily("hypic:device_cache_entries", "Cache entries in each mesh device's pools.",
+                                     labels=["device"])
+            for k, cache in enumerate(mesh.pools.caches):
+                held.add_metric([str(k)], len(cache))
+            yield held
+            yield CounterMetricFamily("hypic:device_cache_fetches", "Entries copied from another device's pools to "
+                                      "the first device's.", value=mesh.pools.stats.fetches)
         base = self.metrics.compiles_at_ready
         yield CounterMetricFamily("hypic:compilations_while_serving",
                                   "XLA compilations since the server became ready (0 when every program was "
