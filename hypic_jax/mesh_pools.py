@@ -12,8 +12,9 @@ buffer (the tiers' `Mover` layout, exact: no compact form between devices), copi
 into a home slot by the same scatter programs a promotion uses. The gathers run as one program over the mesh, at
 most one entry per device per call (the call's bucket is its largest entry's), so each device gathers its own
 entries; a device's copies to the home device are issued right after, and each waits only for its own device's
-part of the programs before it (its bin of the cold program), so the transfers of a bin that finished early run
-while other bins still compute, and each scatter waits only for its own transfer.
+part of the programs before it (its bin of the cold program), so a bin that finished early can send its entries
+while other bins still compute (not yet measured on several GPUs), and each scatter waits only for its own
+transfer.
 
 The home copy is an ordinary home entry: later requests hit it there, and evicting it demotes nothing while its
 device still holds the entry (that device's pool is the inclusive copy; a later hit fetches it again). An entry
