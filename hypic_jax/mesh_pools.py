@@ -10,7 +10,7 @@ The stitched (pic) program runs on the home device and reads the home pools only
 request needs there (`fetch`): an entry of another device is gathered out of that device's pools into one byte
 buffer (the tiers' `Mover` layout, exact: no compact form between devices), copied to the home device and written
 into a home slot by the same scatter programs a promotion uses. The gathers run as one program over the mesh, at
-most one entry per device per call (the call's bucket is its largest entry's), so each device gathers its own
+most one entry per device per call (entries of one bucket of pages per call), so each device gathers its own
 entries; a device's copies to the home device are issued right after, and each waits only for its own device's
 part of the programs before it (its bin of the cold program), so a bin that finished early can send its entries
 while other bins still compute (not yet measured on several GPUs), and each scatter waits only for its own
@@ -79,7 +79,6 @@ class MeshPools:
         self.mover = tr.Mover(engine.pools, engine.max_prompt_tokens, compact=None, transfer_tol=None,
                               host_memory="pageable")
         self._sharded = NamedSharding(mesh.mesh, PartitionSpec(mesh.axis))
-        self._home = jax.sharding.SingleDeviceSharding(home)
         self._gather: dict[int, Any] = {}
         self.stats = FetchStats()
 
@@ -193,58 +192,48 @@ class MeshPools:
             self.mover._program("scatter", bucket, arrays)
         return 2 * len(self.mover.buckets)
 
-    @property
-    def compiled(self) -> int:
-        return len(self._gather) + len(self.mover._scatter)
+    def _gather_round(self, arrays, entries: dict[int, Entry], bucket: int) -> dict[int, Any]:
+        """One gather program over the mesh: device k's entry `entries[k]` out of its pools as one buffer of
+        `bucket` pages, left on device k (devices without an entry gather slot 0 and row 0, nobody's)."""
+        slots = np.zeros(self.size, np.int32)
+        rows = np.zeros((self.size, bucket * self.mover.page), np.int32)
+        for k, entry in entries.items():
+            slots[k] = entry.slot
+            rows[k, : entry.length] = entry.rows
+        main = self._gather_program(bucket)(arrays, jax.device_put(slots, self._sharded),
+                                            jax.device_put(rows, self._sharded))
+        self.stats.gather_calls += 1
+        shards = {s.device: s.data for s in main.addressable_shards}
+        return {k: shards[self.devices[k]] for k in entries}
 
     def fetch(self, fetches: Sequence[Fetch]) -> list[tuple[Fetch, tr.Transfer]]:
         """Issue the copies of `fetches` to the home device (asynchronous); returns each with its transfer, which
-        `scatter_programs` writes into the home pools."""
-        if not fetches:
-            return []
-        by_device: dict[int, list[Fetch]] = {}
+        `scatter_programs` writes into the home pools. Entries go by bucket, each gather taking at most one entry
+        per device, so every buffer is its entry's own bucket (`Mover.transfer`)."""
+        groups: dict[tuple[int, int], list[Fetch]] = {}
         for f in fetches:
-            by_device.setdefault(f.device, []).append(f)
-        rounds = max(map(len, by_device.values()))
-        page = self.mover.page
+            groups.setdefault((self.mover.bucket(f.source.length), f.device), []).append(f)
         out = []
         with self.engine.pools.lock:
-            arrays = self.arrays()
-            for r in range(rounds):
-                batch = [fs[r] for fs in by_device.values() if r < len(fs)]
-                bucket = max(self.mover.bucket(f.source.length) for f in batch)
-                slots = np.zeros(self.size, np.int32)  # idle devices gather slot 0 and row 0 (nobody's)
-                rows = np.zeros((self.size, bucket * page), np.int32)
-                for f in batch:
-                    slots[f.device] = f.source.slot
-                    rows[f.device, : f.source.length] = f.source.rows
-                main = self._gather_program(bucket)(arrays, jax.device_put(slots, self._sharded),
-                                                    jax.device_put(rows, self._sharded))
-                shards = {s.device: s.data for s in main.addressable_shards}
-                for f in batch:
-                    data = jax.device_put(shards[self.devices[f.device]], self._home)
-                    target = np.full(bucket * page, tr.DROP, np.int32)
-                    target[: f.target.length] = f.target.rows
-                    transfer = tr.Transfer(bucket=bucket, slot=np.asarray(f.target.slot, np.int32), rows=target,
-                                           main=data, heads=None)
-                    out.append((f, transfer))
-                    self.stats.fetches += 1
-                    self.stats.fetched_bytes += int(data.nbytes)
-                self.stats.gather_calls += 1
+            arrays = self.arrays() if fetches else None
+            for bucket in sorted({b for b, _ in groups}):
+                queues = [fs for (b, _), fs in groups.items() if b == bucket]
+                for r in range(max(map(len, queues))):
+                    batch = {fs[r].device: fs[r] for fs in queues if r < len(fs)}
+                    held = self._gather_round(arrays, {k: f.source for k, f in batch.items()}, bucket)
+                    for k, f in batch.items():
+                        staged = tr.Staged(bucket=bucket, main=held[k], owner=self.mover)
+                        out.append((f, self.mover.transfer(staged, f.target.slot, f.target.rows)))
+                        self.stats.fetches += 1
+                        self.stats.fetched_bytes += int(held[k].nbytes)
         return out
 
     def pieces(self, entry: Entry) -> list[np.ndarray]:
         """An entry of another device as host arrays, per stored leaf in the pools' dtypes (`Mover.views`)."""
         bucket = self.mover.bucket(entry.length)
-        slots = np.zeros(self.size, np.int32)
-        rows = np.zeros((self.size, bucket * self.mover.page), np.int32)
-        slots[entry.device] = entry.slot
-        rows[entry.device, : entry.length] = entry.rows
         with self.engine.pools.lock:
-            main = self._gather_program(bucket)(self.arrays(), jax.device_put(slots, self._sharded),
-                                                jax.device_put(rows, self._sharded))
-        data = next(s.data for s in main.addressable_shards if s.device == self.devices[entry.device])
-        staged = tr.Staged(bucket=bucket, main=np.asarray(jax.device_get(data)), owner=self.mover)
+            held = self._gather_round(self.arrays(), {entry.device: entry}, bucket)[entry.device]
+        staged = tr.Staged(bucket=bucket, main=np.asarray(jax.device_get(held)), owner=self.mover)
         return [np.array(a) for a in staged.views(entry.length)[0]]
 
     def scatter_programs(self, transfer: tr.Transfer):
