@@ -169,6 +169,7 @@ class Sampled:
     left on the device until `logprobs()` asks for them."""
 
     def __init__(self, ids, chosen, top_ids, top_logprobs):
+        ids.copy_to_host_async()  # queued behind the step, so reading `ids` waits for the step alone
         self.device_ids = ids
         self._ids: np.ndarray | None = None
         self._device = (chosen, top_ids, top_logprobs)
@@ -747,6 +748,7 @@ class StableEngine(Engine):
         commit = None if kind == "pic" else self.programs.get(ProgramKey("commit", key.tokens, 0))
         with self.pools.lock:
             logits, writes, decode = program(self.params, lay.pack(arrays), self._pool_arrays())
+            logits.copy_to_host_async()  # queued behind the program: no host round trip once it ends
             if commit is not None:
                 self._write_pools(commit, writes)
         return logits, decode
