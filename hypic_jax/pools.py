@@ -27,8 +27,9 @@ from hypic_jax.cache import tree_nbytes
 from hypic_jax.models.layer_stack import LayerPlan, pool_stack
 
 
-class PoolFull(Exception):
-    """No free slot or pages even after evicting every entry that no request holds."""
+class PoolFull(ValueError):
+    """No free slot or pages even after evicting every entry that no request holds: the request needs more pool
+    room at once than the cache has (a `ValueError`: the server answers 400 and goes on serving)."""
 
 
 class Pools:
@@ -98,12 +99,16 @@ class Pools:
         """(slot, rows [tokens]) for a new entry, evicting through `evict()` (False: nothing left to evict)."""
         need = -(-tokens // self.page)
         if need > self.pages - 1:
-            raise PoolFull(f"an entry of {tokens} tokens needs {need} pages; the pools hold {self.pages - 1}")
+            raise PoolFull(f"a cache entry of {tokens} tokens needs {need} pages of {self.page} tokens; the pools "
+                           f"hold {self.pages - 1} (raise cache_bytes, or send shorter segments)")
         with self.lock:
             while not self._free_slots or len(self._free_pages) < need:
                 if not evict():
-                    raise PoolFull(f"no room for an entry of {tokens} tokens: every cached entry is in use by a "
-                                   f"running request (raise cache_bytes)")
+                    raise PoolFull(f"no room in the cache for an entry of {tokens} tokens: the entries left "
+                                   f"({self.slots - 1 - len(self._free_slots)} of {self.slots - 1} slots, "
+                                   f"{self.pages - 1 - len(self._free_pages)} of {self.pages - 1} pages) are all "
+                                   f"held by this request or another running one (raise cache_bytes, or send "
+                                   f"fewer or shorter segments)")
             slot = self._free_slots.pop()
             pages = [self._free_pages.pop() for _ in range(need)]
         rows = (np.asarray(pages, np.int32)[:, None] * self.page + np.arange(self.page, dtype=np.int32)).reshape(-1)

@@ -880,18 +880,23 @@ class StableEngine(Engine):
         docs, query = ids[:-1], ids[-1]
         keys, hits = self._prefix_hits(docs, ids, salt, pins)
         self._finish_promotions()
-        spans, fresh, stores, position = [], [], [], 0
+        spans, fresh, stores, position, full = [], [], [], 0, False
         for j, doc in enumerate(docs):
             if j < len(hits):
                 e = hits[j]
                 spans.append(lay.Span(lay.CACHED, len(doc), canonical_start=position, slot=e.slot, kv_rows=e.rows,
                                       snapshot=True))
             else:
-                entry = self._new_entry("prefix", keys[j], doc, 0, pins)
-                spans.append(lay.Span(lay.FRESH, len(doc), record_from=0, record_slot=entry.slot,
+                try:  # recording is optional here: a prefix the pools cannot hold is computed, not cached
+                    entry = None if full else self._new_entry("prefix", keys[j], doc, 0, pins)
+                except PoolFull:
+                    entry, full = None, True
+                spans.append(lay.Span(lay.FRESH, len(doc)) if entry is None else
+                             lay.Span(lay.FRESH, len(doc), record_from=0, record_slot=entry.slot,
                                       record_rows=entry.rows))
                 fresh.append(doc)
-                stores.append(entry)
+                if entry is not None:
+                    stores.append(entry)
             position += len(doc)
         spans.append(lay.Span(lay.FRESH, len(query)))
         fresh.append(query)
@@ -1157,6 +1162,8 @@ class StableEngine(Engine):
             slot, rows = self._allocate(pieces.length)
         except PoolFull:
             self.tiers.give_back(pieces, tier)
+            if kind == "prefix":  # a prefix cache computes what it cannot hold: a miss from here on
+                return None
             raise
         entry = Entry(key=key, tokens=pieces.tokens, kind=kind, seam=seam, layers=None,
                       nbytes=self.pools.entry_bytes(pieces.length), slot=slot, rows=rows, uses=pieces.uses)

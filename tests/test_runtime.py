@@ -156,6 +156,32 @@ def test_generate_and_limits(engines):
     assert accounted() == (engine.pools.slots - 1, engine.pools.pages - 1)
 
 
+@on_worker_of("runtime-qwen_moe")
+def test_a_cache_too_small_for_a_request(engines):
+    """Pools with room for one entry at a time: `prefix_cache` records the prefixes that fit and computes the
+    rest (equal to full recompute, on a miss and on a hit); a PIC request, whose entries must all be in the pools
+    at once, is refused with a ValueError that names the cache (the server's 400), gives its room back, and the
+    engine serves the next request."""
+    _, model, vocab = engines("qwen_moe")
+    kwargs = dict(max_prompt_tokens=256, max_segments=8, token_rungs=(256,), max_new_tokens=0)
+    probe = StableEngine(model, cache_bytes=1, **kwargs).pools
+    engine = StableEngine(model, cache_bytes=probe.slot_bytes + 512 * probe.token_bytes, **kwargs)
+    assert engine.pools.slots == 2  # slot 0 is the null one: one entry fits
+    rng = np.random.default_rng(5)
+    segs = [rng.integers(3, vocab, n).tolist() for n in (20, 33, 7, 5)]
+    full = engine.prefill(segs, mode="full_recompute")
+    misses = engine.prefill(segs, mode="prefix_cache")
+    hit = engine.prefill(segs, mode="prefix_cache")
+    assert (misses.stats.hits, hit.stats.hits) == (0, 1)  # the first prefix was recorded, the others computed
+    for out in (misses, hit):
+        assert _rel(out.logits, full.logits) < 1e-5
+    with pytest.raises(ValueError, match="no room in the cache"):
+        engine.prefill(segs, mode="transition_rope_recompute", seam=4)
+    assert engine.pools.free_slots() + len(engine.cache) == 1
+    again = engine.prefill(segs, mode="full_recompute")
+    assert _rel(again.logits, full.logits) < 1e-6
+
+
 def test_padding_is_inert_across_capacities():
     """One layout built into two capacities gives the same arrays where the smaller one has them."""
     spans = [lay.Span(lay.FRESH, 5), lay.Span(lay.CACHED, 7, canonical_start=2, slot=3, kv_rows=np.arange(16, 23)),
