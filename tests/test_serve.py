@@ -311,6 +311,25 @@ async def _ask(client: httpx.AsyncClient, path: str, body: dict):
     return ids, reason
 
 
+def test_a_request_the_cache_cannot_hold_is_a_400(served, monkeypatch):
+    """A PIC request whose entries do not fit the pools (simulated: every allocation refused) is answered 400 in
+    OpenAI's shape with the engine's message, not 500, and the server serves the next request."""
+    from hypic_jax.pools import PoolFull
+
+    def full(tokens, evict):
+        raise PoolFull(f"no room in the cache for an entry of {tokens} tokens")
+
+    monkeypatch.setattr(served["engine"].pools, "allocate", full)
+    segments = [[21, 22, 23, 24, 25, 26, 27], [28, 29, 30, 31, 32, 33], [34, 35]]  # documents not cached yet
+    response = _post(served, "/v1/completions", dict(segments=segments, max_tokens=2, temperature=0))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "no room in the cache" in error["message"]
+    monkeypatch.undo()
+    ok = _post(served, "/v1/completions", dict(segments=segments, max_tokens=2, temperature=0))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
 def test_64_concurrent_clients_match_one_at_a_time(served):
     requests = [_mixed(i, served) for i in range(64)]
     scheduler = served["server"].scheduler
