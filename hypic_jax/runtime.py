@@ -252,7 +252,7 @@ class Programs:
                                        want_decode=key.kind != "cold", want_writes=key.kind != "pic",
                                        algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
                                        fold_impl=engine.fold_impl),
-                     compiler_options=SPAN_OPTIONS)  # without the dot merger (`hypic_jax.engine`; rag_trace.py)
+                     compiler_options=span_options(key.kind))
         packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
         return fn.lower(shapes(engine.params), packed, shapes(engine.pools.arrays))
 
@@ -295,7 +295,7 @@ class Programs:
             key, capacity, engine.ladder.max_pieces, engine.ladder.records, engine.ladder.chunk, engine.ladder.conv,
             engine.arch.__name__, repr(engine.config), engine.compose_algorithm, engine.linear_impl,
             engine.fold_impl, engine.top_logprobs, engine.max_batch, engine.max_keys, engine.slot_layouts,
-            repr(sorted(SPAN_OPTIONS.items())), *self._signature)
+            repr(sorted(span_options(key.kind).items())), *self._signature)
 
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
@@ -377,6 +377,15 @@ class Programs:
     def report(self) -> list[dict]:
         return [dict(kind=k.kind, tokens=k.tokens, keys=k.keys, compile_s=round(s, 3))
                 for k, s in sorted(self._seconds.items())]
+
+
+def span_options(kind: str) -> dict:
+    """XLA options of the span program of `kind`: without the dot merger (`engine.SPAN_OPTIONS`), and the stitched
+    (pic) program also without XLA's Triton GEMMs. Inside the scan over the layers those take their weights as
+    copies sliced out of the stacked arrays (eight per layer and request: 1.3 ms at 20 layers of the 35B-A3B shape
+    on an H100), where cuBLAS reads them in place (bench/RESULTS.md, "The weights' copies and the logits"). The
+    cold and plain programs keep them until their large products are measured without."""
+    return {**SPAN_OPTIONS, "xla_gpu_enable_triton_gemm": False} if kind == "pic" else SPAN_OPTIONS
 
 
 def _span_program(params, packed, pools, *, arch, config, capacity, isolated, summaries, want_decode, algorithm,

@@ -621,7 +621,7 @@ def hidden_states(
 def lm_head(params: dict[str, Any], config: KimiLinearConfig, x: Array) -> Array:
     """Hidden states [..., D] -> float32 logits [..., vocab]."""
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+    return layers.logits(x.astype(jnp.result_type(x, head)), head)
 
 
 def forward(

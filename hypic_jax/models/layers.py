@@ -22,6 +22,24 @@ from hypic_jax.rope import apply_rope
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Logits
+
+
+def logits(x: Array, weight: Array) -> Array:
+    """float32 logits of hidden states x [..., H] through the head weight [H, V], multiplied in x's dtype.
+
+    One row (a span program's last token) is multiplied as two rows, the second zero: XLA's GPU backend hands a
+    one-row product to cuBLAS's gemv, which it feeds float32 operands, so the whole head was converted to float32
+    first (1 GB at the 35B-A3B shape, read and written once per request; `bench/rag_trace.py --profile-dir`,
+    bench/RESULTS.md); as a two-row product it stays a bfloat16 product with float32 results."""
+    weight = weight.astype(x.dtype)
+    if x.ndim == 1:
+        rows = jnp.stack([x, jnp.zeros_like(x)])
+        return jnp.dot(rows, weight, preferred_element_type=jnp.float32)[0]
+    return jnp.dot(x, weight, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Norms
 
 

@@ -469,9 +469,8 @@ def hidden_states(
 
 
 def lm_head(params: dict, config: Config, x: Array) -> Array:
-    """float32 logits of hidden states x [..., H]."""
-    weight = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    """float32 logits of hidden states x [..., H] (`layers.logits`)."""
+    return layers.logits(x, params["embed"].T if config.tie_word_embeddings else params["lm_head"])
 
 
 def forward(

@@ -439,7 +439,7 @@ def _no_conv(batch: int, dtype) -> Array:
 
 def unembed(params: Params, x: Array) -> Array:
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return layers.logits(x, head)
 
 
 def hidden_states(params: Params, config: RingLinearConfig, tokens: Array,
