@@ -384,7 +384,7 @@ def span_options(kind: str) -> dict:
     (pic) program also without XLA's Triton GEMMs. Inside the scan over the layers those take their weights as
     copies sliced out of the stacked arrays (eight per layer and request: 1.3 ms at 20 layers of the 35B-A3B shape
     on an H100), where cuBLAS reads them in place (bench/RESULTS.md, "The weights' copies and the logits"). The
-    cold and plain programs keep them: their large products are faster as Triton fusions (same section)."""
+    cold and plain programs keep them: they are measured faster with them (same section)."""
     return {**SPAN_OPTIONS, "xla_gpu_enable_triton_gemm": False} if kind == "pic" else SPAN_OPTIONS
 
 
