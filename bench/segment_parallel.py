@@ -13,6 +13,7 @@ calibrated once (`SegmentMesh.calibrate`) and shared by every engine.
 
     python bench/segment_parallel.py --small     # CPU: a tiny model on 8 forced host devices (they share the cores)
     python bench/segment_parallel.py             # the 35B-A3B shape, random bf16 weights, on the GPUs present
+    python bench/segment_parallel.py --tensor-parallel 2   # every engine but the baseline split over 2 devices
 
 Programs compile on first use (an untimed first run of each case), not through `warmup`, so that only the rungs a
 case needs are compiled.
@@ -126,6 +127,10 @@ def main() -> None:
     parser.add_argument("--query", type=int, default=64)
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--policies", nargs="+", default=["lpt", "rr"], choices=parallel.POLICIES)
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="M",
+                        help="split the model over the first M devices in every engine but the single-device "
+                             "baseline (StableEngine(tensor_parallel=M)), and add a row of that engine without "
+                             "a segment mesh")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-gb", type=float, default=None,
                         help="each engine's pool budget (default: 16 MiB small, 12 GiB full; at most two engines "
@@ -178,24 +183,36 @@ def main() -> None:
     report["cost"] = cost.as_dict()
     print(json.dumps(dict(cost=report["cost"])), flush=True)
 
+    split = dict(tensor_parallel=args.tensor_parallel) if args.tensor_parallel else {}
+    report["tensor_parallel"] = args.tensor_parallel
     for name, request in cases.items():
         row = dict(case=name, devices=0, policy="plain", **serve(plain, request, args.repeats))
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
+    if split:
+        engine = StableEngine(model, **base, **split)
+        for name, request in cases.items():
+            row = dict(case=name, devices=0, policy="plain", **split, **serve(engine, request, args.repeats))
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del engine
+        gc.collect()
     shared: dict[int, tuple] = {}
     for n in counts:
         for policy in args.policies:
-            engine = StableEngine(model, **base, devices=n, policy=policy)
-            engine.programs = plain.programs
+            engine = StableEngine(model, **base, devices=n, policy=policy, **split)
+            if not split:  # the single-device programs are shared: same shapes and placement
+                engine.programs = plain.programs
             mesh = engine.segment_mesh
             mesh.cost = cost
             if n in shared:
                 mesh._cold, mesh._commit = shared[n]
             for name, request in cases.items():
-                row = dict(case=name, devices=n, policy=policy, **serve(engine, request, args.repeats))
-                fetched = mesh.pools.stats.fetches
+                row = dict(case=name, devices=n, policy=policy, **split, **serve(engine, request, args.repeats))
+                fetched = mesh.pools.stats.fetches if mesh.pools is not None else 0
                 row["phases"] = phases(engine, request)
-                row["phases"]["entries_copied_home"] = mesh.pools.stats.fetches - fetched
+                if mesh.pools is not None:  # beside a model split the records come back gathered instead
+                    row["phases"]["entries_copied_home"] = mesh.pools.stats.fetches - fetched
                 docs = request[:-1]
                 bins = mesh.plan([len(d) for d in docs])
                 row["bins_tokens"] = [sum(len(docs[i]) for i in b) for b in bins]

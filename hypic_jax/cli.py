@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="prefill a request's cold (missing) segments in parallel over the first N devices, one "
                             "bin of segments per device (hypic_jax.segment_mesh); the entry pools, the stitched "
                             "prefill and decoding stay on the first device. Default: one device")
+    serve.add_argument("--tensor-parallel-size", "--tp", type=_device_count, default=None, metavar="M",
+                       help="split the model, the entry pools and every program over the first M devices (tensor "
+                            "parallelism: StableEngine(tensor_parallel=M)); not with the host, disk or peer tiers. "
+                            "Default: one device")
     serve.add_argument("--policy", default="lpt", choices=POLICIES,
                        help="how --devices splits the cold segments: lpt (costliest first onto the least-loaded "
                             "device, on a cost model calibrated at warmup) or rr (round-robin); default lpt")

@@ -73,9 +73,18 @@ def environment() -> str:
 
 
 def describe(tree) -> str:
-    """A tree of arrays or ShapeDtypeStructs as text: its structure and every leaf's shape and dtype."""
+    """A tree of arrays or ShapeDtypeStructs as text: its structure, every leaf's shape and dtype, and the split
+    of a leaf over several devices (a program takes its arguments where they lie)."""
     leaves, structure = jax.tree.flatten(tree)
-    return f"{structure}|" + ";".join(f"{tuple(a.shape)}:{a.dtype}" for a in leaves)
+    return f"{structure}|" + ";".join(f"{tuple(a.shape)}:{a.dtype}{_placement(a)}" for a in leaves)
+
+
+def _placement(leaf) -> str:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.device_set) == 1:
+        return ""
+    mesh = sharding.mesh
+    return f"@{dict(mesh.shape)}{[d.id for d in mesh.devices.flat]}{sharding.spec}"
 
 
 class ExecutableStore:

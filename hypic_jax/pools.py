@@ -11,6 +11,10 @@ reads them by the slot and row arrays of its layout and writes its records into 
 Slot 0 and page 0 belong to no entry: a layout's padded reads point there (its writes that record nothing are
 dropped instead, see `hypic_jax.layout`).
 
+Over a model mesh (tensor parallelism: `StableEngine(tensor_parallel=M)`) every pool is split over the mesh's
+"model" axis along the first axis of its entries' pieces that M divides (the heads of a state, else its channels),
+so each device holds 1/M of every entry; the programs read and write the pools where they lie.
+
 Allocation is on the host. When the pools are full, the owner evicts entries (least recently used first, never
 one a running request holds) until the new entry fits; `Pools.free` returns an evicted entry's slot and pages.
 """
@@ -22,9 +26,31 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hypic_jax.cache import tree_nbytes
 from hypic_jax.models.layer_stack import LayerPlan, pool_stack
+
+
+def split_spec(shape: tuple[int, ...], parts: int, axis: str = "model") -> PartitionSpec:
+    """The split of a pool array [S or R, *piece] over `parts` devices: the first axis of the piece that `parts`
+    divides (none: replicated)."""
+    spec = [None] * len(shape)
+    for i in range(1, len(shape)):
+        if shape[i] % parts == 0:
+            spec[i] = axis
+            break
+    return PartitionSpec(*spec)
+
+
+def _maker(device) -> Callable:
+    """pool_stack's allocator on `device`: a jax device or sharding; a sharding over a mesh with a "model" axis
+    of several devices splits each pool over it (`split_spec`)."""
+    if isinstance(device, NamedSharding) and device.mesh.shape.get("model", 1) > 1:
+        parts = device.mesh.shape["model"]
+        return lambda shape, dtype: jnp.zeros(shape, dtype,
+                                              device=NamedSharding(device.mesh, split_spec(shape, parts)))
+    return lambda shape, dtype: jnp.zeros(shape, dtype, device=device)
 
 
 class PoolFull(ValueError):
@@ -51,7 +77,7 @@ class Pools:
         self.lock = threading.RLock()
         # a PoolStack: per part of the plan (a layer, or a pattern position's layers) one tree of arrays
         # on `device` (a jax device; None: the default one)
-        make = None if device is None else (lambda shape, dtype: jnp.zeros(shape, dtype, device=device))
+        make = None if device is None else _maker(device)
         self.arrays = pool_stack(layers, self.plan, slots=slots, rows=pages * page, make=make)
         self.layer_pieces = list(layers)
         self.slot_bytes = sum(tree_nbytes(tree) for kind, tree in layers if kind == "slot")
@@ -61,14 +87,14 @@ class Pools:
 
     @classmethod
     def for_budget(cls, layers: list[tuple[str, Any]], budget_bytes: int, *, mean_tokens: int = 512,
-                   page: int = 16, plan: LayerPlan | None = None) -> "Pools":
+                   page: int = 16, plan: LayerPlan | None = None, device=None) -> "Pools":
         """Pools sized for `budget_bytes`, split as if entries held `mean_tokens` tokens each."""
         slot_bytes = sum(tree_nbytes(t) for k, t in layers if k == "slot")
         token_bytes = sum(tree_nbytes(t) for k, t in layers if k == "token")
         per_entry = slot_bytes + mean_tokens * token_bytes
         slots = max(2, int(budget_bytes // max(1, per_entry)) + 1)
         pages = max(2, -(-(slots - 1) * mean_tokens // page) + 1)
-        return cls(layers, slots=slots, pages=pages, page=page, plan=plan)
+        return cls(layers, slots=slots, pages=pages, page=page, plan=plan, device=device)
 
     def like(self, device) -> "Pools":
         """Empty pools of the same shapes and capacity on another device."""

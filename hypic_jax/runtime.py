@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.layout import Format, Layout
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hypic_jax import executables
 from hypic_jax import layout as lay
@@ -53,7 +54,7 @@ from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
 from hypic_jax.engine import (MODES, SPAN_OPTIONS, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens,
                               use_compile_cache)
-from hypic_jax.models.base import ModelCache
+from hypic_jax.models.base import ModelCache, shard_params
 from hypic_jax.models.layer_stack import LayerPlan, LayerStack, stacked_like
 from hypic_jax.pools import PoolFull, Pools
 
@@ -223,48 +224,73 @@ class Programs:
 
     def _lower(self, key: ProgramKey):
         engine = self.engine
-        shapes = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+        shapes = self._abstract
+        jit = self._jit
         if key.kind == "decode":
-            decode = engine._decode_shapes()
-            fn = jax.jit(functools.partial(_decode, arch=engine.arch, config=engine.config), donate_argnums=2)
-            return fn.lower(shapes(engine.params), jax.ShapeDtypeStruct((), jnp.int32), decode)
+            fn = jit(functools.partial(_decode, arch=engine.arch, config=engine.config), donate_argnums=2)
+            return fn.lower(*shapes((engine.params, jax.ShapeDtypeStruct((), jnp.int32), engine._decode_shapes())))
         if key.kind == "commit":
-            fn = jax.jit(_commit, donate_argnums=0)
-            return fn.lower(shapes(engine.pools.arrays), engine._writes_shapes(key.tokens))
+            fn = jit(_commit, donate_argnums=0, out_shardings=self.pool_shardings())
+            return fn.lower(*shapes((engine.pools.arrays, engine._writes_shapes(key.tokens))))
         if key.kind in ("insert", "insert_full"):
             layers = engine._decode_shapes().layers
-            args = (shapes(engine._slot_shapes()), jax.ShapeDtypeStruct((), jnp.int32), layers,
-                    jax.ShapeDtypeStruct((engine.vocab_size,), jnp.float32), SamplingRows.shapes(1))
+            args = shapes((engine._slot_shapes(), jax.ShapeDtypeStruct((), jnp.int32), layers,
+                           jax.ShapeDtypeStruct((engine.vocab_size,), jnp.float32), SamplingRows.shapes(1)))
             body = functools.partial(_insert, top_n=engine.top_logprobs, full=key.kind == "insert_full")
             return self._slot_jit(body, args, 0, self.slot_formats()).lower(*args)
         if key.kind in ("batch", "batch_full"):
             rows = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
-            args = (shapes(engine.params), shapes(engine._slot_shapes()), rows, rows, SamplingRows.shapes(key.tokens))
+            args = shapes((engine.params, engine._slot_shapes(), rows, rows, SamplingRows.shapes(key.tokens)))
             body = functools.partial(_batch_decode, arch=engine.arch, config=engine.config, rows=key.tokens,
                                      top_n=engine.top_logprobs, full=key.kind == "batch_full")
             # the largest bucket chooses the cache's layouts (slot_layouts="auto"); the rest take its choice
             chooses = key == self._layout_key()
-            formats = Format(Layout.AUTO) if chooses else self.slot_formats()
+            formats = Format(Layout.AUTO, engine.placement) if chooses else self.slot_formats()
             return self._slot_jit(body, args, 1, formats).lower(*args)
         capacity = engine._capacity(key)
-        fn = jax.jit(functools.partial(_span_program, arch=engine.arch, config=engine.config, capacity=capacity,
-                                       isolated=key.kind == "cold", summaries=key.kind != "plain",
-                                       want_decode=key.kind != "cold", want_writes=key.kind != "pic",
-                                       algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
-                                       fold_impl=engine.fold_impl),
-                     compiler_options=span_options(key.kind))
+        fn = jit(functools.partial(_span_program, arch=engine.arch, config=engine.config, capacity=capacity,
+                                   isolated=key.kind == "cold", summaries=key.kind != "plain",
+                                   want_decode=key.kind != "cold", want_writes=key.kind != "pic",
+                                   algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
+                                   fold_impl=engine.fold_impl),
+                 compiler_options=span_options(key.kind))
         packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
-        return fn.lower(shapes(engine.params), packed, shapes(engine.pools.arrays))
+        return fn.lower(*shapes((engine.params, packed, engine.pools.arrays)))
 
-    @staticmethod
-    def _slot_jit(body, args, slot_arg: int, formats):
+    def _abstract(self, tree):
+        """Abstract values of a program's arguments: arrays with their shardings; on a model mesh every value
+        without one (layouts, tokens, the decode caches) replicated over it (`StableEngine.placement`)."""
+        placement = self.engine.placement
+
+        def leaf(a):
+            sharding = getattr(a, "sharding", None)
+            if placement is not None and not isinstance(sharding, jax.sharding.Sharding):
+                sharding = placement
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        return jax.tree.map(leaf, tree)
+
+    def _jit(self, fn, out_shardings=None, **options):
+        """jax.jit; on a model mesh with its results where the next program expects them: `out_shardings`
+        (the pools' own, for a program that returns them), else replicated over the mesh."""
+        if self.engine.placement is not None:
+            options["out_shardings"] = out_shardings or self.engine.placement
+        return jax.jit(fn, **options)
+
+    def pool_shardings(self):
+        """The pools' shardings (a tree like them) on a model mesh, else None."""
+        if self.engine.placement is None:
+            return None
+        return jax.tree.map(lambda a: a.sharding, self.engine.pools.arrays)
+
+    def _slot_jit(self, body, args, slot_arg: int, formats):
         """jit of a program that takes the decode cache as argument `slot_arg` (donated) and returns it last, with
         the cache in `formats` (None: the default layouts) on the way in and out."""
         if formats is None:
-            return jax.jit(body, donate_argnums=slot_arg)
+            return self._jit(body, donate_argnums=slot_arg)
         outputs = jax.eval_shape(body, *args)
         in_shardings = tuple(formats if i == slot_arg else None for i in range(len(args)))
-        out_shardings = tuple([None] * (len(outputs) - 1) + [formats])
+        out_shardings = tuple([self.engine.placement] * (len(outputs) - 1) + [formats])
         return jax.jit(body, donate_argnums=slot_arg, in_shardings=in_shardings, out_shardings=out_shardings)
 
     def _layout_key(self) -> ProgramKey | None:
@@ -377,6 +403,77 @@ class Programs:
     def report(self) -> list[dict]:
         return [dict(kind=k.kind, tokens=k.tokens, keys=k.keys, compile_s=round(s, 3))
                 for k, s in sorted(self._seconds.items())]
+
+
+def model_placement(params) -> NamedSharding | None:
+    """Where the engine's own arrays (pools, decode caches, layouts) go: None (the default device) for parameters
+    on one device, else replicated over the parameters' mesh."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
+            return NamedSharding(sharding.mesh, PartitionSpec())
+    return None
+
+
+def tensor_parallel_mesh(tensor_parallel) -> Mesh:
+    """A ("data", "model") mesh of 1 x M devices for `tensor_parallel`: a count M (this process's first M devices)
+    or a sequence of jax devices."""
+    if isinstance(tensor_parallel, (int, np.integer)) and not isinstance(tensor_parallel, bool):
+        available = jax.local_devices()
+        if not 1 <= tensor_parallel <= len(available):
+            raise ValueError(f"tensor_parallel={tensor_parallel}: this process has {len(available)} device(s)")
+        devices = available[:tensor_parallel]
+    else:
+        devices = list(tensor_parallel)
+        if not devices or len({d.id for d in devices}) != len(devices):
+            raise ValueError("tensor_parallel must be a positive count or a non-empty sequence of distinct jax "
+                             "devices")
+    return Mesh(np.asarray(devices, dtype=object).reshape(1, len(devices)), ("data", "model"))
+
+
+def place_tensor_parallel(arch, config, params, tensor_parallel):
+    """`params` split over a tensor-parallel mesh (`tensor_parallel_mesh`) by the architecture's `param_specs`
+    (Megatron-style column and row splits of the projections, experts over "model")."""
+    mesh = tensor_parallel_mesh(tensor_parallel)
+    if mesh.size == 1:  # one device: where the engine's arrays go by default, or refused
+        if mesh.devices.flat[0] != jax.devices()[0]:
+            raise ValueError(f"tensor_parallel={tensor_parallel}: a split over one device other than the default "
+                             f"one; place the model there instead")
+        return params
+    specs = arch.param_specs(config)
+    if isinstance(params["layers"], LayerStack):
+        specs = dict(specs, layers=_stacked_specs(params["layers"], specs["layers"]))
+    try:
+        return shard_params(params, specs, mesh)
+    except ValueError as error:
+        raise ValueError(f"tensor_parallel={mesh.shape['model']}: the parameters of {arch.__name__} do not split "
+                         f"evenly over {mesh.shape['model']} devices (each split axis, such as the heads, must be "
+                         f"divisible by it): {error}") from error
+
+
+def _stacked_specs(stack: LayerStack, layer_specs) -> LayerStack:
+    """The per-layer PartitionSpecs `layer_specs` for the layers stacked in `stack`: a stacked part's leaves (or
+    chunks of experts) take their layer's spec behind the new leading axis."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    parts = []
+    for part, tree in enumerate(stack.parts):
+        spec = layer_specs[stack.plan.layer(part)]
+        if stack.plan.members(part) == 1:
+            parts.append(spec)
+        else:
+            parts.append(jax.tree.map(lambda p, sub: jax.tree.map(lambda _: PartitionSpec(None, *p), sub),
+                                      spec, tree, is_leaf=is_spec))
+    return LayerStack(tuple(parts), stack.plan)
+
+
+def _check_model_mesh_options(host_cache_bytes, disk_cache_dir, peer_cache_bytes) -> None:
+    """The tiers below the pools move entries between one device and the host; over a model mesh the engine
+    keeps its entries in the pools only."""
+    used = [name for name, on in (("host_cache_bytes", host_cache_bytes), ("disk_cache_dir", disk_cache_dir),
+                                  ("peer_cache_bytes", peer_cache_bytes)) if on]
+    if used:
+        raise ValueError(f"{', '.join(used)}: the host, disk and peer tiers need the model on one device; with "
+                         f"tensor parallelism the engine keeps its entries in the device pools only")
 
 
 def span_options(kind: str) -> dict:
@@ -530,6 +627,12 @@ class StableEngine(Engine):
     In one process each of those devices holds entry pools of `cache_bytes` of its own, where the entries its bins
     compute stay; the stitched program reads copies of them on the first device (`hypic_jax.mesh_pools`).
 
+    tensor_parallel (None: one device): a count M or a list of jax devices over which the parameters (by the
+    architecture's `param_specs`), the pools (`pools.split_spec`) and every program are split, a ("data", "model")
+    mesh of 1 x M; a model loaded with `hypic_jax.load(mesh=...)` is followed without it. With `devices=` beside it
+    the cold bins' records come back gathered into the split pools (`segment_mesh`). The host, disk and peer tiers
+    are refused with it (docs/api.md, "Tensor parallelism").
+
     scan_layers: run the model's repeating layers as one scan in the span and decode programs (`layer_stack`; a
     program then compiles one period of the pattern instead of every layer: `bench/layer_scan.py`). The engine
     keeps a stacked copy of the layers unless the model's are stacked already (`stack_layers`), and the decode
@@ -567,7 +670,7 @@ class StableEngine(Engine):
                  host_bandwidth: float | None = None, disk_bandwidth: float | None = None,
                  disk_write_through: bool = False, tier_dtype: str | None = None,
                  tier_transfer_tol: float | None = None, host_memory: str = "pinned", peer_cache_bytes: int = 0,
-                 devices=None,
+                 devices=None, tensor_parallel=None,
                  policy: str = "lpt", linear_impl: str | None = "auto", scan_layers: bool = True,
                  fold_impl: str = "auto", slot_layouts: str = "auto"):
         if not hasattr(model.arch, "span_forward_arrays"):
@@ -597,9 +700,15 @@ class StableEngine(Engine):
         self.plan = layer_plan(self.model, scan=scan_layers)
         # the span programs scan the repeating layers: stacked parameters (a copy, unless the model's are stacked
         # already: `stack_layers`) and pools stored by the same plan
+        if tensor_parallel is not None:
+            self.params = place_tensor_parallel(self.arch, self.config, self.params, tensor_parallel)
+        self.placement = model_placement(self.params)
+        if self.placement is not None:
+            _check_model_mesh_options(host_cache_bytes, disk_cache_dir, peer_cache_bytes)
         self.params = dict(self.params, layers=LayerStack.build(self.params["layers"], self.plan))
         budget = cache_bytes if cache_bytes is not None else 1 << 30
-        self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens, plan=self.plan)
+        self.pools = Pools.for_budget(pieces, budget, mean_tokens=mean_entry_tokens, plan=self.plan,
+                                      device=self.placement)
         self._init_tiers(host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, host_bandwidth,
                          disk_bandwidth, disk_write_through, tier_dtype, tier_transfer_tol, host_memory,
                          peer_cache_bytes, devices)
@@ -1028,7 +1137,7 @@ class StableEngine(Engine):
             if self._fill_slots is None:  # kept: a cache lost to a failed step is remade without compiling
                 shapes = self._slot_shapes()
                 self._fill_slots = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                                           out_shardings=self.programs.slot_formats())
+                                           out_shardings=self.programs.slot_formats() or self.placement)
             self._slots = self._fill_slots()
         return self._slots
 

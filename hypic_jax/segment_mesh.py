@@ -18,7 +18,9 @@ Across processes (`hypic_jax.multihost`, one process per host) the mesh holds ev
 keeps its own pools on its own device and runs the same requests in the same order, so every process needs every
 bin's records: the cold program returns them replicated (gathered over the mesh; its logits stay sharded, nothing
 reads them) and each process commits all of them from its own copy into its home pools (the devices receive a
-two-row stand-in of the pools, which an isolated layout never reads). The processes run the collective program on
+two-row stand-in of the pools, which an isolated layout never reads). An engine whose model is split over a model
+mesh (`StableEngine(tensor_parallel=...)`) takes its records the same way, gathered, and commits them into its split
+pools, where its stitched program reads them. The processes run the collective program on
 the coordinator's bins (`agree`) after waiting for one another (`sync`), so a missing process fails a request with
 a clear error instead of leaving the others inside the collective.
 """
@@ -119,6 +121,12 @@ class SegmentMesh:
         # devices of other processes (`hypic_jax.multihost`): every process holds every record, so the records come
         # back replicated (gathered over the mesh) instead of staying with the bin that made them
         self.multiprocess = len({d.process_index for d in self.devices}) > 1
+        if self.multiprocess and engine.placement is not None:
+            raise ValueError("tensor parallelism (a model mesh) with a segment mesh across processes is not "
+                             "supported: run one process, or keep the model on one device per process")
+        # the records come back gathered and are committed into the engine's pools: across processes (above) and
+        # where those pools span a model mesh (tensor parallelism), whose stitched program reads them there
+        self.gathered = self.multiprocess or engine.placement is not None
         # set by `hypic_jax.multihost.Runner`: `agree(tag, value)` returns the coordinator's value, `sync(tag)` waits
         # for every process (or fails with a clear error); so the processes run the same programs on the same bins
         self.agree: Callable[[str, Any], Any] | None = None
@@ -132,7 +140,7 @@ class SegmentMesh:
         self.last: dict | None = None
         self.pools = None  # a pool per device (`MeshPools`), in one process
         self.standin = None  # across processes: two rows per part (the part specs keep the real rows)
-        if self.multiprocess:
+        if self.gathered:
             standin = jax.tree.map(lambda a: jnp.zeros((min(2, a.shape[0]),) + a.shape[1:], a.dtype),
                                    engine.pools.arrays)
             self.standin = jax.device_put(standin, self._replicated)
@@ -187,8 +195,9 @@ class SegmentMesh:
         # this process's copy of the gathered records, every bin on one leading axis
         stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.size,) + s.shape, s.dtype),
                                engine._writes_shapes(rung))
-        fn = jax.jit(functools.partial(_commit_stacked, bins=self.size), donate_argnums=0)
-        return fn.lower(self._shapes(engine.pools.arrays), stacked).compile()
+        fn = engine.programs._jit(functools.partial(_commit_stacked, bins=self.size), donate_argnums=0,
+                                  out_shardings=engine.programs.pool_shardings())
+        return fn.lower(*engine.programs._abstract((engine.pools.arrays, stacked))).compile()
 
     def compile(self, rungs: Sequence[int]) -> float:
         """Compile the cold and commit programs of `rungs` and run each once on layouts that record nothing (the
@@ -283,9 +292,13 @@ class SegmentMesh:
 
     def _to_home(self, writes):
         """The gathered records (every bin) as held on the home device (or copied there from another of this
-        process's devices): the commit program's input across processes."""
+        process's devices), or copied to every device of the engine's model mesh: the commit program's input."""
+        placement = self.engine.placement
+
         def local(leaf):
             shards = leaf.addressable_shards
+            if placement is not None:
+                return jax.device_put(shards[0].data, placement)
             held = next((s.data for s in shards if s.device == self.home), None)
             return held if held is not None else jax.device_put(shards[0].data, self.home)
 

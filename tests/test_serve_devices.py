@@ -1,9 +1,10 @@
-"""`hypic-jax serve --devices N --policy P`: the server's cold segments prefilled over a mesh of N devices.
+"""`hypic-jax serve --devices N --policy P`: the server's cold segments prefilled over a mesh of N devices; and
+`--tensor-parallel-size M`: the model split over M devices.
 
-On 2 fake CPU devices (a subprocess: the device count is fixed when JAX starts), with either policy, a request whose
-segments are all cold gives the single-device server's greedy tokens and log-probabilities, its segments split over
-both devices, with nothing compiled after warmup. A device count below 1 or above the devices the process sees,
-and an unknown policy, are refused with an error naming the option.
+On 2 fake CPU devices (a subprocess: the device count is fixed when JAX starts), with either policy, with the model
+split over both devices, and with both at once, a request whose segments are all cold gives the single-device
+server's greedy tokens and log-probabilities, with nothing compiled after warmup. A device count below 1 or above
+the devices the process sees, and an unknown policy, are refused with an error naming the option.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ rng = np.random.default_rng(0)
 segments = [rng.integers(0, 512, n).tolist() for n in (40, 9, 23, 12, 5)]  # the last one is the query
 body = dict(segments=segments, max_tokens=8, temperature=0, logprobs=5, return_token_ids=True)
 out = {}
-for devices, policy in ((None, "lpt"), (2, "lpt"), (2, "rr")):
-    server = build(folder, devices=devices, policy=policy, **options)
+for devices, policy, split in ((None, "lpt", None), (2, "lpt", None), (2, "rr", None), (None, "lpt", 2),
+                               (2, "lpt", 2)):
+    server = build(folder, devices=devices, policy=policy, tensor_parallel=split, **options)
     mesh = server.engine.segment_mesh
     assert (mesh is None) == (devices is None)
+    assert (server.engine.placement is None) == (split is None)
     server.warmup()
     try:
         client = TestClient(server.app)
@@ -53,10 +56,10 @@ for devices, policy in ((None, "lpt"), (2, "lpt"), (2, "rr")):
     answer = response.json()
     pic = answer["usage"]["pic"]
     assert pic["misses"] == 4 and pic["hits"] == 0 and pic["cold_tokens"] > 0, pic
-    if mesh is not None:
-        # both devices prefilled segments, and nothing compiled while serving
+    assert server.engine.stats["programs"]["serving_compiles"] == 0
+    if mesh is not None and split is None:
+        # both devices prefilled segments
         assert mesh.size == 2 and mesh.policy == policy and all(mesh.last["bins"]), mesh.last
-        assert server.engine.stats["programs"]["serving_compiles"] == 0
         # each device keeps the entries it computed; the first device's copies of the other's were fetched
         from prometheus_client.parser import text_string_to_metric_families
         families = {f.name: f for f in text_string_to_metric_families(metrics)}
@@ -66,7 +69,7 @@ for devices, policy in ((None, "lpt"), (2, "lpt"), (2, "rr")):
         fetched = [s.value for s in families["hypic:device_cache_fetches"].samples if s.name.endswith("_total")]
         assert fetched == [other], fetched
     choice = answer["choices"][0]
-    out[f"{devices}-{policy}"] = dict(tokens=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
+    out[f"{devices}-{policy}" + (f"-tp{split}" if split else "")] = dict(tokens=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
                                       top=choice["logprobs"]["top_logprobs"])
 # --peer-cache-gb: a tier on the other device
 peered = build(folder, devices=2, peer_cache_gb=1 / 256, **options).engine.tiers
@@ -81,7 +84,7 @@ def test_two_devices_serve_the_single_device_greedy_answer(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     one = out.pop("None-lpt")
-    assert len(one["tokens"]) == 8 and set(out) == {"2-lpt", "2-rr"}
+    assert len(one["tokens"]) == 8 and set(out) == {"2-lpt", "2-rr", "None-lpt-tp2", "2-lpt-tp2"}
     for name, two in out.items():
         assert two["tokens"] == one["tokens"], name
         assert max(abs(a - b) for a, b in zip(two["logprobs"], one["logprobs"])) <= 1e-4, name
@@ -113,3 +116,9 @@ def test_bad_devices_and_policy_are_refused_naming_the_option(capsys, monkeypatc
         build(policy="random")
     with pytest.raises(ValueError, match="--peer-cache-gb needs --devices"):
         build(peer_cache_gb=0.5)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 0"):
+        build(tensor_parallel=0)
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        build(tensor_parallel=too_many)
+    assert cli.main(["serve", "--tp", str(too_many)]) == 2
+    assert f"--tensor-parallel-size {too_many}" in capsys.readouterr().err

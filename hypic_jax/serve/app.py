@@ -313,7 +313,8 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
           compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
           policy: str = "lpt", slot_layouts: str = "auto", host_cache_gb: float = 0.0,
           disk_cache_dir: str | None = None, disk_cache_gb: float | None = None, eviction: str = "cost",
-          tier_dtype: str | None = None, peer_cache_gb: float = 0.0, **server_options) -> Server:
+          tier_dtype: str | None = None, peer_cache_gb: float = 0.0, tensor_parallel: int | None = None,
+          **server_options) -> Server:
     """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
     load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
     cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the
@@ -321,17 +322,27 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
     max_batch None: `default_max_batch()` (64 decode rows on an accelerator, 8 on the CPU).
     host_cache_gb, disk_cache_dir, disk_cache_gb, eviction, tier_dtype, peer_cache_gb: the cache tiers below the
     device (`StableEngine`'s host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, tier_dtype,
-    peer_cache_bytes)."""
+    peer_cache_bytes). tensor_parallel M > 1: the parameters, the entry pools and every program split over the
+    first M devices (`StableEngine(tensor_parallel=...)`; a model folder is loaded straight into that split); the
+    tiers below the device pools are refused with it."""
     from hypic_jax.parallel import POLICIES
     from hypic_jax.serve.model import default_model, load_folder
 
-    if devices is not None:
-        import jax
+    for flag, count in (("--devices", devices), ("--tensor-parallel-size", tensor_parallel)):
+        if count is not None:
+            import jax
 
-        available = len(jax.devices())
-        if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= available:
-            raise ValueError(f"--devices {devices!r}: must be a count from 1 to {available}, the devices this "
-                             f"process sees ({jax.default_backend()})")
+            available = len(jax.devices())
+            if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= available:
+                raise ValueError(f"{flag} {count!r}: must be a count from 1 to {available}, the devices this "
+                                 f"process sees ({jax.default_backend()})")
+    tensor_parallel = None if tensor_parallel in (None, 1) else tensor_parallel
+    if tensor_parallel is not None:
+        tiers = [flag for flag, on in (("--host-cache-gb", host_cache_gb), ("--disk-cache-dir", disk_cache_dir),
+                                       ("--peer-cache-gb", peer_cache_gb)) if on]
+        if tiers:
+            raise ValueError(f"{', '.join(tiers)}: the cache tiers below the device need the model on one device; "
+                             f"with --tensor-parallel-size the entries stay in the device pools")
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     for flag, value in (("--host-cache-gb", host_cache_gb), ("--peer-cache-gb", peer_cache_gb),
@@ -350,7 +361,12 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
     if model is None and load_format != "auto":
         raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
     max_batch = default_max_batch() if max_batch is None else max_batch
-    served = default_model(dtype) if model is None else load_folder(model, dtype, load_format)
+    mesh = None
+    if tensor_parallel is not None:
+        from hypic_jax.runtime import tensor_parallel_mesh
+
+        mesh = tensor_parallel_mesh(tensor_parallel)
+    served = default_model(dtype) if model is None else load_folder(model, dtype, load_format, mesh=mesh)
     if served.max_context is not None and max_prompt_tokens + max_new_tokens > served.max_context:
         raise ValueError(f"max_prompt_tokens + max_new_tokens ({max_prompt_tokens + max_new_tokens}) exceeds the "
                          f"model's context of {served.max_context}")
@@ -366,7 +382,8 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
                           disk_cache_dir=disk_cache_dir,
                           disk_cache_bytes=None if disk_cache_gb is None else int(disk_cache_gb * (1 << 30)),
                           eviction=eviction, tier_dtype=tier_dtype,
-                          peer_cache_bytes=int(peer_cache_gb * (1 << 30)))
+                          peer_cache_bytes=int(peer_cache_gb * (1 << 30)),
+                          tensor_parallel=None if mesh is None else list(mesh.devices.flat))
     return Server(engine, model_name=served.name, max_queue=max_queue, separator=separator,
                   chat_template=served.chat_template, special_tokens=served.special_tokens, eos_ids=served.eos_ids,
                   request_timeout=request_timeout, **server_options)
@@ -385,9 +402,12 @@ def main(args) -> int:
                    load_format=args.load_format, devices=args.devices, policy=args.policy,
                    slot_layouts=args.slot_layouts, overlap=args.overlap, host_cache_gb=args.host_cache_gb,
                    disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb, eviction=args.eviction,
-                   tier_dtype=args.tier_dtype, peer_cache_gb=args.peer_cache_gb)
+                   tier_dtype=args.tier_dtype, peer_cache_gb=args.peer_cache_gb,
+                   tensor_parallel=args.tensor_parallel_size)
     mesh = server.engine.segment_mesh
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
+    if server.engine.placement is not None:
+        placement += f", the model split over {len(server.engine.placement.device_set)} devices"
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
              placement, args.host, args.port)
     runner = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port,

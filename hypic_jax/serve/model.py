@@ -70,12 +70,13 @@ def default_model(dtype: str = "bfloat16") -> Served:
     return Served(model=tiny_model(), name=DEFAULT_NAME, tokenizer=byte_tokenizer())
 
 
-def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "auto") -> Served:
+def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "auto", mesh=None) -> Served:
     """A model folder as `Engine.from_pretrained` reads it, plus tokenizer_config.json's chat template and special
     tokens and the end-of-sequence ids of generation_config.json (else config.json or the eos token). A folder
     without a chat template whose tokenizer has hypic_jax.train's special tokens gets that layout's template
     (`hypic_jax.train.tokenizer.CHAT_TEMPLATE`). load_format "dummy": random weights of the folder's architecture
-    and config (`hypic_jax.checkpoint.random_model`), the rest of the folder read as usual."""
+    and config (`hypic_jax.checkpoint.random_model`), the rest of the folder read as usual. mesh: load the
+    parameters split over it (`hypic_jax.load(mesh=...)`; random weights are made on one device first)."""
     from hypic_jax.checkpoint import random_model
     from hypic_jax.models import load
 
@@ -86,7 +87,7 @@ def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "a
         log.warning("--load-format dummy: serving %s with RANDOM weights (its output is noise)", path.name)
         model = random_model(path, dtype)
     else:
-        model = load(path, dtype)
+        model = load(path, dtype, mesh=mesh)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer

@@ -1,0 +1,140 @@
+"""Tensor parallelism: `StableEngine(tensor_parallel=M)` splits the parameters over a ("data", "model") mesh of M
+devices by each architecture's `param_specs` and the pools over its "model" axis (`pools.split_spec`), and runs
+every program over the mesh; with `devices=` beside it the segment mesh's cold bins come back gathered and are
+committed into the split pools, where the stitched program reads them.
+
+On fake CPU devices (a subprocess: the device count is fixed when JAX starts), for every architecture: the logits of
+a random trace over every mode, the cache entries, greedy generation and the batched decode rows equal the
+single-device engine's; nothing compiles after warmup; options the mesh cannot take are refused by name.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from families import fake_devices_env
+from test_engine import ENGINE_ARCHS
+
+TESTS = Path(__file__).parent
+
+_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[3])
+import numpy as np, jax
+from test_engine import _build, _rel
+from test_layer_stack import _batched_steps
+from hypic_jax.runtime import StableEngine
+
+arch, folder = sys.argv[1], sys.argv[2]
+assert len(jax.devices()) == 8
+model, vocab, _ = _build(arch, folder)
+base = dict(max_prompt_tokens=256, max_segments=6, token_rungs=(64, 256), max_new_tokens=8, cache_bytes=1 << 22,
+            seam=4)
+rng = np.random.default_rng(0)
+corpus = [rng.integers(3, vocab, n).tolist() for n in (40, 9, 70, 20, 33, 8)]
+modes = ("transition_rope_recompute", "prefix_cache", "full_recompute", "transition_rope", "transition", "addition")
+requests = []
+for r in range(9):
+    docs = [corpus[i] for i in rng.choice(len(corpus), int(rng.integers(1, 5)), replace=False)]
+    requests.append((docs + [rng.integers(3, vocab, int(rng.integers(1, 12))).tolist()], modes[r % len(modes)],
+                     [4, 0, 1.0][r % 3]))
+
+ref = StableEngine(model, **base, max_batch=2)
+split = StableEngine(model, **base, max_batch=2, tensor_parallel=2)
+# the cold bins on two other devices, the stitched programs on the model mesh
+composed = StableEngine(model, **base, tensor_parallel=jax.devices()[2:4], devices=jax.devices()[4:6])
+assert composed.segment_mesh.gathered and composed.segment_mesh.pools is None
+for engine in (split, composed):
+    engine.warmup(progress=False)
+
+# every pool over both devices of its mesh, split where an axis of its pieces allows (each leaf of this model's)
+for engine, ids in ((split, [0, 1]), (composed, [2, 3])):
+    for leaf in jax.tree.leaves(engine.pools.arrays):
+        assert sorted(d.id for d in leaf.sharding.device_set) == ids
+        assert 2 * leaf.addressable_shards[0].data.size == leaf.size, (leaf.shape, leaf.sharding)
+
+for segments, mode, seam in requests:
+    want = ref.prefill(segments, mode=mode, seam=seam).logits
+    for name, engine in (("split", split), ("composed", composed)):
+        got = engine.prefill(segments, mode=mode, seam=seam).logits
+        assert _rel(got, want) < 1e-5, (name, mode, seam, [len(s) for s in segments], _rel(got, want))
+
+def entries(engine):
+    out = {}
+    for entry in engine.cache.entries():
+        parts = []
+        for kind, pool, first in engine.pools.layers():
+            index = first + (entry.slot if kind == "slot" else np.asarray(entry.rows))
+            parts += [np.asarray(leaf)[index] for leaf in jax.tree.leaves(pool)]
+        out[entry.key] = parts
+    return out
+
+want = entries(ref)
+assert want and all(any(np.abs(p).max() > 0 for p in parts) for parts in want.values())
+for name, engine in (("split", split), ("composed", composed)):
+    got = entries(engine)
+    assert got.keys() == want.keys(), name
+    for key, parts in got.items():
+        for a, b in zip(parts, want[key]):
+            scale = max(float(np.abs(b).max()), 1e-30)
+            assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-5 * max(1.0, scale), (name, key)
+
+segments = requests[0][0]
+want = ref.generate(segments, max_new_tokens=5).tokens
+for engine in (split, composed):
+    assert list(engine.generate(segments, max_new_tokens=5).tokens) == list(want)
+
+prompts = [requests[1][0], requests[2][0]]
+for a, b in zip(_batched_steps(ref, prompts, 3), _batched_steps(split, prompts, 3)):
+    assert (np.asarray(a[0]) == np.asarray(b[0])).all(), (a[0], b[0])
+    assert np.allclose(np.asarray(a[1]), np.asarray(b[1]), atol=1e-4)
+
+for name, engine in (("split", split), ("composed", composed)):
+    assert engine.stats["programs"]["serving_compiles"] == 0, name
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_tensor_parallel_equals_one_device(arch, tmp_path):
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, arch, str(tmp_path / arch), str(TESTS)],
+                          env=fake_devices_env(8), capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+_REFUSALS = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import jax, pytest
+from test_engine import _build
+from hypic_jax.runtime import StableEngine
+
+model, _, _ = _build("qwen_moe", sys.argv[1])
+base = dict(max_prompt_tokens=64, max_segments=2, token_rungs=(64,), cache_bytes=1 << 22)
+for option in (dict(host_cache_bytes=1 << 20), dict(disk_cache_dir=sys.argv[1] + "/disk"),
+               dict(peer_cache_bytes=1 << 20, devices=2)):
+    with pytest.raises(ValueError, match="tiers need the model on one device"):
+        StableEngine(model, **base, tensor_parallel=2, **option)
+with pytest.raises(ValueError, match="divisible"):  # 4 value heads, 2 key heads
+    StableEngine(model, **base, tensor_parallel=3)
+with pytest.raises(ValueError, match="this process has 8"):
+    StableEngine(model, **base, tensor_parallel=9)
+with pytest.raises(ValueError, match="distinct"):
+    StableEngine(model, **base, tensor_parallel=[jax.devices()[0]] * 2)
+with pytest.raises(ValueError, match="other than the default"):
+    StableEngine(model, **base, tensor_parallel=[jax.devices()[1]])
+assert StableEngine(model, **base, tensor_parallel=1).placement is None  # one device: as without it
+print("ok")
+"""
+
+
+def test_tensor_parallel_refusals(tmp_path):
+    """Tiers below the pools, uneven splits and missing devices are refused with errors that name them; a split
+    over the one default device is the single-device engine."""
+    done = subprocess.run([sys.executable, "-c", _REFUSALS, str(tmp_path / "m"), str(TESTS)],
+                          env=fake_devices_env(8), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
