@@ -105,8 +105,9 @@ class ExecutableStore:
     def _path(self, digest: str) -> Path:
         return self.folder / f"{digest}{SUFFIX}"
 
-    def load(self, digest: str):
-        """The compiled program stored under `digest`, or None (none stored, or one that no longer loads)."""
+    def load(self, digest: str, devices=None):
+        """The compiled program stored under `digest`, or None (none stored, or one that no longer loads).
+        devices: the devices a program over several runs on, in its mesh's order (None: a one-device program)."""
         path = self._path(digest)
         if not path.exists():
             return None
@@ -114,7 +115,7 @@ class ExecutableStore:
 
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
         except Exception as error:  # noqa: BLE001  (stale or damaged file: compile instead and replace it)
             log.warning("stored program %s did not load (%s: %s); compiling it again", path.name,
                         type(error).__name__, str(error)[:300])

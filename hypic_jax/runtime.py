@@ -326,7 +326,9 @@ class Programs:
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
         store = self.engine.executables
-        compiled = store.load(self._digest(key)) if store is not None else None
+        placement = self.engine.placement
+        devices = None if placement is None else list(placement.mesh.devices.flat)
+        compiled = store.load(self._digest(key), devices) if store is not None else None
         if compiled is not None:
             seconds = time.perf_counter() - start
             with self._lock:

@@ -128,13 +128,25 @@ with pytest.raises(ValueError, match="distinct"):
 with pytest.raises(ValueError, match="other than the default"):
     StableEngine(model, **base, tensor_parallel=[jax.devices()[1]])
 assert StableEngine(model, **base, tensor_parallel=1).placement is None  # one device: as without it
+
+# a restarted engine loads its split programs from the store (each run on the devices of its mesh)
+import numpy as np
+from test_engine import _rel
+stored = dict(base, compile_cache=sys.argv[1] + "/programs", max_new_tokens=4)
+segments = [list(range(3, 40)), list(range(5, 20)), [7, 8, 9]]
+want = StableEngine(model, **base, max_new_tokens=4).prefill(segments).logits
+first = StableEngine(model, **stored, tensor_parallel=2).warmup(progress=False)
+again = StableEngine(model, **stored, tensor_parallel=2)
+loaded = again.warmup(progress=False)
+assert first["loaded"] == 0 and loaded["loaded"] == loaded["programs"] == first["programs"] > 0, (first, loaded)
+assert _rel(again.prefill(segments).logits, want) < 1e-5
 print("ok")
 """
 
 
 def test_tensor_parallel_refusals(tmp_path):
     """Tiers below the pools, uneven splits and missing devices are refused with errors that name them; a split
-    over the one default device is the single-device engine."""
+    over the one default device is the single-device engine; a restarted engine loads its split programs."""
     done = subprocess.run([sys.executable, "-c", _REFUSALS, str(tmp_path / "m"), str(TESTS)],
                           env=fake_devices_env(8), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
