@@ -159,6 +159,9 @@ def main() -> None:
                         "--small: 0.25)")
     parser.add_argument("--compile-cache", default=None, help="the server's compile cache folder")
     parser.add_argument("--overlap", action="store_true", help="the server's --overlap")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="M",
+                        help="the server's --tensor-parallel-size (the model split over M devices)")
+    parser.add_argument("--devices", type=int, default=None, metavar="N", help="the server's --devices")
     parser.add_argument("--slot-layouts", default=None, choices=["default", "auto"],
                         help="the server's --slot-layouts (default: the server's default)")
     parser.add_argument("--warm-pool", action="store_true",
@@ -201,7 +204,9 @@ def main() -> None:
                "--max-queue", "100000", "--cache-gb", f"{cache_gb:g}", "--log-level", "warning", *load,
                *(["--compile-cache", args.compile_cache] if args.compile_cache else []),
                *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else []),
-               *(["--overlap"] if args.overlap else [])]
+               *(["--overlap"] if args.overlap else []),
+               *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
+               *(["--devices", str(args.devices)] if args.devices else [])]
     server = subprocess.Popen(command, env=dict(os.environ))
     base = f"http://127.0.0.1:{args.port}"
     rows = []
