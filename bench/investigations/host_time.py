@@ -2,10 +2,10 @@
 is dispatched, step by step, for an all-cached trr request of the headline's layout (64 documents of 512 tokens,
 seams of 8, a 32 to 96-token query, the 768-token rung and 33,792 keys). The model is the small one of
 `bench/prefill.py` (the host's work does not depend on the widths); the engine is warmed and every document cached
-first. Prints the mean ms per call of each step over `--calls` calls: the token ids (`_segment_ids`), the 64 cache
+first. Prints the mean ms per call of each step over `--repeats` runs: the token ids (`_segment_ids`), the 64 cache
 keys (SHA-256), the 64 lookups, the whole plan, the layout (`layout.build`) and its packing.
 
-    python3 bench/investigations/host_time.py [--calls 200]
+    python3 bench/investigations/host_time.py [--repeats 200]
 """
 import argparse
 import os
@@ -23,7 +23,7 @@ from prefill import random_model, small_config  # noqa: E402
 from rag_trace import trace  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--calls", type=int, default=200)
+parser.add_argument("--repeats", type=int, default=200)
 args = parser.parse_args()
 
 config = small_config()
@@ -40,9 +40,9 @@ def timed(name, fn):
     for _ in range(5):
         fn()
     start = time.perf_counter()
-    for _ in range(args.calls):
+    for _ in range(args.repeats):
         fn()
-    print(f"{name:24s} {(time.perf_counter() - start) / args.calls * 1e3:.3f} ms", flush=True)
+    print(f"{name:24s} {(time.perf_counter() - start) / args.repeats * 1e3:.3f} ms", flush=True)
 
 
 ids = engine._segment_ids(request)
