@@ -101,10 +101,13 @@ def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh |
     raise ValueError(f"{path} holds neither a hypic-jax checkpoint ({METADATA_FILE}) nor a Hugging Face config.json")
 
 
-def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0) -> Model:
+def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0, *,
+                 mesh: jax.sharding.Mesh | None = None) -> Model:
     """A model of a folder's architecture and config with random weights (the architecture's `init_params`), for
     measuring shapes whose weights are not at hand (vLLM's `--load-format dummy`). The folder needs only its
-    `METADATA_FILE` (`write_metadata`) or a Hugging Face config.json; nothing else in it is read."""
+    `METADATA_FILE` (`write_metadata`) or a Hugging Face config.json; nothing else in it is read. With `mesh`
+    (axes "data" and "model") the weights are made where the architecture's `param_specs` place them, so a model
+    larger than one device never exists whole on one (the values of the unsplit model up to rounding)."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if (path / METADATA_FILE).exists():
@@ -118,4 +121,8 @@ def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0) -> Mo
                          f"config.json")
     if not hasattr(arch, "init_params"):
         raise ValueError(f"architecture {arch.__name__} has no init_params: it cannot be given random weights")
-    return Model(arch, config, arch.init_params(config, jax.random.key(seed), dtype))
+    if mesh is None:
+        return Model(arch, config, arch.init_params(config, jax.random.key(seed), dtype))
+    make = jax.jit(lambda key: arch.init_params(config, key, dtype),
+                   out_shardings=named_shardings(arch.param_specs(config), mesh))
+    return Model(arch, config, make(jax.random.key(seed)))

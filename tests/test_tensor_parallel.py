@@ -140,13 +140,22 @@ again = StableEngine(model, **stored, tensor_parallel=2)
 loaded = again.warmup(progress=False)
 assert first["loaded"] == 0 and loaded["loaded"] == loaded["programs"] == first["programs"] > 0, (first, loaded)
 assert _rel(again.prefill(segments).logits, want) < 1e-5
+
+# random weights made split (`random_model(mesh=...)`, the server's --load-format dummy): those of the unsplit model
+from hypic_jax.checkpoint import random_model
+from hypic_jax.runtime import tensor_parallel_mesh
+whole = jax.tree.leaves(random_model(sys.argv[1], "float32").params)
+split = jax.tree.leaves(random_model(sys.argv[1], "float32", mesh=tensor_parallel_mesh(2)).params)
+assert len(whole) == len(split) and all(len(b.sharding.device_set) == 2 for b in split)
+assert all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7) for a, b in zip(whole, split))
 print("ok")
 """
 
 
 def test_tensor_parallel_refusals(tmp_path):
     """Tiers below the pools, uneven splits and missing devices are refused with errors that name them; a split
-    over the one default device is the single-device engine; a restarted engine loads its split programs."""
+    over the one default device is the single-device engine; a restarted engine loads its split programs; random
+    weights made split equal the unsplit ones."""
     done = subprocess.run([sys.executable, "-c", _REFUSALS, str(tmp_path / "m"), str(TESTS)],
                           env=fake_devices_env(8), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]

@@ -323,8 +323,8 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "tra
     host_cache_gb, disk_cache_dir, disk_cache_gb, eviction, tier_dtype, peer_cache_gb: the cache tiers below the
     device (`StableEngine`'s host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, tier_dtype,
     peer_cache_bytes). tensor_parallel M > 1: the parameters, the entry pools and every program split over the
-    first M devices (`StableEngine(tensor_parallel=...)`; a model folder is loaded straight into that split); the
-    tiers below the device pools are refused with it."""
+    first M devices (`StableEngine(tensor_parallel=...)`; a model folder is loaded straight into that split, random
+    weights are made there); the tiers below the device pools are refused with it."""
     from hypic_jax.parallel import POLICIES
     from hypic_jax.serve.model import default_model, load_folder
 

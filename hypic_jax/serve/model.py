@@ -76,7 +76,7 @@ def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "a
     without a chat template whose tokenizer has hypic_jax.train's special tokens gets that layout's template
     (`hypic_jax.train.tokenizer.CHAT_TEMPLATE`). load_format "dummy": random weights of the folder's architecture
     and config (`hypic_jax.checkpoint.random_model`), the rest of the folder read as usual. mesh: load the
-    parameters split over it (`hypic_jax.load(mesh=...)`; random weights are made on one device first)."""
+    parameters split over it (`hypic_jax.load(mesh=...)`, `random_model(mesh=...)`)."""
     from hypic_jax.checkpoint import random_model
     from hypic_jax.models import load
 
@@ -85,7 +85,7 @@ def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "a
     path = Path(path)
     if load_format == "dummy":
         log.warning("--load-format dummy: serving %s with RANDOM weights (its output is noise)", path.name)
-        model = random_model(path, dtype)
+        model = random_model(path, dtype, mesh=mesh)
     else:
         model = load(path, dtype, mesh=mesh)
     tokenizer = None
