@@ -420,16 +420,9 @@ def model_placement(params) -> NamedSharding | None:
 def tensor_parallel_mesh(tensor_parallel) -> Mesh:
     """A ("data", "model") mesh of 1 x M devices for `tensor_parallel`: a count M (this process's first M devices)
     or a sequence of jax devices."""
-    if isinstance(tensor_parallel, (int, np.integer)) and not isinstance(tensor_parallel, bool):
-        available = jax.local_devices()
-        if not 1 <= tensor_parallel <= len(available):
-            raise ValueError(f"tensor_parallel={tensor_parallel}: this process has {len(available)} device(s)")
-        devices = available[:tensor_parallel]
-    else:
-        devices = list(tensor_parallel)
-        if not devices or len({d.id for d in devices}) != len(devices):
-            raise ValueError("tensor_parallel must be a positive count or a non-empty sequence of distinct jax "
-                             "devices")
+    from hypic_jax.segment_mesh import resolve_devices
+
+    devices = resolve_devices(tensor_parallel, name="tensor_parallel", local=True)
     return Mesh(np.asarray(devices, dtype=object).reshape(1, len(devices)), ("data", "model"))
 
 

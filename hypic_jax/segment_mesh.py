@@ -48,16 +48,17 @@ AXIS = "bins"
 __all__ = ["SegmentMesh", "resolve_devices", "AXIS"]
 
 
-def resolve_devices(devices) -> list:
-    """An integer N (the first N devices of the default backend) or a sequence of jax devices."""
+def resolve_devices(devices, *, name: str = "devices", local: bool = False) -> list:
+    """An integer N (the first N devices of the default backend; with `local`, of this process) or a sequence of
+    jax devices. `name`: the argument the errors name."""
     if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
-        available = jax.devices()
+        available = jax.local_devices() if local else jax.devices()
         if not 1 <= devices <= len(available):
-            raise ValueError(f"devices={devices}: this process has {len(available)} device(s)")
+            raise ValueError(f"{name}={devices}: this process has {len(available)} device(s)")
         return list(available[:devices])
     devices = list(devices)
     if not devices or len({d.id for d in devices}) != len(devices):
-        raise ValueError("devices must be a positive count or a non-empty sequence of distinct jax devices")
+        raise ValueError(f"{name} must be a positive count or a non-empty sequence of distinct jax devices")
     return devices
 
 
