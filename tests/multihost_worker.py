@@ -75,9 +75,11 @@ def entries(engine) -> dict:
 
 
 def finish(out: str, engine, status: dict) -> None:
-    np.savez(out + ".entries", **entries(engine))
+    # the status first: a peer that already exited takes the coordination service with it, and the runtime may
+    # abort this process soon after (the status is what every test reads)
     with open(out + ".json", "w") as f:
         json.dump(status, f)
+    np.savez(out + ".entries", **entries(engine))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no `jax.distributed` shutdown handshake: the peer may be gone
