@@ -53,6 +53,16 @@ def _device_count(text: str) -> int:
     return count
 
 
+def _byte_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
+    return count
+
+
 def _memory_fraction(text: str) -> float:
     try:
         value = float(text)
@@ -143,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-prompt-tokens", type=int, default=4096)
     serve.add_argument("--max-new-tokens", type=int, default=256)
     serve.add_argument("--max-segments", type=int, default=64)
+    serve.add_argument("--max-request-bytes", type=_byte_count, default=None, metavar="BYTES",
+                       help="largest request body; a larger one is refused with 413 before it is read whole. "
+                            "Default: 256 bytes per --max-prompt-tokens token plus 1 MiB (2 MiB at 4096)")
     serve.add_argument("--token-rungs", default=None, help="comma-separated token capacities (default: a ladder)")
     serve.add_argument("--separator", default="<<PIC_SEP>>", help="segment separator in prompt text")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline, seconds")

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
 from hypic_jax.serve import Server  # noqa: E402
 from hypic_jax.serve.protocol import ChatRenderer  # noqa: E402
-from hypic_jax.serve.scheduler import TextStream  # noqa: E402
+from hypic_jax.serve.scheduler import ApiError, TextStream  # noqa: E402
 from test_engine import _build  # noqa: E402
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): one server and its warmed-up engine
@@ -113,6 +113,12 @@ def _docs(served, seed: int, n: int = 3):
 def test_completions_and_chat_with_the_openai_client(served):
     client = served["client"]
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model" and card == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+    assert httpx.get(served["base"] + "/v1/models/org/name").json()["error"]["code"] == "model_not_found"
     docs, query = _docs(served, 1)
     prompt = "<<PIC_SEP>>".join(docs + [query])
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
@@ -242,6 +248,13 @@ BAD = [
     ("/v1/completions", dict(prompt="a b", n=2), "n", 400),
     ("/v1/completions", dict(prompt="a b", logprobs=99), "logprobs", 400),
     ("/v1/completions", dict(prompt="a b", stop=[3]), "stop", 400),
+    ("/v1/completions", b'{"prompt": "a b", "max_tokens": ' + b"9" * 5000 + b"}", None, 400),  # past int digits
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, None, 400),  # nested past the recursion limit
+    ("/v1/completions", b'{"prompt": "a \\ud800 b"}', "prompt", 400),  # a lone surrogate
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages", 400),
+    ("/v1/completions", b'{"prompt": "a b", "cache_salt": "\\ud800"}', "cache_salt", 400),
+    ("/v1/completions", dict(prompt=[3, "a b"]), "prompt", 400),
+    ("/v1/completions", dict(prompt=["a", "b"]), "prompt", 400),
 ]
 
 
@@ -259,9 +272,96 @@ def test_bad_input_is_a_4xx_naming_the_field(served, path, body, param, status):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_prompt_list_mixing_integers_and_other_values_says_what_a_prompt_is(served):
+    """A list of integers and something else is a malformed prompt, not several prompts."""
+    for prompt, where in (([3, 4, "the fox"], "prompt[2] is str"), ([3, None], "prompt[1] is NoneType"),
+                          ([3, [4, 5]], "prompt[1] is list")):
+        error = _post(served, "/v1/completions", dict(prompt=prompt)).json()["error"]
+        assert "one string or a list of integers (token ids)" in error["message"] and where in error["message"]
+        assert "several prompts" not in error["message"] and error["code"] == "invalid_type"
+    error = _post(served, "/v1/completions", dict(prompt=["the fox", "a dog"])).json()["error"]
+    assert "several prompts" in error["message"] and error["code"] == "unsupported"
+
+
+def _content_length(response: bytes) -> int:
+    head = response.split(b"\r\n\r\n", 1)[0].decode().lower()
+    return next((int(line.split(":", 1)[1]) for line in head.split("\r\n") if line.startswith("content-length:")),
+                0)
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(served, monkeypatch):
+    """A body past `max_request_bytes` is a 413 in OpenAI's shape naming the limit: by its Content-Length before
+    any of it arrives, and by the bytes read for a chunked body (no Content-Length); one within it is served."""
+    server = served["server"]
+    assert server.max_request_bytes == 256 * 128 + (1 << 20)  # the default for 128 prompt tokens
+    monkeypatch.setattr(server, "max_request_bytes", 4096)
+    port = int(served["base"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # headers only: no body will follow
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n")
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < _content_length(raw):
+            raw += s.recv(65536) or pytest.fail(f"the connection closed mid-response: {raw!r}")
+    head, answer = raw.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 413"), raw
+    error = json.loads(answer)["error"]
+    assert error["code"] == "request_too_large" and "1000000000 bytes" in error["message"]
+    assert "4096 bytes" in error["message"]
+    body = dict(prompt=[4, 5], max_tokens=1, padding="x" * 3000)
+    sized = _post(served, "/v1/completions", dict(body, padding="x" * 5000))
+    chunked = httpx.post(served["base"] + "/v1/completions", content=iter([json.dumps(body).encode()] * 2),
+                         headers={"content-type": "application/json"}, timeout=60)
+    for response in (sized, chunked):
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "request_too_large"
+        assert "4096 bytes" in error["message"] and "--max-request-bytes" in error["message"]
+    assert "transfer-encoding" in chunked.request.headers and "content-length" not in chunked.request.headers
+    ok = httpx.post(served["base"] + "/v1/completions", content=iter([json.dumps(body).encode()]),
+                    headers={"content-type": "application/json"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+
+
+def test_health_answers_while_a_large_request_is_tokenized(served, monkeypatch):
+    """Parsing and tokenizing run off the event loop: while one request's tokenization is held (the tokenizer
+    blocks on an event), /health and /v1/models answer, and the held request is then served."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Held:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def encode(self, text, **kwargs):
+            if "zebra" in text:
+                entered.set()
+                release.wait(30)
+            return self.inner.encode(text, **kwargs)
+
+    monkeypatch.setattr(served["server"], "tokenizer", Held(served["tokenizer"]))
+    body = dict(prompt="the fox zebra", max_tokens=2, temperature=0, padding="x" * 500_000)  # under the limit
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(response=_post(served, "/v1/completions", body)))
+    thread.start()
+    try:
+        assert entered.wait(30)
+        health = httpx.get(served["base"] + "/health", timeout=5)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert httpx.get(served["base"] + "/v1/models", timeout=5).status_code == 200
+        assert not answer
+    finally:
+        release.set()
+        thread.join(60)
+    assert answer["response"].status_code == 200 and answer["response"].json()["usage"]["completion_tokens"] == 2
+
+
 def test_unknown_route_and_no_tokenizer(served, monkeypatch):
     response = httpx.get(served["base"] + "/v1/nothing")
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    wrong = httpx.get(served["base"] + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     monkeypatch.setattr(served["server"], "tokenizer", None)
     text = _post(served, "/v1/completions", dict(prompt="the fox"))
     assert text.status_code == 400 and text.json()["error"]["code"] == "no_tokenizer"
@@ -328,6 +428,42 @@ def test_a_request_the_cache_cannot_hold_is_a_400(served, monkeypatch):
     monkeypatch.undo()
     ok = _post(served, "/v1/completions", dict(segments=segments, max_tokens=2, temperature=0))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token(served):
+    """top_k past the vocabulary, even past int32, keeps every token as top_k = vocabulary size does, instead of
+    failing the request's admission and leaving its client waiting."""
+    body = dict(prompt=[4, 5, 6], max_tokens=4, temperature=1.0, seed=5, return_token_ids=True)
+    want = _post(served, "/v1/completions", dict(body, top_k=served["vocab"])).json()["choices"][0]["token_ids"]
+    for k in (served["vocab"] + 1, 1 << 40):
+        got = httpx.post(served["base"] + "/v1/completions", json=dict(body, top_k=k), timeout=20)
+        assert got.status_code == 200 and got.json()["choices"][0]["token_ids"] == want
+
+
+def test_a_failed_admission_is_answered_and_the_server_goes_on(served, monkeypatch):
+    """A request whose insertion into a decode row fails is answered with a 500, not left outside every row with
+    no answer, and the next request is served."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device refused the row")
+
+    monkeypatch.setattr(served["engine"], "slot_insert", broken)
+    body = dict(prompt=[4, 5, 6], max_tokens=3, temperature=0)
+    response = httpx.post(served["base"] + "/v1/completions", json=body, timeout=20)
+    assert response.status_code == 500 and "the device refused the row" in response.json()["error"]["message"]
+    monkeypatch.undo()
+    ok = _post(served, "/v1/completions", body)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert served["server"].scheduler.running == 0
+
+
+def test_a_client_gone_before_its_body_is_no_server_error(served, caplog):
+    """A client that closes its connection halfway through sending its body is not logged as a server error."""
+    with socket.create_connection(("127.0.0.1", int(served["base"].rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    time.sleep(1)
+    assert _post(served, "/v1/completions", dict(prompt=[4, 5], max_tokens=1)).status_code == 200
+    assert not [r for r in caplog.records if r.name == "hypic_jax.serve" and r.levelname == "ERROR"]
 
 
 def test_64_concurrent_clients_match_one_at_a_time(served):
@@ -477,6 +613,32 @@ def test_chat_rendering_splits_the_template_per_message():
     assert ChatRenderer().render(messages) == ["system: s\n", "user: doc\n", "user: q\nassistant:"]
     rewriting = "{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
     assert ChatRenderer(rewriting).render(messages) == ["3sdocq"]  # no per-message split: one segment
+
+
+def test_a_chat_too_long_for_the_prompt_is_refused_after_one_render():
+    """The per-message split renders every prefix of the conversation, a cost that grows with the square of the
+    messages (20,000 messages held the event loop for half an hour): a conversation over the prompt limit is
+    refused from one rendering of the whole, and one with more messages than prompt tokens before any."""
+    from hypic_jax.serve.protocol import Limits, parse_chat
+
+    class Chars:  # one token per character
+        def encode(self, text, add_special_tokens=False):
+            return type("Encoding", (), dict(ids=[ord(c) % 256 for c in text]))()
+
+    renderer = ChatRenderer("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}")
+    renders, real = [], renderer.template.render
+    renderer.template.render = lambda **kw: renders.append(len(kw["messages"])) or real(**kw)
+    limits = Limits(vocab_size=256, max_prompt_tokens=64, max_keys=80, max_new_tokens=16, max_segments=8,
+                    top_logprobs=5)
+    for count, rendered in ((40, 1), (300, 0)):
+        renders.clear()
+        with pytest.raises(ApiError) as caught:
+            parse_chat(dict(messages=[dict(role="user", content="ab")] * count), limits, Chars(), renderer)
+        assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+        assert len(renders) == rendered
+    renders.clear()
+    parsed = parse_chat(dict(messages=[dict(role="user", content="ab")] * 3), limits, Chars(), renderer)
+    assert len(parsed.segments) == 3 and len(renders) == 1 + 3
 
 
 def test_dummy_load_format_gives_the_folders_shapes_random_weights(tmp_path):

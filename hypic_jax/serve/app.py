@@ -1,14 +1,18 @@
 """The HTTP layer: an OpenAI-compatible Starlette app over one `StableEngine` and its `Scheduler`.
 
-Endpoints: POST /v1/completions and /v1/chat/completions (JSON or SSE with `stream`), GET /v1/models, /health
-(503 until warmup is done, then 200) and /metrics (Prometheus text). Handlers validate and tokenize on the event
-loop, then hand the request to the scheduler thread and wait for its events; a client that goes away (a closed
-stream, or a closed connection while a non-streaming request waits) cancels its request, which frees its row.
+Endpoints: POST /v1/completions and /v1/chat/completions (JSON or SSE with `stream`), GET /v1/models and
+/v1/models/{id}, /health (503 until warmup is done, then 200) and /metrics (Prometheus text). Handlers read the body
+on the event loop (refused with 413 past `max_request_bytes`, before it is all read), then decode, validate and
+tokenize it on one parsing thread, so a large prompt does not hold up /health or the other clients' streams; one
+thread, in order, so requests still reach the scheduler's queue in the order their bodies arrived. Then they hand
+the request to the scheduler thread and wait for its events; a client that goes away (a closed stream, or a closed
+connection while a non-streaming request waits) cancels its request, which frees its row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -22,7 +26,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -33,6 +37,13 @@ from hypic_jax.serve.scheduler import ApiError, Request, Scheduler
 
 log = logging.getLogger("hypic_jax.serve")
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+
+
+def default_max_request_bytes(max_prompt_tokens: int) -> int:
+    """The body limit when none is given: 256 bytes per prompt token (room for JSON-escaped text, token-id lists
+    and chat markup) plus 1 MiB for the other fields; 2 MiB at the default 4096 prompt tokens. A body within it
+    can still be a prompt over the limit (a 400 once tokenized); one past it is refused before it is read."""
+    return 256 * max_prompt_tokens + (1 << 20)
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -57,8 +68,15 @@ class Server:
     def __init__(self, engine: StableEngine, *, model_name: str = "hypic", max_queue: int = 256,
                  separator: str | None = None, chat_template: str | None = None, special_tokens: dict | None = None,
                  eos_ids=(), request_timeout: float = 600.0, warm_on_start: bool = True, registry=None,
-                 overlap: bool = False):
+                 overlap: bool = False, max_request_bytes: int | None = None):
+        if max_request_bytes is None:
+            max_request_bytes = default_max_request_bytes(engine.max_prompt_tokens)
+        if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be a whole number of bytes >= 1, got {max_request_bytes!r}")
         self.engine, self.model_name = engine, model_name
+        self.max_request_bytes = max_request_bytes
+        # one thread: bodies are parsed in the order they arrived (module docstring)
+        self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hypic-parse")
         self.tokenizer = engine.tokenizer
         self.separator = separator or engine.separator
         self.request_timeout = request_timeout
@@ -77,6 +95,7 @@ class Server:
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics_text, methods=["GET"])]
         self.app = Starlette(routes=routes, lifespan=self._lifespan,
@@ -142,9 +161,20 @@ class Server:
                                      programs_total=total), status_code=503)
         return JSONResponse(dict(status="ok", waiting=self.scheduler.waiting, running=self.scheduler.running))
 
+    def _model_card(self) -> dict:
+        return dict(id=self.model_name, object="model", created=0, owned_by="hypic-jax",
+                    max_model_len=self.engine.max_keys)
+
     async def models(self, request: HttpRequest) -> Response:
-        return JSONResponse(dict(object="list", data=[dict(id=self.model_name, object="model", created=0,
-                                                           owned_by="hypic-jax", max_model_len=self.engine.max_keys)]))
+        return JSONResponse(dict(object="list", data=[self._model_card()]))
+
+    async def model(self, request: HttpRequest) -> Response:
+        """One model by id (the openai client's `models.retrieve`); another id is a 404 `model_not_found`."""
+        try:
+            protocol.check_model(dict(model=request.path_params["model"]), (self.model_name,))
+        except ApiError as error:
+            return error_response(error)
+        return JSONResponse(self._model_card())
 
     async def metrics_text(self, request: HttpRequest) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -154,7 +184,7 @@ class Server:
     async def _http_error(self, request: HttpRequest, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       code=code))
+                                       code=code, headers=exc.headers))  # a 405's Allow
 
     async def _internal_error(self, request: HttpRequest, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
@@ -172,19 +202,14 @@ class Server:
             if not self.ready:
                 raise ApiError(503, "the server is warming up; see /health", code="not_ready")
             try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-            protocol.check_model(body, (self.model_name,))
-            if chat:
-                parsed = protocol.parse_chat(body, self.limits, self.tokenizer, self.renderer)
-            else:
-                parsed = protocol.parse_completion(body, self.limits, self.tokenizer, self.separator)
+                raw = await self._body(request)
+            except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing went wrong here
+                return Response(status_code=499)
+            loop = asyncio.get_running_loop()
+            # no await between the parse and `submit` below: the order of the parsing thread is the queue's
+            parsed = await loop.run_in_executor(self._parser, self._parse, raw, chat)
         except ApiError as error:
             return error_response(error)
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def sink(event):
@@ -204,6 +229,36 @@ class Server:
             return StreamingResponse(self._stream(job, events, parsed, meta, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._collect(request, job, events, parsed, meta, chat)
+
+    async def _body(self, request: HttpRequest) -> bytes:
+        """The body, refused with 413 past `max_request_bytes`: by its Content-Length before any of it is read, and
+        by the bytes read so far for a chunked body, which has none."""
+        limit = self.max_request_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is {int(length)} bytes, over the server's limit of {limit} bytes "
+                           "(--max-request-bytes)", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the server's limit of {limit} bytes "
+                               "(--max-request-bytes)", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _parse(self, raw: bytes, chat: bool) -> protocol.Parsed:
+        """The body decoded, validated and tokenized (on the parsing thread: the CPU-heavy part of a request)."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as error:  # also integers past Python's digit limit, deep nesting
+            raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        protocol.check_model(body, (self.model_name,))
+        if chat:
+            return protocol.parse_chat(body, self.limits, self.tokenizer, self.renderer)
+        return protocol.parse_completion(body, self.limits, self.tokenizer, self.separator)
 
     def _cancel(self, job: Request) -> None:
         if not job.finished:
@@ -403,7 +458,7 @@ def main(args) -> int:
                    slot_layouts=args.slot_layouts, overlap=args.overlap, host_cache_gb=args.host_cache_gb,
                    disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb, eviction=args.eviction,
                    tier_dtype=args.tier_dtype, peer_cache_gb=args.peer_cache_gb,
-                   tensor_parallel=args.tensor_parallel_size)
+                   tensor_parallel=args.tensor_parallel_size, max_request_bytes=args.max_request_bytes)
     mesh = server.engine.segment_mesh
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
     if server.engine.placement is not None:

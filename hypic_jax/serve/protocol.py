@@ -84,11 +84,22 @@ def _token_ids(value, param: str, vocab: int) -> list[int]:
     return list(value)
 
 
+def _unicode(text: str, param: str) -> str:
+    """`text` unless it holds a lone surrogate (JSON's "\\ud800" escapes decode to one), which neither the tokenizer
+    nor the cache keys' UTF-8 can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(400, f"'{param}' is not valid Unicode: a lone surrogate {text[error.start]!r} at character "
+                       f"{error.start}", param=param, code="invalid_value") from None
+    return text
+
+
 def _encode(text: str, tokenizer, param: str) -> list[int]:
     if tokenizer is None:
         raise ApiError(400, f"'{param}' is text, but the served model has no tokenizer: send token ids (a list of "
                        "integers) instead", param=param, code="no_tokenizer")
-    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+    return list(tokenizer.encode(_unicode(text, param), add_special_tokens=False).ids)
 
 
 def _segment(value, param: str, tokenizer, vocab: int) -> list[int]:
@@ -148,6 +159,7 @@ def _common(body: dict, segments, total: int, limits: Limits, tokenizer, *, chat
     top_k = _get(body, "top_k", "int", 0)
     if top_k < -1:
         raise ApiError(400, f"'top_k' must be -1 or 0 (off) or >= 1, got {top_k}", param="top_k", code="invalid_value")
+    top_k = min(top_k, limits.vocab_size)  # above the vocabulary it keeps every token, and it must fit an int32
     seed = _get(body, "seed", "int")
     if seed is not None and not -(1 << 63) <= seed < (1 << 64):
         raise ApiError(400, "'seed' must fit in 64 bits", param="seed", code="invalid_value")
@@ -188,6 +200,8 @@ def _common(body: dict, segments, total: int, limits: Limits, tokenizer, *, chat
         except ValueError as error:
             raise ApiError(400, f"bad 'seam': {error}", param="seam", code="invalid_value") from None
     salt = _get(body, "cache_salt", "str")
+    if salt is not None:
+        _unicode(salt, "cache_salt")
     timeout = _get(body, "timeout", "number")
     if timeout is not None and timeout <= 0:
         raise ApiError(400, "'timeout' must be > 0 seconds", param="timeout", code="invalid_value")
@@ -240,9 +254,13 @@ def parse_completion(body: dict, limits: Limits, tokenizer, separator: str) -> P
                 segments.append(_token_ids(ids, "prompt", vocab))
         elif isinstance(prompt, list) and all(_is_int(t) or isinstance(t, float) for t in prompt):
             segments = [_token_ids(prompt, "prompt", vocab)]
-        elif isinstance(prompt, list):
+        elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
             raise ApiError(400, "'prompt' must be one prompt (a string or a list of token ids); several prompts per "
                            "request are not supported", param="prompt", code="unsupported")
+        elif isinstance(prompt, list):
+            i = next(i for i, t in enumerate(prompt) if not (_is_int(t) or isinstance(t, float)))
+            raise ApiError(400, f"'prompt' must be one string or a list of integers (token ids), but prompt[{i}] is "
+                           f"{type(prompt[i]).__name__} {prompt[i]!r:.40}", param="prompt", code="invalid_type")
         else:
             raise ApiError(400, f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
                            param="prompt", code="invalid_type")
@@ -319,6 +337,13 @@ class ChatRenderer:
             env.globals["raise_exception"] = raise_exception
             self.template = env.from_string(template)
 
+    def whole(self, messages: list[dict]) -> str:
+        """The whole conversation's rendering with the generation prompt, in one render (`render` takes one per
+        message): what the segments add up to, to refuse a conversation too long before splitting it."""
+        if self.template is None:
+            return "".join(self.render(messages))
+        return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+
     def render(self, messages: list[dict]) -> list[str]:
         if self.template is None:
             texts = [f"{m['role']}: {m['content']}\n" for m in messages]
@@ -348,6 +373,17 @@ def parse_chat(body: dict, limits: Limits, tokenizer, renderer: ChatRenderer) ->
     if tokenizer is None:
         raise ApiError(400, "chat needs a tokenizer, and the served model has none: use /v1/completions with token "
                        "ids", param="messages", code="no_tokenizer")
+    if renderer.template is not None:
+        # the per-message split renders every prefix of the conversation, so its cost grows with the square of
+        # the messages: a conversation too long for the prompt is refused after one render instead
+        if len(messages) > limits.max_prompt_tokens:
+            raise ApiError(400, f"'messages' holds {len(messages)} messages (documents included), more than the "
+                           f"server's limit of {limits.max_prompt_tokens} prompt tokens", param="messages",
+                           code="context_length_exceeded")
+        total = len(_encode(renderer.whole(messages), tokenizer, "messages"))
+        if total > limits.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {total} tokens, over the server's limit of "
+                           f"{limits.max_prompt_tokens}", param="messages", code="context_length_exceeded")
     segments = []
     for i, text in enumerate(renderer.render(messages)):
         ids = _encode(text, tokenizer, "messages")

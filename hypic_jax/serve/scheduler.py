@@ -299,8 +299,19 @@ class Scheduler:
             return
         row = self.rows.index(None)
         p = request.params
-        sampled = self.engine.slot_insert(row, pre, SamplingRows.build([p.temperature], [p.top_p], [p.top_k],
-                                                                       [request.seed], [0], [p.logprobs or 0]))
+        try:
+            sampling = SamplingRows.build([p.temperature], [p.top_p], [p.top_k], [request.seed], [0],
+                                          [p.logprobs or 0])
+        except Exception as error:  # noqa: BLE001  (parameters the device arrays cannot hold: this request only)
+            log.exception("sampling parameters of request %s", request.id)
+            self._error(request, ApiError(500, f"internal error: {error}", code="internal_error"))
+            return
+        try:
+            sampled = self.engine.slot_insert(row, pre, sampling)
+        except Exception as error:
+            # not in a row yet, so the loop's handler would not answer it: answered here, the others there
+            self._error(request, ApiError(500, f"internal error: {error}", code="internal_error"))
+            raise
         self.rows[row] = request
         request.row = row
         self._accept(request, sampled, 0)
