@@ -12,6 +12,7 @@ names any missing, unexpected or mis-shaped tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -167,6 +168,10 @@ def rules_for(reader: CheckpointReader, c: arch.KimiLinearConfig) -> list[Rule]:
 def convert(reader: CheckpointReader, hf_config: dict[str, Any], dtype: Any) -> tuple[arch.KimiLinearConfig, Any]:
     """HF folder reader + config.json dict -> (Config, params). Raises ValueError naming any bad tensor."""
     config = arch.config_from_hf(hf_config)
+    if config.tie_word_embeddings and "lm_head.weight" in reader:
+        # transformers' KimiLinearForCausalLM never ties (its `_tied_weights_keys` is empty): with
+        # tie_word_embeddings it still writes and reads its own lm_head, so a file that holds one is read untied
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     abstract = models.abstract_params(arch, config, dtype)
     params = apply_rules(reader, rules_for(reader, config), abstract)  # gate params stay float32 (see init_params)
     return config, params

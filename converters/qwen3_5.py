@@ -147,11 +147,22 @@ def model_rules(config: arch.Config, reader: CheckpointReader, prefix: str, gdn:
     return rules
 
 
-def ignored(config: arch.Config, skipped: tuple[str, ...] = SKIPPED) -> Callable[[str], bool]:
+def _empty_shared_expert(reader: CheckpointReader, name: str) -> bool:
+    """Whether `name` belongs to a zero-width shared expert (shared_expert_intermediate_size 0: transformers still
+    writes its empty matrices and its gate, and the expert adds 0)."""
+    cut = name.find(".mlp.shared_expert")
+    probe = name[:cut] + ".mlp.shared_expert.gate_proj.weight"
+    return cut >= 0 and probe in reader and 0 in reader.shape(probe)
+
+
+def ignored(
+    config: arch.Config, skipped: tuple[str, ...] = SKIPPED, reader: CheckpointReader | None = None
+) -> Callable[[str], bool]:
     skip = skip_prefixes(*skipped)
-    if config.tie_word_embeddings:  # a tied head duplicated in the file is redundant, not an error
-        return lambda name: skip(name) or name == "lm_head.weight"
-    return skip
+    tied = config.tie_word_embeddings  # a tied head duplicated in the file is redundant, not an error
+    no_shared = reader is not None and config.num_experts and not config.shared_expert_intermediate_size
+    return lambda name: (skip(name) or (tied and name == "lm_head.weight")
+                         or bool(no_shared and _empty_shared_expert(reader, name)))
 
 
 def convert_with(
@@ -162,7 +173,8 @@ def convert_with(
     skipped_names = [n for n in reader.names() if n.startswith(skipped)]
     if skipped_names:
         log.info("skipping %d tensors not used by the text model (%s...)", len(skipped_names), skipped_names[0])
-    params = apply_rules(reader, rules, abstract_params(arch_module, config, dtype), ignore=ignored(config, skipped))
+    abstract = abstract_params(arch_module, config, dtype)
+    params = apply_rules(reader, rules, abstract, ignore=ignored(config, skipped, reader))
     return config, params
 
 

@@ -167,6 +167,18 @@ def test_runtime_layout_full_rank_queries(tmp_path):
     assert_close_relative(load(tmp_path, dtype="float32").logits(tokens), reference_logits(reference, tokens))
 
 
+def test_tied_config_with_untied_head(tmp_path):
+    """transformers' Kimi-Linear never ties its head (empty `_tied_weights_keys`): with tie_word_embeddings=True it
+    writes and computes with its own lm_head, which the converter then uses instead of the embedding."""
+    reference = build_reference(
+        tmp_path, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"], tie_word_embeddings=True,
+    )  # fmt: skip
+    assert "lm_head.weight" in load_file(tmp_path / "model.safetensors")
+    tokens = random_tokens(6, (1, 20))
+    assert_close_relative(load(tmp_path, dtype="float32").logits(tokens), reference_logits(reference, tokens))
+
+
 def test_original_config_layout():
     """The released checkpoints' config: linear_attn_config with 1-indexed layers, first_k_dense_replace, aliases."""
     hf = {

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import hypic_jax
+from hypic_jax.models import qwen3_next
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
 
 
@@ -59,3 +60,34 @@ def test_dense_layers_and_unnormalised_router(tmp_path):
     tokens = prompt(1, 16, seed=4)
     err = relative_error(model.logits(tokens), reference_logits(reference, tokens))
     assert err < 1e-4, f"max relative logit error {err:.2e}"
+
+
+def test_zero_width_shared_expert(tmp_path):
+    """shared_expert_intermediate_size=0: transformers still writes the empty shared-expert matrices and its gate
+    (the expert adds 0); they load as no shared expert."""
+    reference = build("next", seed=5, shared_expert_intermediate_size=0)
+    model = hypic_jax.load(save(reference, tmp_path), dtype="float32")
+    assert model.config.shared_expert_intermediate_size == 0
+    tokens = prompt(1, 16, seed=6)
+    err = relative_error(model.logits(tokens), reference_logits(reference, tokens))
+    assert err < 1e-4, f"max relative logit error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),  # the MLPs' and the GDN conv's activation in transformers
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),  # 9 of head_dim 12: odd
+        ({"num_key_value_heads": None}, "num_key_value_heads"),  # transformers' default differs by model type
+    ],
+)
+def test_config_fields_not_computed_are_refused_by_name(edit, named):
+    hf = {
+        "model_type": "qwen3_next", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12, "partial_rotary_factor": 0.5,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "intermediate_size": 96,
+    }  # fmt: skip
+    hf.update(edit)
+    with pytest.raises(ValueError, match=named):
+        qwen3_next.config_from_hf({k: v for k, v in hf.items() if v is not None})

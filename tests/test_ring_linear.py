@@ -178,6 +178,27 @@ def test_layer_factor_conventions():
         ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "minimax"})
 
 
+def test_defaults_follow_mlx():
+    """A key left out of config.json means mlx-lm's default, for every field mlx-lm gives one."""
+    import dataclasses
+
+    ours = {f.name: f.default for f in dataclasses.fields(ring_linear.RingLinearConfig)}
+    theirs = {f.name: f.default for f in dataclasses.fields(mlx_ring.ModelArgs) if f.default is not dataclasses.MISSING}
+    assert {k: (ours[k], v) for k, v in theirs.items() if k in ours and ours[k] != v} == {}
+
+
+def test_group_routing_without_topk_group_matches_mlx(tmp_path):
+    """n_group 8 and no topk_group: mlx-lm keeps its default 4 of the 8 groups."""
+    config = {**TINY_CONFIG, "num_hidden_layers": 2, "layer_group_size": 2, "first_k_dense_replace": 0,
+              "num_experts": 16, "num_experts_per_tok": 4, "n_group": 8}
+    del config["topk_group"]
+    reference = _build_reference(config)
+    _write_checkpoint(reference, config, tmp_path)
+    tokens = _prompt(20, seed=3, batch=1)
+    ours = hypic_jax.load(tmp_path, dtype="float32").logits(tokens)
+    assert _relative_error(ours, _mlx_logits(reference, tokens)) < 1e-4
+
+
 @pytest.fixture(scope="module")
 def batch_logits(model):
     """A batch of two 80-token prompts (longer than one 64-token chunk) and our causal logits for it."""

@@ -94,16 +94,28 @@ def rope_settings(hf: dict, head_dim: int) -> tuple[int, float]:
         raise ValueError(f"unsupported rope_type {rope_type!r} (only default / text-only mrope are implemented)")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-    return int(head_dim * factor), float(theta)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} rotates {rotary_dim} of head_dim {head_dim} channels; "
+                         "only an even, non-zero number is supported")
+    return rotary_dim, float(theta)
 
 
 def default_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
 
 
+def _required(hf: dict, name: str) -> Any:
+    """A size the config must state: the defaults of transformers' config classes differ between Qwen3.5 dense,
+    Qwen3.5 MoE and Qwen3-Next, so a missing one is refused by name rather than guessed."""
+    if hf.get(name) is None:
+        raise ValueError(f"config.json does not set {name!r}, which Qwen3.5 / Qwen3-Next need")
+    return hf[name]
+
+
 def config_from_hf(hf_config: dict) -> Config:
     hf = text_config(hf_config)
-    num_layers = hf["num_hidden_layers"]
+    num_layers = _required(hf, "num_hidden_layers")
     layer_types = tuple(hf.get("layer_types") or default_layer_types(num_layers, hf.get("full_attention_interval", 4)))
     if len(layer_types) != num_layers or not set(layer_types) <= {LINEAR, FULL}:
         raise ValueError(f"layer_types must list {num_layers} of {LINEAR!r}/{FULL!r}, got {layer_types}")
@@ -116,27 +128,29 @@ def config_from_hf(hf_config: dict) -> Config:
         )
     else:
         mlp_types = ("dense",) * num_layers
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or _required(hf, "hidden_size") // _required(hf, "num_attention_heads")
     rotary_dim, theta = rope_settings(hf, head_dim)
     if hf.get("attention_bias"):
         raise ValueError("attention_bias=True is not supported for Qwen3.5 / Qwen3-Next")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLPs' and the GDN conv's activation
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported for Qwen3.5 / Qwen3-Next (only silu)")
     return Config(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
+        vocab_size=_required(hf, "vocab_size"),
+        hidden_size=_required(hf, "hidden_size"),
         layer_types=layer_types,
         mlp_types=mlp_types,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         # transformers ties by the config of the model class it builds: the wrapper's for multimodal checkpoints
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        num_attention_heads=hf["num_attention_heads"],
-        num_key_value_heads=hf["num_key_value_heads"],
+        num_attention_heads=_required(hf, "num_attention_heads"),
+        num_key_value_heads=_required(hf, "num_key_value_heads"),
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         rope_theta=theta,
-        linear_num_key_heads=hf["linear_num_key_heads"],
-        linear_num_value_heads=hf["linear_num_value_heads"],
-        linear_key_head_dim=hf["linear_key_head_dim"],
-        linear_value_head_dim=hf["linear_value_head_dim"],
+        linear_num_key_heads=_required(hf, "linear_num_key_heads"),
+        linear_num_value_heads=_required(hf, "linear_num_value_heads"),
+        linear_key_head_dim=_required(hf, "linear_key_head_dim"),
+        linear_value_head_dim=_required(hf, "linear_value_head_dim"),
         conv_kernel=hf.get("linear_conv_kernel_dim", 4),
         intermediate_size=hf.get("intermediate_size", 0) or 0,
         num_experts=num_experts,

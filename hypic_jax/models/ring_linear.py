@@ -83,7 +83,7 @@ class RingLinearConfig:
     routed_scaling_factor: float = 1.0
     score_function: str = "softmax"
     n_group: int = 1
-    topk_group: int = 1
+    topk_group: int = 4
     layer_factor_convention: str = "mlx"  # see the module docstring and LAYER_FACTOR_CONVENTIONS
 
     @classmethod
@@ -351,8 +351,9 @@ def route(p: Params, x: Array, config: RingLinearConfig) -> tuple[Array, Array]:
     """Expert choice for tokens x [T, D]: (weights [T, k] float32, expert ids [T, k]).
 
     Scores are sigmoid (or softmax) of the router logits in float32. The expert bias and the group limit (keep the
-    `topk_group` groups whose two best biased scores sum highest; zero the rest) only decide *which* experts; the
-    weights are the unbiased scores of the chosen ones, renormalised, times `routed_scaling_factor`.
+    `topk_group` groups whose two best biased scores sum highest; zero the rest; all of them where topk_group >=
+    n_group, as in mlx-lm) only decide *which* experts; the weights are the unbiased scores of the chosen ones,
+    renormalised, times `routed_scaling_factor`.
     """
     logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)
     if config.score_function == "sigmoid":
@@ -364,7 +365,7 @@ def route(p: Params, x: Array, config: RingLinearConfig) -> tuple[Array, Array]:
         tokens = choice.shape[0]
         grouped = choice.reshape(tokens, config.n_group, -1)
         group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
-        _, kept = jax.lax.top_k(group_scores, config.topk_group)
+        _, kept = jax.lax.top_k(group_scores, min(config.topk_group, config.n_group))
         keep = jnp.zeros(group_scores.shape, bool).at[jnp.arange(tokens)[:, None], kept].set(True)
         choice = jnp.where(keep[..., None], grouped, 0.0).reshape(choice.shape)
     _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)
