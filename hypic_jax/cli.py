@@ -41,26 +41,23 @@ def _diag(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_count(text: str) -> int:
-    """--devices N: refused here when N < 1; N above the devices this process sees is refused by `serve.build`
-    (counting them starts JAX's backend, which parsing need not)."""
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a device count, got {text!r}") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
-    return count
+def _positive(what: str):
+    """An argparse type for a whole number >= 1 of `what`. --devices N above the devices this process sees is
+    refused by `serve.build` (counting them starts JAX's backend, which parsing need not)."""
+
+    def parse(text: str) -> int:
+        try:
+            count = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}") from None
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
+        return count
+
+    return parse
 
 
-def _byte_count(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
-    return count
+_device_count, _byte_count = _positive("device count"), _positive("number of bytes")
 
 
 def _memory_fraction(text: str) -> float:
