@@ -3,11 +3,13 @@ is dispatched, step by step, for an all-cached trr request of the headline's lay
 seams of 8, a 32 to 96-token query, the 768-token rung and 33,792 keys). The model is the small one of
 `bench/prefill.py` (the host's work does not depend on the widths); the engine is warmed and every document cached
 first. Prints the mean ms per call of each step over `--repeats` runs: the token ids (`_segment_ids`), the 64 cache
-keys (SHA-256), the 64 lookups, the whole plan, the layout (`layout.build`) and its packing.
+keys (SHA-256), the 64 lookups, the whole plan, the layout (`layout.build`) and its packing, then the packed
+vector's size.
 
     python3 bench/investigations/host_time.py [--repeats 200]
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -73,3 +75,6 @@ timed("lookups", lookups)
 timed("plan (keys and lookups)", plan)
 timed("layout.build", build)
 timed("layout.pack", lambda: lay.pack(arrays))
+fields = sum(getattr(arrays, f.name).nbytes // getattr(arrays, f.name).itemsize for f in dataclasses.fields(arrays))
+print(f"packed layout            {lay.pack(arrays).nbytes / 1e3:.0f} KB ({4 * fields / 1e3:.0f} KB as one int32 per "
+      f"field entry; capacity {capacity})", flush=True)

@@ -339,9 +339,8 @@ class ChatRenderer:
 
     def whole(self, messages: list[dict]) -> str:
         """The whole conversation's rendering with the generation prompt, in one render (`render` takes one per
-        message): what the segments add up to, to refuse a conversation too long before splitting it."""
-        if self.template is None:
-            return "".join(self.render(messages))
+        message): what the segments add up to, to refuse a conversation too long before splitting it. Only with
+        a template: without one the split renders each message once."""
         return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
 
     def render(self, messages: list[dict]) -> list[str]:
