@@ -34,6 +34,7 @@ Architectures provide `pool_layout(config, dtype)` and `span_forward_arrays(...)
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -257,6 +258,12 @@ class Programs:
         packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
         return fn.lower(*shapes((engine.params, packed, engine.pools.arrays)))
 
+    def _tracing_mesh(self):
+        """The context a program is traced in: on a model mesh that mesh (`jax.set_mesh`), under which the span
+        programs' linear cores and attention run on each device's own heads (`stitch.model_split`)."""
+        placement = self.engine.placement
+        return contextlib.nullcontext() if placement is None else jax.set_mesh(placement.mesh)
+
     def _abstract(self, tree):
         """Abstract values of a program's arguments: arrays with their shardings; on a model mesh every value
         without one (layouts, tokens, the decode caches) replicated over it (`StableEngine.placement`)."""
@@ -339,7 +346,9 @@ class Programs:
             return compiled
         while compiled is None:
             try:
-                compiled = self._lower(key).compile()
+                with self._tracing_mesh():
+                    lowered = self._lower(key)
+                compiled = lowered.compile()
             except Exception as error:  # noqa: BLE001  (a kernel's lowering or compile failed: see below)
                 # an automatic choice of Pallas kernels must never cost the engine its programs: fall back to
                 # XLA (same results up to rounding; the records keep one form), the fold first (to the blocked

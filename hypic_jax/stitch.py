@@ -26,6 +26,11 @@ that fit one capacity share one compiled program, and padding costs buffer space
   piece steps through its chunks and emits their outputs.
 * attention: keys are gathered in absolute order from the fresh keys and the per-token pools (`key_index`), and
   each block of queries runs an online-softmax loop over only the key blocks it can see.
+* a model axis: traced under a mesh with a "model" axis of M > 1 devices (`jax.set_mesh`; `StableEngine
+  (tensor_parallel=M)` lowers its programs so), the linear core and attention run on each device's 1/M of the
+  heads (`jax.shard_map`), where M divides them. Heads are independent in both, so the split changes no result;
+  it is what lets the Pallas kernels, custom calls that XLA's partitioner cannot split, read only their device's
+  share of the split pools instead of gathered whole operands.
 """
 
 from __future__ import annotations
@@ -47,9 +52,33 @@ from hypic_jax.pallas import piece_fold
 from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
+MODEL_AXIS = "model"  # the tensor-parallel mesh axis (`runtime.tensor_parallel_mesh`, the models' `param_specs`)
 
 __all__ = ["conv_over_layout", "linear_over_layout", "linear_kernel_fits", "LINEAR_IMPLS", "gather_keys",
-           "masked_attention", "row_writes", "apply_row_writes", "RowWrites", "LinearResult"]
+           "masked_attention", "row_writes", "apply_row_writes", "RowWrites", "LinearResult", "model_split", "MODEL_AXIS"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model axis
+
+
+def model_split(heads: int) -> int:
+    """M, the size of the "model" axis of the mesh being traced under (`jax.set_mesh`), when M > 1 divides `heads`;
+    else 1 (no mesh, no such axis, or heads it cannot split evenly: the caller runs on whole operands)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or MODEL_AXIS not in mesh.axis_names:
+        return 1
+    size = mesh.shape[MODEL_AXIS]
+    return size if size > 1 and heads % size == 0 else 1
+
+
+def _over_heads(fn: Callable, split: tuple, whole: tuple):
+    """fn(*split, *whole) on each device of the traced mesh's model axis, with every array in `split` and in fn's
+    results split along axis 1 (the heads) and `whole` replicated. fn must treat heads independently."""
+    heads = jax.sharding.PartitionSpec(None, MODEL_AXIS)
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(),
+                         in_specs=(heads,) * len(split) + (jax.sharding.PartitionSpec(),) * len(whole),
+                         out_specs=heads, check_vma=False)(*split, *whole)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,7 +201,28 @@ def linear_over_layout(
     data (`_blocked_fold`).
     Where the fold runs as a kernel and the layout computes summaries but records none (a stitched PIC request),
     steps 1 to 3 become one: `_linear_over_layout_chunk_fold`. It returns no summaries and no piece end states.
+    Under a model axis (`model_split` of the value heads) each device runs all of this on its own heads; key heads
+    that the axis does not divide are first repeated to the value heads.
     """
+    run = functools.partial(_linear_over_layout, summaries=summaries, rotate=rotate, algorithm=algorithm, impl=impl,
+                            kernel_config=kernel_config, fold_impl=fold_impl)
+    split = model_split(inputs.v.shape[1])
+    if split == 1:
+        return run(inputs, pool, layout)
+    if inputs.k.shape[1] % split:
+        inputs = _repeat_key_heads(inputs)
+
+    def local(inputs, pool, layout):
+        result = run(inputs, pool, layout)  # the final state [H, K, V] with a leading axis, so heads are axis 1
+        return result.outputs, result.final_state[None], result.piece_summaries, result.piece_ends
+
+    outputs, final, piece_summaries, piece_ends = _over_heads(local, (inputs, pool), (layout,))
+    return LinearResult(outputs, final[0], piece_summaries, piece_ends)
+
+
+def _linear_over_layout(inputs: LinearInputs, pool: Summary, layout: LayoutArrays, *, summaries: bool, rotate,
+                        algorithm, impl: str, kernel_config, fold_impl: str) -> LinearResult:
+    """`linear_over_layout` on the heads it is given."""
     fold_impl = "pallas" if impl == "pallas" and fold_impl == "auto" else fold_impl
     if (summaries and layout.record_piece.shape[0] == 0 and inputs.q is not None
             and _use_fold_kernel(fold_impl, inputs.k.shape[-1], inputs.v.shape[-1])):
@@ -595,8 +645,20 @@ def masked_attention(q: Array, k: Array, v: Array, layout: LayoutArrays, *, isol
     visible key (from the layout: stitched keys are in absolute order, isolated keys are the packed fresh
     tokens), with an online softmax, so neither the logits [F, P] nor padded keys are ever computed in full.
     On a GPU (`kernel_fits`; `use_kernel` forces either path) the same mask runs in the Pallas flash kernel
-    `pallas.attention.positioned_attention`, with each query's first and last visible key.
+    `pallas.attention.positioned_attention`, with each query's first and last visible key. Under a model axis that
+    divides the key heads (`model_split`) each device attends with its own heads (query heads follow their key
+    head).
     """
+    run = functools.partial(_masked_attention, isolated=isolated, scale=scale, block_q=block_q, block_k=block_k,
+                            use_kernel=use_kernel)
+    if model_split(k.shape[1]) == 1:
+        return run(q, k, v, layout)
+    return _over_heads(run, (q, k, v), (layout,))
+
+
+def _masked_attention(q: Array, k: Array, v: Array, layout: LayoutArrays, *, isolated: bool, scale: float,
+                      block_q: int, block_k: int, use_kernel: bool | None) -> Array:
+    """`masked_attention` on the heads it is given."""
     tokens, heads_q, dim = q.shape
     keys_total, heads_kv, dim_v = k.shape[0], k.shape[1], v.shape[-1]
     group = heads_q // heads_kv

@@ -1,7 +1,8 @@
 """Tensor parallelism: `StableEngine(tensor_parallel=M)` splits the parameters over a ("data", "model") mesh of M
 devices by each architecture's `param_specs` and the pools over its "model" axis (`pools.split_spec`), and runs
-every program over the mesh; with `devices=` beside it the segment mesh's cold bins come back gathered and are
-committed into the split pools, where the stitched program reads them.
+every program over the mesh, the span programs' linear cores and attention on each device's own heads
+(`stitch.model_split`); with `devices=` beside it the segment mesh's cold bins come back gathered and are committed
+into the split pools, where the stitched program reads them.
 
 On fake CPU devices (a subprocess: the device count is fixed when JAX starts), for every architecture: the logits of
 a random trace over every mode, the cache entries, greedy generation and the batched decode rows equal the
@@ -43,13 +44,19 @@ for r in range(9):
     requests.append((docs + [rng.integers(3, vocab, int(rng.integers(1, 12))).tolist()], modes[r % len(modes)],
                      [4, 0, 1.0][r % 3]))
 
+from hypic_jax import stitch
+splits = []  # the span programs' linear cores and attention run on each device's heads (`stitch.model_split`)
+_over_heads = stitch._over_heads
+stitch._over_heads = lambda fn, split, whole: splits.append(fn) or _over_heads(fn, split, whole)
 ref = StableEngine(model, **base, max_batch=2)
 split = StableEngine(model, **base, max_batch=2, tensor_parallel=2)
 # the cold bins on two other devices, the stitched programs on the model mesh
 composed = StableEngine(model, **base, tensor_parallel=jax.devices()[2:4], devices=jax.devices()[4:6])
 assert composed.segment_mesh.gathered and composed.segment_mesh.pools is None
-for engine in (split, composed):
-    engine.warmup(progress=False)
+split.warmup(progress=False)
+assert splits
+composed.warmup(progress=False)
+traced = len(splits)  # from here on only `ref` compiles, on one device: no split
 
 # every pool over both devices of its mesh, split where an axis of its pieces allows (each leaf of this model's)
 for engine, ids in ((split, [0, 1]), (composed, [2, 3])):
@@ -95,6 +102,7 @@ for a, b in zip(_batched_steps(ref, prompts, 3), _batched_steps(split, prompts, 
 
 for name, engine in (("split", split), ("composed", composed)):
     assert engine.stats["programs"]["serving_compiles"] == 0, name
+assert len(splits) == traced, "the one-device engine's programs split nothing"
 print("ok")
 """
 
