@@ -55,7 +55,8 @@ MASK_VALUE = -1e30  # finite: a query with no visible key averages values instea
 MODEL_AXIS = "model"  # the tensor-parallel mesh axis (`runtime.tensor_parallel_mesh`, the models' `param_specs`)
 
 __all__ = ["conv_over_layout", "linear_over_layout", "linear_kernel_fits", "LINEAR_IMPLS", "gather_keys",
-           "masked_attention", "row_writes", "apply_row_writes", "RowWrites", "LinearResult", "model_split", "MODEL_AXIS"]
+           "masked_attention", "row_writes", "apply_row_writes", "RowWrites", "LinearResult", "model_split",
+           "MODEL_AXIS"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

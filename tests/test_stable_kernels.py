@@ -73,6 +73,16 @@ def _random_spans(rng, kind: str) -> list[lay.Span]:
     return spans
 
 
+def _random_layout(rng, kind: str) -> tuple[list[lay.Span], lay.LayoutArrays]:
+    """A random request of this program kind (`_random_spans`) and its layout at CAP (a pic request's cached
+    transfers dropped at random: HYPIC's `addition`)."""
+    spans = _random_spans(rng, kind)
+    n_fresh = sum(s.length for s in spans if s.kind == lay.FRESH)
+    arrays = lay.build(spans, CAP, isolated=kind == "cold", tokens=np.zeros(n_fresh, np.int32),
+                       summaries=kind != "plain", transfer=bool(rng.integers(2)) or kind != "pic")
+    return spans, arrays
+
+
 def _inputs(rng, per_key: bool) -> linear_attn.LinearInputs:
     f = CAP.tokens
     q = jnp.asarray(rng.standard_normal((f, HK, K)), jnp.float32)
@@ -112,10 +122,7 @@ def test_layout_core_kernels_match_the_xla_loops(per_key):
         isolated, summaries = kind == "cold", kind != "plain"
         compiled = None
         for trial in range(3):
-            spans = _random_spans(rng, kind)
-            n_fresh = sum(s.length for s in spans if s.kind == lay.FRESH)
-            arrays = lay.build(spans, CAP, isolated=isolated, tokens=np.zeros(n_fresh, np.int32), summaries=summaries,
-                               transfer=bool(rng.integers(2)) or kind != "pic")
+            spans, arrays = _random_layout(rng, kind)
             inputs = _inputs(rng, per_key)
             run = functools.partial(_core, inputs, pool, arrays, summaries=summaries, isolated=isolated)
             before = _core._cache_size()
