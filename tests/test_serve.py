@@ -255,6 +255,17 @@ BAD = [
     ("/v1/completions", b'{"prompt": "a b", "cache_salt": "\\ud800"}', "cache_salt", 400),
     ("/v1/completions", dict(prompt=[3, "a b"]), "prompt", 400),
     ("/v1/completions", dict(prompt=["a", "b"]), "prompt", 400),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")], response_format=dict(type="json_object")),
+     "response_format", 400),
+    ("/v1/completions", dict(prompt="a b", response_format=dict(type="json_schema", json_schema={})),
+     "response_format", 400),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")],
+                                  tools=[dict(type="function", function=dict(name="f"))]), "tools", 400),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")], tool_choice="required"), "tool_choice",
+     400),
+    ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")], functions=[dict(name="f")]), "functions",
+     400),
+    ("/v1/completions", dict(prompt="a b", documents=["the fox"]), "documents", 400),
 ]
 
 
@@ -281,6 +292,71 @@ def test_a_prompt_list_mixing_integers_and_other_values_says_what_a_prompt_is(se
         assert "several prompts" not in error["message"] and error["code"] == "invalid_type"
     error = _post(served, "/v1/completions", dict(prompt=["the fox", "a dog"])).json()["error"]
     assert "several prompts" in error["message"] and error["code"] == "unsupported"
+
+
+def test_constrained_output_is_refused_not_ignored(served):
+    """JSON mode, a JSON schema, tools or a forced tool choice would be answered as free text the client takes for
+    what it asked: a 400 `unsupported` naming the field; the plain forms ("text", no tools, "none"/"auto") are
+    served."""
+    messages = [dict(role="user", content="the fox")]
+    for field, value in (("response_format", dict(type="json_object")), ("tools", [dict(type="function")]),
+                         ("tool_choice", dict(type="function", function=dict(name="f")))):
+        error = _post(served, "/v1/chat/completions", {"messages": messages, field: value}).json()["error"]
+        assert error["param"] == field and error["code"] == "unsupported", error
+    plain = dict(messages=messages, max_tokens=2, response_format=dict(type="text"), tools=[], tool_choice="none")
+    assert _post(served, "/v1/chat/completions", plain).json()["usage"]["completion_tokens"] == 2
+    error = _post(served, "/v1/completions", dict(prompt="the fox", documents=["a dog"])).json()["error"]
+    assert error["param"] == "documents" and "segments" in error["message"]
+
+
+def test_a_stream_that_fails_before_its_first_token_is_answered_with_its_status(served, monkeypatch):
+    """A streamed request that ends in an error before its first token (its deadline passed in the queue, a prefill
+    the cache cannot hold) gets that error's HTTP status in OpenAI's shape, as without `stream`, not a 200 stream
+    holding the error."""
+    from hypic_jax.pools import PoolFull
+
+    for path, body in (("/v1/completions", dict(prompt="the fox")),
+                       ("/v1/chat/completions", dict(messages=[dict(role="user", content="the fox")]))):
+        response = _post(served, path, dict(body, max_tokens=4, stream=True, timeout=1e-9))
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+
+    def full(tokens, evict):
+        raise PoolFull(f"no room in the cache for an entry of {tokens} tokens")
+
+    monkeypatch.setattr(served["engine"].pools, "allocate", full)
+    segments = [[41, 42, 43, 44, 45, 46, 47], [48, 49, 50, 51, 52, 53], [54, 55]]  # not cached yet
+    response = _post(served, "/v1/completions", dict(segments=segments, max_tokens=2, stream=True))
+    assert response.status_code == 400 and "no room in the cache" in response.json()["error"]["message"]
+    monkeypatch.undo()
+    chunks = list(served["client"].completions.create(model=MODEL, prompt="the fox", max_tokens=3, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprob_tokens_add_up_to_the_text_streamed_or_not(served):
+    """Each token of a logprobs block is the text it adds to the completion (decoded alone, a Metaspace token
+    drops its leading space), so the tokens add up to the text and `text_offset` is where each starts, the same
+    streamed or not; the alternatives are read in the same context."""
+    body = dict(prompt="the quick brown", max_tokens=MAX_NEW, temperature=0, logprobs=2)
+    choice = _post(served, "/v1/completions", body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert " " in text and choice["finish_reason"] == "length"
+    assert "".join(lp["tokens"]) == text
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    assert all(next(iter(top)) == token for top, token in zip(lp["top_logprobs"], lp["tokens"]))  # greedy
+    tokens, offsets = [], []
+    for c in served["client"].completions.create(model=MODEL, stream=True, **body):
+        if c.choices[0].logprobs:
+            tokens += c.choices[0].logprobs.tokens
+            offsets += c.choices[0].logprobs.text_offset
+    assert (tokens, offsets) == (lp["tokens"], lp["text_offset"])
+    chat = _post(served, "/v1/chat/completions", dict(messages=[dict(role="user", content="the quick brown")],
+                                                       max_tokens=MAX_NEW, temperature=0, logprobs=True,
+                                                       top_logprobs=1)).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == chat["message"]["content"]
+    assert all(t["top_logprobs"][0]["token"] == t["token"] and bytes(t["bytes"]).decode() == t["token"]
+               for t in content)
 
 
 def _content_length(response: bytes) -> int:

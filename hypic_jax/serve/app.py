@@ -6,7 +6,8 @@ on the event loop (refused with 413 past `max_request_bytes`, before it is all r
 tokenize it on one parsing thread, so a large prompt does not hold up /health or the other clients' streams; one
 thread, in order, so requests still reach the scheduler's queue in the order their bodies arrived. Then they hand
 the request to the scheduler thread and wait for its events; a client that goes away (a closed stream, or a closed
-connection while a non-streaming request waits) cancels its request, which frees its row.
+connection while a request waits for its answer or its first token) cancels its request, which frees its row. A
+stream starts with the request's first token, so a request that fails before it is answered with its status.
 """
 
 from __future__ import annotations
@@ -226,8 +227,19 @@ class Server:
             return error_response(error)
         meta = dict(id=job.id, created=int(time.time()), model=self.model_name)
         if parsed.stream:
-            return StreamingResponse(self._stream(job, events, parsed, meta, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            # the stream starts with the first event: a request that fails before its first token (a prefill the
+            # cache cannot hold, its deadline in the queue) is answered with its status, not a 200 stream
+            try:
+                first = await self._next(request, job, events)
+            except BaseException:
+                self._cancel(job)  # the handler was cancelled
+                raise
+            if first is None:
+                return Response(status_code=499)
+            if first["type"] == "error":
+                return error_response(first["error"])
+            return StreamingResponse(self._stream(job, events, parsed, meta, chat, first),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(request, job, events, parsed, meta, chat)
 
     async def _body(self, request: HttpRequest) -> bytes:
@@ -265,17 +277,23 @@ class Server:
             job.cancel()
             self.scheduler.wake()
 
+    async def _next(self, request, job, events) -> dict | None:
+        """The request's next event; None once its client has gone (checked every POLL_S), which cancels it."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self._cancel(job)
+                    return None
+
     async def _collect(self, request, job, events, parsed, meta, chat) -> Response:
         texts, tokens, logprobs = [], [], []
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self._cancel(job)
-                        return Response(status_code=499)
-                    continue
+                event = await self._next(request, job, events)
+                if event is None:
+                    return Response(status_code=499)
                 if event["type"] == "delta":
                     texts.append(event["text"])
                     tokens += event["token_ids"]
@@ -289,7 +307,8 @@ class Server:
         text, reason = "".join(texts), event["finish_reason"]
         lp = None
         if parsed.params.logprobs is not None:
-            lp = (protocol.chat_logprobs if chat else protocol.completion_logprobs)(logprobs, self.tokenizer)
+            lp = (protocol.chat_logprobs if chat else protocol.completion_logprobs)(
+                logprobs, protocol.TokenTexts(self.tokenizer))
         if chat:
             choice = dict(index=0, message=dict(role="assistant", content=text), logprobs=lp, finish_reason=reason)
             obj = "chat.completion"
@@ -300,9 +319,9 @@ class Server:
             choice["token_ids"] = tokens
         return JSONResponse(dict(meta, object=obj, choices=[choice], usage=usage(event["stats"], len(tokens))))
 
-    async def _stream(self, job, events, parsed, meta, chat):
+    async def _stream(self, job, events, parsed, meta, chat, first):
         obj = "chat.completion.chunk" if chat else "text_completion"
-        offset = 0
+        texts = protocol.TokenTexts(self.tokenizer)
 
         def chunk(text=None, reason=None, token_ids=None, logprobs=None, role=False):
             if chat:
@@ -319,21 +338,18 @@ class Server:
         try:
             if chat:
                 yield chunk("", role=True)
-            count = 0
+            count, event = 0, first
             while True:
-                event = await events.get()
                 if event["type"] == "delta":
                     count += len(event["token_ids"])
                     lp = None
                     if parsed.params.logprobs is not None and event["logprobs"]:
-                        if chat:
-                            lp = protocol.chat_logprobs(event["logprobs"], self.tokenizer)
-                        else:
-                            lp = protocol.completion_logprobs(event["logprobs"], self.tokenizer, offset)
-                    offset += len(event["text"])
+                        lp = (protocol.chat_logprobs if chat else protocol.completion_logprobs)(event["logprobs"],
+                                                                                                texts)
                     if event["text"] or lp is not None or parsed.return_token_ids:
                         yield chunk(event["text"], token_ids=event["token_ids"] if parsed.return_token_ids else None,
                                     logprobs=lp)
+                    event = await events.get()
                 elif event["type"] == "error":
                     yield _sse(event["error"].body())
                     yield "data: [DONE]\n\n"

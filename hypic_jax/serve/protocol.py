@@ -124,6 +124,24 @@ def _check_prompt(segments: list[list[int]], limits: Limits, param: str) -> int:
     return total
 
 
+def _constraints(body: dict) -> None:
+    """Refuse what asks for output the server cannot constrain (JSON mode, tool calls): answered as free text, a
+    client would take it for what it asked."""
+    response_format = _get(body, "response_format", "dict", {})
+    kind = response_format.get("type", "text")
+    if kind != "text":
+        raise ApiError(400, f"'response_format' of type {kind!r:.40} is not supported (only 'text': the output is "
+                       "not constrained)", param="response_format", code="unsupported")
+    for name in ("tools", "functions"):
+        if _get(body, name, "list", []):
+            raise ApiError(400, f"'{name}' is not supported (no tool calling)", param=name, code="unsupported")
+    for name in ("tool_choice", "function_call"):
+        choice = body.get(name)
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, f"'{name}' {choice!r:.60} is not supported (no tool calling)", param=name,
+                           code="unsupported")
+
+
 def _common(body: dict, segments, total: int, limits: Limits, tokenizer, *, chat: bool) -> Parsed:
     if _get(body, "n", "int", 1) != 1:
         raise ApiError(400, "'n' must be 1 (one choice per request)", param="n", code="unsupported")
@@ -137,6 +155,7 @@ def _common(body: dict, segments, total: int, limits: Limits, tokenizer, *, chat
     if not chat and (_get(body, "echo", "bool", False) or _get(body, "suffix", "str", "")):
         param = "echo" if body.get("echo") else "suffix"
         raise ApiError(400, f"'{param}' is not supported", param=param, code="unsupported")
+    _constraints(body)
     room = limits.max_keys - total
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     default = min(limits.max_new_tokens, room) if chat else min(16, limits.max_new_tokens, room)
@@ -228,6 +247,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer, separator: str) -> P
     vocab = limits.vocab_size
     segments_field = _get(body, "segments", "list")
     prompt = body.get("prompt")
+    if _get(body, "documents", "list"):  # the chat extension: here it would be dropped without a word
+        raise ApiError(400, "'documents' is an extension of /v1/chat/completions; in completions give the documents "
+                       "as 'segments' or in 'prompt' split on the separator", param="documents", code="unsupported")
     if segments_field is not None:
         if prompt not in (None, "", []):
             raise ApiError(400, "give 'prompt' or 'segments', not both", param="segments", code="invalid_value")
@@ -395,27 +417,55 @@ def parse_chat(body: dict, limits: Limits, tokenizer, renderer: ChatRenderer) ->
 
 
 # Log-probabilities ----------------------------------------------------------------------------------------------
-def token_text(tokenizer, token: int) -> str:
-    return f"token_id:{token}" if tokenizer is None else tokenizer.decode([token])
+class TokenTexts:
+    """Each generated token's text as it reads in the completion, and where it starts there: what the token adds
+    to the decoding of the few tokens before it, so the tokens add up to the text (decoded alone, a token loses the
+    leading space a Metaspace tokenizer gives it, and every offset after it drifts). The alternatives' texts are
+    taken in the same context. One per request, fed its tokens in order (streamed or not: the same texts)."""
+
+    CONTEXT = 4  # tokens decoded before it (a word marker's space needs one); a context ending in part of a
+    # character does not prefix the longer decoding, and the token is then decoded alone
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.offset = tokenizer, [], 0
+
+    def __call__(self, token: int, alternatives) -> tuple[str, int, list[str]]:
+        """(the token's text, its offset in the completion's text, the alternatives' texts); then the next token."""
+        if self.tokenizer is None:
+            texts = [f"token_id:{t}" for t in (token, *alternatives)]
+        else:
+            context = self.ids[-self.CONTEXT:]
+            before = self.tokenizer.decode(context)
+
+            def text(t: int) -> str:
+                after = self.tokenizer.decode(context + [t])
+                return after[len(before):] if after.startswith(before) else self.tokenizer.decode([t])
+
+            texts = [text(t) for t in (token, *alternatives)]
+        offset = self.offset
+        self.ids.append(token)
+        self.offset += len(texts[0])
+        return texts[0], offset, texts[1:]
 
 
-def completion_logprobs(entries: list[tuple], tokenizer, offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(entries: list[tuple], texts: TokenTexts) -> dict[str, Any]:
     """OpenAI's completions block from [(token, logprob, [(id, logprob), ...]), ...]."""
     out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for token, lp, top in entries:
-        text = token_text(tokenizer, token)
+        text, offset, others = texts(token, [t for t, _ in top])
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({token_text(tokenizer, t): v for t, v in top})
+        out["top_logprobs"].append({other: v for other, (_, v) in zip(others, top)})
         out["text_offset"].append(offset)
-        offset += len(text)
     return out
 
 
-def chat_logprobs(entries: list[tuple], tokenizer) -> dict[str, Any]:
-    def item(token, lp):
-        text = token_text(tokenizer, token)
+def chat_logprobs(entries: list[tuple], texts: TokenTexts) -> dict[str, Any]:
+    def item(text, lp):
         return dict(token=text, logprob=lp, bytes=list(text.encode()))
 
-    return dict(content=[dict(item(token, lp), top_logprobs=[item(t, v) for t, v in top])
-                         for token, lp, top in entries])
+    content = []
+    for token, lp, top in entries:
+        text, _, others = texts(token, [t for t, _ in top])
+        content.append(dict(item(text, lp), top_logprobs=[item(other, v) for other, (_, v) in zip(others, top)]))
+    return dict(content=content)
