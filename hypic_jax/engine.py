@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import struct
 import time
 from pathlib import Path
@@ -160,7 +161,12 @@ def _int32_struct(count: int) -> struct.Struct:
 
 
 def seam_tokens(seam: float, length: int) -> int:
-    """HYPIC's seam knob for one segment of `length` tokens: 0 -> 0, 0 < x <= 1 -> ceil(x * length), x > 1 -> x."""
+    """HYPIC's seam knob for one segment of `length` tokens: 0 -> 0, 0 < x <= 1 -> ceil(x * length), x > 1 -> x.
+    A bool is refused (True would silently mean "the whole segment"), and so is NaN or infinity."""
+    if not _is_number(seam):
+        raise TypeError(f"seam must be a number, got {type(seam).__name__} {seam!r}")
+    if not math.isfinite(seam):
+        raise ValueError(f"seam must be a finite number, got {seam}")
     if seam < 0:
         raise ValueError(f"seam must be >= 0, got {seam}")
     if seam == 0:
@@ -170,6 +176,16 @@ def seam_tokens(seam: float, length: int) -> int:
     if seam != int(seam):
         raise ValueError(f"a seam above 1 is a token count and must be an integer, got {seam}")
     return min(length, int(seam))
+
+
+def _is_number(x) -> bool:
+    """A real number that is not a bool (Python's or NumPy's: numbers.Real counts a bool as one)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_integer(x) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _load_tokenizer(tokenizer):
@@ -265,6 +281,8 @@ class Engine:
         self.model = model
         self.arch, self.config, self.params = model.arch, model.config, model.params
         self.tokenizer = _load_tokenizer(tokenizer)
+        if cache_bytes is not None and cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0 or None, got {cache_bytes}")
         self.pool = EntryPool()
         self.pool_entries = bool(pool_entries)
         self.cache = SegmentCache(cache_bytes, on_drop=lambda entry: self.pool.release(entry.slot))
@@ -330,9 +348,20 @@ class Engine:
     # Inputs -------------------------------------------------------------------------------------------------------
     @staticmethod
     def _check_mode(mode: str) -> str:
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
         return mode
+
+    def _request_options(self, mode, seam, cache_salt) -> tuple[str, float]:
+        """A request's mode and seam (None: the engine's), checked with its salt before any work: only None means
+        the default (an empty or zero mode is refused, not read as the engine's), and a salt must be a string
+        (`str(salt)` would let 5 and "5" share entries)."""
+        mode = self._check_mode(self.mode if mode is None else mode)
+        seam = self.seam if seam is None else seam
+        seam_tokens(seam, 1)  # validates
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        return mode, seam
 
     def segment_tokens(self, segments) -> list[list[int]]:
         """Token ids of each segment: a list of strings or of token-id lists, or one string split on the separator."""
@@ -343,8 +372,13 @@ class Engine:
         Segments are checked in order: the first problem is the one reported."""
         if isinstance(segments, str):
             segments = segments.split(self.separator)
-        if isinstance(segments, np.ndarray):
+        if isinstance(segments, np.ndarray) and segments.ndim:
             segments = [segments] if segments.ndim == 1 else list(segments)
+        if isinstance(segments, (bytes, bytearray, dict, set, frozenset)) or (
+                segments is not None and not hasattr(segments, "__iter__")) or (
+                isinstance(segments, np.ndarray) and not segments.ndim):
+            # bytes would iterate as ints, a dict as its keys, a set in no fixed order
+            raise TypeError(f"segments must be a string or a list of segments, got {type(segments).__name__}")
         segments = list(segments) if segments is not None else []
         if not segments:
             raise ValueError("segments must hold at least one segment (the last one is the query)")
@@ -370,6 +404,10 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("text segments need a tokenizer: pass tokenizer= or give token-id lists")
             ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
+        elif isinstance(segment, (numbers.Number, np.generic)) or (isinstance(segment, np.ndarray) and not segment.ndim):
+            # a flat list of ids would otherwise become one one-token segment per id, the last one the query
+            raise TypeError(f"segment {i} is a single value ({segment!r}), not a list of token ids: segments is a "
+                            f"list of segments (one segment of ids is [[id, ...]])")
         else:
             ids = segment
         fast = _int32_list(ids)
@@ -384,8 +422,8 @@ class Engine:
         if ids.dtype.kind not in "iu":
             if ids.dtype.kind != "f" or not np.array_equal(ids, np.floor(ids)):
                 raise ValueError(f"segment {i} holds token ids that are not integers (dtype {ids.dtype})")
-            ids = ids.astype(np.int64)
-        self._check_vocabulary([ids], first=i)  # before the cast to int32, which could wrap an id into range
+        # before any integer cast, which could wrap an id into range (or an infinite float to any integer)
+        self._check_vocabulary([ids], first=i)
         return ids.astype(np.int32)
 
     def _check_vocabulary(self, ids: list[np.ndarray], first: int = 0) -> None:
@@ -408,8 +446,7 @@ class Engine:
         """Prefill a request; returns the last position's logits, the stats (see `PrefillStats`) and the per-layer
         caches after the prompt (`decode`, on device: what `generate` continues from; the K/V concatenation they
         hold is built for the attention anyway, so returning it costs no extra compute)."""
-        mode = self._check_mode(mode or self.mode)
-        seam = self.seam if seam is None else seam
+        mode, seam = self._request_options(mode, seam, cache_salt)
         ids = self._segment_ids(segments)
         segs = [i.tolist() for i in ids]
         start = time.perf_counter()
@@ -606,7 +643,8 @@ class Engine:
         stop: strings (need a tokenizer; a special token's text, such as `<|eos|>`, stops at its id) and/or token ids
         that end generation (the stop token is kept in `tokens`).
         """
-        stop_ids, stop_texts = self._check_generation(max_new_tokens, top_p, stop)
+        stop_ids, stop_texts = self._check_generation(max_new_tokens, top_p, stop, temperature, seed)
+        self._request_options(mode, seam, cache_salt)
         segs = self.segment_tokens(segments)
         total = sum(map(len, segs))
         if self.max_context is not None and total + max_new_tokens > self.max_context:
@@ -627,13 +665,35 @@ class Engine:
         return self._decode_loop(pre, step, cache, max_new_tokens, temperature, top_p, seed, stop_ids, stop_texts,
                                  start)
 
-    def _check_generation(self, max_new_tokens: int, top_p: float, stop) -> tuple[set[int], list[str]]:
-        """Validated sampling arguments: (stop token ids, stop strings)."""
+    def _check_generation(self, max_new_tokens: int, top_p: float, stop, temperature: float = 0.0,
+                          seed: int | None = 0) -> tuple[set[int], list[str]]:
+        """Validated sampling arguments: (stop token ids, stop strings). Checked before the prefill, so a bad one
+        costs no device work (the sampler would otherwise fail only after it)."""
+        if not _is_integer(max_new_tokens):
+            raise TypeError(f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not _is_number(top_p):
+            raise TypeError(f"top_p must be a number, got {type(top_p).__name__}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-        stops = [] if stop is None else ([stop] if isinstance(stop, (str, int)) else list(stop))
+        if not _is_number(temperature):
+            raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+        if not 0 <= temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+        if seed is not None and not _is_integer(seed):
+            raise TypeError(f"seed must be an integer or None, got {type(seed).__name__}")
+        if seed is not None and seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        single = isinstance(stop, str) or not hasattr(stop, "__iter__")
+        stops = [] if stop is None else ([stop] if single else list(stop))
+        for s in stops:
+            if not (isinstance(s, str) or _is_integer(s)):
+                raise TypeError(f"stop must be strings or token ids, got {type(s).__name__} {s!r}")
+            if isinstance(s, str) and not s:
+                raise ValueError("stop strings must not be empty (an empty string would stop at the first token)")
+            if not isinstance(s, str) and not 0 <= s < self.vocab_size:
+                raise ValueError(f"stop token id {s} lies outside the vocabulary [0, {self.vocab_size})")
         stop_texts = [s for s in stops if isinstance(s, str)]
         if stop_texts and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass token ids instead")

@@ -53,8 +53,8 @@ from hypic_jax import layout as lay
 from hypic_jax import stitch
 from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
-from hypic_jax.engine import (MODES, SPAN_OPTIONS, Engine, GenerateResult, PrefillResult, PrefillStats, seam_tokens,
-                              use_compile_cache)
+from hypic_jax.engine import (MODES, SPAN_OPTIONS, Engine, GenerateResult, PrefillResult, PrefillStats, _is_integer,
+                              seam_tokens, use_compile_cache)
 from hypic_jax.models.base import ModelCache, shard_params
 from hypic_jax.models.layer_stack import LayerPlan, LayerStack, stacked_like
 from hypic_jax.pools import PoolFull, Pools
@@ -789,6 +789,8 @@ class StableEngine(Engine):
         if max_segments is not None and max_segments > self.max_segments:
             raise ValueError(f"max_segments {max_segments} exceeds the engine's {self.max_segments}")
         limit = self.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
+        if not _is_integer(limit) or limit < 1:
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {limit!r}")
         if limit > self.max_prompt_tokens:
             raise ValueError(f"max_prompt_tokens {limit} exceeds the engine's {self.max_prompt_tokens}")
         try:
@@ -944,9 +946,7 @@ class StableEngine(Engine):
                 *, _want_hidden: bool = False) -> PrefillResult:
         if _want_hidden:
             raise ValueError("the shape-stable engine does not return hidden states; use hypic_jax.Engine.diagnose")
-        mode = self._check_mode(mode or self.mode)
-        seam = self.seam if seam is None else seam
-        seam_tokens(seam, 1)
+        mode, seam = self._request_options(mode, seam, cache_salt)
         ids = self._segment_ids(segments)
         total = sum(map(len, ids))
         if total > self.max_prompt_tokens:
@@ -1031,6 +1031,7 @@ class StableEngine(Engine):
         seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
         keys = [None if w >= len(doc) else entry_key(doc, fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
                 for doc, w in zip(docs, seams)]
+        self._check_room({key: len(doc) - w for doc, w, key in zip(docs, seams, keys) if key is not None})
         entries: dict[int, Entry] = {}
         missing: dict[str, int] = {}
         for i, (doc, w, key) in enumerate(zip(docs, seams, keys)):
@@ -1061,6 +1062,18 @@ class StableEngine(Engine):
         fresh.append(query)
         return dict(kind="pic", spans=spans, fresh=np.concatenate(fresh), stores=[], cached_tokens=cached_tokens,
                     cold_tokens=cold_tokens, hits=hits, misses=misses)
+
+    def _check_room(self, lengths: dict[str, int]) -> None:
+        """Refuse a PIC request whose entries (key -> tokens) cannot all be in the pools at once, even empty ones,
+        before it looks anything up: found out while allocating, it would first have evicted every other entry
+        (and counted its lookups) for nothing."""
+        pools = self.pools
+        pages = sum(-(-n // pools.page) for n in lengths.values())
+        if len(lengths) > pools.slots - 1 or pages > pools.pages - 1:
+            raise PoolFull(f"no room in the cache for this request: it needs {len(lengths)} entries of "
+                           f"{sum(lengths.values())} tokens ({pages} pages of {pools.page}) at once, the pools hold "
+                           f"{pools.slots - 1} slots and {pools.pages - 1} pages (raise cache_bytes, or send fewer "
+                           f"or shorter segments)")
 
     def _prefill_missing(self, missing: dict[str, int], docs, seams, pins, entries: dict[int, Entry], keys) -> int:
         """Prefill the documents under `missing` (key -> first document) in one packed, isolated program that
@@ -1108,7 +1121,8 @@ class StableEngine(Engine):
                  stop=None, seed: int = 0, mode: str | None = None, seam: float | None = None,
                  cache_salt: str | None = None) -> GenerateResult:
         """As `hypic_jax.Engine.generate`; decoding runs the one decode program over the keys capacity."""
-        stop_ids, stop_texts = self._check_generation(max_new_tokens, top_p, stop)
+        stop_ids, stop_texts = self._check_generation(max_new_tokens, top_p, stop, temperature, seed)
+        self._request_options(mode, seam, cache_salt)
         segs = self.segment_tokens(segments)
         total = sum(map(len, segs))
         if total + max_new_tokens > self.max_keys:

@@ -899,7 +899,10 @@ class DiskStore(_Store):
                  form: str = "exact", droppable=None):
         super().__init__(capacity_bytes, policy)
         self.folder = Path(folder).expanduser().resolve()
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file, or under one: say which argument, not only errno's words
+            raise ValueError(f"disk_cache_dir: cannot use {str(self.folder)!r} as a folder: {error}") from error
         self.fingerprint = fingerprint
         self.form = form
         self._leaves = list(leaves)  # `Mover.leaves`

@@ -1,0 +1,237 @@
+"""Bad requests to the engines: each is refused with an error that names the argument, before any device work,
+and leaves the engine as it was (cache counters, entries, pool room); the engine then serves as before.
+
+On the demo's tiny in-memory model (`hypic_jax.demo.tiny_model`: no checkpoint, no reference stack), one
+`StableEngine` of one token rung shared by the module, and the static `Engine` beside it where both take the
+request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hypic_jax.demo import tiny_model
+from hypic_jax.engine import MODES, Engine, seam_tokens
+from hypic_jax.pools import PoolFull
+from hypic_jax.runtime import StableEngine, backend_compiles
+
+pytestmark = pytest.mark.xdist_group("engine-inputs")
+
+LIMITS = dict(max_prompt_tokens=128, token_rungs=(128,), max_segments=6, max_new_tokens=8)
+
+
+class _Tokens:
+    def __init__(self, ids):
+        self.ids = ids
+
+
+class CharTokenizer:
+    """One token per character (its code point, below the tiny model's vocabulary of 512)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return _Tokens([ord(c) % 512 for c in text])
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return StableEngine(model, tokenizer=CharTokenizer(), cache_bytes=64 << 20, **LIMITS)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _state(engine):
+    """What a refused request must not change."""
+    out = (engine.cache.stats, sorted(engine.cache._entries))
+    if isinstance(engine, StableEngine):
+        out += (engine.pools.free_slots(), len(engine.pools._free_pages), engine.programs.stats.programs)
+    return out
+
+
+def _refused(engine, error, match, call):
+    """`call()` raises `error` matching `match` without compiling or running a program or touching the cache."""
+    before, compiles = _state(engine), backend_compiles()
+    with pytest.raises(error, match=match):
+        call()
+    assert backend_compiles() == compiles
+    assert _state(engine) == before
+
+
+GOOD = [[5, 6, 7, 8], [9, 10, 11]]
+
+
+def test_segments_that_are_not_a_list_of_segments(engine, model):
+    """A flat list of ids used to become one one-token segment per id (the last one the query); bytes and a dict
+    iterated as ints and as keys; a 0-d array failed inside NumPy."""
+    for eng in (engine, Engine(model)):
+        for bad in ([5, 6, 7], [[5, 6], 7], [np.int64(5), [6]], (5.0, [6])):
+            _refused(eng, TypeError, "is a single value", lambda: eng.prefill(bad))
+        for bad in (5, b"abc", {"a": [1]}, {1, 2}, np.array(5)):
+            _refused(eng, TypeError, "segments must be a string or a list of segments", lambda: eng.prefill(bad))
+    assert engine.segment_tokens(np.array([5, 6])) == [[5, 6]]  # a 1-D array is still one segment
+    assert engine.segment_tokens(([1, 2] for _ in range(2))) == [[1, 2], [1, 2]]
+    assert engine.segment_tokens([(1, 2), np.array([3], np.uint8)]) == [[1, 2], [3]]
+
+
+def test_infinite_and_huge_float_ids_are_named(engine):
+    """An infinite float id was cast to int64 first and reported as -9223372036854775808."""
+    _refused(engine, ValueError, r"token id inf outside the vocabulary \[0, 512\)",
+             lambda: engine.prefill([[float("inf")], [3]]))
+    _refused(engine, ValueError, r"segment 1 holds token id 1e\+300 outside",
+             lambda: engine.prefill([[3], [1e300]]))
+    assert engine.segment_tokens([[1.0, 2.0], [3]]) == [[1, 2], [3]]
+
+
+def test_only_none_means_the_default_mode(engine, model):
+    """`mode or self.mode` served an empty or zero mode in the engine's default mode."""
+    for eng in (engine, Engine(model)):
+        for bad in ("", 0, "Prefix_Cache", "transiton"):
+            _refused(eng, ValueError, "unknown mode", lambda: eng.prefill(GOOD, mode=bad))
+            _refused(eng, ValueError, "unknown mode", lambda: eng.generate(GOOD, mode=bad))
+
+
+def test_seam_values(engine, model):
+    """NaN raised "cannot convert float NaN to integer", infinity an OverflowError, a string a bare comparison
+    TypeError, and True meant the whole segment; the static engine checked no seam outside the PIC modes."""
+    for eng in (engine, Engine(model)):
+        for mode in ("full_recompute", "transition_rope_recompute"):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                _refused(eng, ValueError, "seam must be a finite number",
+                         lambda: eng.prefill(GOOD, mode=mode, seam=bad))
+            for bad in ("8", True, [1]):
+                _refused(eng, TypeError, "seam must be a number", lambda: eng.prefill(GOOD, mode=mode, seam=bad))
+            _refused(eng, ValueError, "seam must be >= 0", lambda: eng.prefill(GOOD, mode=mode, seam=-1))
+            _refused(eng, ValueError, "token count and must be an integer",
+                     lambda: eng.prefill(GOOD, mode=mode, seam=1.5))
+    with pytest.raises(TypeError, match="seam"):
+        StableEngine(model, seam=True, **LIMITS)
+    assert [seam_tokens(s, 10) for s in (0, 0.25, 1.0, 1, 3, 3.0, np.int64(3), np.float32(0.5), 100)] == [
+        0, 3, 10, 10, 3, 3, 3, 5, 10]
+
+
+def test_cache_salt_must_be_a_string(engine, model):
+    """A salt of 5 keyed the same entries as "5" (it entered the key as text); a list failed with "unhashable"
+    only in the modes that key entries."""
+    for eng in (engine, Engine(model)):
+        for bad in (5, ["a"], b"tenant"):
+            for mode in ("full_recompute", "transition_rope_recompute"):
+                _refused(eng, TypeError, "cache_salt must be a string",
+                         lambda: eng.prefill([[5] * 20, [3]], mode=mode, cache_salt=bad))
+
+
+def test_generation_arguments_are_checked_before_the_prefill(engine, model):
+    """A float max_new_tokens, a negative or non-integer seed and a NaN temperature failed only after the prefill
+    ran (device work done, entries stored); a negative temperature decoded greedily, an empty stop string stopped
+    at the first token, and a NumPy integer stop failed as "not iterable"."""
+    cases = [
+        (TypeError, "max_new_tokens must be an integer", dict(max_new_tokens=2.5)),
+        (TypeError, "max_new_tokens must be an integer", dict(max_new_tokens=None)),
+        (TypeError, "max_new_tokens must be an integer", dict(max_new_tokens=True)),
+        (ValueError, "max_new_tokens must be >= 0", dict(max_new_tokens=-1)),
+        (ValueError, "temperature must be a finite number >= 0", dict(temperature=-1.0)),
+        (ValueError, "temperature must be a finite number >= 0", dict(temperature=float("nan"))),
+        (ValueError, "temperature must be a finite number >= 0", dict(temperature=float("inf"))),
+        (TypeError, "temperature must be a number", dict(temperature="1")),
+        (ValueError, r"top_p must lie in \(0, 1\]", dict(top_p=float("nan"))),
+        (TypeError, "top_p must be a number", dict(top_p=None)),
+        (ValueError, "seed must be >= 0", dict(seed=-1, temperature=1.0)),
+        (TypeError, "seed must be an integer", dict(seed=1.5, temperature=1.0)),
+        (ValueError, "stop strings must not be empty", dict(stop="")),
+        (ValueError, "stop strings must not be empty", dict(stop=["x", ""])),
+        (TypeError, "stop must be strings or token ids", dict(stop=5.0)),
+        (TypeError, "stop must be strings or token ids", dict(stop=[None])),
+        (ValueError, r"stop token id -1 lies outside the vocabulary \[0, 512\)", dict(stop=-1)),
+        (ValueError, "stop token id 512 lies outside", dict(stop=[512])),
+        (ValueError, "unknown mode", dict(mode="")),
+        (TypeError, "cache_salt", dict(cache_salt=1)),
+    ]
+    for eng in (engine, Engine(model, tokenizer=CharTokenizer())):
+        for error, match, kwargs in cases:
+            _refused(eng, error, match, lambda: eng.generate([[5] * 20, [6, 7]], **kwargs))
+    # accepted: NumPy integers as stop, seed and max_new_tokens, a seed of None
+    out = engine.generate(GOOD, max_new_tokens=np.int64(2), stop=np.int64(7), seed=np.int64(3), temperature=0.5)
+    assert 1 <= len(out.tokens) <= 2
+    assert engine.generate(GOOD, max_new_tokens=1, seed=None).tokens == engine.generate(GOOD, max_new_tokens=1).tokens
+
+
+def test_warmup_limits(engine):
+    """warmup(max_prompt_tokens=0) compiled the first rung and switched the engine to serving."""
+    for bad in (0, -5, 10.5):
+        _refused(engine, ValueError, "max_prompt_tokens must be an integer >= 1",
+                 lambda: engine.warmup(max_prompt_tokens=bad, progress=False))
+    _refused(engine, ValueError, "exceeds the engine's 128", lambda: engine.warmup(max_prompt_tokens=129))
+    _refused(engine, ValueError, "exceeds the engine's 6", lambda: engine.warmup(max_segments=7))
+    assert not engine.programs.serving
+
+
+def test_a_request_that_can_never_fit_leaves_the_cache_alone(model):
+    """A PIC request needing more entries at once than the pools hold was refused only after it had evicted every
+    other entry (and counted its lookups); it is now refused before it looks anything up, and the entries it would
+    have evicted still serve (exactly: a prefix hit equals full recompute)."""
+    probe = StableEngine(model, cache_bytes=1, **LIMITS).pools
+    engine = StableEngine(model, cache_bytes=probe.slot_bytes * 2 + 1024 * probe.token_bytes, **LIMITS)
+    assert engine.pools.slots == 3  # slot 0 is the null one: two entries fit
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, 512, 20).tolist() for _ in range(4)]
+    query = [5, 6]
+    engine.prefill([docs[0], query], mode="prefix_cache")
+    engine.prefill([docs[1], query], mode="transition_rope_recompute", seam=4)
+    _refused(engine, PoolFull, "no room in the cache for this request: it needs 3 entries",
+             lambda: engine.prefill(docs[:3] + [query], mode="transition_rope_recompute", seam=4))
+    assert isinstance(PoolFull("x"), ValueError)  # the server's 400
+    hit = engine.prefill([docs[0], query], mode="prefix_cache")
+    assert (hit.stats.hits, hit.stats.misses) == (1, 0)
+    assert _rel(hit.logits, engine.prefill([docs[0], query], mode="full_recompute").logits) < 1e-5
+    pic = engine.prefill([docs[1], query], mode="transition_rope_recompute", seam=4)
+    assert (pic.stats.hits, pic.stats.misses) == (1, 0)
+    # two documents fit at once: served (and the seam-1.0 identity holds on the engine after the refusal)
+    segs = docs[2:] + [query]
+    assert engine.prefill(segs, mode="transition_rope_recompute", seam=4).stats.misses == 2
+    whole = engine.prefill(segs, mode="transition_rope_recompute", seam=1.0)
+    assert _rel(whole.logits, engine.prefill(segs, mode="full_recompute").logits) < 1e-5
+
+
+def test_limits_and_identities_at_the_edges(engine):
+    """A prompt exactly at max_prompt_tokens with max_segments documents is served, and its exact modes equal full
+    recompute (prefix cache cold and hit, a whole seam); one token or one segment more is refused. A single
+    segment (the query alone) equals full recompute in every mode."""
+    rng = np.random.default_rng(1)
+    segs = [rng.integers(3, 512, 20).tolist() for _ in range(6)] + [rng.integers(3, 512, 8).tolist()]
+    assert sum(map(len, segs)) == 128
+    full = engine.prefill(segs, mode="full_recompute")
+    for mode, seam, hits in [("prefix_cache", 8, 0), ("prefix_cache", 8, 6), ("transition_rope_recompute", 1.0, 0),
+                             ("transition_rope_recompute", 20, 0)]:
+        out = engine.prefill(segs, mode=mode, seam=seam)
+        assert _rel(out.logits, full.logits) < 1e-5, (mode, seam)
+        assert out.stats.hits == hits
+    _refused(engine, ValueError, "over the engine's max_prompt_tokens of 128",
+             lambda: engine.prefill(segs[:-1] + [segs[-1] + [3]]))
+    _refused(engine, ValueError, "over the engine's max_segments of 6", lambda: engine.prefill([[3]] * 6 + segs[-2:]))
+    single = [rng.integers(3, 512, 5).tolist()]
+    reference = engine.prefill(single, mode="full_recompute").logits
+    for mode in MODES:
+        assert _rel(engine.prefill(single, mode=mode).logits, reference) < 1e-6, mode
+
+
+def test_bad_cache_folders_and_budgets(model, tmp_path):
+    """A disk_cache_dir that is a file (or lies under one) raised FileExistsError / NotADirectoryError, and a
+    negative cache_bytes a ValueError about "capacity_bytes"."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for folder in (afile, afile / "sub"):
+        with pytest.raises(ValueError, match="disk_cache_dir: cannot use"):
+            StableEngine(model, disk_cache_dir=folder, **LIMITS)
+    for cls, kwargs in ((Engine, {}), (StableEngine, LIMITS)):
+        with pytest.raises(ValueError, match="cache_bytes must be >= 0"):
+            cls(model, cache_bytes=-1, **kwargs)
