@@ -414,9 +414,13 @@ class Engine:
         if fast is not None:
             return fast
         try:  # vectorised checks: a 32k-token prompt is validated in microseconds
-            ids = np.asarray(ids).reshape(-1)
+            ids = np.asarray(ids)
         except ValueError as error:  # ragged nesting
             raise ValueError(f"segment {i} holds token ids that are not integers: {error}") from None
+        if sum(n > 1 for n in ids.shape) > 1:  # [[1, 2], [3, 4]] would silently become one segment of four ids
+            raise ValueError(f"segment {i} is a nested list or array of shape {ids.shape}, not one list of token "
+                             f"ids (each segment is its own list)")
+        ids = ids.reshape(-1)  # a [1, n] array (a tokenizer's batch of one) is its n ids
         if not ids.size:
             raise ValueError(f"segment {i} is empty (every segment, the query included, needs at least one token)")
         if ids.dtype.kind not in "iu":

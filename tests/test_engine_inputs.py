@@ -79,7 +79,11 @@ def test_segments_that_are_not_a_list_of_segments(engine, model):
             _refused(eng, TypeError, "is a single value", lambda: eng.prefill(bad))
         for bad in (5, b"abc", {"a": [1]}, {1, 2}, np.array(5)):
             _refused(eng, TypeError, "segments must be a string or a list of segments", lambda: eng.prefill(bad))
+        for bad in ([[[1, 2], [3, 4]], [5]], [np.ones((2, 3), np.int32), [5]]):  # a nested segment, not flattened
+            _refused(eng, ValueError, r"segment 0 is a nested list or array of shape \(2, 2\)|shape \(2, 3\)",
+                     lambda: eng.prefill(bad))
     assert engine.segment_tokens(np.array([5, 6])) == [[5, 6]]  # a 1-D array is still one segment
+    assert engine.segment_tokens([np.array([[5, 6]]), [7]]) == [[5, 6], [7]]  # and a tokenizer's [1, n] batch
     assert engine.segment_tokens(([1, 2] for _ in range(2))) == [[1, 2], [1, 2]]
     assert engine.segment_tokens([(1, 2), np.array([3], np.uint8)]) == [[1, 2], [3]]
 

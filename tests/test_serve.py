@@ -266,6 +266,7 @@ BAD = [
     ("/v1/chat/completions", dict(messages=[dict(role="user", content="x")], functions=[dict(name="f")]), "functions",
      400),
     ("/v1/completions", dict(prompt="a b", documents=["the fox"]), "documents", 400),
+    ("/v1/completions", dict(prompt="a b", stream_options=dict(include_usage=True)), "stream_options", 400),
 ]
 
 

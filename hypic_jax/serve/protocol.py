@@ -204,6 +204,9 @@ def _common(body: dict, segments, total: int, limits: Limits, tokenizer, *, chat
                        code="invalid_value")
     stream = _get(body, "stream", "bool", False)
     options = _get(body, "stream_options", "dict", {})
+    if body.get("stream_options") is not None and not stream:  # as OpenAI: options of a stream that is not one
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options",
+                       code="invalid_value")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options",
