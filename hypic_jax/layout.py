@@ -121,6 +121,8 @@ class Ladder:
         if self.max_tokens < 1 or self.max_pieces < 1:
             raise ValueError(f"the ladder needs max_tokens >= 1 and max_pieces >= 1, got {self.max_tokens}, "
                              f"{self.max_pieces}")
+        if self.token_rungs is None and self.min_tokens < 1:  # the geometric rungs start there: a rung of 0 tokens
+            raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.token_rungs is not None:
             rungs = tuple(int(r) for r in self.token_rungs)
             if not rungs or list(rungs) != sorted(set(rungs)) or rungs[0] < 1 or rungs[-1] < self.max_tokens:

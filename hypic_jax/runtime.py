@@ -689,8 +689,11 @@ class StableEngine(Engine):
         if fold_impl not in stitch.FOLD_IMPLS:
             raise ValueError(f"fold_impl must be one of {stitch.FOLD_IMPLS}, got {fold_impl!r}")
         self.fold_impl = fold_impl  # the span programs' fold over the pieces (`stitch.linear_over_layout`)
-        if max_prompt_tokens < 1 or max_segments < 1 or max_new_tokens < 0:
-            raise ValueError("max_prompt_tokens and max_segments must be >= 1 and max_new_tokens >= 0")
+        for name, value, least in (("max_prompt_tokens", max_prompt_tokens, 1), ("max_segments", max_segments, 1),
+                                   ("max_new_tokens", max_new_tokens, 0), ("min_tokens", min_tokens, 1),
+                                   ("mean_entry_tokens", mean_entry_tokens, 1), ("max_batch", max_batch, 0)):
+            if not _is_integer(value) or value < least:  # a float or a bool would reach the shapes of programs
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.max_prompt_tokens, self.max_segments, self.max_new_tokens = max_prompt_tokens, max_segments, max_new_tokens
         chunk = int(getattr(self.config, "chunk_size", 64))
         conv = int(getattr(self.config, "conv_kernel", 4)) - 1
@@ -718,13 +721,12 @@ class StableEngine(Engine):
                          peer_cache_bytes, devices)
         self.cache = SegmentCache(cache_bytes, on_drop=self._dropped,
                                   policy=tr.DevicePolicy(self.policy) if eviction == "cost" else None)
-        if not isinstance(max_batch, int) or max_batch < 0:
-            raise ValueError(f"max_batch must be an integer >= 0, got {max_batch!r}")
-        self.max_batch = max_batch
+        self.max_batch = int(max_batch)
         if slot_layouts not in SLOT_LAYOUTS:
             raise ValueError(f"slot_layouts must be one of {SLOT_LAYOUTS}, got {slot_layouts!r}")
         self.slot_layouts = slot_layouts
         # powers of two below max_batch, then max_batch: a step pays for at most twice its busy rows
+        max_batch = self.max_batch
         self.batch_buckets = tuple(b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch) + (
             (max_batch,) if max_batch else ())
         self.top_logprobs = min(TOP_LOGPROBS, self.vocab_size)

@@ -239,3 +239,16 @@ def test_bad_cache_folders_and_budgets(model, tmp_path):
     for cls, kwargs in ((Engine, {}), (StableEngine, LIMITS)):
         with pytest.raises(ValueError, match="cache_bytes must be >= 0"):
             cls(model, cache_bytes=-1, **kwargs)
+
+
+def test_engine_sizes_must_be_whole_numbers(model):
+    """min_tokens 0 or below made rungs of 0 and negative tokens; a float or a bool size reached the programs'
+    shapes (max_batch=True meant one row)."""
+    base = dict(max_prompt_tokens=128, max_segments=4, max_new_tokens=4)
+    for name, value in (("min_tokens", 0), ("min_tokens", -3), ("max_prompt_tokens", 100.5),
+                        ("max_prompt_tokens", 0), ("max_segments", True), ("max_new_tokens", -1),
+                        ("max_batch", True), ("max_batch", 2.0), ("mean_entry_tokens", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= "):
+            StableEngine(model, **{**base, name: value})
+    engine = StableEngine(model, **base, max_batch=np.int64(3), min_tokens=np.int64(32))
+    assert engine.batch_buckets == (1, 2, 3) and engine.ladder.rungs[0] == 32
