@@ -949,3 +949,28 @@ def test_a_restarted_server_serves_its_entries_from_the_disk_tier(tmp_path):
     reference.programs._compiled.update(donor.programs._compiled)
     want = reference.generate([docs[2], docs[0], docs[1], query], max_new_tokens=4)
     assert second["choices"][0]["text"] == tokenizer.decode(want.tokens)
+
+
+def test_a_stream_torn_down_before_its_first_byte_still_cancels_its_request():
+    """The stream's generator cancels its request in its `finally`, which a generator that never started does not
+    run: a client gone while the response sends its headers left the request decoding to its token limit."""
+    from hypic_jax.serve.app import EventStream
+
+    started, closed = [], []
+
+    async def body():
+        started.append(True)
+        yield "data: x\n\n"
+
+    async def gone(message):  # the client left: sending the headers fails
+        raise OSError("connection reset")
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    from starlette.requests import ClientDisconnect
+
+    response = EventStream(body(), lambda: closed.append(True), media_type="text/event-stream")
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(response(dict(type="http", asgi={"spec_version": "2.4"}), receive, gone))
+    assert closed == [True] and not started

@@ -238,8 +238,8 @@ class Server:
                 return Response(status_code=499)
             if first["type"] == "error":
                 return error_response(first["error"])
-            return StreamingResponse(self._stream(job, events, parsed, meta, chat, first),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return EventStream(self._stream(job, events, parsed, meta, chat, first), lambda: self._cancel(job),
+                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(request, job, events, parsed, meta, chat)
 
     async def _body(self, request: HttpRequest) -> bytes:
@@ -362,6 +362,22 @@ class Server:
                     return
         finally:
             self._cancel(job)  # the client went away mid-stream (the response task was cancelled)
+
+
+class EventStream(StreamingResponse):
+    """A streamed answer that calls `on_close` however the response ends. The stream's generator cancels its
+    request in its own `finally`, but a generator that never started runs none: a client gone between the first
+    token and the first byte would leave its request decoding to its token limit."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _sse(payload: dict) -> str:
