@@ -163,7 +163,7 @@ def _int32_struct(count: int) -> struct.Struct:
 def seam_tokens(seam: float, length: int) -> int:
     """HYPIC's seam knob for one segment of `length` tokens: 0 -> 0, 0 < x <= 1 -> ceil(x * length), x > 1 -> x.
     A bool is refused (True would silently mean "the whole segment"), and so is NaN or infinity."""
-    if not _is_number(seam):
+    if not is_number(seam):
         raise TypeError(f"seam must be a number, got {type(seam).__name__} {seam!r}")
     if not math.isfinite(seam):
         raise ValueError(f"seam must be a finite number, got {seam}")
@@ -178,12 +178,12 @@ def seam_tokens(seam: float, length: int) -> int:
     return min(length, int(seam))
 
 
-def _is_number(x) -> bool:
+def is_number(x) -> bool:
     """A real number that is not a bool (Python's or NumPy's: numbers.Real counts a bool as one)."""
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
-def _is_integer(x) -> bool:
+def is_integer(x) -> bool:
     """An integer that is not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
@@ -404,7 +404,8 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("text segments need a tokenizer: pass tokenizer= or give token-id lists")
             ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
-        elif isinstance(segment, (numbers.Number, np.generic)) or (isinstance(segment, np.ndarray) and not segment.ndim):
+        elif isinstance(segment, (numbers.Number, np.generic)) or (
+                isinstance(segment, np.ndarray) and not segment.ndim):
             # a flat list of ids would otherwise become one one-token segment per id, the last one the query
             raise TypeError(f"segment {i} is a single value ({segment!r}), not a list of token ids: segments is a "
                             f"list of segments (one segment of ids is [[id, ...]])")
@@ -673,26 +674,26 @@ class Engine:
                           seed: int | None = 0) -> tuple[set[int], list[str]]:
         """Validated sampling arguments: (stop token ids, stop strings). Checked before the prefill, so a bad one
         costs no device work (the sampler would otherwise fail only after it)."""
-        if not _is_integer(max_new_tokens):
+        if not is_integer(max_new_tokens):
             raise TypeError(f"max_new_tokens must be an integer, got {type(max_new_tokens).__name__}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not _is_number(top_p):
+        if not is_number(top_p):
             raise TypeError(f"top_p must be a number, got {type(top_p).__name__}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-        if not _is_number(temperature):
+        if not is_number(temperature):
             raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
         if not 0 <= temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
-        if seed is not None and not _is_integer(seed):
+        if seed is not None and not is_integer(seed):
             raise TypeError(f"seed must be an integer or None, got {type(seed).__name__}")
         if seed is not None and seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         single = isinstance(stop, str) or not hasattr(stop, "__iter__")
         stops = [] if stop is None else ([stop] if single else list(stop))
         for s in stops:
-            if not (isinstance(s, str) or _is_integer(s)):
+            if not (isinstance(s, str) or is_integer(s)):
                 raise TypeError(f"stop must be strings or token ids, got {type(s).__name__} {s!r}")
             if isinstance(s, str) and not s:
                 raise ValueError("stop strings must not be empty (an empty string would stop at the first token)")

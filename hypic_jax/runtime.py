@@ -53,7 +53,7 @@ from hypic_jax import layout as lay
 from hypic_jax import stitch
 from hypic_jax import tiers as tr
 from hypic_jax.cache import Entry, SegmentCache, entry_key
-from hypic_jax.engine import (MODES, SPAN_OPTIONS, Engine, GenerateResult, PrefillResult, PrefillStats, _is_integer,
+from hypic_jax.engine import (MODES, SPAN_OPTIONS, Engine, GenerateResult, PrefillResult, PrefillStats, is_integer,
                               seam_tokens, use_compile_cache)
 from hypic_jax.models.base import ModelCache, shard_params
 from hypic_jax.models.layer_stack import LayerPlan, LayerStack, stacked_like
@@ -692,7 +692,7 @@ class StableEngine(Engine):
         for name, value, least in (("max_prompt_tokens", max_prompt_tokens, 1), ("max_segments", max_segments, 1),
                                    ("max_new_tokens", max_new_tokens, 0), ("min_tokens", min_tokens, 1),
                                    ("mean_entry_tokens", mean_entry_tokens, 1), ("max_batch", max_batch, 0)):
-            if not _is_integer(value) or value < least:  # a float or a bool would reach the shapes of programs
+            if not is_integer(value) or value < least:  # a float or a bool would reach the shapes of programs
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.max_prompt_tokens, self.max_segments, self.max_new_tokens = max_prompt_tokens, max_segments, max_new_tokens
         chunk = int(getattr(self.config, "chunk_size", 64))
@@ -791,7 +791,7 @@ class StableEngine(Engine):
         if max_segments is not None and max_segments > self.max_segments:
             raise ValueError(f"max_segments {max_segments} exceeds the engine's {self.max_segments}")
         limit = self.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
-        if not _is_integer(limit) or limit < 1:
+        if not is_integer(limit) or limit < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {limit!r}")
         if limit > self.max_prompt_tokens:
             raise ValueError(f"max_prompt_tokens {limit} exceeds the engine's {self.max_prompt_tokens}")

@@ -72,8 +72,9 @@ GOOD = [[5, 6, 7, 8], [9, 10, 11]]
 
 
 def test_segments_that_are_not_a_list_of_segments(engine, model):
-    """A flat list of ids used to become one one-token segment per id (the last one the query); bytes and a dict
-    iterated as ints and as keys; a 0-d array failed inside NumPy."""
+    """A flat list of ids would become one one-token segment per id (the last one the query), bytes and a dict
+    would iterate as ints and as keys, and a nested segment would be flattened into one: each is refused by name.
+    Arrays, tuples and generators of segments are served."""
     for eng in (engine, Engine(model)):
         for bad in ([5, 6, 7], [[5, 6], 7], [np.int64(5), [6]], (5.0, [6])):
             _refused(eng, TypeError, "is a single value", lambda: eng.prefill(bad))
@@ -89,7 +90,8 @@ def test_segments_that_are_not_a_list_of_segments(engine, model):
 
 
 def test_infinite_and_huge_float_ids_are_named(engine):
-    """An infinite float id was cast to int64 first and reported as -9223372036854775808."""
+    """A float id is checked against the vocabulary before any integer cast, which would turn infinity into
+    -9223372036854775808."""
     _refused(engine, ValueError, r"token id inf outside the vocabulary \[0, 512\)",
              lambda: engine.prefill([[float("inf")], [3]]))
     _refused(engine, ValueError, r"segment 1 holds token id 1e\+300 outside",
@@ -98,7 +100,7 @@ def test_infinite_and_huge_float_ids_are_named(engine):
 
 
 def test_only_none_means_the_default_mode(engine, model):
-    """`mode or self.mode` served an empty or zero mode in the engine's default mode."""
+    """Only None means the engine's mode: an empty or zero mode is unknown, not the default."""
     for eng in (engine, Engine(model)):
         for bad in ("", 0, "Prefix_Cache", "transiton"):
             _refused(eng, ValueError, "unknown mode", lambda: eng.prefill(GOOD, mode=bad))
@@ -106,8 +108,8 @@ def test_only_none_means_the_default_mode(engine, model):
 
 
 def test_seam_values(engine, model):
-    """NaN raised "cannot convert float NaN to integer", infinity an OverflowError, a string a bare comparison
-    TypeError, and True meant the whole segment; the static engine checked no seam outside the PIC modes."""
+    """NaN and infinite seams are refused by name, and so are strings and bools (True would mean the whole
+    segment), in every mode of both engines."""
     for eng in (engine, Engine(model)):
         for mode in ("full_recompute", "transition_rope_recompute"):
             for bad in (float("nan"), float("inf"), -float("inf")):
@@ -125,8 +127,7 @@ def test_seam_values(engine, model):
 
 
 def test_cache_salt_must_be_a_string(engine, model):
-    """A salt of 5 keyed the same entries as "5" (it entered the key as text); a list failed with "unhashable"
-    only in the modes that key entries."""
+    """A salt is a string: 5 would key the same entries as "5" (it enters the key as text), in every mode."""
     for eng in (engine, Engine(model)):
         for bad in (5, ["a"], b"tenant"):
             for mode in ("full_recompute", "transition_rope_recompute"):
@@ -135,9 +136,10 @@ def test_cache_salt_must_be_a_string(engine, model):
 
 
 def test_generation_arguments_are_checked_before_the_prefill(engine, model):
-    """A float max_new_tokens, a negative or non-integer seed and a NaN temperature failed only after the prefill
-    ran (device work done, entries stored); a negative temperature decoded greedily, an empty stop string stopped
-    at the first token, and a NumPy integer stop failed as "not iterable"."""
+    """Sampling arguments are checked before the prefill runs (no device work, no entries stored): integer
+    max_new_tokens and seeds, finite non-negative temperatures (a negative one is not greedy decoding), non-empty
+    stop strings (an empty one would stop at the first token) and stop ids in the vocabulary; NumPy integers are
+    accepted."""
     cases = [
         (TypeError, "max_new_tokens must be an integer", dict(max_new_tokens=2.5)),
         (TypeError, "max_new_tokens must be an integer", dict(max_new_tokens=None)),
@@ -170,7 +172,8 @@ def test_generation_arguments_are_checked_before_the_prefill(engine, model):
 
 
 def test_warmup_limits(engine):
-    """warmup(max_prompt_tokens=0) compiled the first rung and switched the engine to serving."""
+    """warmup limits are integers from 1 to the engine's (0 would compile a rung and switch the engine to
+    serving)."""
     for bad in (0, -5, 10.5):
         _refused(engine, ValueError, "max_prompt_tokens must be an integer >= 1",
                  lambda: engine.warmup(max_prompt_tokens=bad, progress=False))
@@ -180,9 +183,9 @@ def test_warmup_limits(engine):
 
 
 def test_a_request_that_can_never_fit_leaves_the_cache_alone(model):
-    """A PIC request needing more entries at once than the pools hold was refused only after it had evicted every
-    other entry (and counted its lookups); it is now refused before it looks anything up, and the entries it would
-    have evicted still serve (exactly: a prefix hit equals full recompute)."""
+    """A PIC request needing more entries at once than the pools hold is refused before it looks anything up (found
+    while allocating, it would first evict every other entry and count its lookups); the entries stay and serve
+    (exactly: a prefix hit equals full recompute)."""
     probe = StableEngine(model, cache_bytes=1, **LIMITS).pools
     engine = StableEngine(model, cache_bytes=probe.slot_bytes * 2 + 1024 * probe.token_bytes, **LIMITS)
     assert engine.pools.slots == 3  # slot 0 is the null one: two entries fit
@@ -229,8 +232,8 @@ def test_limits_and_identities_at_the_edges(engine):
 
 
 def test_bad_cache_folders_and_budgets(model, tmp_path):
-    """A disk_cache_dir that is a file (or lies under one) raised FileExistsError / NotADirectoryError, and a
-    negative cache_bytes a ValueError about "capacity_bytes"."""
+    """A disk_cache_dir that is a file (or lies under one) and a negative cache_bytes are refused, naming the
+    argument."""
     afile = tmp_path / "afile"
     afile.write_text("x")
     for folder in (afile, afile / "sub"):
@@ -242,8 +245,8 @@ def test_bad_cache_folders_and_budgets(model, tmp_path):
 
 
 def test_engine_sizes_must_be_whole_numbers(model):
-    """min_tokens 0 or below made rungs of 0 and negative tokens; a float or a bool size reached the programs'
-    shapes (max_batch=True meant one row)."""
+    """Sizes are integers: min_tokens below 1 would make rungs of 0 and negative tokens, and a float or a bool
+    would reach the programs' shapes (max_batch=True would mean one row)."""
     base = dict(max_prompt_tokens=128, max_segments=4, max_new_tokens=4)
     for name, value in (("min_tokens", 0), ("min_tokens", -3), ("max_prompt_tokens", 100.5),
                         ("max_prompt_tokens", 0), ("max_segments", True), ("max_new_tokens", -1),

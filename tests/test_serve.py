@@ -952,8 +952,9 @@ def test_a_restarted_server_serves_its_entries_from_the_disk_tier(tmp_path):
 
 
 def test_a_stream_torn_down_before_its_first_byte_still_cancels_its_request():
-    """The stream's generator cancels its request in its `finally`, which a generator that never started does not
-    run: a client gone while the response sends its headers left the request decoding to its token limit."""
+    """The response cancels its request however it ends: the stream's generator cancels in its `finally`, which a
+    generator that never started does not run (a client gone while the response sends its headers would leave the
+    request decoding to its token limit)."""
     from hypic_jax.serve.app import EventStream
 
     started, closed = [], []
