@@ -74,14 +74,18 @@ def entries(engine) -> dict:
     return out
 
 
-def finish(out: str, engine, status: dict) -> None:
+def finish(out: str, engine, status: dict, cluster=None) -> None:
     # the status first: a peer that already exited takes the coordination service with it, and the runtime may
-    # abort this process soon after (the status is what every test reads)
+    # abort this process soon after (the status is what every test reads). With `cluster`, every process waits
+    # until all have written theirs: a process that reaches this together with its peers (a refusal on all of
+    # them) must not exit while a slower one is still writing
     with open(out + ".json", "w") as f:
         json.dump(status, f)
     np.savez(out + ".entries", **entries(engine))
     sys.stdout.flush()
     sys.stderr.flush()
+    if cluster is not None:
+        cluster.barrier("worker/finished", what="every process's status written", timeout_s=60)
     os._exit(0)  # no `jax.distributed` shutdown handshake: the peer may be gone
 
 
@@ -109,7 +113,7 @@ def main() -> None:
         try:
             runner = multihost.Runner(engine, cluster)
         except ValueError as error:
-            finish(out, engine, dict(status="refused", error=str(error)))
+            finish(out, engine, dict(status="refused", error=str(error)), cluster)
         engine.warmup(progress=False)
         if "--diverge" in args and process_id == 1:
             fail_on_call(engine, len(requests(model.config.vocab_size)) + 2)
