@@ -670,8 +670,8 @@ class Engine:
         return self._decode_loop(pre, step, cache, max_new_tokens, temperature, top_p, seed, stop_ids, stop_texts,
                                  start)
 
-    def _check_generation(self, max_new_tokens: int, top_p: float, stop, temperature: float = 0.0,
-                          seed: int | None = 0) -> tuple[set[int], list[str]]:
+    def _check_generation(self, max_new_tokens: int, top_p: float, stop, temperature: float,
+                          seed: int | None) -> tuple[set[int], list[str]]:
         """Validated sampling arguments: (stop token ids, stop strings). Checked before the prefill, so a bad one
         costs no device work (the sampler would otherwise fail only after it)."""
         if not is_integer(max_new_tokens):

@@ -121,12 +121,23 @@ class Pools:
     def free_slots(self) -> int:
         return len(self._free_slots)
 
+    def check_room(self, entry_tokens) -> None:
+        """PoolFull unless entries of these token counts could all be held at once (in empty pools): what a request
+        checks before it looks anything up, since finding out while allocating would first evict every other
+        entry for nothing. Slot 0 and page 0 are the null ones."""
+        entry_tokens = list(entry_tokens)
+        pages = sum(-(-n // self.page) for n in entry_tokens)
+        if len(entry_tokens) > self.slots - 1 or pages > self.pages - 1:
+            count = len(entry_tokens)
+            entries = "1 entry" if count == 1 else f"{count} entries"
+            raise PoolFull(f"no room in the cache for this request: it needs {entries} of {sum(entry_tokens)} tokens "
+                           f"({pages} pages of {self.page}) at once, the pools hold {self.slots - 1} slots and "
+                           f"{self.pages - 1} pages (raise cache_bytes, or send fewer or shorter segments)")
+
     def allocate(self, tokens: int, evict: Callable[[], bool]) -> tuple[int, np.ndarray]:
         """(slot, rows [tokens]) for a new entry, evicting through `evict()` (False: nothing left to evict)."""
+        self.check_room([tokens])
         need = -(-tokens // self.page)
-        if need > self.pages - 1:
-            raise PoolFull(f"a cache entry of {tokens} tokens needs {need} pages of {self.page} tokens; the pools "
-                           f"hold {self.pages - 1} (raise cache_bytes, or send shorter segments)")
         with self.lock:
             while not self._free_slots or len(self._free_pages) < need:
                 if not evict():

@@ -1033,7 +1033,9 @@ class StableEngine(Engine):
         seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
         keys = [None if w >= len(doc) else entry_key(doc, fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
                 for doc, w in zip(docs, seams)]
-        self._check_room({key: len(doc) - w for doc, w, key in zip(docs, seams, keys) if key is not None})
+        # every entry at once (each distinct key once), before any lookup could evict for a request that cannot fit
+        room = {key: len(doc) - w for doc, w, key in zip(docs, seams, keys) if key is not None}
+        self.pools.check_room(room.values())
         entries: dict[int, Entry] = {}
         missing: dict[str, int] = {}
         for i, (doc, w, key) in enumerate(zip(docs, seams, keys)):
@@ -1064,18 +1066,6 @@ class StableEngine(Engine):
         fresh.append(query)
         return dict(kind="pic", spans=spans, fresh=np.concatenate(fresh), stores=[], cached_tokens=cached_tokens,
                     cold_tokens=cold_tokens, hits=hits, misses=misses)
-
-    def _check_room(self, lengths: dict[str, int]) -> None:
-        """Refuse a PIC request whose entries (key -> tokens) cannot all be in the pools at once, even empty ones,
-        before it looks anything up: found out while allocating, it would first have evicted every other entry
-        (and counted its lookups) for nothing."""
-        pools = self.pools
-        pages = sum(-(-n // pools.page) for n in lengths.values())
-        if len(lengths) > pools.slots - 1 or pages > pools.pages - 1:
-            raise PoolFull(f"no room in the cache for this request: it needs {len(lengths)} entries of "
-                           f"{sum(lengths.values())} tokens ({pages} pages of {pools.page}) at once, the pools hold "
-                           f"{pools.slots - 1} slots and {pools.pages - 1} pages (raise cache_bytes, or send fewer "
-                           f"or shorter segments)")
 
     def _prefill_missing(self, missing: dict[str, int], docs, seams, pins, entries: dict[int, Entry], keys) -> int:
         """Prefill the documents under `missing` (key -> first document) in one packed, isolated program that

@@ -131,7 +131,7 @@ def test_engine_from_pretrained_without_a_path(installed):
     text = [tok.document_text(d) for d in prompt.documents] + [tok.question_text(prompt.questions[0].text)]
     assert engine.segment_tokens(text) == docs + [query]  # text segments go through the folder's tokenizer
     # a special token's text stops at its id (decoded text never shows it); other strings stay text matches
-    assert engine._check_generation(4, 1.0, [tok.EOS, "\n", 7]) == ({eos, 7}, [tok.EOS, "\n"])
+    assert engine._check_generation(4, 1.0, [tok.EOS, "\n", 7], 0.0, None) == ({eos, 7}, [tok.EOS, "\n"])
 
 
 def test_serve_builds_on_the_embedded_model(installed):
