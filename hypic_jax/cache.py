@@ -90,7 +90,7 @@ class Entry:
     layers: Any
     nbytes: int
     pins: int = 0
-    slot: int | None = None  # its row in the engine's entry pool, if any (`hypic_jax.pool`, `hypic_jax.pools`)
+    slot: int | None = None  # its slot in the engine's entry pools, if any (`hypic_jax.pools`)
     rows: Any = None  # its tokens' rows in the per-token pools (`hypic_jax.pools`), if any
     device: int | None = None  # the segment mesh device whose pools hold it (`hypic_jax.mesh_pools`); None: the
     # engine's own pools

@@ -39,8 +39,11 @@ def config_from_dict(config_cls: type, data: dict) -> Any:
     return config_cls(**clean)
 
 
-def write_metadata(path: str | Path, *, model_type: str, config: Any, dtype: Any) -> None:
+def write_metadata(path: str | Path, *, model_type: str, config: Any, dtype: Any,
+                   max_context: int | None = None) -> None:
     meta = dict(format=1, model_type=model_type, dtype=str(jnp.dtype(dtype)), config=config_to_dict(config))
+    if max_context is not None:
+        meta["max_context"] = int(max_context)
     (Path(path) / METADATA_FILE).write_text(json.dumps(meta, indent=1))
 
 
@@ -48,7 +51,8 @@ def read_metadata(path: str | Path) -> dict:
     return json.loads((Path(path) / METADATA_FILE).read_text())
 
 
-def save_checkpoint(dst: str | Path, *, model_type: str, config: Any, params: Any, dtype: Any) -> None:
+def save_checkpoint(dst: str | Path, *, model_type: str, config: Any, params: Any, dtype: Any,
+                    max_context: int | None = None) -> None:
     """Write params with orbax under dst/params and the config metadata next to them."""
     import orbax.checkpoint as ocp  # imported on use: slow to import, and only checkpoint I/O needs it
 
@@ -56,7 +60,7 @@ def save_checkpoint(dst: str | Path, *, model_type: str, config: Any, params: An
     dst.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(dst / "params", params, force=True)
-    write_metadata(dst, model_type=model_type, config=config, dtype=dtype)
+    write_metadata(dst, model_type=model_type, config=config, dtype=dtype, max_context=max_context)
 
 
 def restore_params(src: str | Path, abstract: Any) -> Any:
@@ -76,28 +80,45 @@ def _checkpoint_config(path: Path) -> tuple[Any, Any]:
     return arch, config_from_dict(arch.Config, meta["config"])
 
 
+def max_context(path: str | Path) -> int | None:
+    """The longest sequence a model folder was made for: `max_position_embeddings` of its config.json (of the text
+    config, for a multimodal wrapper), or of the Hugging Face config an orbax checkpoint recorded; None when it
+    states none."""
+    path = Path(path)
+    for name, key in (("config.json", "max_position_embeddings"), (METADATA_FILE, "max_context")):
+        if (path / name).exists():
+            data = json.loads((path / name).read_text())
+            data = data.get("text_config") or data
+            value = data.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh | None = None) -> Model:
     """Load a model from an orbax checkpoint written by `hypic-jax convert`, or directly from a Hugging Face folder.
 
     With `mesh` (axes "data" and "model") the parameters are placed with the architecture's `param_specs` (an orbax
     checkpoint is restored straight into that sharding). Returns a `Model` with `logits(tokens)` and
-    `generate(tokens, max_new_tokens)`.
+    `generate(tokens, max_new_tokens)`, its context length (`max_context`) and its `source` (the folder and dtype,
+    part of every cache key's model fingerprint).
     """
     path = Path(path)
     dtype = resolve_dtype(dtype)
+    found = dict(max_context=max_context(path), source=f"{path.resolve()}:{dtype}")
     if (path / METADATA_FILE).exists():
         arch, config = _checkpoint_config(path)
         abstract = models.abstract_params(arch, config, dtype)
         if mesh is not None:
             shardings = named_shardings(arch.param_specs(config), mesh)
             abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        return Model(arch, config, restore_params(path, abstract))
+        return Model(arch, config, restore_params(path, abstract), **found)
     if (path / "config.json").exists():
         model_type, config, params = converters.convert_folder(path, dtype)
         arch = models.architecture(model_type)
         if mesh is not None:
             params = shard_params(params, arch.param_specs(config), mesh)
-        return Model(arch, config, params)
+        return Model(arch, config, params, **found)
     raise ValueError(f"{path} holds neither a hypic-jax checkpoint ({METADATA_FILE}) nor a Hugging Face config.json")
 
 
@@ -121,8 +142,9 @@ def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0, *,
                          f"config.json")
     if not hasattr(arch, "init_params"):
         raise ValueError(f"architecture {arch.__name__} has no init_params: it cannot be given random weights")
+    found = dict(max_context=max_context(path), source=f"{path.resolve()}:{dtype}:random{seed}")
     if mesh is None:
-        return Model(arch, config, arch.init_params(config, jax.random.key(seed), dtype))
+        return Model(arch, config, arch.init_params(config, jax.random.key(seed), dtype), **found)
     make = jax.jit(lambda key: arch.init_params(config, key, dtype),
                    out_shardings=named_shardings(arch.param_specs(config), mesh))
-    return Model(arch, config, make(jax.random.key(seed)))
+    return Model(arch, config, make(jax.random.key(seed)), **found)

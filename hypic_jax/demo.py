@@ -3,7 +3,7 @@
 
 Question part (when the package holds its trained model, `hypic_jax.embedded`, or with --model DIR): a few
 held-out questions of the generated corpus (`hypic_jax.train`), each asked after the same documents in another
-order, in every mode on the shape-stable engine (`hypic_jax.runtime.StableEngine`). For each mode it prints the
+order, in every mode on the engine (`hypic_jax.Engine`). For each mode it prints the
 answer, the cached tokens and the time to first token; the first question of each mode starts from an empty cache,
 the later ones find the documents cached. Every program the requests use is compiled, and run once, beforehand by
 the same requests, so the times are serving times.
@@ -35,6 +35,7 @@ import numpy as np
 
 from hypic_jax import linear_attn as la
 from hypic_jax.engine import MODES, Engine
+from hypic_jax.engine.programs import backend_compiles
 from hypic_jax.models import qwen3_5
 from hypic_jax.models.base import Model
 
@@ -102,7 +103,6 @@ def tiny_model() -> Model:
         vocab_size=512, hidden_size=64, layer_types=qwen3_5.default_layer_types(4), mlp_types=("dense",) * 4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=128,
-        chunk_size=16,
     )
     params = qwen3_5.init_params(config, jax.random.key(0), jnp.float32)
     # random-init gates forget within a few tokens; slow them down so that the modes differ visibly
@@ -121,16 +121,15 @@ def engine_demo(docs: int = 4, doc_len: int = 48, query_len: int = 12, seam: flo
     def request(seed_docs):
         return [rng.integers(0, config.vocab_size, doc_len).tolist() for _ in range(seed_docs)]
 
-    warmup = Engine(model, seam=seam)  # compiles every layout the measured requests will use
-    measured = Engine(model, seam=seam)
+    prompt = docs * doc_len + query_len
+    measured = Engine(model, seam=seam, max_prompt_tokens=prompt, token_rungs=(64, prompt), max_segments=docs,
+                      max_new_tokens=1, max_batch=1)
+    measured.warmup(progress=False)  # every program a request of these lengths uses: no compilation below
     documents, query = request(docs), rng.integers(0, config.vocab_size, query_len).tolist()
     shuffled = [documents[i] for i in rng.permutation(docs)]
     rows = []
     for mode in MODES:
-        other = request(docs)
-        warmup.prefill(other + [query], mode=mode)
-        warmup.prefill(other[::-1] + [query], mode=mode)
-        measured.cache.clear()  # every mode starts cold
+        measured.clear_cache()  # every mode starts cold
         for label, segs in (("cold", documents + [query]), ("shuffled", shuffled + [query])):
             reference = measured.prefill(segs, mode="full_recompute").logits
             result = measured.prefill(segs, mode=mode)
@@ -176,14 +175,13 @@ def qa_demo(folder: str | Path, *, docs: int = 8, questions: int = 4, seed: int 
 
     One held-out prompt of `docs` documents (`trainer.heldout_prompt(seed, docs, index)`), `questions` of its
     questions (one per family first), each asked after the documents in a new random order, in every mode of
-    `MODES` on one `StableEngine` (greedy, until `<|eos|>`). Each mode starts from an empty cache. Before the
+    `MODES` on one `Engine` (greedy, until `<|eos|>`). Each mode starts from an empty cache. Before the
     reported run, the programs it uses are compiled and the first two questions run once in every mode (the
     result's `timed_compiles` counts compilations during the reported run).
     dtype: None is float32 on the CPU, bfloat16 elsewhere. Returns the documents, the questions with
     their orders, and one row per (question, mode)."""
     import hypic_jax
     from hypic_jax.engine import seam_tokens
-    from hypic_jax.runtime import StableEngine, backend_compiles
     from hypic_jax.train import tokenizer as tok
     from hypic_jax.train import trainer
 
@@ -211,8 +209,8 @@ def qa_demo(folder: str | Path, *, docs: int = 8, questions: int = 4, seed: int 
     small = round_up(sum(seam_tokens(seam, len(d)) for d in doc_ids) + max(map(len, query_ids)))
     large = max(round_up(prompt_tokens), small)
     rungs = (small,) if small == large else (small, large)
-    engine = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=large, token_rungs=rungs,
-                          max_segments=docs + 1, max_new_tokens=max_new_tokens, seam=seam, cache_bytes=256 << 20)
+    engine = Engine(model, tokenizer=tokenizer, max_prompt_tokens=large, token_rungs=rungs, max_segments=docs + 1,
+                    max_new_tokens=max_new_tokens, seam=seam, cache_bytes=256 << 20, max_batch=1)
 
     def run_all(count=len(asked)):
         rows = []
@@ -226,11 +224,12 @@ def qa_demo(folder: str | Path, *, docs: int = 8, questions: int = 4, seed: int 
         return rows
 
     started = time.perf_counter()
-    # the span programs of the two rungs these requests use, compiled in parallel; then the first two questions
-    # run in every mode (a cold request and one that hits), which compiles the small rest (commit, decode) and
-    # takes every path of the timed run
+    # the span programs of the two rungs these requests use, compiled in parallel, and the decode programs; then
+    # the first two questions run in every mode (a cold request and one that hits), which takes every path of the
+    # timed run
     spans = {("cold", large), ("pic", small), ("plain", large)}
-    engine.programs.compile([k for k in engine.programs.keys_for(large) if (k.kind, k.tokens) in spans],
+    engine.programs.compile([k for k in engine.programs.keys_for(large)
+                             if (k.kind, k.tokens) in spans or k.kind not in ("cold", "pic", "plain", "commit")],
                             progress=progress)
     if progress:
         print("running a cold and a cached request in every mode once (the timed run follows) ...", flush=True)
@@ -257,7 +256,7 @@ def print_qa_demo(result: dict, width: int = 116) -> None:
     print(textwrap.fill(
         f"hypic-jax questions demo on {result['platform']}: model {result['model']} (Qwen3.5 architecture, "
         f"{result['linear_layers']} Gated DeltaNet + {result['full_layers']} gated attention layers, "
-        f"{result['parameters'] / 1e6:.1f}M parameters), {result['dtype']}, StableEngine, seam = "
+        f"{result['parameters'] / 1e6:.1f}M parameters), {result['dtype']}, seam = "
         f"{result['seam']:g} tokens", width))
     print(textwrap.fill(
         f"{len(result['documents'])} held-out documents ({sum(result['document_tokens'])} tokens); each question is "

@@ -85,13 +85,13 @@ class Capacity:
         return -(-self.tokens // self.chunk) + self.pieces
 
 
-def _rungs(floor: int, ceiling: int, fine_from: int) -> tuple[int, ...]:
+def _rungs(floor: int, ceiling: int, fine_from: int, octaves: bool = False) -> tuple[int, ...]:
     """floor, then powers of two p and 1.5p below `fine_from`, and p, 1.25p, 1.5p, 1.75p from it on, up to the
-    first rung >= ceiling."""
+    first rung >= ceiling; with `octaves`, floor and the powers of two above it."""
     values = {floor}
     p = 1
     while p < 2 * max(ceiling, floor):
-        steps = (4, 5, 6, 7) if p >= fine_from else (4, 6)
+        steps = (4,) if octaves else (4, 5, 6, 7) if p >= fine_from else (4, 6)
         values.update(v for v in (p * s // 4 for s in steps) if v >= floor)
         p *= 2
     out = sorted(values)
@@ -105,8 +105,9 @@ class Ladder:
     """The capacities an engine compiles: token rungs from `min_tokens` to `max_tokens` (fresh tokens and keys
     share them), a fixed number of pieces and records. `fit` picks the smallest rung that holds a request.
 
-    The geometric rungs step by 1.5x and 1.33x below `fine_from` tokens and by quarter octaves (1.25x at most)
-    from it on, where a padded token costs most."""
+    The geometric rungs ("fine" steps) step by 1.5x and 1.33x below `fine_from` tokens and by quarter octaves
+    (1.25x at most) from it on, where a padded token costs most; "octaves" steps by 2x (fewer programs to compile,
+    up to 2x padding: the CPU's choice, where compiling costs more than padding)."""
 
     max_tokens: int
     max_pieces: int
@@ -115,12 +116,15 @@ class Ladder:
     conv: int = 3
     token_rungs: tuple[int, ...] | None = None  # explicit rungs instead of the geometric ones
     fine_from: int = 1024
+    steps: str = "fine"  # "fine" or "octaves"
     max_records: int | None = None  # records per request (None: max_pieces); each is an entry's worth of output
 
     def __post_init__(self):
         if self.max_tokens < 1 or self.max_pieces < 1:
             raise ValueError(f"the ladder needs max_tokens >= 1 and max_pieces >= 1, got {self.max_tokens}, "
                              f"{self.max_pieces}")
+        if self.steps not in ("fine", "octaves"):
+            raise ValueError(f"steps must be 'fine' or 'octaves', got {self.steps!r}")
         if self.token_rungs is None and self.min_tokens < 1:  # the geometric rungs start there: a rung of 0 tokens
             raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.token_rungs is not None:
@@ -133,7 +137,7 @@ class Ladder:
     def rungs(self) -> tuple[int, ...]:
         if self.token_rungs is not None:
             return tuple(self.token_rungs)
-        return _rungs(self.min_tokens, self.max_tokens, self.fine_from)
+        return _rungs(self.min_tokens, self.max_tokens, self.fine_from, octaves=self.steps == "octaves")
 
     def rung(self, n: int, what: str = "tokens") -> int:
         for r in self.rungs:

@@ -1,6 +1,6 @@
 """A pool per device of the segment mesh: cache entries stay on the device that computed them.
 
-With `StableEngine(devices=N)` in one process, every device of the mesh holds entry pools of the engine's own
+With `Engine(devices=N)` in one process, every device of the mesh holds entry pools of the engine's own
 shapes and capacity (the home device's are the engine's pools) and an index of the entries in them (a
 `SegmentCache` per device; the home device's is the engine's cache). The segment-parallel cold program writes each
 bin's records into the pools of the device that computed it, inside the program (`SegmentMesh`): no record leaves

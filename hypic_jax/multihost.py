@@ -218,8 +218,7 @@ def _settings(engine) -> dict:
     mesh = engine.segment_mesh
     settings = dict(
         fingerprint=engine.fingerprint, mode=engine.mode, seam=repr(engine.seam),
-        compose_algorithm=repr(engine.compose_algorithm), linear_impl=repr(engine.linear_impl),
-        fold_impl=repr(engine.fold_impl), max_prompt_tokens=engine.max_prompt_tokens,
+        kernels=repr(engine.kernels), max_prompt_tokens=engine.max_prompt_tokens,
         max_segments=engine.max_segments, max_new_tokens=engine.max_new_tokens, rungs=list(engine.ladder.rungs),
         cache_bytes=engine.cache.capacity_bytes, eviction=engine.eviction,
         pools=[[list(a.shape), str(a.dtype)] for a in jax.tree.leaves(engine.pools.arrays)],

@@ -11,7 +11,7 @@ reads them by the slot and row arrays of its layout and writes its records into 
 Slot 0 and page 0 belong to no entry: a layout's padded reads point there (its writes that record nothing are
 dropped instead, see `hypic_jax.layout`).
 
-Over a model mesh (tensor parallelism: `StableEngine(tensor_parallel=M)`) every pool is split over the mesh's
+Over a model mesh (tensor parallelism: `Engine(tensor_parallel=M)`) every pool is split over the mesh's
 "model" axis along the first axis of its entries' pieces that M divides (the heads of a state, else its channels),
 so each device holds 1/M of every entry; the programs read and write the pools where they lie.
 

@@ -1,7 +1,7 @@
-"""The segment-parallel cold path of the shape-stable engine: a request's missing segments prefilled over a 1-D
-mesh of devices in one program.
+"""The segment-parallel cold path of the engine: a request's missing segments prefilled over a 1-D mesh of devices
+in one program.
 
-`StableEngine(devices=...)` splits the missing segments of a request into one bin per device (`hypic_jax.parallel`:
+`Engine(devices=...)` splits the missing segments of a request into one bin per device (`hypic_jax.parallel`:
 LPT on the per-segment cost model, or round-robin), packs each bin into one isolated layout of the token rung that
 holds the largest bin, stacks the layouts along a leading `bins` axis and runs the engine's cold span program on
 every device at once (`jax.shard_map`: each device runs exactly the single-device program on its own bin). Empty
@@ -19,7 +19,7 @@ keeps its own pools on its own device and runs the same requests in the same ord
 bin's records: the cold program returns them replicated (gathered over the mesh; its logits stay sharded, nothing
 reads them) and each process commits all of them from its own copy into its home pools (the devices receive a
 two-row stand-in of the pools, which an isolated layout never reads). An engine whose model is split over a model
-mesh (`StableEngine(tensor_parallel=...)`) takes its records the same way, gathered, and commits them into its split
+mesh (`Engine(tensor_parallel=...)`) takes its records the same way, gathered, and commits them into its split
 pools, where its stitched program reads them. The processes run the collective program on
 the coordinator's bins (`agree`) after waiting for one another (`sync`), so a missing process fails a request with
 a clear error instead of leaving the others inside the collective.
@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hypic_jax import layout as lay
 from hypic_jax import parallel
-from hypic_jax.engine import SPAN_OPTIONS
+from hypic_jax.engine.programs import SPAN_OPTIONS
 
 log = logging.getLogger("hypic_jax.segment_mesh")
 
@@ -63,7 +63,7 @@ def resolve_devices(devices, *, name: str = "devices", local: bool = False) -> l
 
 
 class _ColdKey(NamedTuple):
-    """The fields of `hypic_jax.runtime.ProgramKey` that the engine's layout capacities read."""
+    """The fields of `hypic_jax.engine.programs.ProgramKey` that the engine's layout capacities read."""
 
     kind: str
     tokens: int
@@ -74,13 +74,11 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: np.stack(xs), *trees)
 
 
-def _cold_bins(params, arrays, pools, *, arch, config, algorithm, linear_impl, fold_impl="auto"):
+def _cold_bins(params, arrays, pools, *, arch, config, kernels):
     """One device's bin (leading axis 1): the cold span program on it, records and logits with the axis back."""
     one = jax.tree.map(lambda a: a[0], arrays)
-    extra = {} if linear_impl is None else dict(linear_impl=linear_impl)  # None: the architecture's own choice
     logits, writes, _ = arch.span_forward_arrays(params, config, one, pools, isolated=True, summaries=True,
-                                                 want_decode=False, algorithm=algorithm, fold_impl=fold_impl,
-                                                 **extra)
+                                                 want_decode=False, kernels=kernels)
     return jax.tree.map(lambda a: a[None], (logits, writes))
 
 
@@ -159,7 +157,7 @@ class SegmentMesh:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
     def _stacked_dummy(self, rung: int):
-        one = self.engine._dummy_layout(self._key(rung))
+        one = self.engine.dummy_layout(self._key(rung))
         return _stack([one] * self.size)
 
     def _key(self, rung: int):
@@ -169,8 +167,7 @@ class SegmentMesh:
         engine = self.engine
         if self.pools is not None:  # each bin's records into its own device's pools, in the program
             body = functools.partial(_cold_in_place, arch=engine.arch, config=engine.config,
-                                     algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
-                                     fold_impl=engine.fold_impl)
+                                     kernels=engine.kernels)
             spec = PartitionSpec(AXIS)
             mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), spec, spec),
                                    out_specs=(spec, spec), check_vma=False)
@@ -178,9 +175,7 @@ class SegmentMesh:
                          out_shardings=(self._sharded, self._sharded), donate_argnums=2, compiler_options=SPAN_OPTIONS)
             return fn.lower(self._shapes(self.params), self._shapes(self._stacked_dummy(rung)),
                             self.pools.shapes()).compile()
-        body = functools.partial(_cold_bins, arch=engine.arch, config=engine.config,
-                                 algorithm=engine.compose_algorithm, linear_impl=engine.linear_impl,
-                                 fold_impl=engine.fold_impl)
+        body = functools.partial(_cold_bins, arch=engine.arch, config=engine.config, kernels=engine.kernels)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec(AXIS), PartitionSpec()),
                                out_specs=PartitionSpec(AXIS), check_vma=False)
         # across processes every process commits every bin's records: those come back gathered (replicated)
@@ -195,7 +190,7 @@ class SegmentMesh:
             return None  # the cold program commits
         # this process's copy of the gathered records, every bin on one leading axis
         stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.size,) + s.shape, s.dtype),
-                               engine._writes_shapes(rung))
+                               engine.writes_shapes(rung))
         fn = engine.programs._jit(functools.partial(_commit_stacked, bins=self.size), donate_argnums=0,
                                   out_shardings=engine.programs.pool_shardings())
         return fn.lower(*engine.programs._abstract((engine.pools.arrays, stacked))).compile()
@@ -273,11 +268,11 @@ class SegmentMesh:
         layouts = []
         for b in bins:
             if b:
-                layouts.append(lay.build([spans[i] for i in b], engine._capacity(key), isolated=True,
+                layouts.append(lay.build([spans[i] for i in b], engine.capacity(key), isolated=True,
                                          tokens=np.concatenate([np.asarray(tokens[i], np.int32) for i in b]),
                                          summaries=True))
             else:
-                layouts.append(engine._dummy_layout(key))
+                layouts.append(engine.dummy_layout(key))
         cold, commit = self._program(rung)
         if self.sync is not None:  # a collective program: every process must be there
             self.sync("cold")

@@ -26,8 +26,8 @@ that fit one capacity share one compiled program, and padding costs buffer space
   piece steps through its chunks and emits their outputs.
 * attention: keys are gathered in absolute order from the fresh keys and the per-token pools (`key_index`), and
   each block of queries runs an online-softmax loop over only the key blocks it can see.
-* a model axis: traced under a mesh with a "model" axis of M > 1 devices (`jax.set_mesh`; `StableEngine
-  (tensor_parallel=M)` lowers its programs so), the linear core and attention run on each device's 1/M of the
+* a model axis: traced under a mesh with a "model" axis of M > 1 devices (`jax.set_mesh`; `Engine(tensor_parallel=M)`
+  lowers its programs so), the linear core and attention run on each device's 1/M of the
   heads (`jax.shard_map`), where M divides them. Heads are independent in both, so the split changes no result;
   it is what lets the Pallas kernels, custom calls that XLA's partitioner cannot split, read only their device's
   share of the split pools instead of gathered whole operands.
@@ -52,7 +52,7 @@ from hypic_jax.pallas import piece_fold
 from hypic_jax.pallas.attention import AttentionConfig, positioned_attention
 
 MASK_VALUE = -1e30  # finite: a query with no visible key averages values instead of producing NaN
-MODEL_AXIS = "model"  # the tensor-parallel mesh axis (`runtime.tensor_parallel_mesh`, the models' `param_specs`)
+MODEL_AXIS = "model"  # the tensor-parallel mesh axis (`engine.placement.tensor_parallel_mesh`, the models' `param_specs`)
 
 __all__ = ["conv_over_layout", "linear_over_layout", "linear_kernel_fits", "LINEAR_IMPLS", "gather_keys",
            "masked_attention", "row_writes", "apply_row_writes", "RowWrites", "LinearResult", "model_split",
@@ -149,8 +149,8 @@ def _kernel_problem(inputs: LinearInputs) -> str | None:
 def linear_kernel_fits(inputs: LinearInputs, impl: str = "auto") -> bool:
     """Whether `linear_over_layout` runs the linear core through the Pallas kernels (`pallas.gdn.gdn_varlen`):
     "pallas" always (the Pallas interpreter off a GPU; a ValueError naming the problem when the kernels cannot
-    take the inputs), "auto" on a GPU for bfloat16 values when they can (the rule of the static engine's prefill,
-    `qwen3_5.Config.gdn_kernel`), "xla" never."""
+    take the inputs), "auto" on a GPU for bfloat16 values when they can (the rule of the models' own forward,
+    `base.KernelOptions.linear`), "xla" never."""
     if impl not in LINEAR_IMPLS:
         raise ValueError(f"impl must be one of {LINEAR_IMPLS}, got {impl!r}")
     if impl == "xla":

@@ -755,7 +755,7 @@ class Mover:
 
     def scatter_programs(self, arrays, transfer: Transfer) -> list[tuple[Any, tuple]]:
         """(program, arguments after the pools) per program that writes `transfer` into the pools, in order; each
-        donates the pools (`StableEngine._write_pools`)."""
+        donates the pools (`Engine._write_pools`)."""
         out = [(self._program("scatter", transfer.bucket, arrays), (transfer.slot, transfer.rows, transfer.main))]
         if transfer.heads is not None:
             out.append((self._program("heads", len(transfer.heads[0]), arrays), transfer.heads))
@@ -876,7 +876,7 @@ class HostStore(_Store):
 
 class PeerStore(HostStore):
     """The peer tier on one device: entries demoted from the engine's device into another device's memory (the
-    engine's mesh: `StableEngine(devices=N, peer_cache_bytes=...)`), from which a promotion is one copy between
+    engine's mesh: `Engine(devices=N, peer_cache_bytes=...)`), from which a promotion is one copy between
     devices. Exclusive, like the host tier."""
 
     tier = "peer"
@@ -1154,7 +1154,7 @@ class Tiers:
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if peer_bytes and not peers:
-            raise ValueError("peer_cache_bytes needs other devices to hold the peer tier (StableEngine(devices=N), "
+            raise ValueError("peer_cache_bytes needs other devices to hold the peer tier (Engine(devices=N), "
                              "N >= 2)")
         if peer_bytes and mover is None:
             raise ValueError("the peer tier needs the engine's Mover (its entries move between devices)")

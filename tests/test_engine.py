@@ -1,104 +1,66 @@
-"""The PIC engine on tiny random checkpoints of every supported architecture (Qwen3.5 dense and MoE, Ring-linear,
-Kimi-Linear), built the way the parity tests build them.
+"""`hypic_jax.Engine` on tiny checkpoints of every architecture (Qwen3.5 dense and MoE, Ring-linear, Kimi-Linear).
 
-Exactness identities: full_recompute == model.logits; prefix_cache == full recompute (cold and warm);
-transition_rope_recompute with seam = 1.0 == full recompute; with a seam of at least W-1 tokens the first
-(linear) layer's composed state equals full recompute to float32 rounding. Behaviour: reordered documents are
-served from the cache with only seams and query recomputed; addition deviates far more than transition; a byte
-budget smaller than one request never breaks it; bad inputs raise ValueError.
-
-Compilations dominate the run time (layouts are static), so every test of an architecture uses documents of one
-length: the reordered request, seam = 1.0 and full recompute share compilations.
+Identities checked against computations that share none of the engine's stitching: full recompute equals the
+model's own forward; prefix cache and a seam of the whole segment equal full recompute; with a seam of at least
+W-1 tokens the first linear layer's state equals full recompute's; every PIC mode equals the naive reference of
+tests/reference/pic.py (the modes written out token by token). After `warmup` a seeded random trace of every mode,
+seam, salt and layout compiles nothing. Generation decodes like the model's own greedy generate, through the same
+scheduler and sampler as the server.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import random
+import os
+import signal
+import subprocess
+import sys
+import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hypic_jax
 from hypic_jax import cli
-from hypic_jax.engine import Engine
+from hypic_jax.engine import Engine, EngineOptions, KernelOptions, backend_compiles
+from hypic_jax.engine.programs import ProgramKey
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from helpers import arch_params, on_worker_of, rel, tiny_checkpoint
+from reference import pic
 
-ARCHS = ("qwen_dense", "qwen_moe", "ring", "kimi")
+MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
+RUNGS = (1024,)  # one rung keeps the CPU compiles few; the requests stay under it
+MAX_SEGMENTS = 24
+MAX_TRACE_TOKENS = 960
 DOC_LEN, QUERY_LEN, NUM_DOCS = 20, 6, 3
 SEAM = 4  # >= W - 1 = 3: the seam covers the conv warm-up, so the first layer is exact
-SLOW_DECAY = float(np.log(0.05))  # A_log of linear layers: long memory, so a dropped transfer T shows
-
-
-def on_worker_of(group: str):
-    """Tests of one tiny checkpoint share it and their compiled programs (module-scoped, and JAX's caches): under
-    xdist (`--dist loadgroup`, pyproject.toml) they run on one worker, which builds and compiles them once."""
-    return pytest.mark.xdist_group(group)
-
-
-def arch_params(module: str, archs=ARCHS) -> list:
-    """`archs` as parameters, each architecture's tests in a group of their own (`on_worker_of`)."""
-    return [pytest.param(arch, marks=on_worker_of(f"{module}-{arch}")) for arch in archs]
-
-
 ENGINE_ARCHS = arch_params("engine")
 
 
-def _slow_decay(params):
-    """Set every linear layer's A_log to a slow decay (random-init gates forget within a few tokens)."""
-
-    def visit(tree):
-        if isinstance(tree, dict):
-            return {k: (jnp.full_like(v, SLOW_DECAY) if k == "A_log" else visit(v)) for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(visit(v) for v in tree)
-        return tree
-
-    return visit(params)
-
-
-@functools.lru_cache(maxsize=None)
-def _build(arch: str, folder: str):
-    from pathlib import Path
-
-    folder = Path(folder)
-    if arch.startswith("qwen"):
-        from qwen_helpers import build, save
-
-        save(build(arch.split("_")[1]), folder)
-        vocab = 128
-    elif arch == "ring":
-        pytest.importorskip("mlx.core")
-        from test_ring_linear import TINY_CONFIG, _build_reference, _write_checkpoint
-
-        config = {**TINY_CONFIG, "num_hidden_layers": 3}  # linear, linear, full attention
-        _write_checkpoint(_build_reference(config), config, folder)
-        vocab = config["vocab_size"]
-    else:
-        from test_kimi_linear import build_reference
-
-        build_reference(folder)
-        vocab = 128
-    model = hypic_jax.load(folder, dtype="float32")
-    model = type(model)(model.arch, model.config, _slow_decay(model.params))
-    return model, vocab, folder
+def _engine(model, **options):
+    defaults = dict(max_prompt_tokens=RUNGS[-1], max_segments=MAX_SEGMENTS, token_rungs=RUNGS, cache_bytes=1 << 24,
+                    max_new_tokens=8, max_batch=2)
+    return Engine(model, **{**defaults, **options})
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
+def engines(tmp_path_factory):
+    """arch -> (a warmed-up engine with small pools (16 MB: entries get evicted), its model, the vocabulary)."""
     root = tmp_path_factory.mktemp("engine")
-    return lambda arch: _build(arch, str(root / arch))[:2]
+    made = {}
 
+    def get(arch):
+        if arch not in made:
+            model, vocab, _ = tiny_checkpoint(arch, str(root / arch))
+            engine = _engine(model)
+            engine.warmup(progress=False)
+            made[arch] = (engine, model, vocab)
+        return made[arch]
 
-@pytest.fixture(scope="module")
-def folder_of(tmp_path_factory, build):
-    root = tmp_path_factory.getbasetemp()
-    return lambda arch: next(p for p in root.glob(f"engine*/{arch}") if p.is_dir())
+    yield get
+    for engine, _, _ in made.values():
+        engine.close()
 
 
 def _request(vocab: int, seed: int = 0):
@@ -107,236 +69,431 @@ def _request(vocab: int, seed: int = 0):
     return docs + [rng.integers(3, vocab, QUERY_LEN).tolist()]
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def _first_linear_state(result):
     return np.asarray(result.decode[0].state)
 
 
+def _corpus(vocab: int, rng: np.random.Generator, size: int = 30) -> list[list[int]]:
+    lengths = np.exp(rng.uniform(0, np.log(300), size)).astype(int).clip(1, 300)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def _trace(vocab: int, seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    corpus = _corpus(vocab, rng)
+    weights = 1.0 / np.arange(1, len(corpus) + 1)
+    weights /= weights.sum()
+    for _ in range(count):
+        docs = [corpus[i] for i in rng.choice(len(corpus), int(rng.integers(1, MAX_SEGMENTS + 1)), p=weights)]
+        while sum(map(len, docs)) > MAX_TRACE_TOKENS:  # a bounded prompt; still 1 to 24 segments of 1 to 300
+            docs.pop()
+        query = rng.integers(3, vocab, int(rng.integers(1, 33))).tolist()
+        mode = MODES[int(rng.integers(len(MODES)))]
+        seam = [0, 0.25, 1.0, 3, 8][int(rng.integers(5))]
+        salt = [None, "tenant-b"][int(rng.integers(2))]
+        yield docs + [query], mode, seam, salt
+
+
+@pytest.mark.parametrize("arch", arch_params("engine", ("qwen_moe", "ring", "kimi")))
+def test_random_trace_compiles_nothing_after_warmup(engines, arch):
+    """A trace of 1 to 24 segments of 1 to 300 tokens from a shared corpus, every mode, seams of 0, a fraction and
+    a count, hits and misses mixed, two tenants: no compilation, and every request checked against an identity
+    that does not share its program (full recompute; the first linear layer's state with a seam of at least W-1
+    tokens; the naive reference for a sample of the PIC requests)."""
+    engine, model, vocab = engines(arch)
+    assert engine.programs.stats.programs == len(engine.programs.keys_for(RUNGS[-1]))
+    compiled = 0  # by the engine's calls (the reference compiles its own small programs)
+    conv = engine.ladder.conv
+    seen_hits = seen_misses = checked = 0
+    for number, (segs, mode, seam, salt) in enumerate(_trace(vocab, seed=1, count=40)):
+        before = backend_compiles()
+        result = engine.prefill(segs, mode=mode, seam=seam, cache_salt=salt)
+        seen_hits += result.stats.hits
+        seen_misses += result.stats.misses
+        exact = mode == "prefix_cache" or (mode == "transition_rope_recompute" and seam == 1.0)
+        first_exact = mode == "transition_rope_recompute" and seam >= conv and engine.first_linear_layer() is not None
+        if exact or first_exact:
+            full = engine.prefill(segs, mode="full_recompute")
+        compiled += backend_compiles() - before
+        if exact:
+            assert rel(result.logits, full.logits) < 1e-5, (mode, seam, [len(s) for s in segs])
+        elif first_exact:
+            layer = engine.first_linear_layer()
+            np.testing.assert_allclose(np.asarray(result.decode[layer].state), np.asarray(full.decode[layer].state),
+                                       rtol=2e-4, atol=2e-5)
+        if mode in pic.PIC_MODES and number % 4 == 0 and sum(map(len, segs)) < 400:
+            assert rel(result.logits, pic.prefill(model, segs, mode, seam)) < 1e-4, (mode, seam)
+            checked += 1
+        assert np.all(np.isfinite(result.logits))
+        assert result.stats.prompt_tokens == sum(map(len, segs))
+    assert compiled == 0, "a request compiled after warmup"
+    assert engine.stats["programs"]["serving_compiles"] == 0
+    assert seen_hits > 0 and seen_misses > 0 and checked > 0
+
+
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
-def test_exact_modes_equal_full_recompute(build, arch):
-    model, vocab = build(arch)
-    engine = Engine(model)
+def test_exact_modes_equal_full_recompute(engines, arch):
+    engine, model, vocab = engines(arch)
+    engine.clear_cache()
     segs = _request(vocab)
     reference = np.asarray(model.logits(np.concatenate(segs)[None]))[0, -1]
 
     full = engine.prefill(segs, mode="full_recompute")
-    assert _rel(full.logits, reference) < 1e-5
+    assert rel(full.logits, reference) < 1e-5
     assert full.stats.recomputed_tokens == full.stats.prompt_tokens == NUM_DOCS * DOC_LEN + QUERY_LEN
 
     whole_seam = engine.prefill(segs, mode="transition_rope_recompute", seam=1.0)
-    assert _rel(whole_seam.logits, reference) < 1e-5
+    assert rel(whole_seam.logits, reference) < 1e-5
     assert whole_seam.stats.cached_tokens == 0 and whole_seam.stats.cold_tokens == 0
 
     cold = engine.prefill(segs, mode="prefix_cache")
-    assert _rel(cold.logits, reference) < 1e-5
+    assert rel(cold.logits, reference) < 1e-5
     assert (cold.stats.hits, cold.stats.misses) == (0, NUM_DOCS)
     warm = engine.prefill(segs, mode="prefix_cache")
-    assert _rel(warm.logits, reference) < 1e-5
+    assert rel(warm.logits, reference) < 1e-5
     assert (warm.stats.hits, warm.stats.misses) == (NUM_DOCS, 0)
     assert warm.stats.recomputed_tokens == QUERY_LEN and warm.stats.cached_tokens == NUM_DOCS * DOC_LEN
-    # relative to the state's norm: elementwise, float32 rounding of entries near 0 reaches 1e-6 (Ring's states)
-    assert _rel(_first_linear_state(warm), _first_linear_state(full)) < 1e-5
+    assert rel(_first_linear_state(warm), _first_linear_state(full)) < 1e-5
 
     swapped = engine.prefill([segs[1], segs[0], segs[2], segs[3]], mode="prefix_cache")
     assert swapped.stats.hits == 0  # a prefix cache only serves the same leading segments
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
-def test_greedy_decoding_continues_from_every_exact_mode(build, arch):
-    """full_recompute decodes from the architecture's own prefill caches, prefix_cache and a whole seam from the
-    span forward's: all three must continue exactly like the model's plain greedy generate."""
-    model, vocab = build(arch)
-    engine = Engine(model)
-    segs = _request(vocab, seed=7)
-    expected = np.asarray(model.generate(np.concatenate(segs)[None], 4))[0].tolist()
-    for mode, seam in (("full_recompute", None), ("prefix_cache", None), ("transition_rope_recompute", 1.0)):
-        assert engine.generate(segs, max_new_tokens=4, mode=mode, seam=seam).tokens == expected, mode
+def test_pic_modes_equal_the_naive_reference(engines, arch):
+    """Every PIC mode, on a miss (entries recorded, then stitched) and on a hit, equals the modes written out token
+    by token (tests/reference/pic.py)."""
+    engine, model, vocab = engines(arch)
+    segs = _request(vocab, seed=9)
+    shuffled = [segs[i] for i in (2, 0, 1)] + [segs[-1]]
+    for mode, seam in (("addition", 0), ("transition", 0), ("transition_rope", 0),
+                       ("transition_rope_recompute", SEAM), ("transition_rope_recompute", 0.3)):
+        for request in (segs, shuffled):
+            got = engine.prefill(request, mode=mode, seam=seam, cache_salt="reference")
+            assert rel(got.logits, pic.prefill(model, request, mode, seam)) < 1e-5, (mode, seam)
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
-def test_reordered_documents_are_served_from_the_cache(build, arch):
-    model, vocab = build(arch)
-    engine = Engine(model, mode="transition_rope_recompute", seam=SEAM)
+def test_greedy_generation_continues_every_exact_mode(engines, arch):
+    """Generation decodes from the prefill's caches in a row of the batched decode cache: after every exact mode it
+    continues exactly like the model's plain greedy generate."""
+    engine, model, vocab = engines(arch)
+    segs = _request(vocab, seed=7)
+    expected = np.asarray(model.generate(np.concatenate(segs)[None], 4))[0].tolist()
+    for mode, seam in (("full_recompute", None), ("prefix_cache", None), ("transition_rope_recompute", 1.0)):
+        out = engine.generate(segs, max_new_tokens=4, mode=mode, seam=seam)
+        assert out.tokens == expected and out.finish_reason == "length", mode
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+def test_reordered_documents_are_served_from_the_cache(engines, arch):
+    engine, model, vocab = engines(arch)
+    engine.clear_cache()
     segs = _request(vocab, seed=1)
     full = engine.prefill(segs, mode="full_recompute")
-
-    cold = engine.prefill(segs)
+    cold = engine.prefill(segs, seam=SEAM)
     assert (cold.stats.hits, cold.stats.misses, cold.stats.cold_tokens) == (0, NUM_DOCS, NUM_DOCS * DOC_LEN)
     # the first layer is linear and sees context-free inputs: composition through T is exact there
-    assert _rel(_first_linear_state(cold), _first_linear_state(full)) < 1e-5
+    assert rel(_first_linear_state(cold), _first_linear_state(full)) < 1e-5
 
-    order = [2, 0, 1]
-    shuffled = [segs[i] for i in order] + [segs[-1]]
-    warm = engine.prefill(shuffled)
+    shuffled = [segs[i] for i in (2, 0, 1)] + [segs[-1]]
+    warm = engine.prefill(shuffled, seam=SEAM)
     assert (warm.stats.hits, warm.stats.misses, warm.stats.cold_tokens) == (NUM_DOCS, 0, 0)
     assert warm.stats.recomputed_tokens == NUM_DOCS * SEAM + QUERY_LEN
     assert warm.stats.cached_tokens == NUM_DOCS * (DOC_LEN - SEAM)
     shuffled_full = engine.prefill(shuffled, mode="full_recompute")
-    assert _rel(_first_linear_state(warm), _first_linear_state(shuffled_full)) < 1e-5
-    assert np.isfinite(warm.logits).all()  # deeper layers are approximate (seam window); no bound on a random net
-
-
-@pytest.mark.parametrize("arch", arch_params("engine", ("qwen_moe", "kimi")))
-def test_tuning_knobs_change_nothing_but_speed(build, arch, monkeypatch):
-    """The Pallas fold with the seams entering it as chunk steps (the GPU default) reading the cached interiors in
-    place from the entry pool, the same without the pool, stacked cache entries and the blocked fold, in interpret
-    mode here, give the plain engine's results; invalid knob values are refused."""
-    from hypic_jax.pallas import compose
-
-    folds = []
-    original = compose.span_fold_pallas
-
-    def spy(*args, **kwargs):
-        folds.append(len(args) > 6 and args[6] is not None)  # slots given: interiors read from the pool
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(compose, "span_fold_pallas", spy)
-    model, vocab = build(arch)
-    segs = _request(vocab, seed=3)
-    shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
-    base = Engine(model, seam=SEAM, pool_entries=False, stack_entries=False)  # every entry piece by piece
-    seam_fold = Engine(model, seam=SEAM, prefix_impl="pallas")
-    unpooled = Engine(model, seam=SEAM, prefix_impl="pallas", pool_entries=False, command_buffers=True)
-    tuned = Engine(model, seam=SEAM, stack_entries=True, prefix_impl="pallas", prefix_block=0, attention_programs=64)
-    for request in (segs, shuffled):  # cold (entries recorded, then stitched), then served from the cache
-        want = base.prefill(request)
-        for engine in (seam_fold, unpooled, tuned):
-            got = engine.prefill(request)
-            assert _rel(got.logits, want.logits) < 1e-5
-            assert (got.stats.hits, got.stats.misses) == (want.stats.hits, want.stats.misses)
-    assert True in folds and False in folds  # the seam fold ran, from the pool and from stacked interiors
-    assert seam_fold.pool.in_use == NUM_DOCS and unpooled.pool.in_use == 0
-    entry = next(iter(tuned.cache._entries.values()))
-    assert len(entry.layers) == len(model.params["layers"])  # a StackedLayers still reads as one piece per layer
-    for bad in (dict(prefix_block=1), dict(prefix_block=-2), dict(attention_programs=0), dict(prefix_impl="x"),
-                dict(seam_precision="fp8")):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            Engine(model, **bad)
-
-
-@on_worker_of("engine-qwen_moe")
-def test_seam_precision_follows_the_model_dtype(build, monkeypatch):
-    """The seam fold's seam products run single-pass bf16 only for a bfloat16 model on tensor-core composition (the
-    precision of that model's own GDN kernel for the same tokens); float32 models and SpanMode(seam_precision=None)
-    keep the composition's algorithm, and the request's results stay those of the plain engine."""
-    from hypic_jax.pallas import compose
-
-    seen = []
-    original = compose.span_fold_pallas
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["config"].seam_algorithm)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(compose, "span_fold_pallas", spy)
-    model, vocab = build("qwen_moe")
-    segs = _request(vocab, seed=5)
-    low = type(model)(model.arch, model.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params))
-    for m, want in ((model, None), (low, "bf16")):
-        engine = Engine(m, seam=SEAM, prefix_impl="pallas", compose_algorithm="bf16x3")
-        seen.clear()  # the fold is traced once per layout (the cold request's combine), then reused
-        engine.prefill(segs)
-        got = engine.prefill([segs[i] for i in (2, 0, 1)] + [segs[-1]])
-        assert seen and set(seen) == {want}
-        assert np.isfinite(np.asarray(got.logits)).all()
-    exact = Engine(low, seam=SEAM, prefix_impl="pallas", compose_algorithm="bf16x3", seam_precision=None)
-    seen.clear()
-    exact.prefill(segs)
-    exact.prefill([segs[i] for i in (2, 0, 1)] + [segs[-1]])
-    assert set(seen) == {None}
+    assert rel(_first_linear_state(warm), _first_linear_state(shuffled_full)) < 1e-5
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
-def test_addition_deviates_far_more_than_transition(build, arch):
+def test_addition_deviates_far_more_than_transition(engines, arch):
     """HYPIC's ablation: dropping T (addition) breaks decaying / delta-rule states; composing with T does not.
-
-    Asserted on the mechanism, the first linear layer's state after the request (seam-free modes: what remains
-    in `transition` is the conv warm-up of each segment's first W-1 tokens). Measured (seeds 2, 7): addition /
-    transition state deviation Qwen 0.70-0.79 / 0.06-0.09, Ring 0.61-0.67 / 0 (with RoPE correction), Kimi
-    0.64-0.65 / 0.21-0.27. On the logits of these tiny random nets only Qwen separates clearly (0.59 / 0.13-0.19;
-    Ring 0.75-1.02 / 0.43-0.70, Kimi ~0.9 for both), so the logit gap is asserted for Qwen only. Ring RoPEs its
-    linear keys, so its transition needs the RoPE correction to be the fair comparison."""
-    model, vocab = build(arch)
-    engine = Engine(model)
+    Asserted on the mechanism, the first linear layer's state after the request (seam-free modes: what remains in
+    `transition` is the conv warm-up of each segment's first W-1 tokens), and on the logits for Qwen, whose tiny
+    random nets separate them clearly. Ring RoPEs its linear keys, so its fair comparison is transition_rope."""
+    engine, model, vocab = engines(arch)
     segs = _request(vocab, seed=2)
     full = engine.prefill(segs, mode="full_recompute")
     transition = "transition_rope" if arch == "ring" else "transition"
     added = engine.prefill(segs, mode="addition")
     composed = engine.prefill(segs, mode=transition)
     assert composed.stats.hits == NUM_DOCS  # both modes use the same seam-free entries
-    state_added = _rel(_first_linear_state(added), _first_linear_state(full))
-    state_composed = _rel(_first_linear_state(composed), _first_linear_state(full))
+    state_added = rel(_first_linear_state(added), _first_linear_state(full))
+    state_composed = rel(_first_linear_state(composed), _first_linear_state(full))
     assert state_added > 2 * state_composed, (state_added, state_composed)
     if arch.startswith("qwen"):
-        assert _rel(added.logits, full.logits) > 2 * _rel(composed.logits, full.logits)
+        assert rel(added.logits, full.logits) > 2 * rel(composed.logits, full.logits)
 
 
 @on_worker_of("engine-qwen_dense")
-@pytest.mark.parametrize("prefix_impl", ("associative", "pallas"))
-def test_eviction_under_a_small_budget_never_breaks_a_request(build, prefix_impl):
-    """A budget for one entry: the request's entries stay pinned (and their pool slots unshared) until it ends,
-    the evicted entries' slots are reused by the next request, and every answer is the roomy engine's."""
-    model, vocab = build("qwen_dense")
-    segs = _request(vocab, seed=3)
-    roomy = Engine(model, seam=SEAM, prefix_impl=prefix_impl)
-    expected = roomy.prefill(segs)
-    entry_bytes = roomy.cache.stats.bytes // NUM_DOCS
-    tight = Engine(model, seam=SEAM, cache_bytes=entry_bytes + entry_bytes // 2, prefix_impl=prefix_impl)
-    first = tight.prefill(segs)
-    np.testing.assert_allclose(first.logits, expected.logits, rtol=1e-6, atol=1e-6)
-    stats = tight.cache.stats
-    assert stats.evictions == NUM_DOCS - 1 and stats.entries == 1 and stats.bytes <= stats.capacity_bytes
-    assert tight.pool.in_use == 1  # the evicted entries gave their slots back
-    capacity = tight.pool.capacity
-    assert capacity >= NUM_DOCS  # grown past the budget's one slot: the running request pinned three entries
-    again = tight.prefill(segs)  # two of three entries are gone: recomputed, same answer
-    assert again.stats.misses == NUM_DOCS - 1
-    np.testing.assert_allclose(again.logits, expected.logits, rtol=1e-6, atol=1e-6)
-    assert tight.pool.in_use == 1 and tight.pool.capacity == capacity  # freed slots reused, no growth
-    shuffled = [segs[i] for i in (2, 0, 1)] + [segs[-1]]
-    np.testing.assert_allclose(tight.prefill(shuffled).logits, roomy.prefill(shuffled).logits, rtol=1e-6, atol=1e-6)
-
-
-@on_worker_of("engine-qwen_dense")
-def test_cache_keys_separate_tenants_and_seams(build):
-    model, vocab = build("qwen_dense")
+def test_cache_keys_separate_tenants_and_seams(engines):
+    engine, model, vocab = engines("qwen_dense")
     segs = _request(vocab, seed=4)
-    engine = Engine(model, seam=SEAM)
-    engine.prefill(segs, cache_salt="tenant-a")
-    assert engine.prefill(segs, cache_salt="tenant-b").stats.hits == 0
-    assert engine.prefill(segs, cache_salt="tenant-a").stats.hits == NUM_DOCS
+    engine.prefill(segs, cache_salt="tenant-a", seam=SEAM)
+    assert engine.prefill(segs, cache_salt="tenant-b", seam=SEAM).stats.hits == 0
+    assert engine.prefill(segs, cache_salt="tenant-a", seam=SEAM).stats.hits == NUM_DOCS
     assert engine.prefill(segs, cache_salt="tenant-a", seam=2).stats.hits == 0  # another seam, another entry
 
 
+@on_worker_of("engine-qwen_moe")
+def test_generate_samples_on_the_device_by_seed(engines):
+    """One sampler for every request: a seed gives the same tokens every time and whatever runs beside it; top_k 1
+    is greedy at any temperature; stop ids end the generation after the stop token; logprobs come back per token."""
+    engine, model, vocab = engines("qwen_moe")
+    segs = _request(vocab, seed=12)
+    greedy = engine.generate(segs, max_new_tokens=6, mode="full_recompute")
+    one = engine.generate(segs, max_new_tokens=6, temperature=1.5, top_k=1, seed=5, mode="full_recompute")
+    assert one.tokens == greedy.tokens
+    draws = [engine.generate(segs, max_new_tokens=6, temperature=2.0, seed=s, mode="full_recompute").tokens
+             for s in (1, 1, 2)]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+    stop = greedy.tokens[2]
+    stopped = engine.generate(segs, max_new_tokens=6, stop=[stop], mode="full_recompute")
+    assert stopped.tokens == greedy.tokens[:greedy.tokens.index(stop) + 1] and stopped.finish_reason == "stop"
+    ranked = engine.generate(segs, max_new_tokens=3, logprobs=2, mode="full_recompute")
+    assert [t for t, _, _ in ranked.logprobs] == ranked.tokens and all(len(top) == 2 for _, _, top in ranked.logprobs)
+    assert ranked.logprobs[0][2][0][0] == greedy.tokens[0]  # the greedy token is the likeliest
+    assert engine.generate(segs, max_new_tokens=0).tokens == []
+
+
 @on_worker_of("engine-qwen_dense")
-def test_bad_inputs_raise_clear_errors(build):
-    model, vocab = build("qwen_dense")
-    engine = Engine(model, max_context=64)
-    cases = [
-        ([], "at least one segment"),
-        ([[5, 6], []], "segment 1 is empty"),
-        ([[5] * 40, [6] * 30], "over the model's context of 64"),
-        ([[5, vocab]], f"token id {vocab} outside the vocabulary"),
-        ([[-1, 5]], "token id -1 outside the vocabulary"),
-        (["some text"], "need a tokenizer"),
-        ([[5, 1.5]], "not integers"),
-        ([[[1, 2], [3]]], "not integers"),
-    ]
-    for segments, message in cases:
-        with pytest.raises(ValueError, match=message):
-            engine.prefill(segments)
-    with pytest.raises(ValueError, match="unknown mode"):
-        engine.prefill([[5, 6]], mode="telepathy")
-    with pytest.raises(ValueError, match="seam must be >= 0"):
-        engine.prefill([[5, 6], [7]], seam=-1)
-    with pytest.raises(ValueError, match="exceeds the model's context"):
-        engine.generate([[5] * 60], max_new_tokens=10)
-    with pytest.raises(ValueError, match="compose_algorithm"):
-        Engine(model, compose_algorithm="fp8")
+def test_eviction_under_a_small_budget_never_breaks_a_request(engines):
+    """Pools with room for a few entries: a request's entries stay pinned until it ends, the evicted entries' room
+    is reused by the next request, and every answer is the roomy engine's."""
+    roomy, model, vocab = engines("qwen_dense")
+    segs = _request(vocab, seed=3)
+    expected = roomy.prefill(segs, seam=SEAM, cache_salt="roomy")
+    probe = _engine(model, cache_bytes=1).pools
+    tight = _engine(model, cache_bytes=NUM_DOCS * (probe.slot_bytes + 32 * probe.token_bytes), compile_cache="none",
+                    mean_entry_tokens=32)
+    for request in (segs, [segs[i] for i in (2, 0, 1)] + [segs[-1]], segs):
+        got = tight.prefill(request, seam=SEAM)
+        want = roomy.prefill(request, seam=SEAM, cache_salt="roomy")
+        np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    other = _request(vocab, seed=13)
+    tight.prefill(other, seam=SEAM)  # evicts the first request's entries
+    assert tight.cache.stats.evictions >= NUM_DOCS
+    np.testing.assert_allclose(tight.prefill(segs, seam=SEAM).logits, expected.logits, rtol=1e-5, atol=1e-5)
+    tight.close()
+
+
+@on_worker_of("engine-qwen_moe")
+def test_a_cache_too_small_for_a_request(engines):
+    """Pools with room for one entry at a time: `prefix_cache` records the prefixes that fit and computes the
+    rest (equal to full recompute, on a miss and on a hit); a PIC request, whose entries must all be in the pools
+    at once, is refused with a ValueError that names the cache (the server's 400), gives its room back, and the
+    engine serves the next request."""
+    _, model, vocab = engines("qwen_moe")
+    kwargs = dict(max_prompt_tokens=256, max_segments=8, token_rungs=(256,), max_new_tokens=1, max_batch=1,
+                  compile_cache="none")
+    probe = Engine(model, cache_bytes=1, **kwargs).pools
+    engine = Engine(model, cache_bytes=probe.slot_bytes + 512 * probe.token_bytes, **kwargs)
+    assert engine.pools.slots == 2  # slot 0 is the null one: one entry fits
+    rng = np.random.default_rng(5)
+    segs = [rng.integers(3, vocab, n).tolist() for n in (20, 33, 7, 5)]
+    full = engine.prefill(segs, mode="full_recompute")
+    misses = engine.prefill(segs, mode="prefix_cache")
+    hit = engine.prefill(segs, mode="prefix_cache")
+    assert (misses.stats.hits, hit.stats.hits) == (0, 1)  # the first prefix was recorded, the others computed
+    for out in (misses, hit):
+        assert rel(out.logits, full.logits) < 1e-5
+    with pytest.raises(ValueError, match="no room in the cache"):
+        engine.prefill(segs, mode="transition_rope_recompute", seam=4)
+    assert engine.pools.free_slots() + len(engine.cache) == 1
+    assert rel(engine.prefill(segs, mode="full_recompute").logits, full.logits) < 1e-6
+
+
+@on_worker_of("engine-qwen_dense")
+def test_concurrent_requests_under_a_tight_budget_match_sequential_ones(engines):
+    """Requests from several threads on one engine, with pools of about two entries: entries are inserted, replaced
+    and evicted while other requests hold them, and pool room is freed and reused meanwhile. Every answer equals
+    the one the roomy engine gives for the same request, and no pool room leaks."""
+    roomy, model, vocab = engines("qwen_dense")
+    base = _request(vocab, seed=8)
+    requests = [[base[i] for i in order] + [base[-1]] for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0), (0, 2, 1))]
+    want = [roomy.prefill(r, seam=SEAM, cache_salt="roomy").logits for r in requests]
+    probe = roomy.pools
+    tight = _engine(model, cache_bytes=NUM_DOCS * (probe.slot_bytes + 32 * probe.token_bytes), compile_cache="none",
+                    mean_entry_tokens=32)
+    tight.warmup(progress=False)
+    got, errors = {}, []
+
+    def worker(j):
+        try:
+            for _ in range(2):
+                got.setdefault(j, []).append(tight.prefill(requests[j], seam=SEAM).logits)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(j,)) for j in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for j, logits in got.items():
+        for one in logits:
+            np.testing.assert_allclose(one, want[j], rtol=1e-5, atol=1e-5)
+    assert tight.pools.free_slots() + len(tight.cache) == tight.pools.slots - 1  # no slot leaked
+    tight.close()
+
+
+@on_worker_of("engine-qwen_moe")
+def test_kernel_choices_keep_the_results_the_cache_and_the_checkpoint(engines, tmp_path):
+    """Kernel choices live in the engine's options, not the model's config: engines with other choices (the fold
+    as a loop, in blocks and as the Pallas kernel in interpret mode, the linear cores through the Pallas kernels,
+    the MoE's ragged matmul, unrolled layers) give the same logits, share the model fingerprint (so one engine's
+    disk entries are another's hits), and a checkpoint written by `hypic-jax convert` records no kernel choice."""
+    from hypic_jax.checkpoint import config_to_dict
+
+    _, model, vocab = engines("qwen_moe")
+    segs = _request(vocab, seed=3)
+    shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
+    folder = tmp_path / "disk"
+    small = dict(max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1, max_batch=1,
+                 compile_cache="none", disk_cache_dir=str(folder), disk_write_through=True)
+    base = Engine(model, seam=SEAM, kernels=KernelOptions(fold="xla", linear="xla"), **small)
+    want = [base.prefill(r) for r in (segs, shuffled)]
+    base.close()
+    for kernels in (KernelOptions(fold="blocked"), KernelOptions(fold="pallas", linear="pallas", moe="ragged"),
+                    KernelOptions(scan_layers=False, compose="f32")):
+        engine = Engine(model, seam=SEAM, kernels=kernels, **small)
+        assert engine.fingerprint == base.fingerprint
+        for request, expected in zip((segs, shuffled), want):
+            got = engine.prefill(request)
+            assert rel(got.logits, expected.logits) < 1e-5, kernels
+            assert got.stats.hits == NUM_DOCS, kernels  # the first engine's entries, read from the disk tier
+        engine.close()
+    assert not {"chunk_size", "gdn_kernel", "moe_kernel"} & set(config_to_dict(model.config))
+    with pytest.raises(ValueError, match="fold"):
+        KernelOptions(fold="fast")
+
+
+@on_worker_of("engine-qwen_moe")
+def test_restarted_engines_load_their_programs_whole(engines, tmp_path):
+    """With a compile cache an engine stores every compiled program whole (`executables.ExecutableStore`); a new
+    engine of the same model and choices loads them all without an XLA compilation and answers the same; a damaged
+    file is compiled again (and replaced); other kernel choices are other programs."""
+    _, model, vocab = engines("qwen_moe")
+
+    def make(**kw):
+        return Engine(model, max_prompt_tokens=64, max_segments=3, token_rungs=(64,), cache_bytes=1 << 22,
+                      max_new_tokens=4, max_batch=1, compile_cache=str(tmp_path / "cache"), **kw)
+
+    rng = np.random.default_rng(5)
+    segs = [rng.integers(3, vocab, 11).tolist(), rng.integers(3, vocab, 9).tolist(), [4, 5, 6]]
+    first = make()
+    warm = first.warmup(progress=False)
+    stored = sorted((tmp_path / "cache" / "hypic-programs").glob("*.jaxexec"))
+    assert warm["loaded"] == 0 and len(stored) == warm["programs"]
+    want = [np.asarray(first.prefill(segs).logits) for _ in range(2)]
+
+    second = make()
+    before = backend_compiles()
+    warm = second.warmup(progress=False)
+    assert warm["loaded"] == warm["programs"] and backend_compiles() == before
+    got = [np.asarray(second.prefill(segs).logits) for _ in range(2)]
+    for a, b in zip(got, want):  # a miss (cold + stitched programs), then all cached
+        np.testing.assert_array_equal(a, b)
+    assert second.programs.stats.serving_compiles == 0
+
+    stored[0].write_bytes(b"damaged")
+    third = make()
+    warm = third.warmup(progress=False)
+    assert warm["loaded"] == warm["programs"] - 1 and stored[0].stat().st_size > 100  # compiled and replaced
+    key = ProgramKey("pic", 64, third.max_keys)
+    other = make(kernels=KernelOptions(fold="xla"))
+    assert other.programs._digest(key) != third.programs._digest(key)
+    for engine in (first, second, third, other):
+        engine.close()
+
+
+@on_worker_of("engine-qwen_moe")
+def test_a_background_warmup_serves_while_the_larger_rungs_compile(engines):
+    """`warmup(ready_tokens=...)` returns once the small rungs are compiled; a request that needs a larger one waits
+    for its program instead of compiling it, and nothing counts as a compilation while serving."""
+    _, model, vocab = engines("qwen_moe")
+    engine = Engine(model, max_prompt_tokens=256, token_rungs=(64, 256), max_segments=4, max_new_tokens=1,
+                    max_batch=1, compile_cache="none")
+    report = engine.warmup(progress=False, ready_tokens=64)
+    assert report["pending"] == 4  # cold, pic, plain and commit of the 256-token rung
+    rng = np.random.default_rng(3)
+    small = [rng.integers(3, vocab, 30).tolist(), [5, 6]]
+    large = [rng.integers(3, vocab, 150).tolist(), [5, 6]]
+    engine.prefill(small)
+    out = engine.prefill(large, mode="full_recompute")
+    assert rel(out.logits, np.asarray(model.logits(np.concatenate(large)[None]))[0, -1]) < 1e-5
+    assert engine.programs.wait(timeout=600)
+    assert engine.stats["programs"]["serving_compiles"] == 0 and engine.stats["programs"]["pending"] == 0
+    engine.close()
+
+
+@on_worker_of("engine-qwen_moe")
+def test_closing_writes_the_tiers_to_disk_and_a_new_engine_serves_them(engines, tmp_path):
+    """`close()` (here through `with`) writes the device tier to the disk tier; a new engine on the same folder
+    serves every document from disk with the same logits; a closed engine refuses requests; a damaged file is
+    never served (the request recomputes the entry)."""
+    _, model, vocab = engines("qwen_moe")
+    options = dict(max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1, max_batch=1,
+                   compile_cache="none", disk_cache_dir=str(tmp_path / "disk"))
+    segs = _request(vocab, seed=21)
+    with Engine(model, **options) as first:
+        want = first.prefill(segs).logits
+        assert first.tiers.disk.stats.entries == 0  # nothing written before close (no write-through)
+    with pytest.raises(RuntimeError, match="closed"):
+        first.prefill(segs)
+    files = sorted((tmp_path / "disk").rglob("*.seg"))
+    assert len(files) == NUM_DOCS
+    with Engine(model, **options) as second:
+        got = second.prefill(segs)
+        assert (got.stats.hits, got.stats.misses) == (NUM_DOCS, 0)
+        assert rel(got.logits, want) < 1e-6
+    files[0].write_bytes(files[0].read_bytes()[:-8] + b"\0" * 8)  # a damaged payload
+    with Engine(model, **options) as third:
+        got = third.prefill(segs)
+        assert (got.stats.hits, got.stats.misses) == (NUM_DOCS - 1, 1)
+        assert rel(got.logits, want) < 1e-6
+
+
+_CRASH_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from helpers import tiny_checkpoint
+from hypic_jax.engine import Engine
+model, vocab, _ = tiny_checkpoint("qwen_moe", {folder!r})
+engine = Engine(model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1, max_batch=1,
+                compile_cache="none", disk_cache_dir={disk!r}, disk_write_through={through!r})
+rng = np.random.default_rng(21)
+segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
+np.save({out!r}, engine.prefill(segs).logits)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@on_worker_of("engine-qwen_moe")
+@pytest.mark.parametrize("through", [True, False])
+def test_a_killed_engine_leaves_only_whole_entries(engines, tmp_path, through):
+    """What survives `kill -9`: with write-through every entry reached the disk when it was stored, so a new engine
+    serves them all; without it the entries lived on the device only and the new engine recomputes them. Either
+    way the new engine starts cleanly and answers the same."""
+    _, model, vocab = engines("qwen_moe")
+    folder = str(tmp_path / "model")
+    tiny_checkpoint("qwen_moe", folder)
+    script = _CRASH_SCRIPT.format(tests=os.path.dirname(__file__), folder=folder, disk=str(tmp_path / "disk"),
+                                  through=through, out=str(tmp_path / "logits.npy"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    want = np.load(tmp_path / "logits.npy")
+    killed_model, _, _ = tiny_checkpoint("qwen_moe", folder)
+    with Engine(killed_model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1,
+                max_batch=1, compile_cache="none", disk_cache_dir=str(tmp_path / "disk")) as engine:
+        rng = np.random.default_rng(21)
+        segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
+        got = engine.prefill(segs)
+        assert got.stats.hits == (NUM_DOCS if through else 0)
+        assert rel(got.logits, want) < 1e-6
 
 
 def _write_word_tokenizer(folder, vocab: int) -> None:
@@ -348,51 +505,87 @@ def _write_word_tokenizer(folder, vocab: int) -> None:
 
 
 @on_worker_of("engine-qwen_dense")
-def test_text_prompt_generate_and_diag_cli(build, folder_of, capsys):
-    model, vocab = build("qwen_dense")
-    folder = folder_of("qwen_dense")
+def test_from_pretrained_text_prompts_and_the_diag_cli(engines, tmp_path, capsys):
+    """`Engine.from_pretrained` picks up the folder's tokenizer and context; text segments split on the separator,
+    stop strings end the text before them, and `hypic-jax diag` prints per-layer deviations."""
+    _, model, vocab = engines("qwen_dense")
+    model_plain, _, folder = tiny_checkpoint("qwen_dense", str(tmp_path / "model"))
     _write_word_tokenizer(folder, vocab)
-    engine = Engine.from_pretrained(folder, dtype="float32", seam=SEAM)
-    engine.params = model.params  # the slow-decay weights every other test uses (same compilations)
+    engine = Engine.from_pretrained(folder, dtype="float32", seam=SEAM, max_prompt_tokens=128, token_rungs=(128,),
+                                    max_segments=4, max_new_tokens=8, max_batch=1, compile_cache="none")
+    assert engine.max_context == model.max_context and engine.tokenizer is not None
+    plain = hypic_jax.load(folder, dtype="float32")  # the folder's own weights (not slowed)
     segs = _request(vocab, seed=5)
     text = " <<PIC_SEP>> ".join(" ".join(f"w{t}" for t in seg) for seg in segs)
     assert engine.segment_tokens(text) == segs
-
     greedy = engine.generate(text, max_new_tokens=5, mode="full_recompute")
-    expected = np.asarray(model.generate(np.concatenate(segs)[None], 5))[0].tolist()
+    expected = np.asarray(plain.generate(np.concatenate(segs)[None], 5))[0].tolist()
     assert greedy.tokens == expected and greedy.text == " ".join(f"w{t}" for t in expected)
-    stopped = engine.generate(text, max_new_tokens=5, mode="full_recompute", stop=f"w{expected[1]}")
-    assert stopped.tokens == expected[:2] and stopped.finish_reason == "stop"
-    prefixed = engine.generate(text, max_new_tokens=5, mode="prefix_cache")
-    assert prefixed.tokens == expected  # exact mode, decoding from the span forward's caches
-    sampled = engine.generate(text, max_new_tokens=4, temperature=0.7, top_p=0.9, seed=3)
-    assert len(sampled.tokens) == 4 and sampled.stats.mode == "transition_rope_recompute"
+    stopped = engine.generate(text, max_new_tokens=5, mode="full_recompute", stop=f"w{expected[2]}")
+    assert stopped.finish_reason == "stop" and stopped.tokens == expected[:3]
+    assert stopped.text.split() == [f"w{t}" for t in expected[:2]]  # the text ends before the stop string
+    engine.close()
 
-    args = ["diag", str(folder), "--dtype", "float32", "--mode", "transition", "--segments"]
+    args = ["diag", str(folder), "--dtype", "float32", "--mode", "transition", "--max-prompt-tokens", "128",
+            "--token-rungs", "128", "--max-segments", "4", "--compile-cache", "none", "--segments"]
     args += [" ".join(map(str, seg)) for seg in segs] + ["--token-ids"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "linear" in out and "full" in out and "logits" in out
     report = json.loads(out.strip().splitlines()[-1])
-    assert report["rows"][1]["kind"] == "linear" and report["rows"][0]["deviation"] == 0.0
+    assert report["mode"] == "transition" and report["rows"][0]["kind"] == "linear"
+    assert report["rows"][-1]["layer"] == "logits" and report["rows"][-1]["deviation"] > 0
 
 
-@on_worker_of("engine-ring")
-def test_random_order_many_requests_keep_counters_consistent(build):
-    model, vocab = build("ring")
-    engine = Engine(model, mode="transition_rope")
+@on_worker_of("engine-qwen_dense")
+def test_diagnose_is_zero_for_an_exact_mode_and_grows_without_transfers(engines):
+    engine, model, vocab = engines("qwen_dense")
     segs = _request(vocab, seed=6)
-    rng = random.Random(0)
-    for _ in range(3):
-        docs = segs[:-1]
-        rng.shuffle(docs)
-        engine.prefill(docs + [segs[-1]])
-    stats = engine.cache.stats
-    assert stats.misses == NUM_DOCS and stats.hits == 2 * NUM_DOCS and stats.entries == NUM_DOCS
+    exact = engine.diagnose(segs, mode="transition_rope_recompute", seam=1.0)
+    assert max(row["deviation"] for row in exact) < 1e-5
+    added = engine.diagnose(segs, mode="addition")
+    assert [row["layer"] for row in added] == list(range(len(model.params["layers"]))) + ["logits"]
+    assert added[0]["deviation"] > 1e-3  # the first (linear) layer already sees the dropped transfers
+    assert engine.stats["programs"]["diagnostic"] == 2  # the plain and pic programs with hidden states, apart
 
 
-def test_dropped_entries_reach_on_drop_once_and_only_when_unpinned():
-    """The engine frees an entry's pool slot in on_drop: that must never run while a request holds the entry."""
+def test_options_derive_from_the_model_and_map_to_flags(tmp_path):
+    """Limits left unset fit the model's context (a 4,096-token model gets a prompt limit beside its generation
+    room); given limits that do not fit are refused naming both; every option is one flag of `hypic-jax serve`,
+    parsed back to the same field."""
+    options = EngineOptions().resolve(max_context=4096, backend="cpu")
+    assert options.limits.max_prompt_tokens + options.limits.max_new_tokens <= 4096
+    assert options.limits.max_prompt_tokens == 3840 and options.limits.max_batch == 8
+    assert EngineOptions().resolve(max_context=None, backend="gpu").limits.ladder == "fine"
+    small = EngineOptions().resolve(max_context=300, backend="cpu").limits
+    assert small.max_new_tokens == 150 and small.max_prompt_tokens == 150
+    with pytest.raises(ValueError, match="exceeds the model's context of 4096"):
+        EngineOptions.from_kwargs(max_prompt_tokens=4000, max_new_tokens=200).resolve(max_context=4096,
+                                                                                      backend="cpu")
+    with pytest.raises(TypeError, match="did you mean max_prompt_tokens"):
+        EngineOptions.from_kwargs(max_prompt_token=5)
+    with pytest.raises(ValueError, match="peer_cache_bytes needs"):
+        EngineOptions.from_kwargs(peer_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        EngineOptions.from_kwargs(tensor_parallel=2, host_cache_bytes=1)
+    with pytest.raises(ValueError, match="max_segments"):
+        EngineOptions.from_kwargs(max_segments=0)
+    parser = cli.parser()
+    args = parser.parse_args(["serve", "--cache-gb", "0.5", "--max-prompt-tokens", "2048", "--no-scan-layers",
+                              "--linear-kernel", "xla", "--seam", "0.25", "--token-rungs", "512,2048", "--tp", "2",
+                              "--port", "9000"])
+    options = cli.engine_options(args)
+    assert options.pools.cache_bytes == 1 << 29 and options.limits.max_prompt_tokens == 2048
+    assert options.kernels == KernelOptions(linear="xla", scan_layers=False)
+    assert options.requests.seam == 0.25 and options.limits.token_rungs == (512, 2048)
+    assert options.parallel.tensor_parallel == 2 and args.port == 9000
+    assert cli.engine_options(parser.parse_args(["serve"])) == EngineOptions()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-segments", "0"])
+
+
+def test_cache_entries_reach_on_drop_once_and_only_when_unpinned():
+    """The engine frees an entry's pool room in on_drop: that must never run while a request holds the entry."""
     from hypic_jax.cache import Entry, SegmentCache
 
     dropped = []
@@ -412,11 +605,8 @@ def test_dropped_entries_reach_on_drop_once_and_only_when_unpinned():
 
 def test_a_lookup_pins_its_entry_before_another_thread_can_evict_it():
     """`lookup(..., pins=)` pins the entry it finds inside the cache's lock: an eviction that another thread runs
-    right after the lookup skips it, and its on_drop (which frees the entry's pool slot) runs once, after the
-    request lets go. Pinned after the lookup instead, the entry could be evicted in between and its slot freed
-    twice (once by the eviction, once by the unpinning), the second time while another entry may own it."""
-    import threading
-
+    right after the lookup skips it, and its on_drop (which frees the entry's pool room) runs once, after the
+    request lets go."""
     from hypic_jax.cache import Entry, SegmentCache
 
     dropped = []
@@ -455,158 +645,71 @@ def test_a_lookup_pins_its_entry_before_another_thread_can_evict_it():
     assert dropped == ["a"]  # once, when the request let go
 
 
-def test_entry_pool_slots_layout_and_growth():
-    """Pool rows hold exactly what was stored; pieces of another layout stay out of the pool; growth keeps rows."""
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pool import EntryPool
-    from hypic_jax.spans import KVEntry, LinearEntry, PoolSlot
-
-    rng = np.random.default_rng(0)
-
-    def layers(dim=4):
-        arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-        return (LinearEntry(la.Summary("dense", arr(2, dim, dim), arr(2, dim, dim)), arr(3, 8)),
-                KVEntry(arr(5, 1, 4), arr(5, 1, 4)))
-
-    pool = EntryPool()
-    stored = [layers() for _ in range(3)]
-    pool.reserve(stored[0], 2)
-    slots = []
-    for entry in stored:  # the third store grows the pool (2 -> 4) with the first two rows in place
-        slot, kept = pool.store(entry)
-        assert isinstance(kept[0], PoolSlot) and kept[1] is entry[1]
-        slots.append(slot)
-    assert pool.capacity == 4 and pool.in_use == 3 and len(set(slots)) == 3
-    for slot, entry in zip(slots, stored):
-        np.testing.assert_array_equal(pool.pools[0].summary.transfer[slot], entry[0].summary.transfer)
-        np.testing.assert_array_equal(pool.pools[0].conv[slot], entry[0].conv)
-    assert pool.pools[1] is None
-    other = layers(dim=8)  # another state width: not this pool's layout, kept as arrays
-    assert pool.store(other) == (None, other)
-    pool.release(slots[1])
-    assert pool.store(stored[1])[0] == slots[1] and pool.capacity == 4  # the freed slot, no growth
-    with pytest.raises(ValueError, match="not in use"):
-        pool.release(99)
-    assert not pool.trim()  # slots in use: the pools stay
-    for slot in slots:
-        pool.release(slot)
-    assert pool.trim() and pool.pools is None and pool.capacity == 0
-    slot, _ = pool.store(stored[0])  # allocates anew
-    np.testing.assert_array_equal(pool.pools[0].conv[slot], stored[0][0].conv)
-
-
-@on_worker_of("engine-qwen_dense")
-def test_concurrent_requests_under_a_tight_budget_match_sequential_ones(build):
-    """Requests from several threads on one engine, with a budget of about one entry: entries are inserted,
-    replaced (two threads missing the same document) and evicted while other requests hold them, and pool slots
-    are freed and reused meanwhile. Every answer equals the one a roomy engine gives for the same request."""
-    import threading
-
-    model, vocab = build("qwen_dense")
-    base = _request(vocab, seed=8)
-    requests = [[base[i] for i in order] + [base[-1]] for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0), (0, 2, 1))]
-    roomy = Engine(model, seam=SEAM)
-    want = [roomy.prefill(r).logits for r in requests]
-    entry_bytes = roomy.cache.stats.bytes // NUM_DOCS
-    tight = Engine(model, seam=SEAM, cache_bytes=entry_bytes + entry_bytes // 2)
-    tight.prefill(requests[0])  # compile first: threads then race on the cache, not on compilation
-    got, errors = {}, []
-
-    def worker(j):
-        try:
-            for _ in range(2):
-                got.setdefault(j, []).append(tight.prefill(requests[j]).logits)
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=(j,)) for j in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    for j, logits in got.items():
-        for one in logits:
-            np.testing.assert_allclose(one, want[j], rtol=1e-5, atol=1e-5)
-    stats = tight.cache.stats
-    assert stats.bytes <= stats.capacity_bytes and tight.pool.in_use == stats.entries  # no slot leaked
-
-
-_COMPILE_CACHE_SCRIPT = """
-import jax, jax.numpy as jnp, numpy as np
-from jax import monitoring
-import hypic_jax
-from hypic_jax.engine import Engine
-hits = []
-monitoring.register_event_listener(lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
-engine = Engine.from_pretrained({folder!r}, dtype="float32", seam=4, compile_cache={cache!r})
-rng = np.random.default_rng(0)
-segs = [rng.integers(3, 128, 12).tolist() for _ in range(3)] + [rng.integers(3, 128, 5).tolist()]
-first = np.asarray(engine.prefill(segs).logits)
-jax.clear_caches()  # in-memory programs gone: the next request must come from the folder
-engine.clear_cache()
-again = np.asarray(engine.prefill(segs).logits)
-print("HITS", len(hits), "SAME", bool(np.array_equal(first, again)))
-"""
-
-
-def test_compile_cache_serves_programs_from_disk(tmp_path):
-    """Engine(compile_cache=...) keeps compiled programs in a folder (JAX's persistent cache, process-wide, hence a
-    child process here): after the in-memory caches are cleared the same request loads them from the folder and
-    gives the same logits; a path that cannot be a folder is refused."""
-    import os
-    import subprocess
-    import sys
-
-    from qwen_helpers import build, save
-
-    save(build("moe"), tmp_path / "model")  # here: the child needs neither torch nor transformers
-    cache = tmp_path / "programs"
-    script = _COMPILE_CACHE_SCRIPT.format(folder=str(tmp_path / "model"), cache=str(cache))
-    env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("HITS"))
-    _, hits, _, same = line.split()
-    assert int(hits) > 0 and same == "True"
-    assert any(cache.iterdir())
-    (tmp_path / "file").write_text("x")
-    from hypic_jax.engine import use_compile_cache
-
-    with pytest.raises(ValueError, match="compile_cache"):
-        use_compile_cache(tmp_path / "file" / "sub")
-
-
-# Last in the module (and in its worker's group): it clears JAX's caches, which every test of the same checkpoint
-# after it would otherwise compile again.
 @on_worker_of("engine-qwen_moe")
-def test_positioned_attention_path_with_and_without_packed_heads(build, monkeypatch):
-    """The GPU's attention path of the combine (the positioned flash kernel, run here in the Pallas interpreter),
-    with the query heads of a key/value head packed into one program or not, gives the XLA path's logits."""
-    import functools
+def test_pools_are_written_in_place(engines):
+    """Span programs only read the pools; the commit program only writes them, so XLA updates the donated pools in
+    place instead of copying them whole on every request (a cost proportional to the cache's size)."""
+    import re
 
-    from hypic_jax import spans
-    from hypic_jax.pallas import attention as pattn
+    engine, _, _ = engines("qwen_moe")
+    pool_shapes = {",".join(map(str, a.shape)) for a in jax.tree.leaves(engine.pools.arrays)}
+    hlo = engine.programs._lower(ProgramKey("commit", RUNGS[0], 0)).compile().as_text()
+    copied = {shape for shape in re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", hlo) if shape in pool_shapes}
+    assert not copied, f"the commit program copies pools of shapes {copied}"
+    assert "input_output_alias" in hlo
+    span = engine.programs._lower(ProgramKey("pic", RUNGS[0], engine.max_keys))
+    outputs = {",".join(map(str, a.shape)) for a in jax.tree.leaves(span.out_info)}
+    assert not outputs & pool_shapes, "a span program returns whole pools"
 
-    model, vocab = build("qwen_moe")
-    segs = _request(vocab, seed=7)
-    shuffled = [segs[i] for i in (1, 2, 0)] + [segs[-1]]
-    plain = Engine(model, seam=SEAM)
-    want = [plain.prefill(r).logits for r in (segs, shuffled)]
-    used = []
 
-    def interpreted(*args, config, **kwargs):
-        used.append(config.pack_gqa)
-        return pattn.positioned_attention(*args, config=config, interpret=True, **kwargs)
+@on_worker_of("engine-qwen_moe")
+def test_a_failed_request_gives_its_room_back_and_a_refused_write_keeps_the_pools(engines):
+    """A request that fails after its entries were given pool room gives the room back (every slot and page is
+    free or held by a stored entry); the commit program donates the pools, and one refused before it runs (nothing
+    donated) leaves them usable for the next request."""
+    engine, _, vocab = engines("qwen_moe")
+    rng = np.random.default_rng(11)
 
-    monkeypatch.setattr(spans, "_positioned_kernel_fits", lambda q, k, v: True)
-    monkeypatch.setattr(spans, "positioned_attention", interpreted)
-    jax.clear_caches()  # the plain engine's compiled programs (XLA path) share these engines' jit keys
+    def accounted():
+        pools, entries = engine.pools, list(engine.cache._entries.values())
+        pages = sum(len({int(r) // pools.page for r in np.asarray(e.rows)}) for e in entries if e.rows is not None)
+        return (pools.free_slots() + len(entries), len(pools._free_pages) + pages)
+
+    assert accounted() == (engine.pools.slots - 1, engine.pools.pages - 1)
+    real_run = engine._run
+
+    def failing(kind, *args, **kwargs):
+        if kind == "cold":
+            raise RuntimeError("the device failed")
+        return real_run(kind, *args, **kwargs)
+
+    engine._run = failing
     try:
-        for pack in (False, True):
-            engine = Engine(model, seam=SEAM, attention_pack_gqa=pack)
-            for request, logits in zip((segs, shuffled), want):
-                assert _rel(engine.prefill(request).logits, logits) < 1e-5
+        with pytest.raises(RuntimeError, match="device failed"):
+            engine.prefill([rng.integers(3, vocab, 9).tolist(), [4, 5]], mode="transition_rope_recompute")
     finally:
-        jax.clear_caches()  # no program compiled with the interpreted kernel outlives the patch
-    assert set(used) == {False, True}
+        engine._run = real_run
+    assert accounted() == (engine.pools.slots - 1, engine.pools.pages - 1)
+
+    segs = [rng.integers(3, vocab, n).tolist() for n in (20, 9, 3)]
+    want = engine.prefill(segs, mode="full_recompute").logits
+    key = ProgramKey("commit", RUNGS[0], 0)
+    real = engine.programs.get(key)
+
+    def refused(pools, writes):
+        raise TypeError("refused before running")
+
+    engine.programs._compiled[key] = refused
+    try:
+        with pytest.raises(TypeError, match="refused"):
+            engine.prefill(segs, mode="full_recompute")
+    finally:
+        engine.programs._compiled[key] = real
+    assert engine.pools.arrays is not None
+    assert rel(engine.prefill(segs, mode="full_recompute").logits, want) < 1e-6
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        engine.prefill([[5] * (RUNGS[-1] + 1)])
+    with pytest.raises(ValueError, match="max_segments"):
+        engine.prefill([[5]] * (MAX_SEGMENTS + 2))
+    with pytest.raises(ValueError, match="over the engine's max_new_tokens"):
+        engine.generate([[5] * 100], max_new_tokens=9)

@@ -1,17 +1,20 @@
 """`layout.build` against a reference copy of its first, span-by-span form: the same arrays, field by field, for
 random requests (fresh and cached spans, records, snapshots, isolated and stitched, every flag, conv widths 0 to 3,
-several chunk lengths), and the same errors for bad ones."""
+several chunk lengths), and the same errors for bad ones. The ladder's padding bound, padding that is inert across
+capacities, and the masked attention's kernel against its XLA loop and the dense definition."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import rel
 from hypic_jax import layout as lay
 from hypic_jax.layout import CACHED, DROP, FRESH, PAD_POSITION, PIECE_CACHED, PIECE_FRESH
 
@@ -310,3 +313,97 @@ def test_a_span_of_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="span 1: kind must be 'fresh' or 'cached'"):
         lay.build([lay.Span(FRESH, 2), lay.Span("stale", 3)], lay.Capacity(8, 4, 24, 3, 4, 3), isolated=False,
                   tokens=np.zeros(2, np.int32), summaries=True)
+
+
+def test_padding_is_inert_across_capacities():
+    """One layout built into two capacities gives the same arrays where the smaller one has them."""
+    spans = [lay.Span(lay.FRESH, 5), lay.Span(lay.CACHED, 7, canonical_start=2, slot=3, kv_rows=np.arange(16, 23)),
+             lay.Span(lay.FRESH, 3)]
+    small = lay.Capacity(tokens=16, pieces=6, keys=32, records=6, chunk=4, conv=3)
+    large = lay.Capacity(tokens=64, pieces=10, keys=96, records=10, chunk=4, conv=3)
+    a = lay.build(spans, small, isolated=False, tokens=np.arange(8), summaries=True)
+    b = lay.build(spans, large, isolated=False, tokens=np.arange(8), summaries=True)
+    assert int(a.num_pieces) == int(b.num_pieces) == 3 and int(a.num_keys) == int(b.num_keys) == 15
+    np.testing.assert_array_equal(a.key_positions[:15], b.key_positions[:15])
+    np.testing.assert_array_equal(a.key_offset[:15], np.r_[np.zeros(5), np.full(7, 3), np.zeros(3)])
+    assert a.piece_slot[1] == 3 and a.piece_kind.tolist()[:4] == [lay.PIECE_FRESH, lay.PIECE_CACHED, lay.PIECE_FRESH,
+                                                                   lay.PIECE_PAD]
+    # the kernels' segment offsets: fresh pieces of 5 and 3 tokens, the cached piece and the padding hold none
+    assert a.piece_starts.tolist() == [0, 5, 5, 8, 8, 8, 8] and b.piece_starts.tolist()[:4] == [0, 5, 5, 8]
+    isolated = lay.build([lay.Span(lay.FRESH, 9, record_from=4, record_slot=1), lay.Span(lay.FRESH, 2)], small,
+                         isolated=True, tokens=np.arange(11), summaries=True)
+    assert isolated.piece_starts.tolist() == [0, 4, 9, 11, 11, 11, 11]  # a recorded span is a seam and its interior
+    # conv predecessors of the first token after the cached span: its stored tail (table rows after F)
+    tail = [1 + small.tokens + 1 * 3 + j for j in range(3)]
+    assert a.conv_rows[5].tolist() == tail
+    with pytest.raises(ValueError, match="capacity"):
+        lay.build([lay.Span(lay.FRESH, 17)], small, isolated=False, tokens=np.arange(17), summaries=False)
+    # one packed int32 vector per request (`layout.pack`) unpacks to the same fields, dtypes and shapes
+    for arrays, cap in ((a, small), (b, large)):
+        packed = lay.pack(arrays)
+        assert packed.dtype == np.int32 and packed.shape == (lay.packed_size(cap),)
+        back = jax.jit(lay.unpack, static_argnums=1)(packed, cap)
+        for field in dataclasses.fields(lay.LayoutArrays):
+            want, got = np.asarray(getattr(arrays, field.name)), np.asarray(getattr(back, field.name))
+            assert got.dtype == want.dtype and got.shape == want.shape, field.name
+            np.testing.assert_array_equal(got, want, err_msg=field.name)
+    with pytest.raises(ValueError, match="packed layout"):
+        lay.unpack(lay.pack(a), large)
+
+
+
+@pytest.mark.parametrize("floor,ceiling,fine_from", [(64, 65536, 1024), (50, 5000, 1024), (16, 3000, 256),
+                                                     (64, 100, 1024), (1, 1, 1024), (64, 40000, 1 << 20)])
+def test_ladder_padding_bound(floor, ceiling, fine_from):
+    """Every request size from 1 to the ceiling fits a rung; the padding stays under 1.25x from `fine_from` on
+    (1.5x below it), and the rungs are increasing from the floor."""
+    ladder = lay.Ladder(max_tokens=ceiling, max_pieces=4, min_tokens=floor, fine_from=fine_from)
+    rungs = np.asarray(ladder.rungs)
+    assert rungs[0] == floor and np.all(np.diff(rungs) > 0) and rungs[-1] >= ceiling
+    sizes = np.arange(1, ceiling + 1)
+    fitted = rungs[np.searchsorted(rungs, sizes)]
+    sample = sizes[:: max(1, ceiling // 300)]
+    assert [ladder.rung(int(n)) for n in sample] == fitted[:: max(1, ceiling // 300)].tolist()
+    above = sizes > max(floor, fine_from)
+    assert np.all(fitted[above] <= 1.25 * sizes[above])
+    below = (sizes > floor) & ~above
+    assert np.all(fitted[below] <= 1.5 * sizes[below])
+    with pytest.raises(ValueError, match="largest compiled capacity"):
+        ladder.rung(int(rungs[-1]) + 1)
+
+@pytest.mark.parametrize("isolated", [True, False])
+def test_masked_attention_kernel_matches_the_xla_loop(isolated):
+    """The Pallas flash kernel (interpret mode) and the XLA loop read the same mask from a layout: packed isolated
+    spans (each query sees only its span) or stitched spans with cached keys and padding."""
+    import jax.numpy as jnp
+
+    from hypic_jax import stitch
+
+    rng = np.random.default_rng(int(isolated))
+    if isolated:
+        spans = [lay.Span(lay.FRESH, n) for n in (7, 33, 1, 20)]
+    else:
+        spans = [lay.Span(lay.FRESH, 5), lay.Span(lay.CACHED, 40, canonical_start=3, slot=1,
+                                                   kv_rows=np.arange(16, 56)), lay.Span(lay.FRESH, 9)]
+    fresh = sum(s.length for s in spans if s.kind == lay.FRESH)
+    cap = lay.Capacity(tokens=96, pieces=8, keys=96 if isolated else 128, records=8, chunk=16, conv=3)
+    arrays = lay.build(spans, cap, isolated=isolated, tokens=np.zeros(fresh, np.int32), summaries=True)
+    q = jnp.asarray(rng.standard_normal((cap.tokens, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((cap.keys, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((cap.keys, 2, 16)), jnp.float32)
+    xla = stitch.masked_attention(q, k, v, arrays, isolated=isolated, scale=0.25, block_q=16, block_k=32,
+                                  use_kernel=False)
+    kernel = stitch.masked_attention(q, k, v, arrays, isolated=isolated, scale=0.25, use_kernel=True)
+    valid = np.asarray(arrays.valid)
+    assert rel(np.asarray(kernel)[valid], np.asarray(xla)[valid]) < 1e-5
+    # and against the dense definition, query by query
+    pos, seg = np.asarray(arrays.positions), np.asarray(arrays.token_segment)
+    kpos, kseg = np.asarray(arrays.key_positions), np.asarray(arrays.key_segment)
+    for i in np.flatnonzero(valid)[::7]:
+        vis = (kpos <= pos[i]) & (np.arange(cap.keys) < int(arrays.num_keys)) & ((kseg == seg[i]) if isolated else True)
+        logits = np.einsum("hgd,khd->hgk", np.asarray(q[i]).reshape(2, 2, 16), np.asarray(k)) * 0.25
+        logits = np.where(vis, logits, -np.inf)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        want = np.einsum("hgk,khd->hgd", w, np.asarray(v)).reshape(4, 16)
+        np.testing.assert_allclose(np.asarray(xla[i]), want, rtol=1e-4, atol=1e-5)

@@ -20,6 +20,68 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
+from hypic_jax import options
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel choices: how a forward computes, never what. They are arguments of the forward functions, not fields of an
+# architecture's config, so switching one keeps every cache key and loads the same checkpoint.
+
+LINEAR_IMPLS = ("auto", "xla", "pallas")
+MOE_IMPLS = ("auto", "ragged", "pallas")
+FOLD_IMPLS = ("auto", "pallas", "xla", "blocked")
+COMPOSE_ALGORITHMS = ("auto", "f32", "tf32", "tf32x3", "bf16x3", "bf16x6", "bf16x9")
+SLOT_LAYOUTS = ("auto", "default")
+
+
+def _power_of_two(what, value):
+    if not options.is_integer(value) or value < 1 or value & (value - 1):
+        raise ValueError(f"{what} must be a power of two >= 1, got {value!r}")
+    return int(value)
+
+
+_power_of_two.kind = int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions(options.OptionGroup):
+    """Kernel choices: how the programs compute, never what (results agree up to rounding whatever is chosen;
+    tests/test_stable_kernels.py and tests/test_layer_stack.py check each against its reference). Hashable: a
+    static argument of every compiled forward."""
+
+    linear: str = options.option(
+        "auto", "the linear layers' cores: pallas (the Pallas kernels, interpreted off a GPU), xla (the chunk loops), "
+        "auto (the kernels on a GPU for bfloat16 values where they fit, else the loops)",
+        check=options.choice(*LINEAR_IMPLS), flag="--linear-kernel")
+    moe: str = options.option(
+        "auto", "the routed experts' grouped matmul: ragged (lax.ragged_dot), pallas, auto (Pallas on a GPU)",
+        check=options.choice(*MOE_IMPLS), flag="--moe-kernel")
+    fold: str = options.option(
+        "auto", "the span programs' fold over a request's pieces: pallas, xla (a loop), blocked (batched products "
+        "in blocks), auto (the kernel on a GPU where it fits, else blocked there and the loop elsewhere)",
+        check=options.choice(*FOLD_IMPLS), flag="--fold-kernel")
+    compose: str = options.option(
+        "auto", "dot algorithm of the dense transfer products; auto: bf16x3 (three bfloat16 tensor-core passes at "
+        "float32-level accuracy) on a GPU, f32 elsewhere", check=options.choice(*COMPOSE_ALGORITHMS),
+        flag="--compose-algorithm")
+    chunk_size: int = options.option(64, "chunk length of the chunked linear cores", check=_power_of_two)
+    scan_layers: bool = options.option(
+        True, "run a model's repeating layers as one lax.scan (one period of the pattern compiles instead of every "
+        "layer)", check=options.boolean())
+    slot_layouts: str = options.option(
+        "auto", "memory layouts of the batched decode cache: auto (the compiler's choice for the largest decode "
+        "program, shared by every program that touches the cache) or default (row-major)",
+        check=options.choice(*SLOT_LAYOUTS))
+
+    def algorithm(self) -> str | None:
+        """The dense products' dot algorithm for the running backend (None: float32 at HIGHEST precision)."""
+        if self.compose == "auto":
+            return "bf16x3" if jax.default_backend() == "gpu" else None
+        return None if self.compose == "f32" else self.compose
+
+
+DEFAULT_KERNELS = KernelOptions()
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Caches. Leaves carry a leading batch axis; `length` (tokens already absorbed) is one int32 for the whole batch, or
@@ -168,28 +230,28 @@ def _params_dtype(params: Any) -> jnp.dtype:
     return max(counts, key=counts.get)
 
 
-@functools.partial(jax.jit, static_argnames=("arch", "config"))
-def _logits(params, tokens, *, arch, config):
-    return arch.forward(params, config, tokens)[0]
+@functools.partial(jax.jit, static_argnames=("arch", "config", "kernels"))
+def _logits(params, tokens, *, arch, config, kernels):
+    return arch.forward(params, config, tokens, kernels=kernels)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("arch", "config", "max_new_tokens"))
-def _generate(params, tokens, *, arch, config, max_new_tokens):
+@functools.partial(jax.jit, static_argnames=("arch", "config", "max_new_tokens", "kernels"))
+def _generate(params, tokens, *, arch, config, max_new_tokens, kernels):
     """Greedy decoding: prefill fills the caches, then a scan of single-token steps."""
     batch, length = tokens.shape
     if max_new_tokens <= 0:
         return jnp.zeros((batch, 0), jnp.int32)
     if hasattr(arch, "prefill"):  # optional fast path: causal kernel, LM head on the last position only
-        last, cache = arch.prefill(params, config, tokens, length + max_new_tokens)
+        last, cache = arch.prefill(params, config, tokens, length + max_new_tokens, kernels=kernels)
     else:
         cache = arch.init_cache(config, batch, length + max_new_tokens, _params_dtype(params))
-        logits, cache = arch.forward(params, config, tokens, cache=cache)
+        logits, cache = arch.forward(params, config, tokens, cache=cache, kernels=kernels)
         last = logits[:, -1]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
 
     def step(carry, _):
         token, cache = carry
-        logits, cache = arch.forward(params, config, token[:, None], cache=cache)
+        logits, cache = arch.forward(params, config, token[:, None], cache=cache, kernels=kernels)
         nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
         return (nxt, cache), nxt
 
@@ -202,31 +264,42 @@ class Model:
     """An architecture module + config + parameters, with jit-compiled `logits` and `generate`.
 
     The compiled functions take the module and config as static arguments, so models of the same architecture and
-    config share compilations.
+    config share compilations. `max_context`: the longest sequence the checkpoint was made for (config.json's
+    max_position_embeddings; None when unknown). `source`: where the weights came from (a folder and dtype), part
+    of the cache fingerprint.
     """
 
     arch: ModuleType
     config: Any
     params: Any
+    max_context: int | None = None
+    source: str | None = None
 
     @property
     def dtype(self) -> jnp.dtype:
         return _params_dtype(self.params)
 
-    def logits(self, tokens: Array) -> Array:
+    def logits(self, tokens: Array, kernels: KernelOptions = DEFAULT_KERNELS) -> Array:
         """float32 logits [B, L, vocab] of a plain causal forward over int32 tokens [B, L]."""
-        return _logits(self.params, jnp.asarray(tokens, jnp.int32), arch=self.arch, config=self.config)
+        return _logits(self.params, jnp.asarray(tokens, jnp.int32), arch=self.arch, config=self.config,
+                       kernels=kernels)
 
-    def generate(self, tokens: Array, max_new_tokens: int) -> Array:
+    def generate(self, tokens: Array, max_new_tokens: int, kernels: KernelOptions = DEFAULT_KERNELS) -> Array:
         """Greedy continuation of tokens [B, L]: returns the new tokens, int32 [B, max_new_tokens]."""
         return _generate(
             self.params, jnp.asarray(tokens, jnp.int32), arch=self.arch, config=self.config,
-            max_new_tokens=int(max_new_tokens),
+            max_new_tokens=int(max_new_tokens), kernels=kernels,
         )
+
+    def replace(self, **changes) -> "Model":
+        """This model with some fields changed (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **changes)
 
     def init_cache(self, batch: int, max_len: int) -> ModelCache:
         return self.arch.init_cache(self.config, batch, max_len, self.dtype)
 
-    def forward(self, tokens: Array, cache: ModelCache | None = None) -> tuple[Array, ModelCache | None]:
+    def forward(self, tokens: Array, cache: ModelCache | None = None,
+                kernels: KernelOptions = DEFAULT_KERNELS) -> tuple[Array, ModelCache | None]:
         """Un-jitted forward with an optional cache (jit it yourself for repeated calls)."""
-        return self.arch.forward(self.params, self.config, jnp.asarray(tokens, jnp.int32), cache=cache)
+        return self.arch.forward(self.params, self.config, jnp.asarray(tokens, jnp.int32), cache=cache,
+                                 kernels=kernels)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn, spans
+from hypic_jax import linear_attn
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.models import base, layer_stack, layers
 
@@ -49,7 +49,6 @@ DENSE, SPARSE = "dense", "sparse"
 MLA_LATENT_NORM_EPS = 1e-6
 # Sequences up to this length use the token-by-token core (decode steps); longer ones use the chunked core.
 RECURRENT_MAX_LEN = 8
-CHUNK_SIZE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +99,6 @@ class KimiLinearConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
-
-    @property
-    def chunk_size(self) -> int:
-        """The KDA core's chunk length (a module constant, not a checkpoint field)."""
-        return CHUNK_SIZE
 
     @property
     def linear_dim(self) -> int:
@@ -425,7 +419,8 @@ def kda_output(p: dict[str, Array], c: KimiLinearConfig, x: Array, o: Array) -> 
 
 
 def kda_layer(
-    p: dict[str, Array], c: KimiLinearConfig, x: Array, cache: base.LinearCache | None
+    p: dict[str, Array], c: KimiLinearConfig, x: Array, cache: base.LinearCache | None,
+    kernels: base.KernelOptions = base.DEFAULT_KERNELS,
 ) -> tuple[Array, base.LinearCache]:
     """One KDA mixer over x [B, L, D] (already normed). Returns (y [B, L, D], LinearCache(state, conv tail)).
 
@@ -444,7 +439,7 @@ def kda_layer(
         inputs = kda_inputs(p, q, k, v, g_raw, b)
         if length <= RECURRENT_MAX_LEN:
             return inputs.recurrent(initial_state=state)
-        return inputs.chunked(initial_state=state, chunk_size=CHUNK_SIZE)
+        return inputs.chunked(initial_state=state, chunk_size=kernels.chunk_size)
 
     o, states = jax.vmap(one_sequence)(q, k, v, g_raw, b, states)
     return kda_output(p, c, x, o), base.LinearCache(state=states, conv=new_tails)
@@ -593,7 +588,8 @@ def moe(p: dict[str, Any], c: KimiLinearConfig, x: Array, valid: Array | None = 
 
 
 def hidden_states(
-    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None
+    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None, *,
+    kernels: base.KernelOptions = base.DEFAULT_KERNELS,
 ) -> tuple[Array, base.ModelCache]:
     """The decoder stack: tokens [B, L] -> (final-normed hidden states [B, L, D], per-layer caches: in the form
     `cache.layers` has, or for no cache the form a forward over `params["layers"]` keeps, see
@@ -604,7 +600,7 @@ def hidden_states(
     def step(i, layer, lp, layer_cache, x):
         h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
         if c.layer_types[i] == LINEAR:
-            h, new_cache = kda_layer(lp["attn"], c, h, layer_cache)
+            h, new_cache = kda_layer(lp["attn"], c, h, layer_cache, kernels)
         else:
             h, new_cache = mla_layer(lp["attn"], c, h, layer_cache, start)
         x = x + h
@@ -625,7 +621,8 @@ def lm_head(params: dict[str, Any], config: KimiLinearConfig, x: Array) -> Array
 
 
 def forward(
-    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None
+    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None, *,
+    kernels: base.KernelOptions = base.DEFAULT_KERNELS,
 ) -> tuple[Array, base.ModelCache]:
     """Causal forward of int32 tokens [B, L] -> (logits [B, L, vocab] float32, caches).
 
@@ -634,7 +631,7 @@ def forward(
     cache (from `init_cache` or a previous call) the tokens continue at `cache.length`, and the returned cache has
     absorbed them; its buffers need room for them.
     """
-    x, new_cache = hidden_states(params, config, tokens, cache)
+    x, new_cache = hidden_states(params, config, tokens, cache, kernels=kernels)
     return lm_head(params, config, x), new_cache
 
 
@@ -650,77 +647,16 @@ def decode_cache(config: KimiLinearConfig, caches: base.ModelCache, max_len: int
 
 
 def prefill(
-    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, max_len: int
+    params: dict[str, Any], config: KimiLinearConfig, tokens: Array, max_len: int, *,
+    kernels: base.KernelOptions = base.DEFAULT_KERNELS,
 ) -> tuple[Array, base.ModelCache]:
     """Prefill a fresh prompt: (float32 logits of the last position [B, vocab], caches sized for max_len tokens).
 
     MLA runs the causal kernel over the prompt instead of attending into empty buffers, and only the last position
     goes through the LM head.
     """
-    x, caches = hidden_states(params, config, tokens)
+    x, caches = hidden_states(params, config, tokens, kernels=kernels)
     return lm_head(params, config, x[:, -1]), decode_cache(config, caches, max_len)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Span forward (the PIC engine's single forward over the fresh tokens of a request; see hypic_jax.spans)
-
-
-def span_forward(params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cached: tuple, layout, mode, *,
-                 want_logits: bool = True, want_decode: bool = True, want_hidden: bool = False):
-    """One forward over the packed fresh tokens [F] of a request laid out as `layout` (a `spans.SpanLayout`).
-
-    cached: per cached span a tuple with one entry per layer: `spans.LinearEntry` (dense KDA summary, conv tail
-    [W-1, 3HK]) for KDA layers, `MLACache` (latents [n, r], k_rope [n, dr]) for MLA layers. MLA has no RoPE, so
-    cached latents are position-independent and need no re-rotation; they are expanded to per-head K/V for the
-    attention. Returns a `spans.SpanResult` (see `qwen3_5.span_forward`); decode caches hold MLA latents.
-    """
-    c = config
-    x = params["embed"][tokens]  # [F, D]
-    hidden = [x] if want_hidden else None
-    decode, records = [], [[] for _ in layout.recorded]
-    for i, (kind, mlp_kind) in enumerate(zip(c.layer_types, c.mlp_types)):
-        lp = params["layers"][i]
-        layer_cached = [entry[i] for entry in cached]
-        h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
-        p = lp["attn"]
-        if kind == LINEAR:
-            qkv, g_raw, b = kda_projections(p, c, h)
-            qkv, conv_tail, conv_records = spans.conv_over_spans(
-                qkv, kda_conv_taps(p, c), [e.conv for e in layer_cached], layout)
-            q, k, v = (t.reshape(t.shape[0], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, -1))
-            o, state, summaries = spans.linear_over_spans(
-                kda_inputs(p, q, k, v, g_raw, b), [e.summary for e in layer_cached], layout, mode,
-                chunk_size=CHUNK_SIZE)
-            h = kda_output(p, c, h, o)
-            decode.append(base.LinearCache(state=state[None], conv=conv_tail[None]))
-            for j, (summary, tail) in enumerate(zip(summaries, conv_records)):
-                records[j].append(spans.LinearEntry(summary=summary, conv=tail))
-        else:
-            q = _mla_queries(p, c, h[None])[0]
-            fresh = mla_latents(p, c, h)
-            keys, values = mla_expand(p, c, fresh)
-            cached_kv = [mla_expand(p, c, jax.tree.map(lambda a: a.astype(h.dtype), e)) for e in layer_cached]
-            out, _, _, _ = spans.attention_over_spans(q, keys, values, cached_kv, layout, mode,
-                                                      scale=c.qk_head_dim**-0.5)
-            h = _linear(out.reshape(out.shape[0], -1), p["o_proj"], p.get("o_proj_bias"))
-            if want_decode:
-                whole = spans.concat_in_order(fresh, layer_cached, layout)
-                decode.append(jax.tree.map(lambda a: a[None], whole))
-            for j, span in enumerate(layout.recorded):
-                lo, hi = span.offset + span.record_from, span.offset + span.length
-                records[j].append(jax.tree.map(lambda a: a[lo:hi], fresh))
-        x = x + h
-        h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
-        x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None])[0])
-        if want_hidden:
-            hidden.append(x)
-    x = layers.rms_norm_plain(x, params["final_norm"], c.rms_norm_eps)
-    return spans.SpanResult(
-        logits=lm_head(params, c, x[-1]) if want_logits else None,
-        records=tuple(tuple(r) for r in records),
-        decode=tuple(decode) if want_decode else None,
-        hidden=jnp.stack(hidden) if want_hidden else None,
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -745,22 +681,22 @@ def pool_layout(config: KimiLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 
 
 def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout, pools: tuple, *, isolated: bool,
-                        summaries: bool, want_decode: bool = False, algorithm: str | None = None,
-                        linear_impl: str | None = None, fold_impl: str = "auto"):
+                        summaries: bool, want_decode: bool = False,
+                        kernels: base.KernelOptions = base.DEFAULT_KERNELS, want_hidden: bool = False):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Nothing here is RoPE'd, so cached
     pieces are used as stored. MLA keys are the request's latents gathered in key order and expanded to per-head
     K/V; the decode cache keeps the latents.
-    linear_impl: how the KDA cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this model's prefill;
-    "pallas" runs the per-key-gate kernels); fold_impl: their fold over the pieces (`fold_impl` there).
+    kernels: how the KDA cores (kernels.linear "pallas": the per-key-gate kernels), their fold over the pieces and
+    the transfer products run (`base.KernelOptions`).
     Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write into it
     (`stitch.RowWrites`, applied by the caller), the decode caches of the whole request as `layer_stack.run`
     returns them, or None)."""
     from hypic_jax import layout as lay
     from hypic_jax import stitch
 
-    impl = linear_impl or "xla"
+    algorithm = kernels.algorithm()
 
     c = config
 
@@ -774,8 +710,8 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
             qkv, conv_tail, conv_records = stitch.conv_over_layout(qkv, kda_conv_taps(p, c), pool["conv"], at)
             q, k, v = (t.reshape(t.shape[0], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, -1))
             result = stitch.linear_over_layout(kda_inputs(p, q, k, v, g_raw, b), pool["summary"], at,
-                                               summaries=summaries, algorithm=algorithm, impl=impl,
-                                               fold_impl=fold_impl)
+                                               summaries=summaries, algorithm=algorithm, impl=kernels.linear,
+                                               fold_impl=kernels.fold)
             h = kda_output(p, c, h, result.outputs)
             records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))
@@ -793,8 +729,12 @@ def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout
         x = x + h
         h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
         x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None], layout.valid[None])[0])
-        return x, (write, decode)
+        return x, (write, (decode, x) if want_hidden else decode)
 
     x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
+    hidden = None
+    if want_hidden:  # every layer's output of the fresh tokens, for `Engine.diagnose`
+        decode, hidden = layer_stack.split_pairs(decode)
     last = layers.rms_norm_plain(x[layout.last], params["final_norm"], c.rms_norm_eps)
-    return lm_head(params, c, last), writes, (decode if want_decode else None)
+    out = (lm_head(params, c, last), writes, decode if want_decode else None)
+    return out + (hidden,) if want_hidden else out

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["LayerPlan", "LayerStack", "PoolStack", "ExpertBank", "ExpertChunks", "EXPERT_LEAVES", "run",
-           "run_cached", "stacked_like", "map_layers", "with_experts", "layer_signature", "PartSpec",
+           "run_cached", "split_pairs", "stacked_like", "map_layers", "with_experts", "layer_signature", "PartSpec",
            "BANK_MAX_ELEMENTS"]
 
 # Dict keys of per-layer parameters that hold routed experts ([E, in, out]); they stay whole in the scan
@@ -458,6 +458,17 @@ def run(step: Step, carry, layers: LayerStack | Sequence, pools: PoolStack | Seq
     for part in range(plan.head + plan.period, plan.parts):
         carry = unrolled(part, carry)
     return carry, tuple(writes), (LayerStack(tuple(decode), plan) if plan.period else tuple(decode))
+
+
+def split_pairs(outputs):
+    """Per-layer outputs that are pairs (a, b) (a `LayerStack` by a plan, or a tuple per layer, as `run` returns
+    its decode trees) as (the a's in the same form, the b's stacked in layer order [layers, ...])."""
+    if isinstance(outputs, LayerStack):
+        firsts = LayerStack(tuple(part[0] for part in outputs.parts), outputs.plan)
+        seconds = [outputs[i][1] for i in range(len(outputs))]
+    else:
+        firsts, seconds = tuple(o[0] for o in outputs), [o[1] for o in outputs]
+    return firsts, jnp.stack(seconds)
 
 
 CacheStep = Callable[..., tuple[Any, Any]]

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn, rope, spans
+from hypic_jax import linear_attn, rope
 from hypic_jax.conv import causal_conv1d
 from hypic_jax.models import layer_stack, layers
-from hypic_jax.models.base import KVCache, LinearCache, ModelCache, cache_positions, update_kv_cache
+from hypic_jax.models.base import (DEFAULT_KERNELS, KernelOptions, KVCache, LinearCache, ModelCache, cache_positions,
+                                   update_kv_cache)
 from hypic_jax.pallas import gdn as pallas_gdn
 
 LINEAR = "linear_attention"
@@ -53,9 +54,6 @@ class Config:
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     conv_kernel: int = 4
-    chunk_size: int = 64
-    gdn_kernel: str = "auto"  # prefill core: "xla" (linear_attn.chunked), "pallas", "auto" (Pallas for bf16 on GPU)
-    moe_kernel: str = "auto"  # grouped matmul: "ragged" (lax.ragged_dot), "pallas", "auto" (Pallas on a GPU)
     # MLPs
     intermediate_size: int = 0
     num_experts: int = 0
@@ -326,7 +324,7 @@ def gdn_output(core: Array, z: Array, p: dict, config: Config) -> Array:
 
 
 def gated_delta_net(
-    x: Array, p: dict, config: Config, cache: LinearCache | None
+    x: Array, p: dict, config: Config, cache: LinearCache | None, kernels: KernelOptions = DEFAULT_KERNELS
 ) -> tuple[Array, LinearCache]:
     """Gated DeltaNet mixer on x [B, L, H]; returns (output [B, L, H], the layer's new LinearCache)."""
     batch, length, _ = x.shape
@@ -341,7 +339,7 @@ def gated_delta_net(
     conv = lambda xs, cs: causal_conv1d(xs, p["conv_weight"], conv_state=cs, activation="silu")  # noqa: E731
     mixed, new_conv = jax.vmap(conv)(mixed, conv_state)
 
-    use_pallas = length > 1 and _use_pallas_gdn(config, x.dtype)
+    use_pallas = length > 1 and _use_pallas_gdn(config, kernels, x.dtype)
 
     def one_sequence(mixed, a, b, state):
         if use_pallas:
@@ -351,17 +349,15 @@ def gated_delta_net(
         inputs = gdn_inputs(mixed, a, b, p, config)
         if length == 1:
             return linear_attn.recurrent(**inputs.kwargs(), initial_state=state)
-        return linear_attn.chunked(**inputs.kwargs(), initial_state=state, chunk_size=config.chunk_size)
+        return linear_attn.chunked(**inputs.kwargs(), initial_state=state, chunk_size=kernels.chunk_size)
 
     core, new_state = jax.vmap(one_sequence)(mixed, a, b, state)  # core [B, L, Hv, Dv]
     return gdn_output(core, z, p, config), LinearCache(state=new_state, conv=new_conv)
 
 
-def _use_pallas_gdn(config: Config, dtype) -> bool:
-    if config.gdn_kernel not in ("auto", "xla", "pallas"):
-        raise ValueError(f"gdn_kernel must be 'auto', 'xla' or 'pallas', got {config.gdn_kernel!r}")
-    if config.gdn_kernel != "auto":
-        return config.gdn_kernel == "pallas"
+def _use_pallas_gdn(config: Config, kernels: KernelOptions, dtype) -> bool:
+    if kernels.linear != "auto":
+        return kernels.linear == "pallas"
     dims_ok = all(d >= 16 and not d & (d - 1) for d in (config.linear_key_head_dim, config.linear_value_head_dim))
     return jax.default_backend() == "gpu" and dtype == jnp.bfloat16 and dims_ok
 
@@ -423,12 +419,13 @@ def full_attention(
     return attention_output(attended, gate, p), new_cache
 
 
-def feed_forward(x: Array, p: dict, config: Config, mlp_type: str, valid: Array | None = None) -> Array:
+def feed_forward(x: Array, p: dict, config: Config, mlp_type: str, valid: Array | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> Array:
     """The layer's MLP; valid (a mask of x's leading axes, or None): the MoE skips routed work outside it."""
     if mlp_type == "dense":
         return layers.swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"])
     return layers.qwen_moe(
-        x, p, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob, impl=config.moe_kernel,
+        x, p, top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob, impl=kernels.moe,
         valid=valid,
     )
 
@@ -453,7 +450,8 @@ def init_cache(config: Config, batch: int, max_len: int, dtype: Any = jnp.bfloat
 
 
 def hidden_states(
-    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None, *, fresh: bool = False
+    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None, *, fresh: bool = False,
+    kernels: KernelOptions = DEFAULT_KERNELS,
 ) -> tuple[Array, ModelCache | None]:
     """Final-normed hidden states [B, L, H] (before the LM head) and the updated cache (its layers in the form
     given: a `layer_stack.LayerStack` for a stacked model's decode caches, see `layer_stack.run_cached`).
@@ -467,12 +465,12 @@ def hidden_states(
     def step(i, layer, lp, layer_cache, x):
         h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
         if config.layer_types[i] == LINEAR:
-            h, layer_cache = gated_delta_net(h, lp["mixer"], config, layer_cache)
+            h, layer_cache = gated_delta_net(h, lp["mixer"], config, layer_cache, kernels)
         else:
             h, layer_cache = full_attention(h, lp["mixer"], config, positions, layer_cache, start, fresh)
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
+        x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i], kernels=kernels)
         return x, (None if cache is None else layer_cache)
 
     x, new_layers = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
@@ -488,14 +486,16 @@ def lm_head(params: dict, config: Config, x: Array) -> Array:
 
 
 def forward(
-    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None
+    params: dict, config: Config, tokens: Array, cache: ModelCache | None = None, *,
+    kernels: KernelOptions = DEFAULT_KERNELS,
 ) -> tuple[Array, ModelCache | None]:
     """Logits float32 [B, L, vocab] for int32 tokens [B, L] (continuing `cache` when given) and the new cache."""
-    x, new_cache = hidden_states(params, config, tokens, cache)
+    x, new_cache = hidden_states(params, config, tokens, cache, kernels=kernels)
     return lm_head(params, config, x), new_cache
 
 
-def prefill(params: dict, config: Config, tokens: Array, max_len: int) -> tuple[Array, ModelCache]:
+def prefill(params: dict, config: Config, tokens: Array, max_len: int, *,
+            kernels: KernelOptions = DEFAULT_KERNELS) -> tuple[Array, ModelCache]:
     """Prefill a fresh prompt: (logits of the last position, float32 [B, vocab]; caches sized for max_len tokens).
 
     Only the last position goes through the LM head (a full [B, L, vocab] float32 logit tensor would be GBs at long
@@ -505,86 +505,8 @@ def prefill(params: dict, config: Config, tokens: Array, max_len: int) -> tuple[
     dtype = params["embed"].dtype
     empty = init_cache(config, batch, max_len, dtype)
     cache = ModelCache(layer_stack.stacked_like(params["layers"], empty.layers), empty.length)
-    x, cache = hidden_states(params, config, tokens, cache, fresh=True)
+    x, cache = hidden_states(params, config, tokens, cache, fresh=True, kernels=kernels)
     return lm_head(params, config, x[:, -1]), cache
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Span forward (the PIC engine's single forward over the fresh tokens of a request; see hypic_jax.spans)
-
-
-def span_forward(
-    params: dict,
-    config: Config,
-    tokens: Array,
-    cached: tuple,
-    layout,
-    mode,
-    *,
-    want_logits: bool = True,
-    want_decode: bool = True,
-    want_hidden: bool = False,
-):
-    """One forward over the packed fresh tokens [F] of a request laid out as `layout` (a `spans.SpanLayout`).
-
-    cached: per cached span (entry order) a tuple with one entry per layer: `spans.LinearEntry` for GDN layers,
-    `spans.KVEntry` (canonical post-RoPE K, V) for full attention. Returns a `spans.SpanResult`: float32 logits of
-    the last fresh token, the entries of the recorded spans, the per-layer caches of the whole request (for decoding)
-    and, on request, the hidden states after every layer.
-    """
-    positions = jnp.asarray(layout.fresh_positions())
-    x = params["embed"][tokens][None]  # [1, F, H]
-    hidden = [x[0]] if want_hidden else None
-    decode, records = [], [[] for _ in layout.recorded]
-    rotate_keys = lambda k, offset: rope.rotate_keys(  # noqa: E731
-        k, offset, rotary_dim=config.rotary_dim, base=config.rope_theta
-    )
-    for i, lp in enumerate(params["layers"]):
-        layer_cached = [entry[i] for entry in cached]
-        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)[0]
-        p = lp["mixer"]
-        if config.layer_types[i] == LINEAR:
-            with jax.named_scope("gdn_in"):
-                mixed, z, a, b = gdn_projections(h, p, config)
-                conv_out, conv_tail, conv_records = spans.conv_over_spans(
-                    mixed, p["conv_weight"], [e.conv for e in layer_cached], layout
-                )
-                inputs = gdn_inputs(conv_out, a, b, p, config)
-            with jax.named_scope("gdn_core"):
-                core, state, summaries = spans.linear_over_spans(
-                    inputs, [e.summary for e in layer_cached], layout, mode, chunk_size=config.chunk_size
-                )
-            with jax.named_scope("gdn_out"):
-                h = gdn_output(core.astype(h.dtype), z, p, config)
-            decode.append(LinearCache(state=state[None], conv=conv_tail[None]))
-            for j, (summary, tail) in enumerate(zip(summaries, conv_records)):
-                records[j].append(spans.LinearEntry(summary=summary, conv=tail))
-        else:
-            with jax.named_scope("attn_proj"):
-                q, k, v, gate = attention_projections(h[None], p, config, positions)
-            with jax.named_scope("attn_core"):
-                attended, keys, values, kv_records = spans.attention_over_spans(
-                    q[0], k[0], v[0], [(e.k, e.v) for e in layer_cached], layout, mode,
-                    scale=config.head_dim**-0.5, rotate_keys=rotate_keys,
-                )
-            with jax.named_scope("attn_proj"):
-                h = attention_output(attended, gate[0], p)
-            decode.append(KVCache(k=keys[None], v=values[None]))
-            for j, (rk, rv) in enumerate(kv_records):
-                records[j].append(spans.KVEntry(k=rk, v=rv))
-        x = x + h[None]
-        with jax.named_scope("ffn"):
-            h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-            x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i])
-        if want_hidden:
-            hidden.append(x[0])
-    x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
-    return spans.SpanResult(
-        logits=lm_head(params, config, x[0, -1]) if want_logits else None,
-        records=tuple(tuple(r) for r in records),
-        decode=tuple(decode) if want_decode else None,
-        hidden=jnp.stack(hidden) if want_hidden else None,
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -607,19 +529,9 @@ def pool_layout(config: Config, dtype: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def span_linear_impl(config: Config, linear_impl: str | None) -> str:
-    """The `stitch.linear_over_layout` impl of the GDN layers: `linear_impl` when given, else the model's own
-    `gdn_kernel` ("auto": the Pallas kernels on a GPU for bfloat16 models, as the prefill picks them)."""
-    if linear_impl is not None:
-        return linear_impl
-    if config.gdn_kernel not in ("auto", "xla", "pallas"):
-        raise ValueError(f"gdn_kernel must be 'auto', 'xla' or 'pallas', got {config.gdn_kernel!r}")
-    return config.gdn_kernel
-
-
 def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, isolated: bool, summaries: bool,
-                        want_decode: bool = False, algorithm: str | None = None, linear_impl: str | None = None,
-                        fold_impl: str = "auto"):
+                        want_decode: bool = False, kernels: KernelOptions = DEFAULT_KERNELS,
+                        want_hidden: bool = False):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them. With `params["layers"]` a `layer_stack.LayerStack`, the repeating
@@ -627,17 +539,16 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
 
     isolated: a cold prefill (every span from position 0, no mixing across spans). summaries: compute each fresh
     piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
-    canonical phase) is data of the layout. linear_impl: how the GDN cores run (`stitch.linear_over_layout`'s
-    impl: "xla", "pallas", "auto"; None: `span_linear_impl`); fold_impl: its fold over the pieces (`fold_impl`
-    there). Returns (float32 logits [vocab] of the last fresh
+    canonical phase) is data of the layout. kernels: how the GDN cores, their fold over the pieces, the
+    transfer products and the experts run (`base.KernelOptions`). Returns (float32 logits [vocab] of the last fresh
     token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller), the decode caches
     of the whole request (per layer; stacked as `layer_stack.run` returns them, the form the decode step takes) or
     None).
     """
     from hypic_jax import layout as lay
-    from hypic_jax import rope, stitch
+    from hypic_jax import stitch
 
-    impl = span_linear_impl(config, linear_impl)
+    algorithm = kernels.algorithm()
 
     positions = layout.positions
 
@@ -650,7 +561,7 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
             conv_out, conv_tail, conv_records = stitch.conv_over_layout(mixed, p["conv_weight"], pool["conv"], at)
             inputs = gdn_inputs(conv_out, a, b, p, config, repeat_heads=False)  # grouped: stitch repeats for XLA
             result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
-                                               algorithm=algorithm, impl=impl, fold_impl=fold_impl)
+                                               algorithm=algorithm, impl=kernels.linear, fold_impl=kernels.fold)
             h = gdn_output(result.outputs.astype(h.dtype), z, p, config)
             records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))
@@ -670,9 +581,13 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
             decode = KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i], layout.valid[None])[0]
-        return x, (write, decode)
+        x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i], layout.valid[None], kernels)[0]
+        return x, (write, (decode, x) if want_hidden else decode)
 
     x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
+    hidden = None
+    if want_hidden:  # every layer's output of the fresh tokens, for `Engine.diagnose`
+        decode, hidden = layer_stack.split_pairs(decode)
     last = layers.rms_norm(x[layout.last], params["final_norm"], config.rms_norm_eps, offset=1.0)
-    return lm_head(params, config, last), writes, (decode if want_decode else None)
+    out = (lm_head(params, config, last), writes, decode if want_decode else None)
+    return out + (hidden,) if want_hidden else out

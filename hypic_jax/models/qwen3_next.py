@@ -23,6 +23,5 @@ from hypic_jax.models.qwen3_5 import (  # noqa: F401  (the architecture-module c
     param_specs,
     pool_layout,
     prefill,
-    span_forward,
     span_forward_arrays,
 )

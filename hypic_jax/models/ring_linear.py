@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn, rope, spans
+from hypic_jax import linear_attn, rope
 from hypic_jax.models import base, layer_stack, layers
 
 ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
@@ -305,11 +305,13 @@ def linear_output(p: Params, x: Array, o: Array, config: RingLinearConfig) -> Ar
 
 
 def linear_attention(p: Params, x: Array, positions: Array, state: Array | None, layer: int,
-                     config: RingLinearConfig) -> tuple[Array, Array]:
+                     config: RingLinearConfig,
+                     kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, Array]:
     """Ring's lightning attention layer: x [B, L, D] -> (output [B, L, D], final state [B, H, K, V] float32).
     A single token (decode) takes the recurrent step, longer inputs the chunked kernel."""
     inputs = linear_inputs(p, x, positions, layer, config)
-    run = (lambda i, s: i.recurrent(s)) if x.shape[1] == 1 else (lambda i, s: i.chunked(s))
+    run = (lambda i, s: i.recurrent(s)) if x.shape[1] == 1 else (
+        lambda i, s: i.chunked(s, chunk_size=kernels.chunk_size))
     if state is None:
         o, state = jax.vmap(lambda i: run(i, None))(inputs)
     else:
@@ -415,7 +417,8 @@ def moe(p: Params, x: Array, config: RingLinearConfig, valid: Array | None = Non
 
 
 def decoder_layer(p: Params, x: Array, positions: Array, layer_cache: Any, layer: int,
-                  config: RingLinearConfig, *, like: int | None = None) -> tuple[Array, Any]:
+                  config: RingLinearConfig, *, like: int | None = None,
+                  kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, Any]:
     """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)). Returns the layer's updated cache.
     layer: the layer's index (an int, or a traced int32 in a scan over layers); like: an int index of a layer of
     the same structure, for the static choices (default: `layer`)."""
@@ -425,7 +428,7 @@ def decoder_layer(p: Params, x: Array, positions: Array, layer_cache: Any, layer
         mixed, new_cache = full_attention(p["attn"], h, positions, layer_cache, config)
     else:
         state = None if layer_cache is None else layer_cache.state
-        mixed, new_state = linear_attention(p["attn"], h, positions, state, layer, config)
+        mixed, new_state = linear_attention(p["attn"], h, positions, state, layer, config, kernels)
         new_cache = base.LinearCache(state=new_state, conv=_no_conv(x.shape[0], x.dtype))
     x = x + mixed
     h = layers.rms_norm(x, p["post_norm"], config.rms_norm_eps)
@@ -444,14 +447,15 @@ def unembed(params: Params, x: Array) -> Array:
 
 
 def hidden_states(params: Params, config: RingLinearConfig, tokens: Array,
-                  cache: base.ModelCache | None = None) -> tuple[Array, base.ModelCache]:
+                  cache: base.ModelCache | None = None, *,
+                  kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, base.ModelCache]:
     """The final-norm hidden states [B, L, D] of int32 tokens [B, L], and the cache after them (see `forward`; its
     layers in the form `cache.layers` has, or for no cache the form a forward over `params["layers"]` keeps, see
     `layer_stack.run_cached`)."""
     positions = base.cache_positions(cache, tokens.shape[1])
 
     def step(i, layer, layer_params, layer_cache, x):
-        return decoder_layer(layer_params, x, positions, layer_cache, layer, config, like=i)
+        return decoder_layer(layer_params, x, positions, layer_cache, layer, config, like=i, kernels=kernels)
 
     x, new_caches = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
                                            None if cache is None else cache.layers)
@@ -461,7 +465,8 @@ def hidden_states(params: Params, config: RingLinearConfig, tokens: Array,
 
 
 def forward(params: Params, config: RingLinearConfig, tokens: Array,
-            cache: base.ModelCache | None = None) -> tuple[Array, base.ModelCache]:
+            cache: base.ModelCache | None = None, *,
+            kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, base.ModelCache]:
     """tokens int32 [B, L] -> (logits float32 [B, L, V], cache after these tokens).
 
     Without `cache` this is the plain causal forward from position 0; it still returns each layer's cache of these
@@ -469,7 +474,7 @@ def forward(params: Params, config: RingLinearConfig, tokens: Array,
     `init_cache` or a previous call) the tokens continue at position cache.length, K/V are written into the cache's
     buffers and the states carried on.
     """
-    x, new_cache = hidden_states(params, config, tokens, cache)
+    x, new_cache = hidden_states(params, config, tokens, cache, kernels=kernels)
     return unembed(params, x), new_cache
 
 
@@ -485,12 +490,12 @@ def decode_cache(config: RingLinearConfig, caches: base.ModelCache, max_len: int
 
 
 def prefill(params: Params, config: RingLinearConfig, tokens: Array,
-            max_len: int) -> tuple[Array, base.ModelCache]:
+            max_len: int, *, kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, base.ModelCache]:
     """A fresh prompt: (float32 logits of its last position [B, V], caches sized for `max_len` tokens).
 
     Full attention runs the causal kernel instead of attending into empty buffers, and only the last position goes
     through the LM head."""
-    x, caches = hidden_states(params, config, tokens)
+    x, caches = hidden_states(params, config, tokens, kernels=kernels)
     return unembed(params, x[:, -1]), decode_cache(config, caches, max_len)
 
 
@@ -515,65 +520,6 @@ param_specs = partition_specs
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Span forward (the PIC engine's single forward over the fresh tokens of a request; see hypic_jax.spans)
-
-
-def span_forward(params: Params, config: RingLinearConfig, tokens: Array, cached: tuple, layout, mode, *,
-                 want_logits: bool = True, want_decode: bool = True, want_hidden: bool = False):
-    """One forward over the packed fresh tokens [F] of a request laid out as `layout` (a `spans.SpanLayout`).
-
-    cached: per cached span a tuple with one entry per layer: `spans.LinearEntry` (scalar-form summary, empty conv
-    tail) for linear layers, `spans.KVEntry` for full attention. Linear layers RoPE their keys, so a cached summary
-    computed at canonical positions is moved to its absolute position with `rotate_summary` (exact: the scalar
-    transfer commutes with the rotation). Returns a `spans.SpanResult` (see `qwen3_5.span_forward`).
-    """
-    positions = jnp.asarray(layout.fresh_positions())
-    x = params["embed"][tokens][None]  # [1, F, D]
-    hidden = [x[0]] if want_hidden else None
-    decode, records = [], [[] for _ in layout.recorded]
-    linear_rotary = config.rotary_dim(config.linear_head_dim)
-    attention_rotary = config.rotary_dim(config.attention_head_dim)
-    rotate_summary = lambda summary, offset: linear_attn.rotate_summary(  # noqa: E731
-        summary, offset, rotary_dim=linear_rotary, base=config.rope_theta)
-    rotate_keys = lambda k, offset: rope.rotate_keys(  # noqa: E731
-        k, offset, rotary_dim=attention_rotary, base=config.rope_theta)
-    for i, lp in enumerate(params["layers"]):
-        layer_cached = [entry[i] for entry in cached]
-        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
-        p = lp["attn"]
-        if config.is_full_attention(i):
-            q, k, v = attention_projections(p, h, positions, config)
-            o, keys, values, kv_records = spans.attention_over_spans(
-                q[0], k[0], v[0], [(e.k, e.v) for e in layer_cached], layout, mode,
-                scale=config.attention_head_dim ** -0.5, rotate_keys=rotate_keys)
-            mixed = o.reshape(o.shape[0], -1) @ p["dense"]
-            decode.append(base.KVCache(k=keys[None], v=values[None]))
-            for j, (rk, rv) in enumerate(kv_records):
-                records[j].append(spans.KVEntry(k=rk, v=rv))
-        else:
-            inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h, positions, i, config))
-            o, state, summaries = spans.linear_over_spans(
-                inputs, [e.summary for e in layer_cached], layout, mode, rotate=rotate_summary)
-            mixed = linear_output(p, h, o[None], config)[0]
-            no_conv = jnp.zeros((0, 0), x.dtype)
-            decode.append(base.LinearCache(state=state[None], conv=no_conv[None]))
-            for j, summary in enumerate(summaries):
-                records[j].append(spans.LinearEntry(summary=summary, conv=no_conv))
-        x = x + mixed[None]
-        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
-        x = x + (moe(lp["mlp"], h, config) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
-        if want_hidden:
-            hidden.append(x[0])
-    x = layers.rms_norm(x, params["norm"], config.rms_norm_eps)
-    return spans.SpanResult(
-        logits=unembed(params, x[0, -1]) if want_logits else None,
-        records=tuple(tuple(r) for r in records),
-        decode=tuple(decode) if want_decode else None,
-        hidden=jnp.stack(hidden) if want_hidden else None,
-    )
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # Span forward over a layout held as data (hypic_jax.layout, hypic_jax.stitch): one program per capacity
 
 
@@ -595,20 +541,20 @@ def pool_layout(config: RingLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 
 
 def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools: tuple, *, isolated: bool,
-                        summaries: bool, want_decode: bool = False, algorithm: str | None = None,
-                        linear_impl: str | None = None, fold_impl: str = "auto"):
+                        summaries: bool, want_decode: bool = False,
+                        kernels: base.KernelOptions = base.DEFAULT_KERNELS, want_hidden: bool = False):
     """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so
     cached summaries are moved by their pieces' offsets (zero where the mode keeps them at their canonical
-    phase). linear_impl: how the lightning cores run (`stitch.linear_over_layout`'s impl; None: "xla", as this
-    model's prefill); fold_impl: their fold over the pieces (`fold_impl` there). Returns (float32 logits [vocab]
+    phase). kernels: how the lightning cores, their fold over the pieces and the transfer products run
+    (`base.KernelOptions`). Returns (float32 logits [vocab]
     of the last fresh token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller),
     the decode caches of the whole request as `layer_stack.run` returns them, or None)."""
     from hypic_jax import layout as lay
     from hypic_jax import rope, stitch
 
-    impl = linear_impl or "xla"
+    algorithm = kernels.algorithm()
 
     positions = layout.positions
     x = params["embed"][layout.tokens]  # [F, D]
@@ -636,8 +582,8 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
             at = lay.shift_pool_rows(layout, "slot", base_row)
             inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, layer, config))
             result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
-                                               rotate=rotate_summary, algorithm=algorithm, impl=impl,
-                                               fold_impl=fold_impl)
+                                               rotate=rotate_summary, algorithm=algorithm, impl=kernels.linear,
+                                               fold_impl=kernels.fold)
             mixed = linear_output(p, h[None], result.outputs[None], config)[0]
             records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
             write = stitch.row_writes(pool, at.record_slot, dict(summary=records))
@@ -646,8 +592,12 @@ def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools:
         x = x + mixed
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
         x = x + (moe(lp["mlp"], h, config, layout.valid) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
-        return x, (write, decode)
+        return x, (write, (decode, x) if want_hidden else decode)
 
     x, writes, decode = layer_stack.run(step, x, params["layers"], pools)
+    hidden = None
+    if want_hidden:  # every layer's output of the fresh tokens, for `Engine.diagnose`
+        decode, hidden = layer_stack.split_pairs(decode)
     last = layers.rms_norm(x[layout.last], params["norm"], config.rms_norm_eps)
-    return unembed(params, last), writes, (decode if want_decode else None)
+    out = (unembed(params, last), writes, decode if want_decode else None)
+    return out + (hidden,) if want_hidden else out

@@ -1,4 +1,4 @@
-"""The HTTP layer: an OpenAI-compatible Starlette app over one `StableEngine` and its `Scheduler`.
+"""The HTTP layer: an OpenAI-compatible Starlette app over one `Engine` and its scheduler.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (JSON or SSE with `stream`), GET /v1/models and
 /v1/models/{id}, /health (503 until warmup is done, then 200) and /metrics (Prometheus text). Handlers read the body
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -31,13 +32,30 @@ from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hypic_jax.runtime import StableEngine, stack_layers
+from hypic_jax.engine import Engine, EngineOptions
+from hypic_jax.engine.scheduler import Request
+from hypic_jax.engine.scheduler import RequestError as ApiError
+from hypic_jax.options import OptionGroup, option, whole
 from hypic_jax.serve import protocol
 from hypic_jax.serve.metrics import Metrics
-from hypic_jax.serve.scheduler import ApiError, Request, Scheduler
 
 log = logging.getLogger("hypic_jax.serve")
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions(OptionGroup):
+    """The HTTP server (`hypic-jax serve`); the engine's options are `EngineOptions`."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on", check=whole(0))
+    max_request_bytes: int | None = option(
+        None, "largest request body; a larger one is refused with 413 before it is read whole (derived: 256 bytes "
+        "per prompt token of max_prompt_tokens plus 1 MiB)", check=whole(1, optional=True), metavar="BYTES")
+    ready_tokens: int | None = option(
+        None, "become ready (/health 200) once the programs for prompts up to this many tokens are compiled; the "
+        "larger ones compile in the background, and a request that needs one waits for it (derived: 1024 on the "
+        "CPU, every prompt size on an accelerator)", check=whole(1, optional=True))
 
 
 def default_max_request_bytes(max_prompt_tokens: int) -> int:
@@ -62,27 +80,26 @@ def usage(stats, completion_tokens: int) -> dict:
 
 
 class Server:
-    """An OpenAI-compatible server over `engine` (a `StableEngine` with `max_batch` >= 1). `app` is the ASGI app;
-    `warmup()` compiles every program, starts the scheduler and marks the server ready (the app's startup does it
-    on a thread when `warm_on_start`)."""
+    """An OpenAI-compatible server over `engine`. `app` is the ASGI app; `warmup()` compiles the programs, starts
+    the engine's scheduler on its thread and marks the server ready (the app's startup does it on a thread when
+    `warm_on_start`). Its shutdown closes the engine (`Engine.close`: the tiers reach the disk tier)."""
 
-    def __init__(self, engine: StableEngine, *, model_name: str = "hypic", max_queue: int = 256,
-                 separator: str | None = None, chat_template: str | None = None, special_tokens: dict | None = None,
-                 eos_ids=(), request_timeout: float = 600.0, warm_on_start: bool = True, registry=None,
-                 overlap: bool = False, max_request_bytes: int | None = None):
-        if max_request_bytes is None:
-            max_request_bytes = default_max_request_bytes(engine.max_prompt_tokens)
-        if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
-            raise ValueError(f"--max-request-bytes must be a whole number of bytes >= 1, got {max_request_bytes!r}")
+    def __init__(self, engine: Engine, options: ServerOptions | None = None, *, model_name: str = "hypic",
+                 chat_template: str | None = None, special_tokens: dict | None = None, eos_ids=(),
+                 warm_on_start: bool = True, registry=None):
+        options = options or ServerOptions()
+        self.options = options
+        max_request_bytes = options.max_request_bytes or default_max_request_bytes(engine.max_prompt_tokens)
         self.engine, self.model_name = engine, model_name
         self.max_request_bytes = max_request_bytes
         # one thread: bodies are parsed in the order they arrived (module docstring)
         self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hypic-parse")
         self.tokenizer = engine.tokenizer
-        self.separator = separator or engine.separator
-        self.request_timeout = request_timeout
+        self.separator = engine.separator
+        self.request_timeout = engine.options.scheduler.request_timeout
         self.metrics = Metrics(engine, registry)
-        self.scheduler = Scheduler(engine, max_queue=max_queue, metrics=self.metrics, overlap=overlap)
+        self.scheduler = engine.scheduler
+        self.scheduler.metrics = self.metrics
         self.renderer = protocol.ChatRenderer(chat_template, special_tokens)
         self.limits = protocol.Limits(vocab_size=engine.vocab_size, max_prompt_tokens=engine.max_prompt_tokens,
                                       max_keys=engine.max_keys, max_new_tokens=engine.max_new_tokens,
@@ -103,12 +120,20 @@ class Server:
                              exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
 
     # Lifecycle --------------------------------------------------------------------------------------------------
+    def ready_tokens(self) -> int | None:
+        """The prompt size up to which programs are compiled before the server is ready (None: every size)."""
+        if self.options.ready_tokens is not None:
+            return self.options.ready_tokens
+        import jax
+
+        return 1024 if jax.default_backend() == "cpu" else None
+
     def warmup(self) -> dict:
         start = time.perf_counter()
         self._programs_total = len(self.engine.programs.keys_for(self.engine.max_prompt_tokens))
         log.info("warming up: compiling %d programs (a progress bar on a terminal; /health counts them)",
                  self._programs_total)
-        report = self.engine.warmup(progress=sys.stderr.isatty())
+        report = self.engine.warmup(progress=sys.stderr.isatty(), ready_tokens=self.ready_tokens())
         self.warmup_report = dict(report, wall_s=round(time.perf_counter() - start, 3))
         self.metrics.mark_ready()
         self.scheduler.start()
@@ -134,23 +159,18 @@ class Server:
         try:
             yield
         finally:
-            self.scheduler.stop()
-            self.persist()
+            self.close()
 
-    def persist(self) -> int | None:
-        """On shutdown: every entry of the device and host tiers written to the disk tier, where there is one, so
-        a restarted server serves them (`StableEngine.persist`); the entries on disk, or None without a disk tier.
-        A failure is logged, never raised (the shutdown goes on)."""
-        if not self.ready or self.engine.tiers.disk is None:
-            return None
-        log.info("writing the cache to the disk tier %s before exiting", self.engine.tiers.disk.folder)
+    def close(self) -> None:
+        """On shutdown: the scheduler stops (what it still holds is answered 503) and the engine closes, writing the
+        device and host tiers to the disk tier where there is one (`Engine.close`). A failure is logged, never
+        raised (the shutdown goes on)."""
         try:
-            entries = self.engine.persist()
+            self.engine.close()
         except Exception:
-            log.exception("writing the cache to the disk tier at shutdown failed")
-            return None
-        log.info("cache written to the disk tier: %d entries", entries)
-        return entries
+            log.exception("closing the engine at shutdown failed")
+        if self.engine.tiers.disk is not None:
+            log.info("the disk tier holds %d entries", self.engine.tiers.disk.stats.entries)
 
     # Plain endpoints --------------------------------------------------------------------------------------------
     async def health(self, request: HttpRequest) -> Response:
@@ -160,7 +180,8 @@ class Server:
             total = getattr(self, "_programs_total", None)
             return JSONResponse(dict(status="warming up", programs_compiled=self.engine.programs.stats.programs,
                                      programs_total=total), status_code=503)
-        return JSONResponse(dict(status="ok", waiting=self.scheduler.waiting, running=self.scheduler.running))
+        return JSONResponse(dict(status="ok", waiting=self.scheduler.waiting, running=self.scheduler.running,
+                                 programs_pending=self.engine.programs.stats.pending))
 
     def _model_card(self) -> dict:
         return dict(id=self.model_name, object="model", created=0, owned_by="hypic-jax",
@@ -384,121 +405,48 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def default_max_batch() -> int:
-    """Decode rows when none are asked for: 64 on an accelerator, where a 64-row step costs 1.19x a 32-row one
-    (bench/RESULTS.md, decode_step.py); 8 on the CPU, where every row bucket adds compile time to the warmup (the
-    embedded model's: 258 s with 8 rows, 315 s with 64, on 2 cores)."""
-    import jax
+def build(model: str | None = None, *, dtype: str = "bfloat16", load_format: str = "auto",
+          options: EngineOptions | None = None, server: ServerOptions | None = None, **fields) -> Server:
+    """A `Server` for a model folder (None: `serve.model.default_model`, the embedded model when it is installed),
+    not yet warmed up. `options` and `fields` (any `EngineOptions` field by name) configure the engine, `server`
+    the HTTP side."""
+    from hypic_jax.serve.model import load_served
 
-    return 8 if jax.default_backend() == "cpu" else 64
-
-
-def build(model: str | None = None, *, dtype: str = "bfloat16", mode: str = "transition_rope_recompute",
-          seam: float = 8, cache_gb: float = 1.0, max_queue: int = 256, max_batch: int | None = None,
-          max_prompt_tokens: int = 4096, max_new_tokens: int = 256, max_segments: int = 64,
-          separator: str = "<<PIC_SEP>>", request_timeout: float = 600.0, token_rungs=None,
-          compile_cache: str | None = None, load_format: str = "auto", devices: int | None = None,
-          policy: str = "lpt", slot_layouts: str = "auto", host_cache_gb: float = 0.0,
-          disk_cache_dir: str | None = None, disk_cache_gb: float | None = None, eviction: str = "cost",
-          tier_dtype: str | None = None, peer_cache_gb: float = 0.0, tensor_parallel: int | None = None,
-          **server_options) -> Server:
-    """A `Server` for a model folder (or `model.default_model()` when `model` is None), not yet warmed up.
-    load_format "dummy": the folder's architecture with random weights (`serve.model.load_folder`). devices N > 1:
-    cold segments prefilled over the first N devices by `policy` (`StableEngine(devices=...)`); None or 1 is the
-    single-device path (a mesh of one device would only add programs). Both are checked before the model loads.
-    max_batch None: `default_max_batch()` (64 decode rows on an accelerator, 8 on the CPU).
-    host_cache_gb, disk_cache_dir, disk_cache_gb, eviction, tier_dtype, peer_cache_gb: the cache tiers below the
-    device (`StableEngine`'s host_cache_bytes, disk_cache_dir, disk_cache_bytes, eviction, tier_dtype,
-    peer_cache_bytes). tensor_parallel M > 1: the parameters, the entry pools and every program split over the
-    first M devices (`StableEngine(tensor_parallel=...)`; a model folder is loaded straight into that split, random
-    weights are made there); the tiers below the device pools are refused with it."""
-    from hypic_jax.parallel import POLICIES
-    from hypic_jax.serve.model import default_model, load_folder
-
-    for flag, count in (("--devices", devices), ("--tensor-parallel-size", tensor_parallel)):
-        if count is not None:
+    options = (options or EngineOptions()).replace(**fields) if fields else (options or EngineOptions())
+    parallel = options.parallel
+    for flag, count in (("--devices", parallel.devices), ("--tensor-parallel-size", parallel.tensor_parallel)):
+        if isinstance(count, int):
             import jax
 
             available = len(jax.devices())
-            if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= available:
+            if not 1 <= count <= available:
                 raise ValueError(f"{flag} {count!r}: must be a count from 1 to {available}, the devices this "
                                  f"process sees ({jax.default_backend()})")
-    tensor_parallel = None if tensor_parallel in (None, 1) else tensor_parallel
-    if tensor_parallel is not None:
-        tiers = [flag for flag, on in (("--host-cache-gb", host_cache_gb), ("--disk-cache-dir", disk_cache_dir),
-                                       ("--peer-cache-gb", peer_cache_gb)) if on]
-        if tiers:
-            raise ValueError(f"{', '.join(tiers)}: the cache tiers below the device need the model on one device; "
-                             f"with --tensor-parallel-size the entries stay in the device pools")
-    if policy not in POLICIES:
-        raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    for flag, value in (("--host-cache-gb", host_cache_gb), ("--peer-cache-gb", peer_cache_gb),
-                        ("--disk-cache-gb", disk_cache_gb)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
-    if disk_cache_dir is not None:
-        try:
-            Path(disk_cache_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"--disk-cache-dir {disk_cache_dir}: cannot create it ({error.strerror})") from None
-        if not os.access(disk_cache_dir, os.W_OK | os.X_OK):
-            raise ValueError(f"--disk-cache-dir {disk_cache_dir}: not writable")
-    if peer_cache_gb and devices in (None, 1):
-        raise ValueError("--peer-cache-gb needs --devices N with N >= 2 (the tier lives on the other devices)")
     if model is None and load_format != "auto":
         raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
-    max_batch = default_max_batch() if max_batch is None else max_batch
-    mesh = None
-    if tensor_parallel is not None:
-        from hypic_jax.runtime import tensor_parallel_mesh
-
-        mesh = tensor_parallel_mesh(tensor_parallel)
-    served = default_model(dtype) if model is None else load_folder(model, dtype, load_format, mesh=mesh)
-    if served.max_context is not None and max_prompt_tokens + max_new_tokens > served.max_context:
-        raise ValueError(f"max_prompt_tokens + max_new_tokens ({max_prompt_tokens + max_new_tokens}) exceeds the "
-                         f"model's context of {served.max_context}")
-    # the layers stacked in place: the engine scans them stacked, and a model as large as the device cannot be held
-    # twice (`runtime.stack_layers`)
-    engine = StableEngine(stack_layers(served.model, consume=True), tokenizer=served.tokenizer,
-                          cache_bytes=int(cache_gb * (1 << 30)), mode=mode, seam=seam, separator=separator,
-                          max_context=served.max_context, source=served.source,
-                          max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-                          max_segments=max_segments, max_batch=max_batch, token_rungs=token_rungs,
-                          compile_cache=compile_cache, devices=None if devices in (None, 1) else devices,
-                          policy=policy, slot_layouts=slot_layouts, host_cache_bytes=int(host_cache_gb * (1 << 30)),
-                          disk_cache_dir=disk_cache_dir,
-                          disk_cache_bytes=None if disk_cache_gb is None else int(disk_cache_gb * (1 << 30)),
-                          eviction=eviction, tier_dtype=tier_dtype,
-                          peer_cache_bytes=int(peer_cache_gb * (1 << 30)),
-                          tensor_parallel=None if mesh is None else list(mesh.devices.flat))
-    return Server(engine, model_name=served.name, max_queue=max_queue, separator=separator,
-                  chat_template=served.chat_template, special_tokens=served.special_tokens, eos_ids=served.eos_ids,
-                  request_timeout=request_timeout, **server_options)
+    served = load_served(model, dtype=dtype, load_format=load_format, options=options)
+    return Server(served.engine, server, model_name=served.name, chat_template=served.chat_template,
+                  special_tokens=served.special_tokens, eos_ids=served.eos_ids)
 
 
 def main(args) -> int:
     """`hypic-jax serve`: build the server, warm it up in the background (/health says when), serve until stopped."""
     import uvicorn
 
+    from hypic_jax.options import from_args
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rungs = tuple(int(r) for r in args.token_rungs.split(",")) if args.token_rungs else None
-    server = build(args.model, dtype=args.dtype, mode=args.mode, seam=args.seam, cache_gb=args.cache_gb,
-                   max_queue=args.max_queue, max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
-                   max_new_tokens=args.max_new_tokens, max_segments=args.max_segments, separator=args.separator,
-                   request_timeout=args.request_timeout, token_rungs=rungs, compile_cache=args.compile_cache,
-                   load_format=args.load_format, devices=args.devices, policy=args.policy,
-                   slot_layouts=args.slot_layouts, overlap=args.overlap, host_cache_gb=args.host_cache_gb,
-                   disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb, eviction=args.eviction,
-                   tier_dtype=args.tier_dtype, peer_cache_gb=args.peer_cache_gb,
-                   tensor_parallel=args.tensor_parallel_size, max_request_bytes=args.max_request_bytes)
-    mesh = server.engine.segment_mesh
+    server = build(args.model, dtype=args.dtype, load_format=args.load_format, options=args.engine_options,
+                   server=from_args(ServerOptions, args))
+    engine = server.engine
+    mesh = engine.segment_mesh
     placement = "1 device" if mesh is None else f"{mesh.size} devices (cold segments split by {mesh.policy})"
-    if server.engine.placement is not None:
-        placement += f", the model split over {len(server.engine.placement.device_set)} devices"
+    if engine.placement is not None:
+        placement += f", the model split over {len(engine.placement.device_set)} devices"
+    host, port = server.options.host, server.options.port
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
-             placement, args.host, args.port)
-    runner = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port,
-                                           log_level=args.log_level.lower()))
+             placement, host, port)
+    runner = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level=args.log_level.lower()))
     server.on_warmup_failure = lambda error: setattr(runner, "should_exit", True)
     runner.run()
     return 1 if server.warmup_error is not None else 0

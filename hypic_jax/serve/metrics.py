@@ -11,7 +11,8 @@ hypic:cache_hits{kind} (segments looked up and found, kind "pic" or "prefix"), h
 hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429),
 hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
 before, `Scheduler(overlap=True)`), hypic:compilations_while_serving (XLA compilations since the server became
-ready), hypic:device_cache_fetches (entries copied from another device's pools to the first device's).
+ready, other than the planned ones of larger rungs compiling in the background), hypic:programs_pending (those
+still compiling), hypic:device_cache_fetches (entries copied from another device's pools to the first device's).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hypic_jax.runtime import backend_compiles
+from hypic_jax.engine.programs import backend_compiles, background_compiles
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
@@ -49,8 +50,12 @@ class _EngineCollector:
                                       "the first device's.", value=mesh.pools.stats.fetches)
         base = self.metrics.compiles_at_ready
         yield CounterMetricFamily("hypic:compilations_while_serving",
-                                  "XLA compilations since the server became ready (0 when every program was "
-                                  "compiled in warmup).", value=0 if base is None else backend_compiles() - base)
+                                  "XLA compilations since the server became ready, other than the planned programs "
+                                  "of larger prompts compiling in the background (0 when every program was "
+                                  "compiled in warmup).", value=0 if base is None else
+                                  backend_compiles() - background_compiles() - base)
+        yield GaugeMetricFamily("hypic:programs_pending", "Programs of larger prompts still compiling in the "
+                                "background.", value=self.engine.programs.stats.pending)
 
 
 class Metrics:
@@ -82,7 +87,7 @@ class Metrics:
         r.register(_EngineCollector(engine, self))
 
     def mark_ready(self) -> None:
-        self.compiles_at_ready = backend_compiles()
+        self.compiles_at_ready = backend_compiles() - background_compiles()
 
     def _prefilled(self, request) -> None:
         stats = request.stats

@@ -1,5 +1,5 @@
-"""What `hypic-jax serve` serves: a model folder, or with none the default model (`default_model`, the one place
-that choice is made: the embedded model when it is installed), with the tokenizer, chat template and
+"""What `hypic-jax serve` serves: the engine over a model folder, or with none the default model (`load_served`, the
+one place that choice is made: the embedded model when it is installed), with the chat template and
 end-of-sequence ids found beside it."""
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ DEFAULT_NAME = "hypic-tiny-random"
 
 @dataclasses.dataclass
 class Served:
-    model: Any  # hypic_jax.models.base.Model
+    engine: Any  # hypic_jax.engine.Engine
     name: str
-    tokenizer: Any = None
     chat_template: str | None = None
     special_tokens: dict = dataclasses.field(default_factory=dict)  # bos_token / eos_token for the template
     eos_ids: tuple[int, ...] = ()
-    max_context: int | None = None
-    source: str | None = None
 
 
 def byte_tokenizer():
@@ -53,46 +50,34 @@ def _byte_of(ch: str) -> int:
     return table[ch]
 
 
-def default_model(dtype: str = "bfloat16") -> Served:
-    """The model served when no MODEL is given: the model embedded in the package (`hypic_jax.embedded`) when it is
-    installed, else the demo's tiny model with random weights (its answers are noise) and a byte-level tokenizer, so
-    that a fresh machine can run the server."""
-    from hypic_jax.embedded import embedded_model
+def load_served(path: str | Path | None, *, dtype: str = "bfloat16", load_format: str = "auto",
+                options=None) -> Served:
+    """The engine over a model folder (`Engine.from_pretrained`) and what the server reads beside it:
+    tokenizer_config.json's chat template and special tokens and the end-of-sequence ids of generation_config.json
+    (else config.json or the eos token). A folder without a chat template whose tokenizer has hypic_jax.train's
+    special tokens gets that layout's template (`hypic_jax.train.tokenizer.CHAT_TEMPLATE`). Without a path: the
+    model embedded in the package when it is installed, else the demo's tiny model with random weights (its output
+    is noise) and a byte-level tokenizer, so that a fresh machine can run the server."""
+    from hypic_jax.engine import Engine
 
-    folder = embedded_model()
-    if folder is not None:
-        log.info("no MODEL given: serving the embedded model %s", folder.name)
-        return load_folder(folder, dtype)
-    from hypic_jax.demo import tiny_model
+    if path is None:
+        from hypic_jax.embedded import embedded_model
 
-    log.warning("no MODEL given: serving %r, the demo's tiny model with RANDOM weights (3 GDN + 1 full-attention "
-                "layers, vocabulary 512, byte-level tokenizer); its output is noise", DEFAULT_NAME)
-    return Served(model=tiny_model(), name=DEFAULT_NAME, tokenizer=byte_tokenizer())
+        path = embedded_model()
+        if path is None:
+            from hypic_jax.demo import tiny_model
 
-
-def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "auto", mesh=None) -> Served:
-    """A model folder as `Engine.from_pretrained` reads it, plus tokenizer_config.json's chat template and special
-    tokens and the end-of-sequence ids of generation_config.json (else config.json or the eos token). A folder
-    without a chat template whose tokenizer has hypic_jax.train's special tokens gets that layout's template
-    (`hypic_jax.train.tokenizer.CHAT_TEMPLATE`). load_format "dummy": random weights of the folder's architecture
-    and config (`hypic_jax.checkpoint.random_model`), the rest of the folder read as usual. mesh: load the
-    parameters split over it (`hypic_jax.load(mesh=...)`, `random_model(mesh=...)`)."""
-    from hypic_jax.checkpoint import random_model
-    from hypic_jax.models import load
-
-    if load_format not in ("auto", "dummy"):
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+            log.warning("no MODEL given: serving %r, the demo's tiny model with RANDOM weights (3 GDN + 1 "
+                        "full-attention layers, vocabulary 512, byte-level tokenizer); its output is noise",
+                        DEFAULT_NAME)
+            engine = Engine(tiny_model(), options, tokenizer=byte_tokenizer(), consume_model=True)
+            return Served(engine=engine, name=DEFAULT_NAME)
+        log.info("no MODEL given: serving the embedded model %s", path.name)
     path = Path(path)
     if load_format == "dummy":
         log.warning("--load-format dummy: serving %s with RANDOM weights (its output is noise)", path.name)
-        model = random_model(path, dtype, mesh=mesh)
-    else:
-        model = load(path, dtype, mesh=mesh)
-    tokenizer = None
-    if (path / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    engine = Engine.from_pretrained(path, dtype, options=options, load_format=load_format)
+    tokenizer = engine.tokenizer
     config = _json(path / "config.json")
     config = config.get("text_config") or config
     tok_config = _json(path / "tokenizer_config.json")
@@ -116,10 +101,8 @@ def load_folder(path: str | Path, dtype: str = "bfloat16", load_format: str = "a
     if not eos_ids and tokenizer is not None and special.get("eos_token"):
         found = tokenizer.token_to_id(special["eos_token"])
         eos_ids = [] if found is None else [found]
-    return Served(model=model, name=path.name, tokenizer=tokenizer, chat_template=template, special_tokens=special,
-                  eos_ids=tuple(int(e) for e in eos_ids),
-                  max_context=int(config["max_position_embeddings"]) if config.get("max_position_embeddings") else None,
-                  source=f"{path.resolve()}:{dtype}")
+    return Served(engine=engine, name=path.name, chat_template=template, special_tokens=special,
+                  eos_ids=tuple(int(e) for e in eos_ids))
 
 
 def _qa_tokens(tokenizer) -> bool:

@@ -14,8 +14,9 @@ import dataclasses
 import math
 from typing import Any
 
-from hypic_jax.engine import MODES, seam_tokens
-from hypic_jax.serve.scheduler import ApiError, SamplingParams
+from hypic_jax.engine.options import MODES
+from hypic_jax.engine.requests import SamplingParams, seam_tokens
+from hypic_jax.engine.scheduler import RequestError as ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax.models import qwen3_5
-from hypic_jax.models.base import cache_positions
+from hypic_jax.models.base import KernelOptions, cache_positions
 from hypic_jax.train import corpus
 from hypic_jax.train import tokenizer as tok
 
@@ -84,6 +84,11 @@ class Settings:
                                  max_filler=shape["max_filler"], ramp=self.ramp)
 
 
+# Training differentiates through the forward: the XLA chunk loops and `lax.ragged_dot`, which have gradients
+# (the Pallas kernels define none).
+TRAIN_KERNELS = KernelOptions(linear="xla", moe="ragged")
+
+
 def model_config(size: str, vocab_size: int | None = None) -> qwen3_5.Config:
     s = SIZES[size]
     layers = s["layers"]
@@ -95,7 +100,7 @@ def model_config(size: str, vocab_size: int | None = None) -> qwen3_5.Config:
         head_dim=s["head_dim"], rotary_dim=s["head_dim"] // 4, rope_theta=10_000.0,
         linear_num_key_heads=s["linear_num_key_heads"], linear_num_value_heads=s["linear_num_value_heads"],
         linear_key_head_dim=s["linear_key_head_dim"], linear_value_head_dim=s["linear_value_head_dim"],
-        intermediate_size=s["intermediate_size"], gdn_kernel="xla", moe_kernel="ragged",
+        intermediate_size=s["intermediate_size"],
     )
 
 
@@ -216,12 +221,12 @@ def forward_with_gates(params: dict, config: qwen3_5.Config, tokens, gate_stat, 
             g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
                 a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
             stat = gate_stat(stat, g)
-            h, _ = qwen3_5.gated_delta_net(h, p, config, None)
+            h, _ = qwen3_5.gated_delta_net(h, p, config, None, TRAIN_KERNELS)
         else:
             h, _ = qwen3_5.full_attention(h, lp["mixer"], config, positions, None, None, True)
         x = x + h
         h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + qwen3_5.feed_forward(h, lp["mlp"], config, config.mlp_types[i])
+        x = x + qwen3_5.feed_forward(h, lp["mlp"], config, config.mlp_types[i], kernels=TRAIN_KERNELS)
         return (x, stat), None
 
     (x, stat), _ = layer_stack.run_cached(step, (params["embed"][tokens], init), params["layers"], None)
@@ -245,7 +250,7 @@ def answer_loss(params: dict, config: qwen3_5.Config, inputs, targets, weights, 
     if with_decay:
         logits, excess = forward_with_decay(cast, config, inputs, decay_budget)
     else:
-        (logits, _), excess = qwen3_5.forward(cast, config, inputs), jnp.zeros((), jnp.float32)
+        (logits, _), excess = qwen3_5.forward(cast, config, inputs, kernels=TRAIN_KERNELS), jnp.zeros((), jnp.float32)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0), excess
@@ -478,7 +483,7 @@ def answer_accuracy(params: dict, config: qwen3_5.Config, tokenizer, docs: int =
             cases.append((head + tok.encode(tokenizer, tok.answer_text(q.answer)), len(head), q.family))
     length = -(-max(len(t) for t, _, _ in cases) // 256) * 256
     pad = tokenizer.token_to_id(tok.PAD)
-    predict = jax.jit(lambda p, t: jnp.argmax(qwen3_5.forward(p, config, t)[0], axis=-1))
+    predict = jax.jit(lambda p, t: jnp.argmax(qwen3_5.forward(p, config, t, kernels=TRAIN_KERNELS)[0], axis=-1))
     hits = []
     for lo in range(0, len(cases), rows):
         chunk = cases[lo:lo + rows]

@@ -1,16 +1,16 @@
-"""The continuous-batching scheduler: one thread owns the device and runs every request's prefill and decode steps.
+"""The continuous-batching scheduler: one loop owns the device and runs every request's prefill and decode steps.
 
-Requests enter through a bounded queue (`submit` raises `ApiError` 429 when it is full). The loop, on its own
-thread, repeats:
+The server runs the loop on a thread of its own (`start`); `Engine.generate` runs it on the calling thread until its
+request is done (`run`), or hands its request to the running thread. Requests enter through a bounded queue
+(`submit` raises `RequestError` 429 when it is full). The loop repeats:
 
 1. drop what is cancelled (the client went away) or past its deadline, freeing its row;
 2. admit one queued request if a row of the engine's batched decode cache is free: its prefill (cold segments,
-   then the stitched forward), then `StableEngine.slot_insert` into the lowest free row, which samples its first
-   token;
-3. run one decode step of every running request as one batched call (`StableEngine.slot_decode` over rows
+   then the stitched forward), then `Engine.slot_insert` into the lowest free row, which samples its first token;
+3. run one decode step of every running request as one batched call (`Engine.slot_decode` over rows
    [0, b), b the smallest batch bucket holding the highest busy row), each row sampled with its own parameters.
 
-With `overlap=True` (`hypic-jax serve --overlap`), decode steps overlap with the host's work: step k+1 is
+With `overlap=True` (`SchedulerOptions.overlap`, `hypic-jax serve --overlap`), decode steps overlap with the host's work: step k+1 is
 dispatched with step k's sampled ids as its tokens, still on the device, before the host reads step k's ids back
 and turns them into text, stop checks and events. The device then runs a step while the host handles the one
 before, instead of waiting for it. A row that a stop ends at step k has one more token computed in step k+1, which
@@ -25,14 +25,13 @@ two of its tokens (`hypic:decode_stall_seconds` measures that wait), and a burst
 one step at a time. With no request running, queued prefills run back to back.
 
 Everything a request produces goes to its `sink` (called on the scheduler thread, so it must not block): dicts
-with `type` "delta" (new text, token ids, log-probabilities), "done" (finish reason, stats) or "error" (an
-`ApiError`). Every submitted request gets exactly one "done" or "error", whatever happens, shutdown included.
+with `type` "delta" (new text, token ids, log-probabilities), "done" (finish reason, stats) or "error" (a
+`RequestError`). Every submitted request gets exactly one "done" or "error", whatever happens, shutdown included.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 import threading
@@ -42,13 +41,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hypic_jax.runtime import SamplingRows, StableEngine
+from hypic_jax.engine.requests import SamplingParams
+from hypic_jax.engine.sampling import SamplingRows
 
-log = logging.getLogger("hypic_jax.serve")
+log = logging.getLogger("hypic_jax.engine")
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+class RequestError(Exception):
+    """Why a request failed, with the HTTP status the server answers it with and OpenAI's error shape
+    ({"error": {"message", "type", "param", "code"}})."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict | None = None):
@@ -59,18 +60,6 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the k most likely
 
 
 class TextStream:
@@ -146,6 +135,7 @@ class Request:
         self.finished = False
         self.ended: float | None = None  # monotonic time it finished or failed
         self.cancelled = False
+        self.done = threading.Event()  # set once its "done" or "error" event was sent
 
     def cancel(self) -> None:
         """Called from any thread (the client went away): the scheduler drops it and frees its row."""
@@ -153,10 +143,10 @@ class Request:
 
 
 class Scheduler:
-    """See the module docstring. `engine` must have a batched decode cache (`StableEngine(max_batch=...)`) and be
-    warmed up; `metrics` a `hypic_jax.serve.metrics.Metrics` or None."""
+    """See the module docstring. `engine`: an `Engine` (its batched decode cache has `max_batch` rows); `metrics`
+    an object with the server's counters (`hypic_jax.serve.metrics.Metrics`) or None."""
 
-    def __init__(self, engine: StableEngine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1,
+    def __init__(self, engine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1,
                  overlap: bool = False):
         if not engine.max_batch:
             raise ValueError("the scheduler needs an engine with a batched decode cache (max_batch >= 1)")
@@ -167,6 +157,7 @@ class Scheduler:
         self._queue: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._driving = threading.Lock()  # held by whoever runs the loop: the thread, or a `run` caller
         self._stopping = False
         self.steps = 0
         self.bucket_steps: collections.Counter = collections.Counter()  # decode steps per batch bucket
@@ -180,11 +171,11 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         with self._cv:
             if self._stopping:
-                raise ApiError(503, "the server is shutting down", code="shutting_down")
+                raise RequestError(503, "the server is shutting down", code="shutting_down")
             if len(self._queue) >= self.max_queue:
                 if self.metrics:
                     self.metrics.rejected.inc()
-                raise ApiError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
+                raise RequestError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
                                code="queue_full", type="rate_limit_error",
                                headers={"Retry-After": str(self.retry_after_s)})
             self._queue.append(request)
@@ -203,7 +194,12 @@ class Scheduler:
     def running(self) -> int:
         return sum(r is not None for r in self.rows)
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
+        """Run the loop on a thread of its own (the server's way) until `stop`."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hypic-scheduler", daemon=True)
             self._thread.start()
@@ -215,35 +211,56 @@ class Scheduler:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._fail_all(ApiError(503, "the server is shutting down", code="shutting_down"))
+        self._fail_all(RequestError(503, "the engine is shutting down", code="shutting_down"))
+
+    def run(self, request: Request) -> None:
+        """Submit `request` and return once it is done. With the loop's thread running, the thread serves it; else
+        this caller runs the loop (every queued request advances with it) until its request is done."""
+        self.submit(request)
+        while not request.done.is_set():
+            if self._thread is not None or not self._driving.acquire(blocking=False):
+                request.done.wait(0.05)  # another caller (or the thread) drives the loop
+                continue
+            try:
+                while not request.done.is_set() and not self._stopping:
+                    self._iterate()
+            finally:
+                self._driving.release()
+            if self._stopping:
+                request.done.wait()
 
     # Loop -------------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stopping and not self._queue and not any(self.rows):
-                    self._cv.wait(0.5)
-                if self._stopping:
-                    return
-            try:
-                self._reap()
-                if self._queue and None in self.rows:
-                    self._drain()  # an admission changes the rows: the step in flight is finished first
-                    stalled = any(self.rows)
-                    start = time.monotonic()
-                    self._admit(self._queue.popleft())
-                    if stalled and self.metrics:
-                        self.metrics.stall.observe(time.monotonic() - start)
-                if any(self.rows):
-                    self._step()
-                else:
-                    self._drain()
-            except Exception as error:  # noqa: BLE001  (the loop must survive; the requests it held get the error)
-                log.exception("scheduler step failed")
-                self._pending = None
-                self._fail_running(ApiError(500, f"internal error: {error}", code="internal_error"))
-            finally:
-                self._gauges()
+        with self._driving:
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._queue and not any(self.rows):
+                        self._cv.wait(0.5)
+                    if self._stopping:
+                        return
+                self._iterate()
+
+    def _iterate(self) -> None:
+        """One round of the loop: drop what ended, admit one request, run one decode step."""
+        try:
+            self._reap()
+            if self._queue and None in self.rows:
+                self._drain()  # an admission changes the rows: the step in flight is finished first
+                stalled = any(self.rows)
+                start = time.monotonic()
+                self._admit(self._queue.popleft())
+                if stalled and self.metrics:
+                    self.metrics.stall.observe(time.monotonic() - start)
+            if any(self.rows):
+                self._step()
+            else:
+                self._drain()
+        except Exception as error:  # noqa: BLE001  (the loop must survive; the requests it held get the error)
+            log.exception("scheduler step failed")
+            self._pending = None
+            self._fail_running(RequestError(500, f"internal error: {error}", code="internal_error"))
+        finally:
+            self._gauges()
 
     def _gauges(self) -> None:
         if self.metrics:
@@ -265,13 +282,13 @@ class Scheduler:
             if request.cancelled:
                 self._finish(request, "cancelled")
             elif now > request.deadline:
-                self._error(request, ApiError(504, "the request ran past its deadline", code="deadline_exceeded"))
+                self._error(request, RequestError(504, "the request ran past its deadline", code="deadline_exceeded"))
 
     def _end_unstarted(self, request: Request, now: float) -> None:
         if request.cancelled:
             self._finish(request, "cancelled")
         else:
-            self._error(request, ApiError(504, "the request waited past its deadline", code="deadline_exceeded"))
+            self._error(request, RequestError(504, "the request waited past its deadline", code="deadline_exceeded"))
 
     def _admit(self, request: Request) -> None:
         now = time.monotonic()
@@ -284,11 +301,11 @@ class Scheduler:
             pre = self.engine.prefill(request.segments, mode=request.mode, seam=request.seam,
                                       cache_salt=request.cache_salt)
         except ValueError as error:
-            self._error(request, ApiError(400, str(error), param="prompt"))
+            self._error(request, RequestError(400, str(error), param="prompt"))
             return
         except Exception as error:  # noqa: BLE001
             log.exception("prefill failed for request %s", request.id)
-            self._error(request, ApiError(500, f"internal error during prefill: {error}", code="internal_error"))
+            self._error(request, RequestError(500, f"internal error during prefill: {error}", code="internal_error"))
             return
         request.stats = pre.stats
         request.length = pre.stats.prompt_tokens
@@ -304,13 +321,13 @@ class Scheduler:
                                           [p.logprobs or 0])
         except Exception as error:  # noqa: BLE001  (parameters the device arrays cannot hold: this request only)
             log.exception("sampling parameters of request %s", request.id)
-            self._error(request, ApiError(500, f"internal error: {error}", code="internal_error"))
+            self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             return
         try:
             sampled = self.engine.slot_insert(row, pre, sampling)
         except Exception as error:
             # not in a row yet, so the loop's handler would not answer it: answered here, the others there
-            self._error(request, ApiError(500, f"internal error: {error}", code="internal_error"))
+            self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             raise
         self.rows[row] = request
         request.row = row
@@ -416,7 +433,7 @@ class Scheduler:
             self._send(request, dict(type="done", finish_reason=reason, stats=request.stats,
                                      tokens=list(request.tokens), text=request.text.text))
 
-    def _error(self, request: Request, error: ApiError) -> None:
+    def _error(self, request: Request, error: RequestError) -> None:
         if self._end(request):
             if self.metrics:
                 self.metrics.record_error(request, error, request.ended)
@@ -432,12 +449,12 @@ class Scheduler:
         request.ended = time.monotonic()
         return True
 
-    def _fail_running(self, error: ApiError) -> None:
+    def _fail_running(self, error: RequestError) -> None:
         for request in list(self.rows):
             if request is not None:
                 self._error(request, error)
 
-    def _fail_all(self, error: ApiError) -> None:
+    def _fail_all(self, error: RequestError) -> None:
         with self._cv:
             queued = list(self._queue)
             self._queue.clear()
@@ -451,6 +468,8 @@ class Scheduler:
         except Exception:  # noqa: BLE001  (a client's sink failing must not stop the others)
             log.exception("delivering an event of request %s failed", request.id)
             request.cancel()
+        if event["type"] != "delta":
+            request.done.set()
 
     @staticmethod
     def _log(request: Request, status: str, reason: Any, end: float) -> None:

@@ -1,0 +1,1185 @@
+"""The engine: position-independent caching behind `prefill`, `generate` and `diagnose`, served from a fixed ladder
+of compiled programs.
+
+A request is a list of segments; the last one is the query (always computed, never cached). Its layout (which
+spans are fresh and which come from the cache, their lengths and positions) travels as data, fixed-capacity int32
+arrays (`hypic_jax.layout`), and every cache entry lives in fixed device pools (`hypic_jax.pools`), so after
+`warmup` a workload of new document lengths and orders compiles nothing (`programs.Programs` owns the programs and
+counts any compilation while serving). Modes:
+
+    full_recompute             one fresh span of the whole prompt
+    prefix_cache               the longest run of cached leading segments (exact K/V and state snapshots), then
+                               fresh spans for the rest (each recorded as a new prefix entry) and the query
+    addition                   cached segments whose zero-start states are added (T dropped), keys not re-rotated
+    transition                 + composition through the transfer operators T
+    transition_rope            + RoPE re-rotation of cached keys (and of RoPE'd linear states)
+    transition_rope_recompute  + the seam window: the first w tokens of every segment are recomputed under the true
+                               prefix; the cache holds only the interior [w, n)
+
+Segments missing from the cache are first prefilled together in one packed, isolated program (state reset and
+block-diagonal attention at segment boundaries), which records their entries, over several devices with
+`devices=` (`segment_mesh`). One entry serves a segment in any position, first included: a segment's seam at
+position 0 is recomputed from an empty prefix, which reproduces its isolated prefill exactly.
+
+Generation runs through the continuous-batching scheduler (`engine.scheduler`), the same loop and the same device
+sampler as the server, on the engine's batched decode cache of `max_batch` rows. Entries evicted from the device
+pools go down the tiers (`hypic_jax.tiers`: host memory, disk, other devices) and come back on a hit; `close`
+writes what the device and host tiers hold to the disk tier.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hypic_jax import layout as lay
+from hypic_jax import tiers as tr
+from hypic_jax.cache import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
+from hypic_jax.engine import options as opts
+from hypic_jax.engine.options import EngineOptions
+from hypic_jax.engine.placement import model_placement, place_tensor_parallel
+from hypic_jax.engine.programs import (HIDDEN_KINDS, DeviceMemoryError, ProgramKey, Programs, backend_compiles,
+                                       out_of_memory, span_program)
+from hypic_jax.engine.requests import (SegmentReader, check_mode, is_integer, sampling_params, seam_tokens)
+from hypic_jax.engine.results import GenerateResult, PrefillResult, PrefillStats
+from hypic_jax.engine.sampling import TOP_LOGPROBS, Sampled, SamplingRows
+from hypic_jax.models.base import ModelCache
+from hypic_jax.models.layer_stack import LayerPlan, LayerStack, stacked_like
+from hypic_jax.pools import PoolFull, Pools
+
+log = logging.getLogger("hypic_jax.engine")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def load_tokenizer(tokenizer):
+    """A tokenizer object (anything with `encode`), or one read from a tokenizer.json path."""
+    if tokenizer is None or hasattr(tokenizer, "encode"):
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer))
+
+
+def use_compile_cache(directory: str | Path) -> Path:
+    """Keep this process's compiled programs in `directory` (created if missing) and look there before compiling:
+    JAX's persistent compilation cache, process-wide. Programs that compiled in under a second are not stored
+    (JAX's `jax_persistent_cache_min_compile_time_secs`). Trust: whoever can write the folder can make this process
+    run code; do not share it with untrusted users. Returns the resolved folder."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = Path(directory).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"compile_cache: cannot use {str(path)!r} as a folder: {error}") from error
+    if jax.config.jax_compilation_cache_dir != str(path):
+        compilation_cache.reset_cache()  # a cache opened on another folder would otherwise keep serving
+        compilation_cache.set_cache_dir(str(path))
+    return path
+
+
+def layer_plan(model, *, scan: bool = True) -> LayerPlan:
+    """How the engine runs `model`'s layers (`layer_stack.LayerPlan`): its repeating pattern as one scan (layers
+    share a pattern position when their parameters, pools and types have one structure), or with `scan=False`
+    every layer unrolled."""
+    layers = model.params["layers"]
+    if isinstance(layers, LayerStack):
+        return layers.plan
+    if not scan:
+        return LayerPlan.unrolled(len(layers))
+    pieces = model.arch.pool_layout(model.config, model.dtype)
+    types = [tuple(getattr(model.config, name)[i] for name in ("layer_types", "mlp_types")
+                   if hasattr(model.config, name)) for i in range(len(layers))]
+    return LayerStack.plan_for(layers, [(kind, tree, t) for (kind, tree), t in zip(pieces, types)])
+
+
+def stack_layers(model, *, scan: bool = True, consume: bool = False):
+    """`model` with its layers stacked by `layer_plan` (a `layer_stack.LayerStack`, which reads like the list of
+    layers). The engine stacks a copy itself; with `consume=True` the per-layer arrays are deleted as they are
+    stacked, for a model too large for two copies (every other holder of them loses them)."""
+    layers = LayerStack.build(model.params["layers"], layer_plan(model, scan=scan), consume=consume)
+    return model.replace(params=dict(model.params, layers=layers))
+
+
+@functools.lru_cache(maxsize=256)
+def _seam_span(length: int) -> lay.Span:
+    """The fresh span of a seam: one shared object per length (spans are frozen), not one per document."""
+    return lay.Span(lay.FRESH, length)
+
+
+def _token_tuple(tokens) -> tuple[int, ...]:
+    """Token ids as the tuple of ints an entry keeps."""
+    return tuple(tokens.tolist()) if isinstance(tokens, np.ndarray) else tuple(int(t) for t in tokens)
+
+
+def _layer_kinds(config) -> list[str]:
+    if hasattr(config, "layer_types"):
+        return ["linear" if t == "linear_attention" else "full" for t in config.layer_types]
+    return ["full" if config.is_full_attention(i) else "linear" for i in range(config.num_hidden_layers)]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one request runs: the program kind, its spans and fresh tokens (int32), the entries it stores once the
+    program is issued, and what it found in the cache."""
+
+    kind: str  # "plain" or "pic"
+    spans: list
+    fresh: np.ndarray
+    stores: list
+    cached_tokens: int
+    cold_tokens: int
+    hits: int
+    misses: int
+
+
+_OPEN_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """At interpreter exit every engine still open is closed: its device and host tiers reach its disk tier."""
+    for engine in list(_OPEN_ENGINES):
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001  (exit goes on; the other engines still close)
+            log.exception("closing an engine at exit failed")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    """Position-independent caching on one model (see the module docstring).
+
+    `Engine(model, options, **fields)` wraps a loaded `hypic_jax.models.base.Model`; `Engine.from_pretrained(path)`
+    loads one (and its tokenizer.json), `Engine.from_pretrained()` the model embedded in the package. Options: an
+    `EngineOptions`, and/or any of its fields by name (`max_prompt_tokens=...`, `cache_bytes=...`,
+    `disk_cache_dir=...`); fields left at None are derived from the model and the machine (`EngineOptions.resolve`,
+    `options` holds the resolved ones). `tokenizer`: a tokenizers object or a tokenizer.json path (text segments
+    and stop strings need one).
+
+    Use it as a context manager, or call `close()`: that stops its scheduler and background compiles and, with a
+    disk tier, writes what the device and host tiers hold there (interpreter exit does the same for engines still
+    open).
+    """
+
+    def __init__(self, model, options: EngineOptions | None = None, *, tokenizer=None, consume_model: bool = False,
+                 **fields):
+        if not hasattr(model.arch, "span_forward_arrays"):
+            raise ValueError(f"architecture {model.arch.__name__} has no span_forward_arrays; the engine cannot run it")
+        options = options or EngineOptions()
+        if not isinstance(options, EngineOptions):
+            raise TypeError(f"options must be an EngineOptions, got {type(options).__name__}")
+        options = options.replace(**fields) if fields else options
+        options = options.resolve(max_context=model.max_context, backend=jax.default_backend())
+        self.model = model
+        self.arch, self.config = model.arch, model.config
+        self.max_context = model.max_context
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.vocab_size = int(self.config.vocab_size)
+        self.kernels = options.kernels  # replaced if an automatic kernel choice fails to compile (`Programs`)
+        limits, requests = options.limits, options.requests
+        self.mode, self.seam, self.separator = requests.mode, requests.seam, requests.separator
+        self.max_prompt_tokens, self.max_segments = limits.max_prompt_tokens, limits.max_segments
+        self.max_new_tokens, self.max_batch = limits.max_new_tokens, limits.max_batch
+        self.max_keys = self.max_prompt_tokens + self.max_new_tokens
+        self.reader = SegmentReader(self.vocab_size, self.tokenizer, self.separator, self.max_context)
+        self.fingerprint = model_fingerprint(self.arch.__name__, self.config, model.params, model.source)
+        conv = int(getattr(self.config, "conv_kernel", 4)) - 1
+        # a request records at most one entry per segment; a record is an entry's worth of program output
+        # (4.2 MB per linear layer at the 35B-A3B shape), so records get their own, smaller capacity
+        self.ladder = lay.Ladder(max_tokens=self.max_prompt_tokens, max_pieces=2 * self.max_segments + 2,
+                                 max_records=self.max_segments + 1, min_tokens=limits.min_tokens,
+                                 chunk=self.kernels.chunk_size, conv=conv, token_rungs=limits.token_rungs,
+                                 steps=limits.ladder)
+        # powers of two below max_batch, then max_batch: a step pays for at most twice its busy rows
+        self.batch_buckets = tuple(b for b in (1 << i for i in range(self.max_batch.bit_length()))
+                                   if b < self.max_batch) + (self.max_batch,)
+        self.top_logprobs = min(TOP_LOGPROBS, self.vocab_size)
+
+        # the parameters: split over a tensor-parallel mesh, then the repeating layers stacked for the scan
+        self.plan = layer_plan(model, scan=self.kernels.scan_layers)
+        params = model.params
+        parallel = options.parallel
+        if parallel.tensor_parallel is not None:
+            params = place_tensor_parallel(self.arch, self.config, params, parallel.tensor_parallel)
+        self.placement = model_placement(params)
+        self.params = dict(params, layers=LayerStack.build(params["layers"], self.plan, consume=consume_model))
+        if consume_model:
+            model.params = self.params  # the caller gave the model up: it now holds the stacked layers
+
+        pools = options.pools
+        if pools.cache_bytes is None:
+            options = options.replace(cache_bytes=self._derived_cache_bytes())
+        self.options = options
+        self.pools = Pools.for_budget(self.arch.pool_layout(self.config, model.dtype), options.pools.cache_bytes,
+                                      mean_tokens=options.pools.mean_entry_tokens, plan=self.plan,
+                                      device=self.placement)
+        self._init_tiers(options.tiers, parallel.devices)
+        self.cache = SegmentCache(options.pools.cache_bytes, on_drop=self._dropped,
+                                  policy=tr.DevicePolicy(self.policy) if self.eviction == "cost" else None)
+        self._slots = None  # the batched decode cache, made on first use
+        folder = options.compile.folder()
+        self.compile_cache = None if folder is None else _compile_cache_or_none(folder)
+        # compiled programs kept whole next to JAX's cache: a restarted process loads them without lowering
+        self.executables = None
+        if self.compile_cache is not None:
+            from hypic_jax.executables import ExecutableStore
+
+            self.executables = ExecutableStore(self.compile_cache / "hypic-programs")
+        self.programs = Programs(self, workers=options.compile.compile_workers)
+        self._device_lock = threading.RLock()
+        self._unstored: list[Entry] = []
+        # key -> (entry, tr.Transfer, tr.Pieces, tier): this request's promotions not yet written into the pools;
+        # tier "device": a copy from another device's pools (`mesh_pools`), whose pieces are None
+        self._promoting: dict[str, tuple] = {}
+        self._fetching: list = []  # this request's copies from other devices' pools, not yet issued (`mesh_pools`)
+        self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.segment_mesh`); None: one device
+        if parallel.devices is not None and (parallel.devices if isinstance(parallel.devices, int)
+                                             else len(parallel.devices)) > 1:
+            from hypic_jax.segment_mesh import SegmentMesh
+
+            self.segment_mesh = SegmentMesh(self, parallel.devices, parallel.policy)
+        self._scheduler = None
+        self.closed = False
+        _OPEN_ENGINES.add(self)
+
+    @classmethod
+    def from_pretrained(cls, path=None, dtype: Any = "bfloat16", *, tokenizer=None, options: EngineOptions | None = None,
+                        load_format: str = "auto", **fields) -> "Engine":
+        """Load a model folder (a Hugging Face folder, or an orbax checkpoint of `hypic-jax convert`) and serve it;
+        its tokenizer.json is picked up when present and `tokenizer` is None. Without a path: the model embedded in
+        the package (`hypic_jax.embedded`); FileNotFoundError naming its folder when none is installed.
+        load_format "dummy": random weights of the folder's architecture (for measuring shapes whose weights are
+        not at hand). With tensor parallelism the weights load straight into their split."""
+        from hypic_jax.checkpoint import load, random_model
+
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        if path is None:
+            from hypic_jax.embedded import require_embedded_model
+
+            path = require_embedded_model()
+        path = Path(path)
+        options = (options or EngineOptions()).replace(**fields) if fields else (options or EngineOptions())
+        mesh = None
+        tp = options.parallel.tensor_parallel
+        if tp is not None and (tp if isinstance(tp, int) else len(tp)) > 1:
+            from hypic_jax.engine.placement import tensor_parallel_mesh
+
+            mesh = tensor_parallel_mesh(tp)
+        model = random_model(path, dtype, mesh=mesh) if load_format == "dummy" else load(path, dtype, mesh=mesh)
+        if tokenizer is None and (path / "tokenizer.json").exists():
+            tokenizer = path / "tokenizer.json"
+        return cls(model, options, tokenizer=tokenizer, consume_model=True)
+
+    # Options and sizes -------------------------------------------------------------------------------------------------
+    def _derived_cache_bytes(self) -> int:
+        """The pools' budget when none is given: on an accelerator, 90% of what JAX may still use of the device
+        after the weights, the batched decode cache and a reserve for the programs' workspace (a tenth of the
+        device, at least 2 GiB; times the devices of a tensor-parallel split); 1 GiB on the CPU."""
+        if jax.default_backend() == "cpu":
+            return opts.CPU_CACHE_BYTES
+        device = jax.devices()[0] if self.placement is None else next(iter(self.placement.device_set))
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return opts.CPU_CACHE_BYTES
+        split = 1 if self.placement is None else len(self.placement.device_set)
+        limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        decode = jax.eval_shape(lambda: self.arch.init_cache(self.config, self.max_batch, self.max_keys,
+                                                             self.model.dtype))
+        reserve = max(2 * opts.GIB, limit // 10)
+        free = limit - in_use - tree_nbytes(decode) // split - reserve
+        budget = int(0.9 * max(0, free)) * split
+        if budget < 64 << 20:
+            raise DeviceMemoryError(
+                f"no device memory left for the entry pools: JAX may use {limit / 1e9:.1f} GB of the device, the "
+                f"weights hold {in_use / 1e9:.1f} GB and the batched decode cache ({self.max_batch} rows of "
+                f"{self.max_keys} tokens) {tree_nbytes(decode) / 1e9:.1f} GB. Lower max_batch or max_prompt_tokens, "
+                f"give cache_bytes yourself, or let JAX use more of the device (XLA_PYTHON_CLIENT_MEM_FRACTION; "
+                f"hypic-jax serve --gpu-memory-fraction)")
+        return budget
+
+    @property
+    def scheduler(self):
+        """The continuous-batching scheduler (`engine.scheduler.Scheduler`) over this engine, made on first use:
+        `generate` runs its requests through it, the server starts its thread."""
+        if self._scheduler is None:
+            from hypic_jax.engine.scheduler import Scheduler
+
+            sched = self.options.scheduler
+            self._scheduler = Scheduler(self, max_queue=sched.max_queue, overlap=sched.overlap)
+        return self._scheduler
+
+    # Programs ----------------------------------------------------------------------------------------------------------
+    def capacity(self, key: ProgramKey) -> lay.Capacity:
+        """The layout capacity of a span program's key."""
+        kind = key.kind.removesuffix("_hidden")
+        records = 0 if kind == "pic" else self.ladder.records  # stitched PIC requests record nothing
+        return lay.Capacity(tokens=key.tokens, pieces=self.ladder.max_pieces, keys=key.keys, records=records,
+                            chunk=lay.chunk_for(kind, self.ladder.chunk), conv=self.ladder.conv)
+
+    def dummy_layout(self, key: ProgramKey) -> lay.LayoutArrays:
+        kind = key.kind.removesuffix("_hidden")
+        return lay.build([lay.Span(lay.FRESH, 1)], self.capacity(key), isolated=kind == "cold",
+                         tokens=np.zeros(1, np.int32), summaries=kind != "plain")
+
+    def decode_shapes(self):
+        """The decode cache a stitched program returns (shapes only): the batched decode cache's rows. With the
+        layers scanned its layers are a `LayerStack` by the engine's plan, so the decode step scans them as they
+        are."""
+        key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
+        fn = functools.partial(span_program, arch=self.arch, config=self.config, capacity=self.capacity(key),
+                               isolated=False, summaries=False, want_decode=True, kernels=self.kernels)
+        decode = jax.eval_shape(fn, self.params, lay.pack(self.dummy_layout(key)), self.pools.arrays)[2]
+        return ModelCache(layers=decode, length=jax.ShapeDtypeStruct((), jnp.int32))
+
+    def slot_shapes(self):
+        """The batched decode cache: a request's decode caches (stacked ones too) with `max_batch` rows on each
+        leaf's batch axis (`programs.row_axes`)."""
+        from hypic_jax.engine.programs import row_axes
+
+        layers = self.decode_shapes().layers
+
+        def widen(s, axis):
+            shape = list(s.shape)
+            shape[axis] = self.max_batch
+            return jax.ShapeDtypeStruct(tuple(shape), s.dtype)
+
+        return jax.tree.map(widen, layers, row_axes(layers))
+
+    def writes_shapes(self, tokens: int):
+        """What the span programs of a token rung write (shapes only): per pool part, for each of its layers the
+        rows of the records capacity (linear layers' slots) or of the fresh tokens (attention layers' token rows),
+        in the pools' own forms."""
+        from hypic_jax import stitch
+
+        capacity = self.capacity(ProgramKey("plain", tokens, self.max_keys))  # cold programs write the same
+        out = []
+        for spec, pool in zip(self.pools.arrays.specs, self.pools.arrays.parts):
+            n = spec.members * (capacity.records if spec.kind == "slot" else capacity.tokens)
+            out.append(stitch.RowWrites(jax.ShapeDtypeStruct((n,), jnp.int32),
+                                        jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype),
+                                                     pool)))
+        return tuple(out)
+
+    def warmup(self, max_prompt_tokens: int | None = None, max_segments: int | None = None, *,
+               progress: bool = True, ready_tokens: int | None = None) -> dict:
+        """Compile every program a prompt of up to `max_prompt_tokens` tokens (default: the engine's limit) can use,
+        ahead of time; with a compile cache a restarted process loads them instead. Afterwards a compilation counts
+        as one while serving. `ready_tokens`: return once the programs of rungs up to it are ready and compile the
+        larger rungs on a background thread (a request that needs one of them waits for it; `programs.wait()`
+        waits for them all). Returns the programs, seconds, XLA compilations, programs loaded from the store and
+        programs left compiling."""
+        if max_segments is not None and max_segments > self.max_segments:
+            raise ValueError(f"max_segments {max_segments} exceeds the engine's {self.max_segments}")
+        limit = self.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
+        if not is_integer(limit) or limit < 1:
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {limit!r}")
+        if limit > self.max_prompt_tokens:
+            raise ValueError(f"max_prompt_tokens {limit} exceeds the engine's {self.max_prompt_tokens}")
+        if ready_tokens is not None and (not is_integer(ready_tokens) or ready_tokens < 1):
+            raise ValueError(f"ready_tokens must be an integer >= 1 or None, got {ready_tokens!r}")
+        self._check_open()
+        try:
+            return self._warmup(limit, progress, ready_tokens)
+        except Exception as error:
+            if out_of_memory(error):
+                raise DeviceMemoryError(self._memory_advice(error)) from error
+            raise
+
+    def _memory_advice(self, error: Exception) -> str:
+        """What a warmup that ran out of device memory should say: what the engine holds, what JAX may use, and
+        what to change."""
+        gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
+        held = [f"{gb(tree_nbytes(self.params))} of weights",
+                f"{gb(self.pools.nbytes)} of entry pools (cache_bytes)",
+                f"{gb(sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(self.slot_shapes())))} of batched "
+                f"decode rows (max_batch={self.max_batch})"]
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = (f"; JAX may use {gb(stats['bytes_limit'])} of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 of "
+                 f"it unless set)" if "bytes_limit" in stats else "")
+        first = str(error).strip().splitlines()[0][:300]
+        return (f"warmup ran out of device memory ({first}). The engine holds {', '.join(held)}{limit}. Lower "
+                f"cache_bytes (--cache-gb), max_batch or max_prompt_tokens, or let JAX use more of the device "
+                f"(XLA_PYTHON_CLIENT_MEM_FRACTION before the process starts; hypic-jax serve --gpu-memory-fraction).")
+
+    def _warmup(self, limit: int, progress: bool, ready_tokens: int | None) -> dict:
+        before = backend_compiles()
+        keys = self.programs.keys_for(limit)
+        ready = self.ladder.rung(min(ready_tokens, limit)) if ready_tokens is not None else None
+        later = [k for k in keys if ready is not None and k.kind in ("cold", "pic", "plain", "commit")
+                 and k.tokens > ready]
+        now = [k for k in keys if k not in later]
+        spans = [k for k in now if k.kind in ("cold", "pic", "plain")]
+        seconds = self.programs.compile(spans, progress=progress)
+        seconds += self.programs.compile([k for k in now if k not in spans], progress=False, background=later)
+        if self.segment_mesh is not None:
+            seconds += self._warm_mesh(limit)
+        self._slot_cache()
+        tiers = self._warm_tiers(limit)
+        self.programs.serving = True
+        return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before,
+                    loaded=self.programs.stats.loaded, pending=len(later), **tiers)
+
+    def _warm_mesh(self, limit: int) -> float:
+        """Compile (and run once) the segment-parallel programs of every rung up to `limit`; calibrate the segment
+        cost model."""
+        mesh = self.segment_mesh
+        rungs = [r for r in self.ladder.rungs if r <= self.ladder.rung(limit)]
+        seconds = mesh.compile(rungs)
+        mesh.calibrate(rungs)
+        return seconds
+
+    def first_linear_layer(self) -> int | None:
+        """0 when the model's first layer is a linear one (whose state a seam of W-1 tokens makes exact)."""
+        kinds = [kind for kind, _ in self.arch.pool_layout(self.config, self.model.dtype)]
+        return 0 if kinds and kinds[0] == "slot" else None
+
+    @property
+    def stats(self) -> dict:
+        out = dict(cache=self.cache.stats.as_dict(), programs=dataclasses.asdict(self.programs.stats),
+                   pool_slots_free=self.pools.free_slots(), tiers=self._tier_stats())
+        if self.segment_mesh is not None:
+            out["segment_parallel"] = self.segment_mesh.as_dict()
+        return out
+
+    # Inputs ------------------------------------------------------------------------------------------------------------
+    def _request_options(self, mode, seam, cache_salt) -> tuple[str, float]:
+        """A request's mode and seam (None: the engine's), checked with its salt before any work: only None means
+        the default (an empty or zero mode is refused, not read as the engine's), and a salt must be a string
+        (`str(salt)` would let 5 and "5" share entries)."""
+        mode = check_mode(self.mode if mode is None else mode)
+        seam = self.seam if seam is None else seam
+        seam_tokens(seam, 1)  # validates
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        return mode, seam
+
+    def segment_tokens(self, segments) -> list[list[int]]:
+        """Token ids of each segment: a list of strings or of token-id lists, or one string split on the separator."""
+        return [ids.tolist() for ids in self.reader(segments)]
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed")
+
+    # Running -----------------------------------------------------------------------------------------------------------
+    def _run(self, kind: str, spans, fresh_tokens, *, transfer=True, rope=True, hidden=False):
+        fresh_tokens = np.asarray(fresh_tokens, np.int32)
+        pieces, records = lay.count_pieces(spans, isolated=kind == "cold")
+        keys = len(fresh_tokens) if kind == "cold" else sum(s.length for s in spans)
+        capacity = self.ladder.fit(len(fresh_tokens), keys, pieces, records, isolated=kind == "cold")
+        key = ProgramKey(kind, capacity.tokens, capacity.tokens if kind == "cold" else self.max_keys)
+        if keys > key.keys:
+            raise ValueError(f"the request needs {keys} keys, over the engine's capacity of {key.keys}")
+        arrays = lay.build(spans, self.capacity(key), isolated=kind == "cold", tokens=fresh_tokens,
+                           summaries=kind != "plain", transfer=transfer, rope=rope)
+        if hidden:
+            key = key._replace(kind=f"{kind}_hidden")
+        program = self.programs.get(key, diagnostic=hidden)
+        # a stitched PIC request records nothing: its program returns no writes, and no commit runs
+        commit = None if kind == "pic" else self.programs.get(ProgramKey("commit", key.tokens, 0))
+        with self.pools.lock:
+            logits, writes, decode, *rest = program(self.params, lay.pack(arrays), self._pool_arrays())
+            logits.copy_to_host_async()  # queued behind the program: no host round trip once it ends
+            if commit is not None:
+                self._write_pools(commit, writes)
+        return (logits, decode, rest[0]) if hidden else (logits, decode)
+
+    def _pool_arrays(self):
+        if self.pools.arrays is None:
+            raise RuntimeError("the entry pools were lost when a write into them failed; restart the engine")
+        return self.pools.arrays
+
+    def _write_pools(self, program, *args) -> None:
+        """pools = program(pools, *args), the pools donated (every program that writes them runs here, under
+        `pools.lock`). The engine never keeps a reference to donated buffers; a program refused before it ran
+        (nothing donated) leaves the pools as they were."""
+        pools, self.pools.arrays = self._pool_arrays(), None
+        try:
+            self.pools.arrays = program(pools, *args)
+        finally:
+            if self.pools.arrays is None and not any(a.is_deleted() for a in jax.tree.leaves(pools)):
+                self.pools.arrays = pools
+
+    def _allocate(self, tokens: int):
+        return self.pools.allocate(tokens, self.cache.evict_one)
+
+    def _new_entry(self, kind: str, key: str, doc, seam: int, pins, device: int | None = None) -> Entry:
+        """A pinned entry given room in the engine's pools, or with `device` in the pools of that device of the
+        segment mesh (`mesh_pools`; the home device's are the engine's own)."""
+        n = len(doc) - seam
+        mesh_pools = self._mesh_pools
+        if mesh_pools is None or not mesh_pools.remote(device):
+            device = None
+        slot, rows = self._allocate(n) if device is None else mesh_pools.allocate(device, n)
+        entry = Entry(key=key, tokens=_token_tuple(doc), kind=kind, seam=seam, layers=None,
+                      nbytes=self.pools.entry_bytes(n), slot=slot, rows=rows, device=device)
+        self._unstored.append(entry)
+        return pins.add(entry)
+
+    @property
+    def _mesh_pools(self):
+        """The pools of the segment mesh's devices (`mesh_pools.MeshPools`), or None."""
+        return None if self.segment_mesh is None else self.segment_mesh.pools
+
+    def _free(self, entry: Entry) -> None:
+        """Give an entry's pool room back (in whichever device's pools it has it)."""
+        if entry.device is None:
+            self.pools.free(entry.slot, entry.rows)
+        else:
+            self._mesh_pools.free(entry)
+
+    def _store(self, entry: Entry) -> None:
+        self.cache.insert(entry)
+        self._unstored.remove(entry)
+        if self.disk_write_through and self.tiers.disk is not None:
+            self._persist_entry(entry)
+
+    # Prefill -----------------------------------------------------------------------------------------------------------
+    def prefill(self, segments, mode: str | None = None, seam: float | None = None,
+                cache_salt: str | None = None) -> PrefillResult:
+        """Prefill a request; returns the last position's logits, the stats (`PrefillStats`) and the per-layer
+        caches after the prompt (`decode`, on the device: what a decode row continues from)."""
+        return self._prefill(segments, mode, seam, cache_salt)
+
+    def _prefill(self, segments, mode, seam, cache_salt, *, hidden: bool = False):
+        self._check_open()
+        mode, seam = self._request_options(mode, seam, cache_salt)
+        ids = self.reader(segments)
+        total = sum(map(len, ids))
+        if total > self.max_prompt_tokens:
+            raise ValueError(f"the prompt has {total} tokens, over the engine's max_prompt_tokens of "
+                             f"{self.max_prompt_tokens}")
+        if len(ids) > self.max_segments + 1:
+            raise ValueError(f"the request has {len(ids) - 1} segments before its query, over the engine's "
+                             f"max_segments of {self.max_segments}")
+        start = time.perf_counter()
+        with self._device_lock, self.cache.pinned() as pins:
+            self._unstored = []  # given pool room by this request; freed if it fails before storing
+            self._promoting = {}
+            self._fetching = []
+            try:
+                plan = self._plan(mode, ids, seam, cache_salt, pins, total)
+                cold_s = time.perf_counter() - start
+                combine_start = time.perf_counter()
+                out = self._run(plan.kind, plan.spans, plan.fresh, transfer=mode != "addition",
+                                rope=mode not in ("addition", "transition"), hidden=hidden)
+                logits, decode = out[:2]
+                for entry in plan.stores:
+                    self._store(entry)
+                tokens = np.concatenate(ids).tolist()  # while the program runs
+                logits = np.asarray(logits)
+            finally:
+                for _, _, pieces, tier in self._promoting.values():  # a failed request's promotions go back
+                    if tier != "device":  # another device's pools still hold those
+                        self.tiers.give_back(pieces, tier)
+                self._promoting = {}
+                self._fetching = []
+                for entry in self._unstored:
+                    self._free(entry)
+                self._unstored = []
+        end = time.perf_counter()
+        stats = PrefillStats(
+            mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(ids),
+            prompt_tokens=total, cached_tokens=plan.cached_tokens, recomputed_tokens=len(plan.fresh),
+            cold_tokens=plan.cold_tokens, hits=plan.hits, misses=plan.misses, ttft_s=end - start,
+            cold_s=cold_s, combine_s=end - combine_start)
+        result = PrefillResult(logits=logits, stats=stats, tokens=tokens, decode=decode)
+        if hidden:
+            return result, np.asarray(out[2]), len(plan.fresh)
+        return result
+
+    def _plan(self, mode, ids, seam, salt, pins, total) -> Plan:
+        """What a request runs. `ids`: the segments' token ids as int32 arrays, which stay arrays throughout (keys
+        hash their bytes, lookups compare them, fresh tokens are their slices)."""
+        if mode == "full_recompute":
+            return Plan("plain", [lay.Span(lay.FRESH, total)], np.concatenate(ids), [], 0, 0, 0, 0)
+        if mode == "prefix_cache":
+            return self._plan_prefix(ids, salt, pins)
+        return self._plan_pic(ids, mode, seam, salt, pins)
+
+    def _prefix_hits(self, docs, salt, pins) -> tuple[list[str], list[Entry]]:
+        """Each leading segment's prefix key (chained through the keys before it) and the pinned entries of the
+        longest cached run of them."""
+        keys, parent = [], ""
+        for doc in docs:
+            parent = entry_key(doc, fingerprint=self.fingerprint, kind="prefix", parent=parent, salt=salt)
+            keys.append(parent)
+        hits: list[Entry] = []
+        for doc, key in zip(docs, keys):
+            entry = self._find(key, doc, pins, kind="prefix", seam=0)
+            if entry is None:
+                break
+            hits.append(entry)
+        return keys, hits
+
+    def _plan_prefix(self, ids, salt, pins) -> Plan:
+        """The longest cached run of leading segments; the rest is computed exactly and recorded as new prefix
+        entries (as many as the pools can hold)."""
+        docs, query = ids[:-1], ids[-1]
+        keys, hits = self._prefix_hits(docs, salt, pins)
+        self._finish_promotions()
+        spans, fresh, stores, position, full = [], [], [], 0, False
+        for j, doc in enumerate(docs):
+            if j < len(hits):
+                e = hits[j]
+                spans.append(lay.Span(lay.CACHED, len(doc), canonical_start=position, slot=e.slot, kv_rows=e.rows,
+                                      snapshot=True))
+            else:
+                try:  # recording is optional here: a prefix the pools cannot hold is computed, not cached
+                    entry = None if full else self._new_entry("prefix", keys[j], doc, 0, pins)
+                except PoolFull:
+                    entry, full = None, True
+                spans.append(lay.Span(lay.FRESH, len(doc)) if entry is None else
+                             lay.Span(lay.FRESH, len(doc), record_from=0, record_slot=entry.slot,
+                                      record_rows=entry.rows))
+                fresh.append(doc)
+                if entry is not None:
+                    stores.append(entry)
+            position += len(doc)
+        spans.append(lay.Span(lay.FRESH, len(query)))
+        fresh.append(query)
+        return Plan("plain", spans, np.concatenate(fresh), stores, sum(e.length for e in hits), 0, len(hits),
+                    len(docs) - len(hits))
+
+    def _plan_pic(self, ids, mode, seam, salt, pins) -> Plan:
+        docs, query = ids[:-1], ids[-1]
+        seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
+        keys = [None if w >= len(doc) else entry_key(doc, fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
+                for doc, w in zip(docs, seams)]
+        # every entry at once (each distinct key once), before any lookup could evict for a request that cannot fit
+        room = {key: len(doc) - w for doc, w, key in zip(docs, seams, keys) if key is not None}
+        self.pools.check_room(room.values())
+        entries: dict[int, Entry] = {}
+        missing: dict[str, int] = {}
+        for i, (doc, w, key) in enumerate(zip(docs, seams, keys)):
+            if key is None:
+                continue
+            entry = self._find(key, doc, pins, kind="pic", seam=w)
+            if entry is None:
+                missing.setdefault(key, i)
+            else:
+                entries[i] = entry
+        hit_indices = set(entries)
+        hits = len(entries)
+        misses = sum(1 for key in keys if key is not None) - hits
+        cold_tokens = 0
+        if missing:  # one packed, isolated prefill of every missing segment, recording its entry
+            cold_tokens = self._prefill_missing(missing, docs, seams, pins, entries, keys)
+        self._finish_promotions()  # after the cold prefill was issued: the promotions' copies overlap with it
+        spans, fresh = [], []
+        for i, (doc, w) in enumerate(zip(docs, seams)):
+            if w:
+                spans.append(_seam_span(w))
+                fresh.append(doc[:w])
+            if w < len(doc):
+                e = entries[i]
+                spans.append(lay.Span(lay.CACHED, len(doc) - w, canonical_start=w, slot=e.slot, kv_rows=e.rows))
+        cached_tokens = sum(entries[i].length for i in hit_indices)
+        spans.append(lay.Span(lay.FRESH, len(query)))
+        fresh.append(query)
+        return Plan("pic", spans, np.concatenate(fresh), [], cached_tokens, cold_tokens, hits, misses)
+
+    def _prefill_missing(self, missing: dict[str, int], docs, seams, pins, entries: dict[int, Entry], keys) -> int:
+        """Prefill the documents under `missing` (key -> first document) in one packed, isolated program that
+        records their entries; every document under a missing key then reads its entry (into `entries`). Returns
+        the tokens computed."""
+        mesh = self.segment_mesh
+        bins, device_of = None, {}
+        if mesh is not None and mesh.pools is not None:  # each entry in the pools of the device that computes it
+            bins = mesh.bins([len(docs[i]) for i in missing.values()])
+            device_of = {j: k for k, b in enumerate(bins) for j in b}
+            self._issue_fetches()  # this request's hits on other devices: their gathers go before the bins
+        spans, stored = [], {}
+        for j, (key, i) in enumerate(missing.items()):
+            entry = self._new_entry("pic", key, docs[i], seams[i], pins, device=device_of.get(j))
+            spans.append(lay.Span(lay.FRESH, len(docs[i]), record_from=seams[i], record_slot=entry.slot,
+                                  record_rows=entry.rows))
+            stored[key] = entry
+        cold = [docs[i] for i in missing.values()]
+        timed = self.programs.serving and self.cost.wants_samples()
+        cold_start = time.perf_counter()
+        if mesh is not None:
+            mesh.run(spans, cold, bins=bins, timed=self.programs.serving)
+            timed = False  # the mesh keeps its own predicted and measured times
+        else:
+            cold_logits, _ = self._run("cold", spans, np.concatenate(cold))
+        if timed:  # calibrates the recompute cost model (waits for the cold prefill)
+            jax.block_until_ready(cold_logits)
+            self.cost.observe([len(doc) for doc in cold], time.perf_counter() - cold_start)
+        for key, entry in stored.items():
+            if entry.device is None:
+                self._store(entry)
+            else:  # kept where it was computed; the request reads a home copy (`_finish_promotions` writes it)
+                mesh.pools.caches[entry.device].insert(entry)
+                self._unstored.remove(entry)
+                if self.disk_write_through and self.tiers.disk is not None:
+                    self.tiers.persist(self._remote_pieces(entry))
+                stored[key] = self._fetch_home(entry, pins)
+        for i, key in enumerate(keys):
+            if key is not None and i not in entries:
+                entries[i] = stored[key]
+        return sum(map(len, cold))
+
+    # Generation --------------------------------------------------------------------------------------------------------
+    def generate(self, segments, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, stop=None, seed: int | None = 0, logprobs: int | None = None,
+                 mode: str | None = None, seam: float | None = None, cache_salt: str | None = None) -> GenerateResult:
+        """Prefill (any mode), then decode, through the scheduler the server runs (the same programs and the same
+        device sampler: one request and seed give the same tokens through here and over HTTP).
+
+        temperature 0 is greedy; otherwise a draw from the temperature-scaled distribution within the top_k tokens
+        (0: all) and the top_p nucleus, seeded (seed None: a fresh seed). stop: strings (need a tokenizer; the text
+        ends before the first one, and a special token's text, such as `<|eos|>`, stops at its id) and/or token ids
+        (kept as the last token). logprobs k: each token's log-probability and the k likeliest alternatives."""
+        from hypic_jax.engine.scheduler import Request, RequestError
+
+        self._check_open()
+        params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 seed=seed, stop=stop, logprobs=logprobs, vocab_size=self.vocab_size,
+                                 tokenizer=self.tokenizer, top_logprobs=self.top_logprobs)
+        self._request_options(mode, seam, cache_salt)
+        ids = self.reader(segments)
+        total = sum(map(len, ids))
+        if max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) is over the engine's max_new_tokens of "
+                             f"{self.max_new_tokens}")
+        if total + max_new_tokens > self.max_keys:
+            raise ValueError(f"prompt ({total}) + max_new_tokens ({max_new_tokens}) exceeds the engine's context "
+                             f"capacity of {self.max_keys} (raise max_new_tokens or max_prompt_tokens)")
+        events = []
+        request = Request([i.tolist() for i in ids], params, events.append, mode=mode, seam=seam,
+                          cache_salt=cache_salt, timeout=self.options.scheduler.request_timeout,
+                          tokenizer=self.tokenizer)
+        self.scheduler.run(request)
+        end = events[-1]
+        if end["type"] == "error":
+            error = end["error"]
+            raise (ValueError if error.status == 400 else RuntimeError)(error.message) from (
+                error if isinstance(error, RequestError) else None)
+        tokens = [t for e in events if e["type"] == "delta" for t in e["token_ids"]]
+        lps = [lp for e in events if e["type"] == "delta" for lp in (e["logprobs"] or [])]
+        first = request.first_token_at or request.ended
+        return GenerateResult(text=end["text"] if self.tokenizer is not None else None, tokens=tokens,
+                              stats=end["stats"], decode_s=request.ended - first,
+                              finish_reason=end["finish_reason"], logprobs=lps if logprobs is not None else None)
+
+    # Batched decoding ------------------------------------------------------------------------------------------------
+    def batch_bucket(self, rows: int) -> int:
+        """The smallest batch bucket that holds rows [0, rows)."""
+        if not 1 <= rows <= self.max_batch:
+            raise ValueError(f"rows must lie in [1, {self.max_batch}], got {rows}")
+        return next(b for b in self.batch_buckets if b >= rows)
+
+    def _slot_cache(self):
+        """The batched decode cache, allocated on first use (or again after a failed step lost it)."""
+        if self._slots is None:
+            self._slots = self.programs.get(ProgramKey("slots", self.max_batch, self.max_keys))()
+        return self._slots
+
+    def slot_insert(self, row: int, prefill: PrefillResult, sampling: SamplingRows) -> Sampled:
+        """Place `prefill`'s decode caches in `row` of the batched cache (whatever the row held is overwritten) and
+        sample the request's first token from its logits with `sampling` (one row)."""
+        if not 0 <= row < self.max_batch:
+            raise ValueError(f"row must lie in [0, {self.max_batch}), got {row}")
+        program = self.programs.get(ProgramKey("insert_full" if sampling.full() else "insert", 1, self.max_keys))
+        layers = stacked_like(self.params["layers"], prefill.decode)  # the decode program's form (as it comes)
+        with self._device_lock:
+            slots, self._slots = self._slot_cache(), None  # donated: never left pointing at a deleted buffer
+            *out, self._slots = program(slots, np.asarray(row, np.int32), layers,
+                                        np.asarray(prefill.logits, np.float32), sampling)
+        return Sampled(*out)
+
+    def slot_decode(self, tokens, lengths, sampling: SamplingRows) -> Sampled:
+        """One decode step of rows [0, b), b = len(tokens) (a batch bucket): row i takes `tokens[i]` at position
+        `lengths[i]` (the tokens its cache already holds). Rows without a request may be passed anything: rows never
+        mix, and `slot_insert` overwrites a row whole. `tokens` may be the previous step's `Sampled.device_ids` (a
+        step of the same bucket): the step is then dispatched without waiting for that one."""
+        rows = len(tokens)
+        if rows not in self.batch_buckets:
+            raise ValueError(f"{rows} rows is not a batch bucket {self.batch_buckets}")
+        program = self.programs.get(ProgramKey("batch_full" if sampling.full() else "batch", rows, self.max_keys))
+        with self._device_lock:
+            slots, self._slots = self._slot_cache(), None
+            tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
+            *out, self._slots = program(self.params, slots, tokens, np.asarray(lengths, np.int32), sampling)
+        return Sampled(*out)
+
+    # Diagnostics -------------------------------------------------------------------------------------------------------
+    def diagnose(self, segments, mode: str | None = None, seam: float | None = None,
+                 cache_salt: str | None = None) -> list[dict]:
+        """Per-layer relative deviation of the query tokens' hidden states, `mode` against full recompute:
+        ||h_mode - h_full|| / ||h_full|| after every layer, plus the last position's logits. The query is fresh in every mode, so both runs hold its hidden states. Its programs (the
+        span programs with every layer's hidden states) are compiled on first use, apart from the serving ladder
+        (`stats["programs"]["diagnostic"]`)."""
+        segs = self.reader(segments)
+        query = len(segs[-1])
+        full, h_full, fresh_full = self._prefill(segs, "full_recompute", None, None, hidden=True)
+        ours, h_ours, fresh_ours = self._prefill(segs, mode, seam, cache_salt, hidden=True)
+        h_full = np.asarray(h_full[:, fresh_full - query:fresh_full], np.float64)
+        h_ours = np.asarray(h_ours[:, fresh_ours - query:fresh_ours], np.float64)
+        rows = []
+        kinds = _layer_kinds(self.config)
+        for layer in range(h_full.shape[0]):
+            ref = np.linalg.norm(h_full[layer])
+            rows.append(dict(layer=layer, kind=kinds[layer],
+                             deviation=float(np.linalg.norm(h_ours[layer] - h_full[layer]) / max(ref, 1e-30))))
+        ref = np.linalg.norm(full.logits)
+        rows.append(dict(layer="logits", kind="head",
+                         deviation=float(np.linalg.norm(ours.logits - full.logits) / max(ref, 1e-30))))
+        return rows
+
+    # Lifecycle ---------------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the scheduler (what it still holds fails with 503) and the background compiles, wait for the
+        demotions in flight, and with a disk tier write every entry of the device and host tiers there
+        (`persist`), so an engine restarted on the same folder serves them. Idempotent; the engine serves nothing
+        afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN_ENGINES.discard(self)
+        if self._scheduler is not None:
+            self._scheduler.stop()
+        self.programs.close()
+        try:
+            if self.tiers.disk is not None:
+                log.info("writing the cache to the disk tier %s", self.tiers.disk.folder)
+                self._persist()
+        finally:
+            self.sync_tiers()
+            self._demoter.shutdown(wait=True)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def clear_cache(self, *, disk: bool = False) -> None:
+        """Drop every entry of the device and host tiers (and with `disk`, this model's files)."""
+        self._clearing = True
+        try:
+            self.cache.clear()
+            if self._mesh_pools is not None:
+                self._mesh_pools.clear()
+        finally:
+            self._clearing = False
+        self.sync_tiers()
+        self.tiers.clear(disk=disk)
+
+    # Tiers -------------------------------------------------------------------------------------------------------------
+    def _init_tiers(self, tiers: opts.TierOptions, devices=None) -> None:
+        self.eviction = tiers.eviction
+        self.cost = tr.CostModel()
+        self.bandwidths = tr.Bandwidths(host=tiers.host_bandwidth or tr.DEFAULT_HOST_BANDWIDTH,
+                                        disk=tiers.disk_bandwidth or tr.DEFAULT_DISK_BANDWIDTH)
+        self._bandwidth_overrides = (tiers.host_bandwidth, tiers.disk_bandwidth)
+        self.policy = tr.Policy(tiers.eviction, self.cost, lambda: self.bandwidths)
+        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tiers.tier_dtype,
+                              transfer_tol=tiers.tier_transfer_tol, host_memory=tiers.host_memory)
+        peers = ()
+        if tiers.peer_cache_bytes:  # the peer tier: the engine's other devices (this process's), a budget on each
+            from hypic_jax.segment_mesh import resolve_devices
+
+            home = self.mover.device
+            peers = tuple(d for d in resolve_devices(devices) if d != home and d.process_index == jax.process_index())
+        disk_dir = tiers.disk_cache_dir
+        if disk_dir is not None:
+            disk_dir = Path(disk_dir).expanduser()
+            try:
+                disk_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise ValueError(f"disk_cache_dir {str(disk_dir)!r}: cannot create it ({error.strerror})") from None
+        self.tiers = tr.Tiers(leaves=self.mover.leaves, fingerprint=self.fingerprint, policy=self.policy,
+                              host_bytes=tiers.host_cache_bytes, disk_dir=disk_dir, disk_bytes=tiers.disk_cache_bytes,
+                              form=tr.compact_form(tiers.tier_dtype, tiers.tier_transfer_tol),
+                              droppable=self.mover.droppable, peers=peers, peer_bytes=tiers.peer_cache_bytes,
+                              mover=self.mover)
+        self.disk_write_through = tiers.disk_write_through
+        self._clearing = False
+        self._demote_errors = 0
+        # seconds a request spent on the tiers' copies (where a tiered request's time goes, `bench/cache_tiers.py`):
+        # issuing demotions and waiting for the ones in flight, issuing promotions, writing them into the pools
+        self.tier_seconds = dict(demote_issue=0.0, demote_wait=0.0, promote_issue=0.0, promote_write=0.0)
+        # demotions finish off the request's path: the copy out of the pools is issued at eviction (so the pool room
+        # is free at once), its transfer to the host and the tier's bookkeeping run on this one thread
+        self._demoter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hypic-demote")
+        self._demoting: dict[str, concurrent.futures.Future] = {}
+        self._demoting_lock = threading.Lock()
+
+    def _warm_tiers(self, limit: int) -> dict:
+        """Compile the promote/demote programs, measure the tiers' bandwidths, calibrate the cost model."""
+        out = dict(tier_programs=0)
+        if self.tiers.enabled:
+            out["tier_programs"] = self.mover.compile(self.pools.arrays)
+            host, disk = self._bandwidth_overrides
+            folder = self.tiers.disk.folder if self.tiers.disk is not None else None
+            self.bandwidths = tr.Bandwidths.measure(folder, host=host, disk=disk, staging=self.mover.host_sharding,
+                                                    device=self.mover.device_sharding,
+                                                    peers=[p.device for p in self.tiers.peers])
+        if self.eviction == "cost":
+            self._calibrate(limit)
+        return out
+
+    def _calibrate(self, limit: int) -> None:
+        """Time cold prefills of the top rung and of one a quarter of its size, as one segment and as four (records
+        nothing): the cost model's first samples."""
+        rungs = [r for r in self.ladder.rungs if r <= self.ladder.rung(limit)]
+        chosen = sorted({rungs[-1], min(rungs, key=lambda r: abs(r - rungs[-1] / 4))})
+        if any(ProgramKey("cold", r, r) not in self.programs for r in chosen):
+            return  # compiling in the background: the cost model learns from the requests instead
+        rng = np.random.default_rng(0)
+        for rung in chosen:
+            for lengths in ([rung], [max(1, rung // 4)] * min(4, self.max_segments)):
+                spans = [lay.Span(lay.FRESH, n) for n in lengths]
+                tokens = rng.integers(0, self.vocab_size, sum(lengths))
+                for attempt in range(2):  # the first run of a program pays one-time costs
+                    start = time.perf_counter()
+                    logits, _ = self._run("cold", spans, tokens)
+                    jax.block_until_ready(logits)
+                    if attempt:
+                        self.cost.observe(lengths, time.perf_counter() - start)
+
+    def _find(self, key: str, tokens, pins, *, kind: str, seam: int) -> Entry | None:
+        """The pinned device entry under `key`, promoted from the host or disk tier when it is there. A promotion's
+        copy is issued here and written into the pools by `_finish_promotions`, which the request calls after it
+        issued its cold prefill (so the copy overlaps with it); until then the entry is this request's alone."""
+        promoting = self._promoting.get(key)
+        if promoting is not None:
+            return pins.add(promoting[0])
+        entry = self.cache.lookup(key, tokens, pins=pins)
+        if entry is not None:
+            return entry
+        mesh_pools = self._mesh_pools
+        if mesh_pools is not None:
+            source = mesh_pools.lookup(key, tokens, pins)
+            if source is not None:  # on another device: a home copy, issued with this request's other copies
+                return self._fetch_home(source, pins)
+        if not self.tiers.enabled:
+            return None
+        waited = time.perf_counter()
+        self._await_demotion(key)
+        self.tier_seconds["demote_wait"] += time.perf_counter() - waited
+        found = self.tiers.take(key, _token_tuple(tokens))
+        if found is None:
+            return None
+        pieces, tier = found
+        if pieces.kind != kind or pieces.seam != seam:  # the key covers both; a mismatch is never served
+            return None
+        try:
+            slot, rows = self._allocate(pieces.length)
+        except PoolFull:
+            self.tiers.give_back(pieces, tier)
+            if kind == "prefix":  # a prefix cache computes what it cannot hold: a miss from here on
+                return None
+            raise
+        entry = Entry(key=key, tokens=pieces.tokens, kind=kind, seam=seam, layers=None,
+                      nbytes=self.pools.entry_bytes(pieces.length), slot=slot, rows=rows, uses=pieces.uses)
+        self._unstored.append(entry)
+        pins.add(entry)
+        issued = time.perf_counter()
+        try:
+            transfer = self.mover.transfer(self.mover.stage(pieces), slot, rows)
+            self.tier_seconds["promote_issue"] += time.perf_counter() - issued
+        except Exception:
+            self.tiers.give_back(pieces, tier)
+            raise
+        self._promoting[key] = (entry, transfer, pieces, tier)
+        return entry
+
+    def _fetch_home(self, source: Entry, pins) -> Entry:
+        """A home entry for `source`, an entry in another device's pools: its copy is issued with the request's
+        other copies (`_issue_fetches`) and written like a promotion; `source` stays where it is."""
+        from hypic_jax.mesh_pools import Fetch
+
+        doc = np.asarray(source.tokens, np.int32)
+        target = self._new_entry(source.kind, source.key, doc, source.seam, pins)
+        target.uses = source.uses
+        self._fetching.append(Fetch(source.device, source, target))
+        self._promoting[source.key] = (target, None, None, "device")
+        return target
+
+    def _issue_fetches(self) -> None:
+        """Issue the copies `_fetch_home` queued (`MeshPools.fetch`: at most one gather per device and bucket)."""
+        if not self._fetching:
+            return
+        fetching, self._fetching = self._fetching, []
+        for fetch, transfer in self._mesh_pools.fetch(fetching):
+            key = fetch.target.key
+            self._promoting[key] = (fetch.target, transfer, None, "device")
+
+    def _finish_promotions(self) -> None:
+        """Write the promotions `_find` issued (and the copies from other devices) into the pools and make their
+        entries visible to later requests."""
+        self._issue_fetches()
+        while self._promoting:  # one at a time: a failure leaves the rest to `prefill`, which gives them back
+            key = next(iter(self._promoting))
+            entry, transfer, pieces, tier = self._promoting[key]
+            written = time.perf_counter()
+            with self.pools.lock:
+                programs = (self._mesh_pools.scatter_programs(transfer) if tier == "device"
+                            else self.mover.scatter_programs(self._pool_arrays(), transfer))
+                for program, args in programs:
+                    self._write_pools(program, *args)
+            self.tier_seconds["promote_write"] += time.perf_counter() - written
+            del self._promoting[key]
+            self.cache.insert(entry)
+            self._unstored.remove(entry)
+            if self.disk_write_through and pieces is not None:
+                self.tiers.persist(pieces)
+
+    def _pieces(self, entry: Entry) -> tr.Pieces:
+        with self.pools.lock:
+            started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
+        return self._stored_pieces(entry, started)
+
+    def _stored_pieces(self, entry: Entry, started) -> tr.Pieces:
+        """`entry` off the device, from `Mover.gather_start`'s handle (waits for the transfer)."""
+        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, uses=entry.uses,
+                         staged=self.mover.gather_finish(started))
+
+    # at most this many demotions in flight (each holds its entry's copy, in device memory when the host tier is
+    # pageable, until the host tier has it)
+    MAX_PENDING_DEMOTIONS = 8
+
+    def _dropped(self, entry: Entry) -> None:
+        """`entry` left the device tier (no request holds it): issue its copy out of the pools, free its pool room,
+        and let the demotion thread bring it to the host tier. An entry that another device of the segment mesh
+        still holds is not demoted (that device keeps it); one evicted from another device's pools is dropped."""
+        if entry.device is not None:
+            self._free(entry)
+            return
+        mesh_pools = self._mesh_pools
+        try:
+            if (self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache
+                    and not (mesh_pools is not None and mesh_pools.holds(entry.key))):
+                issued = time.perf_counter()
+                with self.pools.lock:
+                    started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
+                waited = time.perf_counter()
+                self.tier_seconds["demote_issue"] += waited - issued
+                with self._demoting_lock:
+                    pending = list(self._demoting.values())
+                if len(pending) >= self.MAX_PENDING_DEMOTIONS:
+                    concurrent.futures.wait(pending[: len(pending) - self.MAX_PENDING_DEMOTIONS + 1])
+                self.tier_seconds["demote_wait"] += time.perf_counter() - waited
+                with self._demoting_lock:
+                    future = self._demoter.submit(self._finish_demotion, entry, started)
+                    self._demoting[entry.key] = future
+                future.add_done_callback(functools.partial(self._forget_demotion, entry.key))
+        except Exception:  # a failed copy loses the entry, never the request
+            self._demote_errors += 1
+            log.exception("demoting a cache entry failed; it is dropped")
+        finally:
+            self.pools.free(entry.slot, entry.rows)
+
+    def _finish_demotion(self, entry: Entry, started) -> None:
+        try:
+            self.tiers.put(self._stored_pieces(entry, started))
+        except Exception:
+            self._demote_errors += 1
+            log.exception("demoting a cache entry failed; it is dropped")
+
+    def _forget_demotion(self, key: str, future) -> None:
+        with self._demoting_lock:
+            if self._demoting.get(key) is future:
+                del self._demoting[key]
+
+    def _await_demotion(self, key: str) -> None:
+        """Wait for `key`'s demotion if one is in flight (so that a lookup finds it in its tier)."""
+        with self._demoting_lock:
+            future = self._demoting.get(key)
+        if future is not None:
+            concurrent.futures.wait([future])
+
+    def demote_all(self, *, sync: bool = True) -> int:
+        """Evict every device entry that no request holds into the lower tiers (dropped where they are off);
+        returns how many left the device. sync: wait until their demotions have reached their tiers."""
+        count = 0
+        with self._device_lock:
+            while self.cache.evict_one():
+                count += 1
+        if sync:
+            self.sync_tiers()
+        return count
+
+    def sync_tiers(self) -> None:
+        """Wait until every demotion issued so far has reached its tier (stats, `persist` and `clear_cache` do)."""
+        with self._demoting_lock:
+            pending = list(self._demoting.values())
+        concurrent.futures.wait(pending)
+
+    def _persist_entry(self, entry: Entry) -> bool:
+        if entry.key in self.tiers.disk:
+            return True
+        return self.tiers.persist(self._pieces(entry))
+
+    def _remote_pieces(self, entry: Entry) -> tr.Pieces:
+        """An entry of another device's pools off the device, in the tiers' stored form (its dtypes; every head)."""
+        arrays = [a.astype(dtype) for a, (_, _, dtype) in zip(self._mesh_pools.pieces(entry), self.mover.leaves)]
+        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
+                         uses=entry.uses)
+
+    def persist(self) -> int:
+        """Write every entry of the device tier (every device of the segment mesh) and the host tier to the disk tier
+        (they stay where they are); returns the entries on disk afterwards. A restarted engine on the same
+        `disk_cache_dir` finds them."""
+        if self.tiers.disk is None:
+            raise ValueError("persist needs a disk tier (disk_cache_dir)")
+        self._check_open()
+        return self._persist()
+
+    def _persist(self) -> int:
+        self.sync_tiers()
+        with self._device_lock:
+            for entry in self.cache.entries():
+                self._persist_entry(entry)
+            for entry in self._mesh_pools.entries() if self._mesh_pools is not None else ():
+                if entry.key not in self.tiers.disk:  # held on another device only
+                    self.tiers.persist(self._remote_pieces(entry))
+            if self.tiers.host is not None:
+                for pieces in self.tiers.host.values():
+                    self.tiers.persist(pieces)
+        return self.tiers.disk.stats.entries
+
+    def _tier_stats(self) -> dict:
+        self.sync_tiers()
+        return dict(eviction=self.eviction, **self.tiers.stats(), demote_errors=self._demote_errors,
+                    cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths),
+                    host_memory="pinned" if self.mover.host_sharding is not None else "pageable",
+                    demote_copy=self.mover.demote_copy,
+                    seconds={k: round(v, 6) for k, v in self.tier_seconds.items()})
+
+
+def _compile_cache_or_none(folder: Path) -> Path | None:
+    """The compile cache folder in use, or None (with a warning) when it cannot be made: a process without one
+    compiles every start, which is slow but correct."""
+    try:
+        return use_compile_cache(folder)
+    except ValueError as error:
+        log.warning("no compile cache (%s); every start compiles", error)
+        return None
+
+
+__all__ = ["Engine", "Plan", "load_tokenizer", "use_compile_cache", "layer_plan", "stack_layers"]
