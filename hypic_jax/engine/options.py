@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from hypic_jax.models.base import KernelOptions
-from hypic_jax.options import GIB, OptionGroup, boolean, choice, folder, number, option, rungs, whole
+from hypic_jax.options import GIB, OptionGroup, boolean, choice, folder, is_number, number, option, rungs, whole
 from hypic_jax.options import devices as device_list
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
@@ -40,9 +41,25 @@ DEFAULT_MAX_NEW_TOKENS = 256
 CPU_CACHE_BYTES = 1 * GIB
 
 
-def _seam(what, value):
-    from hypic_jax.engine.requests import seam_tokens
+def seam_tokens(seam: float, length: int) -> int:
+    """HYPIC's seam knob for one segment of `length` tokens: 0 -> 0, 0 < x <= 1 -> ceil(x * length), x > 1 -> x.
+    A bool is refused (True would silently mean "the whole segment"), and so is NaN or infinity."""
+    if not is_number(seam):
+        raise TypeError(f"seam must be a number, got {type(seam).__name__} {seam!r}")
+    if not math.isfinite(seam):
+        raise ValueError(f"seam must be a finite number, got {seam}")
+    if seam < 0:
+        raise ValueError(f"seam must be >= 0, got {seam}")
+    if seam == 0:
+        return 0
+    if seam <= 1:
+        return min(length, math.ceil(seam * length))
+    if seam != int(seam):
+        raise ValueError(f"a seam above 1 is a token count and must be an integer, got {seam}")
+    return min(length, int(seam))
 
+
+def _seam(what, value):
     try:
         seam_tokens(value, 1)
     except (TypeError, ValueError) as error:

@@ -13,29 +13,11 @@ from typing import Sequence
 
 import numpy as np
 
-from hypic_jax.engine.options import MODES
+from hypic_jax.engine.options import MODES, seam_tokens
 from hypic_jax.options import is_integer, is_number
 
 __all__ = ["seam_tokens", "check_mode", "SamplingParams", "sampling_params", "SegmentReader", "is_number",
            "is_integer"]
-
-
-def seam_tokens(seam: float, length: int) -> int:
-    """HYPIC's seam knob for one segment of `length` tokens: 0 -> 0, 0 < x <= 1 -> ceil(x * length), x > 1 -> x.
-    A bool is refused (True would silently mean "the whole segment"), and so is NaN or infinity."""
-    if not is_number(seam):
-        raise TypeError(f"seam must be a number, got {type(seam).__name__} {seam!r}")
-    if not math.isfinite(seam):
-        raise ValueError(f"seam must be a finite number, got {seam}")
-    if seam < 0:
-        raise ValueError(f"seam must be >= 0, got {seam}")
-    if seam == 0:
-        return 0
-    if seam <= 1:
-        return min(length, math.ceil(seam * length))
-    if seam != int(seam):
-        raise ValueError(f"a seam above 1 is a token count and must be an integer, got {seam}")
-    return min(length, int(seam))
 
 
 def check_mode(mode) -> str:
