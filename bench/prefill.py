@@ -17,7 +17,6 @@ GDN core 2 * (3 K V + c (3 K + 2 V)) per token and value head (chunk c).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import KernelOptions
 
 
 def random_model(config: qwen3_5.Config, dtype, *, scan: bool = True):
@@ -33,8 +33,8 @@ def random_model(config: qwen3_5.Config, dtype, *, scan: bool = True):
     every engine built on it shares one copy of the weights: an engine given an unstacked model stacks a copy of its
     own, and at the 35B-A3B shape two copies and the pools do not fit on one card (bench/RESULTS.md,
     "segment_parallel.py")."""
+    from hypic_jax.engine import stack_layers
     from hypic_jax.models.base import Model
-    from hypic_jax.runtime import stack_layers
 
     return stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), scan=scan,
                         consume=True)
@@ -106,11 +106,11 @@ def active_weights_per_token(config: qwen3_5.Config) -> int:
     return total
 
 
-def prefill_flops(config: qwen3_5.Config, length: int, batch: int = 1) -> dict[str, float]:
+def prefill_flops(config: qwen3_5.Config, length: int, batch: int = 1, chunk: int = 64) -> dict[str, float]:
     weights = 2.0 * active_weights_per_token(config) * length + 2.0 * config.hidden_size * config.vocab_size
     num_full = sum(t == qwen3_5.FULL for t in config.layer_types)
     attention = num_full * 4.0 * config.num_attention_heads * config.head_dim * length * length / 2
-    k, v, c = config.linear_key_head_dim, config.linear_value_head_dim, config.chunk_size
+    k, v, c = config.linear_key_head_dim, config.linear_value_head_dim, chunk
     num_linear = len(config.layer_types) - num_full
     gdn = num_linear * config.linear_num_value_heads * length * 2.0 * (3 * k * v + c * (3 * k + 2 * v))
     parts = dict(weights=weights, attention=attention, gdn=gdn)
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     config = small_config() if args.small else full_config(args.layers)
-    config = dataclasses.replace(config, gdn_kernel=args.gdn_kernel, moe_kernel=args.moe_kernel)
+    kernels = KernelOptions(linear=args.gdn_kernel, moe=args.moe_kernel)
     lengths = args.lengths or ([256, 1024] if args.small else [8192, 32768])
     dtype = jnp.dtype(args.dtype)
     print(f"devices: {jax.devices()}", flush=True)
@@ -173,20 +173,20 @@ def main(argv=None) -> None:
     jax.block_until_ready(params)
     print(f"built {count_params(params) / 1e9:.2f}B params ({dtype}) in {time.perf_counter() - start:.1f} s", flush=True)
 
-    prefill = jax.jit(qwen3_5.prefill, static_argnames=("config", "max_len"))
+    prefill = jax.jit(qwen3_5.prefill, static_argnames=("config", "max_len", "kernels"))
     results = []
     for length in lengths:
         tokens = jax.random.randint(jax.random.key(length), (args.batch, length), 0, config.vocab_size, jnp.int32)
         start = time.perf_counter()
         try:
-            compiled = prefill.lower(params, config, tokens, length + 1).compile()
+            compiled = prefill.lower(params, config, tokens, length + 1, kernels=kernels).compile()
         except jax.errors.JaxRuntimeError as error:  # a kernel that does not fit this GPU: say so, use pure JAX
-            if config.gdn_kernel == "xla":
+            if kernels.linear == "xla":
                 raise
-            print(f"compile failed with gdn_kernel={config.gdn_kernel!r} ({str(error)[:200]}); retrying with 'xla'",
-                  flush=True)
-            config = dataclasses.replace(config, gdn_kernel="xla")
-            compiled = prefill.lower(params, config, tokens, length + 1).compile()
+            print(f"compile failed with the linear kernel {kernels.linear!r} ({str(error)[:200]}); retrying with "
+                  f"'xla'", flush=True)
+            kernels = kernels.replace(linear="xla")
+            compiled = prefill.lower(params, config, tokens, length + 1, kernels=kernels).compile()
         compile_s = time.perf_counter() - start
         times = []
         for _ in range(args.repeats + 1):  # the first run warms up allocators / autotuning
@@ -197,7 +197,7 @@ def main(argv=None) -> None:
             times.append(time.perf_counter() - start)
             del cache
         ttft = min(times[1:]) if len(times) > 1 else times[0]
-        flops = prefill_flops(config, length, args.batch)
+        flops = prefill_flops(config, length, args.batch, kernels.chunk_size)
         total = sum(flops.values())
         row = dict(
             length=length,
@@ -208,7 +208,7 @@ def main(argv=None) -> None:
             tflop_breakdown={k: float(f"{v / 1e12:.4g}") for k, v in flops.items()},
             achieved_tflops=float(f"{total / ttft / 1e12:.4g}"),
             mfu=float(f"{total / ttft / (args.peak_tflops * 1e12):.4g}"),
-            gdn_kernel=config.gdn_kernel,
+            gdn_kernel=kernels.linear,
             compile_s=round(compile_s, 1),
             runs_s=[round(t, 4) for t in times],
         )

@@ -1,12 +1,12 @@
-"""A RAG trace against the shape-stable engine (`hypic_jax.runtime.StableEngine`): compiles, TTFT percentiles.
+"""A RAG trace against the engine (`hypic_jax.Engine`): compiles, TTFT percentiles.
 
 A corpus of documents of log-uniform lengths (`--min-len` to `--max-len` tokens); each request takes
 `--docs` documents by Zipf popularity, in a random order, plus a query of 32 to 96 tokens. The engine is warmed up
 first (every program of its ladder, timed; with `--compile-cache` a second run loads them), then the same trace
 runs through each mode. Reported per mode: backend compilations during the trace (the bar is zero), p50 and p99
 TTFT split into requests whose documents were all cached and the rest; for `full_recompute` also the same
-prompts through the static-layout engine compiled at their exact lengths (a sample, timed warm), as the ratio
-the padding costs.
+prompts through the model's own prefill compiled at their exact lengths (a sample, timed warm), as the ratio the
+padding costs.
 
     python bench/rag_trace.py --small --requests 12        # CPU smoke size
     python bench/rag_trace.py                              # Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
@@ -32,9 +32,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import full_config, random_model, small_config  # noqa: E402
 
-from hypic_jax import stitch  # noqa: E402
-from hypic_jax.engine import Engine  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles  # noqa: E402
+from hypic_jax.models.base import FOLD_IMPLS  # noqa: E402
 
 MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
 
@@ -83,8 +82,8 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--linear-impl", default="auto", choices=["xla", "pallas", "auto"])
-    parser.add_argument("--fold-impl", default="auto", choices=list(stitch.FOLD_IMPLS),
-                        help="the fold over the pieces (StableEngine's fold_impl)")
+    parser.add_argument("--fold-impl", default="auto", choices=list(FOLD_IMPLS),
+                        help="the fold over the pieces (KernelOptions.fold)")
     parser.add_argument("--no-scan", dest="scan", action="store_false", help="every layer unrolled")
     parser.add_argument("--profile-dir", default=None, help="trace there (Perfetto traces for bench/trace_summary.py) "
                         "an all-cached transition_rope_recompute request, and the first prompt's full recompute, "
@@ -103,11 +102,12 @@ def main(argv=None) -> None:
                      min_len=args.min_len, max_len=args.max_len, seed=args.seed, fixed_len=args.fixed_len)
     longest = max(sum(map(len, r)) for r in requests)
     max_prompt = args.max_prompt_tokens or (args.rungs[-1] if args.rungs else longest)
-    engine = StableEngine(model, max_prompt_tokens=max_prompt, max_segments=args.max_segments or args.docs + 1,
-                          cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0,
-                          compile_cache=args.compile_cache, min_tokens=args.min_tokens,
-                          token_rungs=tuple(args.rungs) if args.rungs else None, linear_impl=args.linear_impl,
-                          fold_impl=args.fold_impl)
+    # prefill only: one decode row, no room for new tokens
+    engine = Engine(model, max_prompt_tokens=max_prompt, max_segments=args.max_segments or args.docs + 1,
+                    cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0, max_batch=1,
+                    compile_cache=args.compile_cache or "none", min_tokens=args.min_tokens, ladder="fine",
+                    token_rungs=tuple(args.rungs) if args.rungs else None,
+                    kernels=KernelOptions(linear=args.linear_impl, fold=args.fold_impl, scan_layers=args.scan))
     report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
                   plan=str(engine.plan), linear_impl=args.linear_impl, fold_impl=args.fold_impl,
                   longest_prompt=longest, max_prompt_tokens=max_prompt, rungs=list(engine.ladder.rungs),
@@ -117,7 +117,11 @@ def main(argv=None) -> None:
     report["warmup"] = dict(warm, wall_s=round(time.perf_counter() - start, 1), programs_detail=engine.programs.report())
     print(json.dumps(report, indent=1), flush=True)
     last_cached = None  # an all-cached transition_rope_recompute request, for --profile-dir
-    static = Engine(model)  # full prefill compiled at each prompt's exact length
+    exact_prefill = jax.jit(lambda params, tokens: model.arch.prefill(params, model.config, tokens, tokens.shape[1],
+                                                                      kernels=engine.kernels)[0])
+
+    def exact(segs):  # the full prompt through the model's own prefill, compiled at its exact length
+        return np.asarray(exact_prefill(engine.params, np.concatenate(segs)[None].astype(np.int32)))
     for mode in args.modes:
         engine.clear_cache()
         before = backend_compiles()
@@ -133,13 +137,13 @@ def main(argv=None) -> None:
         if mode == "full_recompute" and args.exact_sample:
             ratios = []
             for segs in requests[: args.exact_sample]:
-                static.prefill(segs, mode="full_recompute")  # compiles this exact length
+                exact(segs)  # compiles this exact length
                 t = time.perf_counter()
-                static.prefill(segs, mode="full_recompute")
-                exact = time.perf_counter() - t
+                exact(segs)
+                exact_s = time.perf_counter() - t
                 t = time.perf_counter()
                 engine.prefill(segs, mode="full_recompute")
-                ratios.append((time.perf_counter() - t) / exact)
+                ratios.append((time.perf_counter() - t) / exact_s)
             row["padded_over_exact"] = [round(r, 3) for r in ratios]
             row["padded_over_exact_p50"] = round(float(np.median(ratios)), 3)
         report.setdefault("modes", []).append(row)
@@ -159,7 +163,7 @@ def main(argv=None) -> None:
         if "full_recompute" in args.modes:
             traced("full", lambda: engine.prefill(requests[0], mode="full_recompute"))
             if args.exact_sample:
-                traced("exact", lambda: static.prefill(requests[0], mode="full_recompute"))
+                traced("exact", lambda: exact(requests[0]))
     rows = {row["mode"]: row for row in report.get("modes", [])}
     full = rows.get("full_recompute", {}).get("rest", {}).get("p50_ms")  # full recompute never hits the cache
     trr = rows.get("transition_rope_recompute", {}).get("all_cached", {}).get("p50_ms")
