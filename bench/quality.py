@@ -11,7 +11,7 @@ training mixes three), so they are not training prompts. `--seams` adds transiti
 prompt, an independent check of full_recompute.
 
 `--entry-forms` runs every mode that reads cache entries once per form of the entries: "device" (the default: an
-entry stays in the device pools as it was recorded), "float32", "bfloat16" and "bfloat16+t<=TOL" (`StableEngine`'s
+entry stays in the device pools as it was recorded), "float32", "bfloat16" and "bfloat16+t<=TOL" (`Engine`'s
 host tier with `tier_dtype` None or "bfloat16", the last with `tier_transfer_tol` TOL, which leaves out the dense
 T heads whose largest |entry| is at most TOL: before every question all device entries are demoted to the host tier, so
 each of the question's documents is promoted back from the stored form; the first question of a prompt is preceded
@@ -113,7 +113,7 @@ def run(args) -> dict:
     import jax
 
     import hypic_jax
-    from hypic_jax.runtime import StableEngine
+    from hypic_jax.engine import Engine
     from hypic_jax.train import tokenizer as tok
 
     folder = Path(args.model)
@@ -140,9 +140,9 @@ def run(args) -> dict:
         tiers = {} if form == "device" else dict(host_cache_bytes=1 << 40, eviction="lru",
                                                    tier_dtype=ENTRY_FORMS[form][0],
                                                    tier_transfer_tol=ENTRY_FORMS[form][1])
-        engines[form] = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=args.max_tokens,
-                                     max_segments=max(args.docs) + 1, max_new_tokens=args.max_new_tokens,
-                                     seam=args.seam, **tiers)
+        engines[form] = Engine(model, tokenizer=tokenizer, max_prompt_tokens=args.max_tokens,
+                               max_segments=max(args.docs) + 1, max_new_tokens=args.max_new_tokens, seam=args.seam,
+                               max_batch=1, **tiers)
         if form.startswith("bfloat16"):  # the host tier really stores T and S rounded
             assert any(dtype == np.dtype(jax.numpy.bfloat16) for *_, dtype in engines[form].mover.leaves)
     scores = collections.defaultdict(list)  # (run label, axis, value) -> [(em, f1)]

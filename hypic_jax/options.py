@@ -219,6 +219,8 @@ def _parser_for(field) -> Callable[[str], Any] | None:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag}: cannot read {text!r}") from None
         if scale:
+            if value < 0:
+                raise argparse.ArgumentTypeError(f"{flag} must be >= 0, got {text}")
             value = value * scale
             if kind is int:
                 value = int(round(value))

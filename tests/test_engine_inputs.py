@@ -1,9 +1,8 @@
-"""Bad requests to the engines: each is refused with an error that names the argument, before any device work,
+"""Bad requests to the engine: each is refused with an error that names the argument, before any device work,
 and leaves the engine as it was (cache counters, entries, pool room); the engine then serves as before.
 
-On the demo's tiny in-memory model (`hypic_jax.demo.tiny_model`: no checkpoint, no reference stack), one
-`StableEngine` of one token rung shared by the module, and the static `Engine` beside it where both take the
-request.
+On the demo's tiny in-memory model (`hypic_jax.demo.tiny_model`: no checkpoint, no reference stack), one `Engine`
+of one token rung and one decode row shared by the module.
 """
 
 from __future__ import annotations
@@ -12,13 +11,14 @@ import numpy as np
 import pytest
 
 from hypic_jax.demo import tiny_model
-from hypic_jax.engine import MODES, Engine, seam_tokens
+from hypic_jax.engine import MODES, Engine, backend_compiles, seam_tokens
 from hypic_jax.pools import PoolFull
-from hypic_jax.runtime import StableEngine, backend_compiles
+
+from helpers import rel
 
 pytestmark = pytest.mark.xdist_group("engine-inputs")
 
-LIMITS = dict(max_prompt_tokens=128, token_rungs=(128,), max_segments=6, max_new_tokens=8)
+LIMITS = dict(max_prompt_tokens=128, token_rungs=(128,), max_segments=6, max_new_tokens=8, max_batch=1)
 
 
 class _Tokens:
@@ -43,20 +43,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return StableEngine(model, tokenizer=CharTokenizer(), cache_bytes=64 << 20, **LIMITS)
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    with Engine(model, tokenizer=CharTokenizer(), cache_bytes=64 << 20, **LIMITS) as engine:
+        yield engine
 
 
 def _state(engine):
     """What a refused request must not change."""
-    out = (engine.cache.stats, sorted(engine.cache._entries))
-    if isinstance(engine, StableEngine):
-        out += (engine.pools.free_slots(), len(engine.pools._free_pages), engine.programs.stats.programs)
-    return out
+    return (engine.cache.stats, sorted(engine.cache._entries), engine.pools.free_slots(),
+            len(engine.pools._free_pages), engine.programs.stats.programs)
 
 
 def _refused(engine, error, match, call):
@@ -71,18 +65,17 @@ def _refused(engine, error, match, call):
 GOOD = [[5, 6, 7, 8], [9, 10, 11]]
 
 
-def test_segments_that_are_not_a_list_of_segments(engine, model):
+def test_segments_that_are_not_a_list_of_segments(engine):
     """A flat list of ids would become one one-token segment per id (the last one the query), bytes and a dict
     would iterate as ints and as keys, and a nested segment would be flattened into one: each is refused by name.
     Arrays, tuples and generators of segments are served."""
-    for eng in (engine, Engine(model)):
-        for bad in ([5, 6, 7], [[5, 6], 7], [np.int64(5), [6]], (5.0, [6])):
-            _refused(eng, TypeError, "is a single value", lambda: eng.prefill(bad))
-        for bad in (5, b"abc", {"a": [1]}, {1, 2}, np.array(5)):
-            _refused(eng, TypeError, "segments must be a string or a list of segments", lambda: eng.prefill(bad))
-        for bad in ([[[1, 2], [3, 4]], [5]], [np.ones((2, 3), np.int32), [5]]):  # a nested segment, not flattened
-            _refused(eng, ValueError, r"segment 0 is a nested list or array of shape \(2, 2\)|shape \(2, 3\)",
-                     lambda: eng.prefill(bad))
+    for bad in ([5, 6, 7], [[5, 6], 7], [np.int64(5), [6]], (5.0, [6])):
+        _refused(engine, TypeError, "is a single value", lambda: engine.prefill(bad))
+    for bad in (5, b"abc", {"a": [1]}, {1, 2}, np.array(5)):
+        _refused(engine, TypeError, "segments must be a string or a list of segments", lambda: engine.prefill(bad))
+    for bad in ([[[1, 2], [3, 4]], [5]], [np.ones((2, 3), np.int32), [5]]):  # a nested segment, not flattened
+        _refused(engine, ValueError, r"segment 0 is a nested list or array of shape \(2, 2\)|shape \(2, 3\)",
+                 lambda: engine.prefill(bad))
     assert engine.segment_tokens(np.array([5, 6])) == [[5, 6]]  # a 1-D array is still one segment
     assert engine.segment_tokens([np.array([[5, 6]]), [7]]) == [[5, 6], [7]]  # and a tokenizer's [1, n] batch
     assert engine.segment_tokens(([1, 2] for _ in range(2))) == [[1, 2], [1, 2]]
@@ -99,43 +92,42 @@ def test_infinite_and_huge_float_ids_are_named(engine):
     assert engine.segment_tokens([[1.0, 2.0], [3]]) == [[1, 2], [3]]
 
 
-def test_only_none_means_the_default_mode(engine, model):
+def test_only_none_means_the_default_mode(engine):
     """Only None means the engine's mode: an empty or zero mode is unknown, not the default."""
-    for eng in (engine, Engine(model)):
-        for bad in ("", 0, "Prefix_Cache", "transiton"):
-            _refused(eng, ValueError, "unknown mode", lambda: eng.prefill(GOOD, mode=bad))
-            _refused(eng, ValueError, "unknown mode", lambda: eng.generate(GOOD, mode=bad))
+    for bad in ("", 0, "Prefix_Cache", "transiton"):
+        _refused(engine, ValueError, "unknown mode", lambda: engine.prefill(GOOD, mode=bad))
+        _refused(engine, ValueError, "unknown mode", lambda: engine.generate(GOOD, mode=bad))
 
 
 def test_seam_values(engine, model):
     """NaN and infinite seams are refused by name, and so are strings and bools (True would mean the whole
-    segment), in every mode of both engines."""
-    for eng in (engine, Engine(model)):
-        for mode in ("full_recompute", "transition_rope_recompute"):
-            for bad in (float("nan"), float("inf"), -float("inf")):
-                _refused(eng, ValueError, "seam must be a finite number",
-                         lambda: eng.prefill(GOOD, mode=mode, seam=bad))
-            for bad in ("8", True, [1]):
-                _refused(eng, TypeError, "seam must be a number", lambda: eng.prefill(GOOD, mode=mode, seam=bad))
-            _refused(eng, ValueError, "seam must be >= 0", lambda: eng.prefill(GOOD, mode=mode, seam=-1))
-            _refused(eng, ValueError, "token count and must be an integer",
-                     lambda: eng.prefill(GOOD, mode=mode, seam=1.5))
-    with pytest.raises(TypeError, match="seam"):
-        StableEngine(model, seam=True, **LIMITS)
+    segment), in every mode, per request and as the engine's default (an option: a ValueError naming it)."""
+    for mode in ("full_recompute", "transition_rope_recompute"):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            _refused(engine, ValueError, "seam must be a finite number",
+                     lambda: engine.prefill(GOOD, mode=mode, seam=bad))
+        for bad in ("8", True, [1]):
+            _refused(engine, TypeError, "seam must be a number", lambda: engine.prefill(GOOD, mode=mode, seam=bad))
+        _refused(engine, ValueError, "seam must be >= 0", lambda: engine.prefill(GOOD, mode=mode, seam=-1))
+        _refused(engine, ValueError, "token count and must be an integer",
+                 lambda: engine.prefill(GOOD, mode=mode, seam=1.5))
+    for bad, match in ((True, "seam must be a number"), (float("nan"), "seam must be a finite number"),
+                       (1.5, "token count and must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            Engine(model, seam=bad, **LIMITS)
     assert [seam_tokens(s, 10) for s in (0, 0.25, 1.0, 1, 3, 3.0, np.int64(3), np.float32(0.5), 100)] == [
         0, 3, 10, 10, 3, 3, 3, 5, 10]
 
 
-def test_cache_salt_must_be_a_string(engine, model):
+def test_cache_salt_must_be_a_string(engine):
     """A salt is a string: 5 would key the same entries as "5" (it enters the key as text), in every mode."""
-    for eng in (engine, Engine(model)):
-        for bad in (5, ["a"], b"tenant"):
-            for mode in ("full_recompute", "transition_rope_recompute"):
-                _refused(eng, TypeError, "cache_salt must be a string",
-                         lambda: eng.prefill([[5] * 20, [3]], mode=mode, cache_salt=bad))
+    for bad in (5, ["a"], b"tenant"):
+        for mode in ("full_recompute", "transition_rope_recompute"):
+            _refused(engine, TypeError, "cache_salt must be a string",
+                     lambda: engine.prefill([[5] * 20, [3]], mode=mode, cache_salt=bad))
 
 
-def test_generation_arguments_are_checked_before_the_prefill(engine, model):
+def test_generation_arguments_are_checked_before_the_prefill(engine):
     """Sampling arguments are checked before the prefill runs (no device work, no entries stored): integer
     max_new_tokens and seeds, finite non-negative temperatures (a negative one is not greedy decoding), non-empty
     stop strings (an empty one would stop at the first token) and stop ids in the vocabulary; NumPy integers are
@@ -151,7 +143,8 @@ def test_generation_arguments_are_checked_before_the_prefill(engine, model):
         (TypeError, "temperature must be a number", dict(temperature="1")),
         (ValueError, r"top_p must lie in \(0, 1\]", dict(top_p=float("nan"))),
         (TypeError, "top_p must be a number", dict(top_p=None)),
-        (ValueError, "seed must be >= 0", dict(seed=-1, temperature=1.0)),
+        (ValueError, r"seed must lie in \[0, 2\*\*64\)", dict(seed=-1, temperature=1.0)),
+        (ValueError, r"seed must lie in \[0, 2\*\*64\)", dict(seed=1 << 64, temperature=1.0)),
         (TypeError, "seed must be an integer", dict(seed=1.5, temperature=1.0)),
         (ValueError, "stop strings must not be empty", dict(stop="")),
         (ValueError, "stop strings must not be empty", dict(stop=["x", ""])),
@@ -162,9 +155,8 @@ def test_generation_arguments_are_checked_before_the_prefill(engine, model):
         (ValueError, "unknown mode", dict(mode="")),
         (TypeError, "cache_salt", dict(cache_salt=1)),
     ]
-    for eng in (engine, Engine(model, tokenizer=CharTokenizer())):
-        for error, match, kwargs in cases:
-            _refused(eng, error, match, lambda: eng.generate([[5] * 20, [6, 7]], **kwargs))
+    for error, match, kwargs in cases:
+        _refused(engine, error, match, lambda: engine.generate([[5] * 20, [6, 7]], **kwargs))
     # accepted: NumPy integers as stop, seed and max_new_tokens, a seed of None
     out = engine.generate(GOOD, max_new_tokens=np.int64(2), stop=np.int64(7), seed=np.int64(3), temperature=0.5)
     assert 1 <= len(out.tokens) <= 2
@@ -186,8 +178,10 @@ def test_a_request_that_can_never_fit_leaves_the_cache_alone(model):
     """A PIC request needing more entries at once than the pools hold is refused before it looks anything up (found
     while allocating, it would first evict every other entry and count its lookups); the entries stay and serve
     (exactly: a prefix hit equals full recompute)."""
-    probe = StableEngine(model, cache_bytes=1, **LIMITS).pools
-    engine = StableEngine(model, cache_bytes=probe.slot_bytes * 2 + 1024 * probe.token_bytes, **LIMITS)
+    probe = Engine(model, cache_bytes=1, **LIMITS)
+    pools = probe.pools
+    probe.close()
+    engine = Engine(model, cache_bytes=pools.slot_bytes * 2 + 1024 * pools.token_bytes, **LIMITS)
     assert engine.pools.slots == 3  # slot 0 is the null one: two entries fit
     rng = np.random.default_rng(0)
     docs = [rng.integers(3, 512, 20).tolist() for _ in range(4)]
@@ -199,14 +193,14 @@ def test_a_request_that_can_never_fit_leaves_the_cache_alone(model):
     assert isinstance(PoolFull("x"), ValueError)  # the server's 400
     hit = engine.prefill([docs[0], query], mode="prefix_cache")
     assert (hit.stats.hits, hit.stats.misses) == (1, 0)
-    assert _rel(hit.logits, engine.prefill([docs[0], query], mode="full_recompute").logits) < 1e-5
+    assert rel(hit.logits, engine.prefill([docs[0], query], mode="full_recompute").logits) < 1e-5
     pic = engine.prefill([docs[1], query], mode="transition_rope_recompute", seam=4)
     assert (pic.stats.hits, pic.stats.misses) == (1, 0)
     # two documents fit at once: served (and the seam-1.0 identity holds on the engine after the refusal)
     segs = docs[2:] + [query]
     assert engine.prefill(segs, mode="transition_rope_recompute", seam=4).stats.misses == 2
     whole = engine.prefill(segs, mode="transition_rope_recompute", seam=1.0)
-    assert _rel(whole.logits, engine.prefill(segs, mode="full_recompute").logits) < 1e-5
+    assert rel(whole.logits, engine.prefill(segs, mode="full_recompute").logits) < 1e-5
 
 
 def test_limits_and_identities_at_the_edges(engine):
@@ -220,7 +214,7 @@ def test_limits_and_identities_at_the_edges(engine):
     for mode, seam, hits in [("prefix_cache", 8, 0), ("prefix_cache", 8, 6), ("transition_rope_recompute", 1.0, 0),
                              ("transition_rope_recompute", 20, 0)]:
         out = engine.prefill(segs, mode=mode, seam=seam)
-        assert _rel(out.logits, full.logits) < 1e-5, (mode, seam)
+        assert rel(out.logits, full.logits) < 1e-5, (mode, seam)
         assert out.stats.hits == hits
     _refused(engine, ValueError, "over the engine's max_prompt_tokens of 128",
              lambda: engine.prefill(segs[:-1] + [segs[-1] + [3]]))
@@ -228,7 +222,7 @@ def test_limits_and_identities_at_the_edges(engine):
     single = [rng.integers(3, 512, 5).tolist()]
     reference = engine.prefill(single, mode="full_recompute").logits
     for mode in MODES:
-        assert _rel(engine.prefill(single, mode=mode).logits, reference) < 1e-6, mode
+        assert rel(engine.prefill(single, mode=mode).logits, reference) < 1e-6, mode
 
 
 def test_bad_cache_folders_and_budgets(model, tmp_path):
@@ -236,12 +230,12 @@ def test_bad_cache_folders_and_budgets(model, tmp_path):
     argument."""
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for folder in (afile, afile / "sub"):
-        with pytest.raises(ValueError, match="disk_cache_dir: cannot use"):
-            StableEngine(model, disk_cache_dir=folder, **LIMITS)
-    for cls, kwargs in ((Engine, {}), (StableEngine, LIMITS)):
-        with pytest.raises(ValueError, match="cache_bytes must be >= 0"):
-            cls(model, cache_bytes=-1, **kwargs)
+    with pytest.raises(ValueError, match="disk_cache_dir .* is a file, not a folder"):
+        Engine(model, disk_cache_dir=afile, **LIMITS)
+    with pytest.raises(ValueError, match="disk_cache_dir .*: cannot create it"):
+        Engine(model, disk_cache_dir=afile / "sub", **LIMITS)
+    with pytest.raises(ValueError, match="cache_bytes must be a whole number >= 0"):
+        Engine(model, cache_bytes=-1, **LIMITS)
 
 
 def test_engine_sizes_must_be_whole_numbers(model):
@@ -251,7 +245,7 @@ def test_engine_sizes_must_be_whole_numbers(model):
     for name, value in (("min_tokens", 0), ("min_tokens", -3), ("max_prompt_tokens", 100.5),
                         ("max_prompt_tokens", 0), ("max_segments", True), ("max_new_tokens", -1),
                         ("max_batch", True), ("max_batch", 2.0), ("mean_entry_tokens", 0)):
-        with pytest.raises(ValueError, match=f"{name} must be an integer >= "):
-            StableEngine(model, **{**base, name: value})
-    engine = StableEngine(model, **base, max_batch=np.int64(3), min_tokens=np.int64(32))
+        with pytest.raises(ValueError, match=f"{name} must be a whole number >= "):
+            Engine(model, **{**base, name: value})
+    engine = Engine(model, **base, max_batch=np.int64(3), min_tokens=np.int64(32))
     assert engine.batch_buckets == (1, 2, 3) and engine.ladder.rungs[0] == 32

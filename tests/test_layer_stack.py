@@ -4,11 +4,11 @@
 round-trips; the grouped matmul reads a scanned layer's experts out of the whole bank exactly as from the layer's
 own experts. On tiny checkpoints of every architecture whose layers repeat (Qwen3.5-MoE: 2 x [GDN, GDN,
 attention]; Kimi: a dense first layer, then 2 x [MLA, KDA], then KDA; Ring: 2 x [linear, linear, full], with a
-decay that differs per layer), the shape-stable engine with the layers scanned returns the same logits as with
-every layer unrolled (prefix cache, full recompute, addition and transition_rope_recompute; hits and misses;
-entries demoted to the host tier and promoted back), and its decode programs (the single-request step; the batched
-rows' insert and step where they run off a GPU) scan the layers' stacked caches to the same logits and tokens; and
-`hypic_jax.Engine` prefills and generates with a model whose layers are stacked.
+decay that differs per layer), the engine with the layers scanned returns the same logits as with every layer
+unrolled (prefix cache, full recompute, addition and transition_rope_recompute; hits and misses; entries demoted
+to the host tier and promoted back), and its decode programs (the batched rows' insert and step) scan the layers'
+stacked caches to the same logits and tokens, as does the model's own one-row decode step over a prefill's
+stacked caches; and `hypic_jax.Engine` prefills and generates with a model whose layers are stacked.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from jax.extend.core import jaxprs_in_params
 import numpy as np
 import pytest
 
-from hypic_jax.engine import Engine
+from hypic_jax.engine import Engine, stack_layers
+from hypic_jax.engine.programs import ProgramKey
+from hypic_jax.engine.sampling import TOP_LOGPROBS, SamplingRows
 from hypic_jax.models import layers as model_layers
 from hypic_jax.models import base, layer_stack
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.layer_stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
-from hypic_jax.runtime import TOP_LOGPROBS, ProgramKey, SamplingRows, StableEngine, stack_layers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -233,10 +234,12 @@ def decode_engines(request, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         if chunked:  # the experts are stacked when the engine is made
             patch.setattr(layer_stack, "BANK_MAX_ELEMENTS", _expert_size(model))
-        scanned, unrolled = StableEngine(model, **options), StableEngine(model, scan_layers=False, **options)
+        scanned, unrolled = Engine(model, **options), Engine(model, scan_layers=False, **options)
     assert scanned.plan.scanned and not unrolled.plan.scanned
     assert bool(_expert_chunks(scanned.params["layers"])) == chunked
-    return arch, vocab, scanned, unrolled
+    yield arch, vocab, scanned, unrolled
+    scanned.close()
+    unrolled.close()
 
 
 def test_scanned_layers_equal_unrolled(decode_engines):
@@ -265,21 +268,30 @@ def test_scanned_layers_equal_unrolled(decode_engines):
     assert scanned.stats["tiers"]["promotions"] == unrolled.stats["tiers"]["promotions"]
 
 
+@functools.partial(jax.jit, static_argnames=("arch", "config", "kernels"))
+def _decode_one(params, token, cache, *, arch, config, kernels):
+    """One greedy step of one row: the architecture's forward over a prefill's decode caches (stacked ones are
+    scanned as they are)."""
+    logits, cache = arch.forward(params, config, token.reshape(1, 1), cache=cache, kernels=kernels)
+    return logits[0, -1], cache
+
+
 def _decode_steps(engine, segs, steps: int) -> list[np.ndarray]:
-    """Logits of `steps` greedy steps of the single-request decode program after a full prefill of `segs`."""
+    """Logits of `steps` greedy one-row decode steps (`_decode_one`, on the engine's parameters and kernels) after
+    a full prefill of `segs` by the engine."""
     pre = engine.prefill(segs, mode="full_recompute")
-    program = engine.programs.get(ProgramKey("decode", 1, engine.max_keys))
+    step = functools.partial(_decode_one, arch=engine.arch, config=engine.config, kernels=engine.kernels)
     cache = ModelCache(pre.decode, np.asarray(sum(map(len, segs)), np.int32))
     logits, out = pre.logits, []
     for _ in range(steps):
-        logits, cache = program(engine.params, np.asarray(np.argmax(logits), np.int32), cache)
+        logits, cache = step(engine.params, np.asarray(np.argmax(logits), np.int32), cache)
         out.append(np.asarray(logits))
     return out
 
 
 def test_scanned_decode_equals_unrolled(decode_engines):
-    """The decode caches of a scanned engine are stacked by its plan (and read like the tuple of layers); its decode
-    step and greedy generation give the unrolled engine's logits and tokens."""
+    """The decode caches of a scanned engine are stacked by its plan (and read like the tuple of layers); a decode
+    step over them and greedy generation give the unrolled engine's logits and tokens."""
     _, vocab, scanned, unrolled = decode_engines
     rng = np.random.default_rng(2)
     segs = [rng.integers(3, vocab, n).tolist() for n in (21, 9)]
@@ -315,7 +327,7 @@ def _batched_steps(engine, prompts, steps: int) -> list[tuple]:
 def test_scanned_batched_rows_equal_unrolled(decode_engines):
     """The batched decode cache of a scanned engine holds the stacked caches with the rows on their batch axis: inserting
     prefills into rows and stepping every row gives the unrolled engine's ids and log-probabilities, and each
-    row's own single-request decode (the rows' routed experts run as one list of tokens: `layers.grouped_swiglu_experts`)."""
+    row's own one-row decode (the rows' routed experts run as one list of tokens: `layers.grouped_swiglu_experts`)."""
     _, vocab, scanned, unrolled = decode_engines
     rng = np.random.default_rng(3)
     prompts = [[rng.integers(3, vocab, n).tolist() for n in lengths] for lengths in ((21, 9), (30, 4))]
@@ -343,32 +355,33 @@ def _cache_loops(engine, kind: str, tokens: int, shape: tuple[int, ...]) -> int:
 
 
 def test_decode_programs_scan(decode_engines):
-    """The compiled decode programs of the scanned engine loop over one period of layers, their state holding the
-    stacked caches (the unrolled ones have no such loop)."""
+    """The compiled decode programs of the scanned engine (the batched step of every bucket: one row, as a lone
+    request decodes, and both) loop over one period of layers, their state holding the stacked caches of their
+    rows (the unrolled ones have no such loop)."""
     arch, _, scanned, unrolled = decode_engines
-    caches = scanned._decode_shapes().layers
+    caches = scanned.decode_shapes().layers
     body = caches.parts[scanned.plan.head]  # the first pattern position's caches [repeats, 1, ...]
     leaf = max(jax.tree.leaves(body), key=lambda a: a.size).shape
-    kinds = [("decode", 1, leaf), ("batch", 2, (leaf[0], 2) + leaf[2:])]  # rows on the batch axis
+    kinds = [("batch", 1, leaf), ("batch", 2, (leaf[0], 2) + leaf[2:])]  # rows on the batch axis
     for kind, tokens, shape in kinds:
-        assert _cache_loops(scanned, kind, tokens, shape) == 1, kind
-        assert _cache_loops(unrolled, kind, tokens, shape) == 0, kind
-    # the keys and values stay in their stacks: none is copied whole, and in the batched step none has a whole
-    # layer's cache written back into it, only the new tokens (`base.StackedKV`; one row's layer is copied out
-    # and back, a few MB)
-    slots = scanned._slot_shapes()
+        assert _cache_loops(scanned, kind, tokens, shape) == 1, (kind, tokens)
+        assert _cache_loops(unrolled, kind, tokens, shape) == 0, (kind, tokens)
+    # the keys and values stay in their stacks: none is copied whole, and in the step of every row none has a
+    # whole layer's cache written back into it, only the new tokens (`base.StackedKV`; one row's layer is copied
+    # out and back, a few MB)
+    slots = scanned.slot_shapes()
     stacked_kv = [leaf for p, part in enumerate(slots.parts) if scanned.plan.members(p) > 1
                   and isinstance(part, base.KVCache) for leaf in (part.k, part.v)]
     assert stacked_kv or arch == "kimi", arch  # Kimi's attention caches are MLA latents, copied per layer
-    for kind, rows in (("batch", 2), ("decode", 1)):
-        shapes, writes = _instructions(scanned.programs.get(ProgramKey(kind, rows, scanned.max_keys)).as_text())
+    for rows in (2, 1):
+        shapes, writes = _instructions(scanned.programs.get(ProgramKey("batch", rows, scanned.max_keys)).as_text())
         for leaf in stacked_kv:
-            stack = leaf.shape if kind == "batch" else (leaf.shape[0], 1) + leaf.shape[2:]
+            stack = (leaf.shape[0], rows) + leaf.shape[2:]
             member = "[" + ",".join(map(str, (1,) + stack[1:])) + "]"
             stack = "[" + ",".join(map(str, stack)) + "]"
-            assert not [op for op, shape, _ in writes if op == "copy" and shape == stack], (arch, kind)
-            assert kind == "decode" or not [op for op, shape, update in writes if op == "dynamic-update-slice"
-                                            and shape == stack and shapes.get(update) == member], (arch, kind)
+            assert not [op for op, shape, _ in writes if op == "copy" and shape == stack], (arch, rows)
+            assert rows == 1 or not [op for op, shape, update in writes if op == "dynamic-update-slice"
+                                     and shape == stack and shapes.get(update) == member], (arch, rows)
 
 
 def test_batched_decode_programs_have_no_conditionals(decode_engines):
@@ -390,13 +403,17 @@ def test_batched_decode_programs_have_no_conditionals(decode_engines):
 
 def test_engine_runs_stacked_layers(tmp_path):
     """`hypic_jax.Engine` and `Model` read a `LayerStack` like the list of layers (static slices; experts as
-    banks), so one stacked copy serves both engines."""
+    banks): an engine on a stacked model prefills and generates like one with every layer unrolled, and uses the
+    model's stack (no copy) and its plan."""
     model, vocab = _checkpoint("qwen_moe", tmp_path / "qwen")
     stacked = stack_layers(model)
     assert isinstance(stacked.params["layers"], LayerStack) and stacked.params["layers"].plan.repeats == 2
     rng = np.random.default_rng(1)
     segs = [rng.integers(3, vocab, n).tolist() for n in (30, 20, 5)]
-    unrolled_engine, stacked_engine = Engine(model), Engine(stacked)
+    options = dict(max_prompt_tokens=128, max_segments=4, token_rungs=(128,), max_new_tokens=8, max_batch=1,
+                   cache_bytes=1 << 22)
+    unrolled_engine, stacked_engine = Engine(model, scan_layers=False, **options), Engine(stacked, **options)
+    assert not unrolled_engine.plan.scanned
     want = unrolled_engine.prefill(segs, mode="full_recompute").logits
     got = stacked_engine.prefill(segs, mode="full_recompute").logits
     assert _rel(got, want) < 1e-5
@@ -405,9 +422,11 @@ def test_engine_runs_stacked_layers(tmp_path):
     # decoding: the prefill's caches come out stacked, and each step scans them
     want = unrolled_engine.generate(segs, max_new_tokens=5).tokens  # the engine's default mode: PIC spans
     assert stacked_engine.generate(segs, max_new_tokens=5).tokens == want
-    # a StableEngine on the stacked model uses its stack (no copy) and its plan
-    engine = StableEngine(stacked, max_prompt_tokens=128, max_segments=4, token_rungs=(128,), max_new_tokens=0)
-    assert engine.params["layers"] is stacked.params["layers"]
+    # the engine on the stacked model uses its stack (no copy) and its plan
+    assert stacked_engine.params["layers"] is stacked.params["layers"]
+    assert stacked_engine.plan == stacked.params["layers"].plan and stacked_engine.plan.scanned
+    unrolled_engine.close()
+    stacked_engine.close()
 
 
 def test_decode_cache_layouts_do_not_change_results(monkeypatch):
@@ -418,15 +437,18 @@ def test_decode_cache_layouts_do_not_change_results(monkeypatch):
     from jax.experimental.layout import Format, Layout
 
     from hypic_jax.demo import tiny_model
-    from hypic_jax.runtime import Programs, backend_compiles
+    from hypic_jax.engine.programs import Programs, backend_compiles
 
     model = tiny_model()
     rng = np.random.default_rng(5)
     prompts = [[rng.integers(3, 200, n).tolist() for n in lengths] for lengths in ((17, 5), (12, 3))]
-    options = dict(max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=8, max_batch=2)
+    # compile_cache="none": the engine's program store keys a program by the kernel options (slot_layouts), not by
+    # the formats `slot_formats` returns, so the swapped run would load the default run's programs from it
+    options = dict(max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=8, max_batch=2, cache_bytes=1 << 22,
+                   compile_cache="none")
 
     def swapped(self):
-        shapes = self.engine._slot_shapes()
+        shapes = self.engine.slot_shapes()
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
         def form(s):
@@ -440,7 +462,7 @@ def test_decode_cache_layouts_do_not_change_results(monkeypatch):
         with monkeypatch.context() as patch:
             if name == "swapped":
                 patch.setattr(Programs, "slot_formats", swapped)
-            engine = StableEngine(model, slot_layouts="auto" if name == "auto" else "default", **options)
+            engine = Engine(model, slot_layouts="auto" if name == "auto" else "default", **options)
             engine.warmup(progress=False)
             before = backend_compiles()
             runs[name] = _batched_steps(engine, prompts, 3)
@@ -448,10 +470,11 @@ def test_decode_cache_layouts_do_not_change_results(monkeypatch):
             if name == "swapped":
                 leaf = next(a for a in jax.tree.leaves(engine._slots) if a.ndim >= 3)
                 assert leaf.format.layout.major_to_minor[-2:] == (leaf.ndim - 1, leaf.ndim - 2)
+            engine.close()
     for name in ("auto", "swapped"):
         for step, (a, b) in enumerate(zip(runs[name], runs["default"])):
             np.testing.assert_array_equal(a[0], b[0], err_msg=f"{name}, step {step}")
             for x, y in zip(a[1:], b[1:]):
                 np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"{name}, step {step}")
     with pytest.raises(ValueError, match="slot_layouts"):
-        StableEngine(model, slot_layouts="fast", **options)
+        Engine(model, slot_layouts="fast", **options)

@@ -464,11 +464,11 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
         with pytest.raises(ValueError, match="pack_gqa"):
             pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, interpret=True,
                                        config=pattn.AttentionConfig(block_q=hq // hkv + 1, pack_gqa=True))
-    # the same attention as the engine's XLA path (span_attention over keys at positions 0..Lk-1)
-    from hypic_jax.spans import span_attention
+    # the same attention as the models' XLA path (positioned GQA attention over keys at positions 0..Lk-1)
+    from hypic_jax import attention
 
-    xla = span_attention(q[1:], k, v, scale=dim**-0.5, q_positions=np.asarray(positions)[1:],
-                         k_positions=np.arange(lk))
+    xla = attention.dot_product_attention(q[None, 1:], k[None], v[None], scale=dim**-0.5,
+                                          q_positions=np.asarray(positions)[1:], k_positions=np.arange(lk))[0]
     assert rel(got[1:], xla) < tol
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from hypothesis import strategies as st
 import hypic_jax
 from hypic_jax import attention
 from hypic_jax.models import base, layers, qwen3_5
+from hypic_jax.models.base import KernelOptions
 from families import examples, fake_devices_env
 from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
 
@@ -164,12 +163,13 @@ def test_param_specs_cover_params(checkpoints):
 
 
 def test_pallas_kernels_match_transformers(checkpoints):
-    """gdn_kernel="pallas" / moe_kernel="pallas" route prefill through hypic_jax.pallas.gdn and the Pallas grouped
-    matmul (both interpreted on the CPU; "auto" picks the MoE kernel on a GPU)."""
+    """KernelOptions(linear="pallas", moe="pallas") route prefill through hypic_jax.pallas.gdn and the Pallas
+    grouped matmul (both interpreted on the CPU; "auto" picks the MoE kernel on a GPU)."""
     _, reference, model = checkpoints["moe"]
     tokens = prompt(2, 24)
-    config = dataclasses.replace(model.config, gdn_kernel="pallas", moe_kernel="pallas")
-    logits, _ = jax.jit(qwen3_5.forward, static_argnames="config")(model.params, config, tokens)
+    kernels = KernelOptions(linear="pallas", moe="pallas")
+    logits, _ = jax.jit(qwen3_5.forward, static_argnames=("config", "kernels"))(model.params, model.config, tokens,
+                                                                                 kernels=kernels)
     assert relative_error(logits, reference_logits(reference, tokens)) < 1e-4
 
 

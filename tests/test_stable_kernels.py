@@ -199,7 +199,7 @@ def _tiny_model():
         vocab_size=128, hidden_size=64, layer_types=("linear_attention", "linear_attention", "full_attention"),
         mlp_types=("dense",) * 3, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         rotary_dim=8, linear_num_key_heads=HK, linear_num_value_heads=H, linear_key_head_dim=K,
-        linear_value_head_dim=V, gdn_kernel="xla")
+        linear_value_head_dim=V)
     params = qwen3_5.init_params(config, jax.random.key(0), jnp.float32)
     params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype)
                           if a.ndim > 1 else a, params)
@@ -207,18 +207,20 @@ def _tiny_model():
 
 
 def test_stable_engine_kernels_match_the_xla_programs():
-    """A StableEngine whose span programs run the GDN cores through the Pallas kernels (interpreted), and one
-    whose programs fold the pieces with the blocked fold, against one running the XLA loops, on the same random
+    """An Engine whose span programs run the GDN cores through the Pallas kernels (interpreted), and one whose
+    programs fold the pieces with the blocked fold, against one running the XLA loops, on the same random
     requests of every program kind (full recompute and prefix cache: the plain program; a PIC miss: the cold
     program, then the pic program; hits): the same logits, the same pools (recorded T, S, conv tails and K/V)
     after every request, and no compilation after warmup in any."""
-    from hypic_jax.runtime import StableEngine, backend_compiles
+    from hypic_jax.engine import Engine, KernelOptions, backend_compiles
 
     model = _tiny_model()
-    make = functools.partial(StableEngine, model, max_prompt_tokens=128, max_segments=4, token_rungs=(128,),
-                             max_new_tokens=0, cache_bytes=1 << 22, mean_entry_tokens=32, eviction="lru")
-    engines = {impl: make(linear_impl=impl) for impl in ("xla", "pallas")}
-    engines["blocked"] = make(linear_impl="xla", fold_impl="blocked")
+    make = functools.partial(Engine, model, max_prompt_tokens=128, max_segments=4, token_rungs=(128,),
+                             max_new_tokens=0, max_batch=1, cache_bytes=1 << 22, mean_entry_tokens=32,
+                             eviction="lru")
+    engines = {impl: make(kernels=KernelOptions(linear=impl)) for impl in ("xla", "pallas")}
+    engines["blocked"] = make(kernels=KernelOptions(linear="xla", fold="blocked"))
+    assert engines["pallas"].kernels.linear == "pallas" and engines["blocked"].kernels.fold == "blocked"
     for engine in engines.values():
         engine.warmup(progress=False)
     rng = np.random.default_rng(5)
@@ -243,33 +245,41 @@ def test_stable_engine_kernels_match_the_xla_programs():
     assert hits > 0, "no request read a cached entry"
     assert backend_compiles() == before, "a request compiled after warmup"
     assert all(e.stats["programs"]["serving_compiles"] == 0 for e in engines.values())
+    for engine in engines.values():
+        engine.close()
 
 
 def test_a_kernel_that_fails_to_compile_falls_back_to_the_xla_loops(monkeypatch):
-    """When the engine picks the kernels by itself (linear_impl None or "auto") and a span program fails to lower
-    with them, it is compiled with XLA instead (a warning says so): the blocked fold over the pieces, the chunk
-    loops for the linear cores; an explicit "pallas" raises."""
-    import dataclasses
-
-    from hypic_jax.models.base import Model
-    from hypic_jax.runtime import ProgramKey, StableEngine
+    """When the engine picks the kernels by itself (kernels.linear and kernels.fold "auto") and a span program
+    fails to lower with them, it is compiled with XLA instead (a warning says so): the blocked fold over the
+    pieces, the chunk loops for the linear cores; an explicit "pallas" raises. Off a GPU "auto" never picks the
+    kernels, so "auto" is made to pick them here as it does on a GPU (`stitch.linear_kernel_fits`)."""
+    from hypic_jax.engine import Engine, KernelOptions
+    from hypic_jax.engine.programs import ProgramKey
 
     model = _tiny_model()
-    model = Model(model.arch, dataclasses.replace(model.config, gdn_kernel="pallas"), model.params)
 
     def broken(*args, **kwargs):
         raise NotImplementedError("no lowering for this kernel here")
 
+    fits = stitch.linear_kernel_fits
+    monkeypatch.setattr(stitch, "linear_kernel_fits", lambda inputs, impl="auto": fits(
+        inputs, "pallas" if impl == "auto" else impl))
     monkeypatch.setattr(stitch, "_linear_over_layout_kernels", broken)
-    make = functools.partial(StableEngine, model, max_prompt_tokens=64, max_segments=2, token_rungs=(64,),
-                             max_new_tokens=0, cache_bytes=1 << 20, mean_entry_tokens=16, eviction="lru")
-    engine = make(linear_impl=None)  # the model's own choice: its gdn_kernel, "pallas"
-    assert engine.linear_impl is None and engine.fold_impl == "auto"
+    make = functools.partial(Engine, model, max_prompt_tokens=64, max_segments=2, token_rungs=(64,),
+                             max_new_tokens=0, max_batch=1, cache_bytes=1 << 20, mean_entry_tokens=16,
+                             eviction="lru")
+    engine = make()  # the engine's own choice: "auto", which picks the (broken) kernels
+    assert engine.kernels.linear == "auto" and engine.kernels.fold == "auto"
     engine.programs.get(ProgramKey("plain", 64, engine.max_keys))
-    assert engine.linear_impl == "xla" and engine.fold_impl == "blocked"  # both automatic choices fell back
+    assert engine.kernels.linear == "xla" and engine.kernels.fold == "blocked"  # both automatic choices fell back
     assert np.all(np.isfinite(engine.prefill([[5, 6, 7], [8, 9]], mode="full_recompute").logits))
+    engine.close()
+    explicit = make(kernels=KernelOptions(linear="pallas"))
     with pytest.raises(NotImplementedError):
-        make(linear_impl="pallas").programs.get(ProgramKey("plain", 64, 64))
+        explicit.programs.get(ProgramKey("plain", 64, explicit.max_keys))
+    assert explicit.kernels.linear == "pallas"
+    explicit.close()
 
 
 @pytest.mark.parametrize("form", ["dense", "diagonal", "scalar", "identity"])

@@ -165,8 +165,7 @@ def test_export_round_trip_and_transformers_parity(tmp_path, tokenizer):
     params = _perturbed_params(config)
     folder = export.export_folder(params, config, tokenizer, tmp_path / "f32", "float32")
     loaded = hypic_jax.load(folder, dtype="float32")
-    assert dataclasses.replace(loaded.config, gdn_kernel="xla", moe_kernel="ragged", chunk_size=config.chunk_size) \
-        == config
+    assert loaded.config == config  # the kernel choices are no part of a config (`trainer.TRAIN_KERNELS`)
     assert jax.tree.structure(loaded.params) == jax.tree.structure(params)
     for x, y in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
         assert x.dtype == y.dtype
