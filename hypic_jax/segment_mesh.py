@@ -28,7 +28,6 @@ a clear error instead of leaving the others inside the collective.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -40,8 +39,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hypic_jax import layout as lay
 from hypic_jax import parallel
 from hypic_jax.engine.programs import SPAN_OPTIONS
-
-log = logging.getLogger("hypic_jax.segment_mesh")
 
 AXIS = "bins"
 
@@ -228,8 +225,7 @@ class SegmentMesh:
         if rung not in self._cold:
             programs = self.engine.programs
             if programs.serving:
-                programs.stats.serving_compiles += 1
-                log.warning("compiling while serving: the segment-parallel cold program for %d tokens", rung)
+                programs.compiling_while_serving(f"the segment-parallel cold program for {rung} tokens")
             started = time.perf_counter()
             self._cold[rung] = self._build_cold(rung)
             self._commit[rung] = self._build_commit(rung)

@@ -1,9 +1,9 @@
 """One process of the two-process clusters of tests/test_multihost.py (or, with --single, the one-process reference).
 
     python tests/multihost_worker.py OUT PROCESS_ID PORT [--single] [--kill PROCESS] [--diverge] [--differ]
-                                                         [--timeout SECONDS]
+                                                         [--timeout SECONDS] [--compile-cache DIR]
 
-Builds the demo's tiny model and a shape-stable engine whose segment mesh spans every device of every process
+Builds the demo's tiny model and an engine whose segment mesh spans every device of every process
 (`--single`: one device, no cluster), warms it up and, on the coordinator, runs the requests of `requests()`. Files:
 OUT.npz (the coordinator's, or the reference's, logits and statistics), OUT.entries.npz (every process: its cache
 entries' pool contents), OUT.json (how the process ended: "ok" with the bins of each request, or "error" with the
@@ -12,7 +12,8 @@ ClusterError and the seconds from the start of the request it ended, or "refused
 `--kill P`: process P kills itself (SIGKILL) after warmup. `--diverge`: after the requests, a request over the
 engine's max_prompt_tokens (every process refuses it: the cluster goes on), then a repeat of the second request (hits
 only) that process 1 alone fails; the coordinator records the ClusterError of the next request (the same again).
-`--differ`: process 1's engine has half the cache (the Runner refuses it).
+`--differ`: process 1's engine has half the cache (the Runner refuses it). `--compile-cache DIR`: every process keeps
+its compiled programs in DIR (the engine's `compile_cache`; by default none, so that each process compiles its own).
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ def requests(vocab: int):
             [docs[1], rng.integers(3, vocab, 30).tolist(), docs[0], query]]
 
 
-def engine_for(devices, cache_bytes: int = 1 << 22):
+def engine_for(devices, cache_bytes: int = 1 << 22, compile_cache: str = "none"):
     from hypic_jax.demo import tiny_model
-    from hypic_jax.runtime import StableEngine
+    from hypic_jax.engine import Engine
 
     model = tiny_model()
-    return StableEngine(model, max_prompt_tokens=128, max_segments=6, token_rungs=(128,), max_new_tokens=0,
-                        cache_bytes=cache_bytes, mean_entry_tokens=32, eviction="lru", seam=4,
-                        devices=devices), model
+    return Engine(model, max_prompt_tokens=128, max_segments=6, token_rungs=(128,), max_new_tokens=0, max_batch=1,
+                  cache_bytes=cache_bytes, mean_entry_tokens=32, eviction="lru", seam=4, devices=devices,
+                  compile_cache=compile_cache), model
 
 
 def fail_on_call(engine, call: int) -> None:
@@ -94,12 +95,13 @@ def main() -> None:
     args = sys.argv[4:]
     kill = int(args[args.index("--kill") + 1]) if "--kill" in args else None
     timeout_s = float(args[args.index("--timeout") + 1]) if "--timeout" in args else 6.0
+    compile_cache = args[args.index("--compile-cache") + 1] if "--compile-cache" in args else "none"
 
     from hypic_jax import multihost
 
     single = "--single" in args
     if single:
-        engine, model = engine_for(None)
+        engine, model = engine_for(None, compile_cache=compile_cache)
         engine.warmup(progress=False)
         results = [engine.prefill(segs) for segs in requests(model.config.vocab_size)]
         bins, diverged, refused = [], None, None
@@ -107,7 +109,8 @@ def main() -> None:
         cluster = multihost.Cluster.initialize(f"127.0.0.1:{port}", 2, process_id, timeout_s=timeout_s,
                                                setup_timeout_s=120)
         differ = "--differ" in args and process_id == 1
-        engine, model = engine_for(cluster.devices, cache_bytes=1 << 21 if differ else 1 << 22)
+        engine, model = engine_for(cluster.devices, cache_bytes=1 << 21 if differ else 1 << 22,
+                                   compile_cache=compile_cache)
         mesh = engine.segment_mesh
         assert mesh is not None and mesh.multiprocess and mesh.size == len(cluster.devices)
         try:

@@ -1,4 +1,4 @@
-"""Cache tiers of the shape-stable engine (`hypic_jax.tiers`): device pools, host memory, disk.
+"""Cache tiers of the engine (`hypic_jax.tiers`): device pools, host memory, disk.
 
 On one tiny Qwen3.5-MoE checkpoint and one token rung, with pools small enough that requests evict: demotion
 then promotion returns an entry bit for bit; a second engine on the same folder (a restart) serves the first
@@ -20,32 +20,32 @@ import numpy as np
 import pytest
 
 from hypic_jax.cache import entry_key
-from hypic_jax.runtime import StableEngine, backend_compiles
+from hypic_jax.engine import Engine, backend_compiles
 from hypic_jax import tiers as tr
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_engine import _build, _rel  # noqa: E402  (the tiny checkpoints of the engine tests)
+from helpers import rel as _rel, tiny_checkpoint  # noqa: E402  (the tiny checkpoints of the engine tests)
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the donor engine warmed up once
 pytestmark = pytest.mark.xdist_group("cache_tiers")
 
 BASE = dict(max_prompt_tokens=256, max_segments=8, token_rungs=(256,), max_new_tokens=8, cache_bytes=1 << 19,
-            mean_entry_tokens=64)
+            mean_entry_tokens=64, max_batch=1)
 SEAM = 4
 
 
 @pytest.fixture(scope="module")
 def make(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiers")
-    model, vocab, _ = _build("qwen_moe", str(root / "model"))
-    donor = StableEngine(model, **BASE, host_cache_bytes=1 << 20)
+    model, vocab, _ = tiny_checkpoint("qwen_moe", str(root / "model"))
+    donor = Engine(model, **BASE, host_cache_bytes=1 << 20)
     donor.warmup(progress=False)
 
-    def make(**options) -> StableEngine:
+    def make(**options) -> Engine:
         # another model of the same shapes (`options["model"]`) runs the same programs: weights are arguments
-        engine = StableEngine(options.pop("model", model), **{**BASE, **options})
+        engine = Engine(options.pop("model", model), **{**BASE, **options})
         # the same pool shapes: the donor's compiled programs run this engine too
         engine.programs._compiled.update(donor.programs._compiled)
         if (engine.mover.leaves, engine.mover.droppable) == (donor.mover.leaves, donor.mover.droppable):
@@ -155,7 +155,7 @@ def test_files_of_another_model_are_never_served(make):
     files = _files(folder)
     assert len(files) == 4
 
-    other = make(disk_cache_dir=folder, source="another checkpoint")
+    other = make(disk_cache_dir=folder, model=make.model.replace(source="another checkpoint"))
     assert other.fingerprint != owner.fingerprint
     assert other.stats["tiers"]["disk"]["foreign"] == 4 and other.stats["tiers"]["disk"]["entries"] == 0
     # one of the owner's files under the very name the other model looks for: still not served
@@ -315,7 +315,7 @@ def test_negligible_transfer_heads_are_not_stored(make):
         return leaf.at[::2].set(np.log(1e4)) if getattr(path[-1], "key", None) == "A_log" else leaf
 
     base = make.model
-    model = type(base)(base.arch, base.config, jax.tree_util.tree_map_with_path(fast_heads, base.params))
+    model = base.replace(params=jax.tree_util.tree_map_with_path(fast_heads, base.params))
     exact = make(model=model, host_cache_bytes=1 << 20)
     segs = _docs(make.vocab, 7) + [[9, 10, 11]]
     exact.prefill(segs, seam=SEAM)

@@ -429,6 +429,30 @@ def test_a_background_warmup_serves_while_the_larger_rungs_compile(engines):
 
 
 @on_worker_of("engine-qwen_moe")
+@pytest.mark.parametrize("guard", ["count", "refuse"])
+def test_the_compile_guard_counts_or_refuses_a_program_outside_the_ladder(engines, guard):
+    """Warmed up for short prompts only, a longer one needs a program outside the warmed-up ladder: the engine
+    compiles it and counts it (guard "count"), or refuses the request with `CompileWhileServing` and stays usable
+    (guard "refuse")."""
+    from hypic_jax.engine import CompileWhileServing
+
+    _, model, vocab = engines("qwen_moe")
+    engine = Engine(model, max_prompt_tokens=256, token_rungs=(64, 256), max_segments=4, max_new_tokens=1,
+                    max_batch=1, compile_cache="none", compile_guard=guard)
+    engine.warmup(max_prompt_tokens=64, progress=False)
+    long = [[3 + i % 100 for i in range(147)], [5, 6]]
+    if guard == "refuse":
+        with pytest.raises(CompileWhileServing, match="refuses to compile while serving"):
+            engine.prefill(long, mode="full_recompute")
+        assert engine.stats["programs"]["serving_compiles"] == 0
+    else:
+        engine.prefill(long, mode="full_recompute")
+        assert engine.stats["programs"]["serving_compiles"] == 2  # the plain program and its commit
+    assert np.isfinite(engine.prefill([[5, 6, 7], [8]], mode="full_recompute").logits).all()
+    engine.close()
+
+
+@on_worker_of("engine-qwen_moe")
 def test_closing_writes_the_tiers_to_disk_and_a_new_engine_serves_them(engines, tmp_path):
     """`close()` (here through `with`) writes the device tier to the disk tier; a new engine on the same folder
     serves every document from disk with the same logits; a closed engine refuses requests; a damaged file is

@@ -11,6 +11,9 @@ collectives), each with two fake CPU devices, so the segment mesh spans four dev
 - The coordinator killed after warmup: the follower ends (`jax.distributed` terminates it, or `follow` raises)
   instead of waiting.
 - Engines that differ (process 1 with half the cache): `Runner` refuses them on both processes.
+- The processes share one compile cache folder (as those of one machine do by default: the engine's
+  `compile_cache="auto"`, one folder per user), and the cluster restarts on it: each process runs its programs on
+  its own devices, and the cluster still serves the one-process engine's logits.
 
 Every process runs under a deadline and is killed past it: nothing here can hang.
 """
@@ -216,3 +219,25 @@ def test_engines_that_differ_are_refused(tmp_path):
     for run in runs:
         assert run.status is not None and run.status["status"] == "refused", run.tail()
         assert "process 1: cache_bytes, pools" in run.status["error"], run.status
+
+
+def test_processes_sharing_a_compile_cache_serve_like_one(tmp_path):
+    """Both processes keep their programs in one folder (the default per-user compile cache of one machine), and
+    the cluster is started twice on it (the second time every program is stored, by one process or the other): a
+    program stored for another process's devices is never run on this one's, and both times the cluster serves the
+    one-process engine's logits."""
+    folder = tmp_path / "programs"
+    want = None
+    for start in ("first", "again"):
+        reference = tmp_path / "single" if want is None else None
+        runs = _cluster(tmp_path, start, "--compile-cache", str(folder), reference=reference)
+        for run in runs:
+            assert run.status is not None and run.status["status"] == "ok", (start, run.tail())
+        want = runs[2].npz() if want is None else want
+        coordinator = runs[0]
+        assert coordinator.status["requests"] == 3, coordinator.tail()
+        got = coordinator.npz()
+        np.testing.assert_array_equal(got["stats"], want["stats"])
+        for i in range(3):
+            assert _close(got[f"logits{i}"], want[f"logits{i}"]) <= 1e-5, (start, i)
+        assert any(folder.rglob("*.*")), "no program was stored"

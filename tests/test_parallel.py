@@ -2,11 +2,12 @@
 
 The policies: every segment lands in exactly one bin; LPT's makespan stays within 5% of the lower bound
 max(costliest segment, total / devices) on skewed lengths, and beats round-robin on a case built against it; the
-cost model fits its constants from measurements. The mesh path: on 1, 2, 4 and 8 fake CPU devices, with LPT and
-round-robin, a `StableEngine(devices=...)` gives the single-device engine's logits and cache entries (in the pools
-of the device that computed each, and the home device's copies), serves entries that left the home device from
-the devices that hold them, and compiles nothing after warmup; a home entry held on another device is not demoted,
-and `persist` writes every device's entries to disk (one subprocess: the device count is fixed when JAX starts).
+cost model fits its constants from measurements. The mesh path: on 2, 4 and 8 fake CPU devices, with LPT and
+round-robin, an `Engine(devices=...)` gives the single-device engine's logits and cache entries (in the pools of the
+device that computed each, and the home device's copies), serves entries that left the home device from the devices
+that hold them, and compiles nothing after warmup (`devices=1` is the one-device engine, with no mesh); a home
+entry held on another device is not demoted, and `persist` writes every device's entries to disk (one subprocess:
+the device count is fixed when JAX starts).
 """
 
 from __future__ import annotations
@@ -130,20 +131,20 @@ _MESH_SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp
 from hypic_jax.models import qwen3_5
 from hypic_jax.models.base import Model
-from hypic_jax.runtime import StableEngine, backend_compiles
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles
 
 assert len(jax.devices()) == 8
 # the demo's tiny model cut to one Gated DeltaNet and one full-attention layer (both kinds of pooled entry), with
-# its slow decay; prefill only (no decode program): the mesh path is the cold path
+# its slow decay; prefill only (no generation, one decode row): the mesh path is the cold path
 config = qwen3_5.Config(
     vocab_size=512, hidden_size=64, layer_types=("linear_attention", "full_attention"), mlp_types=("dense",) * 2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=8, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=128, chunk_size=16)
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=128)
 params = qwen3_5.init_params(config, jax.random.key(0), jnp.float32)
 params["layers"][0]["mixer"]["A_log"] = jnp.full_like(params["layers"][0]["mixer"]["A_log"], np.log(0.03))
 model = Model(qwen3_5, config, params)
-base = dict(max_prompt_tokens=128, max_segments=8, token_rungs=(128,), max_new_tokens=0, cache_bytes=1 << 20,
-            mean_entry_tokens=32, seam=4, eviction="lru")
+base = dict(max_prompt_tokens=128, max_segments=8, token_rungs=(128,), max_new_tokens=0, max_batch=1,
+            cache_bytes=1 << 20, mean_entry_tokens=32, seam=4, eviction="lru", kernels=KernelOptions(chunk_size=16))
 rng = np.random.default_rng(0)
 docs = [rng.integers(0, 512, n).tolist() for n in (40, 9, 6, 20, 12, 8)]
 new = rng.integers(0, 512, 14).tolist()
@@ -165,18 +166,28 @@ def same(got, want, label):
         for a, b in zip(parts, want[key]):
             assert a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-5, (label, key)
 
-ref = StableEngine(model, **base)
+ref = Engine(model, **base)
 ref.warmup(progress=False)
 ref_logits = [ref.prefill(r).logits for r in requests]
 ref_entries = entries(ref)
 assert len(ref_entries) == 7 and all(np.abs(p).max() > 0 for e in ref_entries.values() for p in e)
 
+# one device is the one-device engine: no segment mesh, the same logits
+one = Engine(model, **base, devices=1)
+one.programs._compiled.update(ref.programs._compiled)
+assert one.segment_mesh is None
+one.warmup(progress=False)
+before = backend_compiles()
+for r, want in zip(requests, ref_logits):
+    assert float(np.abs(one.prefill(r).logits - want).max()) <= 1e-5
+assert backend_compiles() == before and set(entries(one)) == set(ref_entries)
+
 shared = {}
-for n in (1, 2, 4, 8):
+for n in (2, 4, 8):
     for policy in ("lpt", "rr"):
         # two devices away from the home one (where the pools live): the records travel back to it
         devices = jax.devices()[6:8] if (n, policy) == (2, "rr") else n
-        engine = StableEngine(model, **base, devices=devices, policy=policy)
+        engine = Engine(model, **base, devices=devices, policy=policy)
         engine.programs._compiled.update(ref.programs._compiled)  # same shapes: the reference's programs
         mesh = engine.segment_mesh
         assert mesh.size == n and mesh.home == jax.devices()[0]
@@ -227,7 +238,7 @@ for n in (1, 2, 4, 8):
 # `persist` writes every device's entries, and an engine of one device serves them from disk
 import tempfile
 folder = tempfile.mkdtemp()
-engine = StableEngine(model, **base, devices=2, host_cache_bytes=1 << 20, disk_cache_dir=folder)
+engine = Engine(model, **base, devices=2, host_cache_bytes=1 << 20, disk_cache_dir=folder)
 engine.programs._compiled.update(ref.programs._compiled)
 mesh = engine.segment_mesh
 mesh._cold, mesh._commit = shared[2, True]
@@ -238,14 +249,14 @@ assert 0 < len(remote) < 6
 left = engine.demote_all()
 assert left == 6 and engine.tiers.demotions == 6 - len(remote), (left, engine.tiers.demotions, len(remote))
 assert engine.persist() == 6
-restarted = StableEngine(model, **base, disk_cache_dir=folder)
+restarted = Engine(model, **base, disk_cache_dir=folder)
 restarted.programs._compiled.update(ref.programs._compiled)
 restarted.warmup(progress=False)
 got = restarted.prefill(requests[0])
 assert got.stats.hits == 6 and got.stats.cold_tokens == 0, got.stats
 assert float(np.abs(got.logits - ref_logits[0]).max()) <= 1e-5
 # written through: every new entry reaches the disk when it is stored, on whichever device it stays
-through = StableEngine(model, **base, devices=2, disk_cache_dir=tempfile.mkdtemp(), disk_write_through=True)
+through = Engine(model, **base, devices=2, disk_cache_dir=tempfile.mkdtemp(), disk_write_through=True)
 through.programs._compiled.update(ref.programs._compiled)
 through.segment_mesh._cold, through.segment_mesh._commit = shared[2, True]
 through.warmup(progress=False)

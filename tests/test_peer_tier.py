@@ -1,4 +1,4 @@
-"""The peer tier (`StableEngine(devices=N, peer_cache_bytes=...)`, `hypic_jax.tiers.PeerStore`): entries demoted
+"""The peer tier (`Engine(devices=N, peer_cache_bytes=...)`, `hypic_jax.tiers.PeerStore`): entries demoted
 from the engine's first device are kept in the memory of its other devices and promoted back by one copy between
 devices.
 
@@ -20,19 +20,19 @@ from families import fake_devices_env
 _PEER_SCRIPT = r"""
 import numpy as np, jax
 from hypic_jax.demo import tiny_model
-from hypic_jax.runtime import StableEngine, backend_compiles
+from hypic_jax.engine import Engine, backend_compiles
 
 assert len(jax.devices()) == 4
 model = tiny_model()
-options = dict(max_prompt_tokens=256, token_rungs=(256,), max_segments=8, max_new_tokens=4, cache_bytes=1 << 19,
-               mean_entry_tokens=64, seam=4, eviction="lru")
+options = dict(max_prompt_tokens=256, token_rungs=(256,), max_segments=8, max_new_tokens=4, max_batch=1,
+               cache_bytes=1 << 19, mean_entry_tokens=64, seam=4, eviction="lru")
 rng = np.random.default_rng(0)
 docs = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(24, 56, 6)]
 query = [5, 6, 7]
-single = StableEngine(model, **options).prefill(docs + [query]).logits
+single = Engine(model, **options).prefill(docs + [query]).logits
 
 # every entry fits the peer tier
-engine = StableEngine(model, devices=4, peer_cache_bytes=1 << 20, host_cache_bytes=1 << 20, **options)
+engine = Engine(model, devices=4, peer_cache_bytes=1 << 20, host_cache_bytes=1 << 20, **options)
 engine.warmup(progress=False)
 before = backend_compiles()
 first = engine.prefill(docs + [query])
@@ -76,7 +76,7 @@ assert backend_compiles() == before, "a request compiled after warmup"
 # a peer budget for about one entry per device: the rest go on to the host tier and come back from there
 engine.demote_all()
 largest = max(p.nbytes for store in engine.tiers.peers for p in store.values())
-tight = StableEngine(model, devices=4, peer_cache_bytes=largest * 3 // 2, host_cache_bytes=1 << 20, **options)
+tight = Engine(model, devices=4, peer_cache_bytes=largest * 3 // 2, host_cache_bytes=1 << 20, **options)
 tight.programs._compiled.update(engine.programs._compiled)
 tight.mover.adopt(engine.mover)
 tight.warmup(progress=False)
@@ -100,7 +100,7 @@ assert backend_compiles() == before, "a request compiled after warmup"
 for bad, match in ((dict(peer_cache_bytes=1 << 20), "other devices"),
                    (dict(devices=4, peer_cache_bytes=-1), "peer_cache_bytes")):
     try:
-        StableEngine(model, **bad, **options)
+        Engine(model, **bad, **options)
         raise AssertionError(f"{bad} was accepted")
     except ValueError as error:
         assert match in str(error), error

@@ -4,7 +4,7 @@ One engine and one server for the module (CPU compilation dominates): one token 
 BPE tokenizer trained in memory. Checked: the `openai` client against it (completions and chat, streaming and not,
 cached tokens of reordered documents, stop strings, seeded sampling), every bad input as a 4xx error in OpenAI's
 shape naming its field, 64 concurrent clients answered once each with the greedy outputs of the same requests run
-one at a time (and of `StableEngine.generate`), a full queue, a client leaving mid-stream, /metrics against what
+one at a time (and of `Engine.generate`), a full queue, a client leaving mid-stream, /metrics against what
 was sent, and no compilation after warmup.
 """
 
@@ -28,11 +28,11 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
-from hypic_jax.serve import Server  # noqa: E402
+from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
+from hypic_jax.engine.scheduler import TextStream  # noqa: E402
+from hypic_jax.serve import ApiError, Server  # noqa: E402
 from hypic_jax.serve.protocol import ChatRenderer  # noqa: E402
-from hypic_jax.serve.scheduler import ApiError, TextStream  # noqa: E402
-from test_engine import _build  # noqa: E402
+from helpers import tiny_checkpoint  # noqa: E402
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): one server and its warmed-up engine
 pytestmark = pytest.mark.xdist_group("serve")
@@ -65,11 +65,11 @@ def _text(rng, words: int) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model, vocab, _ = _build("qwen_dense", str(tmp_path_factory.mktemp("serve") / "qwen_dense"))
+    model, vocab, _ = tiny_checkpoint("qwen_dense", str(tmp_path_factory.mktemp("serve") / "qwen_dense"))
     tokenizer = _tokenizer(vocab)
-    engine = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
-                          max_new_tokens=MAX_NEW, max_batch=4, cache_bytes=1 << 24, seam=SEAM)
-    server = Server(engine, model_name=MODEL, max_queue=128, warm_on_start=False)
+    engine = Engine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
+                    max_new_tokens=MAX_NEW, max_batch=4, cache_bytes=1 << 24, seam=SEAM, max_queue=128)
+    server = Server(engine, model_name=MODEL, warm_on_start=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -726,8 +726,9 @@ def test_dummy_load_format_gives_the_folders_shapes_random_weights(tmp_path):
     from hypic_jax import models
     from hypic_jax.checkpoint import random_model, write_metadata
     from hypic_jax.demo import tiny_model
+    from hypic_jax.engine import EngineOptions
     from hypic_jax.serve.app import build
-    from hypic_jax.serve.model import load_folder
+    from hypic_jax.serve.model import load_served
 
     reference = tiny_model()
     write_metadata(tmp_path, model_type="qwen3_5", config=reference.config, dtype="float32")
@@ -738,14 +739,17 @@ def test_dummy_load_format_gives_the_folders_shapes_random_weights(tmp_path):
     assert all(a.shape == b.shape and a.dtype == b.dtype
                for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(want)))
     assert any(float(np.abs(np.asarray(a)).max()) > 0 for a in jax.tree.leaves(model.params))
-    served = load_folder(tmp_path, "float32", load_format="dummy")
-    assert served.model.config == reference.config and served.tokenizer is None
+    small = EngineOptions.from_kwargs(max_prompt_tokens=32, max_new_tokens=4, max_batch=1, cache_bytes=1 << 22)
+    served = load_served(tmp_path, dtype="float32", load_format="dummy", options=small)
+    assert served.engine.config == reference.config and served.engine.tokenizer is None
+    assert served.engine.model.arch is reference.arch and served.name == tmp_path.name
+    served.engine.close()
     with pytest.raises(ValueError, match="hypic-jax checkpoint"):
-        load_folder(tmp_path / "missing", "float32", load_format="dummy")
+        load_served(tmp_path / "missing", dtype="float32", load_format="dummy", options=small)
     with pytest.raises(ValueError, match="needs a MODEL folder"):
         build(None, load_format="dummy")
     with pytest.raises(ValueError, match="load_format"):
-        load_folder(tmp_path, "float32", load_format="fake")
+        load_served(tmp_path, dtype="float32", load_format="fake", options=small)
 
 
 def test_a_failed_warmup_stops_the_server_with_its_error():
@@ -755,7 +759,8 @@ def test_a_failed_warmup_stops_the_server_with_its_error():
 
     from hypic_jax.demo import tiny_model
 
-    engine = StableEngine(tiny_model(), max_prompt_tokens=32, token_rungs=(32,), max_new_tokens=4, max_batch=1)
+    engine = Engine(tiny_model(), max_prompt_tokens=32, token_rungs=(32,), max_new_tokens=4, max_batch=1,
+                    cache_bytes=1 << 22)
 
     def out_of_memory(**_):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
@@ -790,14 +795,17 @@ def test_gpu_memory_fraction_sets_jax_share_before_the_backend_starts(monkeypatc
         cli.main(["serve", "--gpu-memory-fraction", "1.5"])
 
 
-def test_the_compile_cache_defaults_to_a_per_user_folder(monkeypatch, tmp_path, capsys):
+def test_the_compile_cache_defaults_to_a_per_user_folder(monkeypatch, tmp_path, caplog):
     """`hypic-jax serve` keeps compiled programs in $HYPIC_JAX_CACHE, else $XDG_CACHE_HOME/hypic-jax, else
-    ~/.cache/hypic-jax; `--compile-cache DIR` names another and `--compile-cache none` keeps none."""
+    ~/.cache/hypic-jax; `--compile-cache DIR` names another and `--compile-cache none` keeps none. A default folder
+    that cannot be made leaves the engine without a compile cache, with a warning."""
     from hypic_jax import cli
+    from hypic_jax.demo import tiny_model
     from hypic_jax.serve import app
 
-    seen = []
-    monkeypatch.setattr(app, "main", lambda args: seen.append(args.compile_cache) or 0)
+    seen, options = [], []
+    monkeypatch.setattr(app, "main", lambda args: options.append(args.engine_options) or seen.append(
+        args.engine_options.compile.folder()) or 0)
     monkeypatch.delenv("HYPIC_JAX_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cli.main(["serve"]) == 0
@@ -808,22 +816,28 @@ def test_the_compile_cache_defaults_to_a_per_user_folder(monkeypatch, tmp_path, 
     assert cli.main(["serve"]) == 0
     assert cli.main(["serve", "--compile-cache", str(tmp_path / "flag")]) == 0
     assert cli.main(["serve", "--compile-cache", "none"]) == 0
-    # a default folder that cannot be made: a warning, and no cache (a named one fails when the server builds)
+    assert seen == [tmp_path / "xdg" / "hypic-jax", tmp_path / "home" / ".cache" / "hypic-jax", tmp_path / "mine",
+                    tmp_path / "flag", None]
+    # a default folder that cannot be made: a warning when the engine is built, and no cache
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("HYPIC_JAX_CACHE", str(tmp_path / "file" / "under"))
     assert cli.main(["serve"]) == 0
-    assert seen == [str(tmp_path / "xdg" / "hypic-jax"), str(tmp_path / "home" / ".cache" / "hypic-jax"),
-                    str(tmp_path / "mine"), str(tmp_path / "flag"), None, None]
-    assert "no compile cache" in capsys.readouterr().err
+    with caplog.at_level("WARNING", logger="hypic_jax.engine"):
+        engine = Engine(tiny_model(), options[-1], max_prompt_tokens=32, max_new_tokens=4, max_batch=1,
+                        cache_bytes=1 << 22)
+    assert engine.compile_cache is None and engine.executables is None
+    assert "no compile cache" in caplog.text
+    engine.close()
 
 
 def test_warmup_out_of_device_memory_says_what_the_engine_holds():
     """A warmup that runs out of device memory raises DeviceMemoryError naming the weights, pools and decode rows
     the engine holds and what to change; other errors pass through as they are."""
     from hypic_jax.demo import tiny_model
-    from hypic_jax.runtime import DeviceMemoryError
+    from hypic_jax.engine import DeviceMemoryError
 
-    engine = StableEngine(tiny_model(), max_prompt_tokens=32, token_rungs=(32,), max_new_tokens=4, max_batch=2)
+    engine = Engine(tiny_model(), max_prompt_tokens=32, token_rungs=(32,), max_new_tokens=4, max_batch=2,
+                    cache_bytes=1 << 22)
 
     def exhausted(*_, **__):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 3.67GiB")
@@ -846,10 +860,11 @@ def test_overlapped_decode_steps_give_the_same_tokens():
     seeded sampled rows, stop ids that end rows while a step for them is in flight, lengths that free the highest
     row (a smaller bucket), and admissions between steps."""
     from hypic_jax.demo import tiny_model
-    from hypic_jax.serve.scheduler import Request, SamplingParams, Scheduler
+    from hypic_jax.engine import SamplingParams
+    from hypic_jax.engine.scheduler import Request, Scheduler
 
-    engine = StableEngine(tiny_model(), max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=MAX_NEW,
-                          max_batch=4, seam=SEAM)
+    engine = Engine(tiny_model(), max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=MAX_NEW, max_batch=4,
+                    seam=SEAM, cache_bytes=1 << 24)
     engine.warmup(progress=False)
     rng = np.random.default_rng(11)
     specs = []
@@ -918,15 +933,15 @@ def test_a_restarted_server_serves_its_entries_from_the_disk_tier(tmp_path):
     answers the same documents (reordered) from it: cached tokens, no cold prefill, the first server's answer."""
     from starlette.testclient import TestClient
 
-    model, vocab, _ = _build("qwen_dense", str(tmp_path / "qwen_dense"))
+    model, vocab, _ = tiny_checkpoint("qwen_dense", str(tmp_path / "qwen_dense"))
     tokenizer = _tokenizer(vocab)
     docs, query = _docs(dict(), 7)
     lengths = [len(tokenizer.encode(d, add_special_tokens=False).ids) for d in docs]
     answers, donor = [], None
     for order in ([0, 1, 2], [2, 0, 1]):
-        engine = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
-                              max_new_tokens=4, max_batch=1, cache_bytes=1 << 24, seam=SEAM,
-                              disk_cache_dir=str(tmp_path / "disk"))
+        engine = Engine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
+                        max_new_tokens=4, max_batch=1, cache_bytes=1 << 24, seam=SEAM,
+                        disk_cache_dir=str(tmp_path / "disk"))
         if donor is not None:  # the same shapes: the first server's compiled programs
             engine.programs._compiled.update(donor.programs._compiled)
             engine.mover.adopt(donor.mover)
@@ -944,8 +959,8 @@ def test_a_restarted_server_serves_its_entries_from_the_disk_tier(tmp_path):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == sum(n - SEAM for n in lengths)
     assert donor.stats["tiers"]["promotions"]["disk"] == 3
     # the reordered prompt: the same entries, so the greedy answer matches a fresh engine's on that order
-    reference = StableEngine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
-                             max_new_tokens=4, cache_bytes=1 << 24, seam=SEAM)
+    reference = Engine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
+                       max_new_tokens=4, max_batch=1, cache_bytes=1 << 24, seam=SEAM)
     reference.programs._compiled.update(donor.programs._compiled)
     want = reference.generate([docs[2], docs[0], docs[1], query], max_new_tokens=4)
     assert second["choices"][0]["text"] == tokenizer.decode(want.tokens)

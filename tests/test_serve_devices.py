@@ -34,7 +34,7 @@ folder = sys.argv[1]
 # the demo's tiny model: random weights of one seed (`--load-format dummy`), the same in both servers
 write_metadata(folder, model_type="qwen3_5", config=tiny_model().config, dtype="float32")
 options = dict(dtype="float32", load_format="dummy", max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
-               max_new_tokens=8, max_batch=1, cache_gb=1 / 64, seam=4, warm_on_start=False)
+               max_new_tokens=8, max_batch=1, cache_bytes=1 << 24, seam=4)
 rng = np.random.default_rng(0)
 segments = [rng.integers(0, 512, n).tolist() for n in (40, 9, 23, 12, 5)]  # the last one is the query
 body = dict(segments=segments, max_tokens=8, temperature=0, logprobs=5, return_token_ids=True)
@@ -42,6 +42,7 @@ out = {}
 for devices, policy, split in ((None, "lpt", None), (2, "lpt", None), (2, "rr", None), (None, "lpt", 2),
                                (2, "lpt", 2)):
     server = build(folder, devices=devices, policy=policy, tensor_parallel=split, **options)
+    server.warm_on_start = False
     mesh = server.engine.segment_mesh
     assert (mesh is None) == (devices is None)
     assert (server.engine.placement is None) == (split is None)
@@ -71,8 +72,8 @@ for devices, policy, split in ((None, "lpt", None), (2, "lpt", None), (2, "rr", 
     choice = answer["choices"][0]
     out[f"{devices}-{policy}" + (f"-tp{split}" if split else "")] = dict(tokens=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
                                       top=choice["logprobs"]["top_logprobs"])
-# --peer-cache-gb: a tier on the other device
-peered = build(folder, devices=2, peer_cache_gb=1 / 256, **options).engine.tiers
+# --peer-cache-gb (peer_cache_bytes): a tier on the other device
+peered = build(folder, devices=2, peer_cache_bytes=1 << 22, **options).engine.tiers
 assert len(peered.peers) == 1 and peered.peers[0].capacity_bytes == 1 << 22 and peered.enabled
 print(json.dumps(out))
 """
@@ -110,15 +111,21 @@ def test_bad_devices_and_policy_are_refused_naming_the_option(capsys, monkeypatc
     assert cli.main(["serve", "--devices", str(too_many)]) == 2
     err = capsys.readouterr().err
     assert f"--devices {too_many}" in err and f"from 1 to {too_many - 1}" in err, err
-    with pytest.raises(ValueError, match="--devices"):
+    # `build` takes the engine's options by field name: its errors name the field (a count past the machine's
+    # devices is checked by `build` itself, naming the flag)
+    with pytest.raises(ValueError, match="devices must be a device count >= 1"):
         build(devices=0)
-    with pytest.raises(ValueError, match="--policy"):
+    with pytest.raises(ValueError, match="policy must be one of"):
         build(policy="random")
-    with pytest.raises(ValueError, match="--peer-cache-gb needs --devices"):
-        build(peer_cache_gb=0.5)
-    with pytest.raises(ValueError, match="--tensor-parallel-size 0"):
+    with pytest.raises(ValueError, match="peer_cache_bytes needs the engine's other devices"):
+        build(peer_cache_bytes=1 << 29)
+    with pytest.raises(ValueError, match="tensor_parallel must be a device count >= 1"):
         build(tensor_parallel=0)
-    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+    with pytest.raises(ValueError, match=f"--tensor-parallel-size {too_many}"):
         build(tensor_parallel=too_many)
+    with pytest.raises(ValueError, match=f"--devices {too_many}"):
+        build(devices=too_many)
     assert cli.main(["serve", "--tp", str(too_many)]) == 2
     assert f"--tensor-parallel-size {too_many}" in capsys.readouterr().err
+    assert cli.main(["serve", "--peer-cache-gb", "0.5"]) == 2  # a peer tier without --devices
+    assert "peer_cache_bytes needs the engine's other devices" in capsys.readouterr().err

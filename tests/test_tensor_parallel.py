@@ -1,4 +1,4 @@
-"""Tensor parallelism: `StableEngine(tensor_parallel=M)` splits the parameters over a ("data", "model") mesh of M
+"""Tensor parallelism: `Engine(tensor_parallel=M)` splits the parameters over a ("data", "model") mesh of M
 devices by each architecture's `param_specs` and the pools over its "model" axis (`pools.split_spec`), and runs
 every program over the mesh, the span programs' linear cores and attention on each device's own heads
 (`stitch.model_split`); with `devices=` beside it the segment mesh's cold bins come back gathered and are committed
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from families import fake_devices_env
-from test_engine import ENGINE_ARCHS
+from helpers import arch_params
 
 TESTS = Path(__file__).parent
 
@@ -26,15 +26,35 @@ _SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
 import numpy as np, jax
-from test_engine import _build, _rel
-from test_layer_stack import _batched_steps
-from hypic_jax.runtime import StableEngine
+from helpers import rel as _rel, tiny_checkpoint
+from hypic_jax.engine import Engine
+from hypic_jax.engine.sampling import TOP_LOGPROBS, SamplingRows
 
 arch, folder = sys.argv[1], sys.argv[2]
 assert len(jax.devices()) == 8
-model, vocab, _ = _build(arch, folder)
+model, vocab, _ = tiny_checkpoint(arch, folder)
 base = dict(max_prompt_tokens=256, max_segments=6, token_rungs=(64, 256), max_new_tokens=8, cache_bytes=1 << 22,
-            seam=4)
+            seam=4, max_batch=2)
+
+
+def _batched_steps(engine, prompts, steps):
+    # greedy rows: each prompt's prefill inserted into its row, then `steps` steps of every row; per call the
+    # sampled ids and their log-probabilities
+    out = []
+    for row, segs in enumerate(prompts):
+        pre = engine.prefill(segs, mode="full_recompute")
+        sampled = engine.slot_insert(row, pre, SamplingRows.build([0.0], [1.0], [0], [0], [0], [TOP_LOGPROBS]))
+        out.append((sampled.ids, sampled.logprobs()[0]))
+    tokens = np.concatenate([ids for ids, _ in out])
+    lengths = np.asarray([sum(map(len, segs)) for segs in prompts])
+    rows = len(prompts)
+    for step in range(steps):
+        sampled = engine.slot_decode(tokens, lengths, SamplingRows.build(
+            [0.0] * rows, [1.0] * rows, [0] * rows, [0] * rows, [step + 1] * rows, [TOP_LOGPROBS] * rows))
+        out.append((sampled.ids, sampled.logprobs()[0]))
+        tokens, lengths = sampled.ids, lengths + 1
+    return out
+
 rng = np.random.default_rng(0)
 corpus = [rng.integers(3, vocab, n).tolist() for n in (40, 9, 70, 20, 33, 8)]
 modes = ("transition_rope_recompute", "prefix_cache", "full_recompute", "transition_rope", "transition", "addition")
@@ -48,10 +68,10 @@ from hypic_jax import stitch
 splits = []  # the span programs' linear cores and attention run on each device's heads (`stitch.model_split`)
 _over_heads = stitch._over_heads
 stitch._over_heads = lambda fn, split, whole: splits.append(fn) or _over_heads(fn, split, whole)
-ref = StableEngine(model, **base, max_batch=2)
-split = StableEngine(model, **base, max_batch=2, tensor_parallel=2)
+ref = Engine(model, **base)
+split = Engine(model, **base, tensor_parallel=2)
 # the cold bins on two other devices, the stitched programs on the model mesh
-composed = StableEngine(model, **base, tensor_parallel=jax.devices()[2:4], devices=jax.devices()[4:6])
+composed = Engine(model, **base, tensor_parallel=jax.devices()[2:4], devices=jax.devices()[4:6])
 assert composed.segment_mesh.gathered and composed.segment_mesh.pools is None
 split.warmup(progress=False)
 assert splits
@@ -107,7 +127,7 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+@pytest.mark.parametrize("arch", arch_params("tensor_parallel"))
 def test_tensor_parallel_equals_one_device(arch, tmp_path):
     done = subprocess.run([sys.executable, "-c", _SCRIPT, arch, str(tmp_path / arch), str(TESTS)],
                           env=fake_devices_env(8), capture_output=True, text=True, timeout=1200)
@@ -118,40 +138,39 @@ _REFUSALS = r"""
 import sys
 sys.path.insert(0, sys.argv[2])
 import jax, pytest
-from test_engine import _build
-from hypic_jax.runtime import StableEngine
+from helpers import rel as _rel, tiny_checkpoint
+from hypic_jax.engine import Engine
 
-model, _, _ = _build("qwen_moe", sys.argv[1])
-base = dict(max_prompt_tokens=64, max_segments=2, token_rungs=(64,), cache_bytes=1 << 22)
+model, _, _ = tiny_checkpoint("qwen_moe", sys.argv[1])
+base = dict(max_prompt_tokens=64, max_segments=2, token_rungs=(64,), cache_bytes=1 << 22, max_batch=1)
 for option in (dict(host_cache_bytes=1 << 20), dict(disk_cache_dir=sys.argv[1] + "/disk"),
                dict(peer_cache_bytes=1 << 20, devices=2)):
     with pytest.raises(ValueError, match="tiers need the model on one device"):
-        StableEngine(model, **base, tensor_parallel=2, **option)
+        Engine(model, **base, tensor_parallel=2, **option)
 with pytest.raises(ValueError, match="divisible"):  # 4 value heads, 2 key heads
-    StableEngine(model, **base, tensor_parallel=3)
+    Engine(model, **base, tensor_parallel=3)
 with pytest.raises(ValueError, match="this process has 8"):
-    StableEngine(model, **base, tensor_parallel=9)
+    Engine(model, **base, tensor_parallel=9)
 with pytest.raises(ValueError, match="distinct"):
-    StableEngine(model, **base, tensor_parallel=[jax.devices()[0]] * 2)
+    Engine(model, **base, tensor_parallel=[jax.devices()[0]] * 2)
 with pytest.raises(ValueError, match="other than the default"):
-    StableEngine(model, **base, tensor_parallel=[jax.devices()[1]])
-assert StableEngine(model, **base, tensor_parallel=1).placement is None  # one device: as without it
+    Engine(model, **base, tensor_parallel=[jax.devices()[1]])
+assert Engine(model, **base, tensor_parallel=1).placement is None  # one device: as without it
 
 # a restarted engine loads its split programs from the store (each run on the devices of its mesh)
 import numpy as np
-from test_engine import _rel
 stored = dict(base, compile_cache=sys.argv[1] + "/programs", max_new_tokens=4)
 segments = [list(range(3, 40)), list(range(5, 20)), [7, 8, 9]]
-want = StableEngine(model, **base, max_new_tokens=4).prefill(segments).logits
-first = StableEngine(model, **stored, tensor_parallel=2).warmup(progress=False)
-again = StableEngine(model, **stored, tensor_parallel=2)
+want = Engine(model, **base, max_new_tokens=4).prefill(segments).logits
+first = Engine(model, **stored, tensor_parallel=2).warmup(progress=False)
+again = Engine(model, **stored, tensor_parallel=2)
 loaded = again.warmup(progress=False)
 assert first["loaded"] == 0 and loaded["loaded"] == loaded["programs"] == first["programs"] > 0, (first, loaded)
 assert _rel(again.prefill(segments).logits, want) < 1e-5
 
 # random weights made split (`random_model(mesh=...)`, the server's --load-format dummy): those of the unsplit model
 from hypic_jax.checkpoint import random_model
-from hypic_jax.runtime import tensor_parallel_mesh
+from hypic_jax.engine.placement import tensor_parallel_mesh
 whole = jax.tree.leaves(random_model(sys.argv[1], "float32").params)
 split = jax.tree.leaves(random_model(sys.argv[1], "float32", mesh=tensor_parallel_mesh(2)).params)
 assert len(whole) == len(split) and all(len(b.sharding.device_set) == 2 for b in split)

@@ -152,7 +152,6 @@ class Plan:
 _OPEN_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
-@atexit.register
 def _close_open_engines() -> None:
     """At interpreter exit every engine still open is closed: its device and host tiers reach its disk tier."""
     for engine in list(_OPEN_ENGINES):
@@ -160,6 +159,12 @@ def _close_open_engines() -> None:
             engine.close()
         except Exception:  # noqa: BLE001  (exit goes on; the other engines still close)
             log.exception("closing an engine at exit failed")
+
+
+# Closing writes files through thread pools, which refuse work once the interpreter shuts its threads down: before
+# `atexit`'s handlers run. `threading._register_atexit` runs a function at that point, ahead of the thread pools'
+# own shutdown (registered earlier, run later).
+getattr(threading, "_register_atexit", atexit.register)(_close_open_engines)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -238,14 +243,15 @@ class Engine:
                                   policy=tr.DevicePolicy(self.policy) if self.eviction == "cost" else None)
         self._slots = None  # the batched decode cache, made on first use
         folder = options.compile.folder()
-        self.compile_cache = None if folder is None else _compile_cache_or_none(folder)
+        self.compile_cache = None if folder is None else _compile_cache_or_none(
+            folder, explicit=options.compile.compile_cache != "auto")
         # compiled programs kept whole next to JAX's cache: a restarted process loads them without lowering
         self.executables = None
         if self.compile_cache is not None:
             from hypic_jax.executables import ExecutableStore
 
             self.executables = ExecutableStore(self.compile_cache / "hypic-programs")
-        self.programs = Programs(self, workers=options.compile.compile_workers)
+        self.programs = Programs(self, guard=options.compile.compile_guard, workers=options.compile.compile_workers)
         self._device_lock = threading.RLock()
         self._unstored: list[Entry] = []
         # key -> (entry, tr.Transfer, tr.Pieces, tier): this request's promotions not yet written into the pools;
@@ -253,8 +259,8 @@ class Engine:
         self._promoting: dict[str, tuple] = {}
         self._fetching: list = []  # this request's copies from other devices' pools, not yet issued (`mesh_pools`)
         self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.segment_mesh`); None: one device
-        if parallel.devices is not None and (parallel.devices if isinstance(parallel.devices, int)
-                                             else len(parallel.devices)) > 1:
+        if parallel.devices is not None and not (isinstance(parallel.devices, int) and parallel.devices == 1):
+            # a count of 1 is the one device; a list of devices, even of one, is a mesh over them
             from hypic_jax.segment_mesh import SegmentMesh
 
             self.segment_mesh = SegmentMesh(self, parallel.devices, parallel.policy)
@@ -905,7 +911,7 @@ class Engine:
             home = self.mover.device
             peers = tuple(d for d in resolve_devices(devices) if d != home and d.process_index == jax.process_index())
         disk_dir = tiers.disk_cache_dir
-        if disk_dir is not None:
+        if disk_dir is not None and tiers.disk_cache_bytes != 0:  # a budget of 0 turns the disk tier off
             disk_dir = Path(disk_dir).expanduser()
             try:
                 disk_dir.mkdir(parents=True, exist_ok=True)
@@ -1172,12 +1178,15 @@ class Engine:
                     seconds={k: round(v, 6) for k, v in self.tier_seconds.items()})
 
 
-def _compile_cache_or_none(folder: Path) -> Path | None:
-    """The compile cache folder in use, or None (with a warning) when it cannot be made: a process without one
-    compiles every start, which is slow but correct."""
+def _compile_cache_or_none(folder: Path, *, explicit: bool) -> Path | None:
+    """The compile cache folder in use. The default folder may be unusable (a read-only home): then None, with a
+    warning (a process without one compiles every start, which is slow but correct); a folder named explicitly
+    that cannot be used is an error."""
     try:
         return use_compile_cache(folder)
     except ValueError as error:
+        if explicit:
+            raise
         log.warning("no compile cache (%s); every start compiles", error)
         return None
 

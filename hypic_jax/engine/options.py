@@ -216,6 +216,9 @@ class CompileOptions(OptionGroup):
     compile_workers: int | None = option(
         None, "threads that compile programs at warmup (derived: the machine's cores, at most 8)",
         check=whole(1, optional=True))
+    compile_guard: str = option(
+        "count", "a program outside the warmed-up ladder needed while serving: count (compile it, count it in "
+        "stats and log it) or refuse (the request fails with CompileWhileServing)", check=choice("count", "refuse"))
 
     def folder(self) -> Path | None:
         """The compile cache folder, or None for none."""

@@ -255,6 +255,14 @@ class Programs:
             raise RuntimeError("the batch program chose different layouts for the decode cache it takes and returns")
         return slots_in
 
+    def _devices(self) -> list:
+        """The devices the programs run on, in their mesh's order: the model mesh's, else the one device that holds
+        the pools (so a program stored by one process never loads onto another's device)."""
+        placement = self.engine.placement
+        if placement is not None:
+            return list(placement.mesh.devices.flat)
+        return [next(iter(jax.tree.leaves(self.engine.pools.arrays)[0].devices()))]
+
     def _digest(self, key: ProgramKey) -> str:
         """What the program of `key` is made of, without tracing it (`executables.ExecutableStore.digest`)."""
         from hypic_jax import executables
@@ -267,16 +275,14 @@ class Programs:
         return engine.executables.digest(
             key, capacity, ladder.max_pieces, ladder.records, ladder.chunk, ladder.conv, engine.arch.__name__,
             repr(engine.config), repr(engine.kernels), engine.top_logprobs, engine.max_batch, engine.max_keys,
-            repr(sorted(span_options(key.kind).items())), *self._signature)
+            repr(sorted(span_options(key.kind).items())), [d.id for d in self._devices()], *self._signature)
 
     # Building --------------------------------------------------------------------------------------------------------
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
         engine = self.engine
         store = engine.executables
-        placement = engine.placement
-        devices = None if placement is None else list(placement.mesh.devices.flat)
-        compiled = store.load(self._digest(key), devices) if store is not None else None
+        compiled = store.load(self._digest(key), self._devices()) if store is not None else None
         loaded = compiled is not None
         while compiled is None:
             try:
@@ -331,14 +337,16 @@ class Programs:
         if diagnostic:
             self.stats.diagnostic += 1
         elif self.serving:
-            if self.guard == "refuse":
-                raise CompileWhileServing(f"the {key.kind} program for {key.tokens} tokens and {key.keys} keys is "
-                                          f"outside the warmed-up ladder, and this engine refuses to compile while "
-                                          f"serving (warm up a larger max_prompt_tokens)")
-            self.stats.serving_compiles += 1
-            log.warning("compiling while serving: %s program for %d tokens, %d keys (outside the warmed-up "
-                        "ladder)", key.kind, key.tokens, key.keys)
+            self.compiling_while_serving(f"the {key.kind} program for {key.tokens} tokens and {key.keys} keys")
         return self._build(key)
+
+    def compiling_while_serving(self, what: str) -> None:
+        """`what` must compile although the engine serves: counted and logged, or refused (guard="refuse")."""
+        if self.guard == "refuse":
+            raise CompileWhileServing(f"{what} is outside the warmed-up ladder, and this engine refuses to compile "
+                                      f"while serving (warm up a larger max_prompt_tokens)")
+        self.stats.serving_compiles += 1
+        log.warning("compiling while serving: %s (outside the warmed-up ladder)", what)
 
     def compile(self, keys: list[ProgramKey], *, progress: bool = True, background: list[ProgramKey] = ()) -> float:
         """Compile `keys` (those not compiled yet) on a thread pool (XLA compiles release the interpreter lock), then
