@@ -1,7 +1,7 @@
 """Compiled programs kept on disk, loaded by a restarted process without tracing or lowering them again.
 
 JAX's persistent compilation cache (`engine.use_compile_cache`) skips XLA's compile, but its key is the lowered
-program, so a restarted process still traces and lowers every program first. For the shape-stable engine's
+program, so a restarted process still traces and lowers every program first. For the engine's
 ladder that is most of a cached warmup: about a second of Python per program at the 35B-A3B shape, under the GIL
 (`bench/rag_trace.py --compile-cache` measures it; see bench/RESULTS.md). `ExecutableStore` keeps each compiled
 program whole (`jax.experimental.serialize_executable`, with its argument and result tree structures) under a

@@ -151,13 +151,13 @@ def devices() -> Check:
 
 def option(default, help: str, *, check: Check | None = None, flag: str | None = None, aliases: Sequence[str] = (),
            scale: float | None = None, unit: str | None = None, metavar: str | None = None,
-           cli: bool = True) -> Any:
+           cli: bool = True, derived: bool = False) -> Any:
     """A field of an `OptionGroup`. help: one sentence for the docs and `--help`. check: validates (and normalises)
     the value. flag: the command-line flag (default: --field-name); scale: the flag's value times `scale` is the
     field's (a flag in GiB for a field in bytes), `unit` names the flag's unit. cli=False: no flag (a Python-only
-    value, such as a list of devices)."""
+    value, such as a list of devices). derived: the default None is filled from the model and the machine."""
     metadata = dict(help=help, check=check, flag=flag, aliases=tuple(aliases), scale=scale, unit=unit,
-                    metavar=metavar, cli=cli)
+                    metavar=metavar, cli=cli, derived=derived)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -184,7 +184,7 @@ def _flag(field) -> str:
 def _describe_default(field) -> str:
     value = field.default
     if value is None:
-        return "derived" if field.metadata.get("check") and getattr(field.metadata["check"], "kind", None) else "none"
+        return "derived" if field.metadata.get("derived") else "none"
     scale = field.metadata.get("scale")
     if scale and is_number(value):
         value = value / scale
@@ -238,7 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser, group_type: type, *, title: s
                   skip: Sequence[str] = ()) -> None:
     """One flag per field of `group_type` (an `OptionGroup` dataclass). Flags not given leave no attribute, so the
     group's own default applies (`from_args`)."""
-    section = parser.add_argument_group(title or group_type.__name__, (group_type.__doc__ or "").split("\n")[0])
+    summary = " ".join((group_type.__doc__ or "").split("\n\n")[0].split())
+    section = parser.add_argument_group(title or group_type.__name__, summary)
     for field in dataclasses.fields(group_type):
         meta = field.metadata
         if not meta.get("cli", True) or field.name in skip:
@@ -254,7 +255,8 @@ def add_arguments(parser: argparse.ArgumentParser, group_type: type, *, title: s
         choices = getattr(check, "choices", None)
         section.add_argument(*names, dest=field.name, default=argparse.SUPPRESS, help=help_text,
                              type=_parser_for(field), metavar=meta.get("metavar") or (
-                                 "{" + ",".join(map(str, choices)) + "}" if choices else None))
+                                 "{" + ",".join(map(str, choices)) + "}" if choices else
+                                 meta["unit"].upper() if meta.get("unit") else None))
 
 
 def from_args(group_type: type, args: argparse.Namespace):

@@ -170,7 +170,7 @@ def test_warmup_limits(engine):
         _refused(engine, ValueError, "max_prompt_tokens must be an integer >= 1",
                  lambda: engine.warmup(max_prompt_tokens=bad, progress=False))
     _refused(engine, ValueError, "exceeds the engine's 128", lambda: engine.warmup(max_prompt_tokens=129))
-    _refused(engine, ValueError, "exceeds the engine's 6", lambda: engine.warmup(max_segments=7))
+    _refused(engine, TypeError, "max_segments", lambda: engine.warmup(max_segments=7))  # one segment capacity
     assert not engine.programs.serving
 
 

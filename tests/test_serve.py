@@ -209,6 +209,10 @@ def test_seeded_sampling_is_reproducible_in_any_batch(served):
         return [o.choices[0].model_extra["token_ids"] for o in outs]
 
     assert asyncio.run(together()) == [others[0], alone, others[1], others[2]]
+    # one sampler: the same request and seed give the same tokens through the Python API
+    engine = served["engine"]
+    assert engine.generate(engine.segment_tokens(prompt), max_new_tokens=12, temperature=1.5, top_p=0.95,
+                           seed=3).tokens == alone
     # top_k=1 is greedy whatever the temperature
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                        extra_body=dict(return_token_ids=True)).choices[0].model_extra["token_ids"]
@@ -990,3 +994,28 @@ def test_a_stream_torn_down_before_its_first_byte_still_cancels_its_request():
     with pytest.raises(ClientDisconnect):
         asyncio.run(response(dict(type="http", asgi={"spec_version": "2.4"}), receive, gone))
     assert closed == [True] and not started
+
+
+@pytest.mark.xdist_group("serve-defaults")
+def test_serve_with_no_flags_fits_a_checkpoint_of_4096_tokens(tmp_path):
+    """`hypic-jax serve MODEL` with no flag on a checkpoint whose context is 4,096 tokens: the limits derived from
+    the model fit its context, and the server becomes healthy (the larger rungs compiling in the background)."""
+    from starlette.testclient import TestClient
+
+    from hypic_jax import cli
+    from hypic_jax.options import from_args
+    from hypic_jax.serve import ServerOptions, build
+
+    _, _, folder = tiny_checkpoint("qwen_dense", str(tmp_path / "model"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=4096)))
+    args = cli.parser().parse_args(["serve", str(folder)])
+    server = build(args.model, dtype=args.dtype, options=cli.engine_options(args), server=from_args(ServerOptions, args))
+    engine = server.engine
+    assert engine.max_context == 4096 and engine.max_prompt_tokens + engine.max_new_tokens <= 4096
+    server.warmup()
+    health = TestClient(server.app).get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    out = engine.generate([[5, 6, 7], [8, 9]], max_new_tokens=3)
+    assert len(out.tokens) == 3
+    server.close()

@@ -387,16 +387,14 @@ class Engine:
                                                      pool)))
         return tuple(out)
 
-    def warmup(self, max_prompt_tokens: int | None = None, max_segments: int | None = None, *,
-               progress: bool = True, ready_tokens: int | None = None) -> dict:
+    def warmup(self, max_prompt_tokens: int | None = None, *, progress: bool = True,
+               ready_tokens: int | None = None) -> dict:
         """Compile every program a prompt of up to `max_prompt_tokens` tokens (default: the engine's limit) can use,
         ahead of time; with a compile cache a restarted process loads them instead. Afterwards a compilation counts
         as one while serving. `ready_tokens`: return once the programs of rungs up to it are ready and compile the
         larger rungs on a background thread (a request that needs one of them waits for it; `programs.wait()`
         waits for them all). Returns the programs, seconds, XLA compilations, programs loaded from the store and
         programs left compiling."""
-        if max_segments is not None and max_segments > self.max_segments:
-            raise ValueError(f"max_segments {max_segments} exceeds the engine's {self.max_segments}")
         limit = self.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
         if not is_integer(limit) or limit < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {limit!r}")
@@ -431,9 +429,7 @@ class Engine:
     def _warmup(self, limit: int, progress: bool, ready_tokens: int | None) -> dict:
         before = backend_compiles()
         keys = self.programs.keys_for(limit)
-        ready = self.ladder.rung(min(ready_tokens, limit)) if ready_tokens is not None else None
-        later = [k for k in keys if ready is not None and k.kind in ("cold", "pic", "plain", "commit")
-                 and k.tokens > ready]
+        later = [] if ready_tokens is None else self.programs.later(keys, self.ladder.rung(min(ready_tokens, limit)))
         now = [k for k in keys if k not in later]
         spans = [k for k in now if k.kind in ("cold", "pic", "plain")]
         seconds = self.programs.compile(spans, progress=progress)
@@ -777,7 +773,10 @@ class Engine:
         request = Request([i.tolist() for i in ids], params, events.append, mode=mode, seam=seam,
                           cache_salt=cache_salt, timeout=self.options.scheduler.request_timeout,
                           tokenizer=self.tokenizer)
-        self.scheduler.run(request)
+        try:
+            self.scheduler.run(request)
+        except RequestError as error:  # refused at the door: the queue is full, or the engine is closing
+            raise RuntimeError(error.message) from error
         end = events[-1]
         if end["type"] == "error":
             error = end["error"]
@@ -791,11 +790,15 @@ class Engine:
                               finish_reason=end["finish_reason"], logprobs=lps if logprobs is not None else None)
 
     # Batched decoding ------------------------------------------------------------------------------------------------
-    def batch_bucket(self, rows: int) -> int:
-        """The smallest batch bucket that holds rows [0, rows)."""
+    def batch_bucket(self, rows: int, full: bool = False) -> int:
+        """The smallest batch bucket that holds rows [0, rows) and whose step program (with the truncating sampler
+        when `full`) is compiled; while a background warmup is still compiling the smaller ones, a larger compiled
+        bucket steps the same rows (rows never mix), else the smallest that holds them."""
         if not 1 <= rows <= self.max_batch:
             raise ValueError(f"rows must lie in [1, {self.max_batch}], got {rows}")
-        return next(b for b in self.batch_buckets if b >= rows)
+        fitting = [b for b in self.batch_buckets if b >= rows]
+        kind = "batch_full" if full else "batch"
+        return next((b for b in fitting if ProgramKey(kind, b, self.max_keys) in self.programs), fitting[0])
 
     def _slot_cache(self):
         """The batched decode cache, allocated on first use (or again after a failed step lost it)."""
@@ -838,6 +841,7 @@ class Engine:
         ||h_mode - h_full|| / ||h_full|| after every layer, plus the last position's logits. The query is fresh in every mode, so both runs hold its hidden states. Its programs (the
         span programs with every layer's hidden states) are compiled on first use, apart from the serving ladder
         (`stats["programs"]["diagnostic"]`)."""
+        self._check_open()
         segs = self.reader(segments)
         query = len(segs[-1])
         full, h_full, fresh_full = self._prefill(segs, "full_recompute", None, None, hidden=True)

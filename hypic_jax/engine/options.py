@@ -76,21 +76,21 @@ class LimitOptions(OptionGroup):
 
     max_prompt_tokens: int | None = option(
         None, "the longest prompt; larger ones are refused naming the limit (derived: 4096, or less to fit the "
-        "model's context beside max_new_tokens)", check=whole(1, optional=True))
+        "model's context beside max_new_tokens)", check=whole(1, optional=True), derived=True)
     max_new_tokens: int | None = option(
         None, "the most tokens one request may generate (derived: 256, or half the model's context when that is "
-        "less)", check=whole(0, optional=True))
+        "less)", check=whole(0, optional=True), derived=True)
     max_segments: int = option(64, "the most segments before a request's query", check=whole(1))
     max_batch: int | None = option(
         None, "requests decoding at once: rows of the preallocated batched decode cache (derived: 64 on an "
-        "accelerator, 8 on the CPU)", check=whole(1, optional=True))
+        "accelerator, 8 on the CPU)", check=whole(1, optional=True), derived=True)
     min_tokens: int | None = option(
         None, "the smallest compiled token capacity (derived: 64 on an accelerator, 256 on the CPU)",
-        check=whole(1, optional=True))
+        check=whole(1, optional=True), derived=True)
     ladder: str | None = option(
         None, "the steps between compiled token capacities: fine (x1.5 and x1.33, quarter octaves from 1024 "
         "tokens: at most 1.25x padding) or octaves (powers of two: fewer programs); derived: fine on an "
-        "accelerator, octaves on the CPU", check=choice(*LADDERS, optional=True))
+        "accelerator, octaves on the CPU", check=choice(*LADDERS, optional=True), derived=True)
     token_rungs: tuple[int, ...] | None = option(
         None, "explicit token capacities instead of the ladder, comma-separated (the last must hold "
         "max_prompt_tokens)", check=rungs(), metavar="N,N,...")
@@ -103,7 +103,7 @@ class PoolOptions(OptionGroup):
     cache_bytes: int | None = option(
         None, "the entry pools' budget (derived: on an accelerator, a share of the memory left after the weights "
         "and the decode rows; 1 GiB on the CPU)", check=whole(0, optional=True), flag="--cache-gb", scale=GIB,
-        unit="GiB")
+        unit="GiB", derived=True)
     mean_entry_tokens: int = option(
         512, "the mean segment length the pools are shaped for (slots for linear states per page of token rows)",
         check=whole(1))
@@ -215,7 +215,7 @@ class CompileOptions(OptionGroup):
         "code: keep it private", check=_compile_cache, metavar="DIR|auto|none")
     compile_workers: int | None = option(
         None, "threads that compile programs at warmup (derived: the machine's cores, at most 8)",
-        check=whole(1, optional=True))
+        check=whole(1, optional=True), derived=True)
     compile_guard: str = option(
         "count", "a program outside the warmed-up ladder needed while serving: count (compile it, count it in "
         "stats and log it) or refuse (the request fails with CompileWhileServing)", check=choice("count", "refuse"))

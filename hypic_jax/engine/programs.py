@@ -156,6 +156,18 @@ class Programs:
                  for b in engine.batch_buckets]
         return keys
 
+    def later(self, keys: list[ProgramKey], ready_rung: int) -> list[ProgramKey]:
+        """What of `keys` a warmup that must be ready for prompts up to `ready_rung` tokens can compile in the
+        background, in the order to compile it: the smaller decode buckets (a larger compiled bucket steps the same
+        rows meanwhile, `Engine.batch_bucket`), the samplers that truncate and rank (a request that needs one waits
+        for it), then the span programs of the larger rungs. What stays: the span programs up to `ready_rung`, the
+        decode cache, the plain insert and the largest bucket's step."""
+        largest = max((k.tokens for k in keys if k.kind == "batch"), default=None)
+        order = [k for k in keys if k.kind == "batch" and k.tokens != largest]
+        order += [k for k in keys if k.kind in ("insert_full", "batch_full")]
+        order += [k for k in keys if k.kind in SPAN_KINDS + ("commit",) and k.tokens > ready_rung]
+        return order
+
     # Lowering --------------------------------------------------------------------------------------------------------
     def _lower(self, key: ProgramKey):
         engine = self.engine
@@ -331,8 +343,9 @@ class Programs:
             return compiled
         with self._lock:
             future = self._pending.get(key)
+            if future is not None:
+                self.stats.waits += 1
         if future is not None:
-            self.stats.waits += 1
             return future.result()
         if diagnostic:
             self.stats.diagnostic += 1

@@ -142,14 +142,17 @@ class Request:
         self.cancelled = True
 
 
+def _truncates(params: SamplingParams) -> bool:
+    """Whether a request's rows need the sampler that sorts the vocabulary (`SamplingRows.full`)."""
+    return (params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)) or bool(params.logprobs)
+
+
 class Scheduler:
     """See the module docstring. `engine`: an `Engine` (its batched decode cache has `max_batch` rows); `metrics`
     an object with the server's counters (`hypic_jax.serve.metrics.Metrics`) or None."""
 
     def __init__(self, engine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1,
                  overlap: bool = False):
-        if not engine.max_batch:
-            raise ValueError("the scheduler needs an engine with a batched decode cache (max_batch >= 1)")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue, self.metrics, self.retry_after_s = engine, max_queue, metrics, retry_after_s
@@ -340,14 +343,16 @@ class Scheduler:
         # needs none
         ahead = int(self._pending is not None)
         busy = [i for i, r in enumerate(self.rows) if r is not None and len(r.tokens) + ahead < r.params.max_tokens]
-        rows = self.engine.batch_bucket(busy[-1] + 1) if busy else 0
+        full = any(_truncates(self.rows[i].params) for i in busy)
+        rows = self.engine.batch_bucket(busy[-1] + 1, full) if busy else 0
         chained = self.overlap and ahead and rows == self._pending[1]
         if not chained:
             self._drain()
             busy = [i for i, r in enumerate(self.rows) if r is not None]
             if not busy:
                 return
-            rows = self.engine.batch_bucket(busy[-1] + 1)
+            full = any(_truncates(self.rows[i].params) for i in busy)
+            rows = self.engine.batch_bucket(busy[-1] + 1, full)
         # a chained step's rows are one token ahead of what the host has read: the token in flight
         ahead = 1 if chained else 0
         tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)

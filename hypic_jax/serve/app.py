@@ -407,7 +407,7 @@ def _sse(payload: dict) -> str:
 
 def build(model: str | None = None, *, dtype: str = "bfloat16", load_format: str = "auto",
           options: EngineOptions | None = None, server: ServerOptions | None = None, **fields) -> Server:
-    """A `Server` for a model folder (None: `serve.model.default_model`, the embedded model when it is installed),
+    """A `Server` for a model folder (None: `serve.model.load_served`'s default, the embedded model when it is installed),
     not yet warmed up. `options` and `fields` (any `EngineOptions` field by name) configure the engine, `server`
     the HTTP side."""
     from hypic_jax.serve.model import load_served
