@@ -109,12 +109,10 @@ class ProgramStats:
 
 # XLA options of the span programs. Without the dot merger: it joins the products that share an input (a layer's
 # q/k/v or qkv/z projections) into one by concatenating their weights, and for a few hundred fresh tokens that copy
-# costs more than the second product it saves. Without GPU command buffers (CUDA graphs): a span program's
-# argument and output buffers move from request to request, so a captured graph would be re-patched before every
-# launch. The stitched (pic) program also runs without XLA's Triton GEMMs: inside the scan over the layers those
-# take their weights as copies sliced out of the stacked arrays, where cuBLAS reads them in place (bench/RESULTS.md,
-# "The weights' copies and the logits").
-SPAN_OPTIONS = {"xla_disable_hlo_passes": "dot-merger", "xla_gpu_enable_command_buffer": ""}
+# costs more than the second product it saves. The stitched (pic) program also runs without XLA's Triton GEMMs:
+# inside the scan over the layers those take their weights as copies sliced out of the stacked arrays, where
+# cuBLAS reads them in place (bench/RESULTS.md, "The weights' copies and the logits").
+SPAN_OPTIONS = {"xla_disable_hlo_passes": "dot-merger"}
 
 
 def span_options(kind: str) -> dict:
