@@ -1,4 +1,4 @@
-"""Cache tiers and eviction policies of the shape-stable engine on a Zipf RAG trace whose corpus overflows the device.
+"""Cache tiers and eviction policies of the engine on a Zipf RAG trace whose corpus overflows the device.
 
 A corpus of documents of log-uniform lengths; each request takes `--docs` of them by Zipf popularity (exponent
 `--zipf`), in random order, plus a fresh query, served in `transition_rope_recompute` with a seam of `--seam`
@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import full_config, random_model, small_config  # noqa: E402
 
 from hypic_jax import tiers as tr  # noqa: E402
+from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 from hypic_jax.pools import Pools  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
 
 
 def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, zipf: float, seed: int):
@@ -60,7 +60,7 @@ def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, ma
     return documents, out
 
 
-def run(engine: StableEngine, requests, seam: int) -> dict:
+def run(engine: Engine, requests, seam: int) -> dict:
     before = backend_compiles()
     hits = misses = cached = doc_tokens = cold = 0
     cold_s, ttft, all_hit = 0.0, [], []
@@ -140,8 +140,8 @@ def forms(models, requests, base, seam: int, layers: int) -> dict:
     donors = {}  # the engines' programs, and the copy programs of each way of storing pieces, compiled once
     for model_name, model in models.items():
         for name, dtype, tol in FORMS:
-            engine = StableEngine(model, **base, host_cache_bytes=1 << 40, tier_dtype=dtype, tier_transfer_tol=tol,
-                                  eviction="lru")
+            engine = Engine(model, **base, host_cache_bytes=1 << 40, tier_dtype=dtype, tier_transfer_tol=tol,
+                            eviction="lru")
             storage = (tuple(engine.mover.leaves), engine.mover.droppable)
             if donors:
                 engine.programs._compiled.update(next(iter(donors.values())).programs._compiled)
@@ -170,12 +170,13 @@ def forms(models, requests, base, seam: int, layers: int) -> dict:
                        transfer_heads_stored=round(heads[0] / heads[1], 4) if heads[1] else None,
                        max_rel_logit_deviation=float(f"{max(deviations):.3g}"),
                        median_rel_logit_deviation=float(f"{np.median(deviations):.3g}"))
+            engine.close()  # its compiled programs stay with the donors
             out.setdefault("measured", []).append(row)
             print(json.dumps(row), flush=True)
     return out
 
 
-def load_times(engine: StableEngine, vocab: int, lengths, seam: int, repeats: int = 3) -> list[dict]:
+def load_times(engine: Engine, vocab: int, lengths, seam: int, repeats: int = 3) -> list[dict]:
     """Per segment length: the TTFT of a request of that one document plus a 16-token query when the document is
     missing (recomputed), on the device, in the host tier and on disk, and the copies alone (demote: what an
     eviction costs the request that causes it, the copy issued; demote_total: until the entry is in the host tier;
@@ -248,7 +249,7 @@ def main(argv=None) -> None:
                         help="instead: TTFT of one document of each of these lengths missing, on the device, in "
                              "the host tier and on disk")
     parser.add_argument("--devices", type=int, default=1,
-                        help="the engines' devices (StableEngine(devices=N)); above 1 the trace also runs with a "
+                        help="the engines' devices (Engine(devices=N)); above 1 the trace also runs with a "
                              "peer tier on the other devices")
     parser.add_argument("--peer-frac", type=float, default=0.3,
                         help="the peer tier's budget, as a share of the corpus's entry bytes over all other devices")
@@ -277,8 +278,9 @@ def main(argv=None) -> None:
     longest = max(sum(map(len, r)) for r in requests)
     mean_tokens = int(np.mean([len(d) for d in documents]))
     rungs = tuple(args.rungs) if args.rungs else ((256, 1024) if args.small else None)
+    # prefill only: one decode row, no room for new tokens; the ladder from 64 tokens in fine steps on any backend
     base = dict(max_prompt_tokens=max(longest, max(rungs or (0,))), token_rungs=rungs, max_segments=args.docs,
-                max_new_tokens=0,
+                max_new_tokens=0, max_batch=1, min_tokens=64, ladder="fine", compile_cache="none",
                 cache_bytes=int(args.device_frac * corpus_bytes), mean_entry_tokens=mean_tokens)
     host_bytes = int(args.host_frac * corpus_bytes)
     peer_bytes = int(args.peer_frac * corpus_bytes / max(1, args.devices - 1)) if args.devices > 1 else 0
@@ -299,11 +301,12 @@ def main(argv=None) -> None:
         lengths = args.load_times or ([32, 128, 512] if args.small else [128, 512, 2048, 8192])
         top = max(lengths) + 16
         with tempfile.TemporaryDirectory() as root:
-            engine = StableEngine(model, max_prompt_tokens=top, max_segments=1, max_new_tokens=0,
-                                  cache_bytes=1 << (27 if args.small else 32), mean_entry_tokens=top,
-                                  token_rungs=tuple(args.rungs) if args.rungs else None, host_cache_bytes=1 << 40,
-                                  disk_cache_dir=root, eviction="lru", tier_dtype=args.tier_dtype,
-                                  tier_transfer_tol=args.transfer_tol, host_memory=args.host_memory[0])
+            engine = Engine(model, max_prompt_tokens=top, max_segments=1, max_new_tokens=0, max_batch=1,
+                            min_tokens=64, ladder="fine", compile_cache="none",
+                            cache_bytes=1 << (27 if args.small else 32), mean_entry_tokens=top,
+                            token_rungs=tuple(args.rungs) if args.rungs else None, host_cache_bytes=1 << 40,
+                            disk_cache_dir=root, eviction="lru", tier_dtype=args.tier_dtype,
+                            tier_transfer_tol=args.transfer_tol, host_memory=args.host_memory[0])
             before = backend_compiles()
             warm = engine.warmup(progress=False)
             compiled = backend_compiles()
@@ -313,6 +316,7 @@ def main(argv=None) -> None:
                           warmup_programs=warm.get("programs"), warmup_compiles=compiled - before,
                           compiles_while_measuring=backend_compiles() - compiled,
                           bandwidths=dict(host=engine.bandwidths.host, disk=engine.bandwidths.disk))
+            engine.close()
         print(json.dumps(report, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
@@ -330,8 +334,8 @@ def main(argv=None) -> None:
             nonlocal donor
             tr.Mover.DEMOTE_COPY = demote_copy
             try:
-                made = StableEngine(model, **base, **options, tier_dtype=args.tier_dtype,
-                                    tier_transfer_tol=args.transfer_tol)
+                made = Engine(model, **base, **options, tier_dtype=args.tier_dtype,
+                              tier_transfer_tol=args.transfer_tol)
             finally:
                 tr.Mover.DEMOTE_COPY = "program"
             if donor is not None:  # the same pool shapes: the first engine's compiled programs serve every engine
@@ -366,6 +370,7 @@ def main(argv=None) -> None:
                 row = dict(tiers=name, eviction=policy, **run(made, requests, args.seam))
                 if made.tiers.disk is not None:
                     row["persisted"] = made.persist()  # a graceful shutdown writes what the disk lacks
+                made.close()  # its compiled programs stay with the donor
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
         for policy in args.policies:  # a new process on the disk folder: the trace again, from the disk
@@ -373,6 +378,7 @@ def main(argv=None) -> None:
                                disk_cache_dir=str(Path(root) / f"{policy}-{kinds[0]}-{hosts[0][1]}"),
                                demote_copy=hosts[0][1])
             row = dict(tiers="restart on the disk", eviction=policy, **run(restarted, requests, args.seam))
+            restarted.close()
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}))

@@ -1,14 +1,14 @@
-"""The batched decode step of the shape-stable engine: time per step against the batch bucket, and the floor.
+"""The batched decode step of the engine: time per step against the batch bucket, and the floor.
 
     python bench/decode_step.py                 # the Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
     python bench/decode_step.py --small         # CPU smoke size
     python bench/decode_step.py --profile-dir DIR --profile-rows 16   # one traced step (bench/trace_summary.py)
     python bench/decode_step.py --few-query-rows 4 0   # decode attention in the cache layout, then as matmuls
     python bench/decode_step.py --slot-layouts default auto   # the decode cache row-major, then in the layouts
-                                                              # the compiler picks (StableEngine(slot_layouts=...))
+                                                              # the compiler picks (KernelOptions.slot_layouts)
 
 A server's decode throughput is rows / step time; `bench/serve.py` finds the transition_rope_recompute server
-decode-bound. Each bucket's program (`StableEngine.slot_decode`, the one the server runs) steps rows [0, b) of the
+decode-bound. Each bucket's program (`Engine.slot_decode`, the one the server runs) steps rows [0, b) of the
 batched cache, every row at `--length` cached tokens. The floor column is the bytes a step must read once: every
 parameter outside the routed experts, the routed experts that at least one row picks (uniform routing, expected
 count E (1 - (1 - 1/E)^(b k))) and each row's decode caches, at `--bandwidth` GB/s. Compilations are counted:
@@ -32,7 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prefill import full_config, random_model, small_config  # noqa: E402
 
 from hypic_jax import attention  # noqa: E402
-from hypic_jax.runtime import ProgramKey, SamplingRows, StableEngine, backend_compiles  # noqa: E402
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles  # noqa: E402
+from hypic_jax.engine.programs import ProgramKey  # noqa: E402
+from hypic_jax.engine.sampling import SamplingRows  # noqa: E402
 
 
 def expert_bytes(params) -> tuple[int, int]:
@@ -49,9 +51,9 @@ def expert_bytes(params) -> tuple[int, int]:
 
 def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict:
     """Compile the batch programs of a new engine over `model`, time a step per bucket, profile if asked."""
-    engine = StableEngine(model, max_prompt_tokens=args.length, max_new_tokens=64, max_batch=args.max_batch,
-                          slot_layouts=slot_layouts,
-                          cache_bytes=1 << 28, token_rungs=(args.length,))
+    engine = Engine(model, max_prompt_tokens=args.length, max_new_tokens=64, max_batch=args.max_batch,
+                    kernels=KernelOptions(slot_layouts=slot_layouts), cache_bytes=1 << 28,
+                    token_rungs=(args.length,), compile_cache="none")
     keys = [ProgramKey("batch", b, engine.max_keys) for b in engine.batch_buckets]
     start = time.perf_counter()
     engine.programs.compile(keys)
@@ -60,7 +62,7 @@ def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict
     engine.programs.serving = True
     routed, other = expert_bytes(engine.params)
     experts, top_k = config.num_experts, config.num_experts_per_tok
-    cache_row = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(engine._slot_shapes())) / args.max_batch
+    cache_row = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(engine.slot_shapes())) / args.max_batch
     before = backend_compiles()
     rows_out = []
     print(label)
@@ -97,6 +99,7 @@ def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict
                 with jax.profiler.TraceAnnotation(f"decode rows{b}"):
                     np.asarray(engine.slot_decode(tokens, lengths, sampling).ids)
     engine.clear_cache()
+    engine.close()
     engine._slots = None  # the next variant's engine gets the memory
     del engine
     gc.collect()
@@ -117,7 +120,7 @@ def main(argv=None) -> None:
                         help="attention.FEW_QUERY_ROWS per variant, timed one after the other in this process (0: "
                              "every decode attention as batched matrix products); default: attention.FEW_QUERY_ROWS")
     parser.add_argument("--slot-layouts", nargs="*", default=["auto"], choices=["default", "auto"],
-                        help="StableEngine(slot_layouts=...) per variant (each with every --few-query-rows)")
+                        help="KernelOptions(slot_layouts=...) per variant (each with every --few-query-rows)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)

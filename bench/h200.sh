@@ -51,7 +51,7 @@ pic() {
   timeout "${SMOKE_TIMEOUT:-0}" python3 bench/gpu_smoke.py 2>&1 | tee "$OUT/gpu_smoke.txt" || return 1
   # each row is printed as soon as it is measured; the optimized HLO of the span programs is dumped so that the
   # trace summary can group GPU time by the model's named scopes
-  local dump="--xla_dump_to=$SCRATCH/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_forward.*"
+  local dump="--xla_dump_to=$SCRATCH/pic-hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*span_program.*"
   XLA_FLAGS="$XLA_FLAGS $dump" \
     timeout "${PIC_TIMEOUT:-0}" python3 bench/pic_ttft.py $PEAKS --modes transition_rope_recompute prefix_cache \
     full_recompute transition_rope transition addition --profile-dir "$SCRATCH/pic-trace" 2>&1 \
@@ -59,7 +59,7 @@ pic() {
   python3 bench/trace_summary.py "$SCRATCH/pic-trace" --top 40 --hlo "$SCRATCH/pic-hlo" \
     > "$OUT/pic_trace_summary.txt" 2>&1
   python3 bench/trace_summary.py "$SCRATCH/pic-trace/transition_rope_recompute" \
-    --periods span_fold_pooled positioned_attention > "$OUT/pic_trace_periods.txt" 2>&1
+    --periods piece_fold chunk_fold positioned_attention > "$OUT/pic_trace_periods.txt" 2>&1
 }
 
 kernels() {

@@ -1,5 +1,5 @@
-"""The shape-stable engine's span programs with the repeating layers as one scan (`layer_stack`) against every
-layer unrolled: compile time per program, results and warm request times.
+"""The engine's span programs with the repeating layers as one scan (`layer_stack`) against every layer unrolled:
+compile time per program, results and warm request times.
 
 Two parts, one process:
 
@@ -7,13 +7,13 @@ Two parts, one process:
             engines with the layers unrolled and scanned (and each `--impls` linear path), warmed on the check
             rung; per prompt length, full_recompute, a cold and a warm transition_rope_recompute request: ms
             (median of `--repeats`), the largest relative logit difference to the unrolled XLA engine, and
-            full_recompute's to `hypic_jax.Engine`'s full prefill (an independent implementation)
-  compile   the same widths at `--layers` layers, weights stacked in place (`runtime.stack_layers(consume=True)`,
-            so one copy fits): per `--impls` path, each span program of each `--rungs` rung and the decode
-            program (with `--max-batch`, the batched rows' insert and step programs too) compiled one at a time
-            (seconds each); then the warm requests of the check part at the longest length and the decode step
-            (ms per token of a greedy `generate`), with `hypic_jax.Engine`'s full prefill of the same prompt
-            compiled at its exact length beside it
+            full_recompute's to the model's own full prefill (`arch.prefill`, an independent implementation)
+  compile   the same widths at `--layers` layers, weights stacked in place (`engine.stack_layers(consume=True)`,
+            so one copy fits): per `--impls` path, each span program of each `--rungs` rung and the batched
+            decode programs of `--max-batch` rows (the cache's allocation, the insert into a row and the step of
+            each batch bucket) compiled one at a time (seconds each); then the warm requests of the check part at
+            the longest length and the decode step (ms per token of a greedy `generate`), with the model's own
+            full prefill of the same prompt compiled at its exact length beside it
 
     python bench/layer_scan.py                          # H200: 8 layers checked, 40 compiled, rungs 1024 16384
     python bench/layer_scan.py --small                  # CPU smoke run (toy widths)
@@ -39,10 +39,9 @@ from prefill import full_config, small_config  # noqa: E402
 from investigations.stable_kernels import rel, timed  # noqa: E402
 from investigations.stable_kernels import split as split_tokens  # noqa: E402
 
-from hypic_jax.engine import Engine  # noqa: E402
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles, stack_layers  # noqa: E402
 from hypic_jax.models import layer_stack, qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.runtime import ProgramKey, StableEngine, backend_compiles, stack_layers  # noqa: E402
 
 
 def log(*args) -> None:
@@ -83,23 +82,36 @@ def decode_ms(engine, segs, new_tokens: int, repeats: int) -> float | None:
     return round(1e3 * float(np.median([r.decode_s / (len(r.tokens) - 1) for r in steps])), 3)
 
 
-def engine_for(model, rungs, args, impl, scan, *, new_tokens=0, max_batch=0):
-    return StableEngine(model, max_prompt_tokens=rungs[-1], max_segments=args.docs, token_rungs=tuple(rungs),
-                        max_new_tokens=new_tokens, cache_bytes=int(args.cache_gb * (1 << 30)), eviction="lru",
-                        linear_impl=impl, scan_layers=scan, mean_entry_tokens=max(16, rungs[-1] // args.docs),
-                        max_batch=max_batch)
+def exact_prefill(model, kernels=None):
+    """The whole prompt through the model's own prefill (`arch.prefill`), compiled at its exact length: the last
+    position's logits."""
+    kernels = kernels or KernelOptions()
+    fn = jax.jit(lambda params, tokens: model.arch.prefill(params, model.config, tokens, tokens.shape[1],
+                                                           kernels=kernels)[0])
+    return lambda segs: np.asarray(fn(model.params, np.concatenate(segs)[None].astype(np.int32))[0])
+
+
+def engine_for(model, rungs, args, impl, scan, *, new_tokens=0, max_batch=1):
+    return Engine(model, max_prompt_tokens=rungs[-1], max_segments=args.docs, token_rungs=tuple(rungs),
+                  max_new_tokens=new_tokens, cache_bytes=int(args.cache_gb * (1 << 30)), eviction="lru",
+                  kernels=KernelOptions(linear=impl, scan_layers=scan),
+                  mean_entry_tokens=max(16, rungs[-1] // args.docs), max_batch=max_batch, compile_cache="none")
 
 
 SPAN_KINDS = ("pic", "plain", "cold")
-DECODE_KINDS = ("decode", "insert", "batch")  # insert and batch exist with max_batch > 0
+# a step per batch bucket (the largest first: it chooses the decode cache's layouts, which the others take), the
+# batched decode cache's allocation, a row's insert
+DECODE_KINDS = ("batch", "slots", "insert")
 
 
 def compile_one_by_one(engine, rungs) -> dict:
-    keys = [k for k in engine.programs.keys_for(rungs[-1]) if k.kind in SPAN_KINDS + ("commit",) + DECODE_KINDS]
+    keys = [k for k in engine.programs.keys_for(rungs[-1]) if k.kind in SPAN_KINDS + ("commit",)]
+    decode = [k for k in engine.programs.keys_for(rungs[-1]) if k.kind in DECODE_KINDS]
+    keys += sorted(decode, key=lambda k: (DECODE_KINDS.index(k.kind), -k.tokens))
     seconds = {}
     for key in keys:
         start = time.perf_counter()
-        engine.programs.compile([key], progress=False, workers=1)
+        engine.programs.compile([key], progress=False)
         seconds[f"{key.kind}@{key.tokens}"] = round(time.perf_counter() - start, 2)
         log(f"  {key.kind}@{key.tokens}: {seconds[f'{key.kind}@{key.tokens}']} s")
     engine.programs.serving = True
@@ -122,8 +134,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-gb", type=float, default=4.0)
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens of the compile part's decode timing")
-    parser.add_argument("--max-batch", type=int, default=0,
-                        help="rows of the batched decode cache: also compile its insert and step programs")
+    parser.add_argument("--max-batch", type=int, default=1,
+                        help="rows of the batched decode cache (its step programs: one per batch bucket)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["check", "compile", "exact"])
     parser.add_argument("--bank-max-elements", type=int, default=None,
                         help="store expert banks past this size in chunks (the check model's are below 2^31)")
@@ -157,6 +169,7 @@ def main(argv=None) -> None:
         dtype = jnp.dtype(args.check_dtype) if args.check_dtype else dtype
         model = Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype))
         stacked = stack_layers(model)  # one stacked copy, shared by the scanned engines
+        exact_reference = exact_prefill(model)
         variants = [("xla", False)] + [(impl, True) for impl in args.impls]
         engines = {}
         for impl, scan in variants:
@@ -175,7 +188,7 @@ def main(argv=None) -> None:
             if length > check_rungs[-1]:
                 continue
             segs = split(rng, length, config.vocab_size, args.docs, args.query)
-            exact = np.asarray(Engine(model).prefill(segs, mode="full_recompute").logits)
+            exact = exact_reference(segs)
             before = backend_compiles()
             results = {name: requests(e, segs, args.seam, args.repeats) for name, e in engines.items()}
             reference = results["xla/unrolled"][1]
@@ -188,7 +201,9 @@ def main(argv=None) -> None:
             log(f"compiles while timing: {backend_compiles() - before}")
         report["check"] = rows
         save()
-        del engines, model, stacked, results
+        for engine in engines.values():
+            engine.close()
+        del engines, engine, model, stacked, results, exact_reference
         gc.collect()  # engines and their programs reference each other: free their weights and pools now
 
     if "compile" not in args.skip:
@@ -214,15 +229,16 @@ def main(argv=None) -> None:
             log(f"[compile {impl}] length {length}: {ms}")
             report["compile_s"], report["timing"] = compiled, timing
             save()
+            engine.close()
             del engine
             gc.collect()
         report["compile_s"], report["timing"] = compiled, timing
         if "exact" not in args.skip:
-            static = Engine(model)
+            exact = exact_prefill(model)
             start = time.perf_counter()
-            static.prefill(segs, mode="full_recompute")
+            exact(segs)
             first = time.perf_counter() - start
-            exact_s, _ = timed(lambda: static.prefill(segs, mode="full_recompute"), args.repeats)
+            exact_s, _ = timed(lambda: exact(segs), args.repeats)
             report["exact"] = dict(length=length, first_s=round(first, 1), ms=round(1e3 * exact_s, 2),
                                    padded_over_exact={impl: round(t["ms"]["full_recompute"] / (1e3 * exact_s), 3)
                                                       for impl, t in timing.items()})

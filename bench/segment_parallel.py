@@ -1,15 +1,16 @@
-"""Segment-parallel cold prefill (`StableEngine(devices=N, policy=...)`) against the number of devices.
+"""Segment-parallel cold prefill (`Engine(devices=N, policy=...)`) against the number of devices.
 
 A cold request (every document missing from the cache) of `--segments` documents, uniform (`--segment-len` tokens
-each) and skewed (log-normal lengths of the same total), plus a query, served in `transition_rope_recompute`.
-For each device count that this process has (1, 2, 4, 8 by default) and each policy (`lpt`, `rr`) an engine with
-that mesh serves the request `--repeats` times, its cache cleared before each; the plain single-device cold path
-(`devices=None`) is the baseline. Reported per run: median TTFT (cold prefill over the mesh with each bin's
-records written into its own device's pools, the copies of the entries to the home device and the stitched
-program), the same phases timed one after the other in one more run (`phases`: each waited for, so they do not
-overlap as in the timed runs), the bins' token counts, and per bin the cost model's prediction against the bin
-measured alone on one device (the single-device cold program on that bin's segments). The cost model is
-calibrated once (`SegmentMesh.calibrate`) and shared by every engine.
+each) and skewed (log-normal lengths of the same total), plus a query, served in `transition_rope_recompute`. For
+each device count of 2 or more that this process has (2, 4, 8 by default) and each policy (`lpt`, `rr`) an engine
+with that mesh serves the request `--repeats` times, its cache cleared before each; the plain single-device cold
+path is the baseline (an engine of one device runs no mesh: `devices=1` is that path). Reported per run: median TTFT
+(cold prefill over the mesh with each bin's records written into its own device's pools, the copies of the entries
+to the home device and the stitched program), the same phases timed one after the other in one more run (`phases`:
+each waited for, so they do not overlap as in the timed runs), the bins' token counts, and per bin the cost model's
+prediction against the bin measured alone on one device (the single-device cold program on that bin's segments). The
+cost model is calibrated once (`SegmentMesh.calibrate`, single-device cold prefills of the plain engine) and shared
+by every engine.
 
     python bench/segment_parallel.py --small     # CPU: a tiny model on 8 forced host devices (they share the cores)
     python bench/segment_parallel.py             # the 35B-A3B shape, random bf16 weights, on the GPUs present
@@ -45,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hypic_jax import layout as lay  # noqa: E402
 from hypic_jax import parallel  # noqa: E402
-from hypic_jax.runtime import StableEngine, backend_compiles  # noqa: E402
+from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
+from hypic_jax.segment_mesh import SegmentMesh  # noqa: E402
 
 
 def requests(vocab: int, segments: int, length: int, query: int, seed: int) -> dict:
@@ -61,7 +63,7 @@ def requests(vocab: int, segments: int, length: int, query: int, seed: int) -> d
     return out
 
 
-def bin_alone(engine: StableEngine, docs, seconds_repeats: int) -> float:
+def bin_alone(engine: Engine, docs, seconds_repeats: int) -> float:
     """The single-device cold program on these segments (recording nothing): the bin's own time."""
     spans = [lay.Span(lay.FRESH, len(d)) for d in docs]
     tokens = [t for d in docs for t in d]
@@ -75,7 +77,7 @@ def bin_alone(engine: StableEngine, docs, seconds_repeats: int) -> float:
     return best
 
 
-def serve(engine: StableEngine, request, repeats: int) -> dict:
+def serve(engine: Engine, request, repeats: int) -> dict:
     engine.clear_cache()
     engine.prefill(request)  # compiles what this case needs; untimed
     before = backend_compiles()
@@ -86,7 +88,7 @@ def serve(engine: StableEngine, request, repeats: int) -> dict:
     return dict(ttft_s=round(statistics.median(ttft), 6), compiles_while_timed=backend_compiles() - before)
 
 
-def phases(engine: StableEngine, request) -> dict:
+def phases(engine: Engine, request) -> dict:
     """One more cold run of `request`, stopped after each phase to time it (so its phases do not overlap as they
     do in the timed runs): the mesh program with each bin's records written into its device's pools, the copies
     of the entries to the home device written into its pools, and the rest (planning and the stitched program)."""
@@ -125,11 +127,12 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=None)
     parser.add_argument("--segment-len", type=int, default=None)
     parser.add_argument("--query", type=int, default=64)
-    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--devices", type=int, nargs="+", default=[2, 4, 8],
+                        help="mesh sizes (1: the plain cold path, which the baseline rows measure)")
     parser.add_argument("--policies", nargs="+", default=["lpt", "rr"], choices=parallel.POLICIES)
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="M",
                         help="split the model over the first M devices in every engine but the single-device "
-                             "baseline (StableEngine(tensor_parallel=M)), and add a row of that engine without "
+                             "baseline (Engine(tensor_parallel=M)), and add a row of that engine without "
                              "a segment mesh")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-gb", type=float, default=None,
@@ -162,24 +165,23 @@ def main() -> None:
         cache_bytes = int((args.cache_gb or 12) * 2**30)
     total = segments * length + query
     available = len(jax.devices())
-    counts = [n for n in args.devices if n <= available]
-    base = dict(max_prompt_tokens=total, max_segments=segments, max_new_tokens=8, token_rungs=rungs,
-                min_tokens=128, cache_bytes=cache_bytes, mean_entry_tokens=length, seam=8, eviction="lru")
+    counts = [n for n in args.devices if 2 <= n <= available]
+    if 1 in args.devices:
+        print("one device: the plain cold path (an engine of one device runs no mesh); see the baseline rows",
+              flush=True)
+    base = dict(max_prompt_tokens=total, max_segments=segments, max_new_tokens=8, max_batch=1, token_rungs=rungs,
+                min_tokens=128, ladder="fine", cache_bytes=cache_bytes, mean_entry_tokens=length, seam=8,
+                eviction="lru", compile_cache="none")
     cases = requests(int(model.config.vocab_size), segments, length, query, args.seed)
 
-    plain = StableEngine(model, **base)
+    plain = Engine(model, **base)
     report = dict(device=str(jax.devices()[0]), devices_available=available,
                   shape="tiny (demo)" if args.small else f"35B-A3B x{args.layers} layers", segments=segments,
                   segment_len=length, query=query, rows=[])
     cost = parallel.SegmentCost()
-    if args.calibrate:
-        calibrator = StableEngine(model, **base, devices=1)
-        calibrator.programs = plain.programs  # the single-device programs are shared: same shapes
-        calibrator.segment_mesh.cost = cost
+    if args.calibrate:  # single-device cold prefills through the plain engine's programs
         top = plain.ladder.rung(max(sum(map(len, r[:-1])) for r in cases.values()))
-        calibrator.segment_mesh.calibrate([r for r in plain.ladder.rungs if r <= top])
-        del calibrator  # its pools: at most the plain engine and one mesh engine hold pools at once
-        gc.collect()
+        SegmentMesh(plain, 1, cost=cost).calibrate([r for r in plain.ladder.rungs if r <= top])
     report["cost"] = cost.as_dict()
     print(json.dumps(dict(cost=report["cost"])), flush=True)
 
@@ -190,17 +192,18 @@ def main() -> None:
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
     if split:
-        engine = StableEngine(model, **base, **split)
+        engine = Engine(model, **base, **split)
         for name, request in cases.items():
             row = dict(case=name, devices=0, policy="plain", **split, **serve(engine, request, args.repeats))
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
+        engine.close()
         del engine
         gc.collect()
     shared: dict[int, tuple] = {}
     for n in counts:
         for policy in args.policies:
-            engine = StableEngine(model, **base, devices=n, policy=policy, **split)
+            engine = Engine(model, **base, devices=n, policy=policy, **split)
             if not split:  # the single-device programs are shared: same shapes and placement
                 engine.programs = plain.programs
             mesh = engine.segment_mesh
@@ -222,6 +225,7 @@ def main() -> None:
                 report["rows"].append(row)
                 print(json.dumps(row), flush=True)
             shared[n] = (mesh._cold, mesh._commit)
+            engine.close()
             del engine, mesh
             gc.collect()
     if args.out is not None:

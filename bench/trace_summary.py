@@ -6,7 +6,7 @@ TRACE_DIR is what `jax.profiler.trace(..., create_perfetto_trace=True)` wrote (b
 every `perfetto_trace.json.gz` under it is read. Events on device threads (GPU streams) are grouped by kernel
 name; host threads are summarised separately, so a request that is launch- or dispatch-bound shows it.
 
-    python bench/trace_summary.py TRACE_DIR --periods span_fold_pooled positioned_attention
+    python bench/trace_summary.py TRACE_DIR --periods piece_fold positioned_attention
 
 cuts the GPU timeline after each kernel so named (one per layer) and counts the kernels between them; TRACE_DIR
 may also be one trace file.

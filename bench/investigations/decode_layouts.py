@@ -1,4 +1,4 @@
-"""Whether the batched decode cache in the compiler's layouts (`StableEngine(slot_layouts="auto")`) decodes what
+"""Whether the batched decode cache in the compiler's layouts (`KernelOptions(slot_layouts="auto")`) decodes what
 the row-major cache does on this backend: four prompts prefilled, each inserted into its row (the insert program),
 then every row stepped (the batch programs), once per layout choice; the sampled ids and log-probabilities of
 every call compared. On a CPU the compiler keeps row-major layouts (tests/test_layer_stack.py forces others);
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def decode_calls(engine, prompts, steps: int) -> list[tuple]:
     """(ids, log-probabilities...) of each prompt's insert into its row, then of `steps` greedy steps of all rows."""
-    from hypic_jax.runtime import SamplingRows
+    from hypic_jax.engine.sampling import SamplingRows
 
     out = []
     for row, segs in enumerate(prompts):
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     from prefill import full_config, random_model, small_config
 
-    from hypic_jax.runtime import StableEngine
+    from hypic_jax.engine import Engine, KernelOptions
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true")
@@ -61,11 +61,12 @@ def main(argv=None) -> None:
                for lengths in ((90, 20), (60, 7), (100, 3), (30, 30))]
     runs = {}
     for name in ("default", "auto"):
-        engine = StableEngine(model, slot_layouts=name, max_prompt_tokens=128, token_rungs=(128,), max_new_tokens=8,
-                              max_batch=len(prompts), cache_bytes=1 << 28)
+        engine = Engine(model, kernels=KernelOptions(slot_layouts=name), max_prompt_tokens=128, token_rungs=(128,),
+                        max_new_tokens=8, max_batch=len(prompts), cache_bytes=1 << 28, compile_cache="none")
         engine.warmup(progress=False)
         runs[name] = decode_calls(engine, prompts, args.steps)
         print(f"{name}: done after {time.perf_counter() - started:.1f} s", flush=True)
+        engine.close()
         del engine
     same = [bool(np.array_equal(a[0], b[0])) for a, b in zip(runs["auto"], runs["default"])]
     deviation = max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))

@@ -1,29 +1,38 @@
-"""What a `StableEngine` adds to device memory when it is built, from an unstacked model and from one stacked once
+"""What an `Engine` adds to device memory when it is built, from an unstacked model and from one stacked once
 (`prefill.random_model`), and whether a segment mesh's replicated parameters share the home device's buffers.
 
-`bench/segment_parallel.py` builds a plain engine and a mesh engine on one model; its first GPU runs ran out of
+`bench/segment_parallel.py` builds a plain engine and mesh engines on one model; its first GPU runs ran out of
 memory. Per step this prints the bytes held on the first device: the device's own counter where it has one
 (`memory_stats()["bytes_in_use"]`, a GPU), and everywhere the bytes of the distinct buffers behind the live arrays
-(two arrays on one buffer count once).
+(two arrays on one buffer count once). The mesh engine (`devices=2`: an engine of one device runs no mesh) is built
+where the process has two devices (`--small` forces two CPU host devices).
 
-    python3 bench/investigations/engine_memory.py --layers 12 --cache-gb 6     # a GPU
+    python3 bench/investigations/engine_memory.py --layers 12 --cache-gb 6     # GPUs
     python3 bench/investigations/engine_memory.py --small                      # the CPU
 """
-import argparse
-import gc
+import os
 import sys
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
+if "--small" in sys.argv:  # the host device count is read when JAX starts
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=2".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefill import full_config, random_model, small_config  # noqa: E402
 
+from hypic_jax.engine import Engine  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.runtime import StableEngine  # noqa: E402
 
 
 def held(device) -> tuple[float, float | None]:
@@ -47,8 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
     cache_gb = 1 / 1024 if args.small else args.cache_gb
-    base = dict(max_prompt_tokens=1024, max_segments=8, max_new_tokens=8, cache_bytes=int(cache_gb * 2**30))
+    base = dict(max_prompt_tokens=1024, max_segments=8, max_new_tokens=8, max_batch=1, compile_cache="none",
+                cache_bytes=int(cache_gb * 2**30))
     device = jax.devices()[0]
+    mesh_devices = 2 if len(jax.devices()) >= 2 else None
 
     def report(step: str) -> None:
         buffers, counter = held(device)
@@ -61,16 +72,23 @@ def main() -> None:
         else:
             model = random_model(config, dtype)
         report(f"{name}: the model")
-        plain = StableEngine(model, **base)
+        plain = Engine(model, **base)
         report(f"{name}: + a plain engine")
-        mesh = StableEngine(model, **base, devices=1)
-        report(f"{name}: + a mesh engine of one device")
-        leaf = jax.tree.leaves(mesh.params)[-1]
-        replicated = jax.tree.leaves(mesh.segment_mesh.params)[-1]
-        home = next(s.data for s in replicated.addressable_shards if s.device == device)
-        print(f"{name}: the mesh's replicated parameters share the engine's buffers: "
-              f"{home.unsafe_buffer_pointer() == leaf.unsafe_buffer_pointer()}", flush=True)
-        del model, plain, mesh, leaf, replicated, home
+        mesh = None
+        if mesh_devices is None:
+            print(f"{name}: one device: no mesh engine", flush=True)
+        else:
+            mesh = Engine(model, **base, devices=mesh_devices)
+            report(f"{name}: + a mesh engine of {mesh_devices} devices")
+            leaf = jax.tree.leaves(mesh.params)[-1]
+            replicated = jax.tree.leaves(mesh.segment_mesh.params)[-1]
+            home = next(s.data for s in replicated.addressable_shards if s.device == device)
+            print(f"{name}: the mesh's replicated parameters share the engine's buffers: "
+                  f"{home.unsafe_buffer_pointer() == leaf.unsafe_buffer_pointer()}", flush=True)
+            del leaf, replicated, home
+            mesh.close()
+        plain.close()
+        del model, plain, mesh
         report(f"{name}: all released")
 
 

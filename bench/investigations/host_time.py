@@ -1,8 +1,8 @@
-"""The host's part of a stitched request's time to first token: what `StableEngine.prefill` does before the program
+"""The host's part of a stitched request's time to first token: what `Engine.prefill` does before the program
 is dispatched, step by step, for an all-cached trr request of the headline's layout (64 documents of 512 tokens,
 seams of 8, a 32 to 96-token query, the 768-token rung and 33,792 keys). The model is the small one of
 `bench/prefill.py` (the host's work does not depend on the widths); the engine is warmed and every document cached
-first. Prints the mean ms per call of each step over `--repeats` runs: the token ids (`_segment_ids`), the 64 cache
+first. Prints the mean ms per call of each step over `--repeats` runs: the token ids (`engine.reader`), the 64 cache
 keys (SHA-256), the 64 lookups, the whole plan, the layout (`layout.build`) and its packing, then the packed
 vector's size.
 
@@ -20,7 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from hypic_jax import cache as cache_keys  # noqa: E402
 from hypic_jax import layout as lay  # noqa: E402
-from hypic_jax.runtime import ProgramKey, StableEngine  # noqa: E402
+from hypic_jax.engine import Engine  # noqa: E402
+from hypic_jax.engine.programs import ProgramKey  # noqa: E402
 from prefill import random_model, small_config  # noqa: E402
 from rag_trace import trace  # noqa: E402
 
@@ -31,8 +32,8 @@ args = parser.parse_args()
 config = small_config()
 model = random_model(config, jnp.float32, scan=True)
 requests = trace(config.vocab_size, corpus=64, requests=6, docs=64, min_len=200, max_len=1200, seed=0, fixed_len=512)
-engine = StableEngine(model, max_prompt_tokens=33792, max_segments=65, cache_bytes=1 << 30, max_new_tokens=0,
-                      token_rungs=(768, 2048, 32768, 33792))
+engine = Engine(model, max_prompt_tokens=33792, max_segments=65, cache_bytes=1 << 30, max_new_tokens=0, max_batch=1,
+                token_rungs=(768, 2048, 32768, 33792), compile_cache="none")
 engine.prefill(requests[0])  # compiles, caches every document
 engine.prefill(requests[1])
 request, seam, mode = requests[5], 8, "transition_rope_recompute"
@@ -47,7 +48,7 @@ def timed(name, fn):
     print(f"{name:24s} {(time.perf_counter() - start) / args.repeats * 1e3:.3f} ms", flush=True)
 
 
-ids = engine._segment_ids(request)
+ids = engine.reader(request)
 docs = ids[:-1]
 keys = [cache_keys.entry_key(d, fingerprint=engine.fingerprint, kind="pic", seam=seam, salt=None) for d in docs]
 
@@ -64,11 +65,11 @@ def plan():
 
 
 planned = plan()
-capacity = engine._capacity(ProgramKey("pic", 768, engine.max_keys))
-build = lambda: lay.build(planned["spans"], capacity, isolated=False, tokens=planned["fresh"],  # noqa: E731
+capacity = engine.capacity(ProgramKey("pic", 768, engine.max_keys))
+build = lambda: lay.build(planned.spans, capacity, isolated=False, tokens=planned.fresh,  # noqa: E731
                           summaries=True)
 arrays = build()
-timed("token ids", lambda: engine._segment_ids(request))
+timed("token ids", lambda: engine.reader(request))
 timed("cache keys (SHA-256)", lambda: [cache_keys.entry_key(d, fingerprint=engine.fingerprint, kind="pic", seam=seam,
                                                              salt=None) for d in docs])
 timed("lookups", lookups)

@@ -1,4 +1,4 @@
-"""Does a request's cost grow with the size of the entry pools? The shape-stable engine's pools are donated to the
+"""Does a request's cost grow with the size of the entry pools? The engine's pools are donated to the
 programs that write them; if a program also reads them, XLA's copy insertion keeps the old buffer alive for the
 readers and copies whole pools on every call.
 
@@ -18,10 +18,11 @@ import jax
 import numpy as np
 
 from hypic_jax.demo import tiny_model
-from hypic_jax.runtime import ProgramKey, StableEngine
+from hypic_jax.engine import Engine
+from hypic_jax.engine.programs import ProgramKey
 
 
-def pool_copies(engine: StableEngine, key: ProgramKey) -> int:
+def pool_copies(engine: Engine, key: ProgramKey) -> int:
     shapes = {",".join(map(str, a.shape)) for a in jax.tree.leaves(engine.pools.arrays)}
     hlo = engine.programs._lower(key).compile().as_text()
     return sum(1 for shape in re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", hlo) if shape in shapes)
@@ -46,8 +47,8 @@ def main() -> None:
     docs = [rng.integers(3, 500, 40).tolist() for _ in range(4)]
     print(f"{'pool MB':>8} {'pic copies':>10} {'commit copies':>13} {'pic request s':>13} {'full request s':>14}")
     for budget in (int(b) for b in args.budgets_mb.split(",")):
-        engine = StableEngine(model, cache_bytes=budget << 20, max_prompt_tokens=512, token_rungs=(512,),
-                              max_new_tokens=16)
+        engine = Engine(model, cache_bytes=budget << 20, max_prompt_tokens=512, token_rungs=(512,),
+                        max_new_tokens=16, max_batch=1, compile_cache="none")
         engine.warmup(progress=False)
         engine.prefill(docs + [[5, 6, 7]])  # entries cached: the timed PIC requests are warm
         pic = median_seconds(lambda: engine.prefill(docs[::-1] + [[5, 6, 7]]), args.repeats)
@@ -60,6 +61,7 @@ def main() -> None:
                 copies.append("-")
         size = sum(a.nbytes for a in jax.tree.leaves(engine.pools.arrays)) >> 20
         print(f"{size:>8} {copies[0]:>10} {copies[1]:>13} {pic:>13.4f} {full:>14.4f}")
+        engine.close()
 
 
 if __name__ == "__main__":

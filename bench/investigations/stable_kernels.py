@@ -1,21 +1,21 @@
-"""The shape-stable engine's span programs with the linear cores as XLA chunk loops against the Pallas kernels
-(`StableEngine(linear_impl="xla" | "pallas")`, `stitch.linear_over_layout`), beside `Engine`'s full prefill
-compiled at each prompt's exact length.
+"""The engine's span programs with the linear cores as XLA chunk loops against the Pallas kernels
+(`Engine(kernels=KernelOptions(linear="xla" | "pallas"))`, `stitch.linear_over_layout`), beside the model's own
+full prefill (`arch.prefill`) compiled at each prompt's exact length.
 
 For a Qwen3.5 shape (the 35B-A3B shape at `--layers` layers, random bf16 weights; `--small`: a 3-layer version of
 `bench/prefill.py`'s toy float32 model, where "pallas" runs the kernels in the Pallas interpreter), builds one
-engine per path, warms both (the cold, pic, plain and commit programs of each token rung; no decode program), then
+engine per path, warms both (the cold, pic, plain and commit programs of each token rung; no decode programs), then
 per prompt length times, warm, the median of `--repeats` runs of:
 
   full_recompute   the plain program over the whole prompt (its rung)
-  engine_exact     `Engine`'s full prefill of the same prompt, compiled at its exact length (`arch.prefill`)
+  engine_exact     the model's own full prefill of the same prompt, compiled at its exact length (`arch.prefill`)
   trr_cold         a transition_rope_recompute request whose `--docs` documents all miss: the cold program (the
                    documents packed, isolated, recorded) and then the pic program
   trr_warm         the same request again, every document cached: the pic program alone
 
 and prints a table of ms per path, the Pallas path's speed-up, and the largest relative difference of the two
-paths' logits (|a - b|max / |b|max). Compilations during the timed part are counted (the bar is zero besides
-`Engine`'s exact-length ones).
+paths' logits (|a - b|max / |b|max). Compilations during the engines' timed requests are counted (the bar is
+zero).
 
     python3 bench/investigations/stable_kernels.py                       # H200: 8 layers, rungs 1024 and 16384
     python3 bench/investigations/stable_kernels.py --small               # CPU smoke run (about two minutes)
@@ -37,10 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prefill import full_config, small_config  # noqa: E402
 
-from hypic_jax.engine import Engine  # noqa: E402
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles, stack_layers  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.runtime import ProgramKey, StableEngine, backend_compiles  # noqa: E402
 
 IMPLS = ("xla", "pallas")
 
@@ -87,7 +86,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seam", type=float, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-gb", type=float, default=4.0)
-    parser.add_argument("--no-exact", action="store_true", help="skip Engine's exact-length prefill")
+    parser.add_argument("--no-exact", action="store_true", help="skip the exact-length prefill")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -105,15 +104,16 @@ def main(argv=None) -> None:
         f"rungs {rungs}, lengths {lengths}, {args.docs} documents")
     start = time.perf_counter()
     params = qwen3_5.init_params(config, jax.random.key(0), dtype)
-    model = Model(qwen3_5, config, params)
     jax.block_until_ready(params)
+    model = stack_layers(Model(qwen3_5, config, params), consume=True)  # one stacked copy, shared by the engines
     log(f"random weights in {time.perf_counter() - start:.1f} s")
 
     engines = {}
     for impl in IMPLS:
-        engine = StableEngine(model, max_prompt_tokens=rungs[-1], max_segments=args.docs, token_rungs=tuple(rungs),
-                              max_new_tokens=0, cache_bytes=int(args.cache_gb * (1 << 30)), eviction="lru",
-                              linear_impl=impl, mean_entry_tokens=max(16, max(lengths) // args.docs))
+        engine = Engine(model, max_prompt_tokens=rungs[-1], max_segments=args.docs, token_rungs=tuple(rungs),
+                        max_new_tokens=0, max_batch=1, cache_bytes=int(args.cache_gb * (1 << 30)), eviction="lru",
+                        kernels=KernelOptions(linear=impl), mean_entry_tokens=max(16, max(lengths) // args.docs),
+                        compile_cache="none")
         keys = [k for k in engine.programs.keys_for(rungs[-1]) if k.kind in ("cold", "pic", "plain", "commit")]
         start = time.perf_counter()
         engine.programs.compile(keys, progress=False)
@@ -124,7 +124,10 @@ def main(argv=None) -> None:
 
     rng = np.random.default_rng(0)
     rows = []
-    static = None if args.no_exact else Engine(model)
+    exact_prefill = jax.jit(lambda params, tokens: model.arch.prefill(params, config, tokens, tokens.shape[1])[0])
+
+    def exact(segs):  # the whole prompt through the model's own prefill, compiled at its exact length
+        return np.asarray(exact_prefill(model.params, np.concatenate(segs)[None].astype(np.int32))[0])
     for length in lengths:
         tokens = rng.integers(3, config.vocab_size, length).tolist()
         segs = split(rng, tokens, args.docs, args.query)
@@ -147,10 +150,10 @@ def main(argv=None) -> None:
             log(f"[{impl}] length {length}: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in ms.items()))
         serving_compiles = backend_compiles() - before
         exact_ms, exact_logits = None, None
-        if static is not None:
-            exact_s, result = timed(lambda: static.prefill(segs, mode="full_recompute"), args.repeats)
-            exact_ms, exact_logits = 1e3 * exact_s, result.logits
-            log(f"[engine] length {length}: exact-length full prefill {exact_ms:.2f} ms")
+        if not args.no_exact:
+            exact_s, exact_logits = timed(lambda: exact(segs), args.repeats)
+            exact_ms = 1e3 * exact_s
+            log(f"[exact] length {length}: exact-length full prefill {exact_ms:.2f} ms")
         (xms, xfull, xcold, xwarm), (pms, pfull, pcold, pwarm) = got["xla"], got["pallas"]
         diffs = dict(full_recompute=rel(pfull, xfull), trr_cold=rel(pcold, xcold), trr_warm=rel(pwarm, xwarm))
         for what in ("full_recompute", "trr_cold", "trr_warm"):
@@ -161,14 +164,14 @@ def main(argv=None) -> None:
                            xla_over_exact=round(1e3 * xms[what] / exact_ms, 2),
                            rel_logit_diff_pallas_vs_exact=float(f"{rel(pfull, exact_logits):.3g}"))
             rows.append(row)
-        log(f"length {length}: {serving_compiles} compilations in the stable engines' timed requests")
-        rows.append(dict(length=length, what="stable_engine_compiles", count=serving_compiles))
+        log(f"length {length}: {serving_compiles} compilations in the engines' timed requests")
+        rows.append(dict(length=length, what="engine_compiles", count=serving_compiles))
 
     log("")
     log(f"{'length':>7} {'request':<15} {'xla ms':>9} {'pallas ms':>10} {'speedup':>8} {'exact ms':>9} "
         f"{'pallas/exact':>12} {'rel diff':>9}")
     for r in rows:
-        if "what" in r and r["what"] != "stable_engine_compiles":
+        if "what" in r and r["what"] != "engine_compiles":
             exact = f"{r['engine_exact_ms']:9.2f} {r['pallas_over_exact']:12.2f}" if "engine_exact_ms" in r else \
                 f"{'-':>9} {'-':>12}"
             log(f"{r['length']:>7} {r['what']:<15} {r['xla_ms']:9.2f} {r['pallas_ms']:10.2f} {r['speedup']:8.2f} "

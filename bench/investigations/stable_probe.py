@@ -1,5 +1,5 @@
-"""Where the shape-stable engine's plain program spends its time: one long fresh span against many short ones of
-the same total, through the same compiled program, with a profiler trace of each.
+"""Where the engine's plain program spends its time: one long fresh span against many short ones of the same total,
+through the same compiled program, with a profiler trace of each.
 
     python bench/investigations/stable_probe.py --layers 8 --profile-dir /tmp/probe
     python bench/trace_summary.py /tmp/probe/one_span --top 25
@@ -21,7 +21,7 @@ from prefill import full_config  # noqa: E402
 
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.runtime import StableEngine  # noqa: E402
+from hypic_jax.engine import Engine  # noqa: E402
 
 
 def main() -> None:
@@ -33,8 +33,8 @@ def main() -> None:
     args = parser.parse_args()
     config = full_config(args.layers)
     model = Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16))
-    engine = StableEngine(model, max_prompt_tokens=args.rung, max_segments=16, token_rungs=(args.rung,),
-                          cache_bytes=4 << 30, max_new_tokens=0)
+    engine = Engine(model, max_prompt_tokens=args.rung, max_segments=16, token_rungs=(args.rung,),
+                    cache_bytes=4 << 30, max_new_tokens=0, max_batch=1, compile_cache="none", consume_model=True)
     rng = np.random.default_rng(0)
     one = [rng.integers(3, 1000, args.tokens - 64).tolist(), [5] * 64]
     many = [rng.integers(3, 1000, (args.tokens - 64) // 16).tolist() for _ in range(16)] + [[5] * 64]

@@ -5,7 +5,7 @@
 
 --demotion: one demotion of a 512- and a 1,024-token entry taken apart, exact and compact (bfloat16, T heads at
 most 0 left out): the gather program's dispatch, `copy_to_host_async` on its outputs, waiting for them, the host
-copy, the host-side slicing (`Mover.gather_finish`), and `StableEngine.demote_all` with and without waiting
+copy, the host-side slicing (`Mover.gather_finish`), and `Engine.demote_all` with and without waiting
 (ms; three 512-token entries, then one of 1,024).
 --checksums: a disk file's payload checksum as one serial BLAKE2b and as `tiers.payload_digests` (4 MB slices on a
 pool of threads), GB/s over random bytes in 2 MB pieces (one per layer's S or T) and as one piece.
@@ -30,14 +30,14 @@ def demotion(layers: int) -> None:
     import numpy as np
     from prefill import full_config, random_model
 
-    from hypic_jax.runtime import StableEngine
+    from hypic_jax.engine import Engine
 
     config = full_config(layers)
     model = random_model(config, jnp.bfloat16)
     for dtype, tol in ((None, None), ("bfloat16", 0.0)):
-        engine = StableEngine(model, max_prompt_tokens=1040, max_segments=1, max_new_tokens=0, cache_bytes=1 << 31,
-                              mean_entry_tokens=1040, token_rungs=(528, 1040), host_cache_bytes=1 << 40,
-                              eviction="lru", tier_dtype=dtype, tier_transfer_tol=tol)
+        engine = Engine(model, max_prompt_tokens=1040, max_segments=1, max_new_tokens=0, max_batch=1,
+                        cache_bytes=1 << 31, mean_entry_tokens=1040, token_rungs=(528, 1040), host_cache_bytes=1 << 40,
+                        eviction="lru", tier_dtype=dtype, tier_transfer_tol=tol, compile_cache="none")
         engine.warmup(progress=False)
         rng = np.random.default_rng(0)
         for n in (512, 512, 512, 1024):
@@ -66,6 +66,7 @@ def demotion(layers: int) -> None:
             row = {name: round(1e3 * (b - a), 2) for name, a, b in zip(names, marks, marks[1:])}
             print(dict(form=dtype or "exact", tokens=n,
                        mb=round(sum(a.nbytes for a in jax.tree.leaves(out)) / 2**20, 1), **row), flush=True)
+        engine.close()
 
 
 def checksums(mb: int) -> None:

@@ -60,6 +60,14 @@ def _count_compile(event: str, duration: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
+def _count_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # reported on the thread that asked for the program
+        _thread.cache_hits = getattr(_thread, "cache_hits", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
+
+
 def backend_compiles() -> int:
     """XLA compilations this process has run so far (every program, any caller; a program that JAX's persistent
     cache serves counts too, programs loaded whole from the engine's program store do not): what a test or
@@ -294,6 +302,7 @@ class Programs:
         store = engine.executables
         compiled = store.load(self._digest(key), self._devices()) if store is not None else None
         loaded = compiled is not None
+        hits = getattr(_thread, "cache_hits", 0)
         while compiled is None:
             try:
                 with self._tracing_mesh():
@@ -301,7 +310,10 @@ class Programs:
                 compiled = lowered.compile()
             except Exception as error:  # noqa: BLE001  (a kernel's lowering or compile failed: see below)
                 self._fall_back(key, error)
-        if store is not None and not loaded:
+        # a program JAX's persistent cache served is not stored again: serialised a second time, it no longer runs
+        # where it is loaded (on the CPU its functions are not found); the next real compilation stores it
+        from_jax_cache = getattr(_thread, "cache_hits", 0) > hits
+        if store is not None and not loaded and not from_jax_cache:
             store.save(self._digest(key), compiled)  # under the choices it compiled with (after any fallback)
         seconds = time.perf_counter() - start
         with self._lock:
@@ -401,12 +413,12 @@ class Programs:
             self.stats.pending = len(self._pending)
 
     def _done(self, key: ProgramKey, future) -> None:
-        if future.exception() is not None:
-            log.error("compiling the %s program for %d tokens in the background failed: %s", key.kind, key.tokens,
-                      future.exception())
         with self._lock:
             self._pending.pop(key, None)
             self.stats.pending = len(self._pending)
+        if not future.cancelled() and future.exception() is not None:
+            log.error("compiling the %s program for %d tokens in the background failed: %s", key.kind, key.tokens,
+                      future.exception())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the programs compiling in the background; True when none is left."""
