@@ -190,7 +190,7 @@ class SegmentMesh:
                                engine.writes_shapes(rung))
         fn = engine.programs._jit(functools.partial(_commit_stacked, bins=self.size), donate_argnums=0,
                                   out_shardings=engine.programs.pool_shardings())
-        return fn.lower(*engine.programs._abstract((engine.pools.arrays, stacked))).compile()
+        return fn.lower(*engine.programs._abstract((engine.pool_shapes, stacked))).compile()
 
     def compile(self, rungs: Sequence[int]) -> float:
         """Compile the cold and commit programs of `rungs` and run each once on layouts that record nothing (the

@@ -121,7 +121,7 @@ def test_random_trace_compiles_nothing_after_warmup(engines, arch):
             layer = engine.first_linear_layer()
             np.testing.assert_allclose(np.asarray(result.decode[layer].state), np.asarray(full.decode[layer].state),
                                        rtol=2e-4, atol=2e-5)
-        if mode in pic.PIC_MODES and number % 4 == 0 and sum(map(len, segs)) < 400:
+        if mode in pic.PIC_MODES and checked < 3 and sum(map(len, segs)) < 400:
             assert rel(result.logits, pic.prefill(model, segs, mode, seam)) < 1e-4, (mode, seam)
             checked += 1
         assert np.all(np.isfinite(result.logits))
@@ -166,11 +166,13 @@ def test_pic_modes_equal_the_naive_reference(engines, arch):
     engine, model, vocab = engines(arch)
     segs = _request(vocab, seed=9)
     shuffled = [segs[i] for i in (2, 0, 1)] + [segs[-1]]
-    for mode, seam in (("addition", 0), ("transition", 0), ("transition_rope", 0),
-                       ("transition_rope_recompute", SEAM), ("transition_rope_recompute", 0.3)):
-        for request in (segs, shuffled):
+    variants = (("addition", 0, segs), ("transition", 0, shuffled), ("transition_rope", 0, segs),
+                ("transition_rope_recompute", SEAM, shuffled), ("transition_rope_recompute", 0.3, segs))
+    for mode, seam, request in variants:
+        want = pic.prefill(model, request, mode, seam)
+        for _ in range(2):  # its entries recorded and stitched, then read from the cache
             got = engine.prefill(request, mode=mode, seam=seam, cache_salt="reference")
-            assert rel(got.logits, pic.prefill(model, request, mode, seam)) < 1e-5, (mode, seam)
+            assert rel(got.logits, want) < 1e-5, (mode, seam)
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
@@ -413,14 +415,17 @@ def test_a_background_warmup_serves_while_the_larger_rungs_compile(engines):
     """`warmup(ready_tokens=...)` returns once the small rungs are compiled; a request that needs a larger one waits
     for its program instead of compiling it, and nothing counts as a compilation while serving."""
     _, model, vocab = engines("qwen_moe")
-    engine = Engine(model, max_prompt_tokens=256, token_rungs=(64, 256), max_segments=4, max_new_tokens=1,
+    engine = Engine(model, max_prompt_tokens=256, token_rungs=(64, 256), max_segments=4, max_new_tokens=2,
                     max_batch=1, compile_cache="none")
     report = engine.warmup(progress=False, ready_tokens=64)
-    assert report["pending"] == 4  # cold, pic, plain and commit of the 256-token rung
+    # cold, pic, plain and commit of the 256-token rung; the truncating samplers' insert and step
+    assert report["pending"] == 6
     rng = np.random.default_rng(3)
     small = [rng.integers(3, vocab, 30).tolist(), [5, 6]]
     large = [rng.integers(3, vocab, 150).tolist(), [5, 6]]
     engine.prefill(small)
+    sampled = engine.generate(small, max_new_tokens=2, temperature=1.0, top_p=0.5, seed=1)  # waits for its sampler
+    assert len(sampled.tokens) == 2
     out = engine.prefill(large, mode="full_recompute")
     assert rel(out.logits, np.asarray(model.logits(np.concatenate(large)[None]))[0, -1]) < 1e-5
     assert engine.programs.wait(timeout=600)
@@ -486,40 +491,44 @@ import numpy as np
 from helpers import tiny_checkpoint
 from hypic_jax.engine import Engine
 model, vocab, _ = tiny_checkpoint("qwen_moe", {folder!r})
-engine = Engine(model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1, max_batch=1,
-                compile_cache="none", disk_cache_dir={disk!r}, disk_write_through={through!r})
 rng = np.random.default_rng(21)
 segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
-np.save({out!r}, engine.prefill(segs).logits)
+for disk, through in (({through!r}, True), ({plain!r}, False)):
+    engine = Engine(model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1, max_batch=1,
+                    compile_cache="none", disk_cache_dir=disk, disk_write_through=through)
+    logits = engine.prefill(segs).logits
+np.save({out!r}, logits)
 if {kill!r}:
     os.kill(os.getpid(), signal.SIGKILL)
-"""  # without the kill, the interpreter exits normally with the engine still open
+"""  # without the kill, the interpreter exits normally with both engines still open
 
 
 @on_worker_of("engine-qwen_moe")
-@pytest.mark.parametrize("kill,through", [(True, True), (True, False), (False, False)])
-def test_what_survives_a_killed_or_exiting_process(engines, tmp_path, kill, through):
+@pytest.mark.parametrize("kill", [True, False])
+def test_what_survives_a_killed_or_exiting_process(engines, tmp_path, kill):
     """What survives `kill -9`: with write-through every entry reached the disk when it was stored, so a new engine
     serves them all; without it the entries lived on the device only and the new engine recomputes them. A process
-    that exits without closing its engine writes the tiers to disk at interpreter exit. Either way the new engine
-    starts cleanly and answers the same."""
+    that exits without closing its engines writes their tiers to disk at interpreter exit. Either way a new engine
+    on each folder starts cleanly and answers the same."""
     _, model, vocab = engines("qwen_moe")
     folder = str(tmp_path / "model")
     tiny_checkpoint("qwen_moe", folder)
-    script = _CRASH_SCRIPT.format(tests=os.path.dirname(__file__), folder=folder, disk=str(tmp_path / "disk"),
-                                  through=through, out=str(tmp_path / "logits.npy"), kill=kill)
+    disks = dict(through=str(tmp_path / "through"), plain=str(tmp_path / "plain"))
+    script = _CRASH_SCRIPT.format(tests=os.path.dirname(__file__), folder=folder, out=str(tmp_path / "logits.npy"),
+                                  kill=kill, **disks)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert done.returncode == (-signal.SIGKILL if kill else 0), done.stderr[-3000:]
     want = np.load(tmp_path / "logits.npy")
     killed_model, _, _ = tiny_checkpoint("qwen_moe", folder)
-    with Engine(killed_model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1,
-                max_batch=1, compile_cache="none", disk_cache_dir=str(tmp_path / "disk")) as engine:
-        rng = np.random.default_rng(21)
-        segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
-        got = engine.prefill(segs)
-        assert got.stats.hits == (NUM_DOCS if through or not kill else 0)
-        assert rel(got.logits, want) < 1e-6
+    rng = np.random.default_rng(21)
+    segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
+    for name, disk in disks.items():
+        with Engine(killed_model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1,
+                    max_batch=1, compile_cache="none", disk_cache_dir=disk) as engine:
+            got = engine.prefill(segs)
+            assert got.stats.hits == (0 if kill and name == "plain" else NUM_DOCS), name
+            assert rel(got.logits, want) < 1e-6
 
 
 def _write_word_tokenizer(folder, vocab: int) -> None:

@@ -84,6 +84,7 @@ def served(tmp_path_factory):
     assert httpx.post(f"{base}/v1/completions", json=dict(prompt=[1, 2])).status_code == 503
     server.warmup()
     assert httpx.get(f"{base}/health").status_code == 200
+    assert engine.programs.wait(timeout=600)  # the programs compiling in the background, before counting
     yield dict(server=server, engine=engine, base=base, vocab=vocab, tokenizer=tokenizer,
                client=openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0),
                compiles=backend_compiles())

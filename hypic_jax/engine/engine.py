@@ -238,6 +238,10 @@ class Engine:
         self.pools = Pools.for_budget(self.arch.pool_layout(self.config, model.dtype), options.pools.cache_bytes,
                                       mean_tokens=options.pools.mean_entry_tokens, plan=self.plan,
                                       device=self.placement)
+        # the pools' shapes and shardings, what programs are lowered for: the arrays themselves are swapped out
+        # while a program writes them (`_write_pools`), which a background compile must never see
+        self.pool_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                        self.pools.arrays)
         self._init_tiers(options.tiers, parallel.devices)
         self.cache = SegmentCache(options.pools.cache_bytes, on_drop=self._dropped,
                                   policy=tr.DevicePolicy(self.policy) if self.eviction == "cost" else None)
@@ -355,7 +359,7 @@ class Engine:
         key = ProgramKey("plain", self.ladder.rungs[0], self.max_keys)
         fn = functools.partial(span_program, arch=self.arch, config=self.config, capacity=self.capacity(key),
                                isolated=False, summaries=False, want_decode=True, kernels=self.kernels)
-        decode = jax.eval_shape(fn, self.params, lay.pack(self.dummy_layout(key)), self.pools.arrays)[2]
+        decode = jax.eval_shape(fn, self.params, lay.pack(self.dummy_layout(key)), self.pool_shapes)[2]
         return ModelCache(layers=decode, length=jax.ShapeDtypeStruct((), jnp.int32))
 
     def slot_shapes(self):
@@ -380,7 +384,7 @@ class Engine:
 
         capacity = self.capacity(ProgramKey("plain", tokens, self.max_keys))  # cold programs write the same
         out = []
-        for spec, pool in zip(self.pools.arrays.specs, self.pools.arrays.parts):
+        for spec, pool in zip(self.pool_shapes.specs, self.pool_shapes.parts):
             n = spec.members * (capacity.records if spec.kind == "slot" else capacity.tokens)
             out.append(stitch.RowWrites(jax.ShapeDtypeStruct((n,), jnp.int32),
                                         jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype),

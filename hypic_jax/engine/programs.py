@@ -180,7 +180,7 @@ class Programs:
         shapes = self._abstract
         if key.kind == "commit":
             fn = self._jit(_commit, donate_argnums=0, out_shardings=self.pool_shardings())
-            return fn.lower(*shapes((engine.pools.arrays, engine.writes_shapes(key.tokens))))
+            return fn.lower(*shapes((engine.pool_shapes, engine.writes_shapes(key.tokens))))
         if key.kind == "slots":
             shapes_ = engine.slot_shapes()
             fill = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes_)  # noqa: E731
@@ -211,7 +211,7 @@ class Programs:
                                          want_hidden=key.kind.endswith("_hidden"), kernels=engine.kernels),
                        compiler_options=span_options(key.kind))
         packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
-        return fn.lower(*shapes((engine.params, packed, engine.pools.arrays)))
+        return fn.lower(*shapes((engine.params, packed, engine.pool_shapes)))
 
     def _tracing_mesh(self):
         """The context a program is traced in: on a model mesh that mesh (`jax.set_mesh`), under which the span
@@ -243,7 +243,7 @@ class Programs:
         """The pools' shardings (a tree like them) on a model mesh, else None."""
         if self.engine.placement is None:
             return None
-        return jax.tree.map(lambda a: a.sharding, self.engine.pools.arrays)
+        return jax.tree.map(lambda a: a.sharding, self.engine.pool_shapes)
 
     def _slot_jit(self, body, args, slot_arg: int, formats):
         """jit of a program that takes the decode cache as argument `slot_arg` (donated) and returns it last, with
@@ -279,7 +279,7 @@ class Programs:
         placement = self.engine.placement
         if placement is not None:
             return list(placement.mesh.devices.flat)
-        return [next(iter(jax.tree.leaves(self.engine.pools.arrays)[0].devices()))]
+        return [next(iter(jax.tree.leaves(self.engine.pool_shapes)[0].sharding.device_set))]
 
     def _digest(self, key: ProgramKey) -> str:
         """What the program of `key` is made of, without tracing it (`executables.ExecutableStore.digest`)."""
@@ -287,7 +287,7 @@ class Programs:
 
         engine = self.engine
         if self._signature is None:
-            self._signature = (executables.describe(engine.params), executables.describe(engine.pools.arrays))
+            self._signature = (executables.describe(engine.params), executables.describe(engine.pool_shapes))
         capacity = engine.capacity(key) if key.kind.removesuffix("_hidden") in SPAN_KINDS else None
         ladder = engine.ladder
         return engine.executables.digest(
@@ -418,7 +418,7 @@ class Programs:
             self.stats.pending = len(self._pending)
         if not future.cancelled() and future.exception() is not None:
             log.error("compiling the %s program for %d tokens in the background failed: %s", key.kind, key.tokens,
-                      future.exception())
+                      future.exception(), exc_info=future.exception())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the programs compiling in the background; True when none is left."""
