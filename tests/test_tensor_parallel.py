@@ -127,7 +127,8 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("arch", arch_params("tensor_parallel"))
+# Qwen3.5 dense shares every layer but the MLP with the MoE checkpoint, whose experts split over the mesh too
+@pytest.mark.parametrize("arch", arch_params("tensor_parallel", ("qwen_moe", "ring", "kimi")))
 def test_tensor_parallel_equals_one_device(arch, tmp_path):
     done = subprocess.run([sys.executable, "-c", _SCRIPT, arch, str(tmp_path / arch), str(TESTS)],
                           env=fake_devices_env(8), capture_output=True, text=True, timeout=1200)
