@@ -55,7 +55,9 @@ def start(model: str | None, flags: list[str], cache: str, limit_s: float) -> di
                 raise TimeoutError(f"not ready within {limit_s} s")
             status, body = _get(f"http://127.0.0.1:{port}/health")
             if status == 200:
-                row.update(ready_s=round(time.perf_counter() - began, 2), pending_at_ready=body["programs_pending"])
+                # a server that compiles nothing in the background reports no pending programs
+                row.update(ready_s=round(time.perf_counter() - began, 2),
+                           pending_at_ready=body.get("programs_pending", 0))
                 break
             time.sleep(0.2)
         prompt = json.dumps(dict(prompt="<|doc|> Registry. Key 7QX2 holds 415.\n<<PIC_SEP>><|q|> Which value does "
@@ -68,7 +70,7 @@ def start(model: str | None, flags: list[str], cache: str, limit_s: float) -> di
         row["first_completion_s"] = round(time.perf_counter() - sent, 3)
         while True:
             status, body = _get(f"http://127.0.0.1:{port}/health")
-            if status == 200 and body["programs_pending"] == 0:
+            if status == 200 and body.get("programs_pending", 0) == 0:
                 row["all_programs_s"] = round(time.perf_counter() - began, 2)
                 break
             if time.perf_counter() - began > limit_s:
