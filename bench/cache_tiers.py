@@ -40,11 +40,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import full_config, random_model, small_config  # noqa: E402
 
-from hypic_jax import tiers as tr  # noqa: E402
+from hypic_jax.cache import tiers as tr  # noqa: E402
 from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.pools import Pools  # noqa: E402
+from hypic_jax.cache.pools import Pools  # noqa: E402
 
 
 def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, zipf: float, seed: int):

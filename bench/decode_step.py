@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prefill import full_config, random_model, small_config  # noqa: E402
 
-from hypic_jax import attention  # noqa: E402
+from hypic_jax.core import attention  # noqa: E402
 from hypic_jax.engine import Engine, KernelOptions, backend_compiles  # noqa: E402
 from hypic_jax.engine.programs import ProgramKey  # noqa: E402
 from hypic_jax.engine.sampling import SamplingRows  # noqa: E402

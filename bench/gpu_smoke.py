@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypic_jax import linear_attn as la
-from hypic_jax.pallas import attention as pattn
-from hypic_jax.pallas import compose as cmp
-from hypic_jax.pallas import gdn
+from hypic_jax.core import linear_attn as la
+from hypic_jax.kernels import attention as pattn
+from hypic_jax.kernels import compose as cmp
+from hypic_jax.kernels import gdn
 
 
 def rel(a, b) -> float:

@@ -6,7 +6,7 @@
 #   bash bench/h200.sh pic       # GPU kernel check, then the TTFT of every PIC mode (64 x 512 + 64 tokens, warm
 #                                # cache), one traced request per mode, summarised
 #   bash bench/h200.sh kernels   # fla's kernels (wheels in .whl/), then ours: GDN and KDA forward with and without
-#                                # (T, S) at 8k/32k/128k, packed segments, decode, the composition of 64 segments
+#                                # (T, S) at 8k/32k/128k, packed segments, the composition of 64 segments
 #   bash bench/h200.sh all       # the three in turn
 #
 # Output goes to $OUT (default ./bench-out); scratch files (traces, HLO dumps, the fla install) to $SCRATCH (default:
@@ -74,11 +74,10 @@ kernels() {
   timeout "${KERNEL_TIMEOUT:-0}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --sections steps \
     --only "$defaults" --step-lengths 8192,131072 --length-variants "tile c64 lw4 mosaic both,$gdn_ts"
   timeout "${KERNEL_TIMEOUT:-0}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
-    --sections varlen decode
+    --sections varlen
   # the composition of 64 segments x 30 layers x 32 heads: the composed state, the pair, every prefix state
   timeout "${BAR_TIMEOUT:-0}" python3 bench/pic_kernels.py --out "$OUT" --sections bar \
-    --bar-kinds "mgpu final" "mgpu pairs" "mgpu prefix" "mgpu pairs multicast" "split final" "split pairs" \
-    --split-launches 128,8,3
+    --bar-kinds final pairs prefix
 }
 
 case "${1:-}" in

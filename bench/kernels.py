@@ -1,13 +1,13 @@
 """Benchmark of the linear-attention kernels against flash-linear-attention (fla): the Pallas Gated DeltaNet
 forward (with and without its cache entry (T_C, S(C|0))), KDA and GLA (per-key gates), packed segments
-(`gdn_varlen`), the decode step, the pure-JAX chunked path, and the composition of many dense (T, S) pairs.
+(`gdn_varlen`), the pure-JAX chunked path, and the composition of many dense (T, S) pairs.
 
   python bench/kernels.py --fla-only --out DIR     fla's chunk_gated_delta_rule at each --lengths, then chunk_kda,
                                                    chunk_gla and varlen chunk_gated_delta_rule at 32k (torch; the
                                                    fla wheels installed). Run it first, in its own process.
   python bench/kernels.py --all --out DIR          one table of run_all's --sections: "steps" (the library's
                                                    launches, `step_variants`: GDNConfig() is "tile c64 lw4 mosaic
-                                                   both" on Hopper), "varlen", "decode", "per-key", and the solve
+                                                   both" on Hopper), "varlen", "per-key", and the solve
                                                    variants "gdn" and "locals"; the fla column comes from a
                                                    --fla-only run into the same DIR
   python bench/kernels.py --out DIR                the Triton launch table (`variants`: chunk 32 and 64, the rows,
@@ -39,7 +39,7 @@ HEADS, KEY_HEADS, DIM = 32, 16, 128
 PEAK_TFLOPS_BF16 = 793.0  # measured on this H200 (ENVIRONMENT.md): bf16 8192^3 matmul
 PEAK_TBS = 4.19  # measured elementwise pass, bytes read + written
 COMPOSE = (64, 30, 512)  # segments, layers, tokens per segment
-ALL_SECTIONS = ("gdn", "locals", "per-key", "varlen", "decode", "steps")  # run_all's sections, in run order
+ALL_SECTIONS = ("gdn", "locals", "per-key", "varlen", "steps")  # run_all's sections, in run order
 INTERPRET = False  # --smoke: tiny shapes through the Pallas interpreter (CPU check of this script)
 
 
@@ -173,7 +173,7 @@ def gdn_inputs(length, seed=0):
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax.linear_attn import l2_normalize
+    from hypic_jax.core.linear_attn import l2_normalize
 
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
     q = l2_normalize(jax.random.normal(ks[0], (length, KEY_HEADS, DIM), jnp.float32)).astype(jnp.bfloat16)
@@ -190,12 +190,13 @@ def locals_operands(length):
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax.pallas import gdn
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn.chunk_local import chunk_local_pass
 
     inputs = gdn_inputs(length)
     config = gdn.GDNConfig().resolved(jnp.bfloat16)
-    local = jax.jit(lambda q, k, v, g, beta: gdn._locals(q, k, v, g, None, beta, scale=DIM**-0.5, config=config,
-                                                         interpret=False))(*inputs)
+    local = jax.jit(lambda q, k, v, g, beta: chunk_local_pass(q, k, v, g, None, beta, scale=DIM**-0.5,
+                                                              config=config, interpret=False))(*inputs)
     return inputs, local
 
 
@@ -203,7 +204,7 @@ def named_config(**kwargs):
     """A GDNConfig as the variant names read: chunk 64 and the "rows" solve unless a name says otherwise (cN, the
     solve's name), a 2-warp chunk-local kernel and (T, S) from the widened pass, both kernels in Triton. Every field
     is spelled out, so a name keeps its meaning when the library's defaults change."""
-    from hypic_jax.pallas.gdn import GDNConfig
+    from hypic_jax.kernels.gdn import GDNConfig
 
     return GDNConfig(**{"chunk": 64, "solve": "rows", "locals_warps": 2, "transfer_group": 0,
                         "state_lowering": "triton", "locals_lowering": "triton", **kwargs})
@@ -257,9 +258,9 @@ def run_jax(out_dir, lengths, check_length, budget_s, only=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import compose as cmp
-    from hypic_jax.pallas.gdn import flops, gdn_forward
+    from hypic_jax.core import linear_attn as la
+    from hypic_jax.kernels import compose as cmp
+    from hypic_jax.kernels.gdn import flops, gdn_forward
 
     start = time.perf_counter()
     path = os.path.join(out_dir, "jax.jsonl")
@@ -285,7 +286,7 @@ def run_jax(out_dir, lengths, check_length, budget_s, only=None):
     q, k, v, g, beta = gdn_inputs(check_length, seed=1)
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref_o, ref_s = jax.jit(lambda *a: la.chunked(jnp.repeat(up(a[0]), group, 1), jnp.repeat(up(a[1]), group, 1),
-                                                  up(a[2]), g=a[3], beta=a[4], scale=scale))(q, k, v, g, beta)
+                                                 up(a[2]), g=a[3], beta=a[4], scale=scale))(q, k, v, g, beta)
     ref_sum = jax.jit(lambda k, v, g, beta: la.summarize(jnp.repeat(up(k), group, 1), up(v), g=g, beta=beta))(
         k, v, g, beta)
     o, s = xla_fn(q, k, v, g, beta)
@@ -364,8 +365,9 @@ def run_compose(path, cmp, la, segments=64, layers=30, seg_len=512):
                                                     for h in (0, HEADS - 1)])))
     for alg in cmp.ALGORITHMS:
         fa = jax.jit(lambda t, s, alg=alg: cmp.compose_all(t, s, alg))
-        fs = jax.jit(lambda t, s, alg=alg: cmp.prefix_states(t, s, None, alg))
-        for kind, fn, fl in (("compose_all (pairs, tree)", fa, flop_pairs), ("prefix_states (fold)", fs, flop_states)):
+        fs = jax.jit(lambda t, s, alg=alg: cmp.prefix_fold_reference(t, s, algorithm=alg))
+        for kind, fn, fl in (("compose_all (pairs, tree)", fa, flop_pairs),
+                             ("prefix_fold_reference (fold)", fs, flop_states)):
             try:
                 ms, comp = timeit(fn, transfers, states)
                 res = fn(transfers, states)
@@ -389,9 +391,11 @@ def run_focus(out_dir, budget_s):
     import jax.numpy as jnp
     import numpy as np
 
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import compose as cmp
-    from hypic_jax.pallas import gdn
+    from hypic_jax.core import linear_attn as la
+    from hypic_jax.kernels import compose as cmp
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn.common import chunk_cumsum
+    from hypic_jax.kernels.gdn.state import state_pass
     C = named_config
 
     start = time.perf_counter()
@@ -416,7 +420,7 @@ def run_focus(out_dir, budget_s):
                 break
             cfg = cmp.FoldConfig(block_w=bw, algorithm=alg, num_warps=warps, num_stages=stages)
             fn = jax.jit(lambda t, s, cfg=cfg, w=with_t: cmp.fold_pallas(t, s, with_transfer=w, config=cfg,
-                                                                          interpret=INTERPRET))
+                                                                         interpret=INTERPRET))
             try:
                 ms, comp = timeit(fn, transfers, states)
                 tt, ss = fn(transfers, states)
@@ -439,7 +443,7 @@ def run_focus(out_dir, budget_s):
     scale = DIM**-0.5
     b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton", locals_lowering="triton")
     base = C(block_v=32, state_stages=3, **b16)
-    b = gdn._chunk_cumsum(g, length, HEADS, base.chunk)
+    b = chunk_cumsum(g, length, HEADS, base.chunk)
     beta_t = beta.T
     for name, cfg in [("locals w4 s1", base), ("locals w2", dataclasses.replace(base, locals_warps=2)),
                       ("locals w8", dataclasses.replace(base, locals_warps=8)),
@@ -466,7 +470,7 @@ def run_focus(out_dir, budget_s):
                                ("state bv32 s3 w2 +out", dataclasses.replace(base, state_warps=2), True)]:
         if over():
             break
-        fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg, outputs=outputs: gdn._state_pass(
+        fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg, outputs=outputs: state_pass(
             w, u, k, b, q if outputs else None, p if outputs else None, init, chunk=cfg.chunk, pieces=1,
             value_dim=DIM, out_dtype=jnp.bfloat16, scale=scale, config=cfg, interpret=INTERPRET))
         try:
@@ -558,8 +562,8 @@ def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
 
     Sections: GDN forward per solve variant (and +TS); the chunk-local kernel alone per solve (the measured
     bottleneck); KDA and GLA (per-key gates, 32 q/k heads as in Kimi-Linear); packed segments (64 uneven segments
-    with their dense (T, S)) against the vmapped pure-JAX reference and the unsegmented forward; the decode step
-    at batch 1 and 64. fla rows are read from DIR/fla.jsonl when a --fla-only run wrote it first.
+    with their dense (T, S)) against the vmapped pure-JAX reference and the unsegmented forward. fla rows are
+    read from DIR/fla.jsonl when a --fla-only run wrote it first.
     """
     import jax
     import jax.numpy as jnp
@@ -609,8 +613,6 @@ def run_all(out_dir, length, budget_s, sections=ALL_SECTIONS):
         _all_per_key(record, length, scale, group, b16, up)
     if "varlen" in sections:
         _all_varlen(record, length, scale, b16)
-    if "decode" in sections:
-        _all_decode(record, scale)
     if "steps" in sections:
         _all_steps(record, length, *gdn_inputs(length), scale, up, rep)
     log(path, dict(done=True, elapsed_s=time.perf_counter() - start))
@@ -622,8 +624,9 @@ def _all_gdn(record, sections, length, q, k, v, g, beta, scale, group, b16, up, 
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import gdn
+    from hypic_jax.core import linear_attn as la
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn.common import chunk_cumsum
     C = named_config
     if "gdn" in sections:
         ref_o, ref_s = jax.jit(lambda q, k, v, g, b: la.chunked(rep(q), rep(k), up(v), g=g, beta=b, scale=scale))(
@@ -645,7 +648,7 @@ def _all_gdn(record, sections, length, q, k, v, g, beta, scale, group, b16, up, 
     for solve in ("rows", "doubling", "tile"):
         for chunk in (64, 32):
             cfg = C(chunk=chunk, solve=solve, **b16)
-            b = gdn._chunk_cumsum(g, length, HEADS, chunk)
+            b = chunk_cumsum(g, length, HEADS, chunk)
             fn = jax.jit(lambda q, k, v, b, bt, cfg=cfg: gdn.chunk_locals(
                 q, k, v, b, bt, chunk=cfg.chunk, scale=scale, inter_dtype=jnp.bfloat16, config=cfg,
                 interpret=INTERPRET))
@@ -657,8 +660,8 @@ def _all_per_key(record, length, scale, group, b16, up):
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import gdn
+    from hypic_jax.core import linear_attn as la
+    from hypic_jax.kernels import gdn
     C = named_config
     # 3. Per-key gates (KDA with beta, GLA without), q/k at 32 heads.
     ks = jax.random.split(jax.random.PRNGKey(3), 2)
@@ -670,7 +673,7 @@ def _all_per_key(record, length, scale, group, b16, up):
             q, k, v, gk, bt)
         ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
         record(family, "xla chunked", jax.jit(lambda q, k, v, gk, b: la.chunked(q, k, v, gk=gk, beta=b,
-                                                                                 scale=scale)),
+                                                                                scale=scale)),
                (q, k, v, gk, bt), ref, fla_name=fla_name)
         # chunk 64 with rows or doubling overflows the H200's shared memory with per-key gates (measured)
         for name, cfg in (("pallas doubling c32 bv32 bf16 s3", C(chunk=32, solve="doubling", **b16)),
@@ -694,9 +697,9 @@ def _all_varlen(record, length, scale, b16):
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import gdn
-    from hypic_jax.pallas.gdn import GDNConfig
+    from hypic_jax.core import linear_attn as la
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn import GDNConfig
     segments = min(64, max(2, length // 16))
     cu_list = varlen_offsets(length, segments)
     cu = jnp.asarray(cu_list, jnp.int32)
@@ -708,8 +711,8 @@ def _all_varlen(record, length, scale, b16):
            "T": (lambda r: r[1].transfer, ref_sum.transfer)}
     record("varlen", f"xla vmapped reference ({segments} segments)", jax.jit(
         lambda q, k, v, cu, g, b: la.varlen_reference(q, k, v, cu, g=g, beta=b, scale=scale, max_len=max_len,
-                                                       chunk_size=64)), (q, k, v, cu, g, beta), ref,
-        fla_name="fla chunk_gated_delta_rule varlen")
+                                                      chunk_size=64)), (q, k, v, cu, g, beta), ref,
+           fla_name="fla chunk_gated_delta_rule varlen")
     pf = dict(b16, state_prefetch=True)  # the Triton default launch (tile solve, chunk 64, prefetch)
     gat = dict(pf, packed_reads=False)  # q, k, v gathered into the chunk-aligned layout, o gathered back
     ref_states = {"o": (lambda r: r[0], ref_o), "S": (lambda r: r[1], ref_sum.state)}
@@ -749,39 +752,6 @@ def _all_varlen(record, length, scale, b16):
         record("varlen", name, fn, (q, k, v, cu, gk, beta), fla_name="fla chunk_kda varlen")
 
 
-def _all_decode(record, scale):
-    """run_all 5: the decode step, all heads, batch 1 and a serving batch (vmapped), GDN and KDA gates."""
-    import jax
-    import jax.numpy as jnp
-
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import decode as dec
-    for batch in (1, 64 if not INTERPRET else 2):
-        kb = jax.random.split(jax.random.PRNGKey(9), 6)
-        shape = (batch,)
-        q = la.l2_normalize(jax.random.normal(kb[0], shape + (KEY_HEADS, DIM))).astype(jnp.bfloat16)
-        k = la.l2_normalize(jax.random.normal(kb[1], shape + (KEY_HEADS, DIM))).astype(jnp.bfloat16)
-        v = jax.random.normal(kb[2], shape + (HEADS, DIM)).astype(jnp.bfloat16)
-        state = jax.random.normal(kb[3], shape + (HEADS, DIM, DIM), jnp.float32)
-        g = -jax.random.uniform(kb[4], shape + (HEADS,)) * 0.1
-        gk = -jax.random.uniform(kb[4], shape + (HEADS, DIM)) * 0.1
-        beta = jax.nn.sigmoid(jax.random.normal(kb[5], shape + (HEADS,)))
-        nbytes = 2 * state.size * 4  # state read and written
-        for family, gates in (("gdn", dict(g=g, beta=beta)), ("kda", dict(gk=gk, beta=beta))):
-            names = tuple(gates)
-            ref_fn = jax.jit(jax.vmap(lambda q, k, v, s, *gs, names=names: la.decode_reference(
-                q, k, v, s, scale=scale, **dict(zip(names, gs)))))
-            args = (q, k, v, state) + tuple(gates.values())
-            ref_o, ref_s = ref_fn(*args)
-            ref = {"o": (lambda r: r[0], ref_o), "state": (lambda r: r[1], ref_s)}
-            record(f"decode B={batch}", f"xla reference {family}", ref_fn, args, ref, tokens=batch, nbytes=nbytes)
-            for bv in (32, 64):
-                fn = jax.jit(jax.vmap(lambda q, k, v, s, *gs, names=names, bv=bv: dec.decode_step(
-                    q, k, v, s, scale=scale, config=dec.DecodeConfig(block_v=bv), interpret=INTERPRET,
-                    **dict(zip(names, gs)))))
-                record(f"decode B={batch}", f"pallas {family} bv{bv}", fn, args, ref, tokens=batch, nbytes=nbytes)
-
-
 def step_variants():
     """run_all 6: the library's launches (chunk 64, tile solve, 4-warp chunk-local kernel; on Hopper `GDNConfig()`
     is "tile c64 lw4 mosaic both", both kernels under Mosaic GPU; "prefetch" is the same launch in Triton), emitting
@@ -791,7 +761,7 @@ def step_variants():
     when defaults change. Variants measured slower and removed (output folds, shared key heads, stacked doubling
     levels, several chunks per chunk-local program) are listed in bench/RESULTS.md with the commits that hold them.
     Priority order: a run cut by its budget drops the last ones."""
-    from hypic_jax.pallas.gdn import GDNConfig
+    from hypic_jax.kernels.gdn import GDNConfig
 
     b16 = dict(locals_precision="bf16", state_precision="bf16", state_lowering="triton", locals_lowering="triton")
     C = lambda **kw: GDNConfig(**{**b16, **kw})  # noqa: E731
@@ -802,14 +772,14 @@ def step_variants():
         # both kernels in Triton, the state pass's small loads one step ahead (the Triton default)
         "tile c64 lw4 prefetch": (C(**{**c64, "state_prefetch": True}), False, False),
         "tile c64 lw4 prefetch +TS group64": (C(**{**c64, "state_prefetch": True}, transfer_group=64), True, False),
-        # the same with the state pass under Mosaic GPU (`gdn_mgpu.state_pass_mgpu`)
+        # the same with the state pass under Mosaic GPU (`gdn.mosaic_state.state_pass_mgpu`)
         "tile c64 lw4 mosaic": (C(**c64, state_lowering="mosaic"), False, False),
         "tile c64 lw4 mosaic +TS group64": (C(**c64, state_lowering="mosaic", transfer_group=64), True, False),
-        # both launches under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu` and the state pass): `GDNConfig()`
+        # both launches under Mosaic GPU (`gdn.mosaic_chunk_local.chunk_locals_mgpu` and the state pass): `GDNConfig()`
         # on Hopper
         "tile c64 lw4 mosaic both": (C(**c64, state_lowering="mosaic", locals_lowering="mosaic"), False, False),
         "tile c64 lw4 mosaic both +TS group64": (C(**c64, state_lowering="mosaic", locals_lowering="mosaic",
-                                                    transfer_group=64), True, False),
+                                                   transfer_group=64), True, False),
         # the Mosaic GPU state pass without clusters (each column block reads its own W, K, Q, P)
         "tile c64 lw4 mosaic c1": (C(**c64, state_lowering="mosaic", state_cluster=1), False, False),
         # the same with q, k, v zero-padded to whole chunks when L is not a multiple of 64 (before packed reads)
@@ -869,8 +839,11 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import gdn
+    from hypic_jax.core import linear_attn as la
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn import mosaic_state
+    from hypic_jax.kernels.gdn.chunk_local import chunk_local_pass
+    from hypic_jax.kernels.gdn.state import mosaic_state_config, state_pass, transfer_pass
     gk = -jax.random.uniform(jax.random.PRNGKey(3), (length, HEADS, DIM), jnp.float32) * 0.1
     refs = {}
     variants_ = step_variants()
@@ -921,24 +894,22 @@ def _all_steps(record, length, q, k, v, g, beta, scale, up, rep):
         args = _step_args(per_key, q, k, v, g, gk, beta)
         whole = length // cfg.chunk * cfg.chunk  # the kernels alone take chunk-aligned tokens
         args = tuple(None if x is None else x[:whole] for x in args)
-        locals_fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: gdn._locals(q, k, v, g, gk, b, scale=scale,
-                                                                           config=cfg, interpret=INTERPRET))
+        locals_fn = jax.jit(lambda q, k, v, g, gk, b, cfg=cfg: chunk_local_pass(q, k, v, g, gk, b, scale=scale,
+                                                                                config=cfg, interpret=INTERPRET))
         record("steps", f"locals only: {name}", locals_fn, args)
         b, p, w, u, ks, qs = locals_fn(*args)
         init = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
         if cfg.state_lowering == "mosaic":
-            from hypic_jax.pallas import gdn_mgpu
-
-            state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn_mgpu.state_pass_mgpu(
+            state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: mosaic_state.state_pass_mgpu(
                 w, u, k, b, q, p, init[0], chunk=cfg.chunk, out_dtype=jnp.bfloat16, scale=scale,
-                config=gdn._mosaic_state_config(cfg), interpret=INTERPRET))
+                config=mosaic_state_config(cfg), interpret=INTERPRET))
         else:
-            state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: gdn._state_pass(
+            state_fn = jax.jit(lambda w, u, k, b, q, p, init, cfg=cfg: state_pass(
                 w, u, k, b, q, p, init, chunk=cfg.chunk, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,
                 scale=scale, config=cfg, interpret=INTERPRET))
         record("steps", f"state pass only: {name}", state_fn, (w, u, ks, b, qs, p, init))
         if cfg.transfer_group:
-            transfer_fn = jax.jit(lambda w, k, b, cfg=cfg: gdn._transfer_pass(
+            transfer_fn = jax.jit(lambda w, k, b, cfg=cfg: transfer_pass(
                 w, k, b, chunk=cfg.chunk, group=cfg.transfer_group, config=cfg, interpret=INTERPRET))
             record("steps", f"transfer pass only: {name}", transfer_fn, (w, ks, b))
         del b, p, w, u, ks, qs

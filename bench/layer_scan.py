@@ -40,7 +40,7 @@ from investigations.stable_kernels import rel, timed  # noqa: E402
 from investigations.stable_kernels import split as split_tokens  # noqa: E402
 
 from hypic_jax.engine import Engine, KernelOptions, backend_compiles, stack_layers  # noqa: E402
-from hypic_jax.models import layer_stack, qwen3_5  # noqa: E402
+from hypic_jax.models import stack as layer_stack, qwen3_5  # noqa: E402
 from hypic_jax.models.base import Model  # noqa: E402
 
 

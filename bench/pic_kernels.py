@@ -2,30 +2,28 @@
 variants side by side.
 
 A request of 64 cached 512-token documents with 8-token seams and a 64-token query on the Qwen3.5-35B-A3B shape
-runs, per linear layer, a fold over 64 groups x 32 heads: `pallas.compose.span_fold_pallas` (the engine's path:
-each seam enters as a chunk step) or, without the seam fold, an XLA composition of each seam with its interior
-followed by `pallas.compose.prefix_fold_pallas`; and per full-attention layer the positioned attention of 576 fresh
-queries (16 heads of 256) over 32,832 keys (2 KV heads) (`pallas.attention.positioned_attention`). Timing each
+runs, per linear layer, a fold over 64 groups x 32 heads (`kernels.compose.prefix_fold_pallas` after an XLA
+composition of each seam with its interior); and per full-attention layer the positioned attention of 576 fresh
+queries (16 heads of 256) over 32,832 keys (2 KV heads) (`kernels.attention.positioned_attention`). Timing each
 launch variant alone says which parameters to give the engine without a full request per variant (a cold request
 compiles for minutes). Each list holds every variant timed on the H200, best first, so --budget-s decides how
 many run.
 
 Also timed, the composition benchmark ("bar"): 64 segments x 30 layers x 32 heads of dense pairs (the
-composed state, the composed pair, every prefix state; from float32 pairs and from `split_operands`' format), at
-several column widths; and the MoE layer's two grouped matmuls at the request's 576 tokens with
-tiling variants (`pallas.grouped_matmul.GMMConfig`). `--sections` picks which of these run, in that order.
+composed state, the composed pair, every prefix state), at several column widths; and the MoE layer's two grouped
+matmuls at the request's 576 tokens with tiling variants (`kernels.grouped_matmul.GMMConfig`). `--sections` picks
+which of these run, in that order.
 
     python bench/pic_kernels.py --out DIR          # GPU; one JSON line per variant in DIR/pic_kernels.jsonl
     python bench/pic_kernels.py --small            # CPU smoke test (interpret mode, small shapes)
 
-Errors are relative (Frobenius): the prefix fold against a float64 host fold, the span fold against its float32
-HIGHEST reference (`span_fold_reference`), the attention against its float32 pure-JAX reference.
+Errors are relative (Frobenius): the prefix fold against a float64 host fold, the attention against its float32
+pure-JAX reference.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -40,10 +38,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import compose_pairs, timeit  # noqa: E402
 
-from hypic_jax import linear_attn as la  # noqa: E402
-from hypic_jax.pallas import attention as pattn  # noqa: E402
-from hypic_jax.pallas import compose as cmp  # noqa: E402
-from hypic_jax.pallas import compose_mgpu as cmp_mgpu  # noqa: E402
+from hypic_jax.core import linear_attn as la  # noqa: E402
+from hypic_jax.kernels import attention as pattn  # noqa: E402
+from hypic_jax.kernels import compose as cmp  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -67,13 +64,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new variants after this")
     parser.add_argument("--skip-compose-bar", action="store_true")
-    parser.add_argument("--sections", nargs="+", default=["prefix", "span", "moe", "attention", "bar"],
-                        choices=["prefix", "span", "moe", "attention", "bar"], help="which kernels to time, in order")
+    parser.add_argument("--sections", nargs="+", default=["prefix", "moe", "attention", "bar"],
+                        choices=["prefix", "moe", "attention", "bar"], help="which kernels to time, in order")
     parser.add_argument("--bar-kinds", nargs="*", default=None,
-                        help="composition bar: only these kinds (final, pairs, prefix, 'split final', 'split pairs', "
-                        "'split prefix', 'mgpu final', 'mgpu pairs', 'mgpu prefix', 'mgpu pairs multicast')")
-    parser.add_argument("--split-launches", nargs="*", default=None,
-                        help="composition bar, split-operand folds: only these launches, 'block_w,warps,stages'")
+                        help="composition bar: only these kinds (final, pairs, prefix)")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke test: interpret mode, small shapes, one variant each")
     args = parser.parse_args(argv)
@@ -112,7 +106,7 @@ def main(argv=None) -> None:
                     break
                 config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
                 fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
-                                                                                              interpret=interpret))
+                                                                                    interpret=interpret))
                 name = dict(kernel="prefix_fold layer", fold=kind, block=block, block_w=bw, warps=warps, stages=stages)
                 try:
                     ms, compile_s = timeit(fn, t, s)
@@ -126,42 +120,6 @@ def main(argv=None) -> None:
                 fn = jax.jit(lambda a, b, alg=algorithm: la.compose(a, b, algorithm=alg))
                 ms, _ = timeit(fn, first, first)
                 log(dict(kernel="group compose layer (XLA)", algorithm=algorithm or "f32", ms=round(ms, 4)))
-
-        elif section == "span":
-            # the seam fold: the same 64 interiors, each after an 8-token seam entering as a chunk step (the engine's path)
-            draws = [jax.random.normal(jax.random.key(i), (segments, 8, 32, 128), jnp.float32) for i in range(3)]
-            seam_inputs = la.LinearInputs(draws[0], la.l2_normalize(draws[1]), draws[2], g=-0.05 * jnp.ones((segments, 8, 32)),
-                                          beta=0.5 * jnp.ones((segments, 8, 32)))
-            w, u, kt, d = jax.jit(jax.vmap(lambda one: one.chunk_step()))(seam_inputs)
-            want = cmp.span_fold_reference(w, u, kt, d, t, s)
-            # the interiors in an entry pool of 96 rows (the engine's form: read in place through a slot vector)
-            slots = jnp.asarray(np.random.default_rng(1).permutation(96)[:segments], jnp.int32)
-            pool_t = jnp.zeros((96,) + t.shape[1:], jnp.float32).at[slots].set(t)
-            pool_s = jnp.zeros((96,) + s.shape[1:], jnp.float32).at[slots].set(s)
-            # (seam step, block_w, warps, stages, pooled, incoming, seam dot algorithm); the engine's path first
-            span_variants = [("nested", 32, 8, 3, True, True, None), ("nested", 32, 8, 3, True, False, None),
-                             ("nested", 32, 8, 3, True, True, "bf16"), ("nested", 32, 4, 3, True, True, None),
-                             ("nested", 32, 4, 3, True, True, "bf16"), ("nested", 64, 8, 3, True, True, None),
-                             ("nested", 32, 8, 2, True, True, None), ("split", 32, 8, 3, True, False, None)]
-            for step, bw, warps, stages, pooled, incoming, seam_alg in span_variants[:2] if small else span_variants:
-                if over():
-                    break
-                config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages, seam_step=step,
-                                        seam_algorithm=seam_alg)
-                interiors = (pool_t, pool_s, slots) if pooled else (t, s, None)
-                fn = jax.jit(lambda w, u, kt, d, c=config, i=interiors, inc=incoming: cmp.span_fold_pallas(
-                    w, u, kt, d, *i, config=c, interpret=interpret, incoming=inc))
-                name = dict(kernel="span_fold layer", seam_step=step, pooled=pooled, incoming=incoming,
-                            seam_algorithm=seam_alg or "bf16x3", block_w=bw, warps=warps, stages=stages)
-                try:
-                    ms, compile_s = timeit(fn, w, u, kt, d)
-                    got = fn(w, u, kt, d)
-                    got = jnp.concatenate([got[0][1:], got[1][None]]) if incoming else got
-                    log(dict(name, ms=round(ms, 4), us_per_step=round(1e3 * ms / segments, 2),
-                             err=rel(got, want), compile_s=round(compile_s, 1)))
-                except Exception as error:  # noqa: BLE001
-                    log(dict(name, error=repr(error)[:300]))
-            del pool_t, pool_s
 
         elif section == "moe":
             moe(log, over, small, interpret)
@@ -195,7 +153,7 @@ def main(argv=None) -> None:
                 config = pattn.AttentionConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages,
                                                target_programs=programs, pack_gqa=pack)
                 fn = jax.jit(lambda q, k, v, p, c=config: pattn.positioned_attention(q, k, v, p, scale=scale, config=c,
-                                                                                           interpret=interpret))
+                                                                                     interpret=interpret))
                 name = dict(kernel="positioned_attention layer", block_q=bq, block_k=bk, warps=warps, stages=stages,
                             target_programs=programs, pack_gqa=pack)
                 try:
@@ -221,67 +179,24 @@ def main(argv=None) -> None:
                             ("final", None, 64, 4, 3),
                             ("prefix", None, 128, 8, 3), ("prefix", None, 128, 8, 2), ("prefix", None, 64, 8, 2),
                             ("prefix", None, 32, 4, 2), ("prefix", 0, 32, 4, 2), ("prefix", None, 128, 4, 3)]
-            # the split-operand fold (`fold_split_pallas` on `split_operands`' format); its layout and tuning
-            # variants, measured and removed, are at commits 1bdb9d6 and 2aa72bc
-            launches = [(128, 8, 3), (64, 4, 3), (128, 8, 2), (64, 4, 1), (64, 4, 2)]
-            if args.split_launches:
-                launches = [tuple(int(x) for x in launch.split(",")) for launch in args.split_launches]
-            split_variants = [(kind, None, bw, warps, stages) for kind in ("split final", "split pairs")
-                              for bw, warps, stages in launches]
-            split_variants += [("split prefix", None, bw, warps, stages)
-                               for bw, warps, stages in (launches if args.split_launches else
-                                                         ((128, 8, 3), (64, 4, 3), (128, 8, 2)))]
-            # the same fold under the Mosaic GPU lowering (`compose_mgpu.fold_split_mgpu`: 128 rows a block, two
-            # compute warpgroups and a TMA warpgroup; `stages` is its count of T slots, the rest is fixed)
-            split_variants += [(kind, None, 128, 12, stages) for kind in ("mgpu final", "mgpu pairs")
-                               for stages in (2, 1)] + [("mgpu prefix", None, 128, 12, 1)]
-            # the pair with T multicast to a cluster of two blocks (state rows, transfer rows)
-            split_variants += [("mgpu pairs multicast", None, 128, 12, stages) for stages in (2, 1)]
-            variants = [v for v in bar_variants + split_variants if not args.bar_kinds or v[0] in args.bar_kinds]
-            split = []
-
-            def split_inputs():
-                if not split:
-                    convert = jax.jit(cmp.split_operands)
-                    ms, _ = timeit(convert, t, s)
-                    log(dict(kernel=f"split_operands {segments}x{layers}x32 (once per cache entry)", ms=round(ms, 4)))
-                    split.extend(convert(t, s))
-                return tuple(split)
+            variants = [v for v in bar_variants if not args.bar_kinds or v[0] in args.bar_kinds]
 
             for kind, block, bw, warps, stages in variants[:2] if small else variants:
                 if over():
                     break
                 config = cmp.FoldConfig(block_w=bw, num_warps=warps, num_stages=stages)
                 args_in = (t, s)
-                mosaic = kind.startswith("mgpu")
-                split_fold = functools.partial(cmp_mgpu.fold_split_mgpu, config=cmp_mgpu.MosaicFoldConfig(
-                    stages=stages, multicast=kind.endswith("multicast"))) if mosaic else functools.partial(
-                    cmp.fold_split_pallas, config=config)
-                if kind == "split prefix":  # every prefix state, returned transposed like the split S
-                    args_in = split_inputs()
-                    fn = jax.jit(lambda a, b, c, cfg=config: cmp.prefix_fold_split_pallas(a, b, c, config=cfg,
-                                                                                          interpret=interpret))
-                elif kind == "mgpu prefix":
-                    args_in = split_inputs()
-                    fn = jax.jit(lambda a, b, c, st=stages: cmp_mgpu.prefix_fold_split_mgpu(
-                        a, b, c, config=cmp_mgpu.MosaicFoldConfig(stages=st), interpret=interpret))
-                elif kind.startswith("split") or mosaic:
-                    args_in = split_inputs()
-                    fn = jax.jit(lambda a, b, c, p=not kind.endswith("final"), f=split_fold: f(
-                        a, b, c, with_transfer=p, interpret=interpret)[1][None])
-                elif kind != "prefix":  # pairs: the composed transfer too
+                if kind != "prefix":  # pairs: the composed transfer too
                     fn = jax.jit(lambda t, s, c=config, p=kind != "final": cmp.fold_pallas(
                         t, s, with_transfer=p, config=c, interpret=interpret)[1][None])
                 else:
                     fn = jax.jit(lambda t, s, c=config, b=block: cmp.prefix_fold_pallas(t, s, config=c, block=b,
-                                                                                         interpret=interpret))
+                                                                                        interpret=interpret))
                 name = dict(kernel=f"{kind} fold {segments}x{layers}x32 (composition bar)", block=block, block_w=bw,
                             warps=warps, stages=stages)
                 try:
                     ms, compile_s = timeit(fn, *args_in)
                     got = fn(*args_in)[:, 0]  # layer 0 is the unpermuted one
-                    if kind in ("split prefix", "mgpu prefix"):
-                        got = jnp.swapaxes(got, -1, -2)
                     worst = rel(got[-1], ref_states[-1]) if not kind.endswith("prefix") else max(
                         rel(got[i], ref_states[i]) for i in range(segments))
                     extra = {}
@@ -292,11 +207,7 @@ def main(argv=None) -> None:
                         want = t8[0]
                         for i in range(1, few):
                             want = t8[i] @ want
-                        if kind == "pairs":
-                            got_t = cmp.fold_pallas(t[:few, :1], s[:few, :1], config=config, interpret=interpret)[0]
-                        else:
-                            got_t = split_fold(*(a[:few, :1] for a in args_in), with_transfer=True,
-                                               interpret=interpret)[0]
+                        got_t = cmp.fold_pallas(t[:few, :1], s[:few, :1], config=config, interpret=interpret)[0]
                         extra["T8_err"] = rel(got_t[0], want)
                     log(dict(name, ms=round(ms, 4), S_last=rel(got[-1], ref_states[-1]), S_worst=worst,
                              compile_s=round(compile_s, 1), **extra))
@@ -305,7 +216,7 @@ def main(argv=None) -> None:
 
 
 def moe(log, over, small, interpret) -> None:
-    from hypic_jax.pallas import grouped_matmul as gm
+    from hypic_jax.kernels import grouped_matmul as gm
 
     tokens, hidden, inner, experts, top_k = (40, 64, 32, 8, 2) if small else (576, 2048, 512, 256, 8)
     rng = np.random.default_rng(2)
@@ -326,9 +237,9 @@ def moe(log, over, small, interpret) -> None:
     tok = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
     route_w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
     route_ids = jnp.asarray(ids.reshape(tokens, top_k), jnp.int32)
-    one_hot_max = gm.ONE_HOT_ROUTING_MAX
+    one_hot_max = gm.layout.ONE_HOT_ROUTING_MAX
     for routing, bound in (("one-hot", one_hot_max), ("sorted", 0)):
-        gm.ONE_HOT_ROUTING_MAX = bound  # read at trace time
+        gm.layout.ONE_HOT_ROUTING_MAX = bound  # read at trace time, in the layout module
         fn = jax.jit(lambda a, wts, e, gu, dn: layers.grouped_swiglu_experts(a, wts, e, gu, dn, impl="pallas"))
         try:
             ms, compile_s = timeit(fn, tok, route_w, route_ids, gate_up, down)
@@ -338,7 +249,7 @@ def moe(log, over, small, interpret) -> None:
                      compile_s=round(compile_s, 1)))
         except Exception as error:  # noqa: BLE001
             log(dict(kernel="moe experts block", routing=routing, error=repr(error)[:300]))
-    gm.ONE_HOT_ROUTING_MAX = one_hot_max
+    gm.layout.ONE_HOT_ROUTING_MAX = one_hot_max
     for bm, bn, bk, warps, stages in variants[:2] if small else variants:
         if over():
             break

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import active_weights_per_token, count_params, full_config, small_config  # noqa: E402
 
-from hypic_jax import layout as lay  # noqa: E402
+from hypic_jax.stitch import layout as lay  # noqa: E402
 from hypic_jax.engine import Engine, KernelOptions, seam_tokens  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402
 from hypic_jax.models.base import COMPOSE_ALGORITHMS, FOLD_IMPLS, LINEAR_IMPLS, Model  # noqa: E402

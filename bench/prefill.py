@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypic_jax.models import qwen3_5
+from hypic_jax.models import mixing, qwen3_5
 from hypic_jax.models.base import KernelOptions
 
 
@@ -135,8 +135,9 @@ def layer_breakdown(params, config: qwen3_5.Config, tokens, repeats: int) -> dic
     linear = config.layer_types.index(qwen3_5.LINEAR)
     full = config.layer_types.index(qwen3_5.FULL)
     positions = jnp.arange(length, dtype=jnp.int32)
-    gdn = jax.jit(lambda x, p: qwen3_5.gated_delta_net(x, p, config, None)[0])
-    attn = jax.jit(lambda x, p: qwen3_5.full_attention(x, p, config, positions, None, None)[0])
+    causal = lambda: mixing.CausalMixing(None, positions, None)  # noqa: E731  (a plain forward from position 0)
+    gdn = jax.jit(lambda x, p: qwen3_5.gdn_mixer(x, p, config, causal()))
+    attn = jax.jit(lambda x, p: qwen3_5.attention_mixer(x, p, config, causal()))
     mlp = jax.jit(lambda x, p: qwen3_5.feed_forward(x, p, config, config.mlp_types[0]))
     layers_ = params["layers"]
     return dict(

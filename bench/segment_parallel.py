@@ -44,10 +44,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hypic_jax import layout as lay  # noqa: E402
-from hypic_jax import parallel  # noqa: E402
+from hypic_jax.stitch import layout as lay  # noqa: E402
+from hypic_jax.parallel import policy as parallel  # noqa: E402
 from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
-from hypic_jax.segment_mesh import SegmentMesh  # noqa: E402
+from hypic_jax.parallel.segments import SegmentMesh  # noqa: E402
 
 
 def requests(vocab: int, segments: int, length: int, query: int, seed: int) -> dict:

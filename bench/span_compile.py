@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill import small_config  # noqa: E402
 
-from hypic_jax import layout as lay  # noqa: E402
+from hypic_jax.stitch import layout as lay  # noqa: E402
 from hypic_jax.engine import Engine, KernelOptions, seam_tokens  # noqa: E402
 from hypic_jax.engine.programs import ProgramKey, span_options, span_program  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402

@@ -1,19 +1,26 @@
 """hypic-jax: position-independent caching for hybrid-attention LLMs, in JAX.
 
 `hypic_jax.Engine` serves a model (`Engine.from_pretrained(path)`, or the model embedded in the package with no
-path); `hypic_jax.load` reads a checkpoint. Layers, each importing only those below it: the Pallas kernels
-(`hypic_jax.pallas`, on the shared definitions of `hypic_jax.summary`), the transfer-operator core (`linear_attn`,
-`conv`, `rope`, `attention`), the models (`hypic_jax.models`), their converters (`converters`) and checkpoints
-(`hypic_jax.checkpoint`), the cache and the engine (`cache`, `pools`, `tiers`, `hypic_jax.engine`), training
-(`hypic_jax.train`), then `cli`, `demo` and `serve`. tests/test_imports.py checks this.
+path) from typed options (`hypic_jax.EngineOptions`); `hypic_jax.load` reads a checkpoint into a `Model`.
+
+The package is built in layers, each importing only those below it (tests/test_imports.py checks this):
+
+    kernels      the Pallas GPU kernels, one module per kernel family, each beside its pure-JAX reference
+    core         the transfer-operator core: the linear-attention recurrence of every family, segment summaries
+                 (T, S) and their composition, causal conv with a tail, RoPE, attention
+    stitch       a request's layout as fixed-capacity arrays, and the forward pieces that stitch cached spans in
+    models       one module per architecture, its layer stack, and the `Model` a checkpoint loads into
+    checkpoint   Hugging Face folders (`checkpoint.hf`) and orbax checkpoints to a `Model`; the embedded model
+    cache        the segment cache's index, the device pools and the tiers below them
+    parallel     segment parallelism over a device mesh, tensor parallelism, several hosts
+    engine       `Engine`: its options, request checks, compiled programs, sampler and scheduler
+    train        the generated corpus, the trainer and the export of the embedded model
+    serve        the OpenAI-compatible server; `cli` and `demo` on top
 """
 
 __version__ = "0.1.0"
 
-from hypic_jax import conv, linear_attn, models, rope  # noqa: F401
-from hypic_jax.checkpoint import load
-
-models.load = load  # `hypic_jax.models.load`: the models package cannot define it, as it must not import checkpoint
+from hypic_jax.checkpoint import load  # noqa: F401
 
 _ENGINE_NAMES = ("Engine", "EngineOptions", "LimitOptions", "PoolOptions", "TierOptions", "ParallelOptions",
                  "KernelOptions", "RequestOptions", "SchedulerOptions", "CompileOptions")

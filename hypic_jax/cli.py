@@ -37,7 +37,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from converters import convert_folder
+    from hypic_jax.checkpoint.hf import convert_folder
     from hypic_jax.checkpoint import max_context, save_checkpoint
 
     start = time.perf_counter()

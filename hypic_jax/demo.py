@@ -1,7 +1,7 @@
 """`make demo`: held-out questions to the embedded model, the PIC engine on a tiny in-memory model, then (with
 --families) the composition table.
 
-Question part (when the package holds its trained model, `hypic_jax.embedded`, or with --model DIR): a few
+Question part (when the package holds its trained model, `hypic_jax.checkpoint.embedded`, or with --model DIR): a few
 held-out questions of the generated corpus (`hypic_jax.train`), each asked after the same documents in another
 order, in every mode on the engine (`hypic_jax.Engine`). For each mode it prints the
 answer, the cached tokens and the time to first token; the first question of each mode starts from an empty cache,
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypic_jax import linear_attn as la
+from hypic_jax.core import linear_attn as la
 from hypic_jax.engine import MODES, Engine
 from hypic_jax.engine.programs import backend_compiles
 from hypic_jax.models import qwen3_5
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     args = parser.parse_args(argv)
     if not args.no_questions:
-        from hypic_jax.embedded import embedded_model
+        from hypic_jax.checkpoint.embedded import embedded_model
 
         folder = args.model or embedded_model()
         if folder is not None:

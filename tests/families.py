@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, settings
 
-from hypic_jax import linear_attn as la
+from hypic_jax.core import linear_attn as la
 
 
 _MAPS = "/proc/self/maps"

@@ -97,7 +97,7 @@ def main() -> None:
     timeout_s = float(args[args.index("--timeout") + 1]) if "--timeout" in args else 6.0
     compile_cache = args[args.index("--compile-cache") + 1] if "--compile-cache" in args else "none"
 
-    from hypic_jax import multihost
+    from hypic_jax.parallel import multihost
 
     single = "--single" in args
     if single:

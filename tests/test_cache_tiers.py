@@ -1,4 +1,4 @@
-"""Cache tiers of the engine (`hypic_jax.tiers`): device pools, host memory, disk.
+"""Cache tiers of the engine (`hypic_jax.cache.tiers`): device pools, host memory, disk.
 
 On one tiny Qwen3.5-MoE checkpoint and one token rung, with pools small enough that requests evict: demotion
 then promotion returns an entry bit for bit; a second engine on the same folder (a restart) serves the first
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hypic_jax.cache import entry_key
+from hypic_jax.cache.index import entry_key
 from hypic_jax.engine import Engine, backend_compiles
-from hypic_jax import tiers as tr
+from hypic_jax.cache import tiers as tr
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -507,7 +507,7 @@ def test_a_backend_without_pinned_outputs_falls_back_to_pageable_memory(make, ca
     monkeypatch.setattr(jax, "jit", no_host_outputs)
     segs = _docs(make.vocab, 16) + [[7, 8, 9]]
     warm = engine.prefill(segs, seam=SEAM)
-    with caplog.at_level("WARNING", logger="hypic_jax.tiers"):
+    with caplog.at_level("WARNING", logger="hypic_jax.cache.tiers"):
         _evict_device(engine)
     assert "pageable memory" in caplog.text and engine.mover.host_sharding is None
     assert all(isinstance(p.staged.main, np.ndarray) for p in engine.tiers.host.values())

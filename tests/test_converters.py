@@ -12,7 +12,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import hypic_jax
-from converters.base import CheckpointReader
+from hypic_jax.checkpoint.hf.base import CheckpointReader
 from hypic_jax.cli import main as cli_main
 from qwen_helpers import build, prompt, reference_logits, relative_error, save
 
@@ -140,7 +140,7 @@ def test_orbax_restore_into_mesh_and_progress_bar(moe, tmp_path, monkeypatch, ca
     """`load(..., mesh=...)` restores straight into the param_specs sharding; large conversions show a progress bar."""
     import jax
 
-    import converters.base as converter_base
+    import hypic_jax.checkpoint.hf.base as converter_base
 
     folder, tokens, expected = moe
     monkeypatch.setattr(converter_base, "PROGRESS_BYTES", 0)

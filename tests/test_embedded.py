@@ -1,4 +1,4 @@
-"""The embedded model (`hypic_jax.embedded`): a micro model exported by `hypic_jax.train.export` stands in for the
+"""The embedded model (`hypic_jax.checkpoint.embedded`): a micro model exported by `hypic_jax.train.export` stands in for the
 trained one. With it installed, `load_served(None)` serves it with the question-answering chat template,
 `Engine.from_pretrained()` without a path loads it and generates, `hypic-jax serve` builds on it and the demo asks
 it held-out questions in every mode; without it, the random fallback and a clear error."""
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import hypic_jax
-from hypic_jax import demo, embedded
+from hypic_jax import demo
+from hypic_jax.checkpoint import embedded
 from hypic_jax.engine import MODES, Engine, EngineOptions, stack_layers
 from hypic_jax.engine.requests import sampling_params
 from hypic_jax.models import qwen3_5

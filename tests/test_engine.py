@@ -373,7 +373,7 @@ def test_kernel_choices_keep_the_results_the_cache_and_the_checkpoint(engines, t
 
 @on_worker_of("engine-qwen_moe")
 def test_restarted_engines_load_their_programs_whole(engines, tmp_path):
-    """With a compile cache an engine stores every compiled program whole (`executables.ExecutableStore`); a new
+    """With a compile cache an engine stores every compiled program whole (`engine.store.ExecutableStore`); a new
     engine of the same model and choices loads them all without an XLA compilation and answers the same; a damaged
     file is compiled again (and replaced); other kernel choices are other programs."""
     _, model, vocab = engines("qwen_moe")
@@ -402,7 +402,9 @@ def test_restarted_engines_load_their_programs_whole(engines, tmp_path):
     stored[0].write_bytes(b"damaged")
     third = make()
     warm = third.warmup(progress=False)
-    assert warm["loaded"] == warm["programs"] - 1 and stored[0].stat().st_size > 100  # compiled and replaced
+    # compiled again; the damaged file is replaced, or removed where JAX's own cache served the compilation
+    assert warm["loaded"] == warm["programs"] - 1
+    assert not stored[0].exists() or stored[0].stat().st_size > 100
     key = ProgramKey("pic", 64, third.max_keys)
     other = make(kernels=KernelOptions(fold="xla"))
     assert other.programs._digest(key) != third.programs._digest(key)
@@ -621,7 +623,7 @@ def test_options_derive_from_the_model_and_map_to_flags(tmp_path):
 
 def test_cache_entries_reach_on_drop_once_and_only_when_unpinned():
     """The engine frees an entry's pool room in on_drop: that must never run while a request holds the entry."""
-    from hypic_jax.cache import Entry, SegmentCache
+    from hypic_jax.cache.index import Entry, SegmentCache
 
     dropped = []
     cache = SegmentCache(capacity_bytes=10, on_drop=lambda e: dropped.append(e.key))
@@ -642,7 +644,7 @@ def test_a_lookup_pins_its_entry_before_another_thread_can_evict_it():
     """`lookup(..., pins=)` pins the entry it finds inside the cache's lock: an eviction that another thread runs
     right after the lookup skips it, and its on_drop (which frees the entry's pool room) runs once, after the
     request lets go."""
-    from hypic_jax.cache import Entry, SegmentCache
+    from hypic_jax.cache.index import Entry, SegmentCache
 
     dropped = []
     cache = SegmentCache(capacity_bytes=100, on_drop=lambda e: dropped.append(e.key))

@@ -12,7 +12,7 @@ import pytest
 
 from hypic_jax.demo import tiny_model
 from hypic_jax.engine import MODES, Engine, backend_compiles, seam_tokens
-from hypic_jax.pools import PoolFull
+from hypic_jax.cache.pools import PoolFull
 
 from helpers import rel
 

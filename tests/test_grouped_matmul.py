@@ -1,4 +1,5 @@
-"""The Pallas grouped matmul for MoE experts (interpreted on the CPU) against jax.lax.ragged_dot."""
+"""The Pallas grouped matmul for MoE experts (interpreted on the CPU) against its reference (`grouped_matmul.
+reference`) and jax.lax.ragged_dot, and the routed-experts block around it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hypic_jax.models import layers
-from hypic_jax.pallas.grouped_matmul import GMMConfig, block_layout, gmm
+from hypic_jax.kernels.grouped_matmul import ChunkedWeights, GMMConfig, block_layout, gmm, gmm_reference
 
 from families import examples
 
@@ -29,10 +30,14 @@ def test_gmm_matches_ragged_dot_with_empty_and_partial_groups(dtype):
     ref = jax.lax.ragged_dot(x, w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
     tol = 1e-5 if dtype == np.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=tol, atol=tol * 8)
+    want = gmm_reference(padded, layout.block_expert, w)[layout.positions]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=tol, atol=tol * 8)
     # the kernel gathering the rows itself (rows of padding blocks read row 0): the same products, bit for bit
     source = jnp.zeros((layout.num_padded,), jnp.int32).at[layout.positions].set(jnp.arange(rows, dtype=jnp.int32))
     gathered = gmm(x, layout.block_expert, w, config=GMMConfig(block_n=16, block_k=32), rows=source)
     np.testing.assert_array_equal(np.asarray(gathered[layout.positions], np.float32), np.asarray(out, np.float32))
+    np.testing.assert_allclose(np.asarray(gmm_reference(x, layout.block_expert, w, rows=source)[layout.positions]),
+                               np.asarray(want), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="rows"):
         gmm(x, layout.block_expert, w, rows=source[:, None])
     # the fused activation: silu(x W_gate) * (x W_up) from the accumulators, against the two halves' products
@@ -40,6 +45,9 @@ def test_gmm_matches_ragged_dot_with_empty_and_partial_groups(dtype):
     gate, up = np.split(np.asarray(ref, np.float64), 2, axis=-1)
     np.testing.assert_allclose(np.asarray(act[layout.positions], np.float32), gate / (1 + np.exp(-gate)) * up,
                                rtol=tol, atol=tol * 8)
+    want_act = gmm_reference(x, layout.block_expert, w, rows=source, swiglu=True)[layout.positions]
+    np.testing.assert_allclose(np.asarray(act[layout.positions], np.float32), np.asarray(want_act), rtol=tol,
+                               atol=tol * 8)
     with pytest.raises(ValueError, match="even width"):
         gmm(x, layout.block_expert, w[..., 1:], swiglu=True)
 
@@ -164,7 +172,7 @@ def test_copy_layout_one_hot_equals_the_stable_sort(tokens, top_k, experts, bloc
     """The sort-free copy layout (one-hot running counts) and the sorted one place every (token, slot) copy in the
     same padded row and give every block the same owner, for skewed routings with unused experts; both equal a
     plain walk over the experts."""
-    from hypic_jax.pallas import grouped_matmul as gm
+    from hypic_jax.kernels import grouped_matmul as gm
 
     rng = np.random.default_rng(seed)
     top_k = min(top_k, experts)
@@ -173,12 +181,12 @@ def test_copy_layout_one_hot_equals_the_stable_sort(tokens, top_k, experts, bloc
     ids = jnp.asarray(ids, jnp.int32)
     # each path compiled as one program (two distinct functions: the threshold is read while tracing)
     rows_one_hot, layout_one_hot = jax.jit(lambda ids: gm.copy_layout(ids, experts, block_m))(ids)
-    saved = gm.ONE_HOT_ROUTING_MAX
+    saved = gm.layout.ONE_HOT_ROUTING_MAX  # the bound `copy_layout` reads, in its own module
     try:
-        gm.ONE_HOT_ROUTING_MAX = 0
+        gm.layout.ONE_HOT_ROUTING_MAX = 0
         rows_sorted, layout_sorted = jax.jit(lambda ids: gm.copy_layout(ids, experts, block_m))(ids)
     finally:
-        gm.ONE_HOT_ROUTING_MAX = saved
+        gm.layout.ONE_HOT_ROUTING_MAX = saved
     np.testing.assert_array_equal(np.asarray(rows_one_hot), np.asarray(rows_sorted))
     np.testing.assert_array_equal(np.asarray(layout_one_hot.block_expert), np.asarray(layout_sorted.block_expert))
     np.testing.assert_array_equal(np.asarray(layout_one_hot.positions), np.asarray(layout_sorted.positions))
@@ -194,9 +202,10 @@ def test_copy_layout_one_hot_equals_the_stable_sort(tokens, top_k, experts, bloc
 def test_gmm_narrows_its_tile_to_widths_the_config_does_not_divide():
     """A launch tuned for one model (256-wide weight tiles) still runs another model's widths: N = 96 and K = 48
     take 32- and 16-wide tiles and match ragged_dot; tile edges stay powers of two."""
-    from hypic_jax.pallas import grouped_matmul as gm
+    from hypic_jax.kernels import grouped_matmul as gm
+    from hypic_jax.kernels.grouped_matmul.matmul import _tile
 
-    assert [gm._tile(256, d) for d in (2048, 1536, 384, 96, 8)] == [256, 256, 128, 32, 8]
+    assert [_tile(256, d) for d in (2048, 1536, 384, 96, 8)] == [256, 256, 128, 32, 8]
     rng = np.random.RandomState(3)
     sizes = np.array([7, 0, 20, 3], np.int32)
     rows = int(sizes.sum())
@@ -207,3 +216,23 @@ def test_gmm_narrows_its_tile_to_widths_the_config_does_not_divide():
     out = gmm(padded, layout.block_expert, w, config=gm.FEW_ROWS_CONFIG)[layout.positions]
     ref = jax.lax.ragged_dot(x, w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_gmm_reads_the_indexed_chunk_of_chunked_weights():
+    """`ChunkedWeights`: the block experts index the chunk `index` (a traced scalar), and only that chunk is read;
+    each chunk against the reference."""
+    rng = np.random.RandomState(4)
+    sizes = np.array([6, 0, 11, 3], np.int32)
+    rows = int(sizes.sum())
+    x = jnp.asarray(rng.randn(rows, 32), jnp.float32)
+    chunks = tuple(jnp.asarray(rng.randn(4, 32, 48), jnp.float32) for _ in range(3))
+    layout = block_layout(jnp.asarray(sizes), rows, block_m=16)
+    padded = jnp.zeros((layout.num_padded, 32), jnp.float32).at[layout.positions].set(x)
+    run = jax.jit(lambda a, e, i: gmm(a, e, ChunkedWeights(chunks, i), config=GMMConfig(block_n=16, block_k=16)))
+    for index in (0, 2):
+        got = run(padded, layout.block_expert, jnp.int32(index))[layout.positions]
+        want = gmm_reference(padded, layout.block_expert, ChunkedWeights(chunks, jnp.int32(index)))[layout.positions]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(gmm_reference(padded, layout.block_expert,
+                                                                              chunks[index])[layout.positions]),
+                                   rtol=1e-5, atol=1e-5)

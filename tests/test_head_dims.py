@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hypic_jax import linear_attn as la
-from hypic_jax.summary import advance
+from hypic_jax.core import linear_attn as la
+from hypic_jax.core.summary import advance
 
 from families import core  # the core's functions as compiled programs (the float64 reference: one per shape)
 

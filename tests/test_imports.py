@@ -1,10 +1,11 @@
-"""The import graph of `hypic_jax` and `converters`: no cycles, and the layers import downwards only.
+"""The import graph of `hypic_jax`: no cycles, and the layers import downwards only.
 
-Layers, lowest first: the shared definitions (`hypic_jax.summary`) and the Pallas kernels (`hypic_jax.pallas`);
-the transfer-operator core (`linear_attn`, `conv`, `rope`, `attention`); the models (`hypic_jax.models`); the
-converters and checkpoints; the cache and the engine; the command line, demo and server. Every import counts,
-module-level and function-local alike (a local import defers the dependency, it does not remove it), with
-`from . import` resolved. The graph is built from the source with `ast` alone: nothing is imported.
+Layers, lowest first (`LAYERS`): the definitions that import nothing of the package (`options`, `core.summary`,
+`checkpoint.embedded`); the kernels; the transfer-operator core; the stitching of layouts; the models; checkpoints;
+the cache; parallelism; the engine; training; the server, the command line, the demo and the package's own
+`__init__`. Every import counts, module-level and function-local alike (a local import defers the dependency, it
+does not remove it), with `from . import` resolved. The graph is built from the source with `ast` alone: nothing
+is imported.
 """
 
 from __future__ import annotations
@@ -15,10 +16,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("hypic_jax", "converters")
+PACKAGES = ("hypic_jax",)
 
-CORE = {"hypic_jax.linear_attn", "hypic_jax.conv", "hypic_jax.rope", "hypic_jax.attention"}
-SHARED = "hypic_jax.summary"
+BASE = ("hypic_jax.options", "hypic_jax.core.summary", "hypic_jax.checkpoint.embedded")
+LAYERS = (
+    ("base", BASE),
+    ("kernels", ("hypic_jax.kernels",)),
+    ("core", ("hypic_jax.core",)),
+    ("stitch", ("hypic_jax.stitch",)),
+    ("models", ("hypic_jax.models",)),
+    ("checkpoint", ("hypic_jax.checkpoint",)),
+    ("cache", ("hypic_jax.cache",)),
+    ("parallel", ("hypic_jax.parallel",)),
+    ("engine", ("hypic_jax.engine",)),
+    ("train", ("hypic_jax.train",)),
+    ("top", ("hypic_jax.serve", "hypic_jax.cli", "hypic_jax.demo", "hypic_jax")),
+)
 
 
 def package_modules(root: Path, packages) -> dict[str, Path]:
@@ -113,6 +126,17 @@ def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+def layer_of(module: str) -> int:
+    """The index in `LAYERS` of the layer holding `module` (the most specific prefix wins)."""
+    best, depth = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (_under(module, prefix) if prefix != "hypic_jax" else module == prefix) and len(prefix) > depth:
+                best, depth = index, len(prefix)
+    assert best is not None, f"{module} belongs to no layer of LAYERS"
+    return best
+
+
 @pytest.fixture(scope="module")
 def graph():
     return import_graph(ROOT, PACKAGES)
@@ -120,8 +144,9 @@ def graph():
 
 def test_graph_sees_the_package(graph):
     """The walk finds the layers this file is about, and function-local imports count."""
-    assert {"hypic_jax.linear_attn", "hypic_jax.pallas.gdn", "hypic_jax.models", "converters.base"} <= set(graph)
-    assert "hypic_jax.pallas.gdn" in graph["hypic_jax.linear_attn"]
+    assert {"hypic_jax.core.linear_attn", "hypic_jax.kernels.gdn", "hypic_jax.models",
+            "hypic_jax.checkpoint.hf.base", "hypic_jax.engine.engine"} <= set(graph)
+    assert "hypic_jax.kernels.gdn" in graph["hypic_jax.core.linear_attn"]
     assert "hypic_jax.engine" in graph["hypic_jax"]  # imported inside `hypic_jax.__getattr__`
 
 
@@ -129,27 +154,27 @@ def test_no_import_cycles(graph):
     assert_acyclic(graph)
 
 
-def test_kernels_import_only_kernels_and_the_shared_definitions(graph):
-    """hypic_jax.pallas sits below the core: it never imports linear_attn, the models, spans or the engine."""
-    bad = {(m, t) for m, targets in graph.items() if _under(m, "hypic_jax.pallas")
-           for t in targets if not (_under(t, "hypic_jax.pallas") or t == SHARED)}
+def test_every_module_belongs_to_a_layer(graph):
+    for module in graph:
+        layer_of(module)
+
+
+def test_layers_import_downwards_only(graph):
+    """A module imports modules of its own layer or of layers below it, never above."""
+    bad = sorted((m, t, LAYERS[layer_of(t)][0]) for m, targets in graph.items() for t in targets
+                 if layer_of(t) > layer_of(m))
+    assert not bad, "imports of a layer above: " + "; ".join(f"{m} -> {t} ({name})" for m, t, name in bad)
+
+
+def test_the_base_definitions_import_nothing_of_the_package(graph):
+    for module in BASE:
+        assert not graph[module], f"{module} imports {sorted(graph[module])}"
+
+
+def test_kernels_import_only_kernels_and_the_base(graph):
+    bad = {(m, t) for m, targets in graph.items() if _under(m, "hypic_jax.kernels")
+           for t in targets if not (_under(t, "hypic_jax.kernels") or t in BASE)}
     assert not bad, f"kernel modules importing above their layer: {sorted(bad)}"
-
-
-def test_shared_definitions_import_nothing_of_the_package(graph):
-    assert not graph[SHARED], f"{SHARED} imports {sorted(graph[SHARED])}"
-
-
-def test_core_imports_only_the_core_and_the_kernels(graph):
-    bad = {(m, t) for m in CORE for t in graph[m]
-           if not (t in CORE or t == SHARED or _under(t, "hypic_jax.pallas"))}
-    assert not bad, f"core modules importing above their layer: {sorted(bad)}"
-
-
-def test_models_never_import_converters_or_checkpoints(graph):
-    bad = {(m, t) for m, targets in graph.items() if _under(m, "hypic_jax.models")
-           for t in targets if _under(t, "converters") or t == "hypic_jax.checkpoint"}
-    assert not bad, f"models importing the layer above them: {sorted(bad)}"
 
 
 def test_checker_fails_on_a_cycle(tmp_path):
@@ -168,25 +193,3 @@ def test_checker_fails_on_a_cycle(tmp_path):
         assert_acyclic(graph)
     (pkg / "c.py").write_text("import os\n")
     assert_acyclic(import_graph(tmp_path, ["pkg"]))
-
-
-def test_only_the_command_line_imports_the_server(graph):
-    """hypic_jax.serve is the top layer: nothing below it imports it (the command line starts it)."""
-    bad = {(m, t) for m, targets in graph.items() if not (_under(m, "hypic_jax.serve") or m == "hypic_jax.cli")
-           for t in targets if _under(t, "hypic_jax.serve")}
-    assert any(_under(t, "hypic_jax.serve") for t in graph["hypic_jax.cli"])
-    assert not bad, f"modules importing the server: {sorted(bad)}"
-
-
-def test_training_sits_above_the_models_and_the_engine(graph):
-    """hypic_jax.train may use the models and the engine; only the server, the command line and the demo (which
-    pick a default model) may import it, and it never imports the server."""
-    users = {"hypic_jax.cli", "hypic_jax.demo"}
-    bad = {(m, t) for m, targets in graph.items()
-           if not (_under(m, "hypic_jax.train") or _under(m, "hypic_jax.serve") or m in users)
-           for t in targets if _under(t, "hypic_jax.train")}
-    assert "hypic_jax.models.qwen3_5" in graph["hypic_jax.train.trainer"]
-    assert not bad, f"modules importing the trainer: {sorted(bad)}"
-    up = {(m, t) for m, targets in graph.items() if _under(m, "hypic_jax.train")
-          for t in targets if _under(t, "hypic_jax.serve") or t in users}
-    assert not up, f"training importing the layers above it: {sorted(up)}"

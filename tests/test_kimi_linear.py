@@ -19,8 +19,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from converters.base import CheckpointReader  # noqa: E402
-from converters import kimi_linear as kimi_converter  # noqa: E402
+from hypic_jax.checkpoint.hf.base import CheckpointReader  # noqa: E402
+from hypic_jax.checkpoint.hf import kimi_linear as kimi_converter  # noqa: E402
 from hypic_jax import load  # noqa: E402
 from hypic_jax.models import kimi_linear as kimi  # noqa: E402
 from families import fake_devices_env  # noqa: E402

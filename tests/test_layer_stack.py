@@ -1,4 +1,4 @@
-"""Layers stacked by their repeating pattern and run as one scan (`hypic_jax.models.layer_stack`).
+"""Layers stacked by their repeating pattern and run as one scan (`hypic_jax.models.stack`).
 
 `LayerPlan.find` on patterns with and without a head, a tail or any repeat; a plan's (part, member) addressing
 round-trips; the grouped matmul reads a scanned layer's experts out of the whole bank exactly as from the layer's
@@ -27,9 +27,9 @@ from hypic_jax.engine import Engine, stack_layers
 from hypic_jax.engine.programs import ProgramKey
 from hypic_jax.engine.sampling import TOP_LOGPROBS, SamplingRows
 from hypic_jax.models import layers as model_layers
-from hypic_jax.models import base, layer_stack
+from hypic_jax.models import base, stack as layer_stack
 from hypic_jax.models.base import ModelCache
-from hypic_jax.models.layer_stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
+from hypic_jax.models.stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -74,15 +74,18 @@ def _toy_layers(rng, widths):
     return layers, caches
 
 
-def _toy_step(i, layer, params, cache, x):
-    """A layer with a cache and a traced layer index: (new carry, new cache; None without one)."""
+def _toy_step(i, layer, params, cache, pool, x):
+    """A layer with a cache, a pool and a traced layer index: (new carry, (new cache, None without one; output: the
+    pool row at the layer's base, or the layer's index without pools))."""
     h = jnp.tanh(x @ params["w"] + (0.0 if cache is None else cache)) * (1.0 + 0.1 * layer)
-    return x + h @ params["u"], (None if cache is None else cache + h)
+    out = layer * jnp.ones(()) if pool is None else pool.tree[pool.base + 1]
+    return x + h @ params["u"], (None if cache is None else cache + h, out)
 
 
-def test_run_cached_forms():
-    """`run_cached` over stacked layers (head, two repeats of a period of two, tail) equals the plain loop, and
-    gives the caches back in the form given: stacked for stacked (and for none), a tuple for a tuple."""
+def test_one_layer_loop_forms():
+    """`run` over stacked layers (head, two repeats of a period of two, tail) equals the plain loop; it gives the
+    caches back in the form given (stacked for stacked and for none, a tuple for a tuple), the outputs stacked by
+    the plan, and each scanned layer reads its pool at its own base row."""
     rng = np.random.default_rng(0)
     widths = [3, 4, 5, 4, 5, 6]
     layers, caches = _toy_layers(rng, widths)
@@ -90,17 +93,26 @@ def test_run_cached_forms():
     assert (plan.head, plan.period, plan.repeats) == (1, 2, 2)
     stacked = LayerStack.build(layers, plan)
     x = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
-    want_x, want = layer_stack.run_cached(_toy_step, x, layers, tuple(caches))
+    want_x, want, outs = layer_stack.run(_toy_step, x, layers, caches=tuple(caches))
     assert isinstance(want, tuple) and len(want) == len(widths)
+    assert [int(o) for o in outs] == list(range(len(widths)))
     for given in (tuple(caches), LayerStack.build(caches, plan)):
-        got_x, got = jax.jit(lambda x, c: layer_stack.run_cached(_toy_step, x, stacked, c))(x, given)
-        assert type(got) is type(given)
+        got_x, got, got_outs = jax.jit(lambda x, c: layer_stack.run(_toy_step, x, stacked, caches=c))(x, given)
+        assert type(got) is type(given) and isinstance(got_outs, LayerStack)
         np.testing.assert_allclose(got_x, want_x, rtol=1e-6)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-6)
-    _, none = layer_stack.run_cached(_toy_step, x, stacked, None)
+        assert [int(o) for o in got_outs] == list(range(len(widths)))
+    _, none, _ = layer_stack.run(_toy_step, x, stacked)
     assert isinstance(none, LayerStack) and all(c is None for c in none)
-    assert layer_stack.run_cached(_toy_step, x, layers, None)[1] == (None,) * len(widths)
+    assert layer_stack.run(_toy_step, x, layers)[1] == (None,) * len(widths)
+    # pools: three rows per layer, row 1 of layer i holding i
+    pools = layer_stack.pool_stack([("slot", jax.ShapeDtypeStruct((), jnp.float32))] * len(widths), plan, slots=3,
+                                   rows=0)
+    parts = [jnp.zeros_like(part).at[1::3].set(jnp.asarray([plan.layer(p, m) for m in range(plan.members(p))],
+                                                             jnp.float32)) for p, part in enumerate(pools.parts)]
+    _, _, read = jax.jit(lambda x, pools: layer_stack.run(_toy_step, x, stacked, pools=pools))(x, pools.replace(parts))
+    assert [int(o) for o in read] == list(range(len(widths)))
     # the per-layer helpers keep each form
     assert isinstance(layer_stack.stacked_like(stacked, caches), LayerStack)
     assert isinstance(layer_stack.stacked_like(layers, caches), tuple)

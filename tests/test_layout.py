@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import rel
-from hypic_jax import layout as lay
-from hypic_jax.layout import CACHED, DROP, FRESH, PAD_POSITION, PIECE_CACHED, PIECE_FRESH
+from hypic_jax.stitch import layout as lay
+from hypic_jax.stitch.layout import CACHED, DROP, FRESH, PAD_POSITION, PIECE_CACHED, PIECE_FRESH
 
 
 def _predecessors(history: list[int], rows: np.ndarray, w1: int) -> np.ndarray:

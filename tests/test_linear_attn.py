@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from families import (EXPECTED_FORM, FAMILIES, array, core, examples, make_family, method, numpy_recurrence, rel_err,
                       slice_inputs)
-from hypic_jax import linear_attn as la
+from hypic_jax.core import linear_attn as la
 
 SETTINGS = examples(5)
 TOL = 1e-5

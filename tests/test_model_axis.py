@@ -25,7 +25,8 @@ sys.path.insert(0, sys.argv[1])
 import functools
 import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh
-from hypic_jax import layout as lay, stitch
+from hypic_jax.stitch import layout as lay
+from hypic_jax import stitch
 from test_stable_kernels import CAP, H, HK, V, _core, _inputs, _pool, _random_layout
 
 assert len(jax.devices()) == 4

@@ -1,4 +1,4 @@
-"""Multi-host serving (`hypic_jax.multihost`): two processes on loopback through `jax.distributed` (gloo CPU
+"""Multi-host serving (`hypic_jax.parallel.multihost`): two processes on loopback through `jax.distributed` (gloo CPU
 collectives), each with two fake CPU devices, so the segment mesh spans four devices of two processes.
 
 - The cluster serves `tests/multihost_worker.py`'s requests (all cold, bins on every device; hits only; hits and a

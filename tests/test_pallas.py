@@ -1,9 +1,10 @@
-"""Pallas kernels (hypic_jax.pallas) in interpret mode on the CPU against the transfer-operator core.
+"""Pallas kernels (hypic_jax.kernels) in interpret mode on the CPU against their pure-JAX references (each
+family's `reference` module), and the references against the transfer-operator core.
 
 Shapes are tiny and few (interpret-mode compilation, not arithmetic, is the cost); they still cover odd lengths,
 several chunk sizes, grouped key heads, an initial state, the transfer-operator split into pieces, the emitted
-(T_C, S(C|0)), the solve variants, per-key decays, packed segments and the decode step. A last test lowers every
-kernel to Triton IR for the GPU (no GPU needed) so that CPU CI also catches constructs the Triton lowering rejects.
+(T_C, S(C|0)), the solve variants, per-key decays and packed segments. The last tests lower every kernel to Triton
+IR or Mosaic GPU for the GPU (no GPU needed) so that CPU CI also catches constructs the lowerings reject.
 """
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hypic_jax import linear_attn as la
-from hypic_jax.pallas import attention as pattn
-from hypic_jax.pallas import compose as cmp
-from hypic_jax.pallas import decode as dec
-from hypic_jax.pallas import gdn
-from hypic_jax.pallas.gdn import GDNConfig, _forward, gdn_forward
+from hypic_jax.core import linear_attn as la
+from hypic_jax.kernels import attention as pattn
+from hypic_jax.kernels import compose as cmp
+from hypic_jax.kernels import gdn, platform
+from hypic_jax.kernels.gdn import GDNConfig, gdn_forward, mosaic_chunk_local, mosaic_state
+from hypic_jax.kernels.gdn import reference as gdn_ref
+from hypic_jax.kernels.gdn.chunk import _forward
+from hypic_jax.kernels.gdn.chunk_local import chunk_locals, inverse_doubling
+from hypic_jax.kernels.gdn.common import chunk_cumsum
+from hypic_jax.kernels.gdn.state import state_pass, use_mosaic_transfer
+from hypic_jax.kernels.gdn.varlen import _varlen
 
-from families import array, core, examples, interpreter_threads_compiled_once, jitted, method
+from families import array, core, examples, interpreter_threads_compiled_once
 
 TOL32 = 1e-5
 TOL16 = 2e-3
@@ -57,20 +63,41 @@ def inputs(length, key_heads=1, heads=2, dim=16, seed=0, gate=True, delta=True, 
     return q, k, v, g, beta
 
 
-# The references below are each one compiled program per argument layout (`families.jitted`): run op by op, the
-# core's recurrence and summaries compile every op anew for every shape and cost several times the kernel's run.
-@jitted
 def reference(q, k, v, g=None, beta=None, init=None, scale=1.0, gk=None):
-    """The token-by-token recurrence in float32, key heads repeated over the value heads."""
-    group = v.shape[1] // k.shape[1]
-    up = lambda x: jnp.repeat(x.astype(jnp.float32), group, 1)  # noqa: E731
-    return la.recurrent(up(q), up(k), v.astype(jnp.float32), g=g, gk=gk, beta=beta, initial_state=init, scale=scale)
+    """`gdn_forward`'s reference: the token-by-token recurrence in float32 (key heads read by their value heads)."""
+    return gdn_ref.gdn_forward_reference(q, k, v, g=g, beta=beta, gk=gk, initial_state=init, scale=scale)
 
 
-@jitted
-def reference_summary(k, v, g=None, gk=None, beta=None, chunk_size=16):
-    """`la.summarize` with key heads repeated over the value heads."""
-    return la.summarize(jnp.repeat(k, v.shape[1] // k.shape[1], 1), v, g=g, gk=gk, beta=beta, chunk_size=chunk_size)
+def reference_summary(k, v, g=None, gk=None, beta=None):
+    """The zero-start summary (T_C, S(C|0)) of `gdn_forward`'s reference."""
+    return gdn_ref.gdn_forward_reference(k, k, v, g=g, gk=gk, beta=beta, emit_summary=True)[2]
+
+
+@pytest.mark.parametrize("family", ["gdn", "deltanet", "kda", "gla", "decay", "linear"])
+def test_gdn_references_match_the_core(family):
+    """The kernels' references (`gdn.reference`) against the transfer-operator core: `gdn_forward_reference`
+    against `linear_attn.recurrent` and `summarize` (key heads repeated), `gdn_varlen_reference` against
+    `linear_attn.varlen_reference`, for every gate combination."""
+    length = 45
+    q, k, v, g, beta = inputs(length, key_heads=1, seed=51, gate=family in ("gdn", "decay"),
+                              delta=family in ("gdn", "deltanet", "kda"))
+    gk = per_key_gates(length, 2, 16, seed=52) if family in ("kda", "gla") else None
+    init = array(np.random.default_rng(53).standard_normal((2, 16, 16)) * 0.3, np.float32)
+    o, s, summary = gdn_ref.gdn_forward_reference(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5,
+                                                  emit_summary=True)
+    up = lambda x: jnp.repeat(x, 2, 1)  # noqa: E731
+    ref_o, ref_s = core.recurrent(up(q), up(k), v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5)
+    ref_sum = core.summarize(up(k), v, g=g, gk=gk, beta=beta, chunk_size=16)
+    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert summary.form == ref_sum.form and rel(summary.state, ref_sum.state) < TOL32
+    if summary.transfer is not None:
+        assert rel(summary.transfer, ref_sum.transfer) < TOL32
+    cu = [0, 5, 5, 22, 44, 45]
+    o, summary = gdn_ref.gdn_varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
+    ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
+    assert rel(o, ref_o) < TOL32 and summary.form == ref_sum.form and rel(summary.state, ref_sum.state) < TOL32
+    if summary.transfer is not None:
+        assert rel(summary.transfer, ref_sum.transfer) < TOL32
 
 
 # (length, chunk, pieces, block_v, with initial state): odd lengths, chunks 16/32/64, direct and split.
@@ -82,7 +109,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("length,chunk,pieces,block_v,with_init", CASES)
-def test_gated_delta_float32_matches_recurrent(length, chunk, pieces, block_v, with_init):
+def test_gated_delta_float32_matches_reference(length, chunk, pieces, block_v, with_init):
     q, k, v, g, beta = inputs(length)
     init = array(np.random.default_rng(9).standard_normal((2, 16, 16)) * 0.3, np.float32) if with_init else None
     config = GDNConfig(chunk=chunk, pieces=pieces, block_v=block_v)
@@ -90,7 +117,7 @@ def test_gated_delta_float32_matches_recurrent(length, chunk, pieces, block_v, w
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = reference(q, k, v, g, beta, init, scale=0.5)
     assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
-    ref_sum = reference_summary(k, v, g=g, beta=beta, chunk_size=16)
+    ref_sum = reference_summary(k, v, g=g, beta=beta)
     assert summary.form == "dense"
     assert rel(summary.transfer, ref_sum.transfer) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32
@@ -148,265 +175,27 @@ def test_compose_fold_kernel():
     s = array(rng.standard_normal((n, batch, dim, dim)), np.float32)
     summaries = la.Summary("dense", s, t)
     ref_states = core.prefix_states(summaries)
+    ref_t, ref_s = cmp.fold_reference(t, s)
+    assert rel(ref_s, ref_states[-1]) < TOL32 and rel(cmp.prefix_fold_reference(t, s), ref_states) < TOL32
     total_t, total_s = cmp.compose_all(t, s, "f32")
-    assert rel(total_s, ref_states[-1]) < TOL32
+    assert rel(total_s, ref_s) < TOL32 and rel(total_t, ref_t) < TOL32
     product, none = cmp.compose_all(t, None, "f32")  # the transfers alone: T_7 ... T_1, an odd count
     want = np.eye(dim)
     for i in range(n):
         want = np.asarray(t[i], np.float64) @ want
-    assert none is None and rel(product, want) < TOL32
-    assert rel(cmp.prefix_states(t, s, None, "f32"), ref_states) < TOL32
-    pt, ps = cmp.prefix_pairs(t, s, "f32")
-    assert rel(ps, ref_states) < TOL32 and rel(pt[-1], total_t) < TOL32
+    assert none is None and rel(product, want) < TOL32 and rel(ref_t, want) < TOL32
     for with_t in (True, False):
         kt, ks = cmp.fold_pallas(t, s, with_transfer=with_t, config=cmp.FoldConfig(block_w=16, algorithm="f32"),
                                  interpret=True)
-        assert rel(ks, total_s) < TOL32
+        assert rel(ks, ref_s) < TOL32
         if with_t:
-            assert kt.shape == total_t.shape and rel(kt, total_t) < TOL32
-
-
-def _bf16(x):
-    """`x` rounded to float32, then to bfloat16 (to nearest even, as XLA does), in float64: on the host."""
-    return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float64)
-
-
-def _split_fold_case(n, batch, key_dim, value_dim, seed):
-    """Random pairs, their split operands, the fold's bf16x3 arithmetic emulated in float64 with explicit bfloat16
-    roundings (X <- T_hi X_hi + T_hi X_lo + T_lo X_hi + S, the first step a load) and the exact float64 fold:
-    (t, s, split operands, (emulated T, S), (exact T, S))."""
-    rng = np.random.default_rng(seed)
-    t = (rng.standard_normal((n,) + batch + (key_dim, key_dim)) * 0.9 / np.sqrt(key_dim)).astype(np.float32)
-    s = rng.standard_normal((n,) + batch + (key_dim, value_dim)).astype(np.float32)
-    t_hi, t_lo, s_t = cmp.split_operands(array(t), array(s))
-    assert s_t.shape == (n,) + batch + (value_dim, key_dim) and t_hi.dtype == t_lo.dtype == jnp.bfloat16
-    th, tl = np.asarray(t_hi, np.float64), np.asarray(t_lo, np.float64)
-    exact_t, exact_s = np.broadcast_to(np.eye(key_dim), batch + (key_dim, key_dim)), np.zeros(s.shape[1:])
-    emu_t, emu_s = exact_t, exact_s
-
-    def emulate(x, i):
-        hi = _bf16(x)
-        lo = _bf16(x - hi)
-        return th[i] @ hi + th[i] @ lo + tl[i] @ hi
-
-    for i in range(n):
-        exact_t, exact_s = t[i] @ exact_t, t[i] @ exact_s + s[i]
-        emu_t = th[i] + tl[i] if i == 0 else np.asarray(emulate(emu_t, i), np.float32)  # first step: a load
-        emu_s = s[i] if i == 0 else np.asarray(emulate(emu_s, i) + s[i], np.float32)
-    return t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s)
-
-
-@examples(5)
-@given(n=st.integers(1, 6), batch=st.sampled_from([(1,), (3,), (2, 2)]), key_dim=st.sampled_from([16, 32]),
-       value_dim=st.sampled_from([16, 32, 48]), block_w=st.sampled_from([16, 32, 128]), with_t=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_split_fold_is_bf16x3_of_the_pairs(n, batch, key_dim, value_dim, block_w, with_t, seed):
-    """`fold_split_pallas` on `split_operands` equals the same bf16x3 arithmetic done in float64 with explicit
-    bfloat16 roundings (X <- T_hi X_hi + T_hi X_lo + T_lo X_hi + S) within 5e-6 (the kernel accumulates in float32,
-    and a last-bit difference can flip the next step's rounding of X_lo: 1.8e-6 at worst over 12 random cases), and
-    the exact float64 fold to bf16x3's accuracy (1.1e-5 at worst there); the composed transfer likewise. Dropping
-    a correction term would be off by ~1e-3."""
-    t, s, (t_hi, t_lo, s_t), (emu_t, emu_s), (exact_t, exact_s) = _split_fold_case(n, batch, key_dim, value_dim,
-                                                                                   seed)
-    config = cmp.FoldConfig(block_w=block_w, num_warps=4, num_stages=2)
-    got_t, got_s = cmp.fold_split_pallas(t_hi, t_lo, s_t, with_transfer=with_t, config=config, interpret=True)
-    assert got_s.shape == s.shape[1:] and rel(got_s, emu_s) < 5e-6 and rel(got_s, exact_s) < 5e-5
-    if with_t:
-        assert got_t.shape == t.shape[1:] and rel(got_t, emu_t) < 5e-6 and rel(got_t, exact_t) < 5e-5
-    else:
-        assert got_t is None
-
-
-@pytest.mark.parametrize("n, batch, key_dim, value_dim, block_w, with_initial",
-                         [(5, (2,), 32, 48, 16, False), (4, (1, 2), 16, 16, 128, True), (1, (3,), 32, 16, 32, True),
-                          (1, (2,), 16, 32, 16, False)])
-def test_split_prefix_fold_gives_every_state(n, batch, key_dim, value_dim, block_w, with_initial):
-    """`prefix_fold_split_pallas`: every state S_i = T_i S_{i-1} + S_i (from an initial state or zeros), transposed
-    like its input, within bf16x3's accuracy of the float64 fold, and its last state that of `fold_split_pallas`."""
-    rng = np.random.default_rng(n + key_dim + value_dim)
-    t = (rng.standard_normal((n,) + batch + (key_dim, key_dim)) * 0.9 / np.sqrt(key_dim)).astype(np.float32)
-    s = rng.standard_normal((n,) + batch + (key_dim, value_dim)).astype(np.float32)
-    init = rng.standard_normal(batch + (key_dim, value_dim)).astype(np.float32) if with_initial else None
-    state = np.zeros(s.shape[1:]) if init is None else init.astype(np.float64)
-    want = []
-    for i in range(n):
-        state = t[i] @ state + s[i]
-        want.append(state)
-    want = np.stack(want)
-    t_hi, t_lo, s_t = cmp.split_operands(array(t), array(s))
-    config = cmp.FoldConfig(block_w=block_w, num_warps=4, num_stages=2)
-    got = cmp.prefix_fold_split_pallas(t_hi, t_lo, s_t, None if init is None else array(init), config=config,
-                                       interpret=True)
-    assert got.shape == (n,) + batch + (value_dim, key_dim)
-    got = np.swapaxes(np.asarray(got), -1, -2)
-    assert max(rel(got[i], want[i]) for i in range(n)) < 5e-5
-    if init is None:
-        assert rel(got[0], s[0]) == 0.0  # the first state is S_1 itself
-        _, last = cmp.fold_split_pallas(t_hi, t_lo, s_t, config=config, interpret=True)
-        assert rel(got[-1], last) < 1e-6
-
-
-def test_split_operands_round_and_keep_the_rest():
-    """hi is T rounded to bfloat16, lo carries the rest (a float32 -> bfloat16 -> float32 round trip that a
-    compiler simplified away would leave lo = 0), and the pair holds T to about 2^-16 relative."""
-    rng = np.random.default_rng(2)
-    t = rng.standard_normal((3, 64, 64)).astype(np.float32)
-    hi, lo, s_t = cmp.split_operands(array(t), array(t[..., :32]))
-    hi, lo = np.asarray(hi, np.float64), np.asarray(lo, np.float64)
-    assert np.all(np.abs(hi - t) <= 2.0**-8 * np.abs(t))  # within half a bfloat16 ulp (8 significant bits)
-    assert np.mean(lo != 0) > 0.9
-    assert np.all(np.abs(hi + lo - t) <= 2.0**-16 * np.abs(t))
-    assert np.array_equal(np.asarray(s_t), np.swapaxes(t[..., :32], -1, -2))
-    # rounding, not truncation: the split keeps one more bit than cutting the top 16 bits off would
-    truncated = (t.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
-    assert np.max(np.abs(hi - t) / np.abs(t)) < np.max(np.abs(truncated - t) / np.abs(t))
-
-
-@pytest.mark.parametrize("n, batch, value_dim, with_t, stages", [(3, (1,), 128, True, 2), (1, (2,), 128, True, 2),
-                                                                  (4, (1,), 256, False, 1), (5, (1,), 128, True, 3)])
-def test_split_fold_mosaic_gpu_is_bf16x3_of_the_pairs(n, batch, value_dim, with_t, stages):
-    """The Mosaic GPU fold (`compose_mgpu`, Pallas's GPU interpreter: its warpgroups, TMA copies, slots and
-    barriers simulated) gives the emulated bf16x3 fold and the exact one like the Triton fold: one step, several
-    state blocks, more steps than slots, one slot or three. Its transfer starts from the identity instead of
-    loading T_1, which the split reproduces exactly (hi = I, lo = 0)."""
-    from hypic_jax.pallas import compose_mgpu
-
-    key_dim = 128
-    _, s, operands, (emu_t, emu_s), (exact_t, exact_s) = _split_fold_case(n, batch, key_dim, value_dim, seed=n)
-    got_t, got_s = compose_mgpu.fold_split_mgpu(*operands, with_transfer=with_t, interpret=True,
-                                                config=compose_mgpu.MosaicFoldConfig(stages=stages))
-    assert got_s.shape == s.shape[1:] and rel(got_s, emu_s) < 5e-6 and rel(got_s, exact_s) < 5e-5
-    if with_t:
-        assert got_t.shape == batch + (key_dim, key_dim)
-        assert rel(got_t, emu_t) < 5e-6 and rel(got_t, exact_t) < 5e-5
-    else:
-        assert got_t is None
-    # the dispatcher: "auto" on the CPU is the Triton fold, and both agree
-    auto_t, auto_s = cmp.fold_split(*operands, with_transfer=with_t, interpret=True)
-    assert rel(auto_s, got_s) < 5e-6 and (not with_t or rel(auto_t, got_t) < 5e-6)
-
-
-@pytest.mark.parametrize("n, value_dim, with_initial", [(3, 128, False), (4, 256, True), (1, 128, True)])
-def test_split_prefix_fold_mosaic_gpu_gives_every_state(n, value_dim, with_initial):
-    """The Mosaic GPU prefix fold (GPU interpreter) writes every state S_i = T_i S_{i-1} + S_i, from zeros or an
-    initial state, transposed like its input: within bf16x3's accuracy of the float64 fold, and equal to the Triton
-    prefix fold's."""
-    from hypic_jax.pallas import compose_mgpu
-
-    key_dim, batch = 128, (2,)
-    t, s, operands, _, _ = _split_fold_case(n, batch, key_dim, value_dim, seed=10 + n)
-    rng = np.random.default_rng(n)
-    init = rng.standard_normal(batch + (key_dim, value_dim)).astype(np.float32) if with_initial else None
-    got = compose_mgpu.prefix_fold_split_mgpu(*operands, None if init is None else array(init), interpret=True)
-    assert got.shape == (n,) + batch + (value_dim, key_dim)
-    x = np.zeros(batch + (key_dim, value_dim)) if init is None else init.astype(np.float64)
-    for i in range(n):
-        x = t[i].astype(np.float64) @ x + s[i]
-        assert rel(np.swapaxes(np.asarray(got[i]), -1, -2), x) < 5e-5
-    triton = cmp.prefix_fold_split(*operands, None if init is None else array(init), interpret=True)
-    assert rel(got, triton) < 5e-6  # "auto" on the CPU: the Triton prefix fold
-
-
-def test_split_fold_rejects_bad_operands():
-    t = jnp.zeros((2, 3, 16, 16), jnp.bfloat16)
-    s = jnp.zeros((2, 3, 32, 16), jnp.float32)
-    with pytest.raises(ValueError, match="bf16x3"):
-        cmp.fold_split_pallas(t, t, s, config=cmp.FoldConfig(algorithm="f32"), interpret=True)
-    with pytest.raises(ValueError, match="split operands disagree"):
-        cmp.fold_split_pallas(t, t, jnp.zeros((2, 3, 16, 32), jnp.float32), interpret=True)  # S not transposed
-    with pytest.raises(ValueError, match="split operands disagree"):
-        cmp.fold_split_pallas(t.astype(jnp.float32), t, s, interpret=True)
-    from hypic_jax.pallas import compose_mgpu
-
-    with pytest.raises(ValueError, match="multiples of 128"):  # K = 16: no whole 128-row blocks for Mosaic GPU
-        compose_mgpu.fold_split_mgpu(t, t, s, interpret=True)
-    with pytest.raises(ValueError, match="lowering must be one of"):
-        cmp.fold_split(t, t, s, lowering="cuda", interpret=True)
-    with pytest.raises(ValueError, match="lowering must be one of"):
-        cmp.prefix_fold_split(t, t, s, lowering="cuda", interpret=True)
-
-
-def _scattered(noise, slots, rows):
-    """`noise` as float32 with `rows` written at `slots` (a pool whose other rows hold noise), built on the host."""
-    pool = np.asarray(noise, np.float32)
-    pool[slots] = np.asarray(rows)
-    return array(pool)
-
-
-# each family with one shape and each shape with one family (the delta rule, whose seams are the kernel's dense
-# chunk products, with two): the shapes vary the kernel's loop bounds, the families its gates
-@pytest.mark.parametrize("family, n, seam, batch_shape, width", [
-    ("gated_delta_net", 5, 3, (2,), 16), ("kda", 1, 8, (1, 2), 32), ("gla", 4, 17, (3,), 16),
-    ("gated_delta_net", 1, 8, (1, 2), 32)])
-def test_span_fold_kernel_equals_composing_each_seam_with_its_interior(family, n, seam, batch_shape, width):
-    """Groups (a fresh seam as one chunk step, then a dense interior) folded by the kernel equal the float64 fold
-    of the composed pairs (seam summary, then interior): the seam enters as a chunk step, never as a matrix."""
-    from families import make_family
-
-    dim = 16
-    rng = np.random.default_rng(n * seam + width)
-    heads = int(np.prod(batch_shape))
-    seams = [make_family(family, seed=10 * i + n, length=seam, heads=heads, key_dim=dim, value_dim=width)
-             for i in range(n)]
-    steps = [method.chunk_step(x) for x in seams]  # per group (w [H, c, K], u, k_to_end, decay [H, K])
-    stack = lambda j: jnp.stack([st[j] for st in steps]).reshape((n,) + batch_shape + steps[0][j].shape[1:])  # noqa: E731
-    w, u, kt, d = (stack(j) for j in range(4))
-    t = array(rng.standard_normal((n,) + batch_shape + (dim, dim)) / np.sqrt(dim), np.float32)
-    s = array(rng.standard_normal((n,) + batch_shape + (dim, width)), np.float32)
-    want, state = [], np.zeros((heads, dim, width))
-    for i in range(n):  # float64: the seam's dense summary, then the interior
-        summary = method.summarize(seams[i], chunk_size=32)
-        ts = np.asarray(core.dense_transfer(summary), np.float64)
-        state = ts @ state + np.asarray(summary.state, np.float64)
-        state = np.asarray(t[i], np.float64).reshape(heads, dim, dim) @ state + np.asarray(
-            s[i], np.float64).reshape(heads, dim, width)
-        want.append(state.reshape(batch_shape + (dim, width)))
-    want = np.stack(want)
-    got = cmp.span_fold_pallas(w, u, kt, d, t, s, config=cmp.FoldConfig(block_w=16, algorithm="f32"), interpret=True)
-    assert got.shape == (n,) + batch_shape + (dim, width)
-    assert rel(got, want) < TOL32
-    assert rel(cmp.span_fold_reference(w, u, kt, d, t, s), want) < TOL32
-    # the interiors read in place from an entry pool: scattered over a larger pool whose other rows hold noise
-    capacity = n + 3
-    slots = rng.permutation(capacity)[:n].astype(np.int32)
-    pool_t = _scattered(rng.standard_normal((capacity,) + t.shape[1:]), slots, t)
-    pool_s = _scattered(rng.standard_normal((capacity,) + s.shape[1:]), slots, s)
-    for step in ("nested", "split"):
-        pooled = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots),
-                                      config=cmp.FoldConfig(block_w=16, algorithm="f32", seam_step=step),
-                                      interpret=True)
-        assert rel(pooled, want) < TOL32
-        # incoming=True: the state before each group (zero first) and the state after the last one
-        before, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots),
-                                             config=cmp.FoldConfig(block_w=16, algorithm="f32", seam_step=step),
-                                             interpret=True, incoming=True)
-        assert before.shape == want.shape and final.shape == want.shape[1:]
-        assert not np.asarray(before[0]).any()
-        assert rel(before[1:], want[:-1]) < TOL32 and rel(final, want[-1]) < TOL32
-    assert rel(cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=array(slots)), want) < TOL32
-    # in-kernel outputs: each seam's outputs from the state before its group equal `chunked` from that state
-    chunks = [method.span_chunk(x) for x in seams]
-    q_dec = jnp.stack([ch.q_decayed for ch in chunks]).reshape(w.shape)
-    scores = jnp.stack([ch.scores for ch in chunks]).reshape(w.shape[:-1] + (seam,))
-    before = [np.zeros((heads, dim, width))] + [x.reshape(heads, dim, width) for x in want[:-1]]
-    want_out = np.stack([np.moveaxis(np.asarray(method.chunked(x, initial_state=array(b, np.float32),
-                                                               chunk_size=32)[0]), 0, 1) / x.scale
-                         for x, b in zip(seams, before)]).reshape((n,) + batch_shape + (seam, width))
-    out, final = cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots),
-                                      config=cmp.FoldConfig(block_w=16, algorithm="f32"), interpret=True,
-                                      q_decayed=q_dec, scores=scores)
-    assert out.shape == want_out.shape and rel(out, want_out) < TOL32 and rel(final, want[-1]) < TOL32
-    ref_out, ref_final = cmp.span_fold_reference(w, u, kt, d, pool_t, pool_s, slots=array(slots),
-                                                 q_decayed=q_dec, scores=scores)
-    assert rel(ref_out, want_out) < TOL32 and rel(ref_final, want[-1]) < TOL32
-    with pytest.raises(ValueError, match="disagree"):
-        cmp.span_fold_pallas(w[..., 1:], u, kt, d, t, s, interpret=True)
-    with pytest.raises(ValueError, match="disagree"):
-        cmp.span_fold_pallas(w, u, kt, d, pool_t, pool_s, array(slots[:-1]), interpret=True)
+            assert kt.shape == ref_t.shape and rel(kt, ref_t) < TOL32
+        else:
+            assert kt is None
 
 
 @pytest.mark.parametrize("n, batch, dim, width, block_w", [(7, 3, 16, 16, 16), (1, 2, 16, 32, 16), (11, 1, 32, 16, 16),
-                                                     (3, 2, 16, 48, 32)])  # 48 columns: blocks of 16
+                                                           (3, 2, 16, 48, 32)])  # 48 columns: blocks of 16
 def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block_w):
     rng = np.random.default_rng(n + width)
     t = array(rng.standard_normal((n, batch, dim, dim)) / np.sqrt(dim), np.float32)
@@ -465,7 +254,7 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
             pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, interpret=True,
                                        config=pattn.AttentionConfig(block_q=hq // hkv + 1, pack_gqa=True))
     # the same attention as the models' XLA path (positioned GQA attention over keys at positions 0..Lk-1)
-    from hypic_jax import attention
+    from hypic_jax.core import attention
 
     xla = attention.dot_product_attention(q[None, 1:], k[None], v[None], scale=dim**-0.5,
                                           q_positions=np.asarray(positions)[1:], k_positions=np.arange(lk))[0]
@@ -494,9 +283,9 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
     beta = jax.nn.sigmoid(f(length, 2) + 2.0)
     config = GDNConfig(chunk=chunk, block_v=16, solve=solve)
     o, s, summary = gdn_forward(q, k, v, g=g, beta=beta, scale=0.5, config=config, emit_summary=True, interpret=True)
-    ref_o, ref_s = core.recurrent(q, k, v, g=g, beta=beta, scale=0.5)
+    ref_o, ref_s = reference(q, k, v, g, beta, scale=0.5)
     assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
-    assert rel(summary.transfer, core.summarize(k, v, g=g, beta=beta, chunk_size=16).transfer) < TOL32
+    assert rel(summary.transfer, reference_summary(k, v, g=g, beta=beta).transfer) < TOL32
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -511,11 +300,12 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
        seed=st.integers(0, 2**16))
 def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, group, length, with_init, prefetch,
                                             packed, seed):
-    """Outputs, final state and the emitted summary against the token-by-token recurrence and
-    `linear_attn.summarize`, over random families, chunk sizes, solves, diagonal sub-blocks, splits, transfer
-    groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the product tree),
-    the state pass with and without its prefetched small loads, lengths (odd ones and ones shorter than a chunk
-    included) and, for lengths that do not fill the last chunk, q, k, v read in place or zero-padded."""
+    """Outputs, final state and the emitted summary against the reference (`gdn.reference`: the token-by-token
+    recurrence and the zero-start summary), over random families, chunk sizes, solves, diagonal sub-blocks,
+    splits, transfer groups (0: the widened pass; small groups: several groups, padded ones and an odd count in the
+    product tree), the state pass with and without its prefetched small loads, lengths (odd ones and ones shorter
+    than a chunk included) and, for lengths that do not fill the last chunk, q, k, v read in place or
+    zero-padded."""
     delta = family not in ("gla", "decay")
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed, gate=family in ("gdn", "kda+g", "decay"),
                               delta=delta)
@@ -528,7 +318,7 @@ def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, g
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = reference(q, k, v, g, beta, init, scale=0.5, gk=gk)
     assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
-    ref_sum = reference_summary(k, v, g=g, gk=gk, beta=beta, chunk_size=16)
+    ref_sum = reference_summary(k, v, g=g, gk=gk, beta=beta)
     assert summary.form == ref_sum.form
     assert rel(summary.transfer, ref_sum.transfer) < transfer_tolerance(g, gk, chunk)
     assert rel(summary.state, ref_sum.state) < TOL32
@@ -538,7 +328,7 @@ def transfer_tolerance(g, gk, chunk):
     """TOL32, or float32's resolution of the decays where the gates are extreme. A kernel takes e^{b_t - b_j} from
     chunk-local cumulative log decays b, which float32 holds to |b| 2^-24 absolute; T is a product of such decays
     with cancelling low-rank corrections, and per-key gates of -2 per token reach |b| = 80 in a 64-token chunk,
-    where T (entries near 1e-29) came out 3.4e-5 from a float64 reference (the chunk-16 reference: 4e-6). The
+    where T (entries near 1e-29) came out 3.4e-5 from a float64 reference. The
     bound allows 16 such roundings; real errors (a wrong mask, decay or block) are orders of magnitude larger."""
     log_decay = np.zeros(1) if g is None else np.asarray(g, np.float64)[..., None]
     if gk is not None:
@@ -552,12 +342,12 @@ def transfer_tolerance(g, gk, chunk):
 
 @pytest.mark.parametrize("n", [2, 4, 16, 64])
 def test_doubling_inverse_is_exact(n):
-    """`_inverse_doubling` (its first level elementwise, the rest by dots) against numpy's inverse, correlated keys."""
+    """`inverse_doubling` (its first level elementwise, the rest by dots) against numpy's inverse, correlated keys."""
     rng = np.random.default_rng(n)
     keys = rng.standard_normal((n, 8))
     keys = 0.6 * keys / np.linalg.norm(keys, axis=1, keepdims=True) + 0.4 * keys[:1] / np.linalg.norm(keys[0])
     strict = np.tril(0.9 * keys @ keys.T, -1)
-    got = gdn._inverse_doubling(array(strict, np.float32), "ieee")
+    got = inverse_doubling(array(strict, np.float32), "ieee")
     assert rel(got, np.linalg.inv(np.eye(n) + strict)) < TOL32
 
 
@@ -565,7 +355,7 @@ def test_transfer_groups_product_tree():
     """Seven chunks in groups of 2 (four groups, the last padded with zero tokens): the tree's product equals the
     summary of the whole sequence, and so does every other grouping."""
     q, k, v, g, beta = inputs(7 * 16 - 5, key_heads=1, seed=41)
-    ref = reference_summary(k, v, g=g, beta=beta, chunk_size=16)
+    ref = reference_summary(k, v, g=g, beta=beta)
     for group in (0, 1, 2, 3, 7, 100):
         config = GDNConfig(chunk=16, block_v=16, transfer_group=group)
         _, _, summary = gdn_forward(q, k, v, g=g, beta=beta, config=config, emit_summary=True, interpret=True)
@@ -595,7 +385,7 @@ def test_per_key_decays_float32(chunk, length, pieces, delta, with_g):
     assert np.all(np.isfinite(np.asarray(o)))
     ref_o, ref_s = reference(q, k, v, g, beta, init, scale=0.5, gk=gk)
     assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
-    ref_sum = reference_summary(k, v, g=g, gk=gk, beta=beta, chunk_size=16)
+    ref_sum = reference_summary(k, v, g=g, gk=gk, beta=beta)
     assert summary.form == ref_sum.form == ("dense" if delta else "diagonal")
     assert rel(summary.transfer, ref_sum.transfer) < TOL32 and rel(summary.state, ref_sum.state) < TOL32
 
@@ -613,7 +403,7 @@ def test_per_key_diagonal_blocks_take_both_forms():
         o, s = gdn_forward(q, k, v, gk=gk, beta=beta, scale=0.5, config=GDNConfig(chunk=chunk, block_v=16),
                            interpret=True)
         assert np.all(np.isfinite(np.asarray(o)))
-        ref_o, ref_s = core.recurrent(q, k, v, gk=gk, beta=beta, scale=0.5)
+        ref_o, ref_s = reference(q, k, v, beta=beta, scale=0.5, gk=gk)
         assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
 
 
@@ -649,9 +439,9 @@ def test_per_key_bfloat16():
     ("kda", 16, False, 2, "packed"), ("kda", 16, True, 0, "gather"), ("decay", 16, False, 64, "packed"),
     ("decay", 32, False, 64, "gather")])
 def test_varlen_matches_reference(gates, chunk, traced, group, reads):
-    """Packed segments against the vmapped core, T through the transfer pass (group > 0; 1 and 2 put segments
-    across several groups) or the widened state (0); q, k, v read in place ("packed", every family) or gathered
-    into the chunk-aligned layout."""
+    """Packed segments against the reference (`gdn_varlen_reference`), T through the transfer pass (group > 0; 1
+    and 2 put segments across several groups) or the widened state (0); q, k, v read in place ("packed", every
+    family) or gathered into the chunk-aligned layout."""
     length = 61
     cu = [0, 5, 5, 22, 39, 40, 61]  # an empty segment, a one-token segment, odd lengths
     q, k, v, g, beta = inputs(length, key_heads=1, seed=17, gate=gates != "kda", delta=gates != "decay")
@@ -659,7 +449,7 @@ def test_varlen_matches_reference(gates, chunk, traced, group, reads):
     config = GDNConfig(chunk=chunk, block_v=16, transfer_group=group, packed_reads=reads == "packed")
     offsets = array(cu, np.int32) if traced else cu
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
-    ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
+    ref_o, ref_sum = gdn_ref.gdn_varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
     assert summary.form == ref_sum.form and summary.state.shape == (6, 2, 16, 16)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
@@ -674,13 +464,13 @@ def test_varlen_matches_reference(gates, chunk, traced, group, reads):
 
 
 def test_varlen_default_config_widens():
-    """With no config, packed segments take T from the widened pass (measured faster on the H200 than the transfer
-    pass, unlike one long sequence): `default_varlen_config`, checked end to end against the vmapped core."""
+    """With no config, packed segments take T from the widened pass (`default_varlen_config`), checked end to end
+    against the reference."""
     assert gdn.default_varlen_config().transfer_group == 0 and GDNConfig().transfer_group > 0
     length, cu = 70, [0, 9, 9, 70]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=23)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, interpret=True)
-    ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
+    ref_o, ref_sum = gdn_ref.gdn_varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
     # summary_rows: the rows read are the reference's, the empty segment's (I, 0) included when it is read
@@ -700,8 +490,8 @@ def test_varlen_default_config_widens():
        seed=st.integers(0, 2**16))
 def test_varlen_property(cuts, group, prefetch, reads, grid, seed):
     """Random splits of 120 tokens into 4 segments (empty ones, one-chunk ones, segments across several transfer
-    groups): outputs, S(C|0) and T of every segment against the vmapped core. The segment count and the
-    reference's row length stay fixed, so examples reuse the compiled functions."""
+    groups): outputs, S(C|0) and T of every segment against the reference. The segment count and the length
+    stay fixed, so examples reuse the compiled functions."""
     length = 120
     cu = [0] + sorted(cuts) + [length]
     q, k, v, g, beta = inputs(length, key_heads=1, seed=seed)
@@ -709,39 +499,53 @@ def test_varlen_property(cuts, group, prefetch, reads, grid, seed):
                        packed_reads=reads == "packed", segment_grid=grid)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     # the offsets as an array: traced in the reference, one compilation for every split (the kernel takes the list)
-    ref_o, ref_sum = core.varlen_reference(q, k, v, np.asarray(cu, np.int32), g=g, beta=beta, scale=0.5,
-                                           max_len=length)
+    ref_o, ref_sum = gdn_ref.gdn_varlen_reference(q, k, v, np.asarray(cu, np.int32), g=g, beta=beta, scale=0.5)
     assert rel(o, ref_o) < TOL32
     assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Single-token decode step.
+@pytest.mark.parametrize("continues", [None, (False, True, True, False, True)])
+def test_varlen_initial_states_and_continues_match_reference(continues):
+    """Packed segments from their own initial states, some carrying on from the segment before (an empty segment
+    among them): outputs and every segment's end state against `gdn_varlen_reference`, for the per-segment grid
+    and the one program."""
+    length, cu = 70, [0, 9, 9, 30, 51, 70]
+    q, k, v, g, beta = inputs(length, key_heads=1, seed=61)
+    init = array(np.random.default_rng(62).standard_normal((5, 2, 16, 16)) * 0.3, np.float32)
+    flags = None if continues is None else jnp.asarray(continues)
+    ref_o, ref_states = gdn_ref.gdn_varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5, emit_summary=False,
+                                                     initial_state=init, continues=flags)
+    for grid in (False, True):
+        config = GDNConfig(chunk=16, block_v=16, transfer_group=0, segment_grid=grid)
+        o, states = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, emit_summary=False,
+                                   initial_state=init, continues=flags, interpret=True)
+        assert rel(o, ref_o) < TOL32 and rel(states, ref_states) < TOL32
+        np.testing.assert_array_equal(np.asarray(states[1]), np.asarray(init[1]))  # the empty segment
 
 
-def test_decode_step_matches_recurrent():
-    rng = np.random.default_rng(19)
-    f = lambda *s: array(rng.standard_normal(s), np.float32)  # noqa: E731
-    q, k = la.l2_normalize(f(1, 16)), la.l2_normalize(f(1, 16))
-    v, state = f(3, 32), f(3, 16, 32)
-    g, gk, beta = -jnp.abs(f(3)), -jnp.abs(f(3, 16)), jax.nn.sigmoid(f(3))
-    config = dec.DecodeConfig(block_v=16)
-    for gates in (dict(g=g, beta=beta), dict(gk=gk, beta=beta), dict(g=g, gk=gk), dict()):
-        o, new = dec.decode_step(q, k, v, state, **gates, scale=0.3, config=config, interpret=True)
-        ref_o, ref_new = core.decode_reference(q, k, v, state, **gates, scale=0.3)
-        assert rel(o, ref_o) < TOL32 and rel(new, ref_new) < TOL32
-    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, -x]), (q, k, v, state, g, beta))
-    o, new = jax.vmap(lambda q, k, v, s, g, b: dec.decode_step(q, k, v, s, g=g, beta=b, config=config, donate=True,
-                                                               interpret=True))(*batch)
-    for i in range(2):
-        args = [x[i] for x in batch]
-        ref_o, ref_new = core.decode_reference(*args[:4], g=args[4], beta=args[5])
-        assert rel(o[i], ref_o) < TOL32 and rel(new[i], ref_new) < TOL32
-    ob, newb = dec.decode_step(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), state,
-                               g=g, beta=beta, config=config, interpret=True)
-    ref_o, ref_new = core.decode_reference(*(x.astype(jnp.bfloat16).astype(jnp.float32) for x in (q, k, v)), state,
-                                          g=g, beta=beta)
-    assert ob.dtype == jnp.bfloat16 and rel(ob, ref_o) < TOL16 and rel(newb, ref_new) < TOL16
+@pytest.mark.parametrize("family, chunk, solve", [("gdn", 64, "tile"), ("gdn", 32, "doubling"),
+                                                  ("deltanet", 16, "rows"), ("kda", 32, "doubling"),
+                                                  ("decay", 16, "tile")])
+def test_chunk_locals_kernel_matches_reference(family, chunk, solve):
+    """The Triton chunk-local kernel alone (`chunk_locals`, float32 dots) against `chunk_locals_reference`: P, W, U
+    (and with per-key gates the state pass's decayed keys and queries) from the definitions, the inverse by a
+    triangular solve."""
+    length = 2 * chunk
+    q, k, v, g, beta = inputs(length, key_heads=1, seed=71, gate=family in ("gdn", "decay"),
+                              delta=family != "decay")
+    if family == "kda":
+        b = per_key_gates(length, 2, 16, seed=72, strength=1.0).reshape(2, chunk, 2, 16).cumsum(1).reshape(
+            length, 2, 16)
+    else:
+        b = chunk_cumsum(g, length, 2, chunk)
+    beta_t = None if beta is None else beta.T
+    config = GDNConfig(chunk=chunk, solve=solve, locals_precision="ieee", solve_precision="ieee")
+    got = chunk_locals(q, k, v, b, beta_t, chunk=chunk, scale=0.5, inter_dtype=jnp.float32, config=config,
+                       interpret=True)
+    want = gdn_ref.chunk_locals_reference(q, k, v, b, beta_t, chunk=chunk, scale=0.5)
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want):
+        assert mine.shape == theirs.shape and rel(mine, theirs) < TOL32
 
 
 def test_kernels_lower_to_triton():
@@ -757,7 +561,7 @@ def test_kernels_lower_to_triton():
                                   (GDNConfig(), True, odd), (GDNConfig(pieces=2), True, odd),
                                   (GDNConfig(packed_reads=False), True, odd)):
         fn = jax.jit(lambda *a, c=config, e=emit: _forward(*a, scale=dim**-0.5, config=c, emit_summary=e,
-                                                            interpret=False))
+                                                           interpret=False))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*fn_args).mlir_module()
         assert "xla.gpu.triton" in text
     per_key = sd((length, 32, dim), jnp.float32)
@@ -778,13 +582,9 @@ def test_kernels_lower_to_triton():
                                                                  emit_summary=False, interpret=False), odd[:5]))
     cu = sd((6,), jnp.int32)  # 5 segments: the slot-indexed final states need no power-of-two count
     for config in (GDNConfig(), gdn.default_varlen_config(), GDNConfig(packed_reads=False)):
-        varlen = lambda q, k, v, cu, g, b, c=config: gdn._varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731
-                                                                 config=c, emit_summary=True, interpret=False)
+        varlen = lambda q, k, v, cu, g, b, c=config: _varlen(q, k, v, cu, g, None, b, scale=0.1,  # noqa: E731
+                                                             config=c, emit_summary=True, interpret=False)
         lowered.append((varlen, (args[0], args[1], args[2], cu, args[3], args[4])))
-    step = lambda q, k, v, s, gk, b: dec._decode(q, k, v, s, None, gk, b, scale=0.1,  # noqa: E731
-                                                 config=dec.DecodeConfig(), interpret=False, donate=True)
-    lowered.append((step, (sd((16, dim), jnp.bfloat16), sd((16, dim), jnp.bfloat16), sd((32, dim), jnp.bfloat16),
-                           sd((32, dim, dim), jnp.float32), sd((32, dim), jnp.float32), sd((32,), jnp.float32))))
     for fn, fn_args in lowered:
         text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=check)(*fn_args).mlir_module()
         assert "xla.gpu.triton" in text
@@ -794,27 +594,6 @@ def test_kernels_lower_to_triton():
     for fn in (fold, prefix):
         assert "xla.gpu.triton" in jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(pairs, pairs) \
             .mlir_module()
-    planes = sd((4, 2, dim, dim), jnp.bfloat16)
-    for with_t in (False, True):
-        split = jax.jit(lambda a, b, c, w=with_t: cmp.fold_split_pallas(a, b, c, with_transfer=w))
-        assert "xla.gpu.triton" in jax.export.export(split, platforms=["cuda"], disabled_checks=check)(
-            planes, planes, pairs).mlir_module()
-    for init in (None, sd((2, dim, dim), jnp.float32)):
-        split_prefix = jax.jit(lambda a, b, c, *i: cmp.prefix_fold_split_pallas(a, b, c, *i))
-        assert "xla.gpu.triton" in jax.export.export(split_prefix, platforms=["cuda"], disabled_checks=check)(
-            planes, planes, pairs, *([] if init is None else [init])).mlir_module()
-    seam = sd((4, 2, 8, dim), jnp.float32)
-    span_fold = jax.jit(lambda w, u, kt, d, t, s: cmp.span_fold_pallas(w, u, kt, d, t, s))
-    span_args = (seam, seam, seam, sd((4, 2, dim), jnp.float32), pairs, pairs)
-    assert "xla.gpu.triton" in jax.export.export(span_fold, platforms=["cuda"], disabled_checks=check)(*span_args) \
-        .mlir_module()
-    pool = sd((9, 2, dim, dim), jnp.float32)
-    for step, seam_algorithm in (("nested", None), ("split", None), ("nested", "bf16")):
-        config = cmp.FoldConfig(seam_step=step, seam_algorithm=seam_algorithm)
-        pooled = jax.jit(lambda w, u, kt, d, t, s, slots, c=config: cmp.span_fold_pallas(
-            w, u, kt, d, t, s, slots, config=c, incoming=c.seam_step == "nested"))
-        assert "xla.gpu.triton" in jax.export.export(pooled, platforms=["cuda"], disabled_checks=check)(
-            *span_args[:4], pool, pool, sd((4,), jnp.int32)).mlir_module()
     att_args = (sd((100, 16, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16), sd((700, 2, 256), jnp.bfloat16),
                 sd((100,), jnp.int32))
     for config in (pattn.AttentionConfig(), pattn.AttentionConfig(block_q=128, num_warps=8, pack_gqa=True)):
@@ -823,33 +602,14 @@ def test_kernels_lower_to_triton():
             .mlir_module()
 
 
-def test_mosaic_gpu_fold_lowers_for_cuda():
-    """The Mosaic GPU folds lower for CUDA on a CPU-only machine (Mosaic GPU compiles its layouts and transfers
-    while lowering, so this catches what the GPU interpreter does not run: register operands, transposed views,
-    layout casts, the multicast pair's clusters), with and without the transfer, one slot or two, every prefix."""
-    from hypic_jax.pallas import compose_mgpu
-
-    sd = jax.ShapeDtypeStruct
-    planes, states = sd((4, 2, 128, 128), jnp.bfloat16), sd((4, 2, 128, 128), jnp.float32)  # K = V: the clusters
-    for with_t, stages, multicast in ((False, 2, False), (True, 2, False), (True, 1, False), (True, 2, True)):
-        fold = jax.jit(lambda a, b, c, w=with_t, st=stages, mc=multicast: compose_mgpu.fold_split_mgpu(
-            a, b, c, with_transfer=w, config=compose_mgpu.MosaicFoldConfig(stages=st, multicast=mc)))
-        assert "mosaic_gpu" in jax.export.export(fold, platforms=["cuda"])(planes, planes, states).mlir_module()
-    for init in (None, sd((2, 128, 128), jnp.float32)):
-        prefix = jax.jit(lambda a, b, c, *i: compose_mgpu.prefix_fold_split_mgpu(a, b, c, *i))
-        assert "mosaic_gpu" in jax.export.export(prefix, platforms=["cuda"])(
-            planes, planes, states, *([] if init is None else [init])).mlir_module()
-
-
 @pytest.mark.parametrize("length, heads, key_heads, value_dim, block_v, seed",
                          [(128, 2, 1, 128, 64, 0), (192, 2, 2, 64, 32, 1)])
 def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, value_dim, block_v, seed):
-    """The state pass under Mosaic GPU (`gdn_mgpu`, Pallas's GPU interpreter) gives the Triton state pass's outputs
-    and final state on the same chunk-local operands (bf16 state dots in both: within their rounding), with more
-    chunks than slots, grouped key heads, an initial state and both column-block widths (the interpreter's time goes
-    with the blocks it runs: 64-wide blocks halve them)."""
-    from hypic_jax.pallas import gdn_mgpu
-
+    """The state pass under Mosaic GPU (`gdn.mosaic_state`, Pallas's GPU interpreter) and the Triton state pass give
+    the reference's outputs and final state (`state_pass_reference`, float32) on the same chunk-local operands within
+    their bf16 state dots' rounding, and each other's, with more chunks than slots, grouped key heads, an initial
+    state and both column-block widths (the interpreter's time goes with the blocks it runs: 64-wide blocks halve
+    them)."""
     rng = np.random.default_rng(seed)
     f = lambda *s: array(rng.standard_normal(s) * 0.3, np.float32)  # noqa: E731
     c, key_dim = 64, 128
@@ -859,38 +619,41 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     b = array(np.cumsum(gates, -1).reshape(heads, length))
     p = (f(heads, length, c) * 0.3).astype(jnp.bfloat16)
     init = f(heads, key_dim, value_dim)
-    o, final = gdn_mgpu.state_pass_mgpu(w, u, k, b, q, p, init, chunk=c, out_dtype=jnp.bfloat16, scale=0.09,
-                                        config=gdn_mgpu.MosaicStateConfig(block_v=block_v), interpret=True)
+    o, final = mosaic_state.state_pass_mgpu(w, u, k, b, q, p, init, chunk=c, out_dtype=jnp.bfloat16, scale=0.09,
+                                            config=mosaic_state.MosaicStateConfig(block_v=block_v), interpret=True)
     config = GDNConfig().resolved(jnp.bfloat16)
-    ref_o, ref_final = gdn._state_pass(w, u, k, b, q, p, init[None], chunk=c, pieces=1, value_dim=value_dim,
-                                       out_dtype=jnp.bfloat16, scale=0.09, config=config, interpret=True)
-    assert o.shape == ref_o.shape and o.dtype == jnp.bfloat16 and rel(o, ref_o) < 1e-3
-    assert rel(final, ref_final[0]) < 1e-3
+    tri_o, tri_final = state_pass(w, u, k, b, q, p, init[None], chunk=c, pieces=1, value_dim=value_dim,
+                                  out_dtype=jnp.bfloat16, scale=0.09, config=config, interpret=True)
+    assert o.shape == tri_o.shape and o.dtype == jnp.bfloat16 and rel(o, tri_o) < 1e-3
+    assert rel(final, tri_final[0]) < 1e-3
+    ref_o, ref_final = gdn_ref.state_pass_reference(w, u, k, b, q, p, init, chunk=c, scale=0.09)
+    for got_o, got_final in ((o, final), (tri_o, tri_final[0])):
+        assert rel(got_o, ref_o) < 1e-2 and rel(got_final, ref_final) < 1e-2
 
 
 @pytest.mark.parametrize("length, group_chunks, heads, key_heads, block_v, seed",
                          [(512, 4, 2, 1, 32, 0), (128, 2, 4, 2, 64, 1), (64, 1, 2, 1, 32, 2)])
 def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks, heads, key_heads, block_v, seed):
-    """The transfer pass's group products under Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`, Pallas's GPU
+    """The transfer pass's group products under Mosaic GPU (`mosaic_state.transfer_pass_mgpu`, Pallas's GPU
     interpreter) equal Triton's pass over the groups' identity columns within their bf16 rounding, and both are as
-    close to a float64 product of the A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n of each group; down to one
-    group of one chunk (a one-chunk segment, fewer chunks than shared-memory slots); both column-block widths."""
-    from hypic_jax.pallas import gdn_mgpu
-
+    close to the reference (`transfer_pass_reference`, float32) and to a float64 product of the
+    A_n = e^{b_last} I - K_n^T diag(e^{b_last - b}) W_n of each group; down to one group of one chunk (a one-chunk
+    segment, fewer chunks than shared-memory slots); both column-block widths."""
     rng = np.random.default_rng(seed)
     c, key_dim = 64, 128
     f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.bfloat16)  # noqa: E731
     w, k = f(length, heads, key_dim), f(length, key_heads, key_dim)
     b = array(np.cumsum(-rng.uniform(0, 0.1, (heads, length // c, c)), -1).reshape(heads, length), np.float32)
-    ts = gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True,
-                                     config=gdn_mgpu.MosaicStateConfig(block_v=block_v))
+    ts = mosaic_state.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=group_chunks, interpret=True,
+                                         config=mosaic_state.MosaicStateConfig(block_v=block_v))
     groups = length // c // group_chunks
     eye = jnp.broadcast_to(jnp.eye(key_dim, dtype=jnp.float32), (groups, heads, key_dim, key_dim))
-    _, ref = gdn._state_pass(w, None, k, b, None, None, eye, chunk=c, pieces=groups, value_dim=key_dim,
-                             out_dtype=jnp.float32, scale=1.0, config=GDNConfig().resolved(jnp.bfloat16),
-                             interpret=True)
+    _, ref = state_pass(w, None, k, b, None, None, eye, chunk=c, pieces=groups, value_dim=key_dim,
+                        out_dtype=jnp.float32, scale=1.0, config=GDNConfig().resolved(jnp.bfloat16), interpret=True)
     assert ts.shape == (groups, heads, key_dim, key_dim) and ts.dtype == jnp.float32
     assert rel(ts, ref) < 2e-3
+    exact = gdn_ref.transfer_pass_reference(w, k, b, chunk=c, group_chunks=group_chunks)
+    assert rel(ts, exact) < 2e-2 and rel(ts, exact) < 1.5 * rel(ref, exact) + 1e-4
     wd, kd, bd = (np.asarray(x, np.float64) for x in (w, k, b))
     for gi in range(groups):
         for h in range(heads):
@@ -902,7 +665,7 @@ def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks,
             err, ref_err = rel(ts[gi, h], prod), rel(ref[gi, h], prod)
             assert err < 2e-2 and err < 1.5 * ref_err + 1e-4
     with pytest.raises(ValueError, match="whole groups"):
-        gdn_mgpu.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=5, interpret=True)
+        mosaic_state.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=5, interpret=True)
 
 
 def test_gdn_forward_under_vmap_lowers_through_the_mosaic_gpu_kernels(monkeypatch):
@@ -910,7 +673,7 @@ def test_gdn_forward_under_vmap_lowers_through_the_mosaic_gpu_kernels(monkeypatc
     so every Mosaic GPU kernel of the forward must keep its own grid within two axes. The batched forward, with and
     without (T, S), lowers for CUDA on the CPU through the chunk-local kernel, the state pass and the transfer pass
     (the Hopper check is patched so that "auto" routes (T, S) there as it would on the GPU)."""
-    monkeypatch.setattr(gdn, "is_hopper", lambda: True)
+    monkeypatch.setattr(platform, "is_hopper", lambda: True)
     sd = jax.ShapeDtypeStruct
     batch, length, dim = 2, 512, 128
     args = (sd((batch, length, 2, dim), jnp.bfloat16), sd((batch, length, 2, dim), jnp.bfloat16),
@@ -930,19 +693,17 @@ def test_gdn_forward_under_vmap_lowers_through_the_mosaic_gpu_kernels(monkeypatc
 def test_mosaic_gpu_transfer_pass_lowers_with_clusters(cluster):
     """The transfer pass lowers for CUDA on the CPU with and without clusters (the multicast form runs only on the
     GPU), and `GDNConfig()` routes the forward's (T, S) through it only on a Hopper GPU."""
-    from hypic_jax.pallas import gdn_mgpu
-
     sd = jax.ShapeDtypeStruct
     args = (sd((512, 4, 128), jnp.bfloat16), sd((512, 2, 128), jnp.bfloat16), sd((4, 512), jnp.float32))
-    config = gdn_mgpu.MosaicStateConfig(cluster=cluster)
-    fn = jax.jit(lambda *a: gdn_mgpu.transfer_pass_mgpu(*a, chunk=64, group_chunks=4, config=config))
+    config = mosaic_state.MosaicStateConfig(cluster=cluster)
+    fn = jax.jit(lambda *a: mosaic_state.transfer_pass_mgpu(*a, chunk=64, group_chunks=4, config=config))
     assert "gdn_mgpu_transfer_pass" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     b = jnp.zeros((4, 512), jnp.float32)
-    assert not gdn._mosaic_transfer(GDNConfig().resolved(jnp.bfloat16), 64, 128, b, None, interpret=False)
+    assert not use_mosaic_transfer(GDNConfig().resolved(jnp.bfloat16), 64, 128, b, None, interpret=False)
     pinned = GDNConfig(state_lowering="mosaic").resolved(jnp.bfloat16)  # follows the state pass's pin, off Hopper too
-    assert gdn._mosaic_transfer(pinned, 64, 128, b, None, interpret=False)
-    assert not gdn._mosaic_transfer(pinned, 64, 128, b, None, interpret=True)
-    assert not gdn._mosaic_transfer(pinned, 64, 128, jnp.zeros((512, 4, 128)), None, interpret=False)  # per-key
+    assert use_mosaic_transfer(pinned, 64, 128, b, None, interpret=False)
+    assert not use_mosaic_transfer(pinned, 64, 128, b, None, interpret=True)
+    assert not use_mosaic_transfer(pinned, 64, 128, jnp.zeros((512, 4, 128)), None, interpret=False)  # per-key
 
 
 @pytest.mark.parametrize("cluster, value_dim", [(1, 128), (2, 128), (4, 128), (2, 32)])
@@ -950,22 +711,20 @@ def test_mosaic_gpu_state_pass_lowers_with_clusters(cluster, value_dim):
     """The state pass lowers for CUDA on the CPU with its column blocks in clusters of 1, 2 and 4 (multicast W, K,
     Q, P; the interpreter has no cluster barriers, so only the GPU runs these forms), and a head with a single
     column block falls back to no cluster."""
-    from hypic_jax.pallas import gdn_mgpu
-
     sd = jax.ShapeDtypeStruct
     length, heads, key_heads = 256, 4, 2
     args = (sd((length, heads, 128), jnp.bfloat16), sd((length, heads, value_dim), jnp.bfloat16),
             sd((length, key_heads, 128), jnp.bfloat16), sd((heads, length), jnp.float32),
             sd((length, key_heads, 128), jnp.bfloat16), sd((heads, length, 64), jnp.bfloat16),
             sd((heads, 128, value_dim), jnp.float32))
-    config = gdn_mgpu.MosaicStateConfig(cluster=cluster)
-    fn = jax.jit(lambda *a: gdn_mgpu.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=0.1,
-                                                      config=config))
+    config = mosaic_state.MosaicStateConfig(cluster=cluster)
+    fn = jax.jit(lambda *a: mosaic_state.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=0.1,
+                                                         config=config))
     assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     with pytest.raises(ValueError, match="cluster must be"):
-        gdn_mgpu.MosaicStateConfig(cluster=3)
+        mosaic_state.MosaicStateConfig(cluster=3)
     with pytest.raises(ValueError, match="semantics must be one of"):
-        gdn_mgpu.MosaicStateConfig(semantics="lanes")
+        mosaic_state.MosaicStateConfig(semantics="lanes")
 
 
 def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
@@ -999,29 +758,26 @@ def test_mosaic_gpu_state_pass_lowers_and_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("length, blocks, gate, warpgroups, seed",
                          [(512, 2, True, 2, 0), (128, 132, True, 1, 2), (320, 4, True, 2, 3), (320, 6, False, 2, 4)])
 def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, warpgroups, seed):
-    """The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu`, Pallas's GPU interpreter) gives the Triton
-    kernel's P (to float32 rounding) and W, U within bf16 rounding, and its W, U are as close to the float32-dot
-    kernel's as Triton's are: runs of 8 chunks through 2 slots (a head's chunks in one run), runs of one chunk (2
+    """The chunk-local kernel under Mosaic GPU (`gdn.mosaic_chunk_local`, Pallas's GPU interpreter) gives the Triton
+    kernel's P (to float32 rounding) and W, U within bf16 rounding, and its W, U are as close to the reference
+    (`chunk_locals_reference`, float32) as Triton's are: runs of 8 chunks through 2 slots (a head's chunks in one
+    run), runs of one chunk (2
     runs a head), 5 chunks a head as runs of 3 and 2 (odd turns for two compute warpgroups) and as 2, 2 and 1 (runs
     of 2; a last run shorter than the slots), one or two compute warpgroups, grouped key heads, with and without a
     gate. (The GPU interpreter's time goes with the chunks it runs, hence the few and short sequences.)"""
-    from hypic_jax.pallas import gdn_locals_mgpu as glm
-
     heads, dim, c = 2, 128, 64
     q, k, v, g, beta = inputs(length, key_heads=1, heads=heads, dim=dim, seed=seed, gate=gate, dtype=jnp.bfloat16)
-    b = gdn._chunk_cumsum(g, length, heads, c)
+    b = chunk_cumsum(g, length, heads, c)
     beta_t = beta.astype(jnp.float32).T
     scale = dim**-0.5
     config = GDNConfig().resolved(jnp.bfloat16)
-    ref = gdn.chunk_locals(q, k, v, b, beta_t, chunk=c, scale=scale, inter_dtype=jnp.bfloat16, config=config,
-                            interpret=True)
-    out = glm.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=c, scale=scale,
-                                config=glm.MosaicLocalsConfig(blocks=blocks, warpgroups=warpgroups),
-                                interpret=True)
-    exact = GDNConfig(locals_precision="ieee", solve_precision="ieee").resolved(jnp.float32)
-    f32 = gdn.chunk_locals(*(x.astype(jnp.float32) for x in (q, k, v)), b, beta_t, chunk=c, scale=scale,
-                            inter_dtype=jnp.float32, config=exact, interpret=True)
-    for name, mine, theirs, truth in zip("pwu", out, ref, f32):
+    ref = chunk_locals(q, k, v, b, beta_t, chunk=c, scale=scale, inter_dtype=jnp.bfloat16, config=config,
+                       interpret=True)
+    launch = mosaic_chunk_local.MosaicLocalsConfig(blocks=blocks, warpgroups=warpgroups)
+    out = mosaic_chunk_local.chunk_locals_mgpu(q, k, v, b, beta_t, chunk=c, scale=scale, config=launch,
+                                               interpret=True)
+    exact = gdn_ref.chunk_locals_reference(q, k, v, b, beta_t, chunk=c, scale=scale)
+    for name, mine, theirs, truth in zip("pwu", out, ref, exact):
         assert mine.shape == theirs.shape and mine.dtype == jnp.bfloat16, name
         assert rel(mine, theirs) < (1e-5 if name == "p" else 1e-2), name
         assert rel(mine, truth) <= 1.25 * rel(theirs, truth) + 1e-4, name
@@ -1031,15 +787,14 @@ def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
     """The Mosaic GPU chunk-local kernel lowers for CUDA on the CPU (2 and 4 slots, one compute warpgroup, the
     bisecting variants, and inside the forward with `locals_lowering="mosaic"`), and the forward refuses launches it
     does not take instead of running Triton."""
-    from hypic_jax.pallas import gdn_locals_mgpu as glm
-
     sd = jax.ShapeDtypeStruct
     length, dim = 1024, 128
     args = (sd((length, 2, dim), jnp.bfloat16), sd((length, 2, dim), jnp.bfloat16),
             sd((length, 4, dim), jnp.bfloat16), sd((4, length), jnp.float32), sd((4, length), jnp.float32))
-    for config in (glm.MosaicLocalsConfig(), glm.MosaicLocalsConfig(stages=2), glm.MosaicLocalsConfig(warpgroups=1),
-                   glm.MosaicLocalsConfig(stages=2, smem_operands=True, transposed_keys=True, set_registers=False)):
-        fn = jax.jit(lambda *a, c=config: glm.chunk_locals_mgpu(*a, chunk=64, scale=0.1, config=c))
+    launch = mosaic_chunk_local.MosaicLocalsConfig
+    for config in (launch(), launch(stages=2), launch(warpgroups=1),
+                   launch(stages=2, smem_operands=True, transposed_keys=True, set_registers=False)):
+        fn = jax.jit(lambda *a, c=config: mosaic_chunk_local.chunk_locals_mgpu(*a, chunk=64, scale=0.1, config=c))
         assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
     config = GDNConfig(locals_lowering="mosaic")
     fwd = jax.jit(lambda q, k, v, g, b: _forward(q, k, v, g, b, None, scale=dim**-0.5, config=config,
@@ -1056,11 +811,11 @@ def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="locals_lowering must be"):
         GDNConfig(locals_lowering="fast")
     with pytest.raises(ValueError, match="stages must be 2 or 4"):
-        glm.MosaicLocalsConfig(stages=3)
+        mosaic_chunk_local.MosaicLocalsConfig(stages=3)
     with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
-        glm.MosaicLocalsConfig(warpgroups=3)
+        mosaic_chunk_local.MosaicLocalsConfig(warpgroups=3)
     with pytest.raises(ValueError, match="semantics must be one of"):
-        glm.MosaicLocalsConfig(semantics="thread")
+        mosaic_chunk_local.MosaicLocalsConfig(semantics="thread")
     # "auto" (the default) takes Triton where the Mosaic GPU kernel cannot run: interpret mode, and an odd chunk count
     auto = GDNConfig()
     assert auto.locals_lowering == "auto"

@@ -1,4 +1,4 @@
-"""Segment parallelism (`hypic_jax.parallel`, `hypic_jax.segment_mesh`).
+"""Segment parallelism (`hypic_jax.parallel.policy`, `hypic_jax.parallel.segments`).
 
 The policies: every segment lands in exactly one bin; LPT's makespan stays within 5% of the lower bound
 max(costliest segment, total / devices) on skewed lengths, and beats round-robin on a case built against it; the
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from hypic_jax import parallel as par
+from hypic_jax.parallel import policy as par
 from families import fake_devices_env
 
 
@@ -108,7 +108,7 @@ def test_cost_model_defaults_then_calibration():
 def test_bad_devices():
     import jax
 
-    from hypic_jax.segment_mesh import resolve_devices
+    from hypic_jax.parallel.segments import resolve_devices
 
     assert resolve_devices(1) == jax.devices()[:1]
     for bad in (0, len(jax.devices()) + 1, [], [jax.devices()[0]] * 2):

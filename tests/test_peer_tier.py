@@ -1,4 +1,4 @@
-"""The peer tier (`Engine(devices=N, peer_cache_bytes=...)`, `hypic_jax.tiers.PeerStore`): entries demoted
+"""The peer tier (`Engine(devices=N, peer_cache_bytes=...)`, `hypic_jax.cache.tiers.PeerStore`): entries demoted
 from the engine's first device are kept in the memory of its other devices and promoted back by one copy between
 devices.
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hypic_jax
-from hypic_jax import attention
+from hypic_jax.core import attention
 from hypic_jax.models import base, layers, qwen3_5
 from hypic_jax.models.base import KernelOptions
 from families import examples, fake_devices_env
@@ -163,7 +163,7 @@ def test_param_specs_cover_params(checkpoints):
 
 
 def test_pallas_kernels_match_transformers(checkpoints):
-    """KernelOptions(linear="pallas", moe="pallas") route prefill through hypic_jax.pallas.gdn and the Pallas
+    """KernelOptions(linear="pallas", moe="pallas") route prefill through hypic_jax.kernels.gdn and the Pallas
     grouped matmul (both interpreted on the CPU; "auto" picks the MoE kernel on a GPU)."""
     _, reference, model = checkpoints["moe"]
     tokens = prompt(2, 24)

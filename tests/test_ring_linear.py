@@ -24,13 +24,13 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 import hypic_jax  # noqa: E402
-from hypic_jax import linear_attn  # noqa: E402
+from hypic_jax.core import linear_attn  # noqa: E402
 from hypic_jax import cli  # noqa: E402
-from converters import convert_folder  # noqa: E402
-from converters.base import CheckpointReader  # noqa: E402
+from hypic_jax.checkpoint.hf import convert_folder  # noqa: E402
+from hypic_jax.checkpoint.hf.base import CheckpointReader  # noqa: E402
 from families import fake_devices_env  # noqa: E402
-from converters import ring_linear as ring_converter  # noqa: E402
-from hypic_jax.models import ring_linear  # noqa: E402
+from hypic_jax.checkpoint.hf import ring_linear as ring_converter  # noqa: E402
+from hypic_jax.models import mixing, ring_linear  # noqa: E402
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
 pytestmark = pytest.mark.xdist_group("ring_linear")
@@ -267,7 +267,9 @@ def test_segment_summaries_compose_with_rope(model):
 
     @jax.jit
     def true_and_composed(attn, x):
-        _, true_state = ring_linear.linear_attention(attn, x, jnp.arange(20), None, 1, config)
+        mix = mixing.CausalMixing(None, jnp.arange(20), None)
+        ring_linear.linear_mixer(attn, x, 1, config, mix)
+        true_state = mix.emitted().state
         first = summarize(ring_linear.linear_inputs(attn, x[:, :10], jnp.arange(10), 1, config))
         second = summarize(ring_linear.linear_inputs(attn, x[:, 10:], jnp.arange(10), 1, config))
         moved = jax.vmap(lambda s: linear_attn.rotate_summary(s, 10, rotary_dim=rotary_dim, base=config.rope_theta))(

@@ -319,7 +319,7 @@ def test_a_stream_that_fails_before_its_first_token_is_answered_with_its_status(
     """A streamed request that ends in an error before its first token (its deadline passed in the queue, a prefill
     the cache cannot hold) gets that error's HTTP status in OpenAI's shape, as without `stream`, not a 200 stream
     holding the error."""
-    from hypic_jax.pools import PoolFull
+    from hypic_jax.cache.pools import PoolFull
 
     for path, body in (("/v1/completions", dict(prompt="the fox")),
                        ("/v1/chat/completions", dict(messages=[dict(role="user", content="the fox")]))):
@@ -496,7 +496,7 @@ async def _ask(client: httpx.AsyncClient, path: str, body: dict):
 def test_a_request_the_cache_cannot_hold_is_a_400(served, monkeypatch):
     """A PIC request whose entries do not fit the pools (simulated: every allocation refused) is answered 400 in
     OpenAI's shape with the engine's message, not 500, and the server serves the next request."""
-    from hypic_jax.pools import PoolFull
+    from hypic_jax.cache.pools import PoolFull
 
     def full(tokens, evict):
         raise PoolFull(f"no room in the cache for an entry of {tokens} tokens")

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hypic_jax import layout as lay
-from hypic_jax import linear_attn, stitch
-from hypic_jax.linear_attn import Summary
-from hypic_jax.pallas import gdn
+from hypic_jax.stitch import layout as lay
+from hypic_jax.core import linear_attn
+from hypic_jax import stitch
+from hypic_jax.core.linear_attn import Summary
+from hypic_jax.kernels import gdn
 
 TOL = 1e-4  # relative, float32 inputs and "ieee" kernel dots
 HK, H, K, V = 2, 4, 16, 16
@@ -288,7 +289,7 @@ def test_piece_fold_kernel_matches_the_loop(form):
     data-bound loop (`stitch._blocked_fold`, blocks of 1 to all pieces) equal the XLA loop of `stitch._fold_pieces`
     and the plain reference: random piece kinds, slots, resets, piece counts below the capacity, dropped
     transfers, with and without fresh summaries; pieces past the count get zero states."""
-    from hypic_jax.pallas import piece_fold
+    from hypic_jax.kernels import piece_fold
 
     rng = np.random.default_rng(["dense", "diagonal", "scalar", "identity"].index(form))
     pieces, rows, heads, key_dim, value_dim = 7, 5, 2, 16, 32
@@ -340,7 +341,7 @@ def test_chunk_fold_kernel_matches_the_loop(form):
     loop and, independently, the token-by-token recurrence's outputs where a piece's state is known: random piece
     kinds, fresh pieces of one to three chunks, resets, dropped transfers, counts below the capacity, with and
     without a delta rule (w); the chunks past the last piece's get zero outputs."""
-    from hypic_jax.pallas import piece_fold
+    from hypic_jax.kernels import piece_fold
 
     rng = np.random.default_rng(10 + ["dense", "diagonal", "scalar", "identity"].index(form))
     pieces, rows, heads, key_dim, value_dim, c = 6, 4, 2, 16, 32, 8

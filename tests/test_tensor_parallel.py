@@ -171,7 +171,7 @@ assert _rel(again.prefill(segments).logits, want) < 1e-5
 
 # random weights made split (`random_model(mesh=...)`, the server's --load-format dummy): those of the unsplit model
 from hypic_jax.checkpoint import random_model
-from hypic_jax.engine.placement import tensor_parallel_mesh
+from hypic_jax.parallel.tensor import tensor_parallel_mesh
 whole = jax.tree.leaves(random_model(sys.argv[1], "float32").params)
 split = jax.tree.leaves(random_model(sys.argv[1], "float32", mesh=tensor_parallel_mesh(2)).params)
 assert len(whole) == len(split) and all(len(b.sharding.device_set) == 2 for b in split)

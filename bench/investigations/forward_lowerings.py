@@ -19,7 +19,7 @@ sys.path.insert(0, BENCH)
 def main():
     import jax
 
-    from hypic_jax.pallas import gdn
+    from hypic_jax.kernels import gdn
     from kernels import DIM, gdn_inputs, timeit
 
     q, k, v, g, beta = gdn_inputs(int(os.environ.get("LENGTH", 32768)))

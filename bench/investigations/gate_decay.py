@@ -22,7 +22,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     import hypic_jax
-    from hypic_jax.embedded import EMBEDDED_MODEL
+    from hypic_jax.checkpoint.embedded import EMBEDDED_MODEL
     from hypic_jax.train import tokenizer as tok
     from hypic_jax.train import trainer
 

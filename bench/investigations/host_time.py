@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax.numpy as jnp  # noqa: E402
 
-from hypic_jax import cache as cache_keys  # noqa: E402
-from hypic_jax import layout as lay  # noqa: E402
+from hypic_jax.cache import index as cache_keys  # noqa: E402
+from hypic_jax.stitch import layout as lay  # noqa: E402
 from hypic_jax.engine import Engine  # noqa: E402
 from hypic_jax.engine.programs import ProgramKey  # noqa: E402
 from prefill import random_model, small_config  # noqa: E402

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from hypic_jax import layout as lay
+from hypic_jax.stitch import layout as lay
 
 rng = np.random.default_rng(0)
 spans, seam = [], 8

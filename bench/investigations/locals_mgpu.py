@@ -1,4 +1,4 @@
-"""The chunk-local kernel under Mosaic GPU (`gdn_locals_mgpu.chunk_locals_mgpu`) against Triton's on the H200
+"""The chunk-local kernel under Mosaic GPU (`gdn.mosaic_chunk_local.chunk_locals_mgpu`) against Triton's on the H200
 (Qwen3.5 shapes, 32k unless LENGTH says otherwise): per variant of `MosaicLocalsConfig`, its compile time, the
 relative difference of P, W and U from Triton's, and its time beside Triton's; then `gdn_forward` with each
 lowering. Each variant runs in its own process under a timeout (TIMEOUT_S, default 60) and prints each stage as it
@@ -39,27 +39,27 @@ QUICK = ("default", "4 slots", "1 compute warpgroup", "compiler's registers")  #
 def _inputs():
     import jax.numpy as jnp
 
-    from hypic_jax.pallas import gdn
+    from hypic_jax.kernels.gdn.common import chunk_cumsum
     from kernels import HEADS, gdn_inputs
 
     length = int(os.environ.get("LENGTH", 32768))
     q, k, v, g, beta = gdn_inputs(length)
-    return (q, k, v, gdn._chunk_cumsum(g, length, HEADS, 64), beta.T), (q, k, v, g, beta), jnp
+    return (q, k, v, chunk_cumsum(g, length, HEADS, 64), beta.T), (q, k, v, g, beta), jnp
 
 
 def run_variant(name):
     import jax
     import numpy as np
 
-    from hypic_jax.pallas import gdn
-    from hypic_jax.pallas import gdn_locals_mgpu as glm
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn import mosaic_chunk_local as glm
     from kernels import DIM, timeit
 
     args, _, jnp = _inputs()
     scale = DIM**-0.5
     cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
     triton = jax.jit(lambda q, k, v, b, bt: gdn.chunk_locals(q, k, v, b, bt, chunk=64, scale=scale,
-                                                              inter_dtype=jnp.bfloat16, config=cfg, interpret=False))
+                                                             inter_dtype=jnp.bfloat16, config=cfg, interpret=False))
     ref = [np.asarray(x, np.float32) for x in triton(*args)]
     config = glm.MosaicLocalsConfig(**VARIANTS[name])
     fn = jax.jit(lambda *a: glm.chunk_locals_mgpu(*a, chunk=64, scale=scale, config=config))
@@ -76,7 +76,7 @@ def run_variant(name):
 def run_forward():
     import jax
 
-    from hypic_jax.pallas import gdn
+    from hypic_jax.kernels import gdn
     from kernels import DIM, timeit
 
     _, (q, k, v, g, beta), _ = _inputs()

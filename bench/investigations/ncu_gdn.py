@@ -6,8 +6,8 @@
 
 Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
 autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
-`--impl compose` profiles the split-operand composition fold at the composition bar's shape instead. Run it with
-XLA's memory pool and command buffers off, so that ncu can replay each kernel:
+(Its `--impl compose`, which profiled the split-operand composition fold, left with that fold.) Run it with XLA's
+memory pool and command buffers off, so that ncu can replay each kernel:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" ncu --profile-from-start off \
       --clock-control none --kernel-name regex:gdn --section SpeedOfLight --section WarpStateStats \
@@ -51,7 +51,7 @@ def run_pallas(length, emit):
     import jax
 
     from kernels import DIM, gdn_inputs
-    from hypic_jax.pallas import gdn
+    from hypic_jax.kernels import gdn
 
     q, k, v, g, beta = gdn_inputs(length)
     config = gdn.GDNConfig()
@@ -85,45 +85,14 @@ def run_fla(length):
     print("profiled one fla chunk_gated_delta_rule forward", flush=True)
 
 
-def run_compose(kind, segments=64, batch=30 * 32, dim=128):
-    """One warm split-operand fold at the composition bar's shape: the composed state ("final") or the pair
-    ("pairs"), under Triton (`fold_split_pallas`) or, with an "mgpu " prefix, Mosaic GPU (`fold_split_mgpu`).
-    T_i = 0.95 I + noise keeps 64-step products in float32's normal range."""
-    import jax
-    import jax.numpy as jnp
-
-    from hypic_jax.pallas import compose as cmp
-    from hypic_jax.pallas import compose_mgpu
-
-    key_t, key_s = jax.random.split(jax.random.PRNGKey(0))
-    noise = jax.random.normal(key_t, (segments, batch, dim, dim), jnp.float32) * (0.02 / dim**0.5)
-    t = 0.95 * jnp.eye(dim, dtype=jnp.float32) + noise
-    s = jax.random.normal(key_s, (segments, batch, dim, dim), jnp.float32)
-    args = jax.block_until_ready(jax.jit(cmp.split_operands)(t, s))
-    del t, s, noise
-    fold = compose_mgpu.fold_split_mgpu if kind.startswith("mgpu") else cmp.fold_split_pallas
-    fn = jax.jit(lambda a, b, c: fold(a, b, c, with_transfer=kind.endswith("pairs")))
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    rt = _cudart()
-    rt.cudaProfilerStart()
-    jax.block_until_ready(fn(*args))
-    rt.cudaProfilerStop()
-    print("profiled one split fold:", kind, flush=True)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", choices=("pallas", "fla", "compose"), default="pallas")
-    ap.add_argument("--compose-kind", choices=("final", "pairs", "mgpu final", "mgpu pairs"), default="pairs",
-                    help="--impl compose: the composed state or the pair, under Triton or Mosaic GPU")
+    ap.add_argument("--impl", choices=("pallas", "fla"), default="pallas")
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--emit", action="store_true", help="also emit (T, S) (the transfer pass)")
     args = ap.parse_args()
     if args.impl == "fla":
         run_fla(args.length)
-    elif args.impl == "compose":
-        run_compose(args.compose_kind)
     else:
         run_pallas(args.length, args.emit)
 

@@ -27,8 +27,10 @@ sys.path.insert(0, ROOT)  # the repository root: hypic_jax
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from hypic_jax import linear_attn as la  # noqa: E402
-from hypic_jax.pallas import gdn  # noqa: E402
+from hypic_jax.core import linear_attn as la  # noqa: E402
+from hypic_jax.kernels import gdn  # noqa: E402
+from hypic_jax.kernels.gdn.common import chunk_cumsum  # noqa: E402
+from hypic_jax.kernels.gdn.state import state_pass  # noqa: E402
 
 HEADS, KEY_HEADS, DIM = 32, 16, 128
 
@@ -64,7 +66,7 @@ def overlapped(q, k, v, g, beta, *, parts, stream, scale, config, interpret):
     chunk = config.chunk
     piece = length // parts
     assert piece % chunk == 0, "length must split into whole-chunk parts"
-    b = gdn._chunk_cumsum(g, length, HEADS, chunk)
+    b = chunk_cumsum(g, length, HEADS, chunk)
     beta_t = beta.astype(jnp.float32).T
     state = jnp.zeros((1, HEADS, DIM, DIM), jnp.float32)
     outs = []
@@ -73,12 +75,12 @@ def overlapped(q, k, v, g, beta, *, parts, stream, scale, config, interpret):
 
         def local(q, k, v, b, bt):
             return tuple(gdn.chunk_locals(q, k, v, b, bt, chunk=chunk, scale=scale, inter_dtype=k.dtype,
-                                           config=config, interpret=interpret))
+                                          config=config, interpret=interpret))
 
         p, w, u = _side_stream(local, 3, stream)(q[rows], k[rows], v[rows], b[:, rows], beta_t[:, rows])
-        o, state = gdn._state_pass(w, u, k[rows], b[:, rows], q[rows], p, state, chunk=chunk, pieces=1,
-                                   value_dim=DIM, out_dtype=v.dtype, scale=scale, config=config,
-                                   interpret=interpret)
+        o, state = state_pass(w, u, k[rows], b[:, rows], q[rows], p, state, chunk=chunk, pieces=1,
+                              value_dim=DIM, out_dtype=v.dtype, scale=scale, config=config,
+                              interpret=interpret)
         outs.append(o)
     return jnp.concatenate(outs), state[0]
 
@@ -107,7 +109,7 @@ def main():
     # the Triton state pass throughout: the pieces below run it, so the direct row does too
     base_cfg = gdn.GDNConfig(locals_precision="bf16", state_precision="bf16", state_lowering="triton")
     ref = jax.jit(lambda q, k, v, g, b: gdn.gdn_forward(q, k, v, g=g, beta=b, scale=scale, config=base_cfg,
-                                                         interpret=interpret))
+                                                        interpret=interpret))
     ro, rs = ref(q, k, v, g, beta)
     rows = [("direct (gdn_forward)", ref)]
     for parts in [int(x) for x in args.parts.split(",")]:

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypic_jax import layout as lay
+from hypic_jax.stitch import layout as lay
 from hypic_jax import stitch
-from hypic_jax.linear_attn import Summary
-from hypic_jax.pallas import piece_fold
+from hypic_jax.core.linear_attn import Summary
+from hypic_jax.kernels import piece_fold
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--pieces", type=int, nargs="+", default=[66, 258])

@@ -5,8 +5,8 @@ width and slot count, on the chunk-local kernel's own operands: what bounds the 
     python3 bench/investigations/state_pass.py            # on the H200; prints one line per launch
     python3 bench/investigations/state_pass.py --quick    # the default launch under both semantics, one Triton
 
-Mosaic GPU (`gdn_mgpu.state_pass_mgpu`) at 32 and 64 value columns a block, 1 to 3 slots, with and without
-clusters of column blocks sharing multicast operands, then Triton (`gdn._state_pass`) at 32 columns with 2 and 3
+Mosaic GPU (`gdn.mosaic_state.state_pass_mgpu`) at 32 and 64 value columns a block, 1 to 3 slots, with and without
+clusters of column blocks sharing multicast operands, then Triton (`gdn.state.state_pass`) at 32 columns with 2 and 3
 stages; outputs are compared with the first launch.
 """
 
@@ -25,7 +25,9 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax.pallas import gdn, gdn_mgpu
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn import mosaic_state
+    from hypic_jax.kernels.gdn.state import state_pass
     from kernels import DIM, HEADS, locals_operands, timeit
 
     _, (b, p, w, u, ks, qs) = locals_operands(int(os.environ.get("LENGTH", 32768)))
@@ -52,16 +54,16 @@ def main():
         launches += [(bv, stages, cluster, "warpgroup") for cluster in (2, 1) for bv, stages in ((32, 3), (64, 2))]
         launches += [(32, 1, 1, "warpgroup"), (32, 2, 4, "warpgroup")]
     for bv, stages, cluster, semantics in launches:
-        config = gdn_mgpu.MosaicStateConfig(block_v=bv, stages=stages, cluster=cluster, semantics=semantics)
+        config = mosaic_state.MosaicStateConfig(block_v=bv, stages=stages, cluster=cluster, semantics=semantics)
         report(f"mosaic gpu, {bv} columns, {stages} slots, clusters of {cluster}, {semantics} semantics", jax.jit(
-            lambda *a, c=config: gdn_mgpu.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=scale,
-                                                          config=c)), w, u, ks, b, qs, p, init)
+            lambda *a, c=config: mosaic_state.state_pass_mgpu(*a, chunk=64, out_dtype=jnp.bfloat16, scale=scale,
+                                                              config=c)), w, u, ks, b, qs, p, init)
     for bv, stages, warps in ((32, 3, 4), (32, 2, 4))[:1 if quick else 2]:
         config = gdn.GDNConfig(block_v=bv, state_stages=stages, state_warps=warps).resolved(jnp.bfloat16)
         report(f"triton, {bv} columns, {stages} stages, {warps} warps", jax.jit(
-            lambda *a, c=config: gdn._state_pass(*a, chunk=64, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,
-                                                 scale=scale, config=c, interpret=False)),
-            w, u, ks, b, qs, p, init[None])
+            lambda *a, c=config: state_pass(*a, chunk=64, pieces=1, value_dim=DIM, out_dtype=jnp.bfloat16,
+                                            scale=scale, config=c, interpret=False)),
+               w, u, ks, b, qs, p, init[None])
 
 
 if __name__ == "__main__":

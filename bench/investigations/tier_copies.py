@@ -72,7 +72,7 @@ def demotion(layers: int) -> None:
 def checksums(mb: int) -> None:
     import hashlib
 
-    from hypic_jax.tiers import payload_digests
+    from hypic_jax.cache.tiers import payload_digests
 
     data = os.urandom(mb << 20)
     pieces = [memoryview(data)[i: i + (2 << 20)] for i in range(0, len(data), 2 << 20)]

@@ -1,8 +1,8 @@
 """The transfer pass (the group products behind a Gated DeltaNet forward's (T_C, S)) and the cost of emitting (T_C,
 S), at 32k on the H200 (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), in one process:
 
-1. the group products alone on the chunk-local kernel's own operands: Mosaic GPU (`gdn_mgpu.transfer_pass_mgpu`)
-   at 32, 64 and 128 chunks a group, with and without clusters, against Triton's (`gdn._state_pass` over the
+1. the group products alone on the chunk-local kernel's own operands: Mosaic GPU (`gdn.mosaic_state.transfer_pass_mgpu`)
+   at 32, 64 and 128 chunks a group, with and without clusters, against Triton's (`gdn.state.state_pass` over the
    groups' identity columns, 64 chunks a group); products compared with Triton's;
 2. `gdn_forward` with `GDNConfig()` without and with `emit_summary`, the added time as a ratio (target: +30%),
    and the same with the transfer pass pinned to Triton (`state_lowering="triton"` there, so the state pass too);
@@ -34,8 +34,9 @@ def short_sequences():
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax import linear_attn as la
-    from hypic_jax.pallas import gdn
+    from hypic_jax.core import linear_attn as la
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn.state import use_mosaic_transfer
     from kernels import DIM, HEADS, KEY_HEADS, gdn_inputs, rel, timeit
 
     scale = DIM**-0.5
@@ -48,7 +49,7 @@ def short_sequences():
         for name, config in configs:
             c = config.resolved(jnp.bfloat16)
             b = jnp.zeros((HEADS, length), jnp.float32) if length % c.chunk == 0 else None
-            mosaic = b is not None and gdn._mosaic_transfer(c, c.chunk, DIM, b, None, False)
+            mosaic = b is not None and use_mosaic_transfer(c, c.chunk, DIM, b, None, False)
             lowering = "mosaic gpu" if mosaic else "triton"
             fn = jax.jit(lambda q, k, v, g, bb, c=config: gdn.gdn_forward(q, k, v, g=g, beta=bb, scale=scale, config=c,
                                                                           emit_summary=True))
@@ -66,7 +67,9 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from hypic_jax.pallas import gdn, gdn_mgpu
+    from hypic_jax.kernels import gdn
+    from hypic_jax.kernels.gdn import mosaic_state
+    from hypic_jax.kernels.gdn.state import state_pass
     from kernels import DIM, HEADS, locals_operands, rel, timeit
 
     if "--short" in sys.argv[1:]:
@@ -78,15 +81,15 @@ def main():
     cfg = gdn.GDNConfig().resolved(jnp.bfloat16)
     groups = length // 64 // 64
     eye = jnp.broadcast_to(jnp.eye(DIM, dtype=jnp.float32), (groups, HEADS, DIM, DIM))
-    triton = jax.jit(lambda w, k, b: gdn._state_pass(w, None, k, b, None, None, eye, chunk=64, pieces=groups,
-                                                     value_dim=DIM, out_dtype=jnp.float32, scale=1.0, config=cfg,
-                                                     interpret=False)[1])
+    triton = jax.jit(lambda w, k, b: state_pass(w, None, k, b, None, None, eye, chunk=64, pieces=groups,
+                                                value_dim=DIM, out_dtype=jnp.float32, scale=1.0, config=cfg,
+                                                interpret=False)[1])
     ref = triton(w, ks, b)
     print(f"group products, triton, 64 chunks a group: {timeit(triton, w, ks, b)[0]:.4f} ms", flush=True)
     for group_chunks in (64, 32, 128):
         for cluster in (2, 1):
-            config = gdn_mgpu.MosaicStateConfig(cluster=cluster)
-            fn = jax.jit(lambda w, k, b, n=group_chunks, c=config: gdn_mgpu.transfer_pass_mgpu(
+            config = mosaic_state.MosaicStateConfig(cluster=cluster)
+            fn = jax.jit(lambda w, k, b, n=group_chunks, c=config: mosaic_state.transfer_pass_mgpu(
                 w, k, b, chunk=64, group_chunks=n, config=c))
             line = f"group products, mosaic gpu, {group_chunks} chunks a group, clusters of {cluster}: "
             try:

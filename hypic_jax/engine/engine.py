@@ -3,7 +3,7 @@ of compiled programs.
 
 A request is a list of segments; the last one is the query (always computed, never cached). Its layout (which
 spans are fresh and which come from the cache, their lengths and positions) travels as data, fixed-capacity int32
-arrays (`hypic_jax.layout`), and every cache entry lives in fixed device pools (`hypic_jax.pools`), so after
+arrays (`hypic_jax.stitch.layout`), and every cache entry lives in fixed device pools (`hypic_jax.cache.pools`), so after
 `warmup` a workload of new document lengths and orders compiles nothing (`programs.Programs` owns the programs and
 counts any compilation while serving). Modes:
 
@@ -23,7 +23,7 @@ position 0 is recomputed from an empty prefix, which reproduces its isolated pre
 
 Generation runs through the continuous-batching scheduler (`engine.scheduler`), the same loop and the same device
 sampler as the server, on the engine's batched decode cache of `max_batch` rows. Entries evicted from the device
-pools go down the tiers (`hypic_jax.tiers`: host memory, disk, other devices) and come back on a hit; `close`
+pools go down the tiers (`hypic_jax.cache.tiers`: host memory, disk, other devices) and come back on a hit; `close`
 writes what the device and host tiers hold to the disk tier.
 """
 
@@ -45,20 +45,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypic_jax import layout as lay
-from hypic_jax import tiers as tr
-from hypic_jax.cache import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
+from hypic_jax.stitch import layout as lay
+from hypic_jax.cache import tiers as tr
+from hypic_jax.cache.index import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
 from hypic_jax.engine import options as opts
 from hypic_jax.engine.options import EngineOptions
-from hypic_jax.engine.placement import model_placement, place_tensor_parallel
+from hypic_jax.parallel.tensor import model_placement, place_tensor_parallel
 from hypic_jax.engine.programs import (HIDDEN_KINDS, DeviceMemoryError, ProgramKey, Programs, backend_compiles,
-                                       out_of_memory, span_program)
+                                       out_of_memory, span_options, span_program)
 from hypic_jax.engine.requests import (SegmentReader, check_mode, is_integer, sampling_params, seam_tokens)
 from hypic_jax.engine.results import GenerateResult, PrefillResult, PrefillStats
 from hypic_jax.engine.sampling import TOP_LOGPROBS, Sampled, SamplingRows
 from hypic_jax.models.base import ModelCache
-from hypic_jax.models.layer_stack import LayerPlan, LayerStack, stacked_like
-from hypic_jax.pools import PoolFull, Pools
+from hypic_jax.models.stack import LayerPlan, LayerStack, stacked_like
+from hypic_jax.cache.pools import PoolFull, Pools
 
 log = logging.getLogger("hypic_jax.engine")
 
@@ -252,7 +252,7 @@ class Engine:
         # compiled programs kept whole next to JAX's cache: a restarted process loads them without lowering
         self.executables = None
         if self.compile_cache is not None:
-            from hypic_jax.executables import ExecutableStore
+            from hypic_jax.engine.store import ExecutableStore
 
             self.executables = ExecutableStore(self.compile_cache / "hypic-programs")
         self.programs = Programs(self, guard=options.compile.compile_guard, workers=options.compile.compile_workers)
@@ -262,12 +262,13 @@ class Engine:
         # tier "device": a copy from another device's pools (`mesh_pools`), whose pieces are None
         self._promoting: dict[str, tuple] = {}
         self._fetching: list = []  # this request's copies from other devices' pools, not yet issued (`mesh_pools`)
-        self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.segment_mesh`); None: one device
+        self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.parallel.segments`); None: one device
         if parallel.devices is not None and not (isinstance(parallel.devices, int) and parallel.devices == 1):
             # a count of 1 is the one device; a list of devices, even of one, is a mesh over them
-            from hypic_jax.segment_mesh import SegmentMesh
+            from hypic_jax.parallel.segments import SegmentMesh
 
-            self.segment_mesh = SegmentMesh(self, parallel.devices, parallel.policy)
+            self.segment_mesh = SegmentMesh(self, parallel.devices, parallel.policy,
+                                            compiler_options=span_options("cold"))
         self._scheduler = None
         self.closed = False
         _OPEN_ENGINES.add(self)
@@ -277,7 +278,7 @@ class Engine:
                         load_format: str = "auto", **fields) -> "Engine":
         """Load a model folder (a Hugging Face folder, or an orbax checkpoint of `hypic-jax convert`) and serve it;
         its tokenizer.json is picked up when present and `tokenizer` is None. Without a path: the model embedded in
-        the package (`hypic_jax.embedded`); FileNotFoundError naming its folder when none is installed.
+        the package (`hypic_jax.checkpoint.embedded`); FileNotFoundError naming its folder when none is installed.
         load_format "dummy": random weights of the folder's architecture (for measuring shapes whose weights are
         not at hand). With tensor parallelism the weights load straight into their split."""
         from hypic_jax.checkpoint import load, random_model
@@ -285,7 +286,7 @@ class Engine:
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         if path is None:
-            from hypic_jax.embedded import require_embedded_model
+            from hypic_jax.checkpoint.embedded import require_embedded_model
 
             path = require_embedded_model()
         path = Path(path)
@@ -293,7 +294,7 @@ class Engine:
         mesh = None
         tp = options.parallel.tensor_parallel
         if tp is not None and (tp if isinstance(tp, int) else len(tp)) > 1:
-            from hypic_jax.engine.placement import tensor_parallel_mesh
+            from hypic_jax.parallel.tensor import tensor_parallel_mesh
 
             mesh = tensor_parallel_mesh(tp)
         model = random_model(path, dtype, mesh=mesh) if load_format == "dummy" else load(path, dtype, mesh=mesh)
@@ -914,7 +915,7 @@ class Engine:
                               transfer_tol=tiers.tier_transfer_tol, host_memory=tiers.host_memory)
         peers = ()
         if tiers.peer_cache_bytes:  # the peer tier: the engine's other devices (this process's), a budget on each
-            from hypic_jax.segment_mesh import resolve_devices
+            from hypic_jax.parallel.segments import resolve_devices
 
             home = self.mover.device
             peers = tuple(d for d in resolve_devices(devices) if d != home and d.process_index == jax.process_index())
@@ -1025,7 +1026,7 @@ class Engine:
     def _fetch_home(self, source: Entry, pins) -> Entry:
         """A home entry for `source`, an entry in another device's pools: its copy is issued with the request's
         other copies (`_issue_fetches`) and written like a promotion; `source` stays where it is."""
-        from hypic_jax.mesh_pools import Fetch
+        from hypic_jax.parallel.mesh_pools import Fetch
 
         doc = np.asarray(source.tokens, np.int32)
         target = self._new_entry(source.kind, source.key, doc, source.seam, pins)

@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
-from hypic_jax import layout as lay
+from hypic_jax.stitch import layout as lay
 from hypic_jax import stitch
 from hypic_jax.engine.sampling import SamplingRows, sample_rows
 from hypic_jax.models.base import ModelCache
-from hypic_jax.models.layer_stack import LayerStack
+from hypic_jax.models.stack import LayerStack
 
 log = logging.getLogger("hypic_jax.engine")
 
@@ -283,7 +283,7 @@ class Programs:
 
     def _digest(self, key: ProgramKey) -> str:
         """What the program of `key` is made of, without tracing it (`executables.ExecutableStore.digest`)."""
-        from hypic_jax import executables
+        from hypic_jax.engine import store as executables
 
         engine = self.engine
         if self._signature is None:

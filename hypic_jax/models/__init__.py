@@ -7,28 +7,36 @@ An **architecture module** `hypic_jax/models/<name>.py` must provide
   * `config_from_hf(hf_config: dict) -> Config` from the Hugging Face config.json dict (already unwrapped: for a
     multimodal wrapper the converter passes the text config);
   * `init_params(config, key, dtype) -> params`: random parameters, a plain PyTree of arrays (used by tests, the
-    benchmark, and, through `jax.eval_shape`, as the target structure for orbax restore and converter checks);
+    benchmarks, and, through `jax.eval_shape`, as the target structure for orbax restore and converter checks);
   * `param_specs(config) -> PyTree of jax.sharding.PartitionSpec` with the params' structure, for a mesh with
     axes "data" and "model";
   * `init_cache(config, batch, max_len, dtype) -> base.ModelCache` (one entry per layer: `base.KVCache`,
     `base.LinearCache` or any PyTree of the layer's own);
-  * `forward(params, config, tokens, cache=None) -> (logits float32 [B, L, vocab], new_cache or None)`:
+  * `forward(params, config, tokens, cache=None, *, kernels) -> (logits float32 [B, L, vocab], new_cache or None)`:
     a pure function of int32 tokens [B, L]. Without a cache it is a plain causal forward from position 0; with one,
-    the tokens continue at position `cache.length` and the returned cache has absorbed them;
+    the tokens continue at position `cache.length` and the returned cache has absorbed them. `kernels`
+    (`base.KernelOptions`) says how the linear-attention cores and the experts run; it never changes the result
+    beyond rounding;
+  * for the position-independent engine (`hypic_jax.engine`): `pool_layout(config, dtype)`, per layer the piece a
+    cache entry keeps (per slot or per token), and `span_forward_arrays(params, config, layout, pools, ...)`, one
+    forward over the fresh tokens of a layout held as data (`hypic_jax.stitch.layout`) that reads cached pieces
+    from the pools and returns the rows to write back;
   * optionally `cache_specs(config)`: PartitionSpecs with `init_cache`'s structure;
-  * optionally `prefill(params, config, tokens, max_len) -> (float32 logits of the last position [B, vocab], cache)`
-    for a fresh prompt (fast causal attention, LM head on one position); `Model.generate` uses it when present.
+  * optionally `prefill(params, config, tokens, max_len, *, kernels) -> (float32 logits of the last position
+    [B, vocab], cache)` for a fresh prompt (fast causal attention, LM head on one position); `Model.generate` uses
+    it when present.
 
-A **converter module** `converters/<name>.py`, named like the architecture module, must provide
-  * `convert(reader: converters.base.CheckpointReader, hf_config: dict, dtype) -> (config, params)`, usually by
-    listing `converters.base.Rule`s (HF tensor names -> parameter path + transform) and calling
-    `converters.base.apply_rules`, which validates missing / unexpected / mis-shaped tensors and streams the data.
+A **converter module** `hypic_jax/checkpoint/hf/<name>.py`, named like the architecture module, must provide
+  * `convert(reader: hypic_jax.checkpoint.hf.base.CheckpointReader, hf_config: dict, dtype) -> (config, params)`,
+    usually by listing `hypic_jax.checkpoint.hf.base.Rule`s (HF tensor names -> parameter path + transform) and
+    calling `hypic_jax.checkpoint.hf.base.apply_rules`, which validates missing / unexpected / mis-shaped tensors
+    and streams the data.
 
 Everything else is generic: `hypic_jax.load`, `hypic-jax convert`, orbax save/restore (`hypic_jax.checkpoint`),
-`Model.logits/generate`.
+`Model.logits/generate`, the engine's programs.
 
-This package imports neither the converters nor `hypic_jax.checkpoint` (both import it). `load` lives in
-`hypic_jax.checkpoint`; `import hypic_jax` also binds it here, so `hypic_jax.models.load` is the same function.
+This package imports neither the converters nor `hypic_jax.checkpoint` (both import it); `load` lives in
+`hypic_jax.checkpoint` and is exported as `hypic_jax.load`.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import jax
 
 from hypic_jax.models.base import Model  # noqa: F401  (the type `load` returns)
 
-# HF model_type -> architecture module (its converter is the converters module of the same name)
+# HF model_type -> architecture module (its converter is the `hypic_jax.checkpoint.hf` module of the same name)
 REGISTRY: dict[str, str] = {
     "qwen3_5_text": "hypic_jax.models.qwen3_5",
     "qwen3_5_moe_text": "hypic_jax.models.qwen3_5",

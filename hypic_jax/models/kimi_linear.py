@@ -5,7 +5,7 @@ Every decoder layer is pre-norm: x + mixer(rmsnorm(x)), then + mlp(rmsnorm(.)). 
 * KDA (Kimi Delta Attention, `layer_types[i] == "linear_attention"`): q/k/v projections, one depthwise causal
   conv (kernel 4, SiLU) over [q|k|v], l2-normalised q/k, a per-key-channel forget gate
   gk = -exp(A_log_h) softplus(f_b(f_a(x)) + dt_bias) from a low-rank projection, beta = sigmoid(b_proj(x)), the
-  recurrence S_t = (I - beta k k^T) Diag(exp(gk)) S_{t-1} + beta k v^T through `hypic_jax.linear_attn`, and an
+  recurrence S_t = (I - beta k k^T) Diag(exp(gk)) S_{t-1} + beta k v^T through `hypic_jax.core.linear_attn`, and an
   output norm gated by sigmoid(g_b(g_a(x))) per head;
 * MLA without RoPE (`"full_attention"`): DeepSeek-V2 style low-rank q (optional) and kv projections with RMSNorms
   on the latents. The "rope" slice of the key is a single head shared by all heads, but no rotation is ever applied,
@@ -30,6 +30,7 @@ keeps entries ~18x smaller at the released shape and position-independent; singl
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -37,9 +38,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn
-from hypic_jax.conv import causal_conv1d
-from hypic_jax.models import base, layer_stack, layers
+from hypic_jax.core import linear_attn
+from hypic_jax.models import base, mixing, stack as layer_stack, layers
 
 MODEL_TYPE = "kimi_linear"
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -47,8 +47,6 @@ DENSE, SPARSE = "dense", "sparse"
 
 # Latent RMSNorms inside MLA are built without an eps argument in the reference, so they use the class default.
 MLA_LATENT_NORM_EPS = 1e-6
-# Sequences up to this length use the token-by-token core (decode steps); longer ones use the chunked core.
-RECURRENT_MAX_LEN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,31 +416,14 @@ def kda_output(p: dict[str, Array], c: KimiLinearConfig, x: Array, o: Array) -> 
     return o @ p["o_proj"]
 
 
-def kda_layer(
-    p: dict[str, Array], c: KimiLinearConfig, x: Array, cache: base.LinearCache | None,
-    kernels: base.KernelOptions = base.DEFAULT_KERNELS,
-) -> tuple[Array, base.LinearCache]:
-    """One KDA mixer over x [B, L, D] (already normed). Returns (y [B, L, D], LinearCache(state, conv tail)).
-
-    `cache` (None = zero start) carries the recurrent state [B, H, K, V] and the conv tail [B, W-1, 3HK].
-    """
-    batch, length, _ = x.shape
-    heads, head_dim = c.linear_num_heads, c.linear_head_dim
+def kda_mixer(p: dict[str, Array], c: KimiLinearConfig, x: Array, mix) -> Array:
+    """One KDA mixer over x [B, L, D] (already normed) in a `mixing` context: projections, the q, k, v short convs,
+    the per-key-gated delta rule, sigmoid-gated RMSNorm and o_proj."""
     qkv, g_raw, b = kda_projections(p, c, x)
-    taps = kda_conv_taps(p, c)
-    tails = jnp.zeros((batch, c.conv_kernel - 1, 3 * c.linear_dim), qkv.dtype) if cache is None else cache.conv
-    qkv, new_tails = jax.vmap(lambda xs, st: causal_conv1d(xs, taps, conv_state=st.astype(xs.dtype)))(qkv, tails)
-    q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
-    states = jnp.zeros((batch, heads, head_dim, head_dim), jnp.float32) if cache is None else cache.state
-
-    def one_sequence(q, k, v, g_raw, b, state):
-        inputs = kda_inputs(p, q, k, v, g_raw, b)
-        if length <= RECURRENT_MAX_LEN:
-            return inputs.recurrent(initial_state=state)
-        return inputs.chunked(initial_state=state, chunk_size=kernels.chunk_size)
-
-    o, states = jax.vmap(one_sequence)(q, k, v, g_raw, b, states)
-    return kda_output(p, c, x, o), base.LinearCache(state=states, conv=new_tails)
+    qkv = mix.conv(qkv, kda_conv_taps(p, c))
+    q, k, v = (t.reshape(*t.shape[:2], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, axis=-1))
+    inputs = jax.vmap(lambda q, k, v, g_raw, b: kda_inputs(p, q, k, v, g_raw, b))(q, k, v, g_raw, b)
+    return kda_output(p, c, x, mix.linear(inputs))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -486,21 +467,6 @@ def mla_expand(p, c: KimiLinearConfig, kv: MLACache) -> tuple[Array, Array]:
     return jnp.concatenate([k_nope, k_rope], axis=-1), values
 
 
-def _attend_expanded(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: tuple[Array, Array] | None) -> Array:
-    """Attention with keys/values expanded from the latent (the prefill path). q [B, L, H, dq] -> [B, L, H, dv].
-
-    positions=None: plain causal attention over this call's tokens (the fused causal kernel); otherwise
-    (query positions [L], key positions [T]) for queries continuing into cache buffers.
-    """
-    keys, values = mla_expand(p, c, kv)
-    # The fused kernels want one head dim for q, k and v: zero-pad v to dq (the extra output channels are zero).
-    width = max(c.qk_head_dim, c.v_head_dim)
-    q, keys, values = (jnp.pad(t, [(0, 0)] * 3 + [(0, width - t.shape[-1])]) for t in (q, keys, values))
-    q_pos, k_pos = (None, None) if positions is None else positions
-    out = layers.dot_product_attention(q, keys, values, scale=c.qk_head_dim**-0.5, q_positions=q_pos, k_positions=k_pos)
-    return out[..., : c.v_head_dim]
-
-
 def _attend_absorbed(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: tuple[Array, Array]) -> Array:
     """The same attention with kv_b folded into the queries and the output: a decode step reads the cached latent
     once instead of re-expanding every cached token to per-head keys and values."""
@@ -517,29 +483,20 @@ def _attend_absorbed(p, c: KimiLinearConfig, q: Array, kv: MLACache, positions: 
     return jnp.einsum("blhr,rhd->blhd", context, w_v)
 
 
-def mla_layer(
-    p: dict[str, Array], c: KimiLinearConfig, x: Array, cache: MLACache | None, start: Array
-) -> tuple[Array, MLACache]:
-    """One NoPE MLA mixer over x [B, L, D] (already normed). Returns (y [B, L, D], MLACache).
-
-    Without a cache the keys are this call's tokens (plain causal attention) and the returned cache holds their
-    latents. With one, the latents are written into the fixed buffers at `start` and queries at absolute positions
-    start..start+L-1 attend to every buffer slot at or before their own position (later slots are not yet written).
-    """
-    batch, length, _ = x.shape
+def mla_mixer(p: dict[str, Array], c: KimiLinearConfig, x: Array, mix) -> Array:
+    """One NoPE MLA mixer over x [B, L, D] (already normed) in a `mixing` context. The context gives the latents of
+    every visible token (nothing is RoPE'd, so cached latents are used as stored); they are expanded to per-head
+    keys and values, except in a decode step, which folds kv_b into the queries and the output instead of
+    re-expanding every cached token."""
     q = _mla_queries(p, c, x)
-    new = mla_latents(p, c, x)
-    if cache is None:
-        out = _attend_expanded(p, c, q, new, None)
+    kv = jax.tree.map(lambda a: a.astype(x.dtype), mix.keys(mla_latents(p, c, x)))
+    if mix.single_step:
+        out = _attend_absorbed(p, c, q, kv, (mix.positions, mix.key_positions))
     else:
-        new = MLACache(latent=base.write_tokens(cache.latent, new.latent, start),
-                       k_rope=base.write_tokens(cache.k_rope, new.k_rope, start))
-        keys = jax.tree.map(lambda a: a.astype(x.dtype), new)
-        positions = (base.token_positions(start, length), jnp.arange(cache.latent.shape[1], dtype=jnp.int32))
-        attend = _attend_absorbed if length == 1 else _attend_expanded
-        out = attend(p, c, q, keys, positions)
-    out = out.reshape(batch, length, c.num_heads * c.v_head_dim)
-    return _linear(out, p["o_proj"], p.get("o_proj_bias")), new
+        keys, values = mla_expand(p, c, kv)
+        out = mix.attend(q, keys, values, scale=c.qk_head_dim**-0.5)
+    out = out.reshape(*x.shape[:2], c.num_heads * c.v_head_dim)
+    return _linear(out, p["o_proj"], p.get("o_proj_bias"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -587,29 +544,29 @@ def moe(p: dict[str, Any], c: KimiLinearConfig, x: Array, valid: Array | None = 
 # Model.
 
 
+def block(i: int, layer, lp: dict[str, Any], x: Array, mix, config: KimiLinearConfig) -> Array:
+    """Layer `i` (its static structure; `layer` its own index, unused here) on x [B, L, D] in a `mixing` context:
+    x + mixer(norm(x)), then + mlp(norm(.)). Every forward of the model runs this body."""
+    c = config
+    h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
+    mixer = kda_mixer if c.layer_types[i] == LINEAR else mla_mixer
+    x = x + mixer(lp["attn"], c, h, mix)
+    h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
+    return x + (_swiglu(lp["mlp"], h) if c.mlp_types[i] == DENSE else moe(lp["mlp"], c, h, mix.valid))
+
+
 def hidden_states(
     params: dict[str, Any], config: KimiLinearConfig, tokens: Array, cache: base.ModelCache | None = None, *,
     kernels: base.KernelOptions = base.DEFAULT_KERNELS,
 ) -> tuple[Array, base.ModelCache]:
     """The decoder stack: tokens [B, L] -> (final-normed hidden states [B, L, D], per-layer caches: in the form
-    `cache.layers` has, or for no cache the form a forward over `params["layers"]` keeps, see
-    `layer_stack.run_cached`)."""
+    `cache.layers` has, or for no cache the form a forward over `params["layers"]` keeps, see `layer_stack.run`)."""
     c = config
     start = jnp.zeros((), jnp.int32) if cache is None else cache.length
-
-    def step(i, layer, lp, layer_cache, x):
-        h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
-        if c.layer_types[i] == LINEAR:
-            h, new_cache = kda_layer(lp["attn"], c, h, layer_cache, kernels)
-        else:
-            h, new_cache = mla_layer(lp["attn"], c, h, layer_cache, start)
-        x = x + h
-        h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
-        x = x + (_swiglu(lp["mlp"], h) if c.mlp_types[i] == DENSE else moe(lp["mlp"], c, h))
-        return x, new_cache
-
-    x, new_layers = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
-                                           None if cache is None else cache.layers)
+    x, new_layers = mixing.run_causal(
+        functools.partial(block, config=c), params["embed"][tokens], params["layers"],
+        None if cache is None else cache.layers, positions=base.cache_positions(cache, tokens.shape[1]),
+        start=None if cache is None else cache.length, kernels=kernels)
     x = layers.rms_norm_plain(x, params["final_norm"], c.rms_norm_eps)
     return x, base.ModelCache(layers=new_layers, length=start + tokens.shape[1])
 
@@ -660,11 +617,11 @@ def prefill(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Span forward over a layout held as data (hypic_jax.layout, hypic_jax.stitch): one program per capacity
+# Span forward over a layout held as data (hypic_jax.stitch.layout, hypic_jax.stitch): one program per capacity
 
 
 def pool_layout(config: KimiLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
-    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.pools.Pools`): a KDA layer's dense
+    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.cache.pools.Pools`): a KDA layer's dense
     summary and conv tail per slot, an MLA layer's latents per token (position-independent: MLA has no RoPE)."""
     sds = jax.ShapeDtypeStruct
     c = config
@@ -683,58 +640,15 @@ def pool_layout(config: KimiLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 def span_forward_arrays(params: dict[str, Any], config: KimiLinearConfig, layout, pools: tuple, *, isolated: bool,
                         summaries: bool, want_decode: bool = False,
                         kernels: base.KernelOptions = base.DEFAULT_KERNELS, want_hidden: bool = False):
-    """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
+    """One forward over the fresh tokens of `layout` (a `hypic_jax.stitch.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Nothing here is RoPE'd, so cached
-    pieces are used as stored. MLA keys are the request's latents gathered in key order and expanded to per-head
-    K/V; the decode cache keeps the latents.
+    pieces are used as stored; the decode cache keeps the MLA latents.
     kernels: how the KDA cores (kernels.linear "pallas": the per-key-gate kernels), their fold over the pieces and
-    the transfer products run (`base.KernelOptions`).
-    Returns (float32 logits [vocab] of the last fresh token, per pool part the rows to write into it
-    (`stitch.RowWrites`, applied by the caller), the decode caches of the whole request as `layer_stack.run`
-    returns them, or None)."""
-    from hypic_jax import layout as lay
-    from hypic_jax import stitch
-
-    algorithm = kernels.algorithm()
-
-    c = config
-
-    def step(i, layer, lp, pool, base_row, x):
-        kind, mlp_kind = c.layer_types[i], c.mlp_types[i]
-        h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
-        p = lp["attn"]
-        if kind == LINEAR:
-            at = lay.shift_pool_rows(layout, "slot", base_row)
-            qkv, g_raw, b = kda_projections(p, c, h)
-            qkv, conv_tail, conv_records = stitch.conv_over_layout(qkv, kda_conv_taps(p, c), pool["conv"], at)
-            q, k, v = (t.reshape(t.shape[0], c.linear_num_heads, c.linear_head_dim) for t in jnp.split(qkv, 3, -1))
-            result = stitch.linear_over_layout(kda_inputs(p, q, k, v, g_raw, b), pool["summary"], at,
-                                               summaries=summaries, algorithm=algorithm, impl=kernels.linear,
-                                               fold_impl=kernels.fold)
-            h = kda_output(p, c, h, result.outputs)
-            records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
-            write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))
-            decode = base.LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode else None
-        else:
-            at = lay.shift_pool_rows(layout, "token", base_row)
-            q = _mla_queries(p, c, h[None])[0]
-            fresh = mla_latents(p, c, h)
-            whole = stitch.gather_keys(fresh, pool, at)
-            keys, values = mla_expand(p, c, whole)
-            out = stitch.masked_attention(q, keys, values, at, isolated=isolated, scale=c.qk_head_dim**-0.5)
-            h = _linear(out.reshape(out.shape[0], -1), p["o_proj"], p.get("o_proj_bias"))
-            write = stitch.row_writes(pool, at.fresh_dest, fresh)
-            decode = jax.tree.map(lambda a: a[None], whole) if want_decode else None
-        x = x + h
-        h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
-        x = x + (_swiglu(lp["mlp"], h) if mlp_kind == DENSE else moe(lp["mlp"], c, h[None], layout.valid[None])[0])
-        return x, (write, (decode, x) if want_hidden else decode)
-
-    x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
-    hidden = None
-    if want_hidden:  # every layer's output of the fresh tokens, for `Engine.diagnose`
-        decode, hidden = layer_stack.split_pairs(decode)
-    last = layers.rms_norm_plain(x[layout.last], params["final_norm"], c.rms_norm_eps)
-    out = (lm_head(params, c, last), writes, decode if want_decode else None)
+    the transfer products run (`base.KernelOptions`)."""
+    x, writes, decode, hidden = mixing.run_layout(
+        functools.partial(block, config=config), params["embed"][layout.tokens], params["layers"], layout, pools,
+        isolated=isolated, summaries=summaries, want_decode=want_decode, want_hidden=want_hidden, kernels=kernels)
+    last = layers.rms_norm_plain(x[layout.last], params["final_norm"], config.rms_norm_eps)
+    out = (lm_head(params, config, last), writes, decode)
     return out + (hidden,) if want_hidden else out

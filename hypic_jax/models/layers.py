@@ -15,10 +15,10 @@ from jax import Array
 from jax import custom_batching
 
 # causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
-from hypic_jax.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
-from hypic_jax.models.layer_stack import BANK_MAX_ELEMENTS, ExpertBank, with_experts
-from hypic_jax.pallas import grouped_matmul as gm
-from hypic_jax.rope import apply_rope
+from hypic_jax.core.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
+from hypic_jax.models.stack import BANK_MAX_ELEMENTS, ExpertBank, with_experts
+from hypic_jax.kernels import grouped_matmul as gm
+from hypic_jax.core.rope import apply_rope
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def _grouped_swiglu_experts(
 
     Each token is copied once per chosen expert and the copies are sorted by expert, so every expert sees one
     contiguous row group; no dense loop over experts. The grouped matmul is `jax.lax.ragged_dot` ("ragged") or, for
-    long inputs on a GPU, the Pallas kernel of `hypic_jax.pallas.grouped_matmul` ("pallas"; XLA's GPU ragged_dot
+    long inputs on a GPU, the Pallas kernel of `hypic_jax.kernels.grouped_matmul` ("pallas"; XLA's GPU ragged_dot
     lowers to a dense dot over all experts). "auto" picks Pallas on a GPU from PALLAS_MOE_MIN_ROWS copies up.
     Outputs are gathered back per (token, slot) and combined with the router weights in float32.
 

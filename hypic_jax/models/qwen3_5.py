@@ -15,6 +15,7 @@ Parameters (weights [in, out]):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -23,12 +24,9 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn, rope
-from hypic_jax.conv import causal_conv1d
-from hypic_jax.models import layer_stack, layers
-from hypic_jax.models.base import (DEFAULT_KERNELS, KernelOptions, KVCache, LinearCache, ModelCache, cache_positions,
-                                   update_kv_cache)
-from hypic_jax.pallas import gdn as pallas_gdn
+from hypic_jax.core import linear_attn, rope
+from hypic_jax.models import mixing, stack as layer_stack, layers
+from hypic_jax.models.base import DEFAULT_KERNELS, KernelOptions, KVCache, LinearCache, ModelCache, cache_positions
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -323,55 +321,13 @@ def gdn_output(core: Array, z: Array, p: dict, config: Config) -> Array:
     return normed.reshape(*core.shape[:-2], config.linear_value_dim) @ p["out_proj"]
 
 
-def gated_delta_net(
-    x: Array, p: dict, config: Config, cache: LinearCache | None, kernels: KernelOptions = DEFAULT_KERNELS
-) -> tuple[Array, LinearCache]:
-    """Gated DeltaNet mixer on x [B, L, H]; returns (output [B, L, H], the layer's new LinearCache)."""
-    batch, length, _ = x.shape
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    mixed, z, a, b = gdn_projections(x, p, config)  # mixed [B, L, 2*Hk*Dk + Hv*Dv]
-    if cache is None:
-        state = jnp.zeros((batch, hv, dk, dv), jnp.float32)
-        conv_state = jnp.zeros((batch, config.conv_kernel - 1, config.conv_dim), x.dtype)
-    else:
-        state, conv_state = cache.state, cache.conv
-    conv = lambda xs, cs: causal_conv1d(xs, p["conv_weight"], conv_state=cs, activation="silu")  # noqa: E731
-    mixed, new_conv = jax.vmap(conv)(mixed, conv_state)
-
-    use_pallas = length > 1 and _use_pallas_gdn(config, kernels, x.dtype)
-
-    def one_sequence(mixed, a, b, state):
-        if use_pallas:
-            q, k, v = jnp.split(mixed, [config.linear_key_dim, 2 * config.linear_key_dim], axis=-1)
-            q, k, v = q.reshape(length, hk, dk), k.reshape(length, hk, dk), v.reshape(length, hv, dv)
-            return _pallas_gdn(q, k, v, a, b, p, state, config)
-        inputs = gdn_inputs(mixed, a, b, p, config)
-        if length == 1:
-            return linear_attn.recurrent(**inputs.kwargs(), initial_state=state)
-        return linear_attn.chunked(**inputs.kwargs(), initial_state=state, chunk_size=kernels.chunk_size)
-
-    core, new_state = jax.vmap(one_sequence)(mixed, a, b, state)  # core [B, L, Hv, Dv]
-    return gdn_output(core, z, p, config), LinearCache(state=new_state, conv=new_conv)
-
-
-def _use_pallas_gdn(config: Config, kernels: KernelOptions, dtype) -> bool:
-    if kernels.linear != "auto":
-        return kernels.linear == "pallas"
-    dims_ok = all(d >= 16 and not d & (d - 1) for d in (config.linear_key_head_dim, config.linear_value_head_dim))
-    return jax.default_backend() == "gpu" and dtype == jnp.bfloat16 and dims_ok
-
-
-def _pallas_gdn(q, k, v, a, b, p, state, config: Config):
-    """The same GDN core through the Pallas kernel, which reads the H_k key heads without repeating them."""
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
-    )
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    return pallas_gdn.gdn_forward(  # q, k normalised in float32; the kernel takes them in v's dtype
-        linear_attn.l2_normalize(q), linear_attn.l2_normalize(k), v, g=g, beta=beta, initial_state=state,
-        scale=config.linear_key_head_dim**-0.5,  # the kernel's measured tiling (its chunk need not be the model's)
-    )
+def gdn_mixer(x: Array, p: dict, config: Config, mix) -> Array:
+    """The Gated DeltaNet mixer on x [B, L, H] (normed) in a `mixing` context: projections, short conv, the delta
+    rule's core, gated RMSNorm and out_proj."""
+    mixed, z, a, b = gdn_projections(x, p, config)
+    mixed = mix.conv(mixed, p["conv_weight"])
+    inputs = jax.vmap(lambda m, a, b: gdn_inputs(m, a, b, p, config, repeat_heads=False))(mixed, a, b)
+    return gdn_output(mix.linear(inputs).astype(x.dtype), z, p, config)
 
 
 def attention_projections(x: Array, p: dict, config: Config, positions: Array) -> tuple[Array, Array, Array, Array]:
@@ -391,32 +347,15 @@ def attention_output(attended: Array, gate: Array, p: dict) -> Array:
     return attended @ p["o_proj"]
 
 
-def full_attention(
-    x: Array,
-    p: dict,
-    config: Config,
-    positions: Array,
-    cache: KVCache | None,
-    start: Array | None,
-    fresh: bool = False,
-) -> tuple[Array, KVCache | None]:
-    """Gated full attention (q/k norm, partial RoPE, GQA, sigmoid output gate); KV cache optional.
-
-    `fresh` says the cache is known to be empty (a prefill from position 0): the tokens then attend among themselves
-    through the fast causal kernel and are only written to the cache.
-    """
-    batch, length, _ = x.shape
-    q, k, v, gate = attention_projections(x, p, config, positions)
-    scale = config.head_dim**-0.5
-    if cache is None or fresh:
-        attended = layers.dot_product_attention(q, k, v, scale=scale)
-        new_cache = None if cache is None else update_kv_cache(cache, k, v, start)[0]
-    else:
-        new_cache, key_positions = update_kv_cache(cache, k, v, start)
-        attended = layers.dot_product_attention(
-            q, new_cache.k, new_cache.v, scale=scale, q_positions=positions, k_positions=key_positions
-        )
-    return attention_output(attended, gate, p), new_cache
+def attention_mixer(x: Array, p: dict, config: Config, mix) -> Array:
+    """Gated full attention on x [B, L, H] (normed) in a `mixing` context: q/k norm, partial RoPE at the fresh
+    tokens' positions, GQA over the keys the context gives (cached keys moved by their pieces' offsets), sigmoid
+    output gate."""
+    q, k, v, gate = attention_projections(x, p, config, mix.positions)
+    rotate = lambda kv, offset: KVCache(  # noqa: E731
+        rope.rotate_keys(kv.k, offset, rotary_dim=config.rotary_dim, base=config.rope_theta), kv.v)
+    keys = mix.keys(KVCache(k=k, v=v), rotate=rotate)
+    return attention_output(mix.attend(q, keys.k, keys.v, scale=config.head_dim**-0.5), gate, p)
 
 
 def feed_forward(x: Array, p: dict, config: Config, mlp_type: str, valid: Array | None = None,
@@ -449,32 +388,30 @@ def init_cache(config: Config, batch: int, max_len: int, dtype: Any = jnp.bfloat
     return ModelCache(layers=tuple(entries), length=jnp.zeros((), jnp.int32))
 
 
+def block(i: int, layer, lp: dict, x: Array, mix, config: Config) -> Array:
+    """Layer `i` (its static structure; `layer` its own index, unused here) on x [B, L, H] in a `mixing` context:
+    x + mixer(norm(x)), then + mlp(norm(.)). Every forward of the model runs this body."""
+    h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
+    mixer = gdn_mixer if config.layer_types[i] == LINEAR else attention_mixer
+    x = x + mixer(h, lp["mixer"], config, mix)
+    h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
+    return x + feed_forward(h, lp["mlp"], config, config.mlp_types[i], mix.valid, mix.kernels)
+
+
 def hidden_states(
     params: dict, config: Config, tokens: Array, cache: ModelCache | None = None, *, fresh: bool = False,
     kernels: KernelOptions = DEFAULT_KERNELS,
 ) -> tuple[Array, ModelCache | None]:
     """Final-normed hidden states [B, L, H] (before the LM head) and the updated cache (its layers in the form
-    given: a `layer_stack.LayerStack` for a stacked model's decode caches, see `layer_stack.run_cached`).
+    given: a `layer_stack.LayerStack` for a stacked model's decode caches, see `layer_stack.run`).
 
     fresh=True promises that `cache` is empty (length 0), which lets full attention use the causal kernel.
     """
     length = tokens.shape[1]
-    positions = cache_positions(cache, length)
-    start = None if cache is None else cache.length
-
-    def step(i, layer, lp, layer_cache, x):
-        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
-        if config.layer_types[i] == LINEAR:
-            h, layer_cache = gated_delta_net(h, lp["mixer"], config, layer_cache, kernels)
-        else:
-            h, layer_cache = full_attention(h, lp["mixer"], config, positions, layer_cache, start, fresh)
-        x = x + h
-        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + feed_forward(h, lp["mlp"], config, config.mlp_types[i], kernels=kernels)
-        return x, (None if cache is None else layer_cache)
-
-    x, new_layers = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
-                                           None if cache is None else cache.layers)
+    x, new_layers = mixing.run_causal(
+        functools.partial(block, config=config), params["embed"][tokens], params["layers"],
+        None if cache is None else cache.layers, positions=cache_positions(cache, length),
+        start=None if cache is None else cache.length, fresh=fresh, kernels=kernels, keep=cache is not None)
     x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
     new_cache = None if cache is None else ModelCache(new_layers, cache.length + length)
     return x, new_cache
@@ -510,11 +447,11 @@ def prefill(params: dict, config: Config, tokens: Array, max_len: int, *,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Span forward over a layout held as data (hypic_jax.layout, hypic_jax.stitch): one program per capacity
+# Span forward over a layout held as data (hypic_jax.stitch.layout, hypic_jax.stitch): one program per capacity
 
 
 def pool_layout(config: Config, dtype: Any) -> list[tuple[str, Any]]:
-    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.pools.Pools`): a GDN layer's dense
+    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.cache.pools.Pools`): a GDN layer's dense
     summary and conv tail per slot, a full-attention layer's canonical K and V per token."""
     sds = jax.ShapeDtypeStruct
     out = []
@@ -532,10 +469,10 @@ def pool_layout(config: Config, dtype: Any) -> list[tuple[str, Any]]:
 def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, isolated: bool, summaries: bool,
                         want_decode: bool = False, kernels: KernelOptions = DEFAULT_KERNELS,
                         want_hidden: bool = False):
-    """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
+    """One forward over the fresh tokens of `layout` (a `hypic_jax.stitch.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
-    layout's records as writes into them. With `params["layers"]` a `layer_stack.LayerStack`, the repeating
-    layers run as one scan (`layer_stack.run`).
+    layout's records as writes into them (`mixing.run_layout`). With `params["layers"]` a `layer_stack.LayerStack`,
+    the repeating layers run as one scan.
 
     isolated: a cold prefill (every span from position 0, no mixing across spans). summaries: compute each fresh
     piece's own summary (PIC stitching and cold prefills). HYPIC's ladder (dropped transfers, keys left at their
@@ -543,51 +480,11 @@ def span_forward_arrays(params: dict, config: Config, layout, pools: tuple, *, i
     transfer products and the experts run (`base.KernelOptions`). Returns (float32 logits [vocab] of the last fresh
     token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller), the decode caches
     of the whole request (per layer; stacked as `layer_stack.run` returns them, the form the decode step takes) or
-    None).
+    None), and with want_hidden every layer's output [layers, F, H] (`Engine.diagnose`).
     """
-    from hypic_jax import layout as lay
-    from hypic_jax import stitch
-
-    algorithm = kernels.algorithm()
-
-    positions = layout.positions
-
-    def step(i, layer, lp, pool, base, x):
-        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
-        p = lp["mixer"]
-        if config.layer_types[i] == LINEAR:
-            at = lay.shift_pool_rows(layout, "slot", base)
-            mixed, z, a, b = gdn_projections(h, p, config)
-            conv_out, conv_tail, conv_records = stitch.conv_over_layout(mixed, p["conv_weight"], pool["conv"], at)
-            inputs = gdn_inputs(conv_out, a, b, p, config, repeat_heads=False)  # grouped: stitch repeats for XLA
-            result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
-                                               algorithm=algorithm, impl=kernels.linear, fold_impl=kernels.fold)
-            h = gdn_output(result.outputs.astype(h.dtype), z, p, config)
-            records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
-            write = stitch.row_writes(pool, at.record_slot, dict(summary=records, conv=conv_records))
-            decode = LinearCache(state=result.final_state[None], conv=conv_tail[None]) if want_decode else None
-        else:
-            at = lay.shift_pool_rows(layout, "token", base)
-            q, k, v, gate = attention_projections(h[None], p, config, positions)
-            q, k, v, gate = q[0], k[0], v[0], gate[0]
-            keys = stitch.gather_keys(dict(k=k, v=v), pool, at)
-            if not isolated:
-                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(at.key_fresh, 0, at.key_offset),
-                                             rotary_dim=config.rotary_dim, base=config.rope_theta)
-            attended = stitch.masked_attention(q, keys["k"], keys["v"], at, isolated=isolated,
-                                               scale=config.head_dim**-0.5)
-            h = attention_output(attended, gate, p)
-            write = stitch.row_writes(pool, at.fresh_dest, dict(k=k, v=v))
-            decode = KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None
-        x = x + h
-        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + feed_forward(h[None], lp["mlp"], config, config.mlp_types[i], layout.valid[None], kernels)[0]
-        return x, (write, (decode, x) if want_hidden else decode)
-
-    x, writes, decode = layer_stack.run(step, params["embed"][layout.tokens], params["layers"], pools)
-    hidden = None
-    if want_hidden:  # every layer's output of the fresh tokens, for `Engine.diagnose`
-        decode, hidden = layer_stack.split_pairs(decode)
+    x, writes, decode, hidden = mixing.run_layout(
+        functools.partial(block, config=config), params["embed"][layout.tokens], params["layers"], layout, pools,
+        isolated=isolated, summaries=summaries, want_decode=want_decode, want_hidden=want_hidden, kernels=kernels)
     last = layers.rms_norm(x[layout.last], params["final_norm"], config.rms_norm_eps, offset=1.0)
-    out = (lm_head(params, config, last), writes, decode if want_decode else None)
+    out = (lm_head(params, config, last), writes, decode)
     return out + (hidden,) if want_hidden else out

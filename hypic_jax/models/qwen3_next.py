@@ -3,7 +3,7 @@
 The network is identical to `qwen3_5` (Gated DeltaNet + gated full attention, (1 + w) norms, partial RoPE, MoE with
 a gated shared expert, optional dense layers through `mlp_only_layers` / `decoder_sparse_step`, and the
 `norm_topk_prob` switch). What differs is the checkpoint: the GDN projections are fused and grouped per key head
-(`in_proj_qkvz`, `in_proj_ba`); `converters.qwen3_next` regroups them into this module's separate projections once
+(`in_proj_qkvz`, `in_proj_ba`); `hypic_jax.checkpoint.hf.qwen3_next` regroups them into this module's separate projections once
 at conversion time, so the forward pays nothing for the grouping.
 """
 

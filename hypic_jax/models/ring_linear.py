@@ -30,6 +30,7 @@ activations multiply on the left; the converter transposes the Hugging Face [out
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -37,8 +38,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from hypic_jax import linear_attn, rope
-from hypic_jax.models import base, layer_stack, layers
+from hypic_jax.core import linear_attn, rope
+from hypic_jax.models import base, mixing, stack as layer_stack, layers
 
 ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
 MODEL_TYPE = "bailing_moe_linear"
@@ -304,19 +305,19 @@ def linear_output(p: Params, x: Array, o: Array, config: RingLinearConfig) -> Ar
     return (group_rms_norm(o, p["g_norm"], config.group_norm_size, config.rms_norm_eps) * gate) @ p["dense"]
 
 
-def linear_attention(p: Params, x: Array, positions: Array, state: Array | None, layer: int,
-                     config: RingLinearConfig,
-                     kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, Array]:
-    """Ring's lightning attention layer: x [B, L, D] -> (output [B, L, D], final state [B, H, K, V] float32).
-    A single token (decode) takes the recurrent step, longer inputs the chunked kernel."""
-    inputs = linear_inputs(p, x, positions, layer, config)
-    run = (lambda i, s: i.recurrent(s)) if x.shape[1] == 1 else (
-        lambda i, s: i.chunked(s, chunk_size=kernels.chunk_size))
-    if state is None:
-        o, state = jax.vmap(lambda i: run(i, None))(inputs)
-    else:
-        o, state = jax.vmap(run)(inputs, state)
-    return linear_output(p, x, o, config), state
+def summary_rotation(config: RingLinearConfig):
+    """`rotate(summary, offset)` for the linear layers' summaries: their keys carry RoPE, so a cached summary
+    moves with its piece (`linear_attn.rotate_summary`)."""
+    rotary_dim = config.rotary_dim(config.linear_head_dim)
+    return lambda summary, offset: linear_attn.rotate_summary(summary, offset, rotary_dim=rotary_dim,
+                                                              base=config.rope_theta)
+
+
+def linear_mixer(p: Params, x: Array, layer, config: RingLinearConfig, mix) -> Array:
+    """Ring's lightning attention layer on x [B, L, D] (normed) in a `mixing` context. layer: the layer's index
+    (its decay), an int or a traced int32."""
+    inputs = linear_inputs(p, x, mix.positions, layer, config)
+    return linear_output(p, x, mix.linear(inputs, rotate=summary_rotation(config)), config)
 
 
 def attention_projections(p: Params, x: Array, positions: Array, config: RingLinearConfig) -> tuple[Array, Array, Array]:
@@ -331,22 +332,18 @@ def attention_projections(p: Params, x: Array, positions: Array, config: RingLin
     return q, k, v
 
 
-def full_attention(p: Params, x: Array, positions: Array, kv_cache: base.KVCache | None,
-                   config: RingLinearConfig) -> tuple[Array, base.KVCache]:
-    """GQA softmax attention on x [B, L, D]. With `kv_cache` (buffers [B, T, KV, D]) the new keys are written at
-    their positions and queries see every buffered key at a position <= their own; without it, causal over x."""
+def attention_mixer(p: Params, x: Array, config: RingLinearConfig, mix) -> Array:
+    """GQA softmax attention on x [B, L, D] (normed) in a `mixing` context, keys RoPE'd at their positions (cached
+    ones moved by their pieces' offsets)."""
     batch, length, _ = x.shape
     h, hd = config.num_attention_heads, config.attention_head_dim
-    q, k, v = attention_projections(p, x, positions, config)
-    if kv_cache is None:
-        new_cache, keys, values = base.KVCache(k=k, v=v), k, v
-        q_positions = key_positions = None  # causal within x: the fast path
-    else:
-        new_cache, key_positions = base.update_kv_cache(kv_cache, k, v, positions[..., 0])
-        keys, values, q_positions = new_cache.k, new_cache.v, positions
-    o = layers.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                     scale=hd ** -0.5, q_positions=q_positions, k_positions=key_positions)
-    return o.reshape(batch, length, h * hd) @ p["dense"], new_cache
+    q, k, v = attention_projections(p, x, mix.positions, config)
+    rotary_dim = config.rotary_dim(hd)
+    rotate = lambda kv, offset: base.KVCache(  # noqa: E731
+        rope.rotate_keys(kv.k, offset, rotary_dim=rotary_dim, base=config.rope_theta), kv.v)
+    keys = mix.keys(base.KVCache(k=k, v=v), rotate=rotate)
+    o = mix.attend(q, keys.k, keys.v, scale=hd ** -0.5)
+    return o.reshape(batch, length, h * hd) @ p["dense"]
 
 
 def route(p: Params, x: Array, config: RingLinearConfig) -> tuple[Array, Array]:
@@ -416,29 +413,17 @@ def moe(p: Params, x: Array, config: RingLinearConfig, valid: Array | None = Non
 # The model
 
 
-def decoder_layer(p: Params, x: Array, positions: Array, layer_cache: Any, layer: int,
-                  config: RingLinearConfig, *, like: int | None = None,
-                  kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, Any]:
-    """Pre-norm block: x + mixer(norm(x)), then + mlp(norm(.)). Returns the layer's updated cache.
-    layer: the layer's index (an int, or a traced int32 in a scan over layers); like: an int index of a layer of
-    the same structure, for the static choices (default: `layer`)."""
-    like = layer if like is None else like
-    h = layers.rms_norm(x, p["input_norm"], config.rms_norm_eps)
-    if config.is_full_attention(like):
-        mixed, new_cache = full_attention(p["attn"], h, positions, layer_cache, config)
+def block(i: int, layer, lp: Params, x: Array, mix, config: RingLinearConfig) -> Array:
+    """Layer `i` (its static structure) on x [B, L, D] in a `mixing` context: x + mixer(norm(x)), then
+    + mlp(norm(.)). layer: the layer's own index (its linear decay), an int or a traced int32 in a scan. Every
+    forward of the model runs this body."""
+    h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
+    if config.is_full_attention(i):
+        x = x + attention_mixer(lp["attn"], h, config, mix)
     else:
-        state = None if layer_cache is None else layer_cache.state
-        mixed, new_state = linear_attention(p["attn"], h, positions, state, layer, config, kernels)
-        new_cache = base.LinearCache(state=new_state, conv=_no_conv(x.shape[0], x.dtype))
-    x = x + mixed
-    h = layers.rms_norm(x, p["post_norm"], config.rms_norm_eps)
-    x = x + (moe(p["mlp"], h, config) if config.is_moe(like) else swiglu_mlp(p["mlp"], h))
-    return x, new_cache
-
-
-def _no_conv(batch: int, dtype) -> Array:
-    """Ring's linear layers have no short convolution: an empty conv tail keeps the common LinearCache shape."""
-    return jnp.zeros((batch, 0, 0), dtype)
+        x = x + linear_mixer(lp["attn"], h, layer, config, mix)
+    h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
+    return x + (moe(lp["mlp"], h, config, mix.valid) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
 
 
 def unembed(params: Params, x: Array) -> Array:
@@ -451,14 +436,11 @@ def hidden_states(params: Params, config: RingLinearConfig, tokens: Array,
                   kernels: base.KernelOptions = base.DEFAULT_KERNELS) -> tuple[Array, base.ModelCache]:
     """The final-norm hidden states [B, L, D] of int32 tokens [B, L], and the cache after them (see `forward`; its
     layers in the form `cache.layers` has, or for no cache the form a forward over `params["layers"]` keeps, see
-    `layer_stack.run_cached`)."""
-    positions = base.cache_positions(cache, tokens.shape[1])
-
-    def step(i, layer, layer_params, layer_cache, x):
-        return decoder_layer(layer_params, x, positions, layer_cache, layer, config, like=i, kernels=kernels)
-
-    x, new_caches = layer_stack.run_cached(step, params["embed"][tokens], params["layers"],
-                                           None if cache is None else cache.layers)
+    `layer_stack.run`)."""
+    x, new_caches = mixing.run_causal(
+        functools.partial(block, config=config), params["embed"][tokens], params["layers"],
+        None if cache is None else cache.layers, positions=base.cache_positions(cache, tokens.shape[1]),
+        start=None if cache is None else cache.length, kernels=kernels)
     x = layers.rms_norm(x, params["norm"], config.rms_norm_eps)
     length = jnp.int32(tokens.shape[1]) + (0 if cache is None else cache.length)
     return x, base.ModelCache(layers=new_caches, length=length)
@@ -509,7 +491,7 @@ def init_cache(config: RingLinearConfig, batch: int, max_len: int, dtype=jnp.flo
         else:
             hd = config.linear_head_dim
             state = jnp.zeros((batch, config.num_attention_heads, hd, hd), jnp.float32)
-            caches.append(base.LinearCache(state=state, conv=_no_conv(batch, dtype)))
+            caches.append(base.LinearCache(state=state, conv=jnp.zeros((batch, 0, 0), dtype)))  # no short conv
     return base.ModelCache(layers=tuple(caches), length=jnp.int32(0))
 
 
@@ -520,11 +502,11 @@ param_specs = partition_specs
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Span forward over a layout held as data (hypic_jax.layout, hypic_jax.stitch): one program per capacity
+# Span forward over a layout held as data (hypic_jax.stitch.layout, hypic_jax.stitch): one program per capacity
 
 
 def pool_layout(config: RingLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
-    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.pools.Pools`): a linear layer's scalar
+    """Per layer the piece a cache entry keeps in the pools (`hypic_jax.cache.pools.Pools`): a linear layer's scalar
     summary per slot (constant per-head decay: the transfer is one log decay per head; no conv tail), a
     full-attention layer's canonical post-RoPE K and V per token."""
     sds = jax.ShapeDtypeStruct
@@ -543,61 +525,15 @@ def pool_layout(config: RingLinearConfig, dtype: Any) -> list[tuple[str, Any]]:
 def span_forward_arrays(params: Params, config: RingLinearConfig, layout, pools: tuple, *, isolated: bool,
                         summaries: bool, want_decode: bool = False,
                         kernels: base.KernelOptions = base.DEFAULT_KERNELS, want_hidden: bool = False):
-    """One forward over the fresh tokens of `layout` (a `hypic_jax.layout.LayoutArrays`), reading cached entries
+    """One forward over the fresh tokens of `layout` (a `hypic_jax.stitch.layout.LayoutArrays`), reading cached entries
     from `pools` (a `layer_stack.PoolStack` of `pool_layout`'s pieces, or per layer its pool) and returning the
     layout's records as writes into them; see `qwen3_5.span_forward_arrays`. Linear layers RoPE their keys, so
     cached summaries are moved by their pieces' offsets (zero where the mode keeps them at their canonical
     phase). kernels: how the lightning cores, their fold over the pieces and the transfer products run
-    (`base.KernelOptions`). Returns (float32 logits [vocab]
-    of the last fresh token, per pool part the rows to write into it (`stitch.RowWrites`, applied by the caller),
-    the decode caches of the whole request as `layer_stack.run` returns them, or None)."""
-    from hypic_jax import layout as lay
-    from hypic_jax import rope, stitch
-
-    algorithm = kernels.algorithm()
-
-    positions = layout.positions
-    x = params["embed"][layout.tokens]  # [F, D]
-    linear_rotary = config.rotary_dim(config.linear_head_dim)
-    attention_rotary = config.rotary_dim(config.attention_head_dim)
-    rotate_summary = lambda summary, offset: linear_attn.rotate_summary(  # noqa: E731
-        summary, offset, rotary_dim=linear_rotary, base=config.rope_theta)
-
-    def step(i, layer, lp, pool, base_row, x):
-        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
-        p = lp["attn"]
-        if config.is_full_attention(i):
-            at = lay.shift_pool_rows(layout, "token", base_row)
-            q, k, v = (t[0] for t in attention_projections(p, h[None], positions, config))
-            keys = stitch.gather_keys(dict(k=k, v=v), pool, at)
-            if not isolated:
-                keys["k"] = rope.rotate_keys(keys["k"], jnp.where(at.key_fresh, 0, at.key_offset),
-                                             rotary_dim=attention_rotary, base=config.rope_theta)
-            o = stitch.masked_attention(q, keys["k"], keys["v"], at, isolated=isolated,
-                                        scale=config.attention_head_dim ** -0.5)
-            mixed = o.reshape(o.shape[0], -1) @ p["dense"]
-            write = stitch.row_writes(pool, at.fresh_dest, dict(k=k, v=v))
-            decode = base.KVCache(k=keys["k"][None], v=keys["v"][None]) if want_decode else None
-        else:
-            at = lay.shift_pool_rows(layout, "slot", base_row)
-            inputs = jax.tree.map(lambda a: a[0], linear_inputs(p, h[None], positions, layer, config))
-            result = stitch.linear_over_layout(inputs, pool["summary"], at, summaries=summaries,
-                                               rotate=rotate_summary, algorithm=algorithm, impl=kernels.linear,
-                                               fold_impl=kernels.fold)
-            mixed = linear_output(p, h[None], result.outputs[None], config)[0]
-            records = stitch.record_summaries(result, at, isolated=isolated, pool=pool["summary"])
-            write = stitch.row_writes(pool, at.record_slot, dict(summary=records))
-            decode = base.LinearCache(state=result.final_state[None], conv=_no_conv(1, x.dtype)) if want_decode \
-                else None
-        x = x + mixed
-        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
-        x = x + (moe(lp["mlp"], h, config, layout.valid) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
-        return x, (write, (decode, x) if want_hidden else decode)
-
-    x, writes, decode = layer_stack.run(step, x, params["layers"], pools)
-    hidden = None
-    if want_hidden:  # every layer's output of the fresh tokens, for `Engine.diagnose`
-        decode, hidden = layer_stack.split_pairs(decode)
+    (`base.KernelOptions`)."""
+    x, writes, decode, hidden = mixing.run_layout(
+        functools.partial(block, config=config), params["embed"][layout.tokens], params["layers"], layout, pools,
+        isolated=isolated, summaries=summaries, want_decode=want_decode, want_hidden=want_hidden, kernels=kernels)
     last = layers.rms_norm(x[layout.last], params["norm"], config.rms_norm_eps)
-    out = (unembed(params, last), writes, decode if want_decode else None)
+    out = (unembed(params, last), writes, decode)
     return out + (hidden,) if want_hidden else out

@@ -61,7 +61,7 @@ def load_served(path: str | Path | None, *, dtype: str = "bfloat16", load_format
     from hypic_jax.engine import Engine
 
     if path is None:
-        from hypic_jax.embedded import embedded_model
+        from hypic_jax.checkpoint.embedded import embedded_model
 
         path = embedded_model()
         if path is None:

@@ -5,6 +5,6 @@ tokenizer on them and lays prompts out as tokens, `trainer` trains the Qwen3.5 a
 steps, `export` writes the Hugging Face folder. `python -m hypic_jax.train --help` runs the steps.
 """
 
-# Where a trained model folder is installed to ship inside the package (defined in `hypic_jax.embedded`, which the
+# Where a trained model folder is installed to ship inside the package (defined in `hypic_jax.checkpoint.embedded`, which the
 # engine and the server read; see "Producing and installing the trained model" in docs/api.md)
-from hypic_jax.embedded import EMBEDDED_MODEL  # noqa: F401
+from hypic_jax.checkpoint.embedded import EMBEDDED_MODEL  # noqa: F401

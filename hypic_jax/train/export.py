@@ -1,6 +1,6 @@
 """Export `hypic_jax.models.qwen3_5` params (dense MLPs) as a Hugging Face folder: model.safetensors,
 config.json (model_type qwen3_5_text, which transformers' Qwen3_5ForCausalLM loads), generation_config.json,
-tokenizer.json and tokenizer_config.json. The inverse of `converters.qwen3_5` for text-only checkpoints."""
+tokenizer.json and tokenizer_config.json. The inverse of `hypic_jax.checkpoint.hf.qwen3_5` for text-only checkpoints."""
 
 from __future__ import annotations
 

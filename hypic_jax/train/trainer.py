@@ -204,32 +204,23 @@ def cast_params(params: dict, dtype) -> dict:
 
 
 def forward_with_gates(params: dict, config: qwen3_5.Config, tokens, gate_stat, init):
-    """(logits [B, L, vocab], stat): the model's forward (the layers of `qwen3_5.hidden_states`), folding each GDN
-    layer's gate, its log decay per token g [B, L, Hv], into `stat = gate_stat(stat, g)` from `init` on the way.
-    The stat rides beside the hidden states, so it may be any pytree whose structure the layers keep (under a
-    scanned layer stack: fixed shapes)."""
-    from hypic_jax.models import layer_stack, layers
+    """(logits [B, L, vocab], stat): the model's forward (`qwen3_5.block` on every layer), folding each GDN layer's
+    gate, its log decay per token g [B, L, Hv] (the layer's `mixing.CausalMixing.inputs`), into
+    `stat = gate_stat(stat, g)` from `init` on the way. The stat rides beside the hidden states, so it may be any
+    pytree whose structure the layers keep (under a scanned layer stack: fixed shapes)."""
+    from hypic_jax.models import layers, mixing, stack as layer_stack
 
     positions = cache_positions(None, tokens.shape[1])
 
-    def step(i, layer, lp, layer_cache, carry):
+    def step(i, layer, lp, cache, pool, carry):
         x, stat = carry
-        h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
-        if config.layer_types[i] == qwen3_5.LINEAR:
-            p = lp["mixer"]
-            a = h @ p["in_proj_a"]  # the gate's input, as `qwen3_5.gdn_projections` forms it
-            g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-                a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-            stat = gate_stat(stat, g)
-            h, _ = qwen3_5.gated_delta_net(h, p, config, None, TRAIN_KERNELS)
-        else:
-            h, _ = qwen3_5.full_attention(h, lp["mixer"], config, positions, None, None, True)
-        x = x + h
-        h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-        x = x + qwen3_5.feed_forward(h, lp["mlp"], config, config.mlp_types[i], kernels=TRAIN_KERNELS)
-        return (x, stat), None
+        mix = mixing.CausalMixing(None, positions, None, kernels=TRAIN_KERNELS)
+        x = qwen3_5.block(i, layer, lp, x, mix, config)
+        if mix.inputs is not None:
+            stat = gate_stat(stat, mix.inputs.g)
+        return (x, stat), (None, None)
 
-    (x, stat), _ = layer_stack.run_cached(step, (params["embed"][tokens], init), params["layers"], None)
+    (x, stat), _, _ = layer_stack.run(step, (params["embed"][tokens], init), params["layers"])
     x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0)
     return qwen3_5.lm_head(params, config, x), stat
 

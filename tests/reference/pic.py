@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hypic_jax import rope
-from hypic_jax.conv import causal_conv1d
+from hypic_jax.core import rope
+from hypic_jax.core.conv import causal_conv1d
 from hypic_jax.engine.requests import seam_tokens
 
 PIC_MODES = ("addition", "transition", "transition_rope", "transition_rope_recompute")
