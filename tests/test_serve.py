@@ -1020,3 +1020,81 @@ def test_serve_with_no_flags_fits_a_checkpoint_of_4096_tokens(tmp_path):
     out = engine.generate([[5, 6, 7], [8, 9]], max_new_tokens=3)
     assert len(out.tokens) == 3
     server.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals reach the main thread")
+def test_sigterm_drains_accepted_requests_refuses_new_ones_and_persists(served, tmp_path, monkeypatch):
+    """The first SIGTERM: /health and new requests answer 503 while the accepted stream and the queued request
+    finish whole; then the server stops, writes its entries to the disk tier and returns without re-raising the
+    signal (the process exits 0). A server on its own engine (the module's compiled programs), run by
+    `graceful_uvicorn` on this thread, where signals arrive."""
+    import os
+    import signal
+
+    from hypic_jax.serve import ServerOptions
+    from hypic_jax.serve.app import graceful_uvicorn
+
+    donor = served["engine"]
+    engine = Engine(donor.model, tokenizer=served["tokenizer"], max_prompt_tokens=128, token_rungs=(128,),
+                    max_segments=8, max_new_tokens=MAX_NEW, max_batch=4, cache_bytes=1 << 24, seam=SEAM,
+                    max_queue=128, disk_cache_dir=str(tmp_path / "disk"))
+    engine.programs._compiled.update(donor.programs._compiled)
+    engine.mover.adopt(donor.mover)
+    server = Server(engine, ServerOptions(shutdown_timeout=60), model_name=MODEL, warm_on_start=False)
+    server.warmup()
+    real = engine.slot_decode
+
+    def slow(*args, **kwargs):  # decode steps long enough to see the drain from outside
+        time.sleep(0.1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "slot_decode", slow)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runner = graceful_uvicorn(server, uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    base, seen = f"http://127.0.0.1:{port}", {}
+
+    def client():
+        try:
+            while not runner.started:
+                time.sleep(0.02)
+            docs, query = _docs(dict(), 11)
+            body = dict(model=MODEL, prompt="<<PIC_SEP>>".join(docs + [query]), max_tokens=MAX_NEW,
+                        temperature=0, stream=True, return_token_ids=True)
+            with httpx.Client(base_url=base, timeout=60) as http:
+                queued = threading.Thread(target=lambda: seen.setdefault("queued", http.post(
+                    "/v1/completions", json=dict(prompt=[7, 8, 9], max_tokens=4, temperature=0))))
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    lines = response.iter_lines()
+                    chunks = [next(line for line in lines if line.startswith("data: "))]
+                    queued.start()
+                    while server.scheduler.running < 2 and server.scheduler.waiting < 1:
+                        time.sleep(0.01)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    while not server.draining:
+                        time.sleep(0.01)
+                    seen["health"] = http.get("/health")
+                    seen["new"] = http.post("/v1/completions", json=dict(prompt=[1, 2, 3], max_tokens=2))
+                    chunks += [line for line in lines if line.startswith("data: ")]
+                queued.join(60)
+            seen["chunks"] = chunks
+        except BaseException as error:  # noqa: BLE001  (reported by the test below)
+            seen["error"] = error
+            runner.should_exit = True
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    runner.run()  # returns once drained and stopped
+    thread.join(60)
+    assert "error" not in seen, seen.get("error")
+    assert seen["health"].status_code == 503 and seen["health"].json()["status"] == "draining"
+    assert seen["new"].status_code == 503 and seen["new"].json()["error"]["code"] == "shutting_down"
+    chunks = seen["chunks"]
+    assert chunks[-1] == "data: [DONE]"
+    tokens = [t for c in chunks[:-1] for choice in json.loads(c[6:])["choices"]
+              for t in choice.get("token_ids") or []]
+    assert len(tokens) == MAX_NEW and json.loads(chunks[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert seen["queued"].status_code == 200 and seen["queued"].json()["usage"]["completion_tokens"] == 4
+    assert runner._captured_signals == []  # uvicorn re-raises a captured signal after it stops: none here
+    assert engine.tiers.disk.stats.entries >= 3  # the three documents reached the disk tier on close

@@ -162,6 +162,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._driving = threading.Lock()  # held by whoever runs the loop: the thread, or a `run` caller
         self._stopping = False
+        self._intake_closed = False  # `close_intake`: new requests are refused while the accepted ones finish
         self.steps = 0
         self.bucket_steps: collections.Counter = collections.Counter()  # decode steps per batch bucket
         self.overlap = overlap
@@ -173,7 +174,7 @@ class Scheduler:
     # Public -----------------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         with self._cv:
-            if self._stopping:
+            if self._stopping or self._intake_closed:
                 raise RequestError(503, "the server is shutting down", code="shutting_down")
             if len(self._queue) >= self.max_queue:
                 if self.metrics:
@@ -196,6 +197,19 @@ class Scheduler:
     @property
     def running(self) -> int:
         return sum(r is not None for r in self.rows)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, running or in flight on the device."""
+        with self._cv:
+            return not self._queue and not any(self.rows) and self._pending is None
+
+    def close_intake(self) -> None:
+        """Refuse new requests (503 `shutting_down`) while the queued and running ones go on: the first half of a
+        graceful shutdown, whose second half is `stop`."""
+        with self._cv:
+            self._intake_closed = True
+            self._cv.notify()
 
     @property
     def started(self) -> bool:

@@ -35,7 +35,7 @@ from starlette.routing import Route
 from hypic_jax.engine import Engine, EngineOptions
 from hypic_jax.engine.scheduler import Request
 from hypic_jax.engine.scheduler import RequestError as ApiError
-from hypic_jax.options import OptionGroup, option, whole
+from hypic_jax.options import OptionGroup, number, option, whole
 from hypic_jax.serve import protocol
 from hypic_jax.serve.metrics import Metrics
 
@@ -56,6 +56,10 @@ class ServerOptions(OptionGroup):
         None, "become ready (/health 200) once the programs for prompts up to this many tokens are compiled; the "
         "larger ones compile in the background, and a request that needs one waits for it (derived: 1024 on the "
         "CPU, every prompt size on an accelerator)", check=whole(1, optional=True))
+    shutdown_timeout: float = option(
+        30.0, "on the first SIGTERM or SIGINT, seconds to let accepted requests finish (new ones are answered 503) "
+        "before the server answers the rest 503, writes its tiers to the disk tier and exits; a second signal "
+        "stops at once", check=number(0), metavar="SECONDS")
 
 
 def default_max_request_bytes(max_prompt_tokens: int) -> int:
@@ -106,6 +110,7 @@ class Server:
                                       max_segments=engine.max_segments, top_logprobs=engine.top_logprobs,
                                       eos_ids=tuple(eos_ids))
         self.ready = False
+        self.draining = False  # `drain`: new requests are refused while the accepted ones finish
         self.warm_on_start = warm_on_start
         self.warmup_error: str | None = None  # why the warmup failed (the server then stops: `on_warmup_failure`)
         self.on_warmup_failure = None  # called with the error when the warmup thread fails
@@ -161,6 +166,24 @@ class Server:
         finally:
             self.close()
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """The first half of a graceful shutdown: /health and new requests answer 503 while the queued and running
+        ones go on, for up to `timeout` seconds (`ServerOptions.shutdown_timeout`). True when every accepted
+        request finished; `close` then answers what is left with a 503 error."""
+        timeout = self.options.shutdown_timeout if timeout is None else timeout
+        self.draining = True
+        self.scheduler.close_intake()
+        log.info("draining: %d running, %d waiting (up to %.0f s)", self.scheduler.running, self.scheduler.waiting,
+                 timeout)
+        end = time.monotonic() + timeout
+        while not self.scheduler.idle and time.monotonic() < end:
+            time.sleep(0.02)
+        drained = self.scheduler.idle
+        if not drained:
+            log.warning("the shutdown deadline passed with %d running and %d waiting: they are answered 503",
+                        self.scheduler.running, self.scheduler.waiting)
+        return drained
+
     def close(self) -> None:
         """On shutdown: the scheduler stops (what it still holds is answered 503) and the engine closes, writing the
         device and host tiers to the disk tier where there is one (`Engine.close`). A failure is logged, never
@@ -176,6 +199,9 @@ class Server:
     async def health(self, request: HttpRequest) -> Response:
         if self.warmup_error is not None:
             return JSONResponse(dict(status="failed", error=self.warmup_error), status_code=500)
+        if self.draining:
+            return JSONResponse(dict(status="draining", waiting=self.scheduler.waiting,
+                                     running=self.scheduler.running), status_code=503)
         if not self.ready:
             total = getattr(self, "_programs_total", None)
             return JSONResponse(dict(status="warming up", programs_compiled=self.engine.programs.stats.programs,
@@ -223,6 +249,8 @@ class Server:
         try:
             if not self.ready:
                 raise ApiError(503, "the server is warming up; see /health", code="not_ready")
+            if self.draining:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
             try:
                 raw = await self._body(request)
             except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing went wrong here
@@ -429,10 +457,34 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", load_format: str
                   special_tokens=served.special_tokens, eos_ids=served.eos_ids)
 
 
-def main(args) -> int:
-    """`hypic-jax serve`: build the server, warm it up in the background (/health says when), serve until stopped."""
+def graceful_uvicorn(server: Server, config):
+    """A uvicorn server for `server` whose first SIGTERM or SIGINT drains the accepted requests (`Server.drain`)
+    before it stops, so that the process exits 0; a second signal, or one before the server is ready, is uvicorn's
+    own (stop now). uvicorn is imported here: it is needed only to listen on a socket."""
     import uvicorn
 
+    class GracefulServer(uvicorn.Server):
+        def __init__(self):
+            super().__init__(config)
+            self._drainer = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._drainer is not None or not server.ready:
+                super().handle_exit(sig, frame)
+                return
+            log.info("signal %d: draining before shutdown (a second signal stops at once)", sig)
+            self._drainer = threading.Thread(target=self._drain_then_exit, name="hypic-drain", daemon=True)
+            self._drainer.start()
+
+        def _drain_then_exit(self) -> None:
+            server.drain()
+            self.should_exit = True
+
+    return GracefulServer()
+
+
+def main(args) -> int:
+    """`hypic-jax serve`: build the server, warm it up in the background (/health says when), serve until stopped."""
     from hypic_jax.options import from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -446,7 +498,10 @@ def main(args) -> int:
     host, port = server.options.host, server.options.port
     log.info("serving %r on %s at http://%s:%d (warming up: /health answers 503 until ready)", server.model_name,
              placement, host, port)
-    runner = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level=args.log_level.lower()))
+    import uvicorn
+
+    runner = graceful_uvicorn(server, uvicorn.Config(server.app, host=host, port=port,
+                                                     log_level=args.log_level.lower(), timeout_graceful_shutdown=5))
     server.on_warmup_failure = lambda error: setattr(runner, "should_exit", True)
     runner.run()
     return 1 if server.warmup_error is not None else 0
