@@ -337,7 +337,8 @@ class Engine:
             from hypic_jax.engine.scheduler import Scheduler
 
             sched = self.options.scheduler
-            self._scheduler = Scheduler(self, max_queue=sched.max_queue, overlap=sched.overlap)
+            self._scheduler = Scheduler(self, max_queue=sched.max_queue, overlap=sched.overlap,
+                                        max_queue_wait=sched.max_queue_wait)
         return self._scheduler
 
     # Programs ----------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -152,10 +153,16 @@ class Scheduler:
     an object with the server's counters (`hypic_jax.serve.metrics.Metrics`) or None."""
 
     def __init__(self, engine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1,
-                 overlap: bool = False):
+                 overlap: bool = False, max_queue_wait: float | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue, self.metrics, self.retry_after_s = engine, max_queue, metrics, retry_after_s
+        self.max_queue_wait = max_queue_wait
+        # the time between two admissions while requests wait (an exponential average): the queue's service time,
+        # from which `submit` predicts a new request's wait for a row
+        self.admission_interval: float | None = None
+        self._last_admission: float | None = None
+        self._backlog = False  # requests still waited at the last admission
         self.rows: list[Request | None] = [None] * engine.max_batch
         self._queue: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -182,6 +189,14 @@ class Scheduler:
                 raise RequestError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
                                code="queue_full", type="rate_limit_error",
                                headers={"Retry-After": str(self.retry_after_s)})
+            wait, limit = self.predicted_wait(), self._wait_limit(request)
+            if wait is not None and wait > limit:
+                if self.metrics:
+                    self.metrics.rejected.inc()
+                retry = max(self.retry_after_s, math.ceil(wait - limit))
+                raise RequestError(429, f"the server is overloaded: a new request would wait about {wait:.1f} s for "
+                                   f"a row, past its limit of {limit:.1f} s; retry later", code="overloaded",
+                                   type="rate_limit_error", headers={"Retry-After": str(retry)})
             self._queue.append(request)
             self._gauges()
             self._cv.notify()
@@ -197,6 +212,20 @@ class Scheduler:
     @property
     def running(self) -> int:
         return sum(r is not None for r in self.rows)
+
+    def predicted_wait(self) -> float | None:
+        """Seconds a request submitted now would wait for a row: one admission interval for each request ahead of
+        it and one for itself (None before any backlog was seen, or with an empty queue: the loop's next round
+        admits it)."""
+        if self.admission_interval is None or not self._queue:
+            return None
+        return (len(self._queue) + 1) * self.admission_interval
+
+    def _wait_limit(self, request: Request) -> float:
+        """The longest predicted wait a request is accepted with: `max_queue_wait`, and never past its deadline
+        (a request that would wait longer would end in a 504 after holding its place)."""
+        limit = request.deadline - time.monotonic()
+        return limit if self.max_queue_wait is None else min(limit, self.max_queue_wait)
 
     @property
     def idle(self) -> bool:
@@ -265,6 +294,7 @@ class Scheduler:
                 self._drain()  # an admission changes the rows: the step in flight is finished first
                 stalled = any(self.rows)
                 start = time.monotonic()
+                self._time_admission(start)
                 self._admit(self._queue.popleft())
                 if stalled and self.metrics:
                     self.metrics.stall.observe(time.monotonic() - start)
@@ -278,6 +308,17 @@ class Scheduler:
             self._fail_running(RequestError(500, f"internal error: {error}", code="internal_error"))
         finally:
             self._gauges()
+
+    def _time_admission(self, now: float) -> None:
+        """Update `admission_interval` with the time since the last admission, when requests waited between the
+        two (an idle gap says nothing of the service time)."""
+        if self._backlog and self._last_admission is not None:
+            interval = now - self._last_admission
+            previous = self.admission_interval
+            self.admission_interval = interval if previous is None else 0.8 * previous + 0.2 * interval
+        self._last_admission = now
+        with self._cv:
+            self._backlog = len(self._queue) > 1  # requests left behind the one admitted now
 
     def _gauges(self) -> None:
         if self.metrics:

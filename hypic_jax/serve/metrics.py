@@ -8,7 +8,7 @@ hypic:cache_entries (the first device's), hypic:device_cache_entries{device} (wi
 device of the segment mesh holds in its own pools). Counters (exposed with `_total`): hypic:prompt_tokens, hypic:cached_tokens,
 hypic:recomputed_tokens, hypic:cold_tokens, hypic:generation_tokens, hypic:cache_queries{kind},
 hypic:cache_hits{kind} (segments looked up and found, kind "pic" or "prefix"), hypic:cache_evictions,
-hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429),
+hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429: a full queue or an overload),
 hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
 before, `Scheduler(overlap=True)`), hypic:compilations_while_serving (XLA compilations since the server became
 ready, other than the planned ones of larger rungs compiling in the background), hypic:programs_pending (those
@@ -81,7 +81,7 @@ class Metrics:
         self.cache_hits = c("hypic:cache_hits", "Segments found in the cache.", ("kind",))
         self.success = c("hypic:request_success", "Finished requests.", ("finished_reason",))
         self.errors = c("hypic:request_errors", "Accepted requests that ended in an error.", ("code",))
-        self.rejected = c("hypic:requests_rejected", "Requests refused because the queue was full.")
+        self.rejected = c("hypic:requests_rejected", "Requests refused with 429: the queue was full, or the predicted wait for a row too long.")
         self.decode_steps = c("hypic:decode_steps", "Batched decode steps; chained: dispatched before the host read "
                               "the step before.", ("chained",))
         r.register(_EngineCollector(engine, self))
