@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def hf_config(ours, transformers):
@@ -49,7 +45,7 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from prefill import full_config, small_config
+    from common import full_config, small_config
 
     ours = small_config() if args.small else full_config(args.layers)
     device = "cpu" if args.small else "cuda"
