@@ -1,7 +1,7 @@
 """The host's part of a stitched request's time to first token: what `Engine.prefill` does before the program
 is dispatched, step by step, for an all-cached trr request of the headline's layout (64 documents of 512 tokens,
 seams of 8, a 32 to 96-token query, the 768-token rung and 33,792 keys). The model is the small one of
-`bench/prefill.py` (the host's work does not depend on the widths); the engine is warmed and every document cached
+`bench/common.py` (the host's work does not depend on the widths); the engine is warmed and every document cached
 first. Prints the mean ms per call of each step over `--repeats` runs: the token ids (`engine.reader`), the 64 cache
 keys (SHA-256), the 64 lookups, the whole plan, the layout (`layout.build`) and its packing, then the packed
 vector's size.

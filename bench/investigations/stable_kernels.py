@@ -3,7 +3,7 @@
 full prefill (`arch.prefill`) compiled at each prompt's exact length.
 
 For a Qwen3.5 shape (the 35B-A3B shape at `--layers` layers, random bf16 weights; `--small`: a 3-layer version of
-`bench/prefill.py`'s toy float32 model, where "pallas" runs the kernels in the Pallas interpreter), builds one
+`bench/common.py`'s toy float32 model, where "pallas" runs the kernels in the Pallas interpreter), builds one
 engine per path, warms both (the cold, pic, plain and commit programs of each token rung; no decode programs), then
 per prompt length times, warm, the median of `--repeats` runs of:
 
