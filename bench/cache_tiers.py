@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,14 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill import full_config, random_model, small_config  # noqa: E402
+from common import full_config, random_model, small_config, write_json
 
-from hypic_jax.cache import tiers as tr  # noqa: E402
-from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
-from hypic_jax.models import qwen3_5  # noqa: E402
-from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.cache.pools import Pools  # noqa: E402
+from hypic_jax.cache import tiers as tr
+from hypic_jax.engine import Engine, backend_compiles
+from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import Model
+from hypic_jax.cache.pools import Pools
 
 
 def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, zipf: float, seed: int):
@@ -294,8 +292,7 @@ def main(argv=None) -> None:
         report = dict(device=str(jax.devices()[0]), shape=shape, requests=len(picked), decay=args.decay,
                       **forms(models, picked, base, args.seam, args.layers))
         print(json.dumps(report, indent=1))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
         return
     if args.load_times is not None:
         lengths = args.load_times or ([32, 128, 512] if args.small else [128, 512, 2048, 8192])
@@ -318,8 +315,7 @@ def main(argv=None) -> None:
                           bandwidths=dict(host=engine.bandwidths.host, disk=engine.bandwidths.disk))
             engine.close()
         print(json.dumps(report, indent=1))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
         return
     report = dict(device=str(jax.devices()[0]), shape=shape, corpus=len(documents),
                   corpus_entry_mb=round(corpus_bytes / 2**20, 2), requests=len(requests),
@@ -382,8 +378,7 @@ def main(argv=None) -> None:
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -20,21 +20,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prefill import full_config, random_model, small_config  # noqa: E402
+from common import full_config, random_model, small_config, write_json
 
-from hypic_jax.core import attention  # noqa: E402
-from hypic_jax.engine import Engine, KernelOptions, backend_compiles  # noqa: E402
-from hypic_jax.engine.programs import ProgramKey  # noqa: E402
-from hypic_jax.engine.sampling import SamplingRows  # noqa: E402
+from hypic_jax.core import attention
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles
+from hypic_jax.engine.programs import ProgramKey
+from hypic_jax.engine.sampling import SamplingRows
 
 
 def expert_bytes(params) -> tuple[int, int]:
@@ -136,9 +133,7 @@ def main(argv=None) -> None:
             reports.append(measure(args, model, config, label=label, slot_layouts=slot_layouts))
     report = reports[0] if len(reports) == 1 else dict(variants=reports)
     print(json.dumps(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

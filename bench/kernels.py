@@ -29,11 +29,8 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 HEADS, KEY_HEADS, DIM = 32, 16, 128
 PEAK_TFLOPS_BF16 = 793.0  # measured on this H200 (ENVIRONMENT.md): bf16 8192^3 matmul

@@ -25,47 +25,39 @@ import argparse
 import dataclasses
 import gc
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill import full_config, small_config  # noqa: E402
+from common import (compile_programs, full_config, log, max_rel, median_seconds, small_config, split_prompt,
+                    write_json)
 
-from investigations.stable_kernels import rel, timed  # noqa: E402
-from investigations.stable_kernels import split as split_tokens  # noqa: E402
-
-from hypic_jax.engine import Engine, KernelOptions, backend_compiles, stack_layers  # noqa: E402
-from hypic_jax.models import stack as layer_stack, qwen3_5  # noqa: E402
-from hypic_jax.models.base import Model  # noqa: E402
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles, stack_layers
+from hypic_jax.models import stack as layer_stack, qwen3_5
+from hypic_jax.models.base import Model
 
 
 def split(rng, length: int, vocab: int, docs: int, query: int) -> list[list[int]]:
     """A random prompt of `length` tokens as `docs` documents and a `query`-token query."""
-    return split_tokens(rng, rng.integers(3, vocab, length).tolist(), docs, query)
+    return split_prompt(rng, rng.integers(3, vocab, length).tolist(), docs, query)
 
 
 def requests(engine, segs, seam, repeats):
     """ms of full_recompute, cold trr and warm trr, and their logits."""
     out, logits = {}, {}
-    out["full_recompute"], r = timed(lambda: engine.prefill(segs, mode="full_recompute"), repeats)
+    out["full_recompute"], r = median_seconds(lambda: engine.prefill(segs, mode="full_recompute"), repeats)
     logits["full_recompute"] = r.logits
 
     def cold():
         engine.clear_cache()
         return engine.prefill(segs, mode="transition_rope_recompute", seam=seam)
 
-    out["trr_cold"], r = timed(cold, repeats)
+    out["trr_cold"], r = median_seconds(cold, repeats)
     logits["trr_cold"] = r.logits
-    out["trr_warm"], r = timed(lambda: engine.prefill(segs, mode="transition_rope_recompute", seam=seam), repeats)
+    out["trr_warm"], r = median_seconds(lambda: engine.prefill(segs, mode="transition_rope_recompute", seam=seam),
+                                        repeats)
     assert r.stats.misses == 0, r.stats
     logits["trr_warm"] = r.logits
     return {k: round(1e3 * v, 2) for k, v in out.items()}, logits
@@ -161,8 +153,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
 
     def save():  # after every part, so a run cut short still leaves what it measured
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
 
     if "check" not in args.skip:
         config, dtype = make(args.check_layers)
@@ -176,12 +167,8 @@ def main(argv=None) -> None:
             name = f"{impl}/{'scan' if scan else 'unrolled'}"
             engine = engine_for(stacked if scan else model, check_rungs, args, impl, scan)
             log(f"[check {name}] plan {engine.plan}")
-            keys = [k for k in engine.programs.keys_for(check_rungs[-1]) if k.kind in SPAN_KINDS + ("commit",)]
-            start = time.perf_counter()
-            engine.programs.compile(keys, progress=False)
-            engine.programs.serving = True
-            detail = {f"{k['kind']}@{k['tokens']}": k["compile_s"] for k in engine.programs.report()}
-            log(f"[check {name}] {len(keys)} programs in {time.perf_counter() - start:.1f} s wall: {detail}")
+            count, wall, detail = compile_programs(engine, check_rungs[-1], SPAN_KINDS + ("commit",))
+            log(f"[check {name}] {count} programs in {wall:.1f} s wall: {detail}")
             engines[name] = engine
         rows = []
         for length in lengths:
@@ -194,8 +181,8 @@ def main(argv=None) -> None:
             reference = results["xla/unrolled"][1]
             for name, (ms, logits) in results.items():
                 row = dict(part="check", length=length, engine=name, ms=ms,
-                           rel_diff={k: float(f"{rel(logits[k], reference[k]):.3g}") for k in logits},
-                           full_recompute_vs_engine=float(f"{rel(logits['full_recompute'], exact):.3g}"))
+                           rel_diff={k: float(f"{max_rel(logits[k], reference[k]):.3g}") for k in logits},
+                           full_recompute_vs_engine=float(f"{max_rel(logits['full_recompute'], exact):.3g}"))
                 rows.append(row)
                 log(json.dumps(row))
             log(f"compiles while timing: {backend_compiles() - before}")
@@ -238,7 +225,7 @@ def main(argv=None) -> None:
             start = time.perf_counter()
             exact(segs)
             first = time.perf_counter() - start
-            exact_s, _ = timed(lambda: exact(segs), args.repeats)
+            exact_s, _ = median_seconds(lambda: exact(segs), args.repeats)
             report["exact"] = dict(length=length, first_s=round(first, 1), ms=round(1e3 * exact_s, 2),
                                    padded_over_exact={impl: round(t["ms"]["full_recompute"] / (1e3 * exact_s), 3)
                                                       for impl, t in timing.items()})

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 
 import jax
 import jax.numpy as jnp
+
+from common import write_json
 
 from hypic_jax.demo import FAMILY_BUILDERS, median_time as timed
 
@@ -65,9 +66,7 @@ def main(argv=None) -> None:
             print(f"{name:<16} {length:>7} {row['recurrent_ms']:>13.2f} {row['chunked_ms']:>11.2f} "
                   f"{t_recurrent / t_chunked:>8.1f}x {row['summarize_ms']:>13.2f} {row['build_overhead']:>17.2f}x "
                   f"{row['tokens_per_s']:>14.0f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

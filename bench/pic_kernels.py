@@ -27,25 +27,17 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import compose_pairs, timeit  # noqa: E402
+from kernels import compose_pairs, rel, timeit
 
-from hypic_jax.core import linear_attn as la  # noqa: E402
-from hypic_jax.kernels import attention as pattn  # noqa: E402
-from hypic_jax.kernels import compose as cmp  # noqa: E402
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+from hypic_jax.core import linear_attn as la
+from hypic_jax.kernels import attention as pattn
+from hypic_jax.kernels import compose as cmp
 
 
 def host_prefix(t, s):

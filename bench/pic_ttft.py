@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -30,13 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill import active_weights_per_token, count_params, full_config, small_config  # noqa: E402
+from common import active_weights_per_token, count_params, full_config, small_config
 
-from hypic_jax.stitch import layout as lay  # noqa: E402
-from hypic_jax.engine import Engine, KernelOptions, seam_tokens  # noqa: E402
-from hypic_jax.models import qwen3_5  # noqa: E402
-from hypic_jax.models.base import COMPOSE_ALGORITHMS, FOLD_IMPLS, LINEAR_IMPLS, Model  # noqa: E402
+from hypic_jax.stitch import layout as lay
+from hypic_jax.engine import Engine, KernelOptions, seam_tokens
+from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import COMPOSE_ALGORITHMS, FOLD_IMPLS, LINEAR_IMPLS, Model
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
 

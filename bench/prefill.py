@@ -22,88 +22,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from common import active_weights_per_token, count_params, full_config, small_config
 
 from hypic_jax.models import mixing, qwen3_5
 from hypic_jax.models.base import KernelOptions
-
-
-def random_model(config: qwen3_5.Config, dtype, *, scan: bool = True):
-    """`config` with random weights (seed 0), its layers stacked once (`stack_layers(..., consume=True)`), so that
-    every engine built on it shares one copy of the weights: an engine given an unstacked model stacks a copy of its
-    own, and at the 35B-A3B shape two copies and the pools do not fit on one card (bench/RESULTS.md,
-    "segment_parallel.py")."""
-    from hypic_jax.engine import stack_layers
-    from hypic_jax.models.base import Model
-
-    return stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), scan=scan,
-                        consume=True)
-
-
-def full_config(layers: int = 40) -> qwen3_5.Config:
-    return qwen3_5.Config(
-        vocab_size=248320,
-        hidden_size=2048,
-        layer_types=qwen3_5.default_layer_types(layers),
-        mlp_types=("moe",) * layers,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        rotary_dim=64,
-        rope_theta=10_000_000.0,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        num_experts=256,
-        num_experts_per_tok=8,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-    )
-
-
-def small_config() -> qwen3_5.Config:
-    return qwen3_5.Config(
-        vocab_size=1024,
-        hidden_size=128,
-        layer_types=qwen3_5.default_layer_types(4),
-        mlp_types=("moe",) * 4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rotary_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-    )
-
-
-def count_params(params) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-
-
-def active_weights_per_token(config: qwen3_5.Config) -> int:
-    """Weights one token multiplies (routed experts: only the top-k), excluding embedding lookup and LM head."""
-    h = config.hidden_size
-    total = 0
-    for layer_type, mlp_type in zip(config.layer_types, config.mlp_types):
-        if layer_type == qwen3_5.LINEAR:
-            total += h * (config.conv_dim + config.linear_value_dim + 2 * config.linear_num_value_heads)
-            total += config.linear_value_dim * h
-        else:
-            d, hq, hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-            total += h * (2 * hq * d + 2 * hkv * d) + hq * d * h
-        if mlp_type == "dense":
-            total += 3 * h * config.intermediate_size
-        else:
-            total += h * config.num_experts + config.num_experts_per_tok * 3 * h * config.moe_intermediate_size
-            total += 3 * h * config.shared_expert_intermediate_size + h
-    return total
 
 
 def prefill_flops(config: qwen3_5.Config, length: int, batch: int = 1, chunk: int = 64) -> dict[str, float]:

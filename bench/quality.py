@@ -39,8 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+BENCH = Path(__file__).resolve().parent
 
 
 def heldout_prompts(seed: int, docs: list[int], prompts: int, questions: int, filler: int):
@@ -77,9 +76,8 @@ def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
     them)."""
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(ROOT / "bench"))
     from cache_tiers import entry_bytes_per_token
-    from prefill import full_config
+    from common import full_config
 
     from hypic_jax.models import qwen3_5
 
@@ -94,11 +92,10 @@ def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
 def transformers_reference(folder: Path):
     """transformers' float32 model of the folder. The bench folder leaves sys.path while transformers loads: it
     probes for an optional package named `kernels`, and bench/kernels.py would be taken for it."""
-    bench = (ROOT / "bench").resolve()
     saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != bench]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
     shadow = sys.modules.get("kernels")
-    if shadow is not None and Path(getattr(shadow, "__file__", "") or ".").resolve().parent == bench:
+    if shadow is not None and Path(getattr(shadow, "__file__", "") or ".").resolve().parent == BENCH:
         del sys.modules["kernels"]
     try:
         import torch

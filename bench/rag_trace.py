@@ -21,37 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill import full_config, random_model, small_config  # noqa: E402
+from common import full_config, rag_requests, random_model, small_config, write_json
 
-from hypic_jax.engine import Engine, KernelOptions, backend_compiles  # noqa: E402
-from hypic_jax.models.base import FOLD_IMPLS  # noqa: E402
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles
+from hypic_jax.models.base import FOLD_IMPLS
 
 MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
-
-
-def trace(vocab: int, *, corpus: int, requests: int, docs: int, min_len: int, max_len: int, seed: int,
-          fixed_len: int | None = None):
-    rng = np.random.default_rng(seed)
-    lengths = np.exp(rng.uniform(np.log(min_len), np.log(max_len), corpus)).astype(int)
-    if fixed_len:
-        lengths = np.full(corpus, fixed_len)
-    documents = [rng.integers(3, vocab, n).tolist() for n in lengths]
-    weights = 1.0 / np.arange(1, corpus + 1) ** 1.1
-    weights /= weights.sum()
-    out = []
-    for _ in range(requests):
-        picked = rng.choice(corpus, size=min(docs, corpus), replace=False, p=weights)
-        out.append([documents[i] for i in picked] + [rng.integers(3, vocab, int(rng.integers(32, 97))).tolist()])
-    return out
 
 
 def percentiles(values) -> dict:
@@ -98,7 +79,7 @@ def main(argv=None) -> None:
     else:
         config, dtype = full_config(args.layers), jnp.bfloat16
     model = random_model(config, dtype, scan=args.scan)
-    requests = trace(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
+    requests = rag_requests(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
                      min_len=args.min_len, max_len=args.max_len, seed=args.seed, fixed_len=args.fixed_len)
     longest = max(sum(map(len, r)) for r in requests)
     max_prompt = args.max_prompt_tokens or (args.rungs[-1] if args.rungs else longest)
@@ -170,8 +151,7 @@ def main(argv=None) -> None:
     if full and trr:
         report["full_recompute_over_all_cached_trr"] = round(full / trr, 2)
         print(json.dumps(dict(full_recompute_over_all_cached_trr=report["full_recompute_over_all_cached_trr"])))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

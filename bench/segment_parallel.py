@@ -42,8 +42,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from hypic_jax.stitch import layout as lay  # noqa: E402
 from hypic_jax.parallel import policy as parallel  # noqa: E402
 from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
@@ -154,7 +152,7 @@ def main() -> None:
         rungs = (128, 256, 512, 1088)
         cache_bytes = int((args.cache_gb or 1 / 64) * 2**30)
     else:
-        from prefill import full_config, random_model
+        from common import full_config, random_model
 
 
         config = full_config(args.layers)

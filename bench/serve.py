@@ -173,8 +173,7 @@ def main() -> None:
     if args.random_35b:
         import tempfile
 
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from prefill import full_config
+        from common import full_config
 
         from hypic_jax.checkpoint import write_metadata
 

@@ -19,22 +19,19 @@ import dataclasses
 import functools
 import json
 import re
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefill import small_config  # noqa: E402
+from common import small_config, write_json
 
-from hypic_jax.stitch import layout as lay  # noqa: E402
-from hypic_jax.engine import Engine, KernelOptions, seam_tokens  # noqa: E402
-from hypic_jax.engine.programs import ProgramKey, span_options, span_program  # noqa: E402
-from hypic_jax.models import qwen3_5  # noqa: E402
-from hypic_jax.models.base import FOLD_IMPLS, Model  # noqa: E402
+from hypic_jax.stitch import layout as lay
+from hypic_jax.engine import Engine, KernelOptions, seam_tokens
+from hypic_jax.engine.programs import ProgramKey, span_options, span_program
+from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import FOLD_IMPLS, Model
 
 MODE = "transition_rope_recompute"
 
@@ -99,8 +96,7 @@ def main(argv=None) -> None:
         hlo_instructions=sum(ops.values()), fusions=ops["fusion"], warm_ttft_ms=round(1e3 * min(times), 1),
     )
     print(json.dumps(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The reference a user would otherwise run: Hugging Face transformers' full prefill of the same Qwen3.5-35B-A3B
 shape as `bench/prefill.py` (random bf16 weights), timed the same way (best of N after a warm-up).
 
-The shape comes from `prefill.full_config`, mapped onto transformers' `Qwen3_5MoeTextConfig`, so both benchmarks
+The shape comes from `common.full_config`, mapped onto transformers' `Qwen3_5MoeTextConfig`, so both benchmarks
 build the same model. On a GPU, transformers uses flash-linear-attention's Triton kernels for the GDN layers when
 the `fla` package is importable (carry its wheels; `bash bench/h200.sh models` installs them from .whl/) and the
 grouped-mm experts implementation when it exists. Run it in its own process: it and the JAX benchmark each need
@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def hf_config(ours, transformers):
@@ -49,7 +45,7 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from prefill import full_config, small_config
+    from common import full_config, small_config
 
     ours = small_config() if args.small else full_config(args.layers)
     device = "cpu" if args.small else "cuda"

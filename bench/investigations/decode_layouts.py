@@ -4,21 +4,16 @@ then every row stepped (the batch programs), once per layout choice; the sampled
 every call compared. On a CPU the compiler keeps row-major layouts (tests/test_layer_stack.py forces others);
 this is the check for a GPU, where it picks others.
 
-    python bench/investigations/decode_layouts.py [--layers 8]     # the 35B-A3B shape, random bf16 weights (GPU)
-    python bench/investigations/decode_layouts.py --small          # CPU size
+    python -m bench.investigations.decode_layouts [--layers 8]     # the 35B-A3B shape, random bf16 weights (GPU)
+    python -m bench.investigations.decode_layouts --small          # CPU size
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def decode_calls(engine, prompts, steps: int) -> list[tuple]:
@@ -44,7 +39,7 @@ def decode_calls(engine, prompts, steps: int) -> list[tuple]:
 def main(argv=None) -> None:
     import jax
     import jax.numpy as jnp
-    from prefill import full_config, random_model, small_config
+    from bench.common import full_config, random_model, small_config
 
     from hypic_jax.engine import Engine, KernelOptions
 

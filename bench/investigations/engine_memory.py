@@ -7,8 +7,8 @@ memory. Per step this prints the bytes held on the first device: the device's ow
 (two arrays on one buffer count once). The mesh engine (`devices=2`: an engine of one device runs no mesh) is built
 where the process has two devices (`--small` forces two CPU host devices).
 
-    python3 bench/investigations/engine_memory.py --layers 12 --cache-gb 6     # GPUs
-    python3 bench/investigations/engine_memory.py --small                      # the CPU
+    python3 -m bench.investigations.engine_memory --layers 12 --cache-gb 6     # GPUs
+    python3 -m bench.investigations.engine_memory --small                      # the CPU
 """
 import os
 import sys
@@ -21,14 +21,11 @@ if "--small" in sys.argv:  # the host device count is read when JAX starts
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from prefill import full_config, random_model, small_config  # noqa: E402
+from bench.common import full_config, random_model, small_config  # noqa: E402
 
 from hypic_jax.engine import Engine  # noqa: E402
 from hypic_jax.models import qwen3_5  # noqa: E402

@@ -3,24 +3,19 @@ process: the default `GDNConfig()` (on Hopper: both kernels under Mosaic GPU, th
 Triton's chunk-local kernel, the Mosaic GPU pass without clusters, Triton's pass, and both in Triton
 (bench/RESULTS.md, H200, 2026-11-30).
 
-    python3 bench/investigations/forward_lowerings.py          # on the H200; LENGTH=... for another length
+    python3 -m bench.investigations.forward_lowerings          # on the H200; LENGTH=... for another length
 """
 
 from __future__ import annotations
 
 import os
-import sys
-
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
-sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
-sys.path.insert(0, BENCH)
 
 
 def main():
     import jax
 
     from hypic_jax.kernels import gdn
-    from kernels import DIM, gdn_inputs, timeit
+    from bench.kernels import DIM, gdn_inputs, timeit
 
     q, k, v, g, beta = gdn_inputs(int(os.environ.get("LENGTH", 32768)))
     for name, cfg in (("GDNConfig()", gdn.GDNConfig()), ("locals triton", gdn.GDNConfig(locals_lowering="triton")),

@@ -4,18 +4,14 @@ factor exp(sum of the gate g over the document's tokens) of a Qwen3.5-architectu
 dropping the transfer operator (HYPIC's `addition`) changes little downstream of that document. Also each head's
 median decay rate -g per token. The gates are read by `trainer.forward_with_gates` (the model's own layers).
 
-    python bench/investigations/gate_decay.py [--model DIR] [--docs 16] [--prompts 4]
+    python -m bench.investigations.gate_decay [--model DIR] [--docs 16] [--prompts 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main(argv=None) -> None:

@@ -6,6 +6,8 @@ numpy vector every call, with a vector already on the device, and through an exp
 The sizes span 4 KB to 2.8 MB, around the headline layout's 183 KB packed and 721 KB unpacked. Prints one JSON
 line per size: the median over 50 timed calls (after 10 untimed) in ms, host clock, until the result is back.
 Answers in bench/RESULTS.md ("The packed layout itself").
+
+    python -m bench.investigations.h2d_probe
 """
 import json
 import time

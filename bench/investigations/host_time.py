@@ -1,29 +1,25 @@
 """The host's part of a stitched request's time to first token: what `Engine.prefill` does before the program
 is dispatched, step by step, for an all-cached trr request of the headline's layout (64 documents of 512 tokens,
 seams of 8, a 32 to 96-token query, the 768-token rung and 33,792 keys). The model is the small one of
-`bench/prefill.py` (the host's work does not depend on the widths); the engine is warmed and every document cached
+`bench/common.py` (the host's work does not depend on the widths); the engine is warmed and every document cached
 first. Prints the mean ms per call of each step over `--repeats` runs: the token ids (`engine.reader`), the 64 cache
 keys (SHA-256), the 64 lookups, the whole plan, the layout (`layout.build`) and its packing, then the packed
 vector's size.
 
-    python3 bench/investigations/host_time.py [--repeats 200]
+    python3 -m bench.investigations.host_time [--repeats 200]
 """
 import argparse
 import dataclasses
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # noqa: E402
+from bench.common import rag_requests, random_model, small_config
 
-from hypic_jax.cache import index as cache_keys  # noqa: E402
-from hypic_jax.stitch import layout as lay  # noqa: E402
-from hypic_jax.engine import Engine  # noqa: E402
-from hypic_jax.engine.programs import ProgramKey  # noqa: E402
-from prefill import random_model, small_config  # noqa: E402
-from rag_trace import trace  # noqa: E402
+from hypic_jax.cache import index as cache_keys
+from hypic_jax.stitch import layout as lay
+from hypic_jax.engine import Engine
+from hypic_jax.engine.programs import ProgramKey
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--repeats", type=int, default=200)
@@ -31,7 +27,8 @@ args = parser.parse_args()
 
 config = small_config()
 model = random_model(config, jnp.float32, scan=True)
-requests = trace(config.vocab_size, corpus=64, requests=6, docs=64, min_len=200, max_len=1200, seed=0, fixed_len=512)
+requests = rag_requests(config.vocab_size, corpus=64, requests=6, docs=64, min_len=200, max_len=1200, seed=0,
+                        fixed_len=512)
 engine = Engine(model, max_prompt_tokens=33792, max_segments=65, cache_bytes=1 << 30, max_new_tokens=0, max_batch=1,
                 token_rungs=(768, 2048, 32768, 33792), compile_cache="none")
 engine.prefill(requests[0])  # compiles, caches every document

@@ -3,7 +3,7 @@ log-uniform lengths 200 to 1,200 tokens, each a fresh seam of 8 tokens and a cac
 query, at the 35B-A3B engine's `pic` capacity (512 fresh tokens, 68 pieces, 20,480 keys, 33 records, chunks of 16,
 conv width 4). Also times `layout.pack`. Prints the mean ms per call over 200 calls.
 
-    python bench/investigations/layout_build.py
+    python -m bench.investigations.layout_build
 """
 import time
 

@@ -5,9 +5,9 @@ lowering. Each variant runs in its own process under a timeout (TIMEOUT_S, defau
 completes: under JAX 0.11's default warpgroup semantics the kernel's layout inference never finished (H200,
 2026-11-30, bench/RESULTS.md), and a variant that hangs must not take the others with it.
 
-    python3 bench/investigations/locals_mgpu.py                 # every variant, then the forward
-    python3 bench/investigations/locals_mgpu.py --quick         # the default and three variants, then the forward
-    python3 bench/investigations/locals_mgpu.py --variant NAME  # one variant in this process
+    python3 -m bench.investigations.locals_mgpu                 # every variant, then the forward
+    python3 -m bench.investigations.locals_mgpu --quick         # the default and three variants, then the forward
+    python3 -m bench.investigations.locals_mgpu --variant NAME  # one variant in this process
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ import os
 import subprocess
 import sys
 import time
-
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
-sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
-sys.path.insert(0, BENCH)
 
 # name -> MosaicLocalsConfig fields; the later ones take the interpreter's forms one at a time, to bisect a hang
 VARIANTS = {
@@ -40,7 +36,7 @@ def _inputs():
     import jax.numpy as jnp
 
     from hypic_jax.kernels.gdn.common import chunk_cumsum
-    from kernels import HEADS, gdn_inputs
+    from bench.kernels import HEADS, gdn_inputs
 
     length = int(os.environ.get("LENGTH", 32768))
     q, k, v, g, beta = gdn_inputs(length)
@@ -53,7 +49,7 @@ def run_variant(name):
 
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn import mosaic_chunk_local as glm
-    from kernels import DIM, timeit
+    from bench.kernels import DIM, timeit
 
     args, _, jnp = _inputs()
     scale = DIM**-0.5
@@ -77,7 +73,7 @@ def run_forward():
     import jax
 
     from hypic_jax.kernels import gdn
-    from kernels import DIM, timeit
+    from bench.kernels import DIM, timeit
 
     _, (q, k, v, g, beta), _ = _inputs()
     for name, c in (("locals triton", gdn.GDNConfig(locals_lowering="triton")),
@@ -99,7 +95,7 @@ def main():
     timeout = float(os.environ.get("TIMEOUT_S", 60))
     for name in list(QUICK if opts.quick else VARIANTS) + ["forward"]:
         try:
-            subprocess.run([sys.executable, __file__, "--variant", name], timeout=timeout, check=False)
+            subprocess.run([sys.executable, "-m", __spec__.name, "--variant", name], timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             print(f"{name}: did not finish within {timeout:.0f} s", flush=True)
 

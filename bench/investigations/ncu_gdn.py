@@ -1,8 +1,8 @@
 """One warm Gated DeltaNet forward between cudaProfilerStart/Stop, for Nsight Compute's hardware counters.
 
     ncu --profile-from-start off --clock-control none --section ... \
-      python3 bench/investigations/ncu_gdn.py --impl pallas
-    ncu --profile-from-start off ... python3 bench/investigations/ncu_gdn.py --impl fla   # fla's forward
+      python3 -m bench.investigations.ncu_gdn --impl pallas
+    ncu --profile-from-start off ... python3 -m bench.investigations.ncu_gdn --impl fla   # fla's forward
 
 Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
 autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
@@ -11,7 +11,7 @@ memory pool and command buffers off, so that ncu can replay each kernel:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" ncu --profile-from-start off \
       --clock-control none --kernel-name regex:gdn --section SpeedOfLight --section WarpStateStats \
-      python3 bench/investigations/ncu_gdn.py --impl pallas [--emit]
+      python3 -m bench.investigations.ncu_gdn --impl pallas [--emit]
 """
 
 from __future__ import annotations
@@ -20,11 +20,6 @@ import argparse
 import ctypes
 import ctypes.util
 import os
-import sys
-
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
-sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
-sys.path.insert(0, BENCH)
 
 
 def _cudart():
@@ -50,7 +45,7 @@ def _cudart():
 def run_pallas(length, emit):
     import jax
 
-    from kernels import DIM, gdn_inputs
+    from bench.kernels import DIM, gdn_inputs
     from hypic_jax.kernels import gdn
 
     q, k, v, g, beta = gdn_inputs(length)
@@ -70,7 +65,7 @@ def run_fla(length):
     import torch
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from kernels import DIM, KEY_HEADS, fla_gdn_inputs
+    from bench.kernels import DIM, KEY_HEADS, fla_gdn_inputs
 
     q, k, v, g, beta = fla_gdn_inputs(length, KEY_HEADS)
     fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=DIM**-0.5,  # noqa: E731

@@ -9,7 +9,7 @@ scheduled each one's start right before its done, after the previous state pass,
 pieces' input slices and output concatenation cost 0.38 ms at 2 pieces. `OVERLAP_SCHEDULE=1` records the
 scheduled order of the launches, to check a later XLA.
 
-    python bench/investigations/overlap_gdn.py --out DIR [--length 32768] [--parts 1,2,4,8] [--smoke]
+    python -m bench.investigations.overlap_gdn --out DIR [--length 32768] [--parts 1,2,4,8] [--smoke]
 """
 
 from __future__ import annotations
@@ -18,19 +18,15 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)  # the repository root: hypic_jax
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from hypic_jax.core import linear_attn as la  # noqa: E402
-from hypic_jax.kernels import gdn  # noqa: E402
-from hypic_jax.kernels.gdn.common import chunk_cumsum  # noqa: E402
-from hypic_jax.kernels.gdn.state import state_pass  # noqa: E402
+from hypic_jax.core import linear_attn as la
+from hypic_jax.kernels import gdn
+from hypic_jax.kernels.gdn.common import chunk_cumsum
+from hypic_jax.kernels.gdn.state import state_pass
 
 HEADS, KEY_HEADS, DIM = 32, 16, 128
 

@@ -14,7 +14,7 @@ it replaces in a stitched request is the fold above plus the two passes over the
 summaries, then the outputs from the incoming states), which `bench/rag_trace.py --profile-dir` times in place.
 Its error is against `chunk_fold_reference` (float32, HIGHEST).
 
-    python3 bench/investigations/piece_fold.py [--pieces 66 258] [--heads 32] [--blocked]
+    python3 -m bench.investigations.piece_fold [--pieces 66 258] [--heads 32] [--blocked]
 """
 import argparse
 import json

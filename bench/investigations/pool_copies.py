@@ -5,7 +5,7 @@ readers and copies whole pools on every call.
 For each pool budget, this counts the pool-shaped `copy` instructions in the compiled `pic` and `commit` programs
 and times a warm PIC request and a warm full recompute of the demo's tiny model (median of `--repeats`).
 
-    python3 bench/investigations/pool_copies.py [--budgets-mb 16,1024] [--repeats 5]
+    python3 -m bench.investigations.pool_copies [--budgets-mb 16,1024] [--repeats 5]
 """
 
 from __future__ import annotations

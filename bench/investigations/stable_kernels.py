@@ -3,7 +3,7 @@
 full prefill (`arch.prefill`) compiled at each prompt's exact length.
 
 For a Qwen3.5 shape (the 35B-A3B shape at `--layers` layers, random bf16 weights; `--small`: a 3-layer version of
-`bench/prefill.py`'s toy float32 model, where "pallas" runs the kernels in the Pallas interpreter), builds one
+`bench/common.py`'s toy float32 model, where "pallas" runs the kernels in the Pallas interpreter), builds one
 engine per path, warms both (the cold, pic, plain and commit programs of each token rung; no decode programs), then
 per prompt length times, warm, the median of `--repeats` runs of:
 
@@ -17,8 +17,8 @@ and prints a table of ms per path, the Pallas path's speed-up, and the largest r
 paths' logits (|a - b|max / |b|max). Compilations during the engines' timed requests are counted (the bar is
 zero).
 
-    python3 bench/investigations/stable_kernels.py                       # H200: 8 layers, rungs 1024 and 16384
-    python3 bench/investigations/stable_kernels.py --small               # CPU smoke run (about two minutes)
+    python3 -m bench.investigations.stable_kernels                       # H200: 8 layers, rungs 1024 and 16384
+    python3 -m bench.investigations.stable_kernels --small               # CPU smoke run (about two minutes)
 """
 
 from __future__ import annotations
@@ -26,52 +26,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from prefill import full_config, small_config  # noqa: E402
+from bench.common import (compile_programs, full_config, log, max_rel, median_seconds, small_config, split_prompt,
+                          write_json)
 
-from hypic_jax.engine import Engine, KernelOptions, backend_compiles, stack_layers  # noqa: E402
-from hypic_jax.models import qwen3_5  # noqa: E402
-from hypic_jax.models.base import Model  # noqa: E402
+from hypic_jax.engine import Engine, KernelOptions, backend_compiles, stack_layers
+from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import Model
 
 IMPLS = ("xla", "pallas")
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-
-
-def split(rng, tokens: list[int], docs: int, query: int) -> list[list[int]]:
-    """The prompt as `docs` documents of random lengths (each at least a quarter of the mean) and a query of
-    `query` tokens."""
-    body, tail = tokens[:-query], tokens[-query:]
-    floor = len(body) // (4 * docs)
-    lengths = floor + rng.multinomial(len(body) - floor * docs, np.full(docs, 1.0 / docs))
-    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-    return [body[a:b] for a, b in zip(bounds[:-1], bounds[1:])] + [tail]
-
-
-def timed(fn, repeats: int):
-    """(median seconds of `repeats` warm calls, the last result); one untimed call first."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), result
 
 
 def main(argv=None) -> None:
@@ -114,12 +82,8 @@ def main(argv=None) -> None:
                         max_new_tokens=0, max_batch=1, cache_bytes=int(args.cache_gb * (1 << 30)), eviction="lru",
                         kernels=KernelOptions(linear=impl), mean_entry_tokens=max(16, max(lengths) // args.docs),
                         compile_cache="none")
-        keys = [k for k in engine.programs.keys_for(rungs[-1]) if k.kind in ("cold", "pic", "plain", "commit")]
-        start = time.perf_counter()
-        engine.programs.compile(keys, progress=False)
-        engine.programs.serving = True
-        detail = {f"{k['kind']}@{k['tokens']}": k["compile_s"] for k in engine.programs.report()}
-        log(f"[{impl}] compiled {len(keys)} programs in {time.perf_counter() - start:.1f} s wall: {detail}")
+        count, wall, detail = compile_programs(engine, rungs[-1], ("cold", "pic", "plain", "commit"))
+        log(f"[{impl}] compiled {count} programs in {wall:.1f} s wall: {detail}")
         engines[impl] = engine
 
     rng = np.random.default_rng(0)
@@ -130,20 +94,21 @@ def main(argv=None) -> None:
         return np.asarray(exact_prefill(model.params, np.concatenate(segs)[None].astype(np.int32))[0])
     for length in lengths:
         tokens = rng.integers(3, config.vocab_size, length).tolist()
-        segs = split(rng, tokens, args.docs, args.query)
+        segs = split_prompt(rng, tokens, args.docs, args.query)
         before = backend_compiles()
         got = {}
         for impl, engine in engines.items():
             ms = {}
-            ms["full_recompute"], full = timed(lambda: engine.prefill(segs, mode="full_recompute"), args.repeats)
+            ms["full_recompute"], full = median_seconds(lambda: engine.prefill(segs, mode="full_recompute"),
+                                                        args.repeats)
 
             def cold(engine=engine):
                 engine.clear_cache()
                 return engine.prefill(segs, mode="transition_rope_recompute", seam=args.seam)
 
-            ms["trr_cold"], trr = timed(cold, args.repeats)
+            ms["trr_cold"], trr = median_seconds(cold, args.repeats)
             assert trr.stats.misses > 0 and trr.stats.hits == 0, trr.stats
-            ms["trr_warm"], warm = timed(
+            ms["trr_warm"], warm = median_seconds(
                 lambda: engine.prefill(segs, mode="transition_rope_recompute", seam=args.seam), args.repeats)
             assert warm.stats.misses == 0, warm.stats
             got[impl] = (ms, full.logits, trr.logits, warm.logits)
@@ -151,18 +116,19 @@ def main(argv=None) -> None:
         serving_compiles = backend_compiles() - before
         exact_ms, exact_logits = None, None
         if not args.no_exact:
-            exact_s, exact_logits = timed(lambda: exact(segs), args.repeats)
+            exact_s, exact_logits = median_seconds(lambda: exact(segs), args.repeats)
             exact_ms = 1e3 * exact_s
             log(f"[exact] length {length}: exact-length full prefill {exact_ms:.2f} ms")
         (xms, xfull, xcold, xwarm), (pms, pfull, pcold, pwarm) = got["xla"], got["pallas"]
-        diffs = dict(full_recompute=rel(pfull, xfull), trr_cold=rel(pcold, xcold), trr_warm=rel(pwarm, xwarm))
+        diffs = dict(full_recompute=max_rel(pfull, xfull), trr_cold=max_rel(pcold, xcold),
+                     trr_warm=max_rel(pwarm, xwarm))
         for what in ("full_recompute", "trr_cold", "trr_warm"):
             row = dict(length=length, what=what, xla_ms=round(1e3 * xms[what], 2), pallas_ms=round(1e3 * pms[what], 2),
                        speedup=round(xms[what] / pms[what], 2), rel_logit_diff=float(f"{diffs[what]:.3g}"))
             if what == "full_recompute" and exact_ms is not None:
                 row.update(engine_exact_ms=round(exact_ms, 2), pallas_over_exact=round(1e3 * pms[what] / exact_ms, 2),
                            xla_over_exact=round(1e3 * xms[what] / exact_ms, 2),
-                           rel_logit_diff_pallas_vs_exact=float(f"{rel(pfull, exact_logits):.3g}"))
+                           rel_logit_diff_pallas_vs_exact=float(f"{max_rel(pfull, exact_logits):.3g}"))
             rows.append(row)
         log(f"length {length}: {serving_compiles} compilations in the engines' timed requests")
         rows.append(dict(length=length, what="engine_compiles", count=serving_compiles))
@@ -180,8 +146,7 @@ def main(argv=None) -> None:
                   rungs=rungs, docs=args.docs, rows=rows,
                   programs={impl: e.programs.report() for impl, e in engines.items()})
     log(json.dumps(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,24 @@
 """Where the engine's plain program spends its time: one long fresh span against many short ones of the same total,
 through the same compiled program, with a profiler trace of each.
 
-    python bench/investigations/stable_probe.py --layers 8 --profile-dir /tmp/probe
+    python -m bench.investigations.stable_probe --layers 8 --profile-dir /tmp/probe
     python bench/trace_summary.py /tmp/probe/one_span --top 25
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from prefill import full_config  # noqa: E402
+from bench.common import full_config
 
-from hypic_jax.models import qwen3_5  # noqa: E402
-from hypic_jax.models.base import Model  # noqa: E402
-from hypic_jax.engine import Engine  # noqa: E402
+from hypic_jax.models import qwen3_5
+from hypic_jax.models.base import Model
+from hypic_jax.engine import Engine
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 width and slot count, on the chunk-local kernel's own operands: what bounds the pass (bench/RESULTS.md, H200,
 2026-11-30).
 
-    python3 bench/investigations/state_pass.py            # on the H200; prints one line per launch
-    python3 bench/investigations/state_pass.py --quick    # the default launch under both semantics, one Triton
+    python3 -m bench.investigations.state_pass            # on the H200; prints one line per launch
+    python3 -m bench.investigations.state_pass --quick    # the default launch under both semantics, one Triton
 
 Mosaic GPU (`gdn.mosaic_state.state_pass_mgpu`) at 32 and 64 value columns a block, 1 to 3 slots, with and without
 clusters of column blocks sharing multicast operands, then Triton (`gdn.state.state_pass`) at 32 columns with 2 and 3
@@ -15,10 +15,6 @@ from __future__ import annotations
 import os
 import sys
 
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
-sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
-sys.path.insert(0, BENCH)
-
 
 def main():
     quick = "--quick" in sys.argv[1:]  # the default launch under both lowering semantics, and one Triton launch
@@ -28,7 +24,7 @@ def main():
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn import mosaic_state
     from hypic_jax.kernels.gdn.state import state_pass
-    from kernels import DIM, HEADS, locals_operands, timeit
+    from bench.kernels import DIM, HEADS, locals_operands, timeit
 
     _, (b, p, w, u, ks, qs) = locals_operands(int(os.environ.get("LENGTH", 32768)))
     scale = DIM**-0.5

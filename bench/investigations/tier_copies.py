@@ -1,7 +1,7 @@
 """Where the copies of the cache tiers spend their time, outside the engine's request path.
 
-    python bench/investigations/tier_copies.py --demotion [--layers 8]   # GPU: the 35B-A3B shape, random weights
-    python bench/investigations/tier_copies.py --checksums [--mb 41]     # any machine
+    python -m bench.investigations.tier_copies --demotion [--layers 8]   # GPU: the 35B-A3B shape, random weights
+    python -m bench.investigations.tier_copies --checksums [--mb 41]     # any machine
 
 --demotion: one demotion of a 512- and a 1,024-token entry taken apart, exact and compact (bfloat16, T heads at
 most 0 left out): the gather program's dispatch, `copy_to_host_async` on its outputs, waiting for them, the host
@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 def demotion(layers: int) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from prefill import full_config, random_model
+    from bench.common import full_config, random_model
 
     from hypic_jax.engine import Engine
 

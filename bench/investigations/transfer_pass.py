@@ -12,18 +12,14 @@ S), at 32k on the H200 (Qwen3.5 shapes: 16 key -> 32 value heads of 128, bf16), 
    norm ~1): `GDNConfig()` and the Triton passes against `linear_attn.summarize` in float32, with the lowering the
    transfer pass took and the time of the emitting forward.
 
-    python3 bench/investigations/transfer_pass.py            # on the H200; LENGTH=... for another length
-    python3 bench/investigations/transfer_pass.py --short    # section 4 only
+    python3 -m bench.investigations.transfer_pass            # on the H200; LENGTH=... for another length
+    python3 -m bench.investigations.transfer_pass --short    # section 4 only
 """
 
 from __future__ import annotations
 
 import os
 import sys
-
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/: kernels.py's shapes and timing
-sys.path.insert(0, os.path.dirname(BENCH))  # the repository root: hypic_jax
-sys.path.insert(0, BENCH)
 
 
 SHORT_LENGTHS = (64, 256, 512, 2048, 4096, 4160)
@@ -37,7 +33,7 @@ def short_sequences():
     from hypic_jax.core import linear_attn as la
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn.state import use_mosaic_transfer
-    from kernels import DIM, HEADS, KEY_HEADS, gdn_inputs, rel, timeit
+    from bench.kernels import DIM, HEADS, KEY_HEADS, gdn_inputs, rel, timeit
 
     scale = DIM**-0.5
     rep = lambda x: jnp.repeat(x.astype(jnp.float32), HEADS // KEY_HEADS, 1)  # noqa: E731
@@ -70,7 +66,7 @@ def main():
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn import mosaic_state
     from hypic_jax.kernels.gdn.state import state_pass
-    from kernels import DIM, HEADS, locals_operands, rel, timeit
+    from bench.kernels import DIM, HEADS, locals_operands, rel, timeit
 
     if "--short" in sys.argv[1:]:
         short_sequences()

@@ -1,0 +1,1 @@
+"""One-off scripts, each run from the repository root as `python -m bench.investigations.NAME`."""
