@@ -229,7 +229,10 @@ class Engine:
                                         fingerprint=self.fingerprint, max_tokens=self.max_prompt_tokens,
                                         devices=peer_devices, pool_arrays=self._pool_arrays,
                                         write_pools=self._write_pools, device_lock=self._device_lock)
-        self.cache = self.hierarchy.cache
+        # its parts the engine's callers reach: the device index (`SegmentCache`), the tiers below it (`tr.Tiers`),
+        # the copies between them (`tr.Mover`), the eviction policy's name and its recompute cost model
+        self.cache, self.tiers, self.mover = self.hierarchy.cache, self.hierarchy.tiers, self.hierarchy.mover
+        self.eviction, self.cost = self.hierarchy.eviction, self.hierarchy.cost
         self._slots = None  # the batched decode cache, made on first use
         folder = options.compile.folder()
         self.compile_cache = None if folder is None else _compile_cache_or_none(
@@ -592,7 +595,7 @@ class Engine:
                                   record_rows=entry.rows))
             stored[key] = entry
         cold = [docs[i] for i in missing.values()]
-        timed = self.programs.serving and self.hierarchy.cost.wants_samples()
+        timed = self.programs.serving and self.cost.wants_samples()
         cold_start = time.perf_counter()
         if mesh is not None:
             mesh.run(spans, cold, bins=bins, timed=self.programs.serving)
@@ -601,7 +604,7 @@ class Engine:
             cold_logits, _ = self._run("cold", spans, np.concatenate(cold))
         if timed:  # calibrates the recompute cost model (waits for the cold prefill)
             jax.block_until_ready(cold_logits)
-            self.hierarchy.cost.observe([len(doc) for doc in cold], time.perf_counter() - cold_start)
+            self.cost.observe([len(doc) for doc in cold], time.perf_counter() - cold_start)
         for key, entry in stored.items():
             if entry.device is None:
                 self.hierarchy.store(entry)
@@ -760,28 +763,9 @@ class Engine:
 
     # Cache tiers -------------------------------------------------------------------------------------------------------
     @property
-    def tiers(self) -> tr.Tiers:
-        """The tiers below the device pools (`hypic_jax.cache.tiers.Tiers`)."""
-        return self.hierarchy.tiers
-
-    @property
-    def mover(self) -> tr.Mover:
-        """The compiled copies between the pools and the tiers (`hypic_jax.cache.tiers.Mover`)."""
-        return self.hierarchy.mover
-
-    @property
-    def eviction(self) -> str:
-        return self.hierarchy.eviction
-
-    @property
     def bandwidths(self) -> tr.Bandwidths:
         """The tiers' bandwidths, measured at warmup where the tiers are on."""
         return self.hierarchy.bandwidths
-
-    @property
-    def cost(self) -> tr.CostModel:
-        """The recompute cost model of the cost eviction policy."""
-        return self.hierarchy.cost
 
     @property
     def _promoting(self) -> dict:
