@@ -13,6 +13,7 @@ from hypic_jax.cache.tiers.host import HostStore
 from hypic_jax.cache.tiers.peer import PeerStore
 from hypic_jax.cache.tiers.pieces import Pieces
 
+
 class Tiers:
     """Host and disk tiers of one engine: where a demoted entry goes, where a missing one is found.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypic_jax.cache.tiers.pieces import Pieces
 from hypic_jax.cache.tiers.store import _Meta, _Store
 
+
 class HostStore(_Store):
     tier = "host"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypic_jax.cache.tiers.cost import Policy
 from hypic_jax.cache.tiers.host import HostStore
 
+
 class PeerStore(HostStore):
     """The peer tier on one device: entries demoted from the engine's device into another device's memory (the
     engine's mesh: `Engine(devices=N, peer_cache_bytes=...)`), from which a promotion is one copy between

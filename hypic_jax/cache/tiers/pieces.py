@@ -29,7 +29,6 @@ def payload_digests(views: Sequence[memoryview]) -> list[list[str]]:
     return [[job.result() for job in piece] for piece in jobs]
 
 
-
 def raw_bytes(a: np.ndarray) -> np.ndarray:
     """The bytes of a contiguous array as uint8 (the buffer protocol refuses bfloat16 itself)."""
     return a.reshape(-1).view(np.uint8)

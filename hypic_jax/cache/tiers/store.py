@@ -11,6 +11,7 @@ from pathlib import Path
 from hypic_jax.cache.tiers.cost import Policy
 from hypic_jax.cache.tiers.pieces import Pieces
 
+
 @dataclasses.dataclass
 class _Meta:
     tokens: int
