@@ -52,12 +52,11 @@ keys = [cache_keys.entry_key(d, fingerprint=engine.fingerprint, kind="pic", seam
 
 def lookups():
     with engine.cache.pinned() as pins:
-        return [engine._find(k, d, pins, kind="pic", seam=seam) for k, d in zip(keys, docs)]
+        return [engine.hierarchy.find(k, d, pins, kind="pic", seam=seam) for k, d in zip(keys, docs)]
 
 
 def plan():
-    with engine.cache.pinned() as pins:
-        engine._promoting, engine._fetching = {}, []
+    with engine.cache.pinned() as pins, engine.hierarchy.request():
         return engine._plan(mode, ids, seam, None, pins, sum(map(len, ids)))
 
 

@@ -7,7 +7,8 @@ fixed ladder of compiled programs) and its typed options.
     sampling    the one device sampler
     scheduler   the continuous-batching loop that `generate` and the server share
     placement   one device, or a tensor-parallel mesh
-    engine      `Engine`: planning, prefill, generation, decode rows, tiers, lifecycle
+    planner     a request's plan (`Plan`): its spans, fresh tokens, entries to store, hits and misses
+    engine      `Engine`: prefill, generation, decode rows, lifecycle (its cache: `hypic_jax.cache.hierarchy`)
 """
 
 from hypic_jax.engine.engine import Engine, load_tokenizer, stack_layers, use_compile_cache

@@ -22,16 +22,15 @@ block-diagonal attention at segment boundaries), which records their entries, ov
 position 0 is recomputed from an empty prefix, which reproduces its isolated prefill exactly.
 
 Generation runs through the continuous-batching scheduler (`engine.scheduler`), the same loop and the same device
-sampler as the server, on the engine's batched decode cache of `max_batch` rows. Entries evicted from the device
-pools go down the tiers (`hypic_jax.cache.tiers`: host memory, disk, other devices) and come back on a hit; `close`
-writes what the device and host tiers hold to the disk tier.
+sampler as the server, on the engine's batched decode cache of `max_batch` rows. A request's plan comes from
+`engine.planner`; its entries live in the engine's `hypic_jax.cache.hierarchy.CacheHierarchy`: entries evicted from
+the device pools go down the tiers (`hypic_jax.cache.tiers`: host memory, disk, other devices) and come back on a
+hit; `close` writes what the device and host tiers hold to the disk tier.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -39,7 +38,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +46,12 @@ import numpy as np
 
 from hypic_jax.stitch import layout as lay
 from hypic_jax.cache import tiers as tr
-from hypic_jax.cache.index import Entry, SegmentCache, entry_key, model_fingerprint, tree_nbytes
+from hypic_jax.cache.hierarchy import CacheHierarchy, ColdPrefills
+from hypic_jax.cache.index import Entry, model_fingerprint, tree_nbytes
 from hypic_jax.engine import options as opts
+from hypic_jax.engine import planner
 from hypic_jax.engine.options import EngineOptions
+from hypic_jax.engine.planner import Plan
 from hypic_jax.parallel.tensor import model_placement, place_tensor_parallel
 from hypic_jax.engine.programs import (HIDDEN_KINDS, DeviceMemoryError, ProgramKey, Programs, backend_compiles,
                                        out_of_memory, span_options, span_program)
@@ -58,7 +60,7 @@ from hypic_jax.engine.results import GenerateResult, PrefillResult, PrefillStats
 from hypic_jax.engine.sampling import TOP_LOGPROBS, Sampled, SamplingRows
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.stack import LayerPlan, LayerStack, stacked_like
-from hypic_jax.cache.pools import PoolFull, Pools
+from hypic_jax.cache.pools import Pools
 
 log = logging.getLogger("hypic_jax.engine")
 
@@ -117,36 +119,10 @@ def stack_layers(model, *, scan: bool = True, consume: bool = False):
     return model.replace(params=dict(model.params, layers=layers))
 
 
-@functools.lru_cache(maxsize=256)
-def _seam_span(length: int) -> lay.Span:
-    """The fresh span of a seam: one shared object per length (spans are frozen), not one per document."""
-    return lay.Span(lay.FRESH, length)
-
-
-def _token_tuple(tokens) -> tuple[int, ...]:
-    """Token ids as the tuple of ints an entry keeps."""
-    return tuple(tokens.tolist()) if isinstance(tokens, np.ndarray) else tuple(int(t) for t in tokens)
-
-
 def _layer_kinds(config) -> list[str]:
     if hasattr(config, "layer_types"):
         return ["linear" if t == "linear_attention" else "full" for t in config.layer_types]
     return ["full" if config.is_full_attention(i) else "linear" for i in range(config.num_hidden_layers)]
-
-
-@dataclasses.dataclass
-class Plan:
-    """What one request runs: the program kind, its spans and fresh tokens (int32), the entries it stores once the
-    program is issued, and what it found in the cache."""
-
-    kind: str  # "plain" or "pic"
-    spans: list
-    fresh: np.ndarray
-    stores: list
-    cached_tokens: int
-    cold_tokens: int
-    hits: int
-    misses: int
 
 
 _OPEN_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -242,9 +218,21 @@ class Engine:
         # while a program writes them (`_write_pools`), which a background compile must never see
         self.pool_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.pools.arrays)
-        self._init_tiers(options.tiers, parallel.devices)
-        self.cache = SegmentCache(options.pools.cache_bytes, on_drop=self._dropped,
-                                  policy=tr.DevicePolicy(self.policy) if self.eviction == "cost" else None)
+        self._device_lock = threading.RLock()
+        peer_devices = ()
+        if options.tiers.peer_cache_bytes:  # the peer tier: held by the engine's other devices
+            from hypic_jax.parallel.segments import resolve_devices
+
+            peer_devices = resolve_devices(parallel.devices)
+        # the entries: the device pools' index, the tiers below them, promotion, demotion and persistence
+        self.hierarchy = CacheHierarchy(self.pools, options.tiers, cache_bytes=options.pools.cache_bytes,
+                                        fingerprint=self.fingerprint, max_tokens=self.max_prompt_tokens,
+                                        devices=peer_devices, pool_arrays=self._pool_arrays,
+                                        write_pools=self._write_pools, device_lock=self._device_lock)
+        # its parts the engine's callers reach: the device index (`SegmentCache`), the tiers below it (`tr.Tiers`),
+        # the copies between them (`tr.Mover`), the eviction policy's name and its recompute cost model
+        self.cache, self.tiers, self.mover = self.hierarchy.cache, self.hierarchy.tiers, self.hierarchy.mover
+        self.eviction, self.cost = self.hierarchy.eviction, self.hierarchy.cost
         self._slots = None  # the batched decode cache, made on first use
         folder = options.compile.folder()
         self.compile_cache = None if folder is None else _compile_cache_or_none(
@@ -256,12 +244,6 @@ class Engine:
 
             self.executables = ExecutableStore(self.compile_cache / "hypic-programs")
         self.programs = Programs(self, guard=options.compile.compile_guard, workers=options.compile.compile_workers)
-        self._device_lock = threading.RLock()
-        self._unstored: list[Entry] = []
-        # key -> (entry, tr.Transfer, tr.Pieces, tier): this request's promotions not yet written into the pools;
-        # tier "device": a copy from another device's pools (`mesh_pools`), whose pieces are None
-        self._promoting: dict[str, tuple] = {}
-        self._fetching: list = []  # this request's copies from other devices' pools, not yet issued (`mesh_pools`)
         self.segment_mesh = None  # segment-parallel cold prefills (`hypic_jax.parallel.segments`); None: one device
         if parallel.devices is not None and not (isinstance(parallel.devices, int) and parallel.devices == 1):
             # a count of 1 is the one device; a list of devices, even of one, is a mesh over them
@@ -269,6 +251,7 @@ class Engine:
 
             self.segment_mesh = SegmentMesh(self, parallel.devices, parallel.policy,
                                             compiler_options=span_options("cold"))
+            self.hierarchy.mesh_pools = self.segment_mesh.pools
         self._scheduler = None
         self.closed = False
         _OPEN_ENGINES.add(self)
@@ -443,10 +426,21 @@ class Engine:
         if self.segment_mesh is not None:
             seconds += self._warm_mesh(limit)
         self._slot_cache()
-        tiers = self._warm_tiers(limit)
+        tiers = self.hierarchy.warm(self._cold_prefills(limit))
         self.programs.serving = True
         return dict(programs=len(keys), seconds=seconds, backend_compiles=backend_compiles() - before,
                     loaded=self.programs.stats.loaded, pending=len(later), **tiers)
+
+    def _cold_prefills(self, limit: int) -> ColdPrefills:
+        """The cold prefills of the rungs up to `limit` that calibrate the tiers' cost model."""
+
+        def run(lengths, tokens) -> None:
+            logits, _ = self._run("cold", [lay.Span(lay.FRESH, n) for n in lengths], tokens)
+            jax.block_until_ready(logits)
+
+        return ColdPrefills(rungs=[r for r in self.ladder.rungs if r <= self.ladder.rung(limit)],
+                            max_segments=self.max_segments, vocab_size=self.vocab_size,
+                            ready=lambda r: ProgramKey("cold", r, r) in self.programs, run=run)
 
     def _warm_mesh(self, limit: int) -> float:
         """Compile (and run once) the segment-parallel programs of every rung up to `limit`; calibrate the segment
@@ -465,7 +459,7 @@ class Engine:
     @property
     def stats(self) -> dict:
         out = dict(cache=self.cache.stats.as_dict(), programs=dataclasses.asdict(self.programs.stats),
-                   pool_slots_free=self.pools.free_slots(), tiers=self._tier_stats())
+                   pool_slots_free=self.pools.free_slots(), tiers=self.hierarchy.stats())
         if self.segment_mesh is not None:
             out["segment_parallel"] = self.segment_mesh.as_dict()
         return out
@@ -529,39 +523,10 @@ class Engine:
             if self.pools.arrays is None and not any(a.is_deleted() for a in jax.tree.leaves(pools)):
                 self.pools.arrays = pools
 
-    def _allocate(self, tokens: int):
-        return self.pools.allocate(tokens, self.cache.evict_one)
-
-    def _new_entry(self, kind: str, key: str, doc, seam: int, pins, device: int | None = None) -> Entry:
-        """A pinned entry given room in the engine's pools, or with `device` in the pools of that device of the
-        segment mesh (`mesh_pools`; the home device's are the engine's own)."""
-        n = len(doc) - seam
-        mesh_pools = self._mesh_pools
-        if mesh_pools is None or not mesh_pools.remote(device):
-            device = None
-        slot, rows = self._allocate(n) if device is None else mesh_pools.allocate(device, n)
-        entry = Entry(key=key, tokens=_token_tuple(doc), kind=kind, seam=seam, layers=None,
-                      nbytes=self.pools.entry_bytes(n), slot=slot, rows=rows, device=device)
-        self._unstored.append(entry)
-        return pins.add(entry)
-
     @property
     def _mesh_pools(self):
         """The pools of the segment mesh's devices (`mesh_pools.MeshPools`), or None."""
         return None if self.segment_mesh is None else self.segment_mesh.pools
-
-    def _free(self, entry: Entry) -> None:
-        """Give an entry's pool room back (in whichever device's pools it has it)."""
-        if entry.device is None:
-            self.pools.free(entry.slot, entry.rows)
-        else:
-            self._mesh_pools.free(entry)
-
-    def _store(self, entry: Entry) -> None:
-        self.cache.insert(entry)
-        self._unstored.remove(entry)
-        if self.disk_write_through and self.tiers.disk is not None:
-            self._persist_entry(entry)
 
     # Prefill -----------------------------------------------------------------------------------------------------------
     def prefill(self, segments, mode: str | None = None, seam: float | None = None,
@@ -582,30 +547,18 @@ class Engine:
             raise ValueError(f"the request has {len(ids) - 1} segments before its query, over the engine's "
                              f"max_segments of {self.max_segments}")
         start = time.perf_counter()
-        with self._device_lock, self.cache.pinned() as pins:
-            self._unstored = []  # given pool room by this request; freed if it fails before storing
-            self._promoting = {}
-            self._fetching = []
-            try:
-                plan = self._plan(mode, ids, seam, cache_salt, pins, total)
-                cold_s = time.perf_counter() - start
-                combine_start = time.perf_counter()
-                out = self._run(plan.kind, plan.spans, plan.fresh, transfer=mode != "addition",
-                                rope=mode not in ("addition", "transition"), hidden=hidden)
-                logits, decode = out[:2]
-                for entry in plan.stores:
-                    self._store(entry)
-                tokens = np.concatenate(ids).tolist()  # while the program runs
-                logits = np.asarray(logits)
-            finally:
-                for _, _, pieces, tier in self._promoting.values():  # a failed request's promotions go back
-                    if tier != "device":  # another device's pools still hold those
-                        self.tiers.give_back(pieces, tier)
-                self._promoting = {}
-                self._fetching = []
-                for entry in self._unstored:
-                    self._free(entry)
-                self._unstored = []
+        # what the request gave pool room to and did not store, and its promotions, go back when it fails
+        with self._device_lock, self.cache.pinned() as pins, self.hierarchy.request():
+            plan = self._plan(mode, ids, seam, cache_salt, pins, total)
+            cold_s = time.perf_counter() - start
+            combine_start = time.perf_counter()
+            out = self._run(plan.kind, plan.spans, plan.fresh, transfer=mode != "addition",
+                            rope=mode not in ("addition", "transition"), hidden=hidden)
+            logits, decode = out[:2]
+            for entry in plan.stores:
+                self.hierarchy.store(entry)
+            tokens = np.concatenate(ids).tolist()  # while the program runs
+            logits = np.asarray(logits)
         end = time.perf_counter()
         stats = PrefillStats(
             mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(ids),
@@ -618,95 +571,13 @@ class Engine:
         return result
 
     def _plan(self, mode, ids, seam, salt, pins, total) -> Plan:
-        """What a request runs. `ids`: the segments' token ids as int32 arrays, which stay arrays throughout (keys
-        hash their bytes, lookups compare them, fresh tokens are their slices)."""
-        if mode == "full_recompute":
-            return Plan("plain", [lay.Span(lay.FRESH, total)], np.concatenate(ids), [], 0, 0, 0, 0)
-        if mode == "prefix_cache":
-            return self._plan_prefix(ids, salt, pins)
-        return self._plan_pic(ids, mode, seam, salt, pins)
+        """What a request runs (`planner.plan`)."""
+        return planner.plan(self, mode, ids, seam, salt, pins, total)
 
-    def _prefix_hits(self, docs, salt, pins) -> tuple[list[str], list[Entry]]:
-        """Each leading segment's prefix key (chained through the keys before it) and the pinned entries of the
-        longest cached run of them."""
-        keys, parent = [], ""
-        for doc in docs:
-            parent = entry_key(doc, fingerprint=self.fingerprint, kind="prefix", parent=parent, salt=salt)
-            keys.append(parent)
-        hits: list[Entry] = []
-        for doc, key in zip(docs, keys):
-            entry = self._find(key, doc, pins, kind="prefix", seam=0)
-            if entry is None:
-                break
-            hits.append(entry)
-        return keys, hits
-
-    def _plan_prefix(self, ids, salt, pins) -> Plan:
-        """The longest cached run of leading segments; the rest is computed exactly and recorded as new prefix
-        entries (as many as the pools can hold)."""
-        docs, query = ids[:-1], ids[-1]
-        keys, hits = self._prefix_hits(docs, salt, pins)
-        self._finish_promotions()
-        spans, fresh, stores, position, full = [], [], [], 0, False
-        for j, doc in enumerate(docs):
-            if j < len(hits):
-                e = hits[j]
-                spans.append(lay.Span(lay.CACHED, len(doc), canonical_start=position, slot=e.slot, kv_rows=e.rows,
-                                      snapshot=True))
-            else:
-                try:  # recording is optional here: a prefix the pools cannot hold is computed, not cached
-                    entry = None if full else self._new_entry("prefix", keys[j], doc, 0, pins)
-                except PoolFull:
-                    entry, full = None, True
-                spans.append(lay.Span(lay.FRESH, len(doc)) if entry is None else
-                             lay.Span(lay.FRESH, len(doc), record_from=0, record_slot=entry.slot,
-                                      record_rows=entry.rows))
-                fresh.append(doc)
-                if entry is not None:
-                    stores.append(entry)
-            position += len(doc)
-        spans.append(lay.Span(lay.FRESH, len(query)))
-        fresh.append(query)
-        return Plan("plain", spans, np.concatenate(fresh), stores, sum(e.length for e in hits), 0, len(hits),
-                    len(docs) - len(hits))
-
-    def _plan_pic(self, ids, mode, seam, salt, pins) -> Plan:
-        docs, query = ids[:-1], ids[-1]
-        seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
-        keys = [None if w >= len(doc) else entry_key(doc, fingerprint=self.fingerprint, kind="pic", seam=w, salt=salt)
-                for doc, w in zip(docs, seams)]
-        # every entry at once (each distinct key once), before any lookup could evict for a request that cannot fit
-        room = {key: len(doc) - w for doc, w, key in zip(docs, seams, keys) if key is not None}
-        self.pools.check_room(room.values())
-        entries: dict[int, Entry] = {}
-        missing: dict[str, int] = {}
-        for i, (doc, w, key) in enumerate(zip(docs, seams, keys)):
-            if key is None:
-                continue
-            entry = self._find(key, doc, pins, kind="pic", seam=w)
-            if entry is None:
-                missing.setdefault(key, i)
-            else:
-                entries[i] = entry
-        hit_indices = set(entries)
-        hits = len(entries)
-        misses = sum(1 for key in keys if key is not None) - hits
-        cold_tokens = 0
-        if missing:  # one packed, isolated prefill of every missing segment, recording its entry
-            cold_tokens = self._prefill_missing(missing, docs, seams, pins, entries, keys)
-        self._finish_promotions()  # after the cold prefill was issued: the promotions' copies overlap with it
-        spans, fresh = [], []
-        for i, (doc, w) in enumerate(zip(docs, seams)):
-            if w:
-                spans.append(_seam_span(w))
-                fresh.append(doc[:w])
-            if w < len(doc):
-                e = entries[i]
-                spans.append(lay.Span(lay.CACHED, len(doc) - w, canonical_start=w, slot=e.slot, kv_rows=e.rows))
-        cached_tokens = sum(entries[i].length for i in hit_indices)
-        spans.append(lay.Span(lay.FRESH, len(query)))
-        fresh.append(query)
-        return Plan("pic", spans, np.concatenate(fresh), [], cached_tokens, cold_tokens, hits, misses)
+    def _finish_promotions(self) -> None:
+        """Write the request's promotions and copies from other devices into the pools (the planner calls this once
+        the request's cold prefill was issued)."""
+        self.hierarchy.finish_promotions()
 
     def _prefill_missing(self, missing: dict[str, int], docs, seams, pins, entries: dict[int, Entry], keys) -> int:
         """Prefill the documents under `missing` (key -> first document) in one packed, isolated program that
@@ -717,10 +588,10 @@ class Engine:
         if mesh is not None and mesh.pools is not None:  # each entry in the pools of the device that computes it
             bins = mesh.bins([len(docs[i]) for i in missing.values()])
             device_of = {j: k for k, b in enumerate(bins) for j in b}
-            self._issue_fetches()  # this request's hits on other devices: their gathers go before the bins
+            self.hierarchy.issue_fetches()  # this request's hits on other devices: their gathers go before the bins
         spans, stored = [], {}
         for j, (key, i) in enumerate(missing.items()):
-            entry = self._new_entry("pic", key, docs[i], seams[i], pins, device=device_of.get(j))
+            entry = self.hierarchy.new_entry("pic", key, docs[i], seams[i], pins, device=device_of.get(j))
             spans.append(lay.Span(lay.FRESH, len(docs[i]), record_from=seams[i], record_slot=entry.slot,
                                   record_rows=entry.rows))
             stored[key] = entry
@@ -737,13 +608,9 @@ class Engine:
             self.cost.observe([len(doc) for doc in cold], time.perf_counter() - cold_start)
         for key, entry in stored.items():
             if entry.device is None:
-                self._store(entry)
+                self.hierarchy.store(entry)
             else:  # kept where it was computed; the request reads a home copy (`_finish_promotions` writes it)
-                mesh.pools.caches[entry.device].insert(entry)
-                self._unstored.remove(entry)
-                if self.disk_write_through and self.tiers.disk is not None:
-                    self.tiers.persist(self._remote_pieces(entry))
-                stored[key] = self._fetch_home(entry, pins)
+                stored[key] = self.hierarchy.store_remote(entry, pins)
         for i, key in enumerate(keys):
             if key is not None and i not in entries:
                 entries[i] = stored[key]
@@ -881,10 +748,9 @@ class Engine:
         try:
             if self.tiers.disk is not None:
                 log.info("writing the cache to the disk tier %s", self.tiers.disk.folder)
-                self._persist()
+                self.hierarchy.persist()
         finally:
-            self.sync_tiers()
-            self._demoter.shutdown(wait=True)
+            self.hierarchy.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -894,268 +760,27 @@ class Engine:
 
     def clear_cache(self, *, disk: bool = False) -> None:
         """Drop every entry of the device and host tiers (and with `disk`, this model's files)."""
-        self._clearing = True
-        try:
-            self.cache.clear()
-            if self._mesh_pools is not None:
-                self._mesh_pools.clear()
-        finally:
-            self._clearing = False
-        self.sync_tiers()
-        self.tiers.clear(disk=disk)
+        self.hierarchy.clear(disk=disk)
 
-    # Tiers -------------------------------------------------------------------------------------------------------------
-    def _init_tiers(self, tiers: opts.TierOptions, devices=None) -> None:
-        self.eviction = tiers.eviction
-        self.cost = tr.CostModel()
-        self.bandwidths = tr.Bandwidths(host=tiers.host_bandwidth or tr.DEFAULT_HOST_BANDWIDTH,
-                                        disk=tiers.disk_bandwidth or tr.DEFAULT_DISK_BANDWIDTH)
-        self._bandwidth_overrides = (tiers.host_bandwidth, tiers.disk_bandwidth)
-        self.policy = tr.Policy(tiers.eviction, self.cost, lambda: self.bandwidths)
-        self.mover = tr.Mover(self.pools, self.max_prompt_tokens, compact=tiers.tier_dtype,
-                              transfer_tol=tiers.tier_transfer_tol, host_memory=tiers.host_memory)
-        peers = ()
-        if tiers.peer_cache_bytes:  # the peer tier: the engine's other devices (this process's), a budget on each
-            from hypic_jax.parallel.segments import resolve_devices
+    # Cache tiers -------------------------------------------------------------------------------------------------------
+    @property
+    def bandwidths(self) -> tr.Bandwidths:
+        """The tiers' bandwidths, measured at warmup where the tiers are on."""
+        return self.hierarchy.bandwidths
 
-            home = self.mover.device
-            peers = tuple(d for d in resolve_devices(devices) if d != home and d.process_index == jax.process_index())
-        disk_dir = tiers.disk_cache_dir
-        if disk_dir is not None and tiers.disk_cache_bytes != 0:  # a budget of 0 turns the disk tier off
-            disk_dir = Path(disk_dir).expanduser()
-            try:
-                disk_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as error:
-                raise ValueError(f"disk_cache_dir {str(disk_dir)!r}: cannot create it ({error.strerror})") from None
-        self.tiers = tr.Tiers(leaves=self.mover.leaves, fingerprint=self.fingerprint, policy=self.policy,
-                              host_bytes=tiers.host_cache_bytes, disk_dir=disk_dir, disk_bytes=tiers.disk_cache_bytes,
-                              form=tr.compact_form(tiers.tier_dtype, tiers.tier_transfer_tol),
-                              droppable=self.mover.droppable, peers=peers, peer_bytes=tiers.peer_cache_bytes,
-                              mover=self.mover)
-        self.disk_write_through = tiers.disk_write_through
-        self._clearing = False
-        self._demote_errors = 0
-        # seconds a request spent on the tiers' copies (where a tiered request's time goes, `bench/cache_tiers.py`):
-        # issuing demotions and waiting for the ones in flight, issuing promotions, writing them into the pools
-        self.tier_seconds = dict(demote_issue=0.0, demote_wait=0.0, promote_issue=0.0, promote_write=0.0)
-        # demotions finish off the request's path: the copy out of the pools is issued at eviction (so the pool room
-        # is free at once), its transfer to the host and the tier's bookkeeping run on this one thread
-        self._demoter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hypic-demote")
-        self._demoting: dict[str, concurrent.futures.Future] = {}
-        self._demoting_lock = threading.Lock()
-
-    def _warm_tiers(self, limit: int) -> dict:
-        """Compile the promote/demote programs, measure the tiers' bandwidths, calibrate the cost model."""
-        out = dict(tier_programs=0)
-        if self.tiers.enabled:
-            out["tier_programs"] = self.mover.compile(self.pools.arrays)
-            host, disk = self._bandwidth_overrides
-            folder = self.tiers.disk.folder if self.tiers.disk is not None else None
-            self.bandwidths = tr.Bandwidths.measure(folder, host=host, disk=disk, staging=self.mover.host_sharding,
-                                                    device=self.mover.device_sharding,
-                                                    peers=[p.device for p in self.tiers.peers])
-        if self.eviction == "cost":
-            self._calibrate(limit)
-        return out
-
-    def _calibrate(self, limit: int) -> None:
-        """Time cold prefills of the top rung and of one a quarter of its size, as one segment and as four (records
-        nothing): the cost model's first samples."""
-        rungs = [r for r in self.ladder.rungs if r <= self.ladder.rung(limit)]
-        chosen = sorted({rungs[-1], min(rungs, key=lambda r: abs(r - rungs[-1] / 4))})
-        if any(ProgramKey("cold", r, r) not in self.programs for r in chosen):
-            return  # compiling in the background: the cost model learns from the requests instead
-        rng = np.random.default_rng(0)
-        for rung in chosen:
-            for lengths in ([rung], [max(1, rung // 4)] * min(4, self.max_segments)):
-                spans = [lay.Span(lay.FRESH, n) for n in lengths]
-                tokens = rng.integers(0, self.vocab_size, sum(lengths))
-                for attempt in range(2):  # the first run of a program pays one-time costs
-                    start = time.perf_counter()
-                    logits, _ = self._run("cold", spans, tokens)
-                    jax.block_until_ready(logits)
-                    if attempt:
-                        self.cost.observe(lengths, time.perf_counter() - start)
-
-    def _find(self, key: str, tokens, pins, *, kind: str, seam: int) -> Entry | None:
-        """The pinned device entry under `key`, promoted from the host or disk tier when it is there. A promotion's
-        copy is issued here and written into the pools by `_finish_promotions`, which the request calls after it
-        issued its cold prefill (so the copy overlaps with it); until then the entry is this request's alone."""
-        promoting = self._promoting.get(key)
-        if promoting is not None:
-            return pins.add(promoting[0])
-        entry = self.cache.lookup(key, tokens, pins=pins)
-        if entry is not None:
-            return entry
-        mesh_pools = self._mesh_pools
-        if mesh_pools is not None:
-            source = mesh_pools.lookup(key, tokens, pins)
-            if source is not None:  # on another device: a home copy, issued with this request's other copies
-                return self._fetch_home(source, pins)
-        if not self.tiers.enabled:
-            return None
-        waited = time.perf_counter()
-        self._await_demotion(key)
-        self.tier_seconds["demote_wait"] += time.perf_counter() - waited
-        found = self.tiers.take(key, _token_tuple(tokens))
-        if found is None:
-            return None
-        pieces, tier = found
-        if pieces.kind != kind or pieces.seam != seam:  # the key covers both; a mismatch is never served
-            return None
-        try:
-            slot, rows = self._allocate(pieces.length)
-        except PoolFull:
-            self.tiers.give_back(pieces, tier)
-            if kind == "prefix":  # a prefix cache computes what it cannot hold: a miss from here on
-                return None
-            raise
-        entry = Entry(key=key, tokens=pieces.tokens, kind=kind, seam=seam, layers=None,
-                      nbytes=self.pools.entry_bytes(pieces.length), slot=slot, rows=rows, uses=pieces.uses)
-        self._unstored.append(entry)
-        pins.add(entry)
-        issued = time.perf_counter()
-        try:
-            transfer = self.mover.transfer(self.mover.stage(pieces), slot, rows)
-            self.tier_seconds["promote_issue"] += time.perf_counter() - issued
-        except Exception:
-            self.tiers.give_back(pieces, tier)
-            raise
-        self._promoting[key] = (entry, transfer, pieces, tier)
-        return entry
-
-    def _fetch_home(self, source: Entry, pins) -> Entry:
-        """A home entry for `source`, an entry in another device's pools: its copy is issued with the request's
-        other copies (`_issue_fetches`) and written like a promotion; `source` stays where it is."""
-        from hypic_jax.parallel.mesh_pools import Fetch
-
-        doc = np.asarray(source.tokens, np.int32)
-        target = self._new_entry(source.kind, source.key, doc, source.seam, pins)
-        target.uses = source.uses
-        self._fetching.append(Fetch(source.device, source, target))
-        self._promoting[source.key] = (target, None, None, "device")
-        return target
-
-    def _issue_fetches(self) -> None:
-        """Issue the copies `_fetch_home` queued (`MeshPools.fetch`: at most one gather per device and bucket)."""
-        if not self._fetching:
-            return
-        fetching, self._fetching = self._fetching, []
-        for fetch, transfer in self._mesh_pools.fetch(fetching):
-            key = fetch.target.key
-            self._promoting[key] = (fetch.target, transfer, None, "device")
-
-    def _finish_promotions(self) -> None:
-        """Write the promotions `_find` issued (and the copies from other devices) into the pools and make their
-        entries visible to later requests."""
-        self._issue_fetches()
-        while self._promoting:  # one at a time: a failure leaves the rest to `prefill`, which gives them back
-            key = next(iter(self._promoting))
-            entry, transfer, pieces, tier = self._promoting[key]
-            written = time.perf_counter()
-            with self.pools.lock:
-                programs = (self._mesh_pools.scatter_programs(transfer) if tier == "device"
-                            else self.mover.scatter_programs(self._pool_arrays(), transfer))
-                for program, args in programs:
-                    self._write_pools(program, *args)
-            self.tier_seconds["promote_write"] += time.perf_counter() - written
-            del self._promoting[key]
-            self.cache.insert(entry)
-            self._unstored.remove(entry)
-            if self.disk_write_through and pieces is not None:
-                self.tiers.persist(pieces)
-
-    def _pieces(self, entry: Entry) -> tr.Pieces:
-        with self.pools.lock:
-            started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
-        return self._stored_pieces(entry, started)
-
-    def _stored_pieces(self, entry: Entry, started) -> tr.Pieces:
-        """`entry` off the device, from `Mover.gather_start`'s handle (waits for the transfer)."""
-        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, uses=entry.uses,
-                         staged=self.mover.gather_finish(started))
-
-    # at most this many demotions in flight (each holds its entry's copy, in device memory when the host tier is
-    # pageable, until the host tier has it)
-    MAX_PENDING_DEMOTIONS = 8
-
-    def _dropped(self, entry: Entry) -> None:
-        """`entry` left the device tier (no request holds it): issue its copy out of the pools, free its pool room,
-        and let the demotion thread bring it to the host tier. An entry that another device of the segment mesh
-        still holds is not demoted (that device keeps it); one evicted from another device's pools is dropped."""
-        if entry.device is not None:
-            self._free(entry)
-            return
-        mesh_pools = self._mesh_pools
-        try:
-            if (self.tiers.enabled and not self._clearing and entry.slot is not None and entry.key not in self.cache
-                    and not (mesh_pools is not None and mesh_pools.holds(entry.key))):
-                issued = time.perf_counter()
-                with self.pools.lock:
-                    started = self.mover.gather_start(self._pool_arrays(), entry.slot, entry.rows)
-                waited = time.perf_counter()
-                self.tier_seconds["demote_issue"] += waited - issued
-                with self._demoting_lock:
-                    pending = list(self._demoting.values())
-                if len(pending) >= self.MAX_PENDING_DEMOTIONS:
-                    concurrent.futures.wait(pending[: len(pending) - self.MAX_PENDING_DEMOTIONS + 1])
-                self.tier_seconds["demote_wait"] += time.perf_counter() - waited
-                with self._demoting_lock:
-                    future = self._demoter.submit(self._finish_demotion, entry, started)
-                    self._demoting[entry.key] = future
-                future.add_done_callback(functools.partial(self._forget_demotion, entry.key))
-        except Exception:  # a failed copy loses the entry, never the request
-            self._demote_errors += 1
-            log.exception("demoting a cache entry failed; it is dropped")
-        finally:
-            self.pools.free(entry.slot, entry.rows)
-
-    def _finish_demotion(self, entry: Entry, started) -> None:
-        try:
-            self.tiers.put(self._stored_pieces(entry, started))
-        except Exception:
-            self._demote_errors += 1
-            log.exception("demoting a cache entry failed; it is dropped")
-
-    def _forget_demotion(self, key: str, future) -> None:
-        with self._demoting_lock:
-            if self._demoting.get(key) is future:
-                del self._demoting[key]
-
-    def _await_demotion(self, key: str) -> None:
-        """Wait for `key`'s demotion if one is in flight (so that a lookup finds it in its tier)."""
-        with self._demoting_lock:
-            future = self._demoting.get(key)
-        if future is not None:
-            concurrent.futures.wait([future])
+    @property
+    def _promoting(self) -> dict:
+        """The running request's promotions not yet written into the pools."""
+        return self.hierarchy.promoting
 
     def demote_all(self, *, sync: bool = True) -> int:
         """Evict every device entry that no request holds into the lower tiers (dropped where they are off);
         returns how many left the device. sync: wait until their demotions have reached their tiers."""
-        count = 0
-        with self._device_lock:
-            while self.cache.evict_one():
-                count += 1
-        if sync:
-            self.sync_tiers()
-        return count
+        return self.hierarchy.demote_all(sync=sync)
 
     def sync_tiers(self) -> None:
         """Wait until every demotion issued so far has reached its tier (stats, `persist` and `clear_cache` do)."""
-        with self._demoting_lock:
-            pending = list(self._demoting.values())
-        concurrent.futures.wait(pending)
-
-    def _persist_entry(self, entry: Entry) -> bool:
-        if entry.key in self.tiers.disk:
-            return True
-        return self.tiers.persist(self._pieces(entry))
-
-    def _remote_pieces(self, entry: Entry) -> tr.Pieces:
-        """An entry of another device's pools off the device, in the tiers' stored form (its dtypes; every head)."""
-        arrays = [a.astype(dtype) for a, (_, _, dtype) in zip(self._mesh_pools.pieces(entry), self.mover.leaves)]
-        return tr.Pieces(key=entry.key, tokens=entry.tokens, kind=entry.kind, seam=entry.seam, arrays=arrays,
-                         uses=entry.uses)
+        self.hierarchy.sync()
 
     def persist(self) -> int:
         """Write every entry of the device tier (every device of the segment mesh) and the host tier to the disk tier
@@ -1164,28 +789,7 @@ class Engine:
         if self.tiers.disk is None:
             raise ValueError("persist needs a disk tier (disk_cache_dir)")
         self._check_open()
-        return self._persist()
-
-    def _persist(self) -> int:
-        self.sync_tiers()
-        with self._device_lock:
-            for entry in self.cache.entries():
-                self._persist_entry(entry)
-            for entry in self._mesh_pools.entries() if self._mesh_pools is not None else ():
-                if entry.key not in self.tiers.disk:  # held on another device only
-                    self.tiers.persist(self._remote_pieces(entry))
-            if self.tiers.host is not None:
-                for pieces in self.tiers.host.values():
-                    self.tiers.persist(pieces)
-        return self.tiers.disk.stats.entries
-
-    def _tier_stats(self) -> dict:
-        self.sync_tiers()
-        return dict(eviction=self.eviction, **self.tiers.stats(), demote_errors=self._demote_errors,
-                    cost=self.cost.as_dict(), bandwidths=dataclasses.asdict(self.bandwidths),
-                    host_memory="pinned" if self.mover.host_sharding is not None else "pageable",
-                    demote_copy=self.mover.demote_copy,
-                    seconds={k: round(v, 6) for k, v in self.tier_seconds.items()})
+        return self.hierarchy.persist()
 
 
 def _compile_cache_or_none(folder: Path, *, explicit: bool) -> Path | None:

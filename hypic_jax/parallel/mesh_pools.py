@@ -34,19 +34,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hypic_jax.cache import tiers as tr
+from hypic_jax.cache.hierarchy import Fetch
 from hypic_jax.cache.index import Entry, SegmentCache
 from hypic_jax.cache.pools import Pools
 
 __all__ = ["MeshPools", "Fetch"]
-
-
-@dataclasses.dataclass
-class Fetch:
-    """One entry on its way from device `device`'s pools to the home pools (`source` there, `target` at home)."""
-
-    device: int
-    source: Entry
-    target: Entry
 
 
 @dataclasses.dataclass
@@ -73,7 +65,8 @@ class MeshPools:
         home = mesh.home
         self.home_index = next((k for k, d in enumerate(self.devices) if d == home), None)
         self.pools: list[Pools] = [engine.pools if d == home else engine.pools.like(d) for d in self.devices]
-        self.caches: list[SegmentCache] = [engine.cache if d == home else SegmentCache(None, on_drop=engine._dropped)
+        self.caches: list[SegmentCache] = [engine.cache if d == home else
+                                           SegmentCache(None, on_drop=engine.hierarchy.dropped)
                                            for d in self.devices]
         # exact copies between devices (the tiers' compact forms are for host and disk)
         self.mover = tr.Mover(engine.pools, engine.max_prompt_tokens, compact=None, transfer_tol=None,
