@@ -12,6 +12,7 @@ Every engine here has the same pool shapes, so the engines after the first reuse
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 
@@ -514,3 +515,66 @@ def test_a_backend_without_pinned_outputs_falls_back_to_pageable_memory(make, ca
     back = engine.prefill(segs, seam=SEAM)
     assert back.stats.hits == 4
     np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["ENOSPC", "EROFS"])
+def test_a_full_or_read_only_disk_turns_the_tier_off_and_requests_go_on(make, monkeypatch, caplog, fault):
+    """A disk that fills or turns read-only: the first failed write turns the disk tier off (a warning, the stats'
+    `off` and `turned_off`, hypic:tier_off in /metrics), later entries are not tried against it, every request is
+    answered; once the fault is gone and the tier's off time has passed, entries reach the disk again."""
+    import errno
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hypic_jax.cache.tiers import disk as disk_module
+    from hypic_jax.serve.metrics import Metrics
+
+    folder = make.root / f"fault_{fault}"
+    engine = make(disk_cache_dir=folder, disk_write_through=True)
+    registry = CollectorRegistry()
+    Metrics(engine, registry)
+    code = getattr(errno, fault)
+
+    def failing(array):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(disk_module, "raw_bytes", failing)
+    segs = _docs(make.vocab, 21) + [[4, 5]]
+    with caplog.at_level("WARNING"):
+        first = engine.prefill(segs, seam=SEAM)
+    disk = engine.stats["tiers"]["disk"]
+    assert (disk["write_errors"], disk["turned_off"], disk["off"], disk["entries"]) == (1, 1, True, 0)
+    assert disk["skipped"] == 3 and _files(folder) == []  # the other three entries never met the fault
+    assert any("disk tier is off" in r.getMessage() for r in caplog.records)
+    text = generate_latest(registry).decode()
+    assert 'hypic:tier_off{tier="disk"} 1.0' in text and 'hypic:tier_turned_off_total{tier="disk"} 1.0' in text
+    again = engine.prefill(segs, seam=SEAM)  # served from the device as ever
+    assert again.stats.hits == 4
+    np.testing.assert_allclose(again.logits, first.logits, rtol=0, atol=1e-6)
+
+    monkeypatch.undo()
+    engine.tiers.disk._off_until = 0.0  # its off time has passed
+    assert engine.persist() == 4 and len(_files(folder)) == 4
+    disk = engine.stats["tiers"]["disk"]
+    assert (disk["off"], disk["turned_off"]) == (False, 1)
+    assert 'hypic:tier_off{tier="disk"} 0.0' in generate_latest(registry).decode()
+
+
+def test_host_memory_that_cannot_be_had_turns_the_host_tier_off(make, monkeypatch):
+    """A demotion whose host buffers cannot be allocated drops its entry and turns the host tier off (no stack
+    trace per entry); requests are answered and recompute what was dropped, exactly."""
+    engine = make(host_cache_bytes=1 << 22)
+    segs = _docs(make.vocab, 22) + [[6, 7]]
+    first = engine.prefill(segs, seam=SEAM)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("host buffers")
+
+    monkeypatch.setattr(engine.hierarchy, "_stored_pieces", no_memory)
+    _evict_device(engine)
+    host = engine.stats["tiers"]["host"]
+    assert (host["off"], host["turned_off"], host["entries"]) == (True, 1, 0)
+    assert engine.stats["tiers"]["demote_errors"] == 4
+    again = engine.prefill(segs, seam=SEAM)
+    assert (again.stats.hits, again.stats.misses) == (0, 4)
+    np.testing.assert_allclose(again.logits, first.logits, rtol=0, atol=1e-6)

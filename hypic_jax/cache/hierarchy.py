@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 __all__ = ["CacheHierarchy", "ColdPrefills", "Fetch", "token_tuple"]
 
 
+def host_memory_error(error: BaseException) -> bool:
+    """An allocation of host memory failed: Python's MemoryError, or XLA's when it could not get host buffers."""
+    text = str(error)
+    return isinstance(error, MemoryError) or ("RESOURCE_EXHAUSTED" in text and "host" in text.lower())
+
+
 def token_tuple(tokens) -> tuple[int, ...]:
     """Token ids as the tuple of ints an entry keeps."""
     return tuple(tokens.tolist()) if isinstance(tokens, np.ndarray) else tuple(int(t) for t in tokens)
@@ -346,18 +352,25 @@ class CacheHierarchy:
                     future = self._demoter.submit(self._finish_demotion, entry, started)
                     self._demoting[entry.key] = future
                 future.add_done_callback(functools.partial(self._forget_demotion, entry.key))
-        except Exception:  # a failed copy loses the entry, never the request
-            self._demote_errors += 1
-            log.exception("demoting a cache entry failed; it is dropped")
+        except Exception as error:  # a failed copy loses the entry, never the request
+            self._demotion_failed(error)
         finally:
             self.pools.free(entry.slot, entry.rows)
 
     def _finish_demotion(self, entry: Entry, started) -> None:
         try:
             self.tiers.put(self._stored_pieces(entry, started))
-        except Exception:
-            self._demote_errors += 1
-            log.exception("demoting a cache entry failed; it is dropped")
+        except Exception as error:
+            self._demotion_failed(error)
+
+    def _demotion_failed(self, error: Exception) -> None:
+        """A demotion that failed drops its entry. Host memory that cannot be had turns the host tier off for a
+        while (`_Store.turn_off`): the entries then go to the disk tier or nowhere, not into the same fault."""
+        self._demote_errors += 1
+        if self.tiers.host is not None and host_memory_error(error):
+            self.tiers.host.turn_off(f"host memory for a demoted entry could not be had ({type(error).__name__})")
+            return
+        log.error("demoting a cache entry failed; it is dropped", exc_info=error)
 
     def _forget_demotion(self, key: str, future) -> None:
         with self._demoting_lock:

@@ -9,7 +9,9 @@ device of the segment mesh holds in its own pools). Counters (exposed with `_tot
 hypic:recomputed_tokens, hypic:cold_tokens, hypic:generation_tokens, hypic:cache_queries{kind},
 hypic:cache_hits{kind} (segments looked up and found, kind "pic" or "prefix"), hypic:cache_evictions,
 hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429: a full queue or an overload),
-hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
+hypic:tier_entries{tier}, hypic:tier_bytes{tier}, hypic:tier_off{tier} (1 while a fault of its medium has turned it
+off), hypic:tier_turned_off{tier}, hypic:tier_write_errors{tier}, hypic:tier_corrupt_files{tier} (the tiers below
+the device: peer, host, disk), hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
 before, `Scheduler(overlap=True)`), hypic:compilations_while_serving (XLA compilations since the server became
 ready, other than the planned ones of larger rungs compiling in the background), hypic:programs_pending (those
 still compiling), hypic:device_cache_fetches (entries copied from another device's pools to the first device's).
@@ -27,17 +29,43 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
+_TIER_GAUGES = (("entries", "hypic:tier_entries", "Entries held by each tier below the device."),
+                ("bytes", "hypic:tier_bytes", "Bytes held by each tier below the device."),
+                ("off", "hypic:tier_off", "1 while a tier is turned off by a fault of its medium (a full or "
+                 "read-only disk, host memory that cannot be had), else 0."))
+_TIER_COUNTERS = (("turned_off", "hypic:tier_turned_off", "Times a tier was turned off by a fault of its medium."),
+                  ("write_errors", "hypic:tier_write_errors", "Entries a tier failed to write (dropped)."),
+                  ("corrupt", "hypic:tier_corrupt_files", "Corrupt or truncated disk files found, removed, never "
+                   "served."))
+
+
 class _EngineCollector:
     """Read at scrape time: the segment cache's state and the compilations since `ready`."""
 
     def __init__(self, engine, metrics: "Metrics"):
         self.engine, self.metrics = engine, metrics
 
+    def _tiers(self):
+        """The tiers below the device (`Tiers.stats`, which waits for nothing), labelled by tier."""
+        tiers = self.engine.tiers.stats()
+        present = [(name, tiers[name]) for name in ("peer", "host", "disk") if tiers.get(name) is not None]
+        for key, name, doc in _TIER_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, stats in present:
+                family.add_metric([tier], float(stats[key]))
+            yield family
+        for key, name, doc in _TIER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, stats in present:
+                family.add_metric([tier], float(stats[key]))
+            yield family
+
     def collect(self):
         stats = self.engine.cache.stats
         yield GaugeMetricFamily("hypic:cache_bytes", "Bytes held by cache entries.", value=stats.bytes)
         yield GaugeMetricFamily("hypic:cache_capacity_bytes", "The cache's byte budget.", value=stats.capacity_bytes)
         yield GaugeMetricFamily("hypic:cache_entries", "Cache entries.", value=stats.entries)
+        yield from self._tiers()
         yield CounterMetricFamily("hypic:cache_evictions", "Entries evicted from the cache.", value=stats.evictions)
         mesh = getattr(self.engine, "segment_mesh", None)
         if mesh is not None and mesh.pools is not None:

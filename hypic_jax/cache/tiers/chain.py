@@ -73,7 +73,8 @@ class Tiers:
             return down
         out = []
         for pieces in down:
-            if self.host.fits(pieces.nbytes) and self.policy.keeps("host", pieces.length, pieces.nbytes):
+            if (not self.host.off and self.host.fits(pieces.nbytes)
+                    and self.policy.keeps("host", pieces.length, pieces.nbytes)):
                 out += self.host.put(pieces)
             else:
                 self.host.stats.skipped += 1
@@ -171,6 +172,9 @@ class Tiers:
 
     def stats(self) -> dict:
         with self.lock:
+            for store in [*self.peers, self.host, self.disk]:
+                if store is not None:
+                    store.off  # noqa: B018  (refreshes the stats' `off`)
             peer = None
             if self.peers:
                 per = [p.stats.as_dict() for p in self.peers]

@@ -22,6 +22,7 @@ exists writes nothing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"HYPICSEG"
 FORMAT_VERSION = 2
 SUFFIX = ".seg"
+# errors of the medium rather than of one file: the tier turns off (`_Store.turn_off`) instead of failing each write
+MEDIUM_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO)
 
 
 class DiskStore(_Store):
@@ -231,6 +234,9 @@ class DiskStore(_Store):
         with self.lock:
             if pieces.key in self.index or pieces.key in self._writing:
                 return True
+            if self.off:
+                self.stats.skipped += 1
+                return False
             self._writing.add(pieces.key)
         path = self.path_of(pieces.key)
         tmp = path.parent / f".tmp-{pieces.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -251,10 +257,15 @@ class DiskStore(_Store):
             _fsync_dir(path.parent)
         except OSError as error:
             log.warning("disk cache: writing %s failed: %s", path, error)
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # a read-only folder keeps nothing to remove
             with self.lock:
                 self.stats.write_errors += 1
                 self._writing.discard(pieces.key)
+                if error.errno in MEDIUM_ERRORS:
+                    self.turn_off(f"writing to {self.folder} failed: {os.strerror(error.errno)}")
             return False
         with self.lock:
             self._writing.discard(pieces.key)
