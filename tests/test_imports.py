@@ -144,9 +144,9 @@ def graph():
 
 def test_graph_sees_the_package(graph):
     """The walk finds the layers this file is about, and function-local imports count."""
-    assert {"hypic_jax.core.linear_attn", "hypic_jax.kernels.gdn", "hypic_jax.models",
+    assert {"hypic_jax.core.linear_attn.kernel", "hypic_jax.kernels.gdn", "hypic_jax.models",
             "hypic_jax.checkpoint.hf.base", "hypic_jax.engine.engine"} <= set(graph)
-    assert "hypic_jax.kernels.gdn" in graph["hypic_jax.core.linear_attn"]
+    assert "hypic_jax.kernels.gdn" in graph["hypic_jax.core.linear_attn.kernel"]
     assert "hypic_jax.engine" in graph["hypic_jax"]  # imported inside `hypic_jax.__getattr__`
 
 

@@ -13,9 +13,9 @@ from jax import Array
 # Query rows per block when a mask is materialised: bounds the [B, H, block, Lk] logits of long masked prefills.
 MASKED_QUERY_BLOCK = 512
 # At most this many query rows (a decode step) attend through `_few_query_attention`, which reads the keys and
-# values in their cache layout instead of as a batched matrix product. 0 (off) by default: a batched decode step of
-# the 35B-A3B shape is faster as matrix products on the H200 as well as on the CPU (`python bench/decode_step.py
-# --few-query-rows 4 0`, bench/RESULTS.md "decode_step.py"). An int turns it on up to that many rows.
+# values in their cache layout instead of as a batched matrix product. 0 (off) by default, batched decode steps
+# taking the matrix products (`python bench/decode_step.py --few-query-rows 4 0` compares the two paths;
+# bench/RESULTS.md, "decode_step.py"). An int turns it on up to that many rows.
 FEW_QUERY_ROWS: int = 0
 
 

@@ -29,10 +29,10 @@ def logits(x: Array, weight: Array) -> Array:
     """float32 logits of hidden states x [..., H] through the head weight [H, V], multiplied in x's dtype.
 
     One row (a span program's last token) is multiplied as two rows, the second zero. Where XLA's GPU backend
-    takes its products to cuBLAS (the stitched program: `engine.programs.span_options`), a one-row product becomes a gemv
-    fed float32 operands, so the whole head was converted to float32 first (1 GB at the 35B-A3B shape, read and
-    written once per request; `bench/rag_trace.py --profile-dir`, bench/RESULTS.md); as a two-row product it
-    stays a bfloat16 product with float32 results."""
+    takes its products to cuBLAS (the stitched program: `engine.programs.span_options`), a one-row product would
+    become a gemv fed float32 operands, the whole head converted to float32 once per request (`bench/rag_trace.py
+    --profile-dir` profiles it, bench/RESULTS.md); as a two-row product it stays a bfloat16 product with float32
+    results."""
     weight = weight.astype(x.dtype)
     if x.ndim == 1:
         rows = jnp.stack([x, jnp.zeros_like(x)])

@@ -11,8 +11,8 @@ slowest bin: the policy minimises the makespan, the largest bin's predicted cost
 * `round_robin`: segment i onto bin i mod devices, in request order; the comparison policy.
 
 Rungs. A mesh program runs every bin at the token rung of its largest bin, so a bin a few tokens past a rung costs
-the next rung on every device (`bench/segment_parallel.py --small`: a bin of 514 tokens among rungs 512 and 1,088
-took 97 ms alone against 68 ms for its 510-token neighbour). Given the rungs, `lpt` therefore repacks when its
+the next rung on every device (`bench/segment_parallel.py --small` times bins on either side of a rung;
+bench/RESULTS.md). Given the rungs, `lpt` therefore repacks when its
 bins' largest token count lands past a rung that some split could stay under: for each smaller rung (from the
 smallest any split could fit), LPT with that rung as every bin's token capacity, then first-fit decreasing by
 tokens; the first packing that fits is taken.

@@ -45,8 +45,8 @@ class AttentionConfig:
     pack_gqa: one program per key/value head instead of per query head; its block_q rows are block_q / G queries
     times the G query heads that share the key/value head (block_q must be a multiple of G). Each key/value tile is
     then loaded once for all G heads, with G-times taller products; the kernel is the same, only the rows are
-    arranged differently. Off in this class; the engine turns it on where the heads allow it, the faster at the PIC
-    request's shape (`bench/pic_kernels.py --sections attention` times both; bench/RESULTS.md, "pic_kernels.py")."""
+    arranged differently. Off in this class; the engine turns it on where the heads allow it (`bench/pic_kernels.py
+    --sections attention` times both arrangements at the PIC request's shape; bench/RESULTS.md, "pic_kernels.py")."""
 
     block_q: int = 64
     block_k: int = 64

@@ -37,8 +37,8 @@ class GDNConfig:
     transfer_group: how a direct launch (pieces = 1) emits a delta rule's dense T_C, and `gdn_varlen` each packed
       segment's: 0 widens the state by K identity columns; N > 0 runs a separate launch over groups of N chunks in
       parallel and multiplies the groups' products (`state.transfer_pass`, `varlen.varlen_transfer`).
-      The transfer pass is the faster for one sequence and the widened pass for packed segments, hence
-      `default_varlen_config` (`bench/kernels.py --all --sections steps varlen`; `bench/investigations/
+      `default_config` takes the transfer pass for one sequence and `default_varlen_config` the widened pass for
+      packed segments (`bench/kernels.py --all --sections steps varlen` compares them; `bench/investigations/
       transfer_pass.py` times the pass alone; bench/RESULTS.md, "kernels.py"). Where the state pass may run under
       Mosaic GPU, so do the group products (`mosaic_state.transfer_pass_mgpu`: scalar gates, keys
       chunk-aligned).
@@ -149,17 +149,17 @@ class GDNConfig:
 
 def default_config(per_key: bool = False) -> GDNConfig:
     """The default launch. Scalar gates: `GDNConfig()`. per_key (KDA, GLA: per-key decays): chunk 16, one 16 x 16
-    diagonal block, so "doubling" is one doubling inverse; the faster of chunk 16 and 32 in `bench/kernels.py --all
-    --sections steps` (bench/RESULTS.md, "KDA (per-key gates), packed segments, decode"). "rows" and "doubling" at
-    chunk 64 need more shared memory than an H100 or H200 has with per-key gates (`check_per_key_launch`), and
+    diagonal block, so "doubling" is one doubling inverse (`bench/kernels.py --all --sections steps` compares chunk
+    16 and 32; bench/RESULTS.md, "KDA (per-key gates), packed segments, decode"). "rows" and "doubling" at chunk 64
+    need more shared memory than a Hopper GPU has with per-key gates (`check_per_key_launch`), and
     "tile" takes scalar gates only."""
     return GDNConfig(chunk=16, solve="doubling", locals_warps=2) if per_key else GDNConfig()
 
 
 def default_varlen_config(per_key: bool = False) -> GDNConfig:
-    """`default_config` with each packed segment's T from the widened state (transfer_group = 0): for many uneven
-    segments the widened pass is the faster, the reverse of one long sequence's ranking (`bench/kernels.py --all
-    --sections varlen`; bench/RESULTS.md, "KDA (per-key gates), packed segments, decode")."""
+    """`default_config` with each packed segment's T from the widened state (transfer_group = 0), the pass chosen
+    for many uneven segments (`bench/kernels.py --all --sections varlen` compares the two passes; bench/RESULTS.md,
+    "KDA (per-key gates), packed segments, decode")."""
     return dataclasses.replace(default_config(per_key), transfer_group=0)
 
 
@@ -204,17 +204,17 @@ def check_inputs(q, k, v, g, gk, beta):
 
 def check_per_key_launch(config: GDNConfig, key_dim: int, interpret: bool) -> None:
     """Refuse a per-key launch that cannot fit a GPU's shared memory, before Triton fails with a bare resource
-    error: with per-key gates at K >= 128, chunk 64 requests more than an H100 or H200 has ("tile" falls back to
+    error: with per-key gates at K >= 128, chunk 64 requests more than a Hopper GPU has ("tile" falls back to
     "doubling" there)."""
     if not interpret and config.chunk >= 64 and key_dim >= 128:
         raise ValueError(f"per-key gates (gk) at chunk {config.chunk} and K = {key_dim} need more shared memory than "
-                         "an H100/H200 has; use gdn.default_config(per_key=True) (chunk 16) or chunk <= 32")
+                         "a Hopper GPU has; use gdn.default_config(per_key=True) (chunk 16) or chunk <= 32")
 
 
 def common_dtype(q, k, v):
     """q and k in v's dtype: the kernels hold every token tile in one dtype, and float32 q/k tiles beside bf16
-    values (q, k straight out of a float32 L2 norm) would double the chunk-local kernel's shared memory past an
-    H200's at K = V = 128. The dot precision then follows that dtype, as it does for flash-linear-attention."""
+    values (q, k straight out of a float32 L2 norm) would double the chunk-local kernel's shared memory past a
+    Hopper GPU's at K = V = 128. The dot precision then follows that dtype, as it does for flash-linear-attention."""
     return q.astype(v.dtype), k.astype(v.dtype)
 
 
