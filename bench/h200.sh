@@ -64,16 +64,16 @@ pic() {
 
 kernels() {
   if fla_wheels; then
-    PYTHONPATH=.:$SCRATCH/site timeout "${FLA_TIMEOUT:-0}" python3 bench/kernels.py --fla-only --out "$OUT" \
+    PYTHONPATH=.:$SCRATCH/site timeout "${FLA_TIMEOUT:-0}" python3 bench/linear_kernels.py --fla-only --out "$OUT" \
       --lengths 8192,32768,131072
   fi
   # the library's launches (GDNConfig() on Hopper, KDA's default_config(per_key=True)) at 32k, T and S on slow
   # gates, then GDNConfig() at 8k and 128k
   local gdn_ts="tile c64 lw4 mosaic both +TS group64"
   local defaults="tile c64 lw4 mosaic both,$gdn_ts,KDA doubling c16,KDA doubling c16 +TS group16"
-  timeout "${KERNEL_TIMEOUT:-0}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 --sections steps \
+  timeout "${KERNEL_TIMEOUT:-0}" python3 bench/linear_kernels.py --all --out "$OUT" --check-length 32768 --sections steps \
     --only "$defaults" --step-lengths 8192,131072 --length-variants "tile c64 lw4 mosaic both,$gdn_ts"
-  timeout "${KERNEL_TIMEOUT:-0}" python3 bench/kernels.py --all --out "$OUT" --check-length 32768 \
+  timeout "${KERNEL_TIMEOUT:-0}" python3 bench/linear_kernels.py --all --out "$OUT" --check-length 32768 \
     --sections varlen
   # the composition of 64 segments x 30 layers x 32 heads: the composed state, the pair, every prefix state
   timeout "${BAR_TIMEOUT:-0}" python3 bench/pic_kernels.py --out "$OUT" --sections bar \

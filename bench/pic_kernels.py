@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import compose_pairs, rel, timeit
+from linear_kernels import compose_pairs, rel, timeit
 
 from hypic_jax.core import linear_attn as la
 from hypic_jax.kernels import attention as pattn

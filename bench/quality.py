@@ -33,13 +33,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-BENCH = Path(__file__).resolve().parent
 
 
 def heldout_prompts(seed: int, docs: list[int], prompts: int, questions: int, filler: int):
@@ -90,20 +87,11 @@ def entry_shapes(model, tokens: int = 512, seam: int = 8) -> dict:
 
 
 def transformers_reference(folder: Path):
-    """transformers' float32 model of the folder. The bench folder leaves sys.path while transformers loads: it
-    probes for an optional package named `kernels`, and bench/kernels.py would be taken for it."""
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-    shadow = sys.modules.get("kernels")
-    if shadow is not None and Path(getattr(shadow, "__file__", "") or ".").resolve().parent == BENCH:
-        del sys.modules["kernels"]
-    try:
-        import torch
-        import transformers as tf
+    """transformers' float32 model of the folder."""
+    import torch
+    import transformers as tf
 
-        return tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    finally:
-        sys.path[:] = saved
+    return tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def run(args) -> dict:

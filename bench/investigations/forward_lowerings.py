@@ -15,7 +15,7 @@ def main():
     import jax
 
     from hypic_jax.kernels import gdn
-    from bench.kernels import DIM, gdn_inputs, timeit
+    from bench.linear_kernels import DIM, gdn_inputs, timeit
 
     q, k, v, g, beta = gdn_inputs(int(os.environ.get("LENGTH", 32768)))
     for name, cfg in (("GDNConfig()", gdn.GDNConfig()), ("locals triton", gdn.GDNConfig(locals_lowering="triton")),

@@ -36,7 +36,7 @@ def _inputs():
     import jax.numpy as jnp
 
     from hypic_jax.kernels.gdn.common import chunk_cumsum
-    from bench.kernels import HEADS, gdn_inputs
+    from bench.linear_kernels import HEADS, gdn_inputs
 
     length = int(os.environ.get("LENGTH", 32768))
     q, k, v, g, beta = gdn_inputs(length)
@@ -49,7 +49,7 @@ def run_variant(name):
 
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn import mosaic_chunk_local as glm
-    from bench.kernels import DIM, timeit
+    from bench.linear_kernels import DIM, timeit
 
     args, _, jnp = _inputs()
     scale = DIM**-0.5
@@ -73,7 +73,7 @@ def run_forward():
     import jax
 
     from hypic_jax.kernels import gdn
-    from bench.kernels import DIM, timeit
+    from bench.linear_kernels import DIM, timeit
 
     _, (q, k, v, g, beta), _ = _inputs()
     for name, c in (("locals triton", gdn.GDNConfig(locals_lowering="triton")),

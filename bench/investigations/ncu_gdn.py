@@ -4,7 +4,7 @@
       python3 -m bench.investigations.ncu_gdn --impl pallas
     ncu --profile-from-start off ... python3 -m bench.investigations.ncu_gdn --impl fla   # fla's forward
 
-Shapes are bench/kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
+Shapes are bench/linear_kernels.py's (batch 1, 16 key heads -> 32 value heads of 128, bf16 inputs). Compilation, fla's
 autotuning and a warm-up call happen before the profiled range, so only the kernels of one forward are profiled.
 (Its `--impl compose`, which profiled the split-operand composition fold, left with that fold.) Run it with XLA's
 memory pool and command buffers off, so that ncu can replay each kernel:
@@ -45,7 +45,7 @@ def _cudart():
 def run_pallas(length, emit):
     import jax
 
-    from bench.kernels import DIM, gdn_inputs
+    from bench.linear_kernels import DIM, gdn_inputs
     from hypic_jax.kernels import gdn
 
     q, k, v, g, beta = gdn_inputs(length)
@@ -65,7 +65,7 @@ def run_fla(length):
     import torch
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from bench.kernels import DIM, KEY_HEADS, fla_gdn_inputs
+    from bench.linear_kernels import DIM, KEY_HEADS, fla_gdn_inputs
 
     q, k, v, g, beta = fla_gdn_inputs(length, KEY_HEADS)
     fn = lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=DIM**-0.5,  # noqa: E731

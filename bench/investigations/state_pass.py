@@ -24,7 +24,7 @@ def main():
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn import mosaic_state
     from hypic_jax.kernels.gdn.state import state_pass
-    from bench.kernels import DIM, HEADS, locals_operands, timeit
+    from bench.linear_kernels import DIM, HEADS, locals_operands, timeit
 
     _, (b, p, w, u, ks, qs) = locals_operands(int(os.environ.get("LENGTH", 32768)))
     scale = DIM**-0.5

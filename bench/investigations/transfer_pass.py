@@ -33,7 +33,7 @@ def short_sequences():
     from hypic_jax.core import linear_attn as la
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn.state import use_mosaic_transfer
-    from bench.kernels import DIM, HEADS, KEY_HEADS, gdn_inputs, rel, timeit
+    from bench.linear_kernels import DIM, HEADS, KEY_HEADS, gdn_inputs, rel, timeit
 
     scale = DIM**-0.5
     rep = lambda x: jnp.repeat(x.astype(jnp.float32), HEADS // KEY_HEADS, 1)  # noqa: E731
@@ -66,7 +66,7 @@ def main():
     from hypic_jax.kernels import gdn
     from hypic_jax.kernels.gdn import mosaic_state
     from hypic_jax.kernels.gdn.state import state_pass
-    from bench.kernels import DIM, HEADS, locals_operands, rel, timeit
+    from bench.linear_kernels import DIM, HEADS, locals_operands, rel, timeit
 
     if "--short" in sys.argv[1:]:
         short_sequences()

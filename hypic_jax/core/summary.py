@@ -210,7 +210,7 @@ def compose(first: Summary, second: Summary, *, algorithm: str | None = None) ->
     """The summary of `first` followed by `second`: (T2 T1, T2 S1 + S2). Associative, not commutative.
 
     algorithm: dot algorithm of the dense products (None / "f32": HIGHEST; "bf16x3": three bfloat16 tensor-core
-    passes, ~1e-6 relative per product; bench/kernels.py times the algorithms, see bench/RESULTS.md)."""
+    passes, ~1e-6 relative per product; bench/linear_kernels.py times the algorithms, see bench/RESULTS.md)."""
     form = FORMS[max(_FORM_RANK[first.form], _FORM_RANK[second.form])]
     first, second = promote(first, form), promote(second, form)
     state = apply_transfer(second, first.state, algorithm) + second.state

@@ -69,7 +69,7 @@ def composed_state(summaries: Summary, initial_state: Array | None = None, *, al
 
     impl as in `prefix_states`; "pallas" (dense transfers) runs `pallas.compose.fold_pallas` without the transfer
     columns, one program per whole state, every batch entry (layers, heads) in one launch, which costs less than
-    every prefix state (bench/kernels.py measures both; see bench/RESULTS.md). Returns [..., H, K, V].
+    every prefix state (bench/linear_kernels.py measures both; see bench/RESULTS.md). Returns [..., H, K, V].
     """
     if summaries.state.ndim < 4:
         raise ValueError(f"summaries must be stacked along a leading axis, got state shape {summaries.state.shape}")

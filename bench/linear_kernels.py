@@ -2,19 +2,19 @@
 forward (with and without its cache entry (T_C, S(C|0))), KDA and GLA (per-key gates), packed segments
 (`gdn_varlen`), the pure-JAX chunked path, and the composition of many dense (T, S) pairs.
 
-  python bench/kernels.py --fla-only --out DIR     fla's chunk_gated_delta_rule at each --lengths, then chunk_kda,
+  python bench/linear_kernels.py --fla-only --out DIR     fla's chunk_gated_delta_rule at each --lengths, then chunk_kda,
                                                    chunk_gla and varlen chunk_gated_delta_rule at 32k (torch; the
                                                    fla wheels installed). Run it first, in its own process.
-  python bench/kernels.py --all --out DIR          one table of run_all's --sections: "steps" (the library's
+  python bench/linear_kernels.py --all --out DIR          one table of run_all's --sections: "steps" (the library's
                                                    launches, `step_variants`: GDNConfig() is "tile c64 lw4 mosaic
                                                    both" on Hopper), "varlen", "per-key", and the solve
                                                    variants "gdn" and "locals"; the fla column comes from a
                                                    --fla-only run into the same DIR
-  python bench/kernels.py --out DIR                the Triton launch table (`variants`: chunk 32 and 64, the rows,
+  python bench/linear_kernels.py --out DIR                the Triton launch table (`variants`: chunk 32 and 64, the rows,
                                                    doubling and tile solves), the XLA composition, other lengths
-  python bench/kernels.py --focus --out DIR        the Triton composition fold, the Triton forward kernel by kernel,
+  python bench/linear_kernels.py --focus --out DIR        the Triton composition fold, the Triton forward kernel by kernel,
                                                    T on slow gates
-  python bench/kernels.py --all --smoke ...        tiny shapes through the Pallas interpreter (CPU check)
+  python bench/linear_kernels.py --all --smoke ...        tiny shapes through the Pallas interpreter (CPU check)
 
 Shapes: batch 1, 16 key heads -> 32 value heads of 128 (the Qwen3.5 shapes), bf16 q, k, v, float32 gates and state.
 Each mode appends JSON lines to DIR/<mode>.jsonl as it goes (so a run cut short still reports) and prints a table.
