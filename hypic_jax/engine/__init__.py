@@ -6,7 +6,8 @@ fixed ladder of compiled programs) and its typed options.
     programs    the compiled programs: the ladder, compiling, the store, the guard while serving
     sampling    the one device sampler
     scheduler   the continuous-batching loop that `generate` and the server share
-    placement   one device, or a tensor-parallel mesh
+    store       compiled programs stored whole, for a restarted process
+    results     what prefill and generate return
     planner     a request's plan (`Plan`): its spans, fresh tokens, entries to store, hits and misses
     engine      `Engine`: prefill, generation, decode rows, lifecycle (its cache: `hypic_jax.cache.hierarchy`)
 """

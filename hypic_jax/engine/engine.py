@@ -97,7 +97,7 @@ def use_compile_cache(directory: str | Path) -> Path:
 
 
 def layer_plan(model, *, scan: bool = True) -> LayerPlan:
-    """How the engine runs `model`'s layers (`layer_stack.LayerPlan`): its repeating pattern as one scan (layers
+    """How the engine runs `model`'s layers (`models.stack.LayerPlan`): its repeating pattern as one scan (layers
     share a pattern position when their parameters, pools and types have one structure), or with `scan=False`
     every layer unrolled."""
     layers = model.params["layers"]
@@ -112,7 +112,7 @@ def layer_plan(model, *, scan: bool = True) -> LayerPlan:
 
 
 def stack_layers(model, *, scan: bool = True, consume: bool = False):
-    """`model` with its layers stacked by `layer_plan` (a `layer_stack.LayerStack`, which reads like the list of
+    """`model` with its layers stacked by `layer_plan` (a `models.stack.LayerStack`, which reads like the list of
     layers). The engine stacks a copy itself; with `consume=True` the per-layer arrays are deleted as they are
     stacked, for a model too large for two copies (every other holder of them loses them)."""
     layers = LayerStack.build(model.params["layers"], layer_plan(model, scan=scan), consume=consume)

@@ -113,7 +113,7 @@ class Mover:
 
     def __init__(self, pools, max_tokens: int, compact: str | None = None, transfer_tol: float | None = None,
                  host_memory: str = "pinned"):
-        stack = pools.arrays  # a layer_stack.PoolStack: per part of the layer plan, its layers' rows in blocks
+        stack = pools.arrays  # a models.stack.PoolStack: per part of the layer plan, its layers' rows in blocks
         self.specs, self.plan = stack.specs, stack.plan
         self.page = pools.page
         if host_memory not in HOST_MEMORY:

@@ -25,8 +25,8 @@ the same pair in exact arithmetic; rounding differs between bracketings only at 
   "bf16x6" / "bf16x9": more correction terms, closer to exact float32.
 
 All functions take T [n, ..., K, K] and S [n, ..., K, V] with the segment axis first and any batch axes (layers,
-heads) after it. `bench/pic_kernels.py --sections prefix bar` times the folds and `bench/kernels.py` the XLA tree
-(bench/RESULTS.md, "pic_kernels.py" and "kernels.py").
+heads) after it. `bench/pic_kernels.py --sections prefix bar` times the folds and `bench/linear_kernels.py` the XLA tree
+(bench/RESULTS.md, "pic_kernels.py" and "linear_kernels.py").
 """
 
 from hypic_jax.core.summary import ALGORITHMS, matmul, precision_of

@@ -19,8 +19,8 @@ state pass and the transfer pass), `chunk` and `varlen` (the two entry points), 
 `mosaic_state` (the Mosaic GPU versions of the two kernels), `cost` (FLOP counts) and `reference` (the same
 computations in pure JAX, which the tests check every kernel against).
 
-Speed: `bench/kernels.py` times the forward beside flash-linear-attention's chunk_gated_delta_rule and chunk_kda,
-and the scripts of `bench/investigations/` each kernel alone; bench/RESULTS.md ("kernels.py", "Findings of the
+Speed: `bench/linear_kernels.py` times the forward beside flash-linear-attention's chunk_gated_delta_rule and chunk_kda,
+and the scripts of `bench/investigations/` each kernel alone; bench/RESULTS.md ("linear_kernels.py", "Findings of the
 investigations") holds the numbers.
 """
 
