@@ -37,7 +37,8 @@ SEAM = 4
 
 
 @pytest.fixture(scope="module")
-def make(tiny_checkpoints):
+def make(tmp_path_factory, tiny_checkpoints):
+    root = tmp_path_factory.mktemp("tiers")
     model, vocab, _ = tiny_checkpoints("qwen_moe")
     donor = Engine(model, **BASE, host_cache_bytes=1 << 20)
     donor.warmup(progress=False)

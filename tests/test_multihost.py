@@ -21,7 +21,6 @@ Every process runs under a deadline and is killed past it: nothing here can hang
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
