@@ -1,8 +1,8 @@
 """Test-session hygiene shared by every test module, and the pytest fixtures several modules use.
 
 Plain functions the tests call (the relative error `rel_err`, the tiny-checkpoint builder `tiny_checkpoint`, random
-inputs) live in helpers.py, which test modules import by name: pytest loads this file itself, and a test module
-importing it would get a second copy."""
+inputs) live in helpers.py, which test modules import by name: pytest loads this file itself, as a plugin, and it is
+not meant to be imported."""
 
 from __future__ import annotations
 

@@ -2,11 +2,10 @@
 architecture, random inputs of every linear-attention family with a float64 NumPy reference, random span layouts,
 and the guards that keep the suite fast (`jitted`, `examples`, `trim_compiled_programs`, xdist groups).
 
-Why a module and not conftest.py: pytest loads conftest.py itself and it is not meant to be imported (under
-`--import-mode=importlib` it is not on the path, and with a second conftest.py the name is ambiguous), while test
-modules, conftest.py and the scripts the tests run in subprocesses (`sys.path.insert(0, tests)`) can all import
-`helpers` by name. Pytest fixtures live in conftest.py; everything else a test calls lives here, so that no test
-module imports another.
+Why a module and not conftest.py: pytest loads conftest.py itself, as a plugin, and it is not meant to be imported
+(a second conftest.py in a subfolder would make the name ambiguous), while test modules, conftest.py and the
+scripts the tests run in subprocesses (`sys.path.insert(0, tests)`) can all import `helpers` by name. Pytest
+fixtures live in conftest.py; everything else a test calls lives here, so that no test module imports another.
 
 Sections: relative error; xdist groups; tiny checkpoints; compiled programs and property tests; linear-attention
 families; random span layouts.
@@ -29,10 +28,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from hypic_jax import stitch
 from hypic_jax.core import linear_attn as la
 from hypic_jax.core.linear_attn import Summary
-from hypic_jax.kernels import gdn
 from hypic_jax.stitch import layout as lay
 
 
@@ -725,6 +722,9 @@ def layout_pool(rng) -> Summary:
 def layout_core(inputs, pool, arrays, *, summaries, isolated, impl):
     """`stitch.linear_over_layout` through `impl` ("xla" or "pallas") and the records it makes: (outputs, final
     state, piece end states, piece summaries, records)."""
+    from hypic_jax import stitch  # the kernels' imports only where a test runs them
+    from hypic_jax.kernels import gdn
+
     config = gdn.GDNConfig(chunk=16, block_v=16, solve="doubling" if inputs.gk is not None else "tile",
                            transfer_group=0)
     result = stitch.linear_over_layout(inputs, pool, arrays, summaries=summaries, impl=impl, kernel_config=config)
