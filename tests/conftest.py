@@ -1,4 +1,8 @@
-"""Test-session hygiene shared by every test module."""
+"""Test-session hygiene shared by every test module, and the pytest fixtures several modules use.
+
+Plain functions the tests call (the relative error `rel_err`, the tiny-checkpoint builder `tiny_checkpoint`, random
+inputs) live in helpers.py, which test modules import by name: pytest loads this file itself, as a plugin, and it is
+not meant to be imported."""
 
 from __future__ import annotations
 
@@ -30,15 +34,24 @@ if (os.environ.get("JAX_PLATFORMS") or "cpu").split(",")[0] == "cpu" and not _gp
 
 import pytest  # noqa: E402
 
-from families import trim_compiled_programs  # noqa: E402
+import helpers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _bounded_compiled_programs():
-    """After each test, keep the process under its memory-map limit (`families.trim_compiled_programs`: XLA's CPU
+    """After each test, keep the process under its memory-map limit (`helpers.trim_compiled_programs`: XLA's CPU
     compiler segfaults once a worker's compiled programs reach it)."""
     yield
-    trim_compiled_programs()
+    helpers.trim_compiled_programs()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """arch -> (model with slow decays, vocabulary size, folder): `helpers.tiny_checkpoint` in one folder per
+    architecture for the whole worker, so the modules that run on one worker build and load each checkpoint once.
+    Read-only: a test that writes into a checkpoint's folder builds its own with `helpers.tiny_checkpoint`."""
+    root = tmp_path_factory.mktemp("tiny")
+    return lambda arch: helpers.tiny_checkpoint(arch, str(root / arch))
 
 
 @pytest.hookimpl(trylast=True)

@@ -27,7 +27,7 @@ from hypic_jax.cache import tiers as tr
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel as _rel, tiny_checkpoint  # noqa: E402  (the tiny checkpoints of the engine tests)
+from helpers import rel_err  # noqa: E402
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the donor engine warmed up once
 pytestmark = pytest.mark.xdist_group("cache_tiers")
@@ -38,9 +38,9 @@ SEAM = 4
 
 
 @pytest.fixture(scope="module")
-def make(tmp_path_factory):
+def make(tmp_path_factory, tiny_checkpoints):
     root = tmp_path_factory.mktemp("tiers")
-    model, vocab, _ = tiny_checkpoint("qwen_moe", str(root / "model"))
+    model, vocab, _ = tiny_checkpoints("qwen_moe")
     donor = Engine(model, **BASE, host_cache_bytes=1 << 20)
     donor.warmup(progress=False)
 
@@ -97,7 +97,7 @@ def test_demotion_then_promotion_round_trips_exactly(make):
     _evict_device(engine, sync=False)  # demotions in flight: a lookup waits for its entry's
     again = engine.prefill(segs, mode="prefix_cache")
     assert again.stats.hits == 4 and again.stats.recomputed_tokens == len(segs[-1])
-    assert _rel(again.logits, full.logits) < 1e-5
+    assert rel_err(again.logits, full.logits) < 1e-5
     assert engine.persist() == engine.stats["tiers"]["disk"]["entries"] == len(_files(folder))
     assert engine.stats["tiers"]["demote_errors"] == 0
 
@@ -134,7 +134,7 @@ def test_restart_serves_the_disk_and_detects_corruption(make):
     assert (result.stats.hits, result.stats.misses) == (2, 2)
     assert second.stats["tiers"]["disk"]["corrupt"] == 2
     assert not flipped.exists() and not truncated.exists()
-    assert _rel(result.logits, cached.logits) < 1e-5
+    assert rel_err(result.logits, cached.logits) < 1e-5
 
     # a flipped header byte, found when the folder is scanned (the index rebuilt from the headers)
     header = path(segs[2])
@@ -249,7 +249,7 @@ def test_threads_interleaving_across_tiers_keep_identities_and_compile_nothing(m
                 full = engine.prefill(segs, mode="full_recompute")
                 for mode, seam in (("prefix_cache", 0), ("transition_rope_recompute", 1.0)):
                     result = engine.prefill(segs, mode=mode, seam=seam)
-                    assert _rel(result.logits, full.logits) < 1e-5, (mode, seam)
+                    assert rel_err(result.logits, full.logits) < 1e-5, (mode, seam)
                 result = engine.prefill(segs, seam=SEAM)
                 assert np.all(np.isfinite(result.logits))
         except Exception as error:  # noqa: BLE001 (reported below)
@@ -282,7 +282,7 @@ def test_bfloat16_tiers_halve_the_summaries_within_a_measured_bound(make):
         held[name] = list(engine.tiers.host.values())
         back = engine.prefill(segs, seam=SEAM)
         assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
-        deviation[name] = _rel(back.logits, warm.logits)
+        deviation[name] = rel_err(back.logits, warm.logits)
     # every float32 piece (T, S, and this float32 model's K/V rows and conv tails, padded to the entry's bucket of
     # pages) is stored in half its bytes
     mover = exact.mover
@@ -352,7 +352,7 @@ def test_negligible_transfer_heads_are_not_stored(make):
         assert back.stats.hits == 4 and engine.stats["tiers"]["promotions"]["host"] == 4
         if tol == 0.0:
             np.testing.assert_allclose(back.logits, warm.logits, rtol=0, atol=1e-6)
-        assert _rel(back.logits, warm.logits) < 1e-5
+        assert rel_err(back.logits, warm.logits) < 1e-5
         assert engine.persist() == 4
         _evict_device(engine)
         restarted = make(model=model, disk_cache_dir=folder, tier_transfer_tol=tol)

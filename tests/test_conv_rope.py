@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from families import core, examples, make_family, method, rel_err, slice_inputs
+from helpers import core, examples, make_family, method, rel_err, slice_inputs
 from hypic_jax.core import linear_attn as la
 from hypic_jax.core.conv import causal_conv1d
 from hypic_jax.core.rope import apply_rope, rotate_keys, rotate_state_keys

@@ -26,7 +26,7 @@ from hypic_jax import cli
 from hypic_jax.engine import Engine, EngineOptions, KernelOptions, backend_compiles
 from hypic_jax.engine.programs import ProgramKey
 
-from helpers import arch_params, on_worker_of, rel, tiny_checkpoint
+from helpers import arch_params, on_worker_of, rel_err, tiny_checkpoint
 from reference import pic
 
 MODES = ("full_recompute", "prefix_cache", "addition", "transition", "transition_rope", "transition_rope_recompute")
@@ -45,14 +45,13 @@ def _engine(model, **options):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tiny_checkpoints):
     """arch -> (a warmed-up engine with small pools (16 MB: entries get evicted), its model, the vocabulary)."""
-    root = tmp_path_factory.mktemp("engine")
     made = {}
 
     def get(arch):
         if arch not in made:
-            model, vocab, _ = tiny_checkpoint(arch, str(root / arch))
+            model, vocab, _ = tiny_checkpoints(arch)
             engine = _engine(model)
             engine.warmup(progress=False)
             made[arch] = (engine, model, vocab)
@@ -116,13 +115,13 @@ def test_random_trace_compiles_nothing_after_warmup(engines, arch):
             full = engine.prefill(segs, mode="full_recompute")
         compiled += backend_compiles() - before
         if exact:
-            assert rel(result.logits, full.logits) < 1e-5, (mode, seam, [len(s) for s in segs])
+            assert rel_err(result.logits, full.logits) < 1e-5, (mode, seam, [len(s) for s in segs])
         elif first_exact:
             layer = engine.first_linear_layer()
             np.testing.assert_allclose(np.asarray(result.decode[layer].state), np.asarray(full.decode[layer].state),
                                        rtol=2e-4, atol=2e-5)
         if mode in pic.PIC_MODES and checked < 3 and sum(map(len, segs)) < 400:
-            assert rel(result.logits, pic.prefill(model, segs, mode, seam)) < 1e-4, (mode, seam)
+            assert rel_err(result.logits, pic.prefill(model, segs, mode, seam)) < 1e-4, (mode, seam)
             checked += 1
         assert np.all(np.isfinite(result.logits))
         assert result.stats.prompt_tokens == sum(map(len, segs))
@@ -139,21 +138,21 @@ def test_exact_modes_equal_full_recompute(engines, arch):
     reference = np.asarray(model.logits(np.concatenate(segs)[None]))[0, -1]
 
     full = engine.prefill(segs, mode="full_recompute")
-    assert rel(full.logits, reference) < 1e-5
+    assert rel_err(full.logits, reference) < 1e-5
     assert full.stats.recomputed_tokens == full.stats.prompt_tokens == NUM_DOCS * DOC_LEN + QUERY_LEN
 
     whole_seam = engine.prefill(segs, mode="transition_rope_recompute", seam=1.0)
-    assert rel(whole_seam.logits, reference) < 1e-5
+    assert rel_err(whole_seam.logits, reference) < 1e-5
     assert whole_seam.stats.cached_tokens == 0 and whole_seam.stats.cold_tokens == 0
 
     cold = engine.prefill(segs, mode="prefix_cache")
-    assert rel(cold.logits, reference) < 1e-5
+    assert rel_err(cold.logits, reference) < 1e-5
     assert (cold.stats.hits, cold.stats.misses) == (0, NUM_DOCS)
     warm = engine.prefill(segs, mode="prefix_cache")
-    assert rel(warm.logits, reference) < 1e-5
+    assert rel_err(warm.logits, reference) < 1e-5
     assert (warm.stats.hits, warm.stats.misses) == (NUM_DOCS, 0)
     assert warm.stats.recomputed_tokens == QUERY_LEN and warm.stats.cached_tokens == NUM_DOCS * DOC_LEN
-    assert rel(_first_linear_state(warm), _first_linear_state(full)) < 1e-5
+    assert rel_err(_first_linear_state(warm), _first_linear_state(full)) < 1e-5
 
     swapped = engine.prefill([segs[1], segs[0], segs[2], segs[3]], mode="prefix_cache")
     assert swapped.stats.hits == 0  # a prefix cache only serves the same leading segments
@@ -172,7 +171,7 @@ def test_pic_modes_equal_the_naive_reference(engines, arch):
         want = pic.prefill(model, request, mode, seam)
         for _ in range(2):  # its entries recorded and stitched, then read from the cache
             got = engine.prefill(request, mode=mode, seam=seam, cache_salt="reference")
-            assert rel(got.logits, want) < 1e-5, (mode, seam)
+            assert rel_err(got.logits, want) < 1e-5, (mode, seam)
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
@@ -196,7 +195,7 @@ def test_reordered_documents_are_served_from_the_cache(engines, arch):
     cold = engine.prefill(segs, seam=SEAM)
     assert (cold.stats.hits, cold.stats.misses, cold.stats.cold_tokens) == (0, NUM_DOCS, NUM_DOCS * DOC_LEN)
     # the first layer is linear and sees context-free inputs: composition through T is exact there
-    assert rel(_first_linear_state(cold), _first_linear_state(full)) < 1e-5
+    assert rel_err(_first_linear_state(cold), _first_linear_state(full)) < 1e-5
 
     shuffled = [segs[i] for i in (2, 0, 1)] + [segs[-1]]
     warm = engine.prefill(shuffled, seam=SEAM)
@@ -204,7 +203,7 @@ def test_reordered_documents_are_served_from_the_cache(engines, arch):
     assert warm.stats.recomputed_tokens == NUM_DOCS * SEAM + QUERY_LEN
     assert warm.stats.cached_tokens == NUM_DOCS * (DOC_LEN - SEAM)
     shuffled_full = engine.prefill(shuffled, mode="full_recompute")
-    assert rel(_first_linear_state(warm), _first_linear_state(shuffled_full)) < 1e-5
+    assert rel_err(_first_linear_state(warm), _first_linear_state(shuffled_full)) < 1e-5
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
@@ -220,11 +219,11 @@ def test_addition_deviates_far_more_than_transition(engines, arch):
     added = engine.prefill(segs, mode="addition")
     composed = engine.prefill(segs, mode=transition)
     assert composed.stats.hits == NUM_DOCS  # both modes use the same seam-free entries
-    state_added = rel(_first_linear_state(added), _first_linear_state(full))
-    state_composed = rel(_first_linear_state(composed), _first_linear_state(full))
+    state_added = rel_err(_first_linear_state(added), _first_linear_state(full))
+    state_composed = rel_err(_first_linear_state(composed), _first_linear_state(full))
     assert state_added > 2 * state_composed, (state_added, state_composed)
     if arch.startswith("qwen"):
-        assert rel(added.logits, full.logits) > 2 * rel(composed.logits, full.logits)
+        assert rel_err(added.logits, full.logits) > 2 * rel_err(composed.logits, full.logits)
 
 
 @on_worker_of("engine-qwen_dense")
@@ -298,11 +297,11 @@ def test_a_cache_too_small_for_a_request(engines):
     hit = engine.prefill(segs, mode="prefix_cache")
     assert (misses.stats.hits, hit.stats.hits) == (0, 1)  # the first prefix was recorded, the others computed
     for out in (misses, hit):
-        assert rel(out.logits, full.logits) < 1e-5
+        assert rel_err(out.logits, full.logits) < 1e-5
     with pytest.raises(ValueError, match="no room in the cache"):
         engine.prefill(segs, mode="transition_rope_recompute", seam=4)
     assert engine.pools.free_slots() + len(engine.cache) == 1
-    assert rel(engine.prefill(segs, mode="full_recompute").logits, full.logits) < 1e-6
+    assert rel_err(engine.prefill(segs, mode="full_recompute").logits, full.logits) < 1e-6
 
 
 @on_worker_of("engine-qwen_dense")
@@ -363,7 +362,7 @@ def test_kernel_choices_keep_the_results_the_cache_and_the_checkpoint(engines, t
         assert engine.fingerprint == base.fingerprint
         for request, expected in zip((segs, shuffled), want):
             got = engine.prefill(request)
-            assert rel(got.logits, expected.logits) < 1e-5, kernels
+            assert rel_err(got.logits, expected.logits) < 1e-5, kernels
             assert got.stats.hits == NUM_DOCS, kernels  # the first engine's entries, read from the disk tier
         engine.close()
     assert not {"chunk_size", "gdn_kernel", "moe_kernel"} & set(config_to_dict(model.config))
@@ -429,7 +428,7 @@ def test_a_background_warmup_serves_while_the_larger_rungs_compile(engines):
     sampled = engine.generate(small, max_new_tokens=2, temperature=1.0, top_p=0.5, seed=1)  # waits for its sampler
     assert len(sampled.tokens) == 2
     out = engine.prefill(large, mode="full_recompute")
-    assert rel(out.logits, np.asarray(model.logits(np.concatenate(large)[None]))[0, -1]) < 1e-5
+    assert rel_err(out.logits, np.asarray(model.logits(np.concatenate(large)[None]))[0, -1]) < 1e-5
     assert engine.programs.wait(timeout=600)
     assert engine.stats["programs"]["serving_compiles"] == 0 and engine.stats["programs"]["pending"] == 0
     engine.close()
@@ -478,12 +477,12 @@ def test_closing_writes_the_tiers_to_disk_and_a_new_engine_serves_them(engines, 
     with Engine(model, **options) as second:
         got = second.prefill(segs)
         assert (got.stats.hits, got.stats.misses) == (NUM_DOCS, 0)
-        assert rel(got.logits, want) < 1e-6
+        assert rel_err(got.logits, want) < 1e-6
     files[0].write_bytes(files[0].read_bytes()[:-8] + b"\0" * 8)  # a damaged payload
     with Engine(model, **options) as third:
         got = third.prefill(segs)
         assert (got.stats.hits, got.stats.misses) == (NUM_DOCS - 1, 1)
-        assert rel(got.logits, want) < 1e-6
+        assert rel_err(got.logits, want) < 1e-6
 
 
 _CRASH_SCRIPT = """
@@ -530,7 +529,7 @@ def test_what_survives_a_killed_or_exiting_process(engines, tmp_path, kill):
                     max_batch=1, compile_cache="none", disk_cache_dir=disk) as engine:
             got = engine.prefill(segs)
             assert got.stats.hits == (0 if kill and name == "plain" else NUM_DOCS), name
-            assert rel(got.logits, want) < 1e-6
+            assert rel_err(got.logits, want) < 1e-6
 
 
 def _write_word_tokenizer(folder, vocab: int) -> None:
@@ -743,7 +742,7 @@ def test_a_failed_request_gives_its_room_back_and_a_refused_write_keeps_the_pool
     finally:
         engine.programs._compiled[key] = real
     assert engine.pools.arrays is not None
-    assert rel(engine.prefill(segs, mode="full_recompute").logits, want) < 1e-6
+    assert rel_err(engine.prefill(segs, mode="full_recompute").logits, want) < 1e-6
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         engine.prefill([[5] * (RUNGS[-1] + 1)])
     with pytest.raises(ValueError, match="max_segments"):

@@ -14,7 +14,7 @@ from hypic_jax.demo import tiny_model
 from hypic_jax.engine import MODES, Engine, backend_compiles, seam_tokens
 from hypic_jax.cache.pools import PoolFull
 
-from helpers import rel
+from helpers import rel_err
 
 pytestmark = pytest.mark.xdist_group("engine-inputs")
 
@@ -193,14 +193,14 @@ def test_a_request_that_can_never_fit_leaves_the_cache_alone(model):
     assert isinstance(PoolFull("x"), ValueError)  # the server's 400
     hit = engine.prefill([docs[0], query], mode="prefix_cache")
     assert (hit.stats.hits, hit.stats.misses) == (1, 0)
-    assert rel(hit.logits, engine.prefill([docs[0], query], mode="full_recompute").logits) < 1e-5
+    assert rel_err(hit.logits, engine.prefill([docs[0], query], mode="full_recompute").logits) < 1e-5
     pic = engine.prefill([docs[1], query], mode="transition_rope_recompute", seam=4)
     assert (pic.stats.hits, pic.stats.misses) == (1, 0)
     # two documents fit at once: served (and the seam-1.0 identity holds on the engine after the refusal)
     segs = docs[2:] + [query]
     assert engine.prefill(segs, mode="transition_rope_recompute", seam=4).stats.misses == 2
     whole = engine.prefill(segs, mode="transition_rope_recompute", seam=1.0)
-    assert rel(whole.logits, engine.prefill(segs, mode="full_recompute").logits) < 1e-5
+    assert rel_err(whole.logits, engine.prefill(segs, mode="full_recompute").logits) < 1e-5
 
 
 def test_limits_and_identities_at_the_edges(engine):
@@ -214,7 +214,7 @@ def test_limits_and_identities_at_the_edges(engine):
     for mode, seam, hits in [("prefix_cache", 8, 0), ("prefix_cache", 8, 6), ("transition_rope_recompute", 1.0, 0),
                              ("transition_rope_recompute", 20, 0)]:
         out = engine.prefill(segs, mode=mode, seam=seam)
-        assert rel(out.logits, full.logits) < 1e-5, (mode, seam)
+        assert rel_err(out.logits, full.logits) < 1e-5, (mode, seam)
         assert out.stats.hits == hits
     _refused(engine, ValueError, "over the engine's max_prompt_tokens of 128",
              lambda: engine.prefill(segs[:-1] + [segs[-1] + [3]]))
@@ -222,7 +222,7 @@ def test_limits_and_identities_at_the_edges(engine):
     single = [rng.integers(3, 512, 5).tolist()]
     reference = engine.prefill(single, mode="full_recompute").logits
     for mode in MODES:
-        assert rel(engine.prefill(single, mode=mode).logits, reference) < 1e-6, mode
+        assert rel_err(engine.prefill(single, mode=mode).logits, reference) < 1e-6, mode
 
 
 def test_bad_cache_folders_and_budgets(model, tmp_path):

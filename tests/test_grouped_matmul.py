@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypic_jax.models import layers
 from hypic_jax.kernels.grouped_matmul import ChunkedWeights, GMMConfig, block_layout, gmm, gmm_reference
 
-from families import examples
+from helpers import examples
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

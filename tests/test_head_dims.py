@@ -17,7 +17,7 @@ import pytest
 from hypic_jax.core import linear_attn as la
 from hypic_jax.core.summary import advance
 
-from families import core  # the core's functions as compiled programs (the float64 reference: one per shape)
+from helpers import core, rel_err  # the core's functions as compiled programs (the float64 reference: one per shape)
 
 TOL32 = 1e-5  # as tests/test_pallas.py: float32 kernels against a reference
 LENGTH, HEADS = 50, 2
@@ -25,11 +25,6 @@ DIMS = [(8, 6), (24, 40)]  # both axes padded
 FAMILIES = ["gated_delta_net", "kda", "gla", "retnet"]
 # every family at both pairs, and one axis padded alone (the other already a kernel width)
 CASES = [(name, *dims) for dims in DIMS for name in FAMILIES] + [("gated_delta_net", 16, 12), ("gla", 12, 16)]
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def family(name, key_dim, value_dim, seed=0) -> la.LinearInputs:
@@ -85,25 +80,25 @@ def test_pallas_pads_odd_head_dims(name, key_dim, value_dim):
     o, s = la.chunked(**inputs.kwargs(), initial_state=init, impl="pallas")
     assert o.shape == (LENGTH, HEADS, value_dim) and o.dtype == jnp.float32
     assert s.shape == (HEADS, key_dim, value_dim)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
 
     summary = inputs.summarize(impl="pallas")  # LinearInputs passes impl through
     assert summary.form == {"gated_delta_net": "dense", "kda": "dense", "gla": "diagonal", "retnet": "scalar"}[name]
     assert summary.state.shape == (HEADS, key_dim, value_dim)
-    assert rel(summary.state, recurrent64(inputs)[1]) < TOL32
+    assert rel_err(summary.state, recurrent64(inputs)[1]) < TOL32
     want_t = transfer64(inputs)
-    assert summary.transfer.shape == want_t.shape and rel(summary.transfer, want_t) < TOL32
-    assert rel(advance(summary, init), ref_s) < TOL32  # the pair resumes from any state
+    assert summary.transfer.shape == want_t.shape and rel_err(summary.transfer, want_t) < TOL32
+    assert rel_err(advance(summary, init), ref_s) < TOL32  # the pair resumes from any state
 
 
 def test_dispatch_and_refusals():
     inputs = family("retnet", *DIMS[0])
     xla_o, xla_s = la.chunked(**inputs.kwargs(), impl="xla")
     auto_o, auto_s = la.chunked(**inputs.kwargs(), impl="auto")  # off a GPU: the XLA path
-    assert rel(auto_o, xla_o) == 0.0 and rel(auto_s, xla_s) == 0.0
+    assert rel_err(auto_o, xla_o) == 0.0 and rel_err(auto_s, xla_s) == 0.0
     auto = la.summarize(inputs.k, inputs.v, g=inputs.g, impl="auto")
     xla = la.summarize(inputs.k, inputs.v, g=inputs.g)
-    assert rel(auto.state, xla.state) == 0.0 and rel(auto.transfer, xla.transfer) == 0.0
+    assert rel_err(auto.state, xla.state) == 0.0 and rel_err(auto.transfer, xla.transfer) == 0.0
     empty = jax.tree.map(lambda x: x[:0], inputs)
     with pytest.raises(ValueError, match="sequence is empty"):
         la.chunked(**empty.kwargs(), impl="pallas")

@@ -23,59 +23,12 @@ from hypic_jax.checkpoint.hf.base import CheckpointReader  # noqa: E402
 from hypic_jax.checkpoint.hf import kimi_linear as kimi_converter  # noqa: E402
 from hypic_jax import load  # noqa: E402
 from hypic_jax.models import kimi_linear as kimi  # noqa: E402
-from families import fake_devices_env  # noqa: E402
+from helpers import VOCAB, fake_devices_env, reference_logits, reference_model, rel_err, save_checkpoint  # noqa: E402
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
 pytestmark = pytest.mark.xdist_group("kimi_linear")
 
-VOCAB = 128
 FIRST_TOKEN = 3  # below: pad / bos ids; generate would mask pad tokens of a prompt
-
-
-def tiny_hf_config(**overrides):
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        linear_num_heads=4,
-        linear_head_dim=16,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        initializer_range=0.08,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,  # a tiny random model emits eos as readily as any token; decode never stops early
-    )
-    settings.update(overrides)
-    return transformers.KimiLinearConfig(**settings)
-
-
-def build_reference(folder, **overrides):
-    """A seeded random transformers model, with norm weights and router biases perturbed so a mix-up shows."""
-    torch.manual_seed(0)
-    model = transformers.KimiLinearForCausalLM(tiny_hf_config(**overrides)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.2 * torch.randn_like(param))
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    return model
 
 
 def random_tokens(seed, shape):
@@ -84,24 +37,13 @@ def random_tokens(seed, shape):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("kimi_linear")
-    reference = build_reference(folder)
-    return folder, reference
+    reference = reference_model("kimi")
+    return save_checkpoint(reference, tmp_path_factory.mktemp("kimi_linear")), reference
 
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
     return load(checkpoint[0], dtype="float32")
-
-
-def reference_logits(reference, tokens):
-    with torch.no_grad():
-        return reference(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def assert_close_relative(actual, expected, rel=1e-4):
-    err = np.abs(np.asarray(actual) - expected).max() / np.abs(expected).max()
-    assert err < rel, f"max |diff| / max |ref| = {err:.3g}"
 
 
 def test_config_parsed_from_checkpoint(model):
@@ -114,7 +56,7 @@ def test_config_parsed_from_checkpoint(model):
 
 def test_logits_match_transformers(checkpoint, model):
     tokens = random_tokens(1, (2, 80))  # longer than one 64-token KDA chunk
-    assert_close_relative(model.logits(tokens), reference_logits(checkpoint[1], tokens))
+    assert rel_err(model.logits(tokens), reference_logits(checkpoint[1], tokens), norm="max") < 1e-4
 
 
 def test_greedy_decode_matches_transformers(checkpoint, model):
@@ -138,11 +80,11 @@ def test_prefill_then_decode_equals_full_forward(model):
     prefill = jax.jit(lambda params, toks: kimi.forward(params, model.config, toks))
     step = jax.jit(lambda params, toks, cache: kimi.forward(params, model.config, toks, cache))
     out, prefix = prefill(model.params, tokens[:, :70])
-    assert_close_relative(out, full[:, :70])
+    assert rel_err(out, full[:, :70], norm="max") < 1e-4
     cache = kimi.decode_cache(model.config, prefix, tokens.shape[1])
     for begin, end in [(70, 74)] + [(i, i + 1) for i in range(74, 80)]:
         out, cache = step(model.params, tokens[:, begin:end], cache)
-        assert_close_relative(out, full[:, begin:end])
+        assert rel_err(out, full[:, begin:end], norm="max") < 1e-4
     assert int(cache.length) == tokens.shape[1]
 
 
@@ -151,8 +93,8 @@ def test_runtime_layout_full_rank_queries(tmp_path):
     transformers' runtime layout (fused conv1d, forget_gate.*, fused experts) instead of save_pretrained's."""
     from safetensors.torch import save_file as save_torch
 
-    reference = build_reference(
-        tmp_path,
+    reference = reference_model(
+        "kimi",
         num_hidden_layers=2,
         layer_types=["full_attention", "linear_attention"],
         mlp_layer_types=["sparse", "sparse"],
@@ -160,23 +102,27 @@ def test_runtime_layout_full_rank_queries(tmp_path):
         n_group=1,
         topk_group=1,
     )
+    save_checkpoint(reference, tmp_path)  # config.json; the weights are written below in the runtime layout
     state = {name: tensor.contiguous() for name, tensor in reference.state_dict().items()}
     assert "model.layers.1.self_attn.conv1d.weight" in state and "model.layers.0.mlp.experts.gate_up_proj" in state
     save_torch(state, tmp_path / "model.safetensors")
     tokens = random_tokens(5, (1, 70))
-    assert_close_relative(load(tmp_path, dtype="float32").logits(tokens), reference_logits(reference, tokens))
+    logits = load(tmp_path, dtype="float32").logits(tokens)
+    assert rel_err(logits, reference_logits(reference, tokens), norm="max") < 1e-4
 
 
 def test_tied_config_with_untied_head(tmp_path):
     """transformers' Kimi-Linear never ties its head (empty `_tied_weights_keys`): with tie_word_embeddings=True it
     writes and computes with its own lm_head, which the converter then uses instead of the embedding."""
-    reference = build_reference(
-        tmp_path, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+    reference = reference_model(
+        "kimi", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse"], tie_word_embeddings=True,
     )  # fmt: skip
+    save_checkpoint(reference, tmp_path)
     assert "lm_head.weight" in load_file(tmp_path / "model.safetensors")
     tokens = random_tokens(6, (1, 20))
-    assert_close_relative(load(tmp_path, dtype="float32").logits(tokens), reference_logits(reference, tokens))
+    logits = load(tmp_path, dtype="float32").logits(tokens)
+    assert rel_err(logits, reference_logits(reference, tokens), norm="max") < 1e-4
 
 
 def test_original_config_layout():
@@ -302,4 +248,4 @@ def test_sharded_forward_on_fake_mesh(checkpoint, model, tmp_path):
     args = [str(checkpoint[0]), str(tmp_path / "tokens.npy"), str(tmp_path / "logits.npy")]
     done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, *args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_close_relative(np.load(tmp_path / "logits.npy"), np.asarray(model.logits(tokens)), rel=1e-5)
+    assert rel_err(np.load(tmp_path / "logits.npy"), np.asarray(model.logits(tokens)), norm="max") < 1e-5

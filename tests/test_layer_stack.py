@@ -13,7 +13,6 @@ stacked caches; and `hypic_jax.Engine` prefills and generates with a model whose
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -30,6 +29,7 @@ from hypic_jax.models import layers as model_layers
 from hypic_jax.models import base, stack as layer_stack
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
+from helpers import RING_CONFIG, VOCAB, reference_model, rel_err, save_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -149,11 +149,12 @@ def test_expert_bank_in_the_grouped_matmul():
         for impl in ("pallas", "ragged"):
             got = model_layers.grouped_swiglu_experts(x, weights, ids, ExpertBank(gate_up, jnp.int32(layer)),
                                                       ExpertBank(down, jnp.int32(layer)), impl=impl)
-            assert _rel(got, want) < 1e-5, (layer, impl)
+            assert rel_err(got, want, norm="max") < 1e-5, (layer, impl)
             got = model_layers.grouped_swiglu_experts(x, weights, ids, *(ExpertBank(b, layer) for b in chunked),
                                                       impl=impl)
-            assert _rel(got, want) < 1e-5, ("chunked, static", layer, impl)
-            assert _rel(traced(jnp.int32(layer), chunked, impl), want) < 1e-5, ("chunked, traced", layer, impl)
+            assert rel_err(got, want, norm="max") < 1e-5, ("chunked, static", layer, impl)
+            got = traced(jnp.int32(layer), chunked, impl)
+            assert rel_err(got, want, norm="max") < 1e-5, ("chunked, traced", layer, impl)
     # a bank over one array past the limit is copied out rather than indexed past int32 offsets
     seen = []
     layer_stack.with_experts(lambda w, first: seen.append((w.shape, first)), ExpertBank(gate_up, 1), max_elements=10)
@@ -187,35 +188,22 @@ def _primitives_outside_kernels(jaxpr) -> set[str]:
     return names
 
 
+# six layers, so the layer loop repeats a block: (linear, linear, full) twice for Qwen and Ring, Kimi's KDA / MLA
+# alternation after a first KDA layer with a dense MLP
+_DEEP = {
+    "qwen_moe": dict(num_hidden_layers=6, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2),
+    "kimi": dict(num_hidden_layers=6, layer_types=["linear_attention"] + ["full_attention", "linear_attention"] * 2
+                 + ["linear_attention"], mlp_layer_types=["dense"] + ["sparse"] * 5),
+    "ring": dict(num_hidden_layers=6, first_k_dense_replace=0),
+}
+
+
 def _checkpoint(arch: str, folder):
+    """(model, vocabulary size) of a six-layer tiny checkpoint of `arch` (`_DEEP`), loaded in float32."""
     import hypic_jax
 
-    if arch == "qwen_moe":
-        from qwen_helpers import build, save
-
-        save(build("moe", num_hidden_layers=6, layer_types=["linear_attention", "linear_attention",
-                                                            "full_attention"] * 2), folder)
-        vocab = 128
-    elif arch == "kimi":
-        from test_kimi_linear import build_reference
-
-        build_reference(folder, num_hidden_layers=6, layer_types=["linear_attention"] + ["full_attention",
-                                                                                           "linear_attention"] * 2
-                        + ["linear_attention"], mlp_layer_types=["dense"] + ["sparse"] * 5)
-        vocab = 128
-    else:
-        pytest.importorskip("mlx.core")
-        from test_ring_linear import TINY_CONFIG, _build_reference, _write_checkpoint
-
-        config = {**TINY_CONFIG, "num_hidden_layers": 6, "first_k_dense_replace": 0}
-        _write_checkpoint(_build_reference(config), config, folder)
-        vocab = config["vocab_size"]
-    return hypic_jax.load(folder, dtype="float32"), vocab
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+    folder = save_checkpoint(reference_model(arch, **_DEEP[arch]), folder)
+    return hypic_jax.load(folder, dtype="float32"), RING_CONFIG["vocab_size"] if arch == "ring" else VOCAB
 
 
 def _expert_chunks(stack: LayerStack) -> list[ExpertChunks]:
@@ -274,7 +262,7 @@ def test_scanned_layers_equal_unrolled(decode_engines):
         b = unrolled.prefill(segs, mode=mode, seam=4)
         assert (a.stats.hits, a.stats.misses) == (b.stats.hits, b.stats.misses)
         hits += a.stats.hits
-        assert _rel(a.logits, b.logits) < 1e-5, (mode, order)
+        assert rel_err(a.logits, b.logits, norm="max") < 1e-5, (mode, order)
     assert hits > 0
     assert scanned.stats["tiers"]["promotions"]["host"] > promoted
     assert scanned.stats["tiers"]["promotions"] == unrolled.stats["tiers"]["promotions"]
@@ -311,7 +299,7 @@ def test_scanned_decode_equals_unrolled(decode_engines):
     assert isinstance(stacked, LayerStack) and stacked.plan == scanned.plan
     assert isinstance(unrolled.prefill(segs, mode="full_recompute").decode, tuple)
     for step, (a, b) in enumerate(zip(_decode_steps(scanned, segs, 4), _decode_steps(unrolled, segs, 4))):
-        assert _rel(a, b) < 1e-5, step
+        assert rel_err(a, b, norm="max") < 1e-5, step
     a, b = (e.generate(segs, max_new_tokens=6, mode="full_recompute") for e in (scanned, unrolled))
     assert a.tokens == b.tokens
 
@@ -347,7 +335,7 @@ def test_scanned_batched_rows_equal_unrolled(decode_engines):
     for step, (a, b) in enumerate(zip(batched, _batched_steps(unrolled, prompts, 3))):
         np.testing.assert_array_equal(a[0], b[0], err_msg=f"step {step}")
         for x, y in zip(a[1:], b[1:]):
-            assert _rel(x, y) < 1e-5, step
+            assert rel_err(x, y, norm="max") < 1e-5, step
     rows = len(prompts)
     for row, segs in enumerate(prompts):
         single = [scanned.prefill(segs, mode="full_recompute").logits] + _decode_steps(scanned, segs, 3)
@@ -428,7 +416,7 @@ def test_engine_runs_stacked_layers(tmp_path):
     assert not unrolled_engine.plan.scanned
     want = unrolled_engine.prefill(segs, mode="full_recompute").logits
     got = stacked_engine.prefill(segs, mode="full_recompute").logits
-    assert _rel(got, want) < 1e-5
+    assert rel_err(got, want, norm="max") < 1e-5
     tokens = np.asarray([segs[0][:12]], np.int32)
     np.testing.assert_allclose(np.asarray(stacked.logits(tokens)), np.asarray(model.logits(tokens)), atol=1e-5)
     # decoding: the prefill's caches come out stacked, and each step scans them

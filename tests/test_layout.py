@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import rel
+from helpers import rel_err
 from hypic_jax.stitch import layout as lay
 from hypic_jax.stitch.layout import CACHED, DROP, FRESH, PAD_POSITION, PIECE_CACHED, PIECE_FRESH
 
@@ -395,7 +395,7 @@ def test_masked_attention_kernel_matches_the_xla_loop(isolated):
                                   use_kernel=False)
     kernel = stitch.masked_attention(q, k, v, arrays, isolated=isolated, scale=0.25, use_kernel=True)
     valid = np.asarray(arrays.valid)
-    assert rel(np.asarray(kernel)[valid], np.asarray(xla)[valid]) < 1e-5
+    assert rel_err(np.asarray(kernel)[valid], np.asarray(xla)[valid]) < 1e-5
     # and against the dense definition, query by query
     pos, seg = np.asarray(arrays.positions), np.asarray(arrays.token_segment)
     kpos, kseg = np.asarray(arrays.key_positions), np.asarray(arrays.key_segment)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from families import (EXPECTED_FORM, FAMILIES, array, core, examples, make_family, method, numpy_recurrence, rel_err,
+from helpers import (EXPECTED_FORM, FAMILIES, array, core, examples, make_family, method, numpy_recurrence, rel_err,
                       slice_inputs)
 from hypic_jax.core import linear_attn as la
 
@@ -40,9 +40,8 @@ def transfer_err(actual, expected) -> float:
     O(1) terms (decay minus the WY correction), so its absolute error is float32 rounding on the scale of I, and
     that, not ||T||, is what an error in T S0 is proportional to.
     """
-    expected = np.asarray(expected, np.float64)
-    scale = np.sqrt(expected.size / expected.shape[-1])  # ||I|| over the leading (head) axes
-    return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / max(np.linalg.norm(expected), scale))
+    expected = np.asarray(expected)
+    return rel_err(actual, expected, floor=np.sqrt(expected.size / expected.shape[-1]))  # ||I|| over the head axes
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,8 +115,7 @@ def test_chunked_recurrent_and_split_composition(family, s, with_state, data):
         # on the scale of the sequence's typical token output: a suffix of one or two tokens can be a cancellation
         # (a small sum of large terms), whose own relative error in float32 says nothing about the composition
         token_scale = np.linalg.norm(np.asarray(out_ref, np.float64)) * np.sqrt((s["length"] - split) / s["length"])
-        scale = max(np.linalg.norm(np.asarray(out_ref[split:], np.float64)), token_scale)
-        assert np.linalg.norm(np.asarray(out_second, np.float64) - out_ref[split:]) / scale <= TOL
+        assert rel_err(out_second, out_ref[split:], floor=token_scale) <= TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from families import fake_devices_env
+from helpers import fake_devices_env
 
 TESTS = Path(__file__).parent
 
@@ -27,16 +27,11 @@ import numpy as np, jax, jax.numpy as jnp
 from jax.sharding import Mesh
 from hypic_jax.stitch import layout as lay
 from hypic_jax import stitch
-from test_stable_kernels import CAP, H, HK, V, _core, _inputs, _pool, _random_layout
+from helpers import LAYOUT_CAP as CAP, LAYOUT_HEADS, layout_core, layout_inputs, layout_pool, random_layout, rel_err
 
 assert len(jax.devices()) == 4
 TOL = 1e-5
-
-
-def _rel(a, b):
-    # the largest deviation relative to the largest entry (empty: 0)
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) if a.size else 0.0
+HK, H, K, V = LAYOUT_HEADS
 
 
 meshes = {m: Mesh(np.array(jax.devices()[:m]).reshape(1, m), ("data", "model")) for m in (2, 4)}
@@ -60,32 +55,33 @@ def walk(jaxpr, inside=False, found=None):
 
 
 rng = np.random.default_rng(11)
-pool = _pool(rng)
+pool = layout_pool(rng)
 checked = 0
 for per_key in (False, True):
     for kind in ("cold", "plain", "pic"):
         isolated, summaries = kind == "cold", kind != "plain"
-        _, arrays = _random_layout(rng, kind)
-        inputs = _inputs(rng, per_key)
+        _, arrays = random_layout(rng, kind)
+        inputs = layout_inputs(rng, per_key)
         valid = np.asarray(arrays.valid)
         fresh = np.asarray(arrays.piece_kind) == lay.PIECE_FRESH
         for impl in ("xla", "pallas"):
-            run = functools.partial(_core, inputs, pool, arrays, summaries=summaries, isolated=isolated, impl=impl)
+            run = functools.partial(layout_core, inputs, pool, arrays, summaries=summaries, isolated=isolated,
+                                    impl=impl)
             whole = run()
             for m, mesh in meshes.items():
                 with jax.set_mesh(mesh):
                     split = run()
                     traced = jax.make_jaxpr(run)()
                 what = (per_key, kind, impl, m)
-                assert _rel(split[0][valid], whole[0][valid]) < TOL, what
-                assert _rel(split[1], whole[1]) < TOL, what
+                assert rel_err(split[0][valid], whole[0][valid], norm="max") < TOL, what
+                assert rel_err(split[1], whole[1], norm="max") < TOL, what
                 if whole[2] is not None:
-                    assert _rel(split[2][fresh], whole[2][fresh]) < TOL, what
+                    assert rel_err(split[2][fresh], whole[2][fresh], norm="max") < TOL, what
                 if summaries and whole[3] is not None:
-                    assert _rel(split[3].state[fresh], whole[3].state[fresh]) < TOL, what
-                    assert _rel(split[3].transfer[fresh], whole[3].transfer[fresh]) < TOL, what
+                    assert rel_err(split[3].state[fresh], whole[3].state[fresh], norm="max") < TOL, what
+                    assert rel_err(split[3].transfer[fresh], whole[3].transfer[fresh], norm="max") < TOL, what
                 for a, b in zip(jax.tree.leaves(split[4]), jax.tree.leaves(whole[4])):
-                    assert _rel(a, b) < TOL, what
+                    assert rel_err(a, b, norm="max") < TOL, what
                 found = walk(traced.jaxpr)
                 local = [shape for what_, shapes in found if what_ == "split" for shape in shapes]
                 # each device's values v: H / M heads of every fresh token; nothing whole goes in
@@ -95,7 +91,7 @@ for per_key in (False, True):
                 checked += 1
 
 # attention: 2 key heads, 4 query heads; split over 2 devices, whole over 4
-_, arrays = _random_layout(rng, "pic")
+_, arrays = random_layout(rng, "pic")
 q = jnp.asarray(rng.standard_normal((CAP.tokens, 4, 16)), jnp.float32)
 k = jnp.asarray(rng.standard_normal((CAP.keys, 2, 16)), jnp.float32)
 v = jnp.asarray(rng.standard_normal((CAP.keys, 2, 16)), jnp.float32)
@@ -107,7 +103,7 @@ for use_kernel in (False, True):
         with jax.set_mesh(mesh):
             split = attend(q, k, v, arrays)
             traced = str(jax.make_jaxpr(attend)(q, k, v, arrays))
-        assert _rel(np.asarray(split)[valid], np.asarray(whole)[valid]) < TOL, (use_kernel, m)
+        assert rel_err(np.asarray(split)[valid], np.asarray(whole)[valid], norm="max") < TOL, (use_kernel, m)
         assert ("shard_map" in traced) == (m == 2), (use_kernel, m)
         checked += 1
 print("checked", checked)

@@ -21,7 +21,6 @@ Every process runs under a deadline and is killed past it: nothing here can hang
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from families import fake_devices_env
+from helpers import fake_devices_env, rel_err
 
 pytestmark = pytest.mark.xdist_group("multihost")
 
@@ -146,10 +145,6 @@ def _cluster(tmp_path: Path, name: str, *extra: str, reference: Path | None = No
     raise AssertionError("unreachable")
 
 
-def _close(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-
-
 def test_two_processes_serve_like_one_and_report_a_divergence(tmp_path):
     started = time.perf_counter()
     coordinator, follower, single = _cluster(tmp_path, "serve", "--diverge", reference=tmp_path / "single")
@@ -163,7 +158,7 @@ def test_two_processes_serve_like_one_and_report_a_divergence(tmp_path):
     np.testing.assert_array_equal(got["stats"], want["stats"])  # (hits, misses, cold tokens) per request
     assert want["stats"][:, 0].tolist() == [0, 3, 2] and want["stats"][:, 1].tolist() == [4, 0, 1]
     for i in range(3):
-        assert _close(got[f"logits{i}"], want[f"logits{i}"]) <= 1e-5, i
+        assert rel_err(got[f"logits{i}"], want[f"logits{i}"], norm="max") <= 1e-5, i
     # the cold request's segments went one to each of the four devices, two on each process; the miss to one
     bins = coordinator.status["bins"]
     assert len(bins[0]) == 4 and all(len(b) == 1 for b in bins[0]), bins
@@ -176,7 +171,8 @@ def test_two_processes_serve_like_one_and_report_a_divergence(tmp_path):
         entries = run.npz(".entries.npz")
         assert set(entries) == set(ref), run.out.name
         for key, rows in ref.items():
-            assert entries[key].shape == rows.shape and _close(entries[key], rows) <= 1e-5, (run.out.name, key)
+            assert entries[key].shape == rows.shape, (run.out.name, key)
+            assert rel_err(entries[key], rows, norm="max") <= 1e-5, (run.out.name, key)
 
     # request 4 (too long) failed on every process alike: the cluster went on
     assert "max_prompt_tokens" in (coordinator.status["refused"] or ""), coordinator.status
@@ -239,5 +235,5 @@ def test_processes_sharing_a_compile_cache_serve_like_one(tmp_path):
         got = coordinator.npz()
         np.testing.assert_array_equal(got["stats"], want["stats"])
         for i in range(3):
-            assert _close(got[f"logits{i}"], want[f"logits{i}"]) <= 1e-5, (start, i)
+            assert rel_err(got[f"logits{i}"], want[f"logits{i}"], norm="max") <= 1e-5, (start, i)
         assert any(folder.rglob("*.*")), "no program was stored"

@@ -30,7 +30,7 @@ from hypic_jax.kernels.gdn.common import chunk_cumsum
 from hypic_jax.kernels.gdn.state import state_pass, use_mosaic_transfer
 from hypic_jax.kernels.gdn.varlen import _varlen
 
-from families import array, core, examples, interpreter_threads_compiled_once
+from helpers import array, core, examples, interpreter_threads_compiled_once, rel_err
 
 TOL32 = 1e-5
 TOL16 = 2e-3
@@ -39,14 +39,9 @@ TOL16 = 2e-3
 @pytest.fixture(autouse=True, scope="module")
 def _mosaic_gpu_interpreter_compiles_each_thread_program_once():
     """The Mosaic GPU kernels run in Pallas's GPU interpreter, which would compile a warpgroup's program anew for
-    every grid point (`families.interpreter_threads_compiled_once`)."""
+    every grid point (`helpers.interpreter_threads_compiled_once`)."""
     with interpreter_threads_compiled_once():
         yield
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def inputs(length, key_heads=1, heads=2, dim=16, seed=0, gate=True, delta=True, dtype=jnp.float32):
@@ -88,16 +83,16 @@ def test_gdn_references_match_the_core(family):
     up = lambda x: jnp.repeat(x, 2, 1)  # noqa: E731
     ref_o, ref_s = core.recurrent(up(q), up(k), v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5)
     ref_sum = core.summarize(up(k), v, g=g, gk=gk, beta=beta, chunk_size=16)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
-    assert summary.form == ref_sum.form and rel(summary.state, ref_sum.state) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
+    assert summary.form == ref_sum.form and rel_err(summary.state, ref_sum.state) < TOL32
     if summary.transfer is not None:
-        assert rel(summary.transfer, ref_sum.transfer) < TOL32
+        assert rel_err(summary.transfer, ref_sum.transfer) < TOL32
     cu = [0, 5, 5, 22, 44, 45]
     o, summary = gdn_ref.gdn_varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
     ref_o, ref_sum = core.varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
-    assert rel(o, ref_o) < TOL32 and summary.form == ref_sum.form and rel(summary.state, ref_sum.state) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and summary.form == ref_sum.form and rel_err(summary.state, ref_sum.state) < TOL32
     if summary.transfer is not None:
-        assert rel(summary.transfer, ref_sum.transfer) < TOL32
+        assert rel_err(summary.transfer, ref_sum.transfer) < TOL32
 
 
 # (length, chunk, pieces, block_v, with initial state): odd lengths, chunks 16/32/64, direct and split.
@@ -116,22 +111,22 @@ def test_gated_delta_float32_matches_reference(length, chunk, pieces, block_v, w
     o, s, summary = gdn_forward(q, k, v, g=g, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = reference(q, k, v, g, beta, init, scale=0.5)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
     ref_sum = reference_summary(k, v, g=g, beta=beta)
     assert summary.form == "dense"
-    assert rel(summary.transfer, ref_sum.transfer) < TOL32
-    assert rel(summary.state, ref_sum.state) < TOL32
+    assert rel_err(summary.transfer, ref_sum.transfer) < TOL32
+    assert rel_err(summary.state, ref_sum.state) < TOL32
 
 
 def test_delta_net_and_decay_only():
     q, k, v, _, beta = inputs(29, key_heads=2, seed=1, gate=False)  # DeltaNet: g = None
     o, s = gdn_forward(q, k, v, beta=beta, config=GDNConfig(chunk=16, block_v=16), interpret=True)
     ref_o, ref_s = reference(q, k, v, None, beta)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
     q, k, v, g, _ = inputs(29, key_heads=2, seed=2, delta=False)  # scalar decay only (RetNet/lightning/Mamba2)
     o, s = gdn_forward(q, k, v, g=g, config=GDNConfig(chunk=16, block_v=16), interpret=True)
     ref_o, ref_s = reference(q, k, v, g, None)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
 
 
 def test_bfloat16_inputs():
@@ -140,7 +135,7 @@ def test_bfloat16_inputs():
     o, s = gdn_forward(q, k, v, g=g, beta=beta, config=config, interpret=True)
     assert o.dtype == jnp.bfloat16
     ref_o, ref_s = reference(q, k, v, g, beta)
-    assert rel(o, ref_o) < TOL16 and rel(s, ref_s) < TOL16
+    assert rel_err(o, ref_o) < TOL16 and rel_err(s, ref_s) < TOL16
 
 
 def test_float32_queries_and_keys_follow_the_values_dtype():
@@ -165,7 +160,7 @@ def test_vmap_over_batch():
     o, s = jax.vmap(fn)(*batch)
     for i in range(2):
         ref_o, ref_s = reference(*(x[i] for x in batch))
-        assert rel(o[i], ref_o) < TOL32 and rel(s[i], ref_s) < TOL32
+        assert rel_err(o[i], ref_o) < TOL32 and rel_err(s[i], ref_s) < TOL32
 
 
 def test_compose_fold_kernel():
@@ -176,20 +171,20 @@ def test_compose_fold_kernel():
     summaries = la.Summary("dense", s, t)
     ref_states = core.prefix_states(summaries)
     ref_t, ref_s = cmp.fold_reference(t, s)
-    assert rel(ref_s, ref_states[-1]) < TOL32 and rel(cmp.prefix_fold_reference(t, s), ref_states) < TOL32
+    assert rel_err(ref_s, ref_states[-1]) < TOL32 and rel_err(cmp.prefix_fold_reference(t, s), ref_states) < TOL32
     total_t, total_s = cmp.compose_all(t, s, "f32")
-    assert rel(total_s, ref_s) < TOL32 and rel(total_t, ref_t) < TOL32
+    assert rel_err(total_s, ref_s) < TOL32 and rel_err(total_t, ref_t) < TOL32
     product, none = cmp.compose_all(t, None, "f32")  # the transfers alone: T_7 ... T_1, an odd count
     want = np.eye(dim)
     for i in range(n):
         want = np.asarray(t[i], np.float64) @ want
-    assert none is None and rel(product, want) < TOL32 and rel(ref_t, want) < TOL32
+    assert none is None and rel_err(product, want) < TOL32 and rel_err(ref_t, want) < TOL32
     for with_t in (True, False):
         kt, ks = cmp.fold_pallas(t, s, with_transfer=with_t, config=cmp.FoldConfig(block_w=16, algorithm="f32"),
                                  interpret=True)
-        assert rel(ks, ref_s) < TOL32
+        assert rel_err(ks, ref_s) < TOL32
         if with_t:
-            assert kt.shape == ref_t.shape and rel(kt, ref_t) < TOL32
+            assert kt.shape == ref_t.shape and rel_err(kt, ref_t) < TOL32
         else:
             assert kt is None
 
@@ -208,19 +203,19 @@ def test_prefix_fold_kernel_gives_every_prefix_state(n, batch, dim, width, block
     for block in (None, 0, 2, 3):  # one fold; blocked (sqrt n); blocks dividing n or not (identity padding)
         got = cmp.prefix_fold_pallas(t, s, config=config, block=block, interpret=True)
         assert got.shape == (n, batch, dim, width)
-        assert rel(got, np.stack(want)) < TOL32, block
+        assert rel_err(got, np.stack(want)) < TOL32, block
     # through the core: the same states as the associative scan, from an initial state too
     summaries = la.Summary("dense", s, t)
     init = array(rng.standard_normal((batch, dim, width)), np.float32)
     for impl in ("fold", "pallas"):
-        assert rel(la.prefix_states(summaries, init, impl=impl), core.prefix_states(summaries, init)) < TOL32
+        assert rel_err(la.prefix_states(summaries, init, impl=impl), core.prefix_states(summaries, init)) < TOL32
     with pytest.raises(ValueError, match="impl"):
         la.prefix_states(summaries, impl="sideways")
     # the composed state alone (no transfer, no states in between): every impl, with and without a start state
     for start in (None, init):
         last = core.prefix_states(summaries, start)[-1]
         for impl in la.PREFIX_IMPLS:
-            assert rel(la.composed_state(summaries, start, impl=impl), last) < TOL32, impl
+            assert rel_err(la.composed_state(summaries, start, impl=impl), last) < TOL32, impl
     with pytest.raises(ValueError, match="impl"):
         la.composed_state(summaries, impl="sideways")
 
@@ -247,7 +242,7 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
         # into one program's rows (block_q rows = block_q / G queries x G heads)
         config = pattn.AttentionConfig(block_q=block, block_k=block, target_programs=programs, pack_gqa=pack)
         got = pattn.positioned_attention(q, k, v, positions, scale=dim**-0.5, config=config, interpret=True)
-        assert rel(got, want) < tol
+        assert rel_err(got, want) < tol
         assert not np.asarray(got[0], np.float32).any()
     if hq // hkv > 1:
         with pytest.raises(ValueError, match="pack_gqa"):
@@ -258,7 +253,7 @@ def test_positioned_attention_kernel(lq, lk, hq, hkv, dim, dtype, block):
 
     xla = attention.dot_product_attention(q[None, 1:], k[None], v[None], scale=dim**-0.5,
                                           q_positions=np.asarray(positions)[1:], k_positions=np.arange(lk))[0]
-    assert rel(got[1:], xla) < tol
+    assert rel_err(got[1:], xla) < tol
 
 
 def per_key_gates(length, heads, dim, seed, strength=0.5):
@@ -284,8 +279,8 @@ def test_solve_variants_float32_with_correlated_keys(solve, chunk, length):
     config = GDNConfig(chunk=chunk, block_v=16, solve=solve)
     o, s, summary = gdn_forward(q, k, v, g=g, beta=beta, scale=0.5, config=config, emit_summary=True, interpret=True)
     ref_o, ref_s = reference(q, k, v, g, beta, scale=0.5)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
-    assert rel(summary.transfer, reference_summary(k, v, g=g, beta=beta).transfer) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
+    assert rel_err(summary.transfer, reference_summary(k, v, g=g, beta=beta).transfer) < TOL32
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,11 +312,11 @@ def test_forward_matches_recurrent_property(family, chunk, solve, sub, pieces, g
     o, s, summary = gdn_forward(q, k, v, g=g, gk=gk, beta=beta, initial_state=init, scale=0.5, config=config,
                                 emit_summary=True, interpret=True)
     ref_o, ref_s = reference(q, k, v, g, beta, init, scale=0.5, gk=gk)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
     ref_sum = reference_summary(k, v, g=g, gk=gk, beta=beta)
     assert summary.form == ref_sum.form
-    assert rel(summary.transfer, ref_sum.transfer) < transfer_tolerance(g, gk, chunk)
-    assert rel(summary.state, ref_sum.state) < TOL32
+    assert rel_err(summary.transfer, ref_sum.transfer) < transfer_tolerance(g, gk, chunk)
+    assert rel_err(summary.state, ref_sum.state) < TOL32
 
 
 def transfer_tolerance(g, gk, chunk):
@@ -348,7 +343,7 @@ def test_doubling_inverse_is_exact(n):
     keys = 0.6 * keys / np.linalg.norm(keys, axis=1, keepdims=True) + 0.4 * keys[:1] / np.linalg.norm(keys[0])
     strict = np.tril(0.9 * keys @ keys.T, -1)
     got = inverse_doubling(array(strict, np.float32), "ieee")
-    assert rel(got, np.linalg.inv(np.eye(n) + strict)) < TOL32
+    assert rel_err(got, np.linalg.inv(np.eye(n) + strict)) < TOL32
 
 
 def test_transfer_groups_product_tree():
@@ -359,7 +354,7 @@ def test_transfer_groups_product_tree():
     for group in (0, 1, 2, 3, 7, 100):
         config = GDNConfig(chunk=16, block_v=16, transfer_group=group)
         _, _, summary = gdn_forward(q, k, v, g=g, beta=beta, config=config, emit_summary=True, interpret=True)
-        assert rel(summary.transfer, ref.transfer) < TOL32 and rel(summary.state, ref.state) < TOL32
+        assert rel_err(summary.transfer, ref.transfer) < TOL32 and rel_err(summary.state, ref.state) < TOL32
 
 
 def test_config_refuses_bad_sub_and_group():
@@ -384,10 +379,10 @@ def test_per_key_decays_float32(chunk, length, pieces, delta, with_g):
                                 emit_summary=True, interpret=True)
     assert np.all(np.isfinite(np.asarray(o)))
     ref_o, ref_s = reference(q, k, v, g, beta, init, scale=0.5, gk=gk)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
     ref_sum = reference_summary(k, v, g=g, gk=gk, beta=beta)
     assert summary.form == ref_sum.form == ("dense" if delta else "diagonal")
-    assert rel(summary.transfer, ref_sum.transfer) < TOL32 and rel(summary.state, ref_sum.state) < TOL32
+    assert rel_err(summary.transfer, ref_sum.transfer) < TOL32 and rel_err(summary.state, ref_sum.state) < TOL32
 
 
 def test_per_key_diagonal_blocks_take_both_forms():
@@ -404,7 +399,7 @@ def test_per_key_diagonal_blocks_take_both_forms():
                            interpret=True)
         assert np.all(np.isfinite(np.asarray(o)))
         ref_o, ref_s = reference(q, k, v, beta=beta, scale=0.5, gk=gk)
-        assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+        assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
 
 
 def test_per_key_launch_over_shared_memory_is_refused():
@@ -426,7 +421,7 @@ def test_per_key_bfloat16():
     o, s = gdn_forward(q, k, v, gk=gk, beta=beta, config=config, interpret=True)
     assert o.dtype == jnp.bfloat16
     ref_o, ref_s = reference(q, k, v, beta=beta, gk=gk)
-    assert rel(o, ref_o) < TOL16 and rel(s, ref_s) < TOL16
+    assert rel_err(o, ref_o) < TOL16 and rel_err(s, ref_s) < TOL16
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -451,16 +446,16 @@ def test_varlen_matches_reference(gates, chunk, traced, group, reads):
     o, summary = gdn.gdn_varlen(q, k, v, offsets, g=g, gk=gk, beta=beta, scale=0.5, config=config, interpret=True)
     ref_o, ref_sum = gdn_ref.gdn_varlen_reference(q, k, v, cu, g=g, gk=gk, beta=beta, scale=0.5)
     assert summary.form == ref_sum.form and summary.state.shape == (6, 2, 16, 16)
-    assert rel(o, ref_o) < TOL32
-    assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
+    assert rel_err(o, ref_o) < TOL32
+    assert rel_err(summary.state, ref_sum.state) < TOL32 and rel_err(summary.transfer, ref_sum.transfer) < TOL32
     # The segments' pairs compose into the state of the unsegmented sequence only through T (checks the reset).
     if gates == "gdn":
         _, whole = reference(q, k, v, g, beta)
-        assert rel(core.prefix_states(summary)[-1], whole) < TOL32
+        assert rel_err(core.prefix_states(summary)[-1], whole) < TOL32
     if gates == "decay":
         o2, states = gdn.gdn_varlen(q, k, v, offsets, g=g, scale=0.5, config=config, emit_summary=False,
                                     interpret=True)
-        assert rel(o2, ref_o) < TOL32 and rel(states, ref_sum.state) < TOL32
+        assert rel_err(o2, ref_o) < TOL32 and rel_err(states, ref_sum.state) < TOL32
 
 
 def test_varlen_default_config_widens():
@@ -471,15 +466,15 @@ def test_varlen_default_config_widens():
     q, k, v, g, beta = inputs(length, key_heads=1, seed=23)
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, interpret=True)
     ref_o, ref_sum = gdn_ref.gdn_varlen_reference(q, k, v, cu, g=g, beta=beta, scale=0.5)
-    assert rel(o, ref_o) < TOL32
-    assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
+    assert rel_err(o, ref_o) < TOL32
+    assert rel_err(summary.state, ref_sum.state) < TOL32 and rel_err(summary.transfer, ref_sum.transfer) < TOL32
     # summary_rows: the rows read are the reference's, the empty segment's (I, 0) included when it is read
     for rows in ([True, True, True], [True, False, True], [False, True, False]):
         _, picked = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, summary_rows=jnp.asarray(rows),
                                    interpret=True)
         read = np.flatnonzero(rows)
-        assert rel(picked.state[read], ref_sum.state[read]) < TOL32
-        assert rel(picked.transfer[read], ref_sum.transfer[read]) < TOL32
+        assert rel_err(picked.state[read], ref_sum.state[read]) < TOL32
+        assert rel_err(picked.transfer[read], ref_sum.transfer[read]) < TOL32
     with pytest.raises(ValueError, match="summary_rows"):
         gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, summary_rows=jnp.ones(2, bool), interpret=True)
 
@@ -500,8 +495,8 @@ def test_varlen_property(cuts, group, prefetch, reads, grid, seed):
     o, summary = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, interpret=True)
     # the offsets as an array: traced in the reference, one compilation for every split (the kernel takes the list)
     ref_o, ref_sum = gdn_ref.gdn_varlen_reference(q, k, v, np.asarray(cu, np.int32), g=g, beta=beta, scale=0.5)
-    assert rel(o, ref_o) < TOL32
-    assert rel(summary.state, ref_sum.state) < TOL32 and rel(summary.transfer, ref_sum.transfer) < TOL32
+    assert rel_err(o, ref_o) < TOL32
+    assert rel_err(summary.state, ref_sum.state) < TOL32 and rel_err(summary.transfer, ref_sum.transfer) < TOL32
 
 
 @pytest.mark.parametrize("continues", [None, (False, True, True, False, True)])
@@ -519,7 +514,7 @@ def test_varlen_initial_states_and_continues_match_reference(continues):
         config = GDNConfig(chunk=16, block_v=16, transfer_group=0, segment_grid=grid)
         o, states = gdn.gdn_varlen(q, k, v, cu, g=g, beta=beta, scale=0.5, config=config, emit_summary=False,
                                    initial_state=init, continues=flags, interpret=True)
-        assert rel(o, ref_o) < TOL32 and rel(states, ref_states) < TOL32
+        assert rel_err(o, ref_o) < TOL32 and rel_err(states, ref_states) < TOL32
         np.testing.assert_array_equal(np.asarray(states[1]), np.asarray(init[1]))  # the empty segment
 
 
@@ -545,7 +540,7 @@ def test_chunk_locals_kernel_matches_reference(family, chunk, solve):
     want = gdn_ref.chunk_locals_reference(q, k, v, b, beta_t, chunk=chunk, scale=0.5)
     assert len(got) == len(want)
     for mine, theirs in zip(got, want):
-        assert mine.shape == theirs.shape and rel(mine, theirs) < TOL32
+        assert mine.shape == theirs.shape and rel_err(mine, theirs) < TOL32
 
 
 def test_kernels_lower_to_triton():
@@ -624,11 +619,11 @@ def test_mosaic_gpu_state_pass_equals_the_triton_one(length, heads, key_heads, v
     config = GDNConfig().resolved(jnp.bfloat16)
     tri_o, tri_final = state_pass(w, u, k, b, q, p, init[None], chunk=c, pieces=1, value_dim=value_dim,
                                   out_dtype=jnp.bfloat16, scale=0.09, config=config, interpret=True)
-    assert o.shape == tri_o.shape and o.dtype == jnp.bfloat16 and rel(o, tri_o) < 1e-3
-    assert rel(final, tri_final[0]) < 1e-3
+    assert o.shape == tri_o.shape and o.dtype == jnp.bfloat16 and rel_err(o, tri_o) < 1e-3
+    assert rel_err(final, tri_final[0]) < 1e-3
     ref_o, ref_final = gdn_ref.state_pass_reference(w, u, k, b, q, p, init, chunk=c, scale=0.09)
     for got_o, got_final in ((o, final), (tri_o, tri_final[0])):
-        assert rel(got_o, ref_o) < 1e-2 and rel(got_final, ref_final) < 1e-2
+        assert rel_err(got_o, ref_o) < 1e-2 and rel_err(got_final, ref_final) < 1e-2
 
 
 @pytest.mark.parametrize("length, group_chunks, heads, key_heads, block_v, seed",
@@ -651,9 +646,9 @@ def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks,
     _, ref = state_pass(w, None, k, b, None, None, eye, chunk=c, pieces=groups, value_dim=key_dim,
                         out_dtype=jnp.float32, scale=1.0, config=GDNConfig().resolved(jnp.bfloat16), interpret=True)
     assert ts.shape == (groups, heads, key_dim, key_dim) and ts.dtype == jnp.float32
-    assert rel(ts, ref) < 2e-3
+    assert rel_err(ts, ref) < 2e-3
     exact = gdn_ref.transfer_pass_reference(w, k, b, chunk=c, group_chunks=group_chunks)
-    assert rel(ts, exact) < 2e-2 and rel(ts, exact) < 1.5 * rel(ref, exact) + 1e-4
+    assert rel_err(ts, exact) < 2e-2 and rel_err(ts, exact) < 1.5 * rel_err(ref, exact) + 1e-4
     wd, kd, bd = (np.asarray(x, np.float64) for x in (w, k, b))
     for gi in range(groups):
         for h in range(heads):
@@ -662,7 +657,7 @@ def test_mosaic_gpu_transfer_pass_gives_the_group_products(length, group_chunks,
                 r, last = slice(n * c, (n + 1) * c), bd[h, n * c + c - 1]
                 kn = kd[r, h // (heads // key_heads)]
                 prod = (np.exp(last) * np.eye(key_dim) - kn.T @ (np.exp(last - bd[h, r])[:, None] * wd[r, h])) @ prod
-            err, ref_err = rel(ts[gi, h], prod), rel(ref[gi, h], prod)
+            err, ref_err = rel_err(ts[gi, h], prod), rel_err(ref[gi, h], prod)
             assert err < 2e-2 and err < 1.5 * ref_err + 1e-4
     with pytest.raises(ValueError, match="whole groups"):
         mosaic_state.transfer_pass_mgpu(w, k, b, chunk=c, group_chunks=5, interpret=True)
@@ -779,8 +774,8 @@ def test_mosaic_gpu_chunk_locals_match_the_triton_kernel(length, blocks, gate, w
     exact = gdn_ref.chunk_locals_reference(q, k, v, b, beta_t, chunk=c, scale=scale)
     for name, mine, theirs, truth in zip("pwu", out, ref, exact):
         assert mine.shape == theirs.shape and mine.dtype == jnp.bfloat16, name
-        assert rel(mine, theirs) < (1e-5 if name == "p" else 1e-2), name
-        assert rel(mine, truth) <= 1.25 * rel(theirs, truth) + 1e-4, name
+        assert rel_err(mine, theirs) < (1e-5 if name == "p" else 1e-2), name
+        assert rel_err(mine, truth) <= 1.25 * rel_err(theirs, truth) + 1e-4, name
 
 
 def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
@@ -821,21 +816,21 @@ def test_mosaic_gpu_chunk_locals_lower_and_refuse_what_they_cannot_run():
     assert auto.locals_lowering == "auto"
     ref_o, ref_s = gdn_forward(q, k, v, g=g, beta=beta, config=GDNConfig(locals_lowering="triton"), interpret=True)
     o, s = gdn_forward(q, k, v, g=g, beta=beta, config=auto, interpret=True)
-    assert rel(o, ref_o) == 0.0 and rel(s, ref_s) == 0.0
+    assert rel_err(o, ref_o) == 0.0 and rel_err(s, ref_s) == 0.0
 
 
 def test_linear_attn_impl_dispatch():
     q, k, v, g, beta = inputs(21, key_heads=2, seed=6)
     o, s = la.chunked(q, k, v, g=g, beta=beta, impl="pallas", chunk_size=16)
     ref_o, ref_s = core.chunked(q, k, v, g=g, beta=beta, impl="xla")
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
     o_auto, _ = la.chunked(q, k, v, g=g, beta=beta, impl="auto")  # CPU: the XLA path
-    assert rel(o_auto, ref_o) < TOL32
+    assert rel_err(o_auto, ref_o) < TOL32
     gk = per_key_gates(21, 2, 16, seed=7)  # KDA through the same dispatch
     o, s = la.chunked(q, k, v, gk=gk, beta=beta, impl="pallas", chunk_size=16)
     ref_o, ref_s = core.recurrent(q, k, v, gk=gk, beta=beta)
-    assert rel(o, ref_o) < TOL32 and rel(s, ref_s) < TOL32
+    assert rel_err(o, ref_o) < TOL32 and rel_err(s, ref_s) < TOL32
     o12, _ = la.chunked(q, k, v[..., :12], g=g, impl="pallas")  # a value width the tiles lack: padded inside
-    assert rel(o12, core.chunked(q, k, v[..., :12], g=g, impl="xla")[0]) < TOL32
+    assert rel_err(o12, core.chunked(q, k, v[..., :12], g=g, impl="xla")[0]) < TOL32
     with pytest.raises(ValueError, match="empty"):
         la.chunked(q[:0], k[:0], v[:0], g=g[:0], impl="pallas")

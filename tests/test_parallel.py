@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hypic_jax.parallel import policy as par
-from families import fake_devices_env
+from helpers import fake_devices_env
 
 
 def _skewed(seed: int, count: int) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from families import fake_devices_env
+from helpers import fake_devices_env
 
 _PEER_SCRIPT = r"""
 import numpy as np, jax

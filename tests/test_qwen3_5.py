@@ -12,8 +12,8 @@ import hypic_jax
 from hypic_jax.core import attention
 from hypic_jax.models import base, layers, qwen3_5
 from hypic_jax.models.base import KernelOptions
-from families import examples, fake_devices_env
-from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
+from helpers import (examples, fake_devices_env, prompt, reference_greedy, reference_logits, reference_model, rel_err,
+                     save_checkpoint)
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoints built once
 pytestmark = pytest.mark.xdist_group("qwen3_5")
@@ -27,8 +27,8 @@ def checkpoints(tmp_path_factory):
     """kind -> (folder, transformers model, hypic model)."""
     out = {}
     for kind in KINDS:
-        reference = build(kind)
-        folder = save(reference, tmp_path_factory.mktemp(kind))
+        reference = reference_model(f"qwen_{kind}")
+        folder = save_checkpoint(reference, tmp_path_factory.mktemp(kind))
         out[kind] = (folder, reference, hypic_jax.load(folder, dtype="float32"))
     return out
 
@@ -37,7 +37,7 @@ def checkpoints(tmp_path_factory):
 def test_logits_match_transformers(checkpoints, kind):
     _, reference, model = checkpoints[kind]
     tokens = prompt(2, 24)
-    err = relative_error(model.logits(tokens), reference_logits(reference, tokens))
+    err = rel_err(model.logits(tokens), reference_logits(reference, tokens), norm="max")
     assert err < 1e-4, f"{kind}: max relative logit error {err:.2e}"
 
 
@@ -61,16 +61,16 @@ def test_prefill_then_decode_equals_full_forward(checkpoints, kind):
         logits, cache = _forward(model.params, model.config, tokens[:, start:stop], cache)
         pieces.append(np.asarray(logits))
     assert int(cache.length) == 20
-    err = relative_error(np.concatenate(pieces, axis=1), full)
+    err = rel_err(np.concatenate(pieces, axis=1), full, norm="max")
     assert err < 1e-5, f"{kind}: cached forward differs from full forward by {err:.2e}"
 
     # the fresh-prompt fast path (causal kernel, last-position head) leaves the same caches behind
     last, fresh = jax.jit(qwen3_5.prefill, static_argnames=("config", "max_len"))(
         model.params, model.config, tokens[:, :9], 24
     )
-    assert relative_error(last, full[:, 8]) < 1e-5
+    assert rel_err(last, full[:, 8], norm="max") < 1e-5
     logits, fresh = _forward(model.params, model.config, tokens[:, 9:10], fresh)
-    assert relative_error(logits[:, 0], full[:, 9]) < 1e-5
+    assert rel_err(logits[:, 0], full[:, 9], norm="max") < 1e-5
 
 
 @pytest.mark.parametrize("kind", ("dense", "moe"))
@@ -93,9 +93,9 @@ def test_rows_at_their_own_positions(checkpoints, kind):
     logits, cache = _forward(model.params, model.config, step, base.ModelCache(batched, lengths))
     np.testing.assert_array_equal(np.asarray(cache.length), lengths + 2)
     for b, (want_logits, want_cache) in enumerate(alone):
-        assert relative_error(logits[b:b + 1], want_logits) < 1e-5, b
+        assert rel_err(logits[b:b + 1], want_logits, norm="max") < 1e-5, b
         for got, want in zip(jax.tree.leaves(cache.layers), jax.tree.leaves(want_cache.layers)):
-            assert relative_error(np.asarray(got)[b:b + 1], want) < 1e-5, b
+            assert rel_err(np.asarray(got)[b:b + 1], want, norm="max") < 1e-5, b
 
 
 @examples(6)
@@ -170,7 +170,7 @@ def test_pallas_kernels_match_transformers(checkpoints):
     kernels = KernelOptions(linear="pallas", moe="pallas")
     logits, _ = jax.jit(qwen3_5.forward, static_argnames=("config", "kernels"))(model.params, model.config, tokens,
                                                                                  kernels=kernels)
-    assert relative_error(logits, reference_logits(reference, tokens)) < 1e-4
+    assert rel_err(logits, reference_logits(reference, tokens), norm="max") < 1e-4
 
 
 _MESH_SCRIPT = r"""

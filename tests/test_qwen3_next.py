@@ -10,7 +10,7 @@ import pytest
 
 import hypic_jax
 from hypic_jax.models import qwen3_next
-from qwen_helpers import build, prompt, reference_greedy, reference_logits, relative_error, save
+from helpers import prompt, reference_greedy, reference_logits, reference_model, rel_err, save_checkpoint
 
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.xdist_group("qwen3_next")
 
 @pytest.fixture(scope="module")
 def next_model(tmp_path_factory):
-    reference = build("next")
-    folder = save(reference, tmp_path_factory.mktemp("next"))
+    reference = reference_model("qwen_next")
+    folder = save_checkpoint(reference, tmp_path_factory.mktemp("next"))
     return reference, hypic_jax.load(folder, dtype="float32")
 
 
@@ -28,7 +28,7 @@ def test_logits_match_transformers(next_model):
     reference, model = next_model
     assert model.arch.__name__.endswith("qwen3_next")
     tokens = prompt(2, 24)
-    err = relative_error(model.logits(tokens), reference_logits(reference, tokens))
+    err = rel_err(model.logits(tokens), reference_logits(reference, tokens), norm="max")
     assert err < 1e-4, f"max relative logit error {err:.2e}"
 
 
@@ -48,28 +48,28 @@ def test_prefill_then_decode_equals_full_forward(next_model):
     for start, stop in ((0, 9), (9, 10), (10, 11), (11, 20)):
         logits, cache = step(model.params, tokens=tokens[:, start:stop], cache=cache)
         pieces.append(np.asarray(logits))
-    err = relative_error(np.concatenate(pieces, axis=1), full)
+    err = rel_err(np.concatenate(pieces, axis=1), full, norm="max")
     assert err < 1e-5, f"cached forward differs from full forward by {err:.2e}"
 
 
 def test_dense_layers_and_unnormalised_router(tmp_path):
     """mlp_only_layers puts a dense MLP in layer 0; norm_topk_prob=False keeps raw top-k probabilities."""
-    reference = build("next", seed=3, mlp_only_layers=[0], norm_topk_prob=False)
-    model = hypic_jax.load(save(reference, tmp_path), dtype="float32")
+    reference = reference_model("qwen_next", seed=3, mlp_only_layers=[0], norm_topk_prob=False)
+    model = hypic_jax.load(save_checkpoint(reference, tmp_path), dtype="float32")
     assert model.config.mlp_types == ("dense", "moe") and not model.config.norm_topk_prob
     tokens = prompt(1, 16, seed=4)
-    err = relative_error(model.logits(tokens), reference_logits(reference, tokens))
+    err = rel_err(model.logits(tokens), reference_logits(reference, tokens), norm="max")
     assert err < 1e-4, f"max relative logit error {err:.2e}"
 
 
 def test_zero_width_shared_expert(tmp_path):
     """shared_expert_intermediate_size=0: transformers still writes the empty shared-expert matrices and its gate
     (the expert adds 0); they load as no shared expert."""
-    reference = build("next", seed=5, shared_expert_intermediate_size=0)
-    model = hypic_jax.load(save(reference, tmp_path), dtype="float32")
+    reference = reference_model("qwen_next", seed=5, shared_expert_intermediate_size=0)
+    model = hypic_jax.load(save_checkpoint(reference, tmp_path), dtype="float32")
     assert model.config.shared_expert_intermediate_size == 0
     tokens = prompt(1, 16, seed=6)
-    err = relative_error(model.logits(tokens), reference_logits(reference, tokens))
+    err = rel_err(model.logits(tokens), reference_logits(reference, tokens), norm="max")
     assert err < 1e-4, f"max relative logit error {err:.2e}"
 
 

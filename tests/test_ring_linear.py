@@ -1,7 +1,7 @@
 """Ring-linear-2.0 parity against mlx-lm's `bailing_moe_linear` (mlx CPU, float32) on a tiny random checkpoint.
 
 The checkpoint is written with the Hugging Face names of the released remote-code model (mlx-lm renames two of
-them in `sanitize`; the writer below undoes that), then read back through our converter.
+them in `sanitize`; `helpers.save_checkpoint` undoes that), then read back through our converter.
 """
 
 from __future__ import annotations
@@ -17,102 +17,22 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 mlx_ring = pytest.importorskip("mlx_lm.models.bailing_moe_linear")
-from mlx.utils import tree_flatten  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import hypic_jax  # noqa: E402
 from hypic_jax.core import linear_attn  # noqa: E402
 from hypic_jax import cli  # noqa: E402
 from hypic_jax.checkpoint.hf import convert_folder  # noqa: E402
 from hypic_jax.checkpoint.hf.base import CheckpointReader  # noqa: E402
-from families import fake_devices_env  # noqa: E402
+from helpers import RING_CONFIG, fake_devices_env, reference_model, rel_err, save_checkpoint  # noqa: E402
 from hypic_jax.checkpoint.hf import ring_linear as ring_converter  # noqa: E402
 from hypic_jax.models import mixing, ring_linear  # noqa: E402
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
 pytestmark = pytest.mark.xdist_group("ring_linear")
-
-# Both layer types, both MLP kinds, grouped routing, a shared expert, partial RoPE, non-trivial GQA.
-TINY_CONFIG = {
-    "architectures": ["BailingMoeLinearV2ForCausalLM"],
-    "model_type": "bailing_moe_linear",
-    "vocab_size": 96,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "max_position_embeddings": 4096,
-    "num_hidden_layers": 6,
-    "layer_group_size": 3,  # layers 2 and 5 are full attention
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "group_norm_size": 2,
-    "partial_rotary_factor": 0.5,
-    "rope_theta": 10000.0,
-    "rope_scaling": None,
-    "rms_norm_eps": 1e-6,
-    "use_qk_norm": True,
-    "use_qkv_bias": False,
-    "use_bias": False,
-    "tie_word_embeddings": False,
-    "first_k_dense_replace": 1,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "num_shared_experts": 1,
-    "moe_shared_expert_intermediate_size": 32,
-    "moe_router_enable_expert_bias": True,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "score_function": "sigmoid",
-    "n_group": 4,
-    "topk_group": 2,
-}
-
-
-def _mlx_to_hf_names(weights: dict[str, np.ndarray], num_experts: int) -> dict[str, np.ndarray]:
-    """Undo mlx-lm's sanitize: stacked `switch_mlp` experts -> per-expert tensors, `gate.gate_proj` -> `gate`."""
-    out = {}
-    for name, value in weights.items():
-        if ".mlp.switch_mlp." in name:
-            prefix, rest = name.split(".mlp.switch_mlp.")
-            for e in range(num_experts):
-                out[f"{prefix}.mlp.experts.{e}.{rest}"] = np.ascontiguousarray(value[e])
-        elif name.endswith(".mlp.gate.gate_proj.weight"):
-            out[name.replace(".mlp.gate.gate_proj.weight", ".mlp.gate.weight")] = value
-        else:
-            out[name] = value
-    return out
-
-
-def _build_reference(hf_config: dict):
-    """A seeded random mlx-lm model; norm weights and expert biases are randomised too so they are tested."""
-    mx.random.seed(1234)
-    model = mlx_ring.Model(mlx_ring.ModelArgs.from_dict(hf_config))
-    rng = np.random.default_rng(1234)
-
-    params = dict(tree_flatten(model.parameters()))
-    updates = []
-    for name, value in params.items():
-        if "norm" in name:
-            updates.append((name, mx.array(1.0 + 0.2 * rng.standard_normal(value.shape), dtype=mx.float32)))
-        elif name.endswith("expert_bias"):
-            updates.append((name, mx.array(0.1 * rng.standard_normal(value.shape), dtype=mx.float32)))
-    model.load_weights(updates, strict=False)
-    mx.eval(model.parameters())
-    return model
-
-
-def _write_checkpoint(model, hf_config: dict, folder) -> dict[str, np.ndarray]:
-    weights = {k: np.array(v, dtype=np.float32) for k, v in tree_flatten(model.parameters())}
-    weights = _mlx_to_hf_names(weights, hf_config["num_experts"])
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config))
-    save_file(weights, str(folder / "model.safetensors"))
-    return weights
-
 
 def _mlx_logits(model, tokens: np.ndarray) -> np.ndarray:
     return np.array(model(mx.array(tokens)), dtype=np.float32)
@@ -130,17 +50,11 @@ def _mlx_greedy(model, prompt: np.ndarray, steps: int) -> list[int]:
     return generated
 
 
-def _relative_error(ours, reference) -> float:
-    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-    return float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ring") / "hf"
-    reference = _build_reference(TINY_CONFIG)
-    weights = _write_checkpoint(reference, TINY_CONFIG, folder)
-    return folder, reference, weights
+    reference = reference_model("ring")
+    folder = save_checkpoint(reference, tmp_path_factory.mktemp("ring") / "hf")
+    return folder, reference, load_file(str(folder / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +65,11 @@ def model(checkpoint):
 
 def _prompt(length: int, seed: int = 0, batch: int | None = None) -> np.ndarray:
     shape = (length,) if batch is None else (batch, length)
-    return np.random.default_rng(seed).integers(0, TINY_CONFIG["vocab_size"], shape).astype(np.int32)
+    return np.random.default_rng(seed).integers(0, RING_CONFIG["vocab_size"], shape).astype(np.int32)
 
 
 def test_layer_schedule_and_names(checkpoint):
-    config = ring_linear.config_from_hf(TINY_CONFIG)
+    config = ring_linear.config_from_hf(RING_CONFIG)
     assert [config.is_full_attention(i) for i in range(6)] == [False, False, True, False, False, True]
     assert [config.is_moe(i) for i in range(6)] == [False] + [True] * 5
     _, _, weights = checkpoint
@@ -166,16 +80,16 @@ def test_layer_schedule_and_names(checkpoint):
 
 
 def test_layer_factor_conventions():
-    config = ring_linear.config_from_hf(TINY_CONFIG)  # 6 layers: (L - 1) = 5
+    config = ring_linear.config_from_hf(RING_CONFIG)  # 6 layers: (L - 1) = 5
     assert config.layer_factor(0) == config.layer_factor(1) == pytest.approx(1 + 1e-5)
     assert config.layer_factor(4) == pytest.approx(1 - 3 / 5 + 1e-5)
-    remote = ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "remote"})
+    remote = ring_linear.config_from_hf({**RING_CONFIG, "layer_factor_convention": "remote"})
     assert remote.layer_factor(0) == pytest.approx(1 + 1 / 5 + 1e-5)
     assert remote.layer_factor(4) == config.layer_factor(4)
-    vllm = ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "vllm"})
+    vllm = ring_linear.config_from_hf({**RING_CONFIG, "layer_factor_convention": "vllm"})
     assert vllm.layer_factor(0) == pytest.approx(1 + 1e-5) and vllm.layer_factor(4) == pytest.approx(1 - 4 / 5 + 1e-5)
     with pytest.raises(ValueError, match="layer_factor_convention 'minimax'"):
-        ring_linear.config_from_hf({**TINY_CONFIG, "layer_factor_convention": "minimax"})
+        ring_linear.config_from_hf({**RING_CONFIG, "layer_factor_convention": "minimax"})
 
 
 def test_defaults_follow_mlx():
@@ -189,14 +103,12 @@ def test_defaults_follow_mlx():
 
 def test_group_routing_without_topk_group_matches_mlx(tmp_path):
     """n_group 8 and no topk_group: mlx-lm keeps its default 4 of the 8 groups."""
-    config = {**TINY_CONFIG, "num_hidden_layers": 2, "layer_group_size": 2, "first_k_dense_replace": 0,
-              "num_experts": 16, "num_experts_per_tok": 4, "n_group": 8}
-    del config["topk_group"]
-    reference = _build_reference(config)
-    _write_checkpoint(reference, config, tmp_path)
+    reference = reference_model("ring", num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0,
+                                num_experts=16, num_experts_per_tok=4, n_group=8, without=("topk_group",))
+    save_checkpoint(reference, tmp_path)
     tokens = _prompt(20, seed=3, batch=1)
     ours = hypic_jax.load(tmp_path, dtype="float32").logits(tokens)
-    assert _relative_error(ours, _mlx_logits(reference, tokens)) < 1e-4
+    assert rel_err(ours, _mlx_logits(reference, tokens), norm="max") < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +128,8 @@ def test_logits_match_mlx(checkpoint, batch_logits):
     _, reference, _ = checkpoint
     tokens, ours = batch_logits
     expected = _mlx_logits(reference, tokens)
-    assert ours.shape == expected.shape == (2, 80, TINY_CONFIG["vocab_size"])
-    assert _relative_error(ours, expected) < 1e-4
+    assert ours.shape == expected.shape == (2, 80, RING_CONFIG["vocab_size"])
+    assert rel_err(ours, expected, norm="max") < 1e-4
 
 
 def test_greedy_decode_matches_mlx(checkpoint, model):
@@ -239,7 +151,7 @@ def test_prefill_then_decode_equals_full_forward(model, batch_logits, step):
         out, cache = step(model.params, tokens=tokens[:, t:t + 1], cache=cache)
         pieces.append(np.asarray(out))
     assert int(cache.length) == PREFILL + DECODE
-    assert _relative_error(np.concatenate(pieces, axis=1), full[:, :PREFILL + DECODE]) < 1e-5
+    assert rel_err(np.concatenate(pieces, axis=1), full[:, :PREFILL + DECODE], norm="max") < 1e-5
 
 
 def test_uncached_forward_returns_states_that_continue(model, batch_logits, step):
@@ -249,7 +161,7 @@ def test_uncached_forward_returns_states_that_continue(model, batch_logits, step
     assert int(prefix.length) == PREFILL
     cache = ring_linear.decode_cache(model.config, prefix, MAX_LEN)
     out, _ = step(model.params, tokens=tokens[:, PREFILL:PREFILL + 1], cache=cache)
-    assert _relative_error(np.asarray(out)[:, 0], full[:, PREFILL]) < 1e-5
+    assert rel_err(np.asarray(out)[:, 0], full[:, PREFILL], norm="max") < 1e-5
 
 
 def _assert_same_params(a, b):
@@ -278,7 +190,7 @@ def test_segment_summaries_compose_with_rope(model):
 
     x = jax.random.normal(jax.random.key(0), (1, 20, config.hidden_size), jnp.float32)
     true_state, composed = true_and_composed(attn, x)
-    assert _relative_error(composed, true_state) < 1e-5
+    assert rel_err(composed, true_state, norm="max") < 1e-5
 
 
 def test_cli_convert_round_trip(checkpoint, model, tmp_path):
@@ -298,7 +210,7 @@ def test_sharded_checkpoint(checkpoint, model, tmp_path):
         save_file({n: weights[n] for n in members}, str(tmp_path / file))
     index = {"metadata": {}, "weight_map": {n: f for f, members in shards.items() for n in members}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(RING_CONFIG))
     _, config, params = convert_folder(tmp_path, jnp.float32)
     assert config == model.config
     _assert_same_params(params, model.params)
@@ -357,7 +269,7 @@ def _variant(checkpoint, tmp_path, edit=None, config_edit=None):
     weights = dict(weights)
     if edit:
         edit(weights)
-    config = {**TINY_CONFIG, **(config_edit or {})}
+    config = {**RING_CONFIG, **(config_edit or {})}
     out = tmp_path / "variant"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(config))
@@ -403,4 +315,4 @@ def test_unknown_model_type_is_named(checkpoint, tmp_path):
 def test_unsupported_option_is_named(checkpoint, tmp_path):
     folder = _variant(checkpoint, tmp_path, config_edit={"norm_head": True})
     with pytest.raises(ValueError, match="norm_head"):
-        ring_converter.convert(CheckpointReader(folder), {**TINY_CONFIG, "norm_head": True}, jnp.float32)
+        ring_converter.convert(CheckpointReader(folder), {**RING_CONFIG, "norm_head": True}, jnp.float32)

@@ -64,8 +64,8 @@ def _text(rng, words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model, vocab, _ = tiny_checkpoint("qwen_dense", str(tmp_path_factory.mktemp("serve") / "qwen_dense"))
+def served(tiny_checkpoints):
+    model, vocab, _ = tiny_checkpoints("qwen_dense")
     tokenizer = _tokenizer(vocab)
     engine = Engine(model, tokenizer=tokenizer, max_prompt_tokens=128, token_rungs=(128,), max_segments=8,
                     max_new_tokens=MAX_NEW, max_batch=4, cache_bytes=1 << 24, seam=SEAM, max_queue=128)
@@ -933,12 +933,12 @@ def test_overlapped_decode_steps_give_the_same_tokens():
     assert lone.steps == 5 and lone.chained_steps == 4, (lone.steps, lone.chained_steps)
 
 
-def test_a_restarted_server_serves_its_entries_from_the_disk_tier(tmp_path):
+def test_a_restarted_server_serves_its_entries_from_the_disk_tier(tmp_path, tiny_checkpoints):
     """A server with a disk tier writes its cache there on a graceful shutdown; a new server on the same folder
     answers the same documents (reordered) from it: cached tokens, no cold prefill, the first server's answer."""
     from starlette.testclient import TestClient
 
-    model, vocab, _ = tiny_checkpoint("qwen_dense", str(tmp_path / "qwen_dense"))
+    model, vocab, _ = tiny_checkpoints("qwen_dense")
     tokenizer = _tokenizer(vocab)
     docs, query = _docs(dict(), 7)
     lengths = [len(tokenizer.encode(d, add_special_tokens=False).ids) for d in docs]

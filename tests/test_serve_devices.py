@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from families import fake_devices_env
+from helpers import fake_devices_env
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")

@@ -19,98 +19,12 @@ from hypic_jax.core import linear_attn
 from hypic_jax import stitch
 from hypic_jax.core.linear_attn import Summary
 from hypic_jax.kernels import gdn
+from helpers import (LAYOUT_CAP, LAYOUT_HEADS, LAYOUT_SLOTS, layout_core, layout_inputs, layout_pool, random_layout,
+                     rel_err)
 
-TOL = 1e-4  # relative, float32 inputs and "ieee" kernel dots
-HK, H, K, V = 2, 4, 16, 16
-CAP = lay.Capacity(tokens=96, pieces=10, keys=192, records=10, chunk=16, conv=3)
-SLOTS = 6
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not a.size:
-        return 0.0
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def _random_spans(rng, kind: str) -> list[lay.Span]:
-    """A random request of this program kind that fits CAP: cold (fresh spans cut at a seam, recorded), plain
-    (cached prefix snapshots, then fresh spans, some recorded), pic (fresh seams and cached interiors, a query)."""
-    budget = CAP.tokens - 4
-    spans, fresh, slot = [], 0, 0
-    if kind == "plain":
-        for _ in range(int(rng.integers(0, 3))):
-            n = int(rng.integers(1, 30))
-            spans.append(lay.Span(lay.CACHED, n, canonical_start=0, slot=int(rng.integers(1, SLOTS)),
-                                  kv_rows=np.zeros(n, np.int32), snapshot=True))
-    count = int(rng.integers(1, 5))
-    for i in range(count):
-        n = int(rng.integers(1, 40))
-        if fresh + n > budget:
-            break
-        if kind == "cold":
-            cut = int(rng.integers(0, min(n, 9)))
-            spans.append(lay.Span(lay.FRESH, n, record_from=cut, record_slot=slot, record_rows=np.zeros(n - cut,
-                                                                                                          np.int32)))
-            slot += 1
-            fresh += n
-        elif kind == "plain":
-            record = bool(rng.integers(2))
-            spans.append(lay.Span(lay.FRESH, n, record_from=0 if record else None, record_slot=slot,
-                                  record_rows=np.zeros(n, np.int32) if record else None))
-            slot += record
-            fresh += n
-        else:  # pic: a seam (maybe none), then a cached interior
-            seam = int(rng.integers(0, 6))
-            if seam and fresh + seam <= budget:
-                spans.append(lay.Span(lay.FRESH, seam))
-                fresh += seam
-            spans.append(lay.Span(lay.CACHED, n, canonical_start=seam, slot=int(rng.integers(1, SLOTS)),
-                                  kv_rows=np.zeros(n, np.int32)))
-    if kind != "cold":
-        q = int(rng.integers(1, 4))
-        spans.append(lay.Span(lay.FRESH, q))
-        fresh += q
-    return spans
-
-
-def _random_layout(rng, kind: str) -> tuple[list[lay.Span], lay.LayoutArrays]:
-    """A random request of this program kind (`_random_spans`) and its layout at CAP (a pic request's cached
-    transfers dropped at random: HYPIC's `addition`)."""
-    spans = _random_spans(rng, kind)
-    n_fresh = sum(s.length for s in spans if s.kind == lay.FRESH)
-    arrays = lay.build(spans, CAP, isolated=kind == "cold", tokens=np.zeros(n_fresh, np.int32),
-                       summaries=kind != "plain", transfer=bool(rng.integers(2)) or kind != "pic")
-    return spans, arrays
-
-
-def _inputs(rng, per_key: bool) -> linear_attn.LinearInputs:
-    f = CAP.tokens
-    q = jnp.asarray(rng.standard_normal((f, HK, K)), jnp.float32)
-    k = linear_attn.l2_normalize(jnp.asarray(rng.standard_normal((f, HK, K)), jnp.float32))
-    v = jnp.asarray(rng.standard_normal((f, H, V)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.1, 0.9, (f, H)), jnp.float32)
-    if per_key:  # KDA: per-key gates, as many key heads as value heads
-        q, k = jnp.repeat(q, H // HK, 1), jnp.repeat(k, H // HK, 1)
-        gk = -jnp.asarray(rng.uniform(0.01, 0.4, (f, H, K)), jnp.float32)
-        return linear_attn.LinearInputs(q, k, v, gk=gk, beta=beta, scale=K**-0.5)
-    g = -jnp.asarray(rng.uniform(0.01, 0.4, (f, H)), jnp.float32)
-    return linear_attn.LinearInputs(q, k, v, g=g, beta=beta, scale=K**-0.5)
-
-
-def _pool(rng) -> Summary:
-    state = jnp.asarray(rng.standard_normal((SLOTS, H, K, V)), jnp.float32)
-    transfer = jnp.eye(K) * 0.7 + 0.3 * jnp.asarray(rng.standard_normal((SLOTS, H, K, K)), jnp.float32) / K**0.5
-    return Summary("dense", state, transfer)
-
-
-@functools.partial(jax.jit, static_argnames=("summaries", "isolated", "impl"))
-def _core(inputs, pool, arrays, *, summaries, isolated, impl):
-    config = gdn.GDNConfig(chunk=16, block_v=16, solve="doubling" if inputs.gk is not None else "tile",
-                           transfer_group=0)
-    result = stitch.linear_over_layout(inputs, pool, arrays, summaries=summaries, impl=impl, kernel_config=config)
-    records = stitch.record_summaries(result, arrays, isolated=isolated, pool=pool)
-    return result.outputs, result.final_state, result.piece_ends, result.piece_summaries, records
+TOL = 1e-4  # relative (largest entry), float32 inputs and "ieee" kernel dots
+HK, H, K, V = LAYOUT_HEADS
+CAP, SLOTS = LAYOUT_CAP, LAYOUT_SLOTS
 
 
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
@@ -118,32 +32,32 @@ def test_layout_core_kernels_match_the_xla_loops(per_key):
     """Outputs of real tokens, the final state, every fresh piece's end state and own (T, S), and the records, on
     random layouts of each program kind; every layout of one kind and capacity runs one compiled program."""
     rng = np.random.default_rng(3 + per_key)
-    pool = _pool(rng)
+    pool = layout_pool(rng)
     for kind in ("cold", "plain", "pic"):
         isolated, summaries = kind == "cold", kind != "plain"
         compiled = None
         for trial in range(3):
-            spans, arrays = _random_layout(rng, kind)
-            inputs = _inputs(rng, per_key)
-            run = functools.partial(_core, inputs, pool, arrays, summaries=summaries, isolated=isolated)
-            before = _core._cache_size()
+            spans, arrays = random_layout(rng, kind)
+            inputs = layout_inputs(rng, per_key)
+            run = functools.partial(layout_core, inputs, pool, arrays, summaries=summaries, isolated=isolated)
+            before = layout_core._cache_size()
             xla, kernel = run(impl="xla"), run(impl="pallas")
             if compiled is None:
-                compiled = _core._cache_size()
+                compiled = layout_core._cache_size()
             else:  # a new layout of the same capacity compiles nothing
-                assert _core._cache_size() == compiled == before, (kind, trial)
+                assert layout_core._cache_size() == compiled == before, (kind, trial)
             valid = np.asarray(arrays.valid)
             fresh = np.asarray(arrays.piece_kind) == lay.PIECE_FRESH
             what = (kind, trial, [(s.kind, s.length, s.record_from) for s in spans])
-            assert _rel(kernel[0][valid], xla[0][valid]) < TOL, what
-            assert _rel(kernel[1], xla[1]) < TOL, what
-            assert _rel(kernel[2][fresh], xla[2][fresh]) < TOL, what
+            assert rel_err(kernel[0][valid], xla[0][valid], norm="max") < TOL, what
+            assert rel_err(kernel[1], xla[1], norm="max") < TOL, what
+            assert rel_err(kernel[2][fresh], xla[2][fresh], norm="max") < TOL, what
             if summaries:
-                assert _rel(kernel[3].state[fresh], xla[3].state[fresh]) < TOL, what
-                assert _rel(kernel[3].transfer[fresh], xla[3].transfer[fresh]) < TOL, what
+                assert rel_err(kernel[3].state[fresh], xla[3].state[fresh], norm="max") < TOL, what
+                assert rel_err(kernel[3].transfer[fresh], xla[3].transfer[fresh], norm="max") < TOL, what
             used = np.asarray(arrays.record_slot) != lay.DROP
             for a, b in zip(jax.tree.leaves(kernel[4]), jax.tree.leaves(xla[4])):
-                assert _rel(np.asarray(a)[used], np.asarray(b)[used]) < TOL, what
+                assert rel_err(np.asarray(a)[used], np.asarray(b)[used], norm="max") < TOL, what
             assert not np.any(np.asarray(kernel[0])[~valid]), "padded tokens' outputs are zeros"
 
 
@@ -186,8 +100,8 @@ def test_varlen_initial_states_and_continues():
                                    continues=None if continues is None else jnp.asarray(continues), interpret=True)
         want, ends = reference(q, k, v, g, beta, init, continues or (False,) * n)
         assert want.shape == (cu[-1], H, V)
-        assert _rel(o[: cu[-1]], want) < 1e-5  # the tail's outputs are undefined
-        assert _rel(states, ends) < 1e-5
+        assert rel_err(o[: cu[-1]], want, norm="max") < 1e-5  # the tail's outputs are undefined
+        assert rel_err(states, ends, norm="max") < 1e-5
     with pytest.raises(ValueError, match="emit_summary"):
         gdn.gdn_varlen(q, k, v, jnp.asarray(cu), g=g, beta=beta, initial_state=init, interpret=True)
 
@@ -236,13 +150,13 @@ def test_stable_engine_kernels_match_the_xla_programs():
             got = {impl: e.prefill(segs, mode=mode, seam=seam) for impl, e in engines.items()}
             what = (step, mode, [len(s) for s in segs])
             for other in ("pallas", "blocked"):
-                assert _rel(got[other].logits, got["xla"].logits) < TOL, what + (other,)
+                assert rel_err(got[other].logits, got["xla"].logits, norm="max") < TOL, what + (other,)
                 assert got[other].stats.cold_tokens == got["xla"].stats.cold_tokens, what + (other,)
             hits += got["xla"].stats.hits
             want = jax.tree.leaves(engines["xla"].pools.arrays)
             for other in ("pallas", "blocked"):
                 for a, b in zip(want, jax.tree.leaves(engines[other].pools.arrays)):
-                    assert _rel(b, a) < TOL, what + (other,)
+                    assert rel_err(b, a, norm="max") < TOL, what + (other,)
     assert hits > 0, "no request read a cached entry"
     assert backend_compiles() == before, "a request compiled after warmup"
     assert all(e.stats["programs"]["serving_compiles"] == 0 for e in engines.values())
@@ -325,13 +239,15 @@ def test_piece_fold_kernel_matches_the_loop(form):
             form, kind, np.asarray(layout.piece_slot), reset, count, trial == 2, pool.transfer, pool.state,
             None if fresh is None else fresh.transfer, None if fresh is None else fresh.state)
         what = (form, trial, count, kind.tolist(), reset.tolist())
-        assert _rel(got_final, want_final) < TOL and _rel(ref_final, want_final) < TOL, what
-        assert _rel(got_incoming[:count], want_incoming[:count]) < TOL, what
-        assert _rel(ref_incoming, want_incoming) < TOL, what
+        assert rel_err(got_final, want_final, norm="max") < TOL, what
+        assert rel_err(ref_final, want_final, norm="max") < TOL, what
+        assert rel_err(got_incoming[:count], want_incoming[:count], norm="max") < TOL, what
+        assert rel_err(ref_incoming, want_incoming, norm="max") < TOL, what
         assert not np.any(np.asarray(got_incoming)[count:]), what
         for block in (None, 1, 2, 3, pieces):
             got_final, got_incoming = fold("blocked", block=block)
-            assert _rel(got_final, want_final) < TOL and _rel(got_incoming, ref_incoming) < TOL, what + (block,)
+            assert rel_err(got_final, want_final, norm="max") < TOL, what + (block,)
+            assert rel_err(got_incoming, ref_incoming, norm="max") < TOL, what + (block,)
             assert np.all(np.isfinite(np.asarray(got_incoming))), what + (block,)
 
 
@@ -375,8 +291,8 @@ def test_chunk_fold_kernel_matches_the_loop(form):
             form, jnp.asarray(kind), jnp.asarray(slot), jnp.asarray(reset), jnp.int32(count), jnp.asarray(drop),
             jnp.asarray(piece_chunks), pool_t, pool_s, w, **operands, algorithm=None, block_w=16, interpret=True)
         what = (form, trial, count, kind.tolist(), per_piece.tolist(), reset.tolist())
-        assert _rel(got_final, want_final) < TOL, what
-        assert _rel(got_out, want_out) < TOL, what
+        assert rel_err(got_final, want_final, norm="max") < TOL, what
+        assert rel_err(got_out, want_out, norm="max") < TOL, what
         assert not np.any(np.asarray(got_out)[piece_chunks[count]:]), what
         if trial == 1:  # the keys given transposed, as the chunk-local kernel writes them: the same fold
             transposed = dict(operands, k_to_end_t=jnp.swapaxes(operands["k_to_end"], -1, -2), k_to_end=None)
@@ -393,7 +309,7 @@ def test_chunk_fold_kernel_matches_the_loop(form):
             i = piece_chunks[p]
             alone = np.einsum("hcj,hjv->hcv", np.asarray(operands["scores"][i], np.float64),
                               np.asarray(operands["u"][i], np.float64))
-            assert _rel(got_out[i], alone) < TOL, what + (p,)
+            assert rel_err(got_out[i], alone, norm="max") < TOL, what + (p,)
 
 
 @pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
@@ -404,7 +320,7 @@ def test_stitched_layout_without_records_folds_chunks(per_key):
     chunks; no summaries and no piece end states come back, and no layout of the capacity compiles anew."""
     cap = lay.Capacity(tokens=96, pieces=10, keys=192, records=0, chunk=16, conv=3)
     rng = np.random.default_rng(7 + per_key)
-    pool = _pool(rng)
+    pool = layout_pool(rng)
 
     def rotate(summary, offset):  # any map of a cached row by its offset: both paths must apply it alike
         scale = jnp.cos(0.1 * offset.astype(jnp.float32))
@@ -434,19 +350,19 @@ def test_stitched_layout_without_records_folds_chunks(per_key):
         spans.append(lay.Span(lay.FRESH, query))
         arrays = lay.build(spans, cap, isolated=False, tokens=np.zeros(fresh + query, np.int32), summaries=True,
                            transfer=trial != 1)
-        inputs = _inputs(rng, per_key)
+        inputs = layout_inputs(rng, per_key)
         rotated = trial >= 2
         want = core(inputs, arrays, fold_impl="xla", rotated=rotated)
         got = core(inputs, arrays, fold_impl="pallas", rotated=rotated)
         valid = np.asarray(arrays.valid)
         what = (trial, [(s.kind, s.length) for s in spans])
-        assert _rel(got[0][valid], want[0][valid]) < TOL, what
-        assert _rel(got[1], want[1]) < TOL, what
+        assert rel_err(got[0][valid], want[0][valid], norm="max") < TOL, what
+        assert rel_err(got[1], want[1], norm="max") < TOL, what
         assert not np.any(np.asarray(got[0])[~valid]), what
         if trial in (0, 3):  # the chunk-local work through the kernel of `pallas.gdn` as well
             kernel = core(inputs, arrays, fold_impl="pallas", rotated=rotated, impl="pallas")
-            assert _rel(kernel[0][valid], want[0][valid]) < TOL, what + ("kernel locals",)
-            assert _rel(kernel[1], want[1]) < TOL, what + ("kernel locals",)
+            assert rel_err(kernel[0][valid], want[0][valid], norm="max") < TOL, what + ("kernel locals",)
+            assert rel_err(kernel[1], want[1], norm="max") < TOL, what + ("kernel locals",)
         if trial == 1:
             compiled = core._cache_size()
         elif trial == 3:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from families import fake_devices_env
-from helpers import arch_params
+from helpers import arch_params, fake_devices_env
 
 TESTS = Path(__file__).parent
 
@@ -26,7 +25,7 @@ _SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
 import numpy as np, jax
-from helpers import rel as _rel, tiny_checkpoint
+from helpers import rel_err, tiny_checkpoint
 from hypic_jax.engine import Engine
 from hypic_jax.engine.sampling import TOP_LOGPROBS, SamplingRows
 
@@ -88,7 +87,7 @@ for segments, mode, seam in requests:
     want = ref.prefill(segments, mode=mode, seam=seam).logits
     for name, engine in (("split", split), ("composed", composed)):
         got = engine.prefill(segments, mode=mode, seam=seam).logits
-        assert _rel(got, want) < 1e-5, (name, mode, seam, [len(s) for s in segments], _rel(got, want))
+        assert rel_err(got, want) < 1e-5, (name, mode, seam, [len(s) for s in segments], rel_err(got, want))
 
 def entries(engine):
     out = {}
@@ -139,7 +138,7 @@ _REFUSALS = r"""
 import sys
 sys.path.insert(0, sys.argv[2])
 import jax, pytest
-from helpers import rel as _rel, tiny_checkpoint
+from helpers import rel_err, tiny_checkpoint
 from hypic_jax.engine import Engine
 
 model, _, _ = tiny_checkpoint("qwen_moe", sys.argv[1])
@@ -167,7 +166,7 @@ first = Engine(model, **stored, tensor_parallel=2).warmup(progress=False)
 again = Engine(model, **stored, tensor_parallel=2)
 loaded = again.warmup(progress=False)
 assert first["loaded"] == 0 and loaded["loaded"] == loaded["programs"] == first["programs"] > 0, (first, loaded)
-assert _rel(again.prefill(segments).logits, want) < 1e-5
+assert rel_err(again.prefill(segments).logits, want) < 1e-5
 
 # random weights made split (`random_model(mesh=...)`, the server's --load-format dummy): those of the unsplit model
 from hypic_jax.checkpoint import random_model
