@@ -83,3 +83,34 @@ def test_predicted_wait_counts_the_requests_ahead():
     for _ in range(3):
         scheduler._queue.append(_request())
     assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
+
+
+def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):
+    """`bench/crash.py` at a short size: a server with a disk tier killed (SIGKILL) under load, write-through on
+    and off, its folder then damaged as a power loss would (truncated and corrupted files, partial temporaries);
+    every restart comes up, removes what is damaged, and answers as its references do (`crash.check`: prefix
+    reuse against full_recompute, PIC against its entries computed afresh), some of it from the disk tier."""
+    import importlib.util
+    import socket
+    from pathlib import Path
+
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from helpers import tiny_checkpoint
+
+    spec = importlib.util.spec_from_file_location("crash", Path(__file__).parents[1] / "bench" / "crash.py")
+    crash = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(crash)
+    _, vocab, folder = tiny_checkpoint("qwen_dense", str(tmp_path / "model"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = crash.parser().parse_args(["--model", str(folder), "--dtype", "float32", "--cycles", "3", "--vocab",
+                                      str(vocab), "--folder", str(tmp_path / "run"), "--port", str(port),
+                                      "--requests", "24", "--damage", "0.5", "--start-timeout", "300"])
+    out = crash.run(args)  # raises on a failed restart or an answer unlike its reference
+    rows = out["rows"]
+    assert [r["write_through"] for r in rows] == [True, False, True]
+    assert all(r["checked"] == args.checks for r in rows)
+    assert sum(r["cache_hits"] for r in rows) > 0  # entries were read back from the disk tier
+    assert sum(r["damaged"] for r in rows) > 0 and sum(r["corrupt_removed"] for r in rows) > 0
