@@ -51,7 +51,7 @@ class Mix:
     """The requests: a growing pool of documents, drawn with a Zipf tilt towards the old ones."""
 
     BAD = (dict(max_tokens=-1), dict(temperature="hot"), dict(pic_mode="sometimes"), dict(n=3),
-           dict(segments=[]), dict(top_logprobs=2))
+           dict(segments=[]), dict(logprobs=99))
 
     def __init__(self, args, rng: np.random.Generator):
         self.args, self.rng = args, rng
@@ -169,7 +169,7 @@ def growth(samples: list[dict], warmup_minutes: float) -> dict:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
     parser.add_argument("--small", action="store_true", help="CPU: float32")
@@ -194,7 +194,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8768)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     prompt = args.docs * args.doc_tokens + args.query_tokens
     rung = 1 << (prompt - 1).bit_length()
     command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),

@@ -1098,3 +1098,29 @@ def test_sigterm_drains_accepted_requests_refuses_new_ones_and_persists(served, 
     assert seen["queued"].status_code == 200 and seen["queued"].json()["usage"]["completion_tokens"] == 4
     assert runner._captured_signals == []  # uvicorn re-raises a captured signal after it stops: none here
     assert engine.tiers.disk.stats.entries >= 3  # the three documents reached the disk tier on close
+
+
+def test_a_short_soak_answers_every_request_and_compiles_nothing(served):
+    """`bench/soak.py`'s traffic at a short size against the module's server: PIC, prefix and full requests over
+    a growing pool, salts, streams, streams left early and bad inputs; every request is answered (bad inputs with
+    a 4xx in OpenAI's shape), none is lost, nothing compiles. The hour-long run, with its resource slopes, is
+    the benchmark (bench/RESULTS.md, "soak.py")."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).parents[1] / "bench" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    args = soak.parser().parse_args(["--minutes", "0.3", "--sample-every", "6", "--rate", "4", "--docs", "2",
+                                     "--doc-tokens", "24", "--query-tokens", "8", "--max-tokens", "8",
+                                     "--vocab", str(served["vocab"]), "--bad", "0.15", "--cancel", "0.15",
+                                     "--request-timeout", "60"])
+    samples, outcomes = asyncio.run(soak.drive(args, served["base"], os.getpid()))
+    lost = {k: v for k, v in outcomes.items() if k.startswith("unanswered") or "without" in k or "status" in k
+            or "error" in k or (k.startswith("bad input") and "4xx" not in k)}
+    assert not lost, outcomes
+    assert outcomes["answered"] > 0 and outcomes["bad input answered 4xx"] > 0
+    assert len(samples) >= 3 and samples[-1]["requests"] == sum(outcomes.values())
+    assert samples[-1]["compiles"] == 0
+    assert set(soak.growth(samples, 0.0)) >= set(soak.RESOURCES)
