@@ -25,47 +25,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-
-def metric(text: str, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+from hypic_jax.serve.client import launch, metric, wait_ready
 
 
 def start(args, folder: Path, write_through: bool) -> subprocess.Popen:
-    command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
+    command = [*([args.model] if args.model else []),
                "--port", str(args.port), "--dtype", args.dtype, "--max-batch", str(args.max_batch),
                "--max-prompt-tokens", str(args.rung), "--token-rungs", str(args.rung),
                "--max-new-tokens", str(args.max_tokens), "--max-segments", str(args.docs + 1),
                "--cache-gb", f"{args.cache_gb:g}", "--host-cache-gb", "0", "--disk-cache-dir", str(folder),
                "--compile-cache", str(args.compile_cache), "--log-level", "warning",
                *(["--disk-write-through"] if write_through else [])]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=None if args.verbose else subprocess.DEVNULL)
-
-
-def wait_ready(base: str, server: subprocess.Popen, timeout: float) -> float:
-    begin = time.monotonic()
-    while time.monotonic() - begin < timeout:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited during its start (status {server.returncode})")
-        try:
-            health = httpx.get(f"{base}/health", timeout=5)
-            if health.status_code == 200:
-                return time.monotonic() - begin
-            if health.status_code == 500:
-                raise RuntimeError(f"the server's warmup failed: {health.json().get('error')}")
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
+    return launch(command, stdout=subprocess.DEVNULL, stderr=None if args.verbose else subprocess.DEVNULL)
 
 
 def prompts(args, rng: np.random.Generator, pool: list[list[int]], count: int) -> list[dict]:

@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import numpy as np
 
-from serve import metric, trace
+from serve import trace
+
+from hypic_jax.serve.client import launch, metric, wait_ready
 
 
 async def _one(client, body, start_at, t0):
@@ -112,28 +111,17 @@ def main() -> None:
     args.base_rate = args.base_rate or (2.0 if args.small else 4.0)
     prompt = args.docs_per_request * args.doc_tokens + args.query_tokens
     rung = 1 << (prompt - 1).bit_length()
-    command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
+    command = [*([args.model] if args.model else []),
                "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-prompt-tokens", str(rung),
                "--token-rungs", str(rung), "--max-new-tokens", str(args.max_tokens), "--max-queue", "100000",
                "--max-queue-wait", f"{args.max_queue_wait:g}", "--cache-gb", "0.25", "--log-level", "warning",
                *load, *(["--compile-cache", args.compile_cache] if args.compile_cache else [])]
-    server = subprocess.Popen(command, env=dict(os.environ))
+    server = launch(command)
     base = f"http://127.0.0.1:{args.port}"
     try:
         start = time.perf_counter()
-        while True:
-            try:
-                health = httpx.get(f"{base}/health")
-                if health.status_code == 200:
-                    break
-                if health.status_code == 500:
-                    raise SystemExit(f"the server's warmup failed: {health.json().get('error')}")
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit("the server exited during warmup")
-            time.sleep(1)
-        print(f"server ready in {time.perf_counter() - start:.1f} s: {' '.join(command[2:])}", flush=True)
+        wait_ready(base, server)
+        print(f"server ready in {time.perf_counter() - start:.1f} s: hypic-jax serve {' '.join(command)}", flush=True)
         results, phases, before, after = asyncio.run(run(args, base, args.vocab))
         out = summary(results, phases)
         out["rejected_metric"] = metric(after, "hypic:requests_rejected_total") - metric(

@@ -21,22 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import numpy as np
 
+from hypic_jax.serve.client import launch, metric, wait_ready
+
 MODES = ("full_recompute", "prefix_cache", "transition_rope_recompute")
-
-
-def metric(text: str, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def sustained(rows, mode: str, slo: float) -> float:
@@ -197,7 +189,7 @@ def main() -> None:
     if rungs[-1] < prompt:
         raise SystemExit(f"the largest token rung ({rungs[-1]}) is below the prompt's {prompt} tokens")
     cache_gb = args.cache_gb if args.cache_gb is not None else (0.25 if args.small else 16)
-    command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
+    command = [*([args.model] if args.model else []),
                "--port", str(args.port), "--max-batch", str(args.max_batch), "--max-prompt-tokens", str(rungs[-1]),
                "--token-rungs", ",".join(map(str, rungs)), "--max-new-tokens", str(args.max_tokens),
                "--max-queue", "100000", "--cache-gb", f"{cache_gb:g}", "--log-level", "warning", *load,
@@ -206,24 +198,13 @@ def main() -> None:
                *(["--overlap"] if args.overlap else []),
                *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
                *(["--devices", str(args.devices)] if args.devices else [])]
-    server = subprocess.Popen(command, env=dict(os.environ))
+    server = launch(command)
     base = f"http://127.0.0.1:{args.port}"
     rows = []
     try:
         start = time.perf_counter()
-        while True:
-            try:
-                health = httpx.get(f"{base}/health")
-                if health.status_code == 200:
-                    break
-                if health.status_code == 500:
-                    raise SystemExit(f"the server's warmup failed: {health.json().get('error')}")
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit("the server exited during warmup")
-            time.sleep(1)
-        print(f"server ready in {time.perf_counter() - start:.1f} s: {' '.join(command[2:])}", flush=True)
+        wait_ready(base, server)
+        print(f"server ready in {time.perf_counter() - start:.1f} s: hypic-jax serve {' '.join(command)}", flush=True)
         vocab = args.vocab
         header = (f"{'mode':<26} {'rate/s':>6} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
                   f"{'decode tok/s':>12} {'stall ms':>8} {'chained':>7} {'compiles':>8}")

@@ -20,22 +20,15 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
+from hypic_jax.serve.client import launch, metric, wait_ready
+
 RESOURCES = ("rss_mb", "maps", "open_files", "threads")
-
-
-def metric(text: str, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def process_sample(pid: int) -> dict:
@@ -201,28 +194,17 @@ def main() -> None:
     args = parser().parse_args()
     prompt = args.docs * args.doc_tokens + args.query_tokens
     rung = 1 << (prompt - 1).bit_length()
-    command = [sys.executable, "-m", "hypic_jax.cli", "serve", *([args.model] if args.model else []),
+    command = [*([args.model] if args.model else []),
                "--port", str(args.port), "--max-prompt-tokens", str(rung), "--token-rungs", str(rung),
                "--max-new-tokens", str(args.max_tokens), "--max-batch", "8", "--cache-gb", f"{args.cache_gb:g}",
                "--host-cache-gb", f"{args.host_cache_gb:g}", "--log-level", "warning",
                *(["--dtype", "float32"] if args.small else []),
                *(["--disk-cache-dir", args.disk_cache_dir] if args.disk_cache_dir else []),
                *(["--compile-cache", args.compile_cache] if args.compile_cache else [])]
-    server = subprocess.Popen(command)
+    server = launch(command)
     base = f"http://127.0.0.1:{args.port}"
     try:
-        while True:
-            try:
-                health = httpx.get(f"{base}/health")
-                if health.status_code == 200:
-                    break
-                if health.status_code == 500:
-                    raise SystemExit(f"the server's warmup failed: {health.json().get('error')}")
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit("the server exited during warmup")
-            time.sleep(1)
+        wait_ready(base, server)
         samples, outcomes = asyncio.run(drive(args, base, server.pid))
     finally:
         server.terminate()
