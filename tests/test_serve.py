@@ -1124,3 +1124,22 @@ def test_a_short_soak_answers_every_request_and_compiles_nothing(served):
     assert len(samples) >= 3 and samples[-1]["requests"] == sum(outcomes.values())
     assert samples[-1]["compiles"] == 0
     assert set(soak.growth(samples, 0.0)) >= set(soak.RESOURCES)
+
+
+def test_a_prefill_out_of_device_memory_is_a_400_naming_the_limits(served, monkeypatch):
+    """A request whose prefill runs out of device memory is refused with a 400 that names the server's limits;
+    the server goes on serving."""
+    engine = served["engine"]
+    real = engine.prefill
+
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1073741824 bytes.")
+
+    monkeypatch.setattr(engine, "prefill", exhausted)
+    response = _post(served, "/v1/completions", dict(segments=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "device_memory" and f"up to {engine.max_prompt_tokens} prompt tokens" in error["message"]
+    monkeypatch.setattr(engine, "prefill", real)
+    ok = _post(served, "/v1/completions", dict(segments=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0))
+    assert ok.status_code == 200

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hypic_jax.engine.programs import out_of_memory
 from hypic_jax.engine.requests import SamplingParams
 from hypic_jax.engine.sampling import SamplingRows
 
@@ -362,6 +363,15 @@ class Scheduler:
             self._error(request, RequestError(400, str(error), param="prompt"))
             return
         except Exception as error:  # noqa: BLE001
+            if out_of_memory(error):  # this request's size, not the server: refused, and the loop goes on
+                log.warning("request %s ran out of device memory in its prefill: %s", request.id,
+                            str(error).splitlines()[0])
+                self._error(request, RequestError(
+                    400, f"the device ran out of memory for this request ({request.prompt_tokens} prompt tokens in "
+                    f"{len(request.segments)} segments; this server takes up to {self.engine.max_prompt_tokens} "
+                    f"prompt tokens in {self.engine.max_segments} segments): send a shorter prompt or fewer "
+                    f"segments", param="prompt", code="device_memory"))
+                return
             log.exception("prefill failed for request %s", request.id)
             self._error(request, RequestError(500, f"internal error during prefill: {error}", code="internal_error"))
             return
