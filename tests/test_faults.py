@@ -105,12 +105,12 @@ def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = crash.parser().parse_args(["--model", str(folder), "--dtype", "float32", "--cycles", "3", "--vocab",
+    args = crash.parser().parse_args(["--model", str(folder), "--dtype", "float32", "--cycles", "2", "--vocab",
                                       str(vocab), "--folder", str(tmp_path / "run"), "--port", str(port),
                                       "--requests", "24", "--damage", "0.5", "--start-timeout", "300"])
     out = crash.run(args)  # raises on a failed restart or an answer unlike its reference
     rows = out["rows"]
-    assert [r["write_through"] for r in rows] == [True, False, True]
+    assert [r["write_through"] for r in rows] == [True, False]
     assert all(r["checked"] == args.checks for r in rows)
     assert sum(r["cache_hits"] for r in rows) > 0  # entries were read back from the disk tier
     assert sum(r["damaged"] for r in rows) > 0 and sum(r["corrupt_removed"] for r in rows) > 0
