@@ -4,14 +4,16 @@ restarted on the same folder, cycle after cycle.
 Each cycle starts the server on one disk folder and one compile cache (the programs load from the store after the
 first start), sends concurrent requests over a pool of documents, kills the process at a random moment while
 requests are in flight, and then, as a power loss between write and rename would, damages the folder: it truncates
-and corrupts some entry files and leaves partial temporary files. The next start must come up (a failed start
-ends the run) and must serve nothing it did not fully write. The load mixes `prefix_cache` and PIC requests.
-Every checked answer of the restarted server, its entries taken from the disk tier where they are, must equal a
+and corrupts some entry files and leaves partial temporary files. The next start must come up (a failed start ends
+the run) and must serve nothing it did not fully write. The load mixes `prefix_cache` and PIC requests. Every
+checked answer of the restarted server, its entries taken from the disk tier where they are, must equal a
 reference's: `full_recompute` for prefix_cache (prefix reuse is exact) and, for PIC, the same request under a new
-cache salt, every entry computed afresh: the same greedy tokens, their log-probabilities within `--tolerance`. Reported per cycle: requests answered before the kill, entry files before and after the
-damage, the files the restart found corrupt and removed, the entries it read from disk, and the answers checked.
-With `--write-through both`, the cycles alternate the server's `--disk-write-through` on and off (off: entries
-reach the disk when the device cache demotes them, the cache kept small so that it does).
+cache salt, every entry computed afresh: the same greedy tokens, their log-probabilities within `--tolerance`.
+Reported per cycle: requests answered before the kill, the entries of those requests missing from the disk after the
+kill (`lost`: with write-through, an entry is written before its request is answered, so none should be), entry
+files before and after the damage, the files the restart found corrupt and removed, the entries it read from disk,
+and the answers checked. With `--write-through both`, the cycles alternate the server's `--disk-write-through` on
+and off (off: entries reach the disk when the device cache demotes them, the cache kept small so that it does).
 
     python bench/crash.py --model DIR --cycles 20          # any model folder; CPU: add --dtype float32
     python bench/crash.py --small --cycles 4               # CPU: the embedded model, small shapes
@@ -31,6 +33,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from hypic_jax.cache.tiers.disk import read_header
 from hypic_jax.serve.client import launch, metric, wait_ready
 
 
@@ -66,15 +69,15 @@ def body(prompt: dict, max_tokens: int, **extra) -> dict:
     return dict(prompt, max_tokens=max_tokens, temperature=0, logprobs=0, return_token_ids=True, **extra)
 
 
-async def load(base: str, requests: list[dict], max_tokens: int, kill_after: float, server) -> int:
+async def load(base: str, requests: list[dict], max_tokens: int, kill_after: float, server) -> list[dict]:
     """Send every request at once; kill the server `kill_after` seconds in. Returns the requests answered."""
-    answered = 0
+    answered = []
 
     async def one(client, prompt):
-        nonlocal answered
         try:
             response = await client.post("/v1/completions", json=body(prompt, max_tokens))
-            answered += response.status_code == 200
+            if response.status_code == 200:
+                answered.append(prompt)
         except httpx.HTTPError:
             pass  # the kill
 
@@ -85,6 +88,17 @@ async def load(base: str, requests: list[dict], max_tokens: int, kill_after: flo
         await asyncio.gather(*tasks)
     server.wait(30)
     return answered
+
+
+def lost_entries(folder: Path, answered: list[dict]) -> dict:
+    """The entries of the requests answered before the kill (their documents, by the kind of entry their mode
+    keeps; a prefix entry is matched by its document, whatever came before it) against the entry files whose
+    headers are whole after the kill: with write-through every one of them should be there, since an entry is
+    written before its request is answered."""
+    on_disk = {(h["kind"], tuple(h["tokens"])) for h in map(read_header, folder.glob("*/*.seg")) if h is not None}
+    kind = {"prefix_cache": "prefix", "transition_rope_recompute": "pic"}
+    wanted = {(kind[p["pic_mode"]], tuple(doc)) for p in answered for doc in p["segments"][:-1]}
+    return dict(entries_of_answered=len(wanted), lost=len(wanted - on_disk))
 
 
 def damage(folder: Path, rng: np.random.Generator, share: float) -> dict:
@@ -154,12 +168,13 @@ def run(args) -> dict:
                 print(json.dumps(rows[-1]), flush=True)
             kill_after = float(rng.uniform(*args.kill_window))
             answered = asyncio.run(load(base, requests, args.max_tokens, kill_after, server))
+            lost = lost_entries(disk, answered)
         finally:
             if server.poll() is None:
                 server.kill()
                 server.wait(30)
         rows.append(dict(cycle=cycle, write_through=write_through, killed_after_s=round(kill_after, 2),
-                         answered_before_kill=answered, **damage(disk, rng, args.damage)))
+                         answered_before_kill=len(answered), **lost, **damage(disk, rng, args.damage)))
     server = start(args, disk, False)  # the last restart: checked, then stopped
     try:
         ready_s = wait_ready(base, server, args.start_timeout)

@@ -282,6 +282,17 @@ class DiskStore(_Store):
             self.stats.bytes = self.stats.entries = 0
 
 
+def read_header(path) -> dict | None:
+    """The header of the entry file at `path` (module docstring) when its magic, format version and header checksum
+    hold, else None. The payload is not read: what a crash left whole under an entry's name, as a tool sees it."""
+    try:
+        with open(path, "rb") as f:
+            state, header, _ = DiskStore._read_header(f, os.fstat(f.fileno()).st_size)
+    except OSError:
+        return None
+    return header if state == "ok" else None
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
