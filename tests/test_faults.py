@@ -111,6 +111,7 @@ def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):
     out = crash.run(args)  # raises on a failed restart or an answer unlike its reference
     rows = out["rows"]
     assert [r["write_through"] for r in rows] == [True, False]
+    assert rows[0]["lost"] == 0  # write-through: every answered request's entries were on disk before the kill
     assert all(r["checked"] == args.checks for r in rows)
     assert sum(r["cache_hits"] for r in rows) > 0  # entries were read back from the disk tier
     assert sum(r["damaged"] for r in rows) > 0 and sum(r["corrupt_removed"] for r in rows) > 0
