@@ -83,6 +83,10 @@ def test_predicted_wait_counts_the_requests_ahead():
     for _ in range(3):
         scheduler._queue.append(_request())
     assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
+    scheduler._latest_interval = 0.5  # the load rises: the latest interval counts before the average follows
+    assert scheduler.predicted_wait() == pytest.approx(4 * 0.5)
+    scheduler._latest_interval = 0.1  # and falls: the average
+    assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
 
 
 def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):

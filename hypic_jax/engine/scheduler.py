@@ -162,6 +162,7 @@ class Scheduler:
         # the time between two admissions while requests wait (an exponential average): the queue's service time,
         # from which `submit` predicts a new request's wait for a row
         self.admission_interval: float | None = None
+        self._latest_interval: float | None = None  # the last one alone: a rising load shows here first
         self._last_admission: float | None = None
         self._backlog = False  # requests still waited at the last admission
         self.rows: list[Request | None] = [None] * engine.max_batch
@@ -216,11 +217,12 @@ class Scheduler:
 
     def predicted_wait(self) -> float | None:
         """Seconds a request submitted now would wait for a row: one admission interval for each request ahead of
-        it and one for itself (None before any backlog was seen, or with an empty queue: the loop's next round
-        admits it)."""
+        it and one for itself, the interval the larger of the average and the latest (so that a rising load is
+        seen at once, and a falling one as the average follows it). None before any backlog was seen, or with an
+        empty queue: the loop's next round admits it."""
         if self.admission_interval is None or not self._queue:
             return None
-        return (len(self._queue) + 1) * self.admission_interval
+        return (len(self._queue) + 1) * max(self.admission_interval, self._latest_interval or 0.0)
 
     def _wait_limit(self, request: Request) -> float:
         """The longest predicted wait a request is accepted with: `max_queue_wait`, and never past its deadline
@@ -314,7 +316,7 @@ class Scheduler:
         """Update `admission_interval` with the time since the last admission, when requests waited between the
         two (an idle gap says nothing of the service time)."""
         if self._backlog and self._last_admission is not None:
-            interval = now - self._last_admission
+            interval = self._latest_interval = now - self._last_admission
             previous = self.admission_interval
             self.admission_interval = interval if previous is None else 0.8 * previous + 0.2 * interval
         self._last_admission = now
