@@ -5,8 +5,8 @@ mix: PIC, prefix-cache and full-recompute requests over a pool of documents that
 beside reordered old ones), several cache salts, streamed and whole answers, streams the client leaves after a
 few tokens (cancellations), and bad inputs (which must be answered 4xx in OpenAI's error shape). Every
 `--sample-every` seconds it reads the server process's resident memory, memory maps, open files and threads (from
-/proc) and the server's own counters (/metrics: cache bytes and entries, tier entries, compilations while
-serving). At the end: the growth of each resource from the first sample after `--warmup-minutes` to the last, and
+/proc) and the server's own counters (/metrics: device memory in use where the backend reports it, cache bytes
+and entries, tier entries, compilations while serving). At the end: the growth of each resource from the first sample after `--warmup-minutes` to the last, and
 its least-squares slope per hour over the same span; requests by outcome, of which none may be left unanswered (a
 transport error or a timeout), and the compilations while serving (must be 0).
 
@@ -124,6 +124,7 @@ async def drive(args, base: str, pid: int) -> tuple[list[dict], dict]:
             row = dict(minute=round((time.monotonic() - start) / 60, 3), **process_sample(pid),
                        cache_bytes=metric(text, "hypic:cache_bytes"), cache_entries=metric(text, "hypic:cache_entries"),
                        tier_entries=metric(text, "hypic:tier_entries"),
+                       device_mb=metric(text, "hypic:device_memory_bytes") / 2**20,
                        compiles=metric(text, "hypic:compilations_while_serving_total"),
                        requests=sum(outcomes.values()))
             samples.append(row)
@@ -154,7 +155,7 @@ def growth(samples: list[dict], warmup_minutes: float) -> dict:
         return {}
     t = np.array([s["minute"] for s in after]) / 60
     out = {}
-    for key in RESOURCES + ("cache_bytes", "tier_entries"):
+    for key in RESOURCES + ("device_mb", "cache_bytes", "tier_entries"):
         y = np.array([s[key] for s in after], float)
         slope = float(np.polyfit(t, y, 1)[0]) if np.ptp(t) > 0 else 0.0
         out[key] = dict(first=y[0], last=y[-1], growth=float((y[-1] - y[0]) / y[0]) if y[0] else 0.0,

@@ -548,6 +548,8 @@ def test_a_full_or_read_only_disk_turns_the_tier_off_and_requests_go_on(make, mo
     assert any("disk tier is off" in r.getMessage() for r in caplog.records)
     text = generate_latest(registry).decode()
     assert 'hypic:tier_off{tier="disk"} 1.0' in text and 'hypic:tier_turned_off_total{tier="disk"} 1.0' in text
+    # device memory where the backend reports it (the CPU may not: then the family is there, empty)
+    assert "# TYPE hypic:device_memory_bytes gauge" in text
     again = engine.prefill(segs, seam=SEAM)  # served from the device as ever
     assert again.stats.hits == 4
     np.testing.assert_allclose(again.logits, first.logits, rtol=0, atol=1e-6)

@@ -14,7 +14,8 @@ off), hypic:tier_turned_off{tier}, hypic:tier_write_errors{tier}, hypic:tier_cor
 the device: peer, host, disk), hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
 before, `Scheduler(overlap=True)`), hypic:compilations_while_serving (XLA compilations since the server became
 ready, other than the planned ones of larger rungs compiling in the background), hypic:programs_pending (those
-still compiling), hypic:device_cache_fetches (entries copied from another device's pools to the first device's).
+still compiling), hypic:device_memory_bytes{device} and hypic:device_memory_peak_bytes{device} (where the backend
+reports them: GPUs, not the CPU), hypic:device_cache_fetches (entries copied from another device's pools to the first device's).
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ class _EngineCollector:
                                   backend_compiles() - background_compiles() - base)
         yield GaugeMetricFamily("hypic:programs_pending", "Programs of larger prompts still compiling in the "
                                 "background.", value=self.engine.programs.stats.pending)
+        yield from self._device_memory()
+
+    def _device_memory(self):
+        """Bytes in use and their peak on each device the programs run on, where the backend reports them (GPUs;
+        the CPU reports none, and the families are then empty)."""
+        used = GaugeMetricFamily("hypic:device_memory_bytes", "Device memory in use.", labels=["device"])
+        peak = GaugeMetricFamily("hypic:device_memory_peak_bytes", "The peak of device memory in use.",
+                                 labels=["device"])
+        for device in self.engine.programs._devices():
+            stats = device.memory_stats() or {}
+            if "bytes_in_use" in stats:
+                used.add_metric([str(device.id)], stats["bytes_in_use"])
+                peak.add_metric([str(device.id)], stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
+        yield used
+        yield peak
 
 
 class Metrics:
