@@ -1122,7 +1122,8 @@ def test_a_short_soak_answers_every_request_and_compiles_nothing(served):
     assert not lost, outcomes
     assert outcomes["answered"] > 0 and outcomes["bad input answered 4xx"] > 0
     assert len(samples) >= 3 and samples[-1]["requests"] == sum(outcomes.values())
-    assert samples[-1]["compiles"] == 0
+    # the counter is the process's (other modules' tests may have compiled in it before): nothing during the soak
+    assert samples[-1]["compiles"] == samples[0]["compiles"]
     assert set(soak.growth(samples, 0.0)) >= set(soak.RESOURCES)
 
 
