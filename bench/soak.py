@@ -1,14 +1,15 @@
 """`hypic-jax serve` under hours of mixed traffic: does anything grow, does anything go unanswered?
 
 The server runs as its own process. A client sends Poisson arrivals at `--rate` for `--minutes`, each drawn from a
-mix: PIC, prefix-cache and full-recompute requests over a pool of documents that keeps growing (new documents
-beside reordered old ones), several cache salts, streamed and whole answers, streams the client leaves after a
-few tokens (cancellations), and bad inputs (which must be answered 4xx in OpenAI's error shape). Every
-`--sample-every` seconds it reads the server process's resident memory, memory maps, open files and threads (from
-/proc) and the server's own counters (/metrics: device memory in use where the backend reports it, cache bytes
-and entries, tier entries, compilations while serving). At the end: the growth of each resource from the first sample after `--warmup-minutes` to the last, and
-its least-squares slope per hour over the same span; requests by outcome, of which none may be left unanswered (a
-transport error or a timeout), and the compilations while serving (must be 0).
+mix: PIC, prefix-cache and full-recompute requests over a pool of documents that keeps growing (new documents beside
+reordered old ones), several cache salts, streamed and whole answers, streams the client leaves after a few tokens
+(cancellations), and bad inputs (which must be answered 4xx in OpenAI's error shape). Every `--sample-every` seconds
+it reads the server process's resident memory, memory maps, open files and threads (from /proc) and the server's own
+counters (/metrics: device memory in use where the backend reports it, cache bytes and entries, tier entries,
+compilations while serving). At the end, per resource over the samples after `--warmup-minutes`: the growth of its
+median and of its minimum from the first third of them to the last third (`growth`), and its least-squares slope per
+hour; requests by outcome, of which none may be left unanswered (a transport error or a timeout), and the
+compilations while serving (must be 0).
 
     python bench/soak.py --small --minutes 60             # CPU: the embedded model in float32, an hour
     python bench/soak.py --small --minutes 5 --warmup-minutes 1 --sample-every 15
@@ -148,18 +149,26 @@ async def drive(args, base: str, pid: int) -> tuple[list[dict], dict]:
 
 
 def growth(samples: list[dict], warmup_minutes: float) -> dict:
-    """Per resource: the change from the first sample after the warm-up to the last (relative), and the
-    least-squares slope per hour over that span."""
+    """Per resource, over the samples after the warm-up: the least-squares slope per hour, and the growth from the
+    first third of them to the last third, of their median and of their minimum. A process's memory swings with
+    the requests in flight (buffers taken and given back); the minimum is its floor between them and the median
+    its usual level, so a leak shows as both rising, where one sample against another measures the swing."""
     after = [s for s in samples if s["minute"] >= warmup_minutes]
-    if len(after) < 2:
+    if len(after) < 3:
         return {}
     t = np.array([s["minute"] for s in after]) / 60
+    third = max(1, len(after) // 3)
     out = {}
     for key in RESOURCES + ("device_mb", "cache_bytes", "tier_entries"):
-        y = np.array([s[key] for s in after], float)
-        slope = float(np.polyfit(t, y, 1)[0]) if np.ptp(t) > 0 else 0.0
-        out[key] = dict(first=y[0], last=y[-1], growth=float((y[-1] - y[0]) / y[0]) if y[0] else 0.0,
-                        slope_per_hour=slope)
+        y = np.array([s.get(key, 0.0) for s in after], float)
+        first, last = y[:third], y[-third:]
+
+        def change(f):
+            return float((f(last) - f(first)) / f(first)) if f(first) else 0.0
+
+        out[key] = dict(first=float(np.median(first)), last=float(np.median(last)), median_growth=change(np.median),
+                        floor_growth=change(np.min),
+                        slope_per_hour=float(np.polyfit(t, y, 1)[0]) if np.ptp(t) > 0 else 0.0)
     return out
 
 
@@ -215,8 +224,8 @@ def main() -> None:
     unanswered = sum(v for k, v in outcomes.items() if k.startswith("unanswered") or "without" in k)
     print("outcomes:", json.dumps(outcomes, sort_keys=True))
     for key, row in out["growth"].items():
-        print(f"  {key:<13} {row['first']:>12.1f} -> {row['last']:>12.1f}  growth {100 * row['growth']:+6.2f}%  "
-              f"slope {row['slope_per_hour']:+.2f}/h")
+        print(f"  {key:<13} median {row['first']:>12.1f} -> {row['last']:>12.1f} ({100 * row['median_growth']:+6.2f}%)"
+              f"  floor {100 * row['floor_growth']:+6.2f}%  slope {row['slope_per_hour']:+.2f}/h")
     print(f"unanswered: {unanswered}; compilations while serving: {out['compiles']:g}; "
           f"the server exited with {server.returncode} on SIGTERM")
     if args.json:
