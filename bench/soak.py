@@ -72,7 +72,7 @@ class Mix:
         if kind < args.bad:
             return "bad", dict(body, **self.BAD[int(rng.integers(len(self.BAD)))])
         if kind < args.bad + args.cancel:
-            return "cancel", dict(body, stream=True, max_tokens=args.max_tokens)
+            return "cancel", dict(body, stream=True, max_tokens=args.max_tokens, ignore_eos=True)  # long enough to leave
         return ("stream", dict(body, stream=True)) if rng.random() < 0.5 else ("whole", body)
 
 
