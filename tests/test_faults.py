@@ -111,7 +111,7 @@ def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):
         port = s.getsockname()[1]
     args = crash.parser().parse_args(["--model", str(folder), "--dtype", "float32", "--cycles", "2", "--vocab",
                                       str(vocab), "--folder", str(tmp_path / "run"), "--port", str(port),
-                                      "--requests", "24", "--damage", "0.5", "--start-timeout", "300"])
+                                      "--requests", "16", "--damage", "0.5", "--start-timeout", "300"])
     out = crash.run(args)  # raises on a failed restart or an answer unlike its reference
     rows = out["rows"]
     assert [r["write_through"] for r in rows] == [True, False]

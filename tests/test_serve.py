@@ -1112,7 +1112,7 @@ def test_a_short_soak_answers_every_request_and_compiles_nothing(served):
     spec = importlib.util.spec_from_file_location("soak", Path(__file__).parents[1] / "bench" / "soak.py")
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
-    args = soak.parser().parse_args(["--minutes", "0.3", "--sample-every", "6", "--rate", "4", "--docs", "2",
+    args = soak.parser().parse_args(["--minutes", "0.2", "--sample-every", "4", "--rate", "5", "--docs", "2",
                                      "--doc-tokens", "24", "--query-tokens", "8", "--max-tokens", "8",
                                      "--vocab", str(served["vocab"]), "--bad", "0.15", "--cancel", "0.15",
                                      "--request-timeout", "60"])
