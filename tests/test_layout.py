@@ -41,15 +41,7 @@ def reference_build(spans: Sequence[lay.Span], capacity: lay.Capacity, *, isolat
     `layout.build` as it was written first, one span at a time: the reference the vectorised one must match."""
     cap, c, w1 = capacity, capacity.chunk, capacity.conv
     spans = list(spans)
-    num_fresh = int(sum(s.length for s in spans if s.kind == FRESH))
-    if len(tokens) != num_fresh:
-        raise ValueError(f"{len(tokens)} fresh tokens given for spans holding {num_fresh}")
-    if num_fresh == 0:
-        raise ValueError("a layout needs at least one fresh token (the query)")
-    if num_fresh > cap.tokens:
-        raise ValueError(f"{num_fresh} fresh tokens over the capacity of {cap.tokens}")
-    if isolated and any(s.kind == CACHED for s in spans):
-        raise ValueError("an isolated layout holds fresh spans only")
+    num_fresh = lay.check_request(spans, tokens, cap, isolated=isolated)  # the checks are shared, the layout not
     F, N, C, P, R = cap.tokens, cap.pieces, cap.chunks, cap.keys, cap.records
 
     out = dict(

@@ -273,7 +273,7 @@ class Programs:
             raise RuntimeError("the batch program chose different layouts for the decode cache it takes and returns")
         return slots_in
 
-    def _devices(self) -> list:
+    def devices(self) -> list:
         """The devices the programs run on, in their mesh's order: the model mesh's, else the one device that holds
         the pools (so a program stored by one process never loads onto another's device)."""
         placement = self.engine.placement
@@ -293,14 +293,14 @@ class Programs:
         return engine.executables.digest(
             key, capacity, ladder.max_pieces, ladder.records, ladder.chunk, ladder.conv, engine.arch.__name__,
             repr(engine.config), repr(engine.kernels), engine.top_logprobs, engine.max_batch, engine.max_keys,
-            repr(sorted(span_options(key.kind).items())), [d.id for d in self._devices()], *self._signature)
+            repr(sorted(span_options(key.kind).items())), [d.id for d in self.devices()], *self._signature)
 
     # Building --------------------------------------------------------------------------------------------------------
     def _build(self, key: ProgramKey):
         start = time.perf_counter()
         engine = self.engine
         store = engine.executables
-        compiled = store.load(self._digest(key), self._devices()) if store is not None else None
+        compiled = store.load(self._digest(key), self.devices()) if store is not None else None
         loaded = compiled is not None
         hits = getattr(_thread, "cache_hits", 0)
         while compiled is None:

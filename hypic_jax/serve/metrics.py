@@ -93,7 +93,7 @@ class _EngineCollector:
         used = GaugeMetricFamily("hypic:device_memory_bytes", "Device memory in use.", labels=["device"])
         peak = GaugeMetricFamily("hypic:device_memory_peak_bytes", "The peak of device memory in use.",
                                  labels=["device"])
-        for device in self.engine.programs._devices():
+        for device in self.engine.programs.devices():
             stats = device.memory_stats() or {}
             if "bytes_in_use" in stats:
                 used.add_metric([str(device.id)], stats["bytes_in_use"])

@@ -316,6 +316,21 @@ def _padded(values, counts: np.ndarray, size: int, pad, dtype) -> np.ndarray:
                      np.append(counts, size - counts.sum()))
 
 
+def check_request(spans, tokens, capacity: Capacity, *, isolated: bool) -> int:
+    """The checks every layout of `spans` with fresh `tokens` must pass (a clear ValueError each); returns the
+    number of fresh tokens."""
+    num_fresh = int(sum(s.length for s in spans if s.kind == FRESH))
+    if len(tokens) != num_fresh:
+        raise ValueError(f"{len(tokens)} fresh tokens given for spans holding {num_fresh}")
+    if num_fresh == 0:
+        raise ValueError("a layout needs at least one fresh token (the query)")
+    if num_fresh > capacity.tokens:
+        raise ValueError(f"{num_fresh} fresh tokens over the capacity of {capacity.tokens}")
+    if isolated and any(s.kind == CACHED for s in spans):
+        raise ValueError("an isolated layout holds fresh spans only")
+    return num_fresh
+
+
 def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: np.ndarray,
           summaries: bool, transfer: bool = True, rope: bool = True) -> LayoutArrays:
     """The arrays of one request. `tokens`: the fresh tokens in span order. `summaries`: the program computes
@@ -327,15 +342,7 @@ def build(spans: Sequence[Span], capacity: Capacity, *, isolated: bool, tokens: 
     cached documents is laid out in well under a millisecond."""
     cap = capacity
     spans = list(spans)
-    num_fresh = int(sum(s.length for s in spans if s.kind == FRESH))
-    if len(tokens) != num_fresh:
-        raise ValueError(f"{len(tokens)} fresh tokens given for spans holding {num_fresh}")
-    if num_fresh == 0:
-        raise ValueError("a layout needs at least one fresh token (the query)")
-    if num_fresh > cap.tokens:
-        raise ValueError(f"{num_fresh} fresh tokens over the capacity of {cap.tokens}")
-    if isolated and any(s.kind == CACHED for s in spans):
-        raise ValueError("an isolated layout holds fresh spans only")
+    num_fresh = check_request(spans, tokens, cap, isolated=isolated)
     s = _scan(spans, cap, isolated=isolated, summaries=summaries, rope=rope)
     lengths, cached, first_piece, offsets = (np.asarray(column) for column in zip(*s.spans))
     fresh_lengths = np.where(cached, 0, lengths)
