@@ -22,6 +22,9 @@ An **architecture module** `hypic_jax/models/<name>.py` must provide
     forward over the fresh tokens of a layout held as data (`hypic_jax.stitch.layout`) that reads cached pieces
     from the pools and returns the rows to write back;
   * optionally `cache_specs(config)`: PartitionSpecs with `init_cache`'s structure;
+  * optionally `FP8_LEAVES`: the dict keys of the per-layer weights that block-wise FP8 checkpoints quantize
+    (`quantize_params`; the projections and experts, not routers, gates of one column, convs, norms or the
+    embedding and head);
   * optionally `prefill(params, config, tokens, max_len, *, kernels) -> (float32 logits of the last position
     [B, vocab], cache)` for a fresh prompt (fast causal attention, LM head on one position); `Model.generate` uses
     it when present.
@@ -47,6 +50,7 @@ from typing import Any
 
 import jax
 
+from hypic_jax.kernels import fp8
 from hypic_jax.models.base import Model  # noqa: F401  (the type `load` returns)
 
 # HF model_type -> architecture module (its converter is the `hypic_jax.checkpoint.hf` module of the same name)
@@ -84,6 +88,27 @@ def architecture(model_type: str) -> ModuleType:
     return importlib.import_module(REGISTRY[model_type])
 
 
-def abstract_params(arch: ModuleType, config: Any, dtype: Any) -> Any:
-    """ShapeDtypeStruct tree of the architecture's parameters (no memory allocated)."""
-    return jax.eval_shape(lambda: arch.init_params(config, jax.random.key(0), dtype))
+def abstract_params(arch: ModuleType, config: Any, dtype: Any, *, fp8: bool = False) -> Any:
+    """ShapeDtypeStruct tree of the architecture's parameters (no memory allocated); fp8: with the architecture's
+    `FP8_LEAVES` as block-wise FP8 weights (`quantize_params`)."""
+    def make():
+        params = arch.init_params(config, jax.random.key(0), dtype)
+        return quantize_params(arch, params) if fp8 else params
+    return jax.eval_shape(make)
+
+
+def fp8_leaf(arch: ModuleType, path) -> bool:
+    """Whether the parameter at `path` (a key path of the parameter tree) is one that block-wise FP8 checkpoints
+    quantize: a weight of a layer under one of the architecture's `FP8_LEAVES` keys."""
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    return bool(keys) and keys[0] == "layers" and keys[-1] in getattr(arch, "FP8_LEAVES", ())
+
+
+def quantize_params(arch: ModuleType, params: Any, block: int = fp8.BLOCK) -> Any:
+    """params with every `fp8_leaf` as a block-wise FP8 weight (`kernels.fp8.quantize`, B x B blocks), the rest
+    as they are. Raises for an architecture that declares no FP8_LEAVES."""
+    if not getattr(arch, "FP8_LEAVES", ()):
+        raise ValueError(f"architecture {arch.__name__} has no FP8 weights (FP8_LEAVES)")
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: fp8.quantize(leaf, block) if fp8_leaf(arch, path) and not fp8.is_fp8(leaf) else leaf,
+        params, is_leaf=fp8.is_fp8)

@@ -21,6 +21,7 @@ from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hypic_jax import options
+from hypic_jax.kernels import fp8
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ def resolve_dtype(dtype: Any) -> jnp.dtype:
 def _params_dtype(params: Any) -> jnp.dtype:
     """The activation dtype of a parameter tree: its most common floating dtype (a few gates may stay float32)."""
     counts: dict = {}
-    for leaf in jax.tree.leaves(params):
+    for leaf in jax.tree.leaves(params, is_leaf=fp8.is_fp8):  # an FP8 weight counts as the dtype it dequantizes to
         counts[jnp.dtype(leaf.dtype)] = counts.get(jnp.dtype(leaf.dtype), 0) + leaf.size
     return max(counts, key=counts.get)
 

@@ -188,6 +188,12 @@ def _mixer_shapes(config: Config, layer_type: str) -> dict[str, tuple[tuple[int,
     }
 
 
+# The weights Qwen's block-wise FP8 checkpoints quantize (the projections, the experts and the shared expert); the
+# GDN's a / b projections, the router, the shared expert's gate, the convs, norms, embedding and head stay bf16.
+FP8_LEAVES = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+              "down_proj", "gate_up", "down", "shared_gate_proj", "shared_up_proj", "shared_down_proj")
+
+
 def _mlp_shapes(config: Config, mlp_type: str) -> dict[str, tuple[tuple[int, ...], str]]:
     h = config.hidden_size
     if mlp_type == "dense":

@@ -10,6 +10,7 @@ at conversion time, so the forward pays nothing for the grouping.
 from __future__ import annotations
 
 from hypic_jax.models.qwen3_5 import (  # noqa: F401  (the architecture-module contract, re-exported)
+    FP8_LEAVES,
     FULL,
     LINEAR,
     Config,
