@@ -68,16 +68,17 @@ def small_config() -> qwen3_5.Config:
     )
 
 
-def random_model(config: qwen3_5.Config, dtype, *, scan: bool = True):
+def random_model(config: qwen3_5.Config, dtype, *, scan: bool = True, fp8: bool = False):
     """`config` with random weights (seed 0), its layers stacked once (`stack_layers(..., consume=True)`), so that
     every engine built on it shares one copy of the weights: an engine given an unstacked model stacks a copy of its
     own, and at the 35B-A3B shape two copies and the pools do not fit on one card (bench/RESULTS.md,
-    "segment_parallel.py")."""
+    "segment_parallel.py"). fp8: the projections and experts as block-wise FP8 weights (`models.random_params`)."""
+    from hypic_jax import models
     from hypic_jax.engine import stack_layers
     from hypic_jax.models.base import Model
 
-    return stack_layers(Model(qwen3_5, config, qwen3_5.init_params(config, jax.random.key(0), dtype)), scan=scan,
-                        consume=True)
+    params = models.random_params(qwen3_5, config, jax.random.key(0), dtype, fp8=fp8)
+    return stack_layers(Model(qwen3_5, config, params), scan=scan, consume=True)
 
 
 def count_params(params) -> int:

@@ -2,6 +2,7 @@
 
     python bench/decode_step.py                 # the Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
     python bench/decode_step.py --small         # CPU smoke size
+    python bench/decode_step.py --fp8           # the projections and experts in block-wise FP8
     python bench/decode_step.py --profile-dir DIR --profile-rows 16   # one traced step (bench/trace_summary.py)
     python bench/decode_step.py --few-query-rows 4 0   # decode attention in the cache layout, then as matmuls
     python bench/decode_step.py --slot-layouts default auto   # the decode cache row-major, then in the layouts
@@ -82,7 +83,7 @@ def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict
         rows_out.append(dict(rows=b, step_ms=round(1e3 * step, 3), floor_ms=round(1e3 * floor, 3),
                              tokens_per_s=round(b / step, 1)))
         print(f"{b:>5} {1e3 * step:>8.2f} {1e3 * floor:>8.2f} {b / step:>8.1f} {floor / step:>8.2f}", flush=True)
-    report = dict(variant=label, device=str(jax.devices()[0]),
+    report = dict(variant=label, device=str(jax.devices()[0]), weights="fp8" if args.fp8 else str(jnp.dtype(model.dtype)),
                   shape="small" if args.small else f"35B-A3B x{args.layers}", length=args.length,
                   compile_s=round(compile_s, 1), compiles_after_warmup=backend_compiles() - before,
                   routed_gb=round(routed / 1e9, 2), other_gb=round(other / 1e9, 2),
@@ -118,12 +119,13 @@ def main(argv=None) -> None:
                              "every decode attention as batched matrix products); default: attention.FEW_QUERY_ROWS")
     parser.add_argument("--slot-layouts", nargs="*", default=["auto"], choices=["default", "auto"],
                         help="KernelOptions(slot_layouts=...) per variant (each with every --few-query-rows)")
+    parser.add_argument("--fp8", action="store_true", help="the projections and experts in block-wise FP8")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
     if args.small:
         args.length = min(args.length, 200)
-    model = random_model(config, dtype)
+    model = random_model(config, dtype, fp8=args.fp8)
     variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
     reports = []
     for slot_layouts in args.slot_layouts or ["auto"]:

@@ -10,6 +10,7 @@ padding costs.
 
     python bench/rag_trace.py --small --requests 12        # CPU smoke size
     python bench/rag_trace.py                              # Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
+    python bench/rag_trace.py --fp8                        # its projections and experts in block-wise FP8
 
 `--fixed-len 512 --docs 64 --corpus 64` gives the headline shape instead (every request the same 64 documents of
 512 tokens in a new order, so every request after the first is served from the cache); `--modes` with no mode
@@ -45,6 +46,7 @@ def percentiles(values) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="toy model (CPU smoke size)")
+    parser.add_argument("--fp8", action="store_true", help="the projections and experts in block-wise FP8")
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--docs", type=int, default=32)
@@ -78,7 +80,7 @@ def main(argv=None) -> None:
         args.cache_gb = min(args.cache_gb, 0.25)
     else:
         config, dtype = full_config(args.layers), jnp.bfloat16
-    model = random_model(config, dtype, scan=args.scan)
+    model = random_model(config, dtype, scan=args.scan, fp8=args.fp8)
     requests = rag_requests(config.vocab_size, corpus=args.corpus, requests=args.requests, docs=args.docs,
                      min_len=args.min_len, max_len=args.max_len, seed=args.seed, fixed_len=args.fixed_len)
     longest = max(sum(map(len, r)) for r in requests)
@@ -89,7 +91,7 @@ def main(argv=None) -> None:
                     compile_cache=args.compile_cache or "none", min_tokens=args.min_tokens, ladder="fine",
                     token_rungs=tuple(args.rungs) if args.rungs else None,
                     kernels=KernelOptions(linear=args.linear_impl, fold=args.fold_impl, scan_layers=args.scan))
-    report = dict(device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
+    report = dict(device=str(jax.devices()[0]), weights="fp8" if args.fp8 else str(jnp.dtype(dtype)), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
                   plan=str(engine.plan), linear_impl=args.linear_impl, fold_impl=args.fold_impl,
                   longest_prompt=longest, max_prompt_tokens=max_prompt, rungs=list(engine.ladder.rungs),
                   pool_slots=engine.pools.slots, pool_gb=round(engine.pools.nbytes / 2**30, 2))

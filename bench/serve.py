@@ -151,6 +151,7 @@ def main() -> None:
                         "--small: 0.25)")
     parser.add_argument("--compile-cache", default=None, help="the server's compile cache folder")
     parser.add_argument("--overlap", action="store_true", help="the server's --overlap")
+    parser.add_argument("--fp8", action="store_true", help="the server's --quantize fp8 (block-wise FP8 weights)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="M",
                         help="the server's --tensor-parallel-size (the model split over M devices)")
     parser.add_argument("--devices", type=int, default=None, metavar="N", help="the server's --devices")
@@ -196,6 +197,7 @@ def main() -> None:
                *(["--compile-cache", args.compile_cache] if args.compile_cache else []),
                *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else []),
                *(["--overlap"] if args.overlap else []),
+               *(["--quantize", "fp8"] if args.fp8 else []),
                *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
                *(["--devices", str(args.devices)] if args.devices else [])]
     server = launch(command)

@@ -36,6 +36,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(**{name: from_args(group, args) for name, group in GROUPS.items()})
 
 
+QUANTIZE_HELP = ("fp8: the projections and experts as block-wise FP8 weights (float8_e4m3fn, a float32 scale per 128 "
+                 "x 128 block), quantized as they load; a folder already in FP8 loads as FP8 without it")
+
+
 def _convert(args: argparse.Namespace) -> int:
     from hypic_jax.checkpoint.hf import convert_folder
     from hypic_jax.checkpoint import max_context, save_checkpoint
@@ -51,7 +55,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _diag(args: argparse.Namespace) -> int:
     from hypic_jax.engine import Engine
 
-    with Engine.from_pretrained(args.model, dtype=args.dtype, options=args.engine_options) as engine:
+    with Engine.from_pretrained(args.model, dtype=args.dtype, options=args.engine_options,
+                                quantize=args.quantize) as engine:
         segments = args.segments if len(args.segments) > 1 else args.segments[0]  # one string: split on separator
         if args.token_ids:
             segments = [[int(t) for t in s.replace(",", " ").split()] for s in args.segments]
@@ -102,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
                       help="segments, the last one the query (one string is split on --separator)")
     diag.add_argument("--token-ids", action="store_true", help="segments are whitespace/comma separated token ids")
     diag.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    diag.add_argument("--quantize", default=None, choices=["fp8"], help=QUANTIZE_HELP)
     add_engine_arguments(diag)
     diag.set_defaults(run=_diag)
 
@@ -110,6 +116,7 @@ def parser() -> argparse.ArgumentParser:
                        help="model folder (orbax checkpoint or Hugging Face folder); default: the model embedded in "
                        "the package, else a tiny random-weight model")
     serve.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    serve.add_argument("--quantize", default=None, choices=["fp8"], help=QUANTIZE_HELP)
     serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                        help="dummy: random weights of MODEL's architecture and config (for measuring shapes whose "
                             "weights are not at hand; the output is noise)")

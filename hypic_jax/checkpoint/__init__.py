@@ -95,7 +95,8 @@ def max_context(path: str | Path) -> int | None:
     return None
 
 
-def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh | None = None) -> Model:
+def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh | None = None,
+         quantize: str | None = None) -> Model:
     """Load a model from an orbax checkpoint written by `hypic-jax convert`, or directly from a Hugging Face folder.
 
     With `mesh` (axes "data" and "model") the parameters are placed with the architecture's `param_specs` (an orbax
@@ -103,8 +104,15 @@ def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh |
     `generate(tokens, max_new_tokens)`, its context length (`max_context`) and its `source` (the folder and dtype,
     part of every cache key's model fingerprint).
     """
-    path = Path(path)
-    dtype = resolve_dtype(dtype)
+    model = _load(Path(path), resolve_dtype(dtype), mesh)
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
+    if quantize == "fp8":
+        model = model.replace(params=models.quantize_params(model.arch, model.params), source=model.source + ":fp8")
+    return model
+
+
+def _load(path: Path, dtype, mesh) -> Model:
     found = dict(max_context=max_context(path), source=f"{path.resolve()}:{dtype}")
     if (path / METADATA_FILE).exists():
         arch, config = _checkpoint_config(path)
@@ -123,12 +131,16 @@ def load(path: str | Path, dtype: Any = "bfloat16", *, mesh: jax.sharding.Mesh |
 
 
 def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0, *,
-                 mesh: jax.sharding.Mesh | None = None) -> Model:
+                 mesh: jax.sharding.Mesh | None = None, quantize: str | None = None) -> Model:
     """A model of a folder's architecture and config with random weights (the architecture's `init_params`), for
     measuring shapes whose weights are not at hand (vLLM's `--load-format dummy`). The folder needs only its
     `METADATA_FILE` (`write_metadata`) or a Hugging Face config.json; nothing else in it is read. With `mesh`
     (axes "data" and "model") the weights are made where the architecture's `param_specs` place them, so a model
-    larger than one device never exists whole on one (the values of the unsplit model up to rounding)."""
+    larger than one device never exists whole on one (the values of the unsplit model up to rounding).
+    quantize "fp8": the architecture's FP8_LEAVES as block-wise FP8 weights, made one at a time
+    (`models.random_params`)."""
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"quantize must be None or 'fp8', got {quantize!r}")
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if (path / METADATA_FILE).exists():
@@ -142,9 +154,12 @@ def random_model(path: str | Path, dtype: Any = "bfloat16", seed: int = 0, *,
                          f"config.json")
     if not hasattr(arch, "init_params"):
         raise ValueError(f"architecture {arch.__name__} has no init_params: it cannot be given random weights")
-    found = dict(max_context=max_context(path), source=f"{path.resolve()}:{dtype}:random{seed}")
+    fp8 = quantize == "fp8"
+    found = dict(max_context=max_context(path), source=f"{path.resolve()}:{dtype}:random{seed}" + (":fp8" if fp8 else ""))
+    if fp8 and mesh is not None:
+        raise ValueError("random FP8 weights are made on one device; tensor parallelism takes bf16 or FP8 folders")
     if mesh is None:
-        return Model(arch, config, arch.init_params(config, jax.random.key(seed), dtype), **found)
+        return Model(arch, config, models.random_params(arch, config, jax.random.key(seed), dtype, fp8=fp8), **found)
     make = jax.jit(lambda key: arch.init_params(config, key, dtype),
                    out_shardings=named_shardings(arch.param_specs(config), mesh))
     return Model(arch, config, make(jax.random.key(seed)), **found)

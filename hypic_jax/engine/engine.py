@@ -258,12 +258,14 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path=None, dtype: Any = "bfloat16", *, tokenizer=None, options: EngineOptions | None = None,
-                        load_format: str = "auto", **fields) -> "Engine":
+                        load_format: str = "auto", quantize: str | None = None, **fields) -> "Engine":
         """Load a model folder (a Hugging Face folder, or an orbax checkpoint of `hypic-jax convert`) and serve it;
         its tokenizer.json is picked up when present and `tokenizer` is None. Without a path: the model embedded in
         the package (`hypic_jax.checkpoint.embedded`); FileNotFoundError naming its folder when none is installed.
         load_format "dummy": random weights of the folder's architecture (for measuring shapes whose weights are
-        not at hand). With tensor parallelism the weights load straight into their split."""
+        not at hand). quantize "fp8": the projections and experts as block-wise FP8 weights (a bf16 folder is
+        quantized as it loads; an FP8 folder loads as FP8 whatever is asked). With tensor parallelism the weights
+        load straight into their split."""
         from hypic_jax.checkpoint import load, random_model
 
         if load_format not in ("auto", "dummy"):
@@ -280,7 +282,10 @@ class Engine:
             from hypic_jax.parallel.tensor import tensor_parallel_mesh
 
             mesh = tensor_parallel_mesh(tp)
-        model = random_model(path, dtype, mesh=mesh) if load_format == "dummy" else load(path, dtype, mesh=mesh)
+        if load_format == "dummy":
+            model = random_model(path, dtype, mesh=mesh, quantize=quantize)
+        else:
+            model = load(path, dtype, mesh=mesh, quantize=quantize)
         if tokenizer is None and (path / "tokenizer.json").exists():
             tokenizer = path / "tokenizer.json"
         return cls(model, options, tokenizer=tokenizer, consume_model=True)

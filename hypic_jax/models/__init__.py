@@ -44,13 +44,15 @@ This package imports neither the converters nor `hypic_jax.checkpoint` (both imp
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from hypic_jax.kernels import fp8
+from hypic_jax.kernels import fp8 as fp8_weights
 from hypic_jax.models.base import Model  # noqa: F401  (the type `load` returns)
 
 # HF model_type -> architecture module (its converter is the `hypic_jax.checkpoint.hf` module of the same name)
@@ -104,11 +106,39 @@ def fp8_leaf(arch: ModuleType, path) -> bool:
     return bool(keys) and keys[0] == "layers" and keys[-1] in getattr(arch, "FP8_LEAVES", ())
 
 
-def quantize_params(arch: ModuleType, params: Any, block: int = fp8.BLOCK) -> Any:
+def random_params(arch: ModuleType, config: Any, key: Any, dtype: Any, *, fp8: bool = False,
+                  block: int = fp8_weights.BLOCK) -> Any:
+    """The architecture's random parameters (`init_params`); fp8: with its `FP8_LEAVES` as block-wise FP8 weights of
+    normal(0, 0.02) values, each made and quantized on its own, so that the model never exists whole in `dtype`
+    (the 35B-A3B shape's 69 GB in bfloat16 would not fit beside its FP8 copy on an 80 GB device). The other leaves
+    are `init_params`' own (the compiler drops the matrices they leave out)."""
+    if not fp8:
+        return arch.init_params(config, key, dtype)
+    if not getattr(arch, "FP8_LEAVES", ()):
+        raise ValueError(f"architecture {arch.__name__} has no FP8 weights (FP8_LEAVES)")
+
+    def rest(key):
+        return jax.tree_util.tree_map_with_path(lambda path, leaf: None if fp8_leaf(arch, path) else leaf,
+                                                arch.init_params(config, key, dtype))
+
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def matrix(key, shape):
+        return fp8_weights.quantize(0.02 * jax.random.normal(key, shape, jnp.float32), block, dtype)
+
+    abstract = jax.eval_shape(lambda: arch.init_params(config, key, dtype))
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    keys = dict(zip(map(tuple, paths), jax.random.split(jax.random.fold_in(key, 1), len(paths))))
+    small = jax.jit(rest)(key)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf, spec: matrix(keys[tuple(path)], tuple(spec.shape)) if fp8_leaf(arch, path) else leaf,
+        small, abstract, is_leaf=lambda x: x is None)
+
+
+def quantize_params(arch: ModuleType, params: Any, block: int = fp8_weights.BLOCK) -> Any:
     """params with every `fp8_leaf` as a block-wise FP8 weight (`kernels.fp8.quantize`, B x B blocks), the rest
     as they are. Raises for an architecture that declares no FP8_LEAVES."""
     if not getattr(arch, "FP8_LEAVES", ()):
         raise ValueError(f"architecture {arch.__name__} has no FP8 weights (FP8_LEAVES)")
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: fp8.quantize(leaf, block) if fp8_leaf(arch, path) and not fp8.is_fp8(leaf) else leaf,
-        params, is_leaf=fp8.is_fp8)
+        lambda path, leaf: fp8_weights.quantize(leaf, block) if fp8_leaf(arch, path) and not fp8_weights.is_fp8(leaf) else leaf,
+        params, is_leaf=fp8_weights.is_fp8)

@@ -434,7 +434,7 @@ def _sse(payload: dict) -> str:
 
 
 def build(model: str | None = None, *, dtype: str = "bfloat16", load_format: str = "auto",
-          options: EngineOptions | None = None, server: ServerOptions | None = None, **fields) -> Server:
+          quantize: str | None = None, options: EngineOptions | None = None, server: ServerOptions | None = None, **fields) -> Server:
     """A `Server` for a model folder (None: `serve.model.load_served`'s default, the embedded model when it is installed),
     not yet warmed up. `options` and `fields` (any `EngineOptions` field by name) configure the engine, `server`
     the HTTP side."""
@@ -452,7 +452,7 @@ def build(model: str | None = None, *, dtype: str = "bfloat16", load_format: str
                                  f"process sees ({jax.default_backend()})")
     if model is None and load_format != "auto":
         raise ValueError("--load-format dummy needs a MODEL folder (its config gives the shapes)")
-    served = load_served(model, dtype=dtype, load_format=load_format, options=options)
+    served = load_served(model, dtype=dtype, load_format=load_format, quantize=quantize, options=options)
     return Server(served.engine, server, model_name=served.name, chat_template=served.chat_template,
                   special_tokens=served.special_tokens, eos_ids=served.eos_ids)
 
@@ -488,7 +488,8 @@ def main(args) -> int:
     from hypic_jax.options import from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = build(args.model, dtype=args.dtype, load_format=args.load_format, options=args.engine_options,
+    server = build(args.model, dtype=args.dtype, load_format=args.load_format, quantize=args.quantize,
+                   options=args.engine_options,
                    server=from_args(ServerOptions, args))
     engine = server.engine
     mesh = engine.segment_mesh

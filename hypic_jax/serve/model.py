@@ -51,7 +51,7 @@ def _byte_of(ch: str) -> int:
 
 
 def load_served(path: str | Path | None, *, dtype: str = "bfloat16", load_format: str = "auto",
-                options=None) -> Served:
+                quantize: str | None = None, options=None) -> Served:
     """The engine over a model folder (`Engine.from_pretrained`) and what the server reads beside it:
     tokenizer_config.json's chat template and special tokens and the end-of-sequence ids of generation_config.json
     (else config.json or the eos token). A folder without a chat template whose tokenizer has hypic_jax.train's
@@ -70,13 +70,18 @@ def load_served(path: str | Path | None, *, dtype: str = "bfloat16", load_format
             log.warning("no MODEL given: serving %r, the demo's tiny model with RANDOM weights (3 GDN + 1 "
                         "full-attention layers, vocabulary 512, byte-level tokenizer); its output is noise",
                         DEFAULT_NAME)
-            engine = Engine(tiny_model(), options, tokenizer=byte_tokenizer(), consume_model=True)
+            model = tiny_model()
+            if quantize == "fp8":
+                from hypic_jax.models import quantize_params
+
+                model = model.replace(params=quantize_params(model.arch, model.params))
+            engine = Engine(model, options, tokenizer=byte_tokenizer(), consume_model=True)
             return Served(engine=engine, name=DEFAULT_NAME)
         log.info("no MODEL given: serving the embedded model %s", path.name)
     path = Path(path)
     if load_format == "dummy":
         log.warning("--load-format dummy: serving %s with RANDOM weights (its output is noise)", path.name)
-    engine = Engine.from_pretrained(path, dtype, options=options, load_format=load_format)
+    engine = Engine.from_pretrained(path, dtype, options=options, load_format=load_format, quantize=quantize)
     tokenizer = engine.tokenizer
     config = _json(path / "config.json")
     config = config.get("text_config") or config
