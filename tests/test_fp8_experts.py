@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxprs_in_params
 import numpy as np
 import pytest
 
@@ -78,9 +79,9 @@ def test_gmm_reads_fp8_weights(k_dim, n_dim, block, mode):
         scales = ChunkedWeights((other.scale, w.scale[2:]), jnp.int32(1))
         sizes = np.array([SIZES[2], SIZES[3]], np.int32)
         w64 = _dequantized64(w.value[2:], w.scale[2:], block)
-        layout = block_layout(jnp.asarray(sizes), int(sizes.sum()), block_m=16)
-        a = jnp.zeros((layout.num_padded, k_dim), jnp.float32).at[layout.positions].set(x[SIZES[0]:SIZES[0] + int(sizes.sum())])
         x_used = x[SIZES[0]:SIZES[0] + int(sizes.sum())]
+        layout = block_layout(jnp.asarray(sizes), x_used.shape[0], block_m=16)
+        a = jnp.zeros((layout.num_padded, k_dim), jnp.float32).at[layout.positions].set(x_used)
     else:
         sizes, w64, x_used = SIZES, _dequantized64(w.value, w.scale, block), x
     got = gmm(a, layout.block_expert, values, config=config, scales=scales, **kw)[layout.positions]
@@ -187,15 +188,38 @@ def test_fp8_expert_banks_and_chunks():
     def traced(layer, banks, impl):
         return layers.grouped_swiglu_experts(x, weights, ids, *(bank(b, layer) for b in banks), impl=impl)
 
+    # the kernel chooses the chunk of values and scales itself: no conditional outside the kernel
+    closed = jax.make_jaxpr(functools.partial(traced.__wrapped__, impl="pallas"))(jnp.int32(1), chunked)
+    outside = _primitives_outside_kernels(closed.jaxpr)
+    assert "pallas_call" in outside and "cond" not in outside
+    wants = []
     for layer in (0, 2):
         want = layers.grouped_swiglu_experts(x, weights, ids, _dequantized(gate_up)[layer],
                                              _dequantized(down)[layer], impl="ragged")
+        wants.append(want)
         for impl in ("pallas", "ragged"):
             for name, banks in (("whole", (gate_up, down)), ("chunked", chunked)):
                 got = traced(jnp.int32(layer), banks, impl)
                 assert rel_err(got, want, norm="max") < 1e-5, (name, layer, impl)
-            got = layers.grouped_swiglu_experts(x, weights, ids, *(bank(b, layer) for b in chunked), impl=impl)
-            assert rel_err(got, want, norm="max") < 1e-5, ("chunked, static", layer, impl)
+    for impl in ("pallas", "ragged"):  # a static index: the chunk holding the layer, picked before the call
+        got = layers.grouped_swiglu_experts(x, weights, ids, *(bank(b, 2) for b in chunked), impl=impl)
+        assert rel_err(got, wants[1], norm="max") < 1e-5, ("chunked, static", impl)
+    # each row its own layer's FP8 experts (mapped weights: the plain map, not the row flattening)
+    pick = jnp.asarray([0, 2])
+    per_row = jax.vmap(lambda g, d: layers.grouped_swiglu_experts(x, weights, ids, g, d, impl="pallas"))
+    got = per_row(jax.tree.map(lambda a: a[pick], gate_up), jax.tree.map(lambda a: a[pick], down))
+    assert rel_err(got, jnp.stack(wants), norm="max") < 1e-5
+
+
+def _primitives_outside_kernels(jaxpr) -> set[str]:
+    """Primitive names of a jaxpr and its sub-jaxprs, except inside Pallas kernels."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for sub in jaxprs_in_params(eqn.params):
+                names |= _primitives_outside_kernels(sub)
+    return names
 
 
 def _dequantized_params(params):

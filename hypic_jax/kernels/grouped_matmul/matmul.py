@@ -56,8 +56,8 @@ def _gmm_kernel(expert_ref, *refs, block_k, num_k, gather, swiglu, chunks, scale
     silu(x W_gate) * (x W_up), computed from the float32 accumulators.
     chunks: the weights as that many chunks (a ref of the chunk index first, then each chunk's weight refs); only
     the indexed chunk is read.
-    scale_block: None, or FP8 weights: each weight ref is followed (after the weight refs of its chunk) by its
-    scale ref [E, ceil(K / scale_block), N], and each K tile's product is multiplied by its scale row."""
+    scale_block: None, or FP8 weights: a chunk's refs are its weight refs, then their scale refs [E, ceil(K /
+    scale_block), N] in the same order, and each K tile's product is multiplied by its scale row."""
     chunk_ref, refs = (refs[0], refs[1:]) if chunks else (None, refs)
     rows_ref, x_ref, *w_refs, o_ref = refs if gather else (None, *refs)
     expert = jnp.sum(expert_ref[...])  # the block's expert as a scalar (a [1] tile summed: no register indexing)
