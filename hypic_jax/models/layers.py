@@ -17,7 +17,7 @@ from jax import custom_batching
 # causal / position-masked attention lives below the models so the span machinery can share it; re-exported here
 from hypic_jax.core.attention import MASKED_QUERY_BLOCK, dot_product_attention  # noqa: F401
 from hypic_jax.models.stack import BANK_MAX_ELEMENTS, ExpertBank, with_experts
-from hypic_jax.kernels import grouped_matmul as gm
+from hypic_jax.kernels import fp8, grouped_matmul as gm
 from hypic_jax.core.rope import apply_rope
 
 
@@ -169,7 +169,9 @@ def _grouped_swiglu_experts(
       x: [T, H] tokens.  weights, experts: [T, k] router weights and expert ids.
       gate_up: [E, H, 2I] fused [gate | up] projections.  down: [E, I, H]. Either may be an `ExpertBank` (a
         scanned layer's experts in its pattern position's bank): the kernel then reads the bank in place
-        (`layer_stack.with_experts`), ragged_dot takes a copy of the layer's experts.
+        (`layer_stack.with_experts`), ragged_dot takes a copy of the layer's experts. Either may be block-wise FP8
+        (`fp8.BlockFP8`, its value and scale arrays or banks alike): the kernel reads values and scales
+        (`grouped_matmul.gmm(scales=)`), ragged_dot takes the layer's experts dequantized into x's dtype.
       valid: [T] bool or None: tokens outside it (a bucket's padding) get zero outputs; with the Pallas kernel
         their copies go to a null expert whose row blocks are skipped, so padding costs no expert work.
     Returns:
@@ -192,38 +194,62 @@ def _grouped_swiglu_experts(
             jnp.arange(num_rows, dtype=jnp.int32) // top_k
         )  # rows of padding blocks read token 0; their outputs are never gathered
 
-        def routed(gate_up, down, first):  # arrays, or `gm.ChunkedWeights` (the kernel picks the chunk)
+        split = len(_expert_arrays(gate_up))
+
+        def product(a, block_expert, arrays, like, **kw):  # arrays: (weights,), or FP8 (values, scales)
+            scaled = dict(scales=arrays[1], scale_block=like.block) if fp8.is_fp8(like) else {}
+            return gm.gmm(a, block_expert, arrays[0], config=config, **scaled, **kw)
+
+        def routed(*flat):  # arrays, or `gm.ChunkedWeights` (the kernel picks the chunk); then the expert offset
+            *flat, first = flat
+            gate_ups, downs = flat[:split], flat[split:]
             block_expert = jnp.where(layout.block_expert >= 0, layout.block_expert + first, -1)
             if num_rows <= gm.FEW_ROWS_MAX:  # few copies (a PIC request's seams and query): the kernel gathers
                 # each block's token rows and applies the activation itself (long prefills keep the separate
                 # steps, the launch FEW_ROWS_CONFIG was not chosen for)
-                act = gm.gmm(x, block_expert, gate_up, config=config, rows=padded_token, swiglu=True)
+                act = product(x, block_expert, gate_ups, gate_up, rows=padded_token, swiglu=True)
             else:
-                gate, up = jnp.split(gm.gmm(x[padded_token], block_expert, gate_up, config=config), 2, axis=-1)
+                gate, up = jnp.split(product(x[padded_token], block_expert, gate_ups, gate_up), 2, axis=-1)
                 act = jax.nn.silu(gate) * up
-            return gm.gmm(act, block_expert, down, config=config)[slot_rows]
+            return product(act, block_expert, downs, down)[slot_rows]
 
-        def routed_chunks(gate_ups, downs, chunk, first):
-            return routed(gm.ChunkedWeights(gate_ups, chunk), gm.ChunkedWeights(downs, chunk), first)
+        def routed_chunks(*flat):
+            *flat, chunk, first = flat
+            return routed(*(gm.ChunkedWeights(chunks, chunk) for chunks in flat), first)
 
-        per_slot = with_experts(routed, gate_up, down, max_elements=BANK_MAX_ELEMENTS, chunked_fn=routed_chunks)
+        per_slot = with_experts(routed, *_expert_arrays(gate_up), *_expert_arrays(down),
+                                max_elements=BANK_MAX_ELEMENTS, chunked_fn=routed_chunks)
     else:
-        if isinstance(gate_up, ExpertBank):
-            gate_up, down = gate_up.materialize(), down.materialize()
+        gate_up, down = _layer_experts(gate_up, x.dtype), _layer_experts(down, x.dtype)
         order, inverse, group_sizes = gm.sorted_copies(experts.reshape(-1), num_experts)
         # outputs in the activation dtype (accumulation is float32 inside): the form XLA's cuDNN grouped GEMM takes
         rows = x[order // top_k]  # [T*k, H], grouped by expert
-        hidden = jax.lax.ragged_dot(rows, gate_up.astype(x.dtype), group_sizes, preferred_element_type=x.dtype)
+        hidden = jax.lax.ragged_dot(rows, gate_up, group_sizes, preferred_element_type=x.dtype)
         gate, up = jnp.split(hidden, 2, axis=-1)
-        out_rows = jax.lax.ragged_dot(
-            jax.nn.silu(gate) * up, down.astype(x.dtype), group_sizes, preferred_element_type=x.dtype
-        )
+        out_rows = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes, preferred_element_type=x.dtype)
         per_slot = out_rows[inverse]
     per_slot = per_slot.reshape(num_tokens, top_k, -1)
     combined = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), weights.astype(jnp.float32))
     if valid is not None:  # skipped blocks hold whatever memory held: where, not a multiply
         combined = jnp.where(valid[:, None], combined, 0.0)
     return combined.astype(x.dtype)
+
+
+def _expert_arrays(w) -> tuple:
+    """The arrays (or banks) the grouped matmul reads of routed experts `w`: (w,), or for block-wise FP8 (values,
+    scales), which `with_experts` then hands over alike."""
+    return (w.value, w.scale) if fp8.is_fp8(w) else (w,)
+
+
+def _layer_experts(w, dtype) -> Array:
+    """A layer's routed experts as one array in `dtype`: a bank's copied out (`ExpertBank.materialize`), FP8
+    dequantized (ragged_dot takes no scales)."""
+    def own(a):
+        return a.materialize() if isinstance(a, ExpertBank) else a
+
+    if fp8.is_fp8(w):
+        return fp8.dequantize(fp8.BlockFP8(own(w.value), own(w.scale), w.block, w.dtype), dtype)
+    return own(w).astype(dtype)
 
 
 def qwen_moe(x: Array, p: dict, *, top_k: int, renormalize: bool = True, impl: str = "auto",

@@ -18,8 +18,8 @@ grows with the copies (`bench/layer_scan.py` compiles the shape-stable engine's 
 What the scan body does not slice, and why. A `lax.scan` slices its stacked inputs per step; on a GPU a slice
 that feeds a custom call (a Pallas kernel) is a copy.
 * The routed experts (most of an MoE model's bytes) would be copied on every call. The body sees each pattern
-  position's whole expert bank instead (`ExpertBank`: [repeats, E, ...] with the step's repeat index), and the
-  grouped matmul offsets its expert ids into the bank.
+  position's whole expert bank instead (`ExpertBank`: [repeats, E, ...] with the step's repeat index; a block-wise
+  FP8 expert's values and scales each as a bank), and the grouped matmul offsets its expert ids into the bank.
 * A pool slice would copy a layer's whole pool (gigabytes) per call. The body reads the flat pool, and the
   layer's base row (`repeat * lead`) is added to the layout's pool indices (`layout.shift_pool_rows`), in reads
   and in the rows it returns for writing.
@@ -252,12 +252,16 @@ def with_experts(fn: Callable, *weights, max_elements: int | None = None, chunke
     return jax.lax.switch(index // per, branches, (index % per) * experts)
 
 
+def _leaf_key(path):
+    """The last dict key of a leaf's path: the parameter's name, also for the arrays of a block-wise FP8 weight
+    (`kernels.fp8.BlockFP8`), whose value and scale sit one level below it."""
+    return next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)), None)
+
+
 def _is_expert(path, stacked) -> bool:
     """A stacked part's leaf of routed experts: [repeats, E, in, out] under an EXPERT_LEAVES key (a dense MLP's
-    "down" is [repeats, in, out]), or its `ExpertChunks`."""
-    last = path[-1] if path else None
-    return getattr(last, "key", None) in EXPERT_LEAVES and (isinstance(stacked, ExpertChunks)
-                                                           or getattr(stacked, "ndim", 0) == 4)
+    "down" is [repeats, in, out]; an FP8 expert's value and scale alike), or its `ExpertChunks`."""
+    return _leaf_key(path) in EXPERT_LEAVES and (isinstance(stacked, ExpertChunks) or getattr(stacked, "ndim", 0) == 4)
 
 
 def _is_chunks(x) -> bool:
@@ -266,10 +270,10 @@ def _is_chunks(x) -> bool:
 
 def _stack_part(members: list, consume: bool):
     """Stack per-layer trees; routed experts whose stack would exceed BANK_MAX_ELEMENTS go in `ExpertChunks` of
-    whole repeats (one chunk size for every expert leaf of the part, so `with_experts` can pair them)."""
+    whole repeats (one chunk size for every expert leaf of the part, FP8 values and scales included, so
+    `with_experts` can pair them)."""
     def is_layer_expert(path, leaf):
-        last = path[-1] if path else None
-        return getattr(last, "key", None) in EXPERT_LEAVES and getattr(leaf, "ndim", 0) == 3
+        return _leaf_key(path) in EXPERT_LEAVES and getattr(leaf, "ndim", 0) == 3
 
     sizes = [leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(members[0])[0]
              if is_layer_expert(path, leaf)]
