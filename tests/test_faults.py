@@ -1,7 +1,8 @@
 """Faults a long-running server meets: load beyond what it can serve, and a shutdown with requests in flight.
 
-Overload: the scheduler predicts a new request's wait for a row from the measured time between admissions and
-refuses (429 with Retry-After) what would wait past its limit, so what it accepts is served in time. The graceful
+Overload: the scheduler predicts a new request's wait for its first token from the measured time between admissions,
+scaled by what the last accepted requests waited against their predictions, and refuses (429 with Retry-After) what
+would wait past its limit, so what it accepts is served in time. The graceful
 shutdown on a real socket is in tests/test_serve.py (it runs on that module's compiled programs).
 """
 
@@ -87,6 +88,31 @@ def test_predicted_wait_counts_the_requests_ahead():
     assert scheduler.predicted_wait() == pytest.approx(4 * 0.5)
     scheduler._latest_interval = 0.1  # and falls: the average
     assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
+
+
+def test_the_prediction_is_scaled_by_what_accepted_requests_waited():
+    """Requests that waited twice what was predicted for them (their own prefills, a slower step) double the next
+    predictions once eight were seen, so the limit holds for what is accepted; waits under the prediction never
+    shrink it below the measured intervals."""
+    scheduler = _scheduler(max_queue=100, max_queue_wait=1.0)
+    scheduler.admission_interval = 0.25
+    scheduler._queue.extend(_request() for _ in range(3))
+    assert scheduler.predicted_wait() == pytest.approx(1.0)
+    for k in range(8):
+        served = _request()
+        served.predicted_wait = 0.5
+        scheduler._calibrate(served, served.arrival + (1.0 if k < 7 else 0.6))
+        assert scheduler.calibration == (1.0 if k < 7 else pytest.approx(2.0, rel=0.05))
+    assert scheduler.predicted_wait() == pytest.approx(2.0, rel=0.05)
+    with pytest.raises(RequestError) as refused:  # 1 s uncalibrated, within the limit; 2 s calibrated, past it
+        scheduler.submit(_request())
+    assert refused.value.code == "overloaded"
+    fast = _scheduler()
+    for _ in range(10):
+        served = _request()
+        served.predicted_wait = 1.0
+        fast._calibrate(served, served.arrival + 0.1)
+    assert fast.calibration == 1.0
 
 
 def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):

@@ -184,9 +184,9 @@ class SchedulerOptions(OptionGroup):
                             check=whole(1))
     request_timeout: float = option(600.0, "per-request deadline, seconds", check=number(0, above=True))
     max_queue_wait: float | None = option(
-        None, "refuse (HTTP 429 with Retry-After) a request whose predicted wait for a row is longer, in seconds: "
-        "the requests ahead of it times the measured time between admissions (derived: its deadline, "
-        "request_timeout)", check=number(0, optional=True, above=True), metavar="SECONDS")
+        None, "refuse (HTTP 429 with Retry-After) a request whose predicted time to its first token is longer, in "
+        "seconds: the requests ahead of it and itself times the measured time between admissions, scaled by what "
+        "the last accepted requests waited against their prediction (derived: its deadline, request_timeout)", check=number(0, optional=True, above=True), metavar="SECONDS")
     overlap: bool = option(False, "dispatch each decode step before reading the previous one's ids back",
                            check=boolean())
 

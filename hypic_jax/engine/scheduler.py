@@ -133,6 +133,7 @@ class Request:
         self.row: int | None = None
         self.length = 0  # tokens in its decode cache
         self.first_token_at: float | None = None
+        self.predicted_wait: float | None = None  # the scheduler's uncalibrated prediction when it was accepted
         self.last_token_at: float | None = None
         self.finished = False
         self.ended: float | None = None  # monotonic time it finished or failed
@@ -164,6 +165,11 @@ class Scheduler:
         self.admission_interval: float | None = None
         self._latest_interval: float | None = None  # the last one alone: a rising load shows here first
         self._last_admission: float | None = None
+        # observed time to first token over the prediction a request was accepted with, for the last requests that
+        # had one; `calibration` (their 90th percentile, at least 1) scales the predictions, so that the requests
+        # ahead's own prefills and the step times' spread, which the admission interval averages away, count
+        self._ratios: collections.deque[float] = collections.deque(maxlen=64)
+        self.calibration = 1.0
         self._backlog = False  # requests still waited at the last admission
         self.rows: list[Request | None] = [None] * engine.max_batch
         self._queue: collections.deque[Request] = collections.deque()
@@ -191,14 +197,16 @@ class Scheduler:
                 raise RequestError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
                                code="queue_full", type="rate_limit_error",
                                headers={"Retry-After": str(self.retry_after_s)})
-            wait, limit = self.predicted_wait(), self._wait_limit(request)
+            raw, limit = self._raw_wait(), self._wait_limit(request)
+            wait = None if raw is None else raw * self.calibration
             if wait is not None and wait > limit:
                 if self.metrics:
                     self.metrics.rejected.inc()
                 retry = max(self.retry_after_s, math.ceil(wait - limit))
                 raise RequestError(429, f"the server is overloaded: a new request would wait about {wait:.1f} s for "
-                                   f"a row, past its limit of {limit:.1f} s; retry later", code="overloaded",
-                                   type="rate_limit_error", headers={"Retry-After": str(retry)})
+                                   f"its first token, past its limit of {limit:.1f} s; retry later",
+                                   code="overloaded", type="rate_limit_error", headers={"Retry-After": str(retry)})
+            request.predicted_wait = raw
             self._queue.append(request)
             self._gauges()
             self._cv.notify()
@@ -216,13 +224,26 @@ class Scheduler:
         return sum(r is not None for r in self.rows)
 
     def predicted_wait(self) -> float | None:
-        """Seconds a request submitted now would wait for a row: one admission interval for each request ahead of
-        it and one for itself, the interval the larger of the average and the latest (so that a rising load is
-        seen at once, and a falling one as the average follows it). None before any backlog was seen, or with an
-        empty queue: the loop's next round admits it."""
+        """Seconds a request submitted now would wait for its first token: one admission interval for each request
+        ahead of it and one for itself (its own admission runs its prefill), the interval the larger of the average
+        and the latest (so that a rising load is seen at once, and a falling one as the average follows it), times
+        `calibration`, what the requests accepted last actually waited over what was predicted for them. None
+        before any backlog was seen, or with an empty queue: the loop's next round admits it."""
+        raw = self._raw_wait()
+        return None if raw is None else raw * self.calibration
+
+    def _raw_wait(self) -> float | None:
         if self.admission_interval is None or not self._queue:
             return None
         return (len(self._queue) + 1) * max(self.admission_interval, self._latest_interval or 0.0)
+
+    def _calibrate(self, request: Request, now: float) -> None:
+        """Record what `request` waited for its first token against the uncalibrated prediction it was accepted
+        with, and update `calibration`."""
+        if request.predicted_wait:
+            self._ratios.append((now - request.arrival) / request.predicted_wait)
+            if len(self._ratios) >= 8:
+                self.calibration = max(1.0, float(np.quantile(np.asarray(self._ratios), 0.9)))
 
     def _wait_limit(self, request: Request) -> float:
         """The longest predicted wait a request is accepted with: `max_queue_wait`, and never past its deadline
@@ -471,6 +492,7 @@ class Scheduler:
                 self.metrics.itl.observe(now - request.last_token_at)
         if request.first_token_at is None:
             request.first_token_at = now
+            self._calibrate(request, now)
         request.last_token_at = now
         logprobs = None
         if request.params.logprobs is not None:

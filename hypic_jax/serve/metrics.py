@@ -125,7 +125,7 @@ class Metrics:
         self.cache_hits = c("hypic:cache_hits", "Segments found in the cache.", ("kind",))
         self.success = c("hypic:request_success", "Finished requests.", ("finished_reason",))
         self.errors = c("hypic:request_errors", "Accepted requests that ended in an error.", ("code",))
-        self.rejected = c("hypic:requests_rejected", "Requests refused with 429: the queue was full, or the predicted wait for a row too long.")
+        self.rejected = c("hypic:requests_rejected", "Requests refused with 429: the queue was full, or the predicted wait for a first token too long.")
         self.decode_steps = c("hypic:decode_steps", "Batched decode steps; chained: dispatched before the host read "
                               "the step before.", ("chained",))
         r.register(_EngineCollector(engine, self))
