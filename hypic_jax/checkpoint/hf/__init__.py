@@ -22,7 +22,7 @@ from hypic_jax.checkpoint.hf import fp8 as fp8_format
 from hypic_jax.checkpoint.hf import base
 from hypic_jax.checkpoint.hf.base import (MAX_SHARD_BYTES, CheckpointReader, Conversion, Tensor, build, read_hf_config,
                                           validate, write_safetensors)
-from hypic_jax.kernels import fp8
+from hypic_jax.kernels.fp8 import BLOCK
 
 __all__ = ["converter", "conversion", "convert_folder", "quantize_folder"]
 
@@ -58,7 +58,7 @@ def convert_folder(folder: str | Path, dtype: Any = "bfloat16", *, quantize: str
     return model_type, plan.config, build(plan, reader, dtype, block=block, quantize=quantize)
 
 
-def quantize_folder(src: str | Path, dst: str | Path, *, block: int = fp8.BLOCK,
+def quantize_folder(src: str | Path, dst: str | Path, *, block: int = BLOCK,
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
     """Write `dst` as the Hugging Face folder `src` in the block-wise FP8 format (`hypic_jax.checkpoint.hf.fp8`):
     exactly the tensors that feed the architecture's FP8 weights (`Conversion.fp8_sources`) quantized per B x B
