@@ -233,16 +233,30 @@ def test_quantize_on_load_equals_convert_then_load(folders):
     _assert_same_params(hypic_jax.load(dst, "float32", quantize="fp8").params, on_load.params)
 
 
-def test_sharded_output_and_progress_bar(folders, tmp_path, monkeypatch, capsys):
-    src, dst = folders("qwen_dense")
+def test_bf16_source_sharded_output_and_progress_bar(folders, tmp_path, monkeypatch, capsys):
+    """A bfloat16 folder (the usual source) quantizes from its bfloat16 values, keeps the other tensors bfloat16
+    bit for bit, and writes shards of at most max_shard_bytes with transformers' index."""
+    src = _copy(folders("qwen_dense")[0], tmp_path / "bf16")
+    _rewrite(src, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
     monkeypatch.setattr(converter_base, "PROGRESS_BYTES", 0)
     sharded = tmp_path / "sharded"
     quantize_folder(src, sharded, max_shard_bytes=40_000)
     assert "quantizing" in capsys.readouterr().err
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1
-    assert set(index["weight_map"]) == set(_tensors(dst))
-    _assert_same_params(hypic_jax.load(sharded, "float32").params, hypic_jax.load(dst, "float32").params)
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and all((sharded / f).stat().st_size <= 40_000 + 4096 for f in files)
+    original, written = _tensors(src), _tensors(sharded)
+    assert set(index["weight_map"]) == set(written)
+    for name, t in written.items():
+        if t.dtype == torch.float8_e4m3fn:
+            w = original[name].float().numpy()
+            assert rel_err(_dequantized_one(t, written[name + SCALE]), w) < 0.05
+        elif not name.endswith(SCALE):
+            assert t.dtype == torch.bfloat16 and torch.equal(t, original[name]), name
+    single = tmp_path / "single"
+    quantize_folder(src, single)
+    assert not (single / "model.safetensors.index.json").exists()
+    _assert_same_params(hypic_jax.load(sharded, "float32").params, hypic_jax.load(single, "float32").params)
 
 
 KEPT, BA = "model.layers.1.self_attn.k_proj.weight", "model.layers.0.linear_attn.in_proj_ba.weight"
