@@ -3,8 +3,9 @@
 An orbax checkpoint written by `hypic-jax convert` (`save_checkpoint`) is a folder holding the parameters under
 `params/` and `hypic_model.json` (`METADATA_FILE`): the HF model_type, the parameter dtype, the architecture's
 config as JSON and, for a model with block-wise FP8 weights (`kernels.fp8.BlockFP8`), their block size and the
-FP8-able parameters kept unquantized (`fp8_metadata`), so that `load` restores into the same structure. `load` restores one straight into the architecture's parameter structure (and sharding, with a
-mesh), or converts a Hugging Face folder on the fly through `hypic_jax.checkpoint.hf.convert_folder`.
+FP8-able parameters kept unquantized (`fp8_metadata`). `load` restores one straight into the architecture's
+parameter structure (and sharding, with a mesh), or converts a Hugging Face folder on the fly through
+`hypic_jax.checkpoint.hf.convert_folder`.
 
 This package sits above `hypic_jax.models` (it imports the models; they never import it).
 """
