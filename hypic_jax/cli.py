@@ -1,4 +1,5 @@
-"""Command line: `hypic-jax convert SRC DST` (Hugging Face folder -> orbax checkpoint), `hypic-jax diag MODEL
+"""Command line: `hypic-jax convert SRC DST` (Hugging Face folder -> orbax checkpoint, or with `--quantize fp8` ->
+a Hugging Face folder in the block-wise FP8 format), `hypic-jax diag MODEL
 --segments ...` (per-layer deviation of a PIC mode from full recompute) and `hypic-jax serve [MODEL]` (an
 OpenAI-compatible server, `hypic_jax.serve`).
 
@@ -41,10 +42,15 @@ QUANTIZE_HELP = ("fp8: the projections and experts as block-wise FP8 weights (fl
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from hypic_jax.checkpoint.hf import convert_folder
+    from hypic_jax.checkpoint.hf import convert_folder, quantize_folder
     from hypic_jax.checkpoint import max_context, save_checkpoint
 
     start = time.perf_counter()
+    if args.quantize == "fp8":
+        model_type = quantize_folder(args.src, args.dst)
+        print(f"quantized {args.src} ({model_type}) -> {args.dst} (block-wise FP8) in "
+              f"{time.perf_counter() - start:.1f} s")
+        return 0
     model_type, config, params = convert_folder(args.src, args.dtype)
     save_checkpoint(args.dst, model_type=model_type, config=config, params=params, dtype=args.dtype,
                     max_context=max_context(args.src))
@@ -95,10 +101,15 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="hypic-jax", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = top.add_subparsers(dest="command", required=True)
-    convert = commands.add_parser("convert", help="convert a Hugging Face checkpoint folder to an orbax checkpoint")
+    convert = commands.add_parser("convert", help="convert a Hugging Face checkpoint folder to an orbax checkpoint, "
+                                  "or quantize it to a block-wise FP8 Hugging Face folder")
     convert.add_argument("src", help="folder with config.json and *.safetensors")
     convert.add_argument("dst", help="output folder (loadable with hypic_jax.load)")
     convert.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    convert.add_argument("--quantize", choices=["fp8"], default=None,
+                         help="fp8: write DST as a Hugging Face folder with the projection and expert weights in "
+                              "block-wise FP8 (128 x 128 blocks, the format of the '-FP8' releases; the other "
+                              "tensors as they are; --dtype does not apply)")
     convert.set_defaults(run=_convert)
 
     diag = commands.add_parser("diag", help="per-layer hidden-state deviation of a PIC mode vs full recompute")

@@ -30,10 +30,13 @@ An **architecture module** `hypic_jax/models/<name>.py` must provide
     it when present.
 
 A **converter module** `hypic_jax/checkpoint/hf/<name>.py`, named like the architecture module, must provide
-  * `convert(reader: hypic_jax.checkpoint.hf.base.CheckpointReader, hf_config: dict, dtype) -> (config, params)`,
-    usually by listing `hypic_jax.checkpoint.hf.base.Rule`s (HF tensor names -> parameter path + transform) and
-    calling `hypic_jax.checkpoint.hf.base.apply_rules`, which validates missing / unexpected / mis-shaped tensors
-    and streams the data.
+  * `conversion(reader: hypic_jax.checkpoint.hf.base.CheckpointReader, hf_config: dict) ->
+    hypic_jax.checkpoint.hf.base.Conversion`: the architecture module, its config, the `Rule`s (HF tensor names ->
+    parameter path + transform) and the tensors deliberately skipped, from the config and the safetensors headers
+    alone; `hypic_jax.checkpoint.hf.base.build` validates missing / unexpected / mis-shaped tensors and streams the
+    data (block-wise FP8 checkpoints included), and `hypic-jax convert --quantize fp8` reads the rules to find the
+    tensors that feed `FP8_LEAVES`;
+  * `convert(reader, hf_config, dtype) -> (config, params)`, usually `build` of its `conversion`.
 
 Everything else is generic: `hypic_jax.load`, `hypic-jax convert`, orbax save/restore (`hypic_jax.checkpoint`),
 `Model.logits/generate`, the engine's programs.
@@ -90,19 +93,20 @@ def architecture(model_type: str) -> ModuleType:
     return importlib.import_module(REGISTRY[model_type])
 
 
-def abstract_params(arch: ModuleType, config: Any, dtype: Any, *, fp8: bool = False) -> Any:
+def abstract_params(arch: ModuleType, config: Any, dtype: Any, *, fp8: bool = False, block: int = fp8.BLOCK) -> Any:
     """ShapeDtypeStruct tree of the architecture's parameters (no memory allocated); fp8: with the architecture's
-    `FP8_LEAVES` as block-wise FP8 weights (`quantize_params`)."""
+    `FP8_LEAVES` as block-wise FP8 weights in `block`-row blocks (`quantize_params`)."""
     def make():
         params = arch.init_params(config, jax.random.key(0), dtype)
-        return quantize_params(arch, params) if fp8 else params
+        return quantize_params(arch, params, block) if fp8 else params
     return jax.eval_shape(make)
 
 
 def fp8_leaf(arch: ModuleType, path) -> bool:
     """Whether the parameter at `path` (a key path of the parameter tree) is one that block-wise FP8 checkpoints
-    quantize: a weight of a layer under one of the architecture's `FP8_LEAVES` keys."""
-    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    quantize: a weight of a layer under one of the architecture's `FP8_LEAVES` keys. `path`: jax key entries or
+    the plain keys and indices themselves."""
+    keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
     return bool(keys) and keys[0] == "layers" and keys[-1] in getattr(arch, "FP8_LEAVES", ())
 
 

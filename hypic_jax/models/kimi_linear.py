@@ -48,6 +48,11 @@ DENSE, SPARSE = "dense", "sparse"
 # Latent RMSNorms inside MLA are built without an eps argument in the reference, so they use the class default.
 MLA_LATENT_NORM_EPS = 1e-6
 
+# The weights a block-wise FP8 checkpoint holds in FP8 (every `x @ w` projection and the experts); the low-rank
+# forget / output gates (f_a, f_b, g_a, g_b), b_proj, MLA's kv_b (reshaped per head, not multiplied as a
+# matrix), the router, convs, norms, biases, embedding and head stay unquantized.
+FP8_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a", "q_b", "kv_a", "gate", "up", "down", "gate_up")
+
 
 @dataclasses.dataclass(frozen=True)
 class KimiLinearConfig:

@@ -46,6 +46,10 @@ MODEL_TYPE = "bailing_moe_linear"
 
 LAYER_FACTOR_CONVENTIONS = ("mlx", "remote", "vllm")
 
+# The weights a block-wise FP8 checkpoint holds in FP8 (the attention projections, the MLPs and the experts); the
+# router, its bias, the norms, the embedding and the head stay unquantized.
+FP8_LEAVES = ("qkv", "dense", "g_proj", "gate", "up", "down", "gate_up")
+
 Params = dict[str, Any]
 
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hypic_jax.checkpoint.hf.base import CheckpointReader, Rule, apply_rules, linear, vector
-from hypic_jax import models
+from hypic_jax.checkpoint.hf.base import CheckpointReader, Conversion, Rule, build, linear, vector
 from hypic_jax.models import kimi_linear as arch
 
 
@@ -165,14 +164,16 @@ def rules_for(reader: CheckpointReader, c: arch.KimiLinearConfig) -> list[Rule]:
     return rules
 
 
-def convert(reader: CheckpointReader, hf_config: dict[str, Any], dtype: Any) -> tuple[arch.KimiLinearConfig, Any]:
-    """HF folder reader + config.json dict -> (Config, params). Raises ValueError naming any bad tensor."""
+def conversion(reader: CheckpointReader, hf_config: dict[str, Any]) -> Conversion:
     config = arch.config_from_hf(hf_config)
     if config.tie_word_embeddings and "lm_head.weight" in reader:
         # transformers' KimiLinearForCausalLM never ties (its `_tied_weights_keys` is empty): with
         # tie_word_embeddings it still writes and reads its own lm_head, so a file that holds one is read untied
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    abstract = models.abstract_params(arch, config, dtype)
-    params = apply_rules(reader, rules_for(reader, config), abstract)  # gate params stay float32 (see init_params)
-    return config, params
+    return Conversion(arch, config, rules_for(reader, config))  # gate params stay float32 (see init_params)
 
+
+def convert(reader: CheckpointReader, hf_config: dict[str, Any], dtype: Any) -> tuple[arch.KimiLinearConfig, Any]:
+    """HF folder reader + config.json dict -> (Config, params). Raises ValueError naming any bad tensor."""
+    plan = conversion(reader, hf_config)
+    return plan.config, build(plan, reader, dtype)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hypic_jax.checkpoint.hf.base import CheckpointReader, Rule, apply_rules, linear, skip_prefixes, transpose, vector
-from hypic_jax.models import abstract_params
+from hypic_jax.checkpoint.hf.base import (CheckpointReader, Conversion, Rule, build, linear, skip_prefixes, transpose,
+                                          vector)
 from hypic_jax.models import qwen3_5 as arch
 
 log = logging.getLogger(__name__)
@@ -165,18 +165,21 @@ def ignored(
                          or bool(no_shared and _empty_shared_expert(reader, name)))
 
 
-def convert_with(
-    arch_module: Any, reader: CheckpointReader, hf_config: dict, dtype: Any, gdn: GdnRules, skipped=SKIPPED
-) -> tuple[Any, Any]:
+def conversion_with(
+    arch_module: Any, reader: CheckpointReader, hf_config: dict, gdn: GdnRules, skipped=SKIPPED
+) -> Conversion:
     config = arch_module.config_from_hf(hf_config)
     rules = model_rules(config, reader, language_model_prefix(reader), gdn)
     skipped_names = [n for n in reader.names() if n.startswith(skipped)]
     if skipped_names:
         log.info("skipping %d tensors not used by the text model (%s...)", len(skipped_names), skipped_names[0])
-    abstract = abstract_params(arch_module, config, dtype)
-    params = apply_rules(reader, rules, abstract, ignore=ignored(config, skipped, reader))
-    return config, params
+    return Conversion(arch_module, config, rules, ignored(config, skipped, reader))
+
+
+def conversion(reader: CheckpointReader, hf_config: dict) -> Conversion:
+    return conversion_with(arch, reader, hf_config, gdn_rules)
 
 
 def convert(reader: CheckpointReader, hf_config: dict, dtype: Any) -> tuple[arch.Config, dict]:
-    return convert_with(arch, reader, hf_config, dtype, gdn_rules)
+    plan = conversion(reader, hf_config)
+    return plan.config, build(plan, reader, dtype)

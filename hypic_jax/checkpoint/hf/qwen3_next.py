@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from hypic_jax.checkpoint.hf import qwen3_5 as base_qwen
-from hypic_jax.checkpoint.hf.base import CheckpointReader, Rule, transpose
+from hypic_jax.checkpoint.hf.base import CheckpointReader, Conversion, Rule, build, transpose
 from hypic_jax.models import qwen3_next as arch
 
 
@@ -56,5 +56,10 @@ def gdn_rules(config: arch.Config, target: tuple, src: str, reader: CheckpointRe
     ]
 
 
+def conversion(reader: CheckpointReader, hf_config: dict) -> Conversion:
+    return base_qwen.conversion_with(arch, reader, hf_config, gdn_rules)
+
+
 def convert(reader: CheckpointReader, hf_config: dict, dtype: Any) -> tuple[arch.Config, dict]:
-    return base_qwen.convert_with(arch, reader, hf_config, dtype, gdn_rules)
+    plan = conversion(reader, hf_config)
+    return plan.config, build(plan, reader, dtype)

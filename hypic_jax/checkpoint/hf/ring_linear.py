@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hypic_jax.checkpoint.hf.base import CheckpointReader, Rule, apply_rules, linear, transpose, vector
-from hypic_jax.models import abstract_params
+from hypic_jax.checkpoint.hf.base import CheckpointReader, Conversion, Rule, build, linear, transpose, vector
 from hypic_jax.models import ring_linear as arch
 
 
@@ -122,13 +121,18 @@ def _is_extra_layer(config: arch.RingLinearConfig):
     return ignore
 
 
-def convert(reader: CheckpointReader, hf_config: dict, dtype: Any) -> tuple[arch.RingLinearConfig, Any]:
-    """Validate the whole checkpoint against Ring's layout (names and shapes), then stream it into params."""
+def conversion(reader: CheckpointReader, hf_config: dict) -> Conversion:
+    """Ring's layout (names and shapes) for this config; refuses a config of another model."""
     architectures = hf_config.get("architectures") or []
     if hf_config.get("model_type") != arch.MODEL_TYPE and arch.ARCHITECTURE not in architectures:
         raise ValueError(
             f"not a Ring-linear checkpoint: model_type {hf_config.get('model_type')!r}, architectures {architectures}"
         )
     config = arch.config_from_hf(hf_config)
-    abstract = abstract_params(arch, config, dtype)
-    return config, apply_rules(reader, rules(config), abstract, ignore=_is_extra_layer(config))
+    return Conversion(arch, config, rules(config), _is_extra_layer(config))
+
+
+def convert(reader: CheckpointReader, hf_config: dict, dtype: Any) -> tuple[arch.RingLinearConfig, Any]:
+    """Validate the whole checkpoint against Ring's layout (names and shapes), then stream it into params."""
+    plan = conversion(reader, hf_config)
+    return plan.config, build(plan, reader, dtype)
