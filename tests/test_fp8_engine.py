@@ -81,3 +81,15 @@ def test_fp8_weights_are_another_model_to_the_cache(fp8_engines, tiny_checkpoint
     model, _, _ = tiny_checkpoints("qwen_dense")
     with Engine(model, max_prompt_tokens=1024, token_rungs=(1024,), cache_bytes=1 << 24, max_batch=1) as plain:
         assert plain.fingerprint != engine.fingerprint
+
+
+@pytest.mark.parametrize("arch", arch_params("fp8_forward", ("ring", "kimi")))
+def test_fp8_forward_and_decode_equal_the_dequantized_model(tiny_checkpoints, arch):
+    """Ring-linear and Kimi-Linear with FP8 weights: the forward and the greedy decode (Ring's decode gathers each
+    token's chosen experts, FP8 ones dequantized) equal the model whose weights are the dequantized values."""
+    model, vocab, _ = tiny_checkpoints(arch)
+    quantized = model.replace(params=models.quantize_params(model.arch, model.params))
+    reference = model.replace(params=_dequantized(quantized.params))
+    tokens = np.random.default_rng(5).integers(3, vocab, 40)[None]
+    assert rel_err(quantized.logits(tokens), reference.logits(tokens)) < 1e-5
+    assert np.array_equal(quantized.generate(tokens, 6), reference.generate(tokens, 6))

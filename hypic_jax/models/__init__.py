@@ -93,7 +93,8 @@ def architecture(model_type: str) -> ModuleType:
     return importlib.import_module(REGISTRY[model_type])
 
 
-def abstract_params(arch: ModuleType, config: Any, dtype: Any, *, fp8: bool = False, block: int = fp8.BLOCK) -> Any:
+def abstract_params(arch: ModuleType, config: Any, dtype: Any, *, fp8: bool = False,
+                    block: int = fp8_weights.BLOCK) -> Any:
     """ShapeDtypeStruct tree of the architecture's parameters (no memory allocated); fp8: with the architecture's
     `FP8_LEAVES` as block-wise FP8 weights in `block`-row blocks (`quantize_params`)."""
     def make():
@@ -144,5 +145,6 @@ def quantize_params(arch: ModuleType, params: Any, block: int = fp8_weights.BLOC
     if not getattr(arch, "FP8_LEAVES", ()):
         raise ValueError(f"architecture {arch.__name__} has no FP8 weights (FP8_LEAVES)")
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: fp8_weights.quantize(leaf, block) if fp8_leaf(arch, path) and not fp8_weights.is_fp8(leaf) else leaf,
+        lambda path, leaf: (fp8_weights.quantize(leaf, block)
+                            if fp8_leaf(arch, path) and not fp8_weights.is_fp8(leaf) else leaf),
         params, is_leaf=fp8_weights.is_fp8)

@@ -39,6 +39,7 @@ from jax import Array
 from jax.sharding import PartitionSpec as P
 
 from hypic_jax.core import linear_attn, rope
+from hypic_jax.kernels import fp8
 from hypic_jax.models import base, mixing, stack as layer_stack, layers
 
 ARCHITECTURE = "BailingMoeLinearV2ForCausalLM"
@@ -384,14 +385,25 @@ def gathered_swiglu_experts(x: Array, weights: Array, experts: Array, gate_up: A
     Reads only the chosen experts, where a grouped matmul over all E groups streams every expert's weights.
     x [T, D], weights / experts [T, k], gate_up [E, D, 2I], down [E, I, D] -> [T, D] in x's dtype.
     """
-    def chosen(gate_up, down, first):  # a scanned layer's experts are rows of a bank, from `first` on
-        rows = experts + first
-        hidden = jnp.einsum("td,tkdi->tki", x, gate_up[rows], preferred_element_type=jnp.float32)
+    def multiply(gate_up, down):  # each token's k experts' weights [T, k, ...]
+        hidden = jnp.einsum("td,tkdi->tki", x, gate_up, preferred_element_type=jnp.float32)
         gate, up = jnp.split(hidden, 2, axis=-1)
         activated = (jax.nn.silu(gate) * up).astype(x.dtype)
-        return jnp.einsum("tki,tkid->tkd", activated, down[rows], preferred_element_type=jnp.float32)
+        return jnp.einsum("tki,tkid->tkd", activated, down, preferred_element_type=jnp.float32)
 
-    out = layer_stack.with_experts(chosen, gate_up, down)
+    def chosen(gate_up, down, first):  # a scanned layer's experts are rows of a bank, from `first` on
+        return multiply(gate_up[experts + first], down[experts + first])
+
+    def chosen_fp8(gate_up, down, gate_up_scale, down_scale, first):  # FP8: the chosen experts dequantized
+        rows = experts + first
+        return multiply(*(fp8.dequantize(fp8.BlockFP8(v[rows], s[rows], block), x.dtype)
+                          for v, s in ((gate_up, gate_up_scale), (down, down_scale))))
+
+    if fp8.is_fp8(gate_up):
+        block = gate_up.block
+        out = layer_stack.with_experts(chosen_fp8, gate_up.value, down.value, gate_up.scale, down.scale)
+    else:
+        out = layer_stack.with_experts(chosen, gate_up, down)
     return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32)).astype(x.dtype)
 
 
