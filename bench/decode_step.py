@@ -3,6 +3,7 @@
     python bench/decode_step.py                 # the Qwen3.5-35B-A3B shape, random bf16 weights (GPU)
     python bench/decode_step.py --small         # CPU smoke size
     python bench/decode_step.py --fp8           # the projections and experts in block-wise FP8
+    python bench/decode_step.py --fp8 --serving-pools 64   # and the entry pools a 64-row engine derives beside them
     python bench/decode_step.py --profile-dir DIR --profile-rows 16   # one traced step (bench/trace_summary.py)
     python bench/decode_step.py --few-query-rows 4 0   # decode attention in the cache layout, then as matmuls
     python bench/decode_step.py --slot-layouts default auto   # the decode cache row-major, then in the layouts
@@ -120,6 +121,9 @@ def main(argv=None) -> None:
     parser.add_argument("--slot-layouts", nargs="*", default=["auto"], choices=["default", "auto"],
                         help="KernelOptions(slot_layouts=...) per variant (each with every --few-query-rows)")
     parser.add_argument("--fp8", action="store_true", help="the projections and experts in block-wise FP8")
+    parser.add_argument("--serving-pools", type=int, default=None, metavar="ROWS",
+                        help="afterwards, the entry pools an engine of ROWS decode rows (max_prompt_tokens "
+                             "--length) derives from the device memory left beside these weights")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
@@ -134,6 +138,14 @@ def main(argv=None) -> None:
             label = f"few_query_rows={attention.few_query_rows()} slot_layouts={slot_layouts}"
             reports.append(measure(args, model, config, label=label, slot_layouts=slot_layouts))
     report = reports[0] if len(reports) == 1 else dict(variants=reports)
+    if args.serving_pools:
+        engine = Engine(model, max_batch=args.serving_pools, max_prompt_tokens=args.length, compile_cache="none")
+        stats = jax.devices()[0].memory_stats() or {}
+        report["serving_pools"] = dict(rows=args.serving_pools, pool_gb=round(engine.pools.nbytes / 2**30, 2),
+                                       device_in_use_gb=round(stats.get("bytes_in_use", 0) / 2**30, 2),
+                                       device_limit_gb=round(stats.get("bytes_limit", 0) / 2**30, 2))
+        print("serving pools:", report["serving_pools"])
+        engine.close()
     print(json.dumps(report))
     write_json(args.json, report)
 

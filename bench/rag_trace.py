@@ -59,7 +59,8 @@ def main(argv=None) -> None:
     parser.add_argument("--min-tokens", type=int, default=64, help="the ladder's smallest token rung")
     parser.add_argument("--rungs", type=int, nargs="+", default=None, help="explicit token rungs (the last >= the "
                         "longest prompt) instead of the geometric ladder")
-    parser.add_argument("--cache-gb", type=float, default=24.0)
+    parser.add_argument("--cache-gb", type=float, default=24.0, help="the entry pools (0: the engine's derived "
+                        "budget, from the device memory left after the weights)")
     parser.add_argument("--modes", nargs="*", default=list(MODES), help="none: the warmup alone")
     parser.add_argument("--exact-sample", type=int, default=3, help="full_recompute prompts compiled at exact lengths")
     parser.add_argument("--compile-cache", default=None)
@@ -87,11 +88,12 @@ def main(argv=None) -> None:
     max_prompt = args.max_prompt_tokens or (args.rungs[-1] if args.rungs else longest)
     # prefill only: one decode row, no room for new tokens
     engine = Engine(model, max_prompt_tokens=max_prompt, max_segments=args.max_segments or args.docs + 1,
-                    cache_bytes=int(args.cache_gb * (1 << 30)), max_new_tokens=0, max_batch=1,
+                    cache_bytes=int(args.cache_gb * (1 << 30)) or None, max_new_tokens=0, max_batch=1,
                     compile_cache=args.compile_cache or "none", min_tokens=args.min_tokens, ladder="fine",
                     token_rungs=tuple(args.rungs) if args.rungs else None,
                     kernels=KernelOptions(linear=args.linear_impl, fold=args.fold_impl, scan_layers=args.scan))
-    report = dict(device=str(jax.devices()[0]), weights="fp8" if args.fp8 else str(jnp.dtype(dtype)), shape="small" if args.small else f"35B-A3B x{args.layers} layers",
+    report = dict(device=str(jax.devices()[0]), weights="fp8" if args.fp8 else str(jnp.dtype(dtype)),
+                  shape="small" if args.small else f"35B-A3B x{args.layers} layers",
                   plan=str(engine.plan), linear_impl=args.linear_impl, fold_impl=args.fold_impl,
                   longest_prompt=longest, max_prompt_tokens=max_prompt, rungs=list(engine.ladder.rungs),
                   pool_slots=engine.pools.slots, pool_gb=round(engine.pools.nbytes / 2**30, 2))
