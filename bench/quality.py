@@ -25,6 +25,7 @@ the model's shape and at the Qwen3.5-35B-A3B shape (`bench/prefill.py` `full_con
     python bench/quality.py --model DIR [--docs 2 4 8 16] [--prompts 8] [--seams 0 1 2 4 8 16 32 0.05]
     python bench/quality.py --modes transition_rope_recompute --entry-forms float32 bfloat16   # compact entries
     python bench/quality.py --small --model DIR     # CPU size: a few prompts of 2 and 4 documents
+    python bench/quality.py --quantize fp8          # the same model with block-wise FP8 weights
     python bench/quality.py --from-json REPORT --plot quality.png   # print and draw a saved report
 """
 
@@ -103,7 +104,7 @@ def run(args) -> dict:
 
     folder = Path(args.model)
     reference = transformers_reference(folder) if args.transformers else None  # before the modes: fail early
-    model = hypic_jax.load(folder, dtype=args.dtype)
+    model = hypic_jax.load(folder, dtype=args.dtype, quantize=args.quantize)
     tokenizer = tok.load_tokenizer(folder)
     eos = tokenizer.token_to_id(tok.EOS)
     cases = []  # (num_docs, doc segments, question segment, gold ids, question)
@@ -208,7 +209,7 @@ def run(args) -> dict:
         for other in others:
             across_forms[f"{other} vs {first}"] = round(float(np.mean(
                 [a == b for a, b in zip(predictions[other], predictions[first])])), 4)
-    return dict(model=str(folder), device=str(jax.devices()[0]), dtype=args.dtype, seed=args.seed, docs=args.docs,
+    return dict(model=str(folder), device=str(jax.devices()[0]), dtype=args.dtype, quantize=args.quantize, seed=args.seed, docs=args.docs,
                 prompts=args.prompts, questions=args.questions, filler=args.filler, cases=len(cases),
                 skipped_over_budget=skipped, seconds=round(time.perf_counter() - started, 1), scores=dict(table),
                 agreement_with_full_recompute=agreement, entry_forms=forms, entries=entries,
@@ -339,6 +340,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="longest prompt (4096)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", default=None, choices=["fp8"],
+                        help="fp8: the projections and experts as block-wise FP8 weights (`hypic_jax.load`)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--plot", default=None, help="draw the report as a PNG here (needs matplotlib: the bench "

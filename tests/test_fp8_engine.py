@@ -1,4 +1,5 @@
-"""The engine over block-wise FP8 weights (`kernels.fp8`, `models.quantize_params`), on tiny Qwen3.5 checkpoints.
+"""The engine over block-wise FP8 weights (`kernels.fp8`, `models.quantize_params`), on the tiny Qwen3.5-MoE checkpoint;
+the forward of Ring-linear and Kimi-Linear with FP8 weights.
 
 The reference is the same model with the FP8 weights dequantized into float32 arrays: a model that has no FP8 in it,
 run through the plain forward. Checked: full recompute equals its forward, a seam of the whole segment and a prefix
@@ -17,7 +18,7 @@ from hypic_jax import models
 from hypic_jax.engine import Engine
 from hypic_jax.kernels import fp8
 
-from helpers import arch_params, rel_err
+from helpers import arch_params, on_worker_of, rel_err
 from reference import pic
 
 DOC_LEN, QUERY_LEN, NUM_DOCS = 20, 6, 3
@@ -47,9 +48,11 @@ def fp8_engines(tiny_checkpoints):
         engine.close()
 
 
-@pytest.mark.parametrize("arch", arch_params("fp8_engine", ("qwen_dense", "qwen_moe")))
-def test_fp8_weights_keep_the_engines_identities(fp8_engines, arch):
-    engine, quantized, reference, model, vocab = fp8_engines(arch)
+@on_worker_of("fp8_engine")
+def test_fp8_weights_keep_the_engines_identities(fp8_engines):
+    """On the MoE checkpoint: its attention, GDN and shared-expert projections and its routed experts in FP8 (the
+    dense MLP's FP8 forward is checked against transformers in tests/test_fp8_checkpoint.py)."""
+    engine, quantized, reference, model, vocab = fp8_engines("qwen_moe")
     leaves = jax.tree.leaves(quantized.params, is_leaf=fp8.is_fp8)
     assert any(fp8.is_fp8(w) for w in leaves) and quantized.dtype == model.dtype
     assert sum(fp8.weight_bytes(w) for w in leaves) < 0.6 * sum(fp8.weight_bytes(w) for w in jax.tree.leaves(model.params))
@@ -76,9 +79,10 @@ def test_fp8_weights_keep_the_engines_identities(fp8_engines, arch):
     assert engine.generate(segs, max_new_tokens=4, mode="prefix_cache").tokens == expected
 
 
+@on_worker_of("fp8_engine")
 def test_fp8_weights_are_another_model_to_the_cache(fp8_engines, tiny_checkpoints):
-    engine, *_ = fp8_engines("qwen_dense")
-    model, _, _ = tiny_checkpoints("qwen_dense")
+    engine, *_ = fp8_engines("qwen_moe")
+    model, _, _ = tiny_checkpoints("qwen_moe")
     with Engine(model, max_prompt_tokens=1024, token_rungs=(1024,), cache_bytes=1 << 24, max_batch=1) as plain:
         assert plain.fingerprint != engine.fingerprint
 
