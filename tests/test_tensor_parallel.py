@@ -179,6 +179,14 @@ whole = jax.tree.leaves(random_model(sys.argv[1], "float32").params)
 split = jax.tree.leaves(random_model(sys.argv[1], "float32", mesh=tensor_parallel_mesh(2)).params)
 assert len(whole) == len(split) and all(len(b.sharding.device_set) == 2 for b in split)
 assert all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7) for a, b in zip(whole, split))
+
+# block-wise FP8 weights split like their weights (a scale whole where its rows cannot split): the one-device answer
+from hypic_jax import models
+fp8_model = model.replace(params=models.quantize_params(model.arch, model.params), source=model.source + ":fp8")
+fp8 = dict(base, max_new_tokens=4)
+fp8_want = Engine(fp8_model, **fp8).prefill(segments, mode="transition_rope_recompute", seam=4).logits
+fp8_split = Engine(fp8_model, **fp8, tensor_parallel=2)
+assert rel_err(fp8_split.prefill(segments, mode="transition_rope_recompute", seam=4).logits, fp8_want) < 1e-5
 print("ok")
 """
 
@@ -186,7 +194,7 @@ print("ok")
 def test_tensor_parallel_refusals(tmp_path):
     """Tiers below the pools, uneven splits and missing devices are refused with errors that name them; a split
     over the one default device is the single-device engine; a restarted engine loads its split programs; random
-    weights made split equal the unsplit ones."""
+    weights made split equal the unsplit ones; FP8 weights split answer as on one device."""
     done = subprocess.run([sys.executable, "-c", _REFUSALS, str(tmp_path / "m"), str(TESTS)],
                           env=fake_devices_env(8), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]

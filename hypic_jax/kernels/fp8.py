@@ -37,7 +37,7 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 BLOCK = 128  # the checkpoints' weight_block_size
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class BlockFP8:
     """A weight [..., K, N] as FP8 `value` [..., K, N] and float32 `scale` [..., ceil(K / block), N]; `dtype` is
     the dtype it dequantizes to (the model's activation dtype)."""
@@ -76,6 +76,10 @@ class BlockFP8:
         return f"BlockFP8(shape={self.shape}, block={self.block}, dtype={self._dtype.name})"
 
     # --- pytree --------------------------------------------------------------------------------------------------
+    def tree_flatten_with_keys(self):  # keyed: a path names the value or the scale (`parallel.tensor` splits them)
+        keys = jax.tree_util.GetAttrKey
+        return ((keys("value"), self.value), (keys("scale"), self.scale)), (self.block, self._dtype.name)
+
     def tree_flatten(self):
         return (self.value, self.scale), (self.block, self._dtype.name)
 

@@ -43,12 +43,28 @@ def place_tensor_parallel(arch, config, params, tensor_parallel):
     specs = arch.param_specs(config)
     if isinstance(params["layers"], LayerStack):
         specs = dict(specs, layers=_stacked_specs(params["layers"], specs["layers"]))
+    specs = _fp8_scale_specs(specs, params, mesh.shape["model"])
     try:
         return shard_params(params, specs, mesh)
     except ValueError as error:
         raise ValueError(f"tensor_parallel={mesh.shape['model']}: the parameters of {arch.__name__} do not split "
                          f"evenly over {mesh.shape['model']} devices (each split axis, such as the heads, must be "
                          f"divisible by it): {error}") from error
+
+
+def _fp8_scale_specs(specs, params, size: int):
+    """`specs` with every block-wise FP8 weight's scale given its weight's split, but kept whole along an axis its
+    scale cannot split into `size` parts (a row split of K rows has ceil(K / 128) scale rows: a small model's one)."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    per_leaf = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), specs, params, is_leaf=is_spec)
+
+    def fit(path, spec, leaf):
+        if not path or getattr(path[-1], "name", None) != "scale":
+            return spec
+        return PartitionSpec(*(axis if axis is None or leaf.shape[i] % size == 0 else None
+                               for i, axis in enumerate(spec)))
+
+    return jax.tree_util.tree_map_with_path(fit, per_leaf, params, is_leaf=is_spec)
 
 
 def _stacked_specs(stack: LayerStack, layer_specs) -> LayerStack:
