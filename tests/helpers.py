@@ -323,6 +323,26 @@ _TINY = {"qwen_dense": {}, "qwen_moe": {}, "kimi": {}, "ring": {"num_hidden_laye
 
 
 @functools.lru_cache(maxsize=None)
+def copy_folder(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint folder, to damage or edit."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_safetensors(folder: Path, edit, *, framework: str = "numpy") -> None:
+    """Apply edit(dict name -> array) to a single-file checkpoint's tensors, as numpy arrays or ("pt") torch
+    tensors (float8 tensors need torch: safetensors' numpy side has no float8)."""
+    import importlib
+
+    io = importlib.import_module(f"safetensors.{'torch' if framework == 'pt' else 'numpy'}")
+    load_file, save_file = io.load_file, io.save_file
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def tiny_checkpoint(arch: str, folder: str):
     """(model with slow decays, vocabulary size, folder) of a tiny random checkpoint of `arch` (ARCHS) written into
     `folder` and loaded in float32; built once per (arch, folder) in a process (conftest's `tiny_checkpoints`

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file, save_file
 
 import hypic_jax
 from hypic_jax.checkpoint.hf.base import CheckpointReader
 from hypic_jax.cli import main as cli_main
-from helpers import prompt, reference_logits, reference_model, rel_err, save_checkpoint
+from helpers import (copy_folder, prompt, reference_logits, reference_model, rel_err, rewrite_safetensors,
+                     save_checkpoint)
 
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): the checkpoint built once
@@ -30,16 +29,6 @@ def moe(tmp_path_factory):
     return folder, tokens, reference_logits(reference, tokens)
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _rewrite(folder: Path, edit) -> None:
-    """Apply edit(dict name -> array) to a single-file checkpoint."""
-    tensors = load_file(folder / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def test_sharded_checkpoint_with_index(moe, tmp_path):
@@ -55,7 +44,7 @@ def test_sharded_checkpoint_with_index(moe, tmp_path):
 def test_fused_expert_layout(moe, tmp_path):
     """experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I] convert to the same model as per-expert keys."""
     folder, tokens, expected = moe
-    fused = _copy(folder, tmp_path / "fused")
+    fused = copy_folder(folder, tmp_path / "fused")
 
     def fuse(tensors):
         for layer in range(2):
@@ -67,7 +56,7 @@ def test_fused_expert_layout(moe, tmp_path):
             tensors[prefix + "gate_up_proj"] = np.stack(gate_up)
             tensors[prefix + "down_proj"] = np.stack(down)
 
-    _rewrite(fused, fuse)
+    rewrite_safetensors(fused, fuse)
     assert "model.layers.0.mlp.experts.gate_up_proj" in CheckpointReader(fused)
     model = hypic_jax.load(fused, dtype="float32")
     assert rel_err(model.logits(tokens), expected, norm="max") < 1e-4
@@ -98,27 +87,28 @@ def _expect_error(folder: Path, *fragments: str) -> None:
 
 
 def test_missing_tensor_is_named(moe, tmp_path):
-    broken = _copy(moe[0], tmp_path / "missing")
+    broken = copy_folder(moe[0], tmp_path / "missing")
     name = "model.layers.1.self_attn.k_norm.weight"
-    _rewrite(broken, lambda t: t.pop(name))
+    rewrite_safetensors(broken, lambda t: t.pop(name))
     _expect_error(broken, "missing tensor", name, "(32,)")
 
 
 def test_unexpected_tensor_is_named(moe, tmp_path):
-    broken = _copy(moe[0], tmp_path / "extra")
-    _rewrite(broken, lambda t: t.__setitem__("model.layers.0.linear_attn.surprise", np.zeros((3, 5), np.float32)))
+    broken = copy_folder(moe[0], tmp_path / "extra")
+    surprise = np.zeros((3, 5), np.float32)
+    rewrite_safetensors(broken, lambda t: t.__setitem__("model.layers.0.linear_attn.surprise", surprise))
     _expect_error(broken, "unexpected tensor", "model.layers.0.linear_attn.surprise", "(3, 5)")
 
 
 def test_wrong_shape_is_named_with_both_shapes(moe, tmp_path):
-    broken = _copy(moe[0], tmp_path / "shape")
+    broken = copy_folder(moe[0], tmp_path / "shape")
     name = "model.layers.0.linear_attn.in_proj_z.weight"
-    _rewrite(broken, lambda t: t.__setitem__(name, np.zeros((32, 64), np.float32)))
+    rewrite_safetensors(broken, lambda t: t.__setitem__(name, np.zeros((32, 64), np.float32)))
     _expect_error(broken, name, "(32, 64)", "(64, 64)")
 
 
 def test_unknown_model_type_is_named(moe, tmp_path, capsys):
-    broken = _copy(moe[0], tmp_path / "unknown")
+    broken = copy_folder(moe[0], tmp_path / "unknown")
     config = json.loads((broken / "config.json").read_text())
     config["model_type"] = "qwen9_turbo"
     (broken / "config.json").write_text(json.dumps(config))

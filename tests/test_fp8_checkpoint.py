@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import jax
@@ -26,7 +25,8 @@ from hypic_jax.checkpoint.hf import quantize_folder
 from hypic_jax.checkpoint.hf import base as converter_base
 from hypic_jax.cli import main as cli_main
 from hypic_jax.kernels import fp8
-from helpers import prompt, reference_logits, reference_model, rel_err, save_checkpoint
+from helpers import (copy_folder, prompt, reference_logits, reference_model, rel_err, rewrite_safetensors,
+                     save_checkpoint)
 
 pytestmark = pytest.mark.xdist_group("fp8_checkpoint")  # the folders built once, on one worker
 
@@ -236,8 +236,8 @@ def test_quantize_on_load_equals_convert_then_load(folders):
 def test_bf16_source_sharded_output_and_progress_bar(folders, tmp_path, monkeypatch, capsys):
     """A bfloat16 folder (the usual source) quantizes from its bfloat16 values, keeps the other tensors bfloat16
     bit for bit, and writes shards of at most max_shard_bytes with transformers' index."""
-    src = _copy(folders("qwen_dense")[0], tmp_path / "bf16")
-    _rewrite(src, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    src = copy_folder(folders("qwen_dense")[0], tmp_path / "bf16")
+    rewrite_safetensors(src, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}), framework="pt")
     monkeypatch.setattr(converter_base, "PROGRESS_BYTES", 0)
     sharded = tmp_path / "sharded"
     quantize_folder(src, sharded, max_shard_bytes=40_000)
@@ -264,7 +264,7 @@ KEPT, BA = "model.layers.1.self_attn.k_proj.weight", "model.layers.0.linear_attn
 
 def _mixed_folder(fp8_folder: Path, dst: Path) -> Path:
     """A Qwen3-Next FP8 folder with one FP8 weight unquantized (KEPT) and in_proj_ba (BA) in FP8."""
-    mixed = _copy(fp8_folder, dst)
+    mixed = copy_folder(fp8_folder, dst)
     keep, ba = KEPT, BA
 
     def edit(tensors):
@@ -274,7 +274,7 @@ def _mixed_folder(fp8_folder: Path, dst: Path) -> Path:
         tensors[ba] = torch.from_numpy(w / blocks[0, 0]).to(torch.float8_e4m3fn)
         tensors[ba + SCALE] = torch.from_numpy(blocks.astype(np.float32))
 
-    _rewrite(mixed, edit)
+    rewrite_safetensors(mixed, edit, framework="pt")
     return mixed
 
 
@@ -358,15 +358,6 @@ def test_orbax_quantize_on_load(folders, tmp_path):
 # Errors
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _rewrite(folder: Path, edit) -> None:
-    tensors = load_file(folder / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _edit_config(folder: Path, edit) -> None:
@@ -386,7 +377,7 @@ def _expect_error(folder: Path, *fragments: str, **load_args) -> str:
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
 def test_other_quantization_methods_are_refused(folders, tmp_path, capsys, method):
-    broken = _copy(folders("qwen_dense")[0], tmp_path / "q")
+    broken = copy_folder(folders("qwen_dense")[0], tmp_path / "q")
     _edit_config(broken, lambda c: c.__setitem__("quantization_config", {"quant_method": method, "bits": 4}))
     _expect_error(broken, repr(method), "supported", "fp8")
     assert cli_main(["convert", str(broken), str(tmp_path / "out")]) == 2
@@ -394,7 +385,7 @@ def test_other_quantization_methods_are_refused(folders, tmp_path, capsys, metho
 
 
 def test_quantization_config_in_text_config_is_read(folders, tmp_path):
-    broken = _copy(folders("qwen_dense")[1], tmp_path / "q")
+    broken = copy_folder(folders("qwen_dense")[1], tmp_path / "q")
 
     def move(config):
         config["text_config"] = {"quantization_config": dict(config.pop("quantization_config"), quant_method="awq")}
@@ -406,40 +397,40 @@ def test_quantization_config_in_text_config_is_read(folders, tmp_path):
 @pytest.mark.parametrize("field, value, fragment", [
     ("weight_block_size", [128, 64], "square"), ("fmt", "e5m2", "'e5m2'"), ("activation_scheme", "static", "static")])
 def test_unsupported_fp8_settings(folders, tmp_path, field, value, fragment):
-    broken = _copy(folders("qwen_dense")[1], tmp_path / "q")
+    broken = copy_folder(folders("qwen_dense")[1], tmp_path / "q")
     _edit_config(broken, lambda c: c["quantization_config"].__setitem__(field, value))
     _expect_error(broken, fragment)
 
 
 def test_fp8_tensor_without_its_scale(folders, tmp_path):
-    broken = _copy(folders("qwen_dense")[1], tmp_path / "q")
+    broken = copy_folder(folders("qwen_dense")[1], tmp_path / "q")
     name = "model.layers.1.self_attn.o_proj.weight"
-    _rewrite(broken, lambda t: t.pop(name + SCALE))
+    rewrite_safetensors(broken, lambda t: t.pop(name + SCALE), framework="pt")
     _expect_error(broken, "without its scale", repr(name), repr(name + SCALE))
 
 
 def test_scale_without_its_weight(folders, tmp_path):
-    broken = _copy(folders("qwen_dense")[1], tmp_path / "q")
+    broken = copy_folder(folders("qwen_dense")[1], tmp_path / "q")
     bf16, nothing = "model.layers.0.linear_attn.in_proj_a.weight", "model.layers.0.mlp.surprise.weight"
 
     def edit(t):
         t[bf16 + SCALE] = torch.ones((1, 1))
         t[nothing + SCALE] = torch.ones((1, 1))
 
-    _rewrite(broken, edit)
+    rewrite_safetensors(broken, edit, framework="pt")
     message = _expect_error(broken, "without its weight", repr(bf16 + SCALE), repr(nothing + SCALE), "not FP8")
     assert "unexpected tensor" not in message
 
 
 def test_scale_of_the_wrong_shape(folders, tmp_path):
-    broken = _copy(folders("qwen_dense")[1], tmp_path / "q")
+    broken = copy_folder(folders("qwen_dense")[1], tmp_path / "q")
     name = "model.layers.1.self_attn.q_proj.weight"  # [256, 64]: 2 x 1 blocks
-    _rewrite(broken, lambda t: t.__setitem__(name + SCALE, torch.ones((1, 1))))
+    rewrite_safetensors(broken, lambda t: t.__setitem__(name + SCALE, torch.ones((1, 1))), framework="pt")
     _expect_error(broken, repr(name + SCALE), "(1, 1)", "(2, 1)", "(256, 64)")
 
 
 def test_fp8_tensors_without_quantization_config(folders, tmp_path):
-    broken = _copy(folders("qwen_dense")[1], tmp_path / "q")
+    broken = copy_folder(folders("qwen_dense")[1], tmp_path / "q")
     _edit_config(broken, lambda c: c.pop("quantization_config"))
     _expect_error(broken, "no block-wise FP8 quantization_config", "model.layers.0.mlp.up_proj.weight")
 

@@ -1103,8 +1103,10 @@ def test_sigterm_drains_accepted_requests_refuses_new_ones_and_persists(served, 
 def test_a_short_soak_answers_every_request_and_compiles_nothing(served):
     """`bench/soak.py`'s traffic at a short size against the module's server: PIC, prefix and full requests over
     a growing pool, salts, streams, streams left early and bad inputs; every request is answered (bad inputs with
-    a 4xx in OpenAI's shape), none is lost, nothing compiles. The hour-long run, with its resource slopes, is
-    the benchmark (bench/RESULTS.md, "soak.py")."""
+    a 4xx in OpenAI's shape), none is lost, nothing compiles. Its length is HYPIC_SOAK_MINUTES (default 0.2, the
+    CI's size; `HYPIC_SOAK_MINUTES=5 pytest tests/test_serve.py -k soak` is the five-minute run, which also bounds
+    the growth of the process's memory floor, memory maps and open files after its first minute by 5%). The
+    hour-long run, with its resource slopes, is the benchmark (bench/RESULTS.md, "soak.py")."""
     import importlib.util
     import os
     from pathlib import Path
@@ -1112,8 +1114,10 @@ def test_a_short_soak_answers_every_request_and_compiles_nothing(served):
     spec = importlib.util.spec_from_file_location("soak", Path(__file__).parents[1] / "bench" / "soak.py")
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
-    args = soak.parser().parse_args(["--minutes", "0.2", "--sample-every", "4", "--rate", "5", "--docs", "2",
-                                     "--doc-tokens", "24", "--query-tokens", "8", "--max-tokens", "8",
+    minutes = float(os.environ.get("HYPIC_SOAK_MINUTES", "0.2"))
+    every = 4 if minutes < 1 else 15
+    args = soak.parser().parse_args(["--minutes", str(minutes), "--sample-every", str(every), "--rate", "5",
+                                     "--docs", "2", "--doc-tokens", "24", "--query-tokens", "8", "--max-tokens", "8",
                                      "--vocab", str(served["vocab"]), "--bad", "0.15", "--cancel", "0.15",
                                      "--request-timeout", "60"])
     samples, outcomes = asyncio.run(soak.drive(args, served["base"], os.getpid()))
@@ -1125,6 +1129,9 @@ def test_a_short_soak_answers_every_request_and_compiles_nothing(served):
     # the counter is the process's (other modules' tests may have compiled in it before): nothing during the soak
     assert samples[-1]["compiles"] == samples[0]["compiles"]
     assert set(soak.growth(samples, 0.0)) >= set(soak.RESOURCES)
+    if minutes >= 2:
+        grown = soak.growth(samples, 1.0)
+        assert all(grown[key]["floor_growth"] < 0.05 for key in ("rss_mb", "maps", "open_files")), grown
 
 
 def test_a_prefill_out_of_device_memory_is_a_400_naming_the_limits(served, monkeypatch):
