@@ -440,3 +440,27 @@ def test_bad_quantize_arguments(folders, tmp_path):
     _expect_error(src, "unsupported quantize='int4'", quantize="int4")
     with pytest.raises(ValueError, match="already a block-wise FP8"):
         quantize_folder(dst, tmp_path / "again")
+
+
+def test_the_server_and_the_engine_load_fp8_folders_and_quantize_on_load(folders, tmp_path):
+    """`hypic-jax serve MODEL` on an FP8 folder and `--quantize fp8` on an unquantized one build an engine over FP8
+    weights (`serve.app.build`, what the command runs, before its warmup); the two are one model to the cache."""
+    from hypic_jax.cli import parser
+    from hypic_jax.serve.app import build
+
+    src, dst = (copy_folder(f, tmp_path / f.name) for f in folders("qwen_moe"))
+    for folder in (src, dst):  # the fixture's tokenizer.json is a stand-in, not a tokenizer
+        (folder / "tokenizer.json").unlink(missing_ok=True)
+    limits = dict(max_prompt_tokens=64, token_rungs=(64,), cache_bytes=1 << 22, max_batch=1)
+    args = parser().parse_args(["serve", str(src), "--quantize", "fp8", "--dtype", "float32"])
+    servers = [build(str(dst), dtype="float32", **limits),
+               build(args.model, dtype=args.dtype, quantize=args.quantize, **limits)]
+    for server in servers:
+        engine = server.engine
+        leaves = jax.tree.leaves(engine.params, is_leaf=fp8.is_fp8)
+        assert any(fp8.is_fp8(leaf) for leaf in leaves) and engine.model.source.endswith(":fp8")
+    tokens = [[5, 6, 7, 8], [9, 10, 11]]
+    first, second = (server.engine.prefill(tokens, mode="full_recompute").logits for server in servers)
+    assert rel_err(first, second) < 1e-6
+    for server in servers:
+        server.engine.close()
