@@ -226,7 +226,7 @@ def requests(draw):
     return spans, capacity, flags, rng.integers(0, 1000, fresh).astype(np.int32)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_build_matches_the_reference(request):
     spans, capacity, flags, tokens = request

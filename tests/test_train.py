@@ -210,7 +210,7 @@ def test_quality_bench_at_ci_size(tmp_path, tokenizer):
     folder = export.export_folder(_perturbed_params(config, seed=3), config, tokenizer, tmp_path / "m", "float32")
     args = quality.argparse.Namespace(model=str(folder), dtype="float32", seed=0, docs=[2], prompts=1, questions=3,
                                       filler=0, modes=["full_recompute", "prefix_cache"], seams=[], seam=8,
-                                      transformers=False, max_tokens=512, max_new_tokens=16)
+                                      transformers=False, max_tokens=512, max_new_tokens=16, quantize=None)
     report = quality.run(args)
     assert report["cases"] == 3 and report["skipped_over_budget"] == 0
     assert report["agreement_with_full_recompute"] == {"full_recompute": 1.0, "prefix_cache": 1.0}
