@@ -67,7 +67,7 @@ async def run(args, base, vocab):
     return results, phases, before, after
 
 
-def summary(results, phases) -> dict:
+def summary(results, phases, limit: float) -> dict:
     out = {}
     for name, rate, seconds in phases:
         rows = [r for r in results if r["phase"] == name]
@@ -77,7 +77,8 @@ def summary(results, phases) -> dict:
                          refused=len(refused), retry_after=sum(r["retry_after"] is not None for r in refused),
                          other={s: sum(r["status"] == s for r in rows) for s in {r["status"] for r in rows}
                                 if s not in (200, 429)},
-                         ttft_p50=float(np.nanpercentile(ttft, 50)), ttft_p99=float(np.nanpercentile(ttft, 99)))
+                         ttft_p50=float(np.nanpercentile(ttft, 50)), ttft_p99=float(np.nanpercentile(ttft, 99)),
+                         over_limit=int(np.sum(ttft > limit)))
     end = phases[0][2] + phases[1][2]
     bound = 1.5 * out["base"]["ttft_p99"]
     later = sorted((r for r in results if r["phase"] == "after" and r["status"] == 200), key=lambda r: r["at"])
@@ -123,18 +124,20 @@ def main() -> None:
         wait_ready(base, server)
         print(f"server ready in {time.perf_counter() - start:.1f} s: hypic-jax serve {' '.join(command)}", flush=True)
         results, phases, before, after = asyncio.run(run(args, base, args.vocab))
-        out = summary(results, phases)
+        out = summary(results, phases, args.max_queue_wait)
         out["rejected_metric"] = metric(after, "hypic:requests_rejected_total") - metric(
             before, "hypic:requests_rejected_total")
         out["compiles"] = metric(after, "hypic:compilations_while_serving_total")
         out["max_queue_wait_s"] = args.max_queue_wait
+        out["requests"] = [dict(phase=r["phase"], at=round(r["at"], 3), status=r["status"],
+                                ttft=None if r.get("ttft") is None else round(r["ttft"], 3)) for r in results]
         print(f"{'phase':<6} {'rate/s':>7} {'sent':>5} {'200':>5} {'429':>5} {'Retry-After':>11} {'other':>8} "
-              f"{'TTFT p50':>9} {'p99':>8}")
+              f"{'TTFT p50':>9} {'p99':>8} {'> limit':>8}")
         for name, _, _ in phases:
             row = out[name]
             print(f"{name:<6} {row['rate']:>7g} {row['sent']:>5} {row['answered']:>5} {row['refused']:>5} "
                   f"{row['retry_after']:>11} {str(row['other'] or '-'):>8} {row['ttft_p50']:>9.3f} "
-                  f"{row['ttft_p99']:>8.3f}")
+                  f"{row['ttft_p99']:>8.3f} {row['over_limit']:>8}")
         print(f"recovery: {out['recovery_s']:.2f} s after the burst (TTFT within {out['recovery_bound_s']:.3f} s); "
               f"hypic:requests_rejected +{out['rejected_metric']:g}; compilations while serving: {out['compiles']:g}")
         if args.json:

@@ -166,8 +166,9 @@ class Scheduler:
         self._latest_interval: float | None = None  # the last one alone: a rising load shows here first
         self._last_admission: float | None = None
         # observed time to first token over the prediction a request was accepted with, for the last requests that
-        # had one; `calibration` (their 90th percentile, at least 1) scales the predictions, so that the requests
-        # ahead's own prefills and the step times' spread, which the admission interval averages away, count
+        # had one; `calibration` (their 99th percentile, at least 1: the bound is on the p99) scales the
+        # predictions, so that the requests ahead's own prefills and the step times' spread, which the admission
+        # interval averages away, count
         self._ratios: collections.deque[float] = collections.deque(maxlen=64)
         self.calibration = 1.0
         self._backlog = False  # requests still waited at the last admission
@@ -243,7 +244,7 @@ class Scheduler:
         if request.predicted_wait:
             self._ratios.append((now - request.arrival) / request.predicted_wait)
             if len(self._ratios) >= 8:
-                self.calibration = max(1.0, float(np.quantile(np.asarray(self._ratios), 0.9)))
+                self.calibration = max(1.0, float(np.quantile(np.asarray(self._ratios), 0.99)))
 
     def _wait_limit(self, request: Request) -> float:
         """The longest predicted wait a request is accepted with: `max_queue_wait`, and never past its deadline
