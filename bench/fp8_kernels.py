@@ -8,6 +8,8 @@ that the tokens' uniform routing touches, E (1 - (1 - 1/E)^(T k)) of them, or th
 are small beside them) at `--bandwidth` GB/s. The error is the FP8 result's against the bfloat16 product of the same
 dequantized weights rounded to bfloat16 (the quantization's own error is not in it: it measures the kernel, not the
 format; the rounding of the reference's weights to bfloat16 is, about 2^-9 relative per weight).
+The experts are also timed in FP8 with K tiles twice as deep as the launch's (`GMMConfig.block_k`): an FP8 tile of
+that depth holds the bytes of the bfloat16 tile, and the loop over K runs half the steps.
 
     python bench/fp8_kernels.py                     # GPU
     python bench/fp8_kernels.py --small             # CPU smoke size (interpret mode)
@@ -16,6 +18,7 @@ format; the rounding of the reference's weights to bfloat16 is, about 2^-9 relat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -26,6 +29,7 @@ from common import full_config, write_json
 from linear_kernels import rel, timeit
 
 from hypic_jax.kernels import fp8
+from hypic_jax.kernels import grouped_matmul as gm
 from hypic_jax.models import layers
 
 
@@ -59,6 +63,14 @@ def main(argv=None) -> None:
     print(f"{'what':<8} {'tokens':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'fp8/bf16':>8} {'floor bf16':>10} "
           f"{'floor fp8':>9} {'rel err':>8}")
     experts_fn = jax.jit(lambda x, w, ids, gu, d: layers.grouped_swiglu_experts(x, w, ids, gu, d, impl=impl))
+
+    def wide_k(tokens):  # the FP8 experts with K tiles twice the default launch's: the bytes of a bf16 tile
+        config = gm.default_config(tokens * k)
+        layers.MOE_GMM_CONFIG = dataclasses.replace(config, block_k=2 * config.block_k)
+        try:
+            return jax.jit(lambda x, w, ids, gu, d: layers.grouped_swiglu_experts(x, w, ids, gu, d, impl=impl))
+        finally:
+            layers.MOE_GMM_CONFIG = None
     for t in args.tokens:
         x, weights, ids, gate_up, down = _experts(config, t, dtype, jax.random.key(t))
         q_gate_up, q_down = fp8.quantize(gate_up), fp8.quantize(down)
@@ -67,10 +79,14 @@ def main(argv=None) -> None:
         got = experts_fn(x, weights, ids, q_gate_up, q_down)
         bf16_ms, _ = timeit(experts_fn, x, weights, ids, dq_gate_up, dq_down)
         fp8_ms, _ = timeit(experts_fn, x, weights, ids, q_gate_up, q_down)
+        wide = wide_k(t)
+        wide_err = rel(wide(x, weights, ids, q_gate_up, q_down), want)  # traced here, with the wide launch
+        wide_ms, _ = timeit(wide, x, weights, ids, q_gate_up, q_down)
         touched = e * (1 - (1 - 1 / e) ** (t * k)) / e
         bytes_bf16 = touched * (gate_up.size + down.size) * 2
         bytes_fp8 = touched * sum(fp8.weight_bytes(w) for w in (q_gate_up, q_down))
-        rows.append(dict(what="experts", tokens=t, bf16_ms=bf16_ms, fp8_ms=fp8_ms,
+        rows.append(dict(what="experts", tokens=t, bf16_ms=bf16_ms, fp8_ms=fp8_ms, fp8_wide_k_ms=wide_ms,
+                         wide_k_rel_err=wide_err,
                          floor_bf16_ms=1e3 * bytes_bf16 / (args.bandwidth * 1e9),
                          floor_fp8_ms=1e3 * bytes_fp8 / (args.bandwidth * 1e9), rel_err=rel(got, want)))
         del gate_up, down, q_gate_up, q_down, dq_gate_up, dq_down
@@ -92,6 +108,10 @@ def main(argv=None) -> None:
         print(f"{r['what']:<8} {r['tokens']:>6} {r['bf16_ms']:>8.3f} {r['fp8_ms']:>8.3f} "
               f"{r['fp8_ms'] / r['bf16_ms']:>8.2f} {r['floor_bf16_ms']:>10.3f} {r['floor_fp8_ms']:>9.3f} "
               f"{r['rel_err']:>8.1e}", flush=True)
+    for r in rows:
+        if "fp8_wide_k_ms" in r:
+            print(f"experts, FP8 with K tiles of twice the launch's: {r['tokens']} tokens {r['fp8_wide_k_ms']:.3f} ms "
+                  f"(error {r['wide_k_rel_err']:.1e})")
     report = dict(device=str(jax.devices()[0]), shape="35B-A3B" if not args.small else "small",
                   dense=f"[{h}, {n}]", experts=f"{e} x [{config.hidden_size}, 2 x {config.moe_intermediate_size}]",
                   rows=rows)
