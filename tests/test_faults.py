@@ -100,7 +100,7 @@ def test_the_prediction_is_scaled_by_what_accepted_requests_waited():
     assert scheduler.predicted_wait() == pytest.approx(1.0)
     for k in range(8):
         served = _request()
-        served.predicted_wait = 0.5
+        served.accepted_wait = 0.5
         scheduler._calibrate(served, served.arrival + (1.0 if k < 7 else 0.6))
         assert scheduler.calibration == (1.0 if k < 7 else pytest.approx(2.0, rel=0.05))
     assert scheduler.predicted_wait() == pytest.approx(2.0, rel=0.05)
@@ -110,7 +110,7 @@ def test_the_prediction_is_scaled_by_what_accepted_requests_waited():
     fast = _scheduler()
     for _ in range(10):
         served = _request()
-        served.predicted_wait = 1.0
+        served.accepted_wait = 1.0
         fast._calibrate(served, served.arrival + 0.1)
     assert fast.calibration == 1.0
 

@@ -133,7 +133,7 @@ class Request:
         self.row: int | None = None
         self.length = 0  # tokens in its decode cache
         self.first_token_at: float | None = None
-        self.predicted_wait: float | None = None  # the scheduler's uncalibrated prediction when it was accepted
+        self.accepted_wait: float | None = None  # the uncalibrated predicted wait it was accepted with
         self.last_token_at: float | None = None
         self.finished = False
         self.ended: float | None = None  # monotonic time it finished or failed
@@ -207,7 +207,7 @@ class Scheduler:
                 raise RequestError(429, f"the server is overloaded: a new request would wait about {wait:.1f} s for "
                                    f"its first token, past its limit of {limit:.1f} s; retry later",
                                    code="overloaded", type="rate_limit_error", headers={"Retry-After": str(retry)})
-            request.predicted_wait = raw
+            request.accepted_wait = raw
             self._queue.append(request)
             self._gauges()
             self._cv.notify()
@@ -241,8 +241,8 @@ class Scheduler:
     def _calibrate(self, request: Request, now: float) -> None:
         """Record what `request` waited for its first token against the uncalibrated prediction it was accepted
         with, and update `calibration`."""
-        if request.predicted_wait:
-            self._ratios.append((now - request.arrival) / request.predicted_wait)
+        if request.accepted_wait:
+            self._ratios.append((now - request.arrival) / request.accepted_wait)
             if len(self._ratios) >= 8:
                 self.calibration = max(1.0, float(np.quantile(np.asarray(self._ratios), 0.99)))
 

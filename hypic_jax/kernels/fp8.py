@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["BlockFP8", "FP8_DTYPE", "FP8_MAX", "BLOCK", "quantize", "dequantize", "from_blocks", "block_scales",
-           "column_blocks", "is_fp8", "weight_bytes"]
+__all__ = ["BlockFP8", "FP8_DTYPE", "FP8_MAX", "BLOCK", "quantize", "dequantize", "block_scales",
+           "is_fp8", "weight_bytes"]
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -101,7 +101,7 @@ def weight_bytes(w) -> int:
 
 def _expand_rows(scale: Array, block: int, rows: int) -> Array:
     """[..., Kb, N] -> [..., K, N]: each block's scale on each of its rows."""
-    return jnp.repeat(scale, block, axis=-2, total_repeat_length=None)[..., :rows, :]
+    return jnp.repeat(scale, block, axis=-2)[..., :rows, :]
 
 
 def dequantize(w: BlockFP8, dtype: Any = None) -> Array:
@@ -123,19 +123,6 @@ def block_scales(w: Array, block: int = BLOCK) -> Array:
     return jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
 
 
-def from_blocks(value, blocks, block: int = BLOCK, dtype: Any = jnp.bfloat16) -> BlockFP8:
-    """A `BlockFP8` from the checkpoint format: value [..., K, N] and block scales [..., ceil(K/B), ceil(N/B)]
-    (both already in the [in, out] orientation)."""
-    n = value.shape[-1]
-    expected = (-(-value.shape[-2] // block), -(-n // block))
-    if tuple(blocks.shape[-2:]) != expected or tuple(blocks.shape[:-2]) != tuple(value.shape[:-2]):
-        raise ValueError(f"FP8 block scales of shape {tuple(blocks.shape)} do not fit a weight of shape "
-                         f"{tuple(value.shape)} in blocks of {block} (expected {tuple(value.shape[:-2]) + expected})")
-    xp = np if isinstance(value, np.ndarray) and isinstance(blocks, np.ndarray) else jnp
-    scale = xp.repeat(xp.asarray(blocks, xp.float32), block, axis=-1)[..., :n]
-    return BlockFP8(value, scale, block, dtype)
-
-
 def quantize(w: Array, block: int = BLOCK, dtype: Any = None) -> BlockFP8:
     """w [..., K, N] in block-wise FP8: one scale per B x B block (the checkpoint format's), values rounded to
     float8_e4m3fn after dividing by their block's scale. `dtype`: what it dequantizes to (default: w's dtype)."""
@@ -146,15 +133,3 @@ def quantize(w: Array, block: int = BLOCK, dtype: Any = None) -> BlockFP8:
     value = (jnp.asarray(w, jnp.float32) / _expand_rows(scale, block, w.shape[-2]))
     value = jnp.clip(value, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return BlockFP8(value, scale, block, dtype)
-
-
-def column_blocks(w: BlockFP8) -> Array:
-    """The checkpoint format's block scales [..., ceil(K/B), ceil(N/B)] of w: each column block's shared scale.
-    Raises when a column block's columns disagree (a weight whose columns were rearranged across blocks)."""
-    block, n = w.block, w.shape[-1]
-    nb = -(-n // block)
-    padded = jnp.pad(w.scale, [(0, 0)] * (w.scale.ndim - 1) + [(0, nb * block - n)], mode="edge")
-    grouped = padded.reshape(*w.scale.shape[:-1], nb, block)
-    if not bool(jnp.all(grouped == grouped[..., :1])):
-        raise ValueError("the weight's column scales differ inside a block: it has no block-wise form")
-    return grouped[..., 0]
