@@ -6,9 +6,13 @@ replacement and shuffled (so a prefix cache rarely matches while a position-inde
 query; prompts are token-id segments (the `segments` extension), each streamed with greedy decoding. For each mode
 (`pic_mode`) and rising rate, with a fresh `cache_salt` per run (every run starts cold): TTFT p50 / p99 (arrival
 to the first token, client side), inter-token p50 / p99, decode tokens/s (generated tokens over the run's wall
-time), the decode stall a prefill caused (the server's hypic:decode_stall_seconds), the share of decode steps
-dispatched before the host read the one before (hypic:decode_steps{chained}), and the compilations while serving
-(must be 0). The sustained rate of a mode is the highest rate whose p50 and p99 TTFT are both under
+time), the decode stall a prefill caused (the server's hypic:decode_stall_seconds: how much longer the streams' gap
+between two steps was than a gap without a prefill), the share of decode steps dispatched before the host read the
+one before (hypic:decode_steps{chained}), the share of the scheduler loop's time spent on host work rather than
+waiting for the device (hypic:scheduler_seconds), and the compilations while serving (must be 0). With
+`--step-json` (bench/decode_step.py's report of the same model on the same machine), also the decode tokens/s over
+what the batched step alone gives the rows the server stepped ("of step": the steps the server ran, per bucket,
+timed at decode_step.py's step times), and the stall in those step times. The sustained rate of a mode is the highest rate whose p50 and p99 TTFT are both under
 `--slo`, as are those of every lower rate.
 
     python bench/serve.py --small            # CPU smoke size: the embedded model in float32
@@ -91,6 +95,32 @@ async def warm_pool(args, base, mode, vocab, salt) -> float:
     return time.perf_counter() - start
 
 
+def step_times(path: str | None) -> dict[int, float]:
+    """Seconds per batched decode step by bucket (rows), from `bench/decode_step.py --json` (its first variant)."""
+    if not path:
+        return {}
+    with open(path) as f:
+        report = json.load(f)
+    report = report["variants"][0] if "variants" in report else report
+    return {int(s["rows"]): s["step_ms"] / 1e3 for s in report["steps"]}
+
+
+def capacity(before: str, after: str, steps_s: dict[int, float]) -> dict:
+    """What the batched step alone gives the rows the server stepped: the running rows it stepped over the time
+    its steps take at `steps_s` (tokens/s), and that mean step time."""
+    rows = steps = step_time = 0.0
+    for bucket, seconds in steps_s.items():
+        n = (metric(after, "hypic:decode_bucket_steps_total", bucket=str(bucket))
+             - metric(before, "hypic:decode_bucket_steps_total", bucket=str(bucket)))
+        rows += (metric(after, "hypic:decode_rows_total", bucket=str(bucket))
+                 - metric(before, "hypic:decode_rows_total", bucket=str(bucket)))
+        steps += n
+        step_time += n * seconds
+    if not step_time:
+        return {}
+    return dict(step_capacity_tok_s=rows / step_time, mean_step_ms=1e3 * step_time / steps, rows_per_step=rows / steps)
+
+
 async def run_rate(args, base, mode, rate, vocab, salt):
     rng = np.random.default_rng(int(rate * 1000) + 7)
     requests = trace(args, rng, vocab, rate)
@@ -112,10 +142,19 @@ async def run_rate(args, base, mode, rate, vocab, salt):
     steps = metric(after, "hypic:decode_steps_total") - metric(before, "hypic:decode_steps_total")
     chained = (metric(after, "hypic:decode_steps_total", chained="true")
                - metric(before, "hypic:decode_steps_total", chained="true"))
-    return dict(mode=mode, rate=rate, requests=len(requests), answered=len(ok),
+    loop = {part: metric(after, "hypic:scheduler_seconds_total", part=part)
+            - metric(before, "hypic:scheduler_seconds_total", part=part) for part in ("host", "device_wait")}
+    decode_tok_s = sum(r["tokens"] for r in ok) / wall
+    step = capacity(before, after, step_times(args.step_json))
+    if step:
+        step["of_capacity"] = decode_tok_s / step["step_capacity_tok_s"]
+        step["stall_steps"] = stall_s / stall_n / (step["mean_step_ms"] / 1e3) if stall_n else 0.0
+    return dict(mode=mode, rate=rate, requests=len(requests), answered=len(ok), **step,
+                loop_host_s=loop["host"], loop_device_wait_s=loop["device_wait"],
+                prefill_pieces=metric(after, "hypic:prefill_pieces_total") - metric(before, "hypic:prefill_pieces_total"),
                 ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
                 itl_p50=float(np.percentile(gaps, 50)), itl_p99=float(np.percentile(gaps, 99)),
-                decode_tok_s=sum(r["tokens"] for r in ok) / wall,
+                decode_tok_s=decode_tok_s,
                 stall_mean_ms=1e3 * stall_s / stall_n if stall_n else 0.0,
                 compiles=metric(after, "hypic:compilations_while_serving_total"),
                 decode_steps=steps, chained_share=round(chained / steps, 3) if steps else 0.0)
@@ -151,6 +190,11 @@ def main() -> None:
                         "--small: 0.25)")
     parser.add_argument("--compile-cache", default=None, help="the server's compile cache folder")
     parser.add_argument("--overlap", action="store_true", help="the server's --overlap")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="the server's --prefill-chunk")
+    parser.add_argument("--step-json", default=None, metavar="FILE",
+                        help="bench/decode_step.py --json of the same model and machine: report each rate's decode "
+                             "tokens/s against what the batched step alone gives the rows the server stepped, and "
+                             "the stall in step times")
     parser.add_argument("--fp8", action="store_true", help="the server's --quantize fp8 (block-wise FP8 weights)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="M",
                         help="the server's --tensor-parallel-size (the model split over M devices)")
@@ -197,6 +241,7 @@ def main() -> None:
                *(["--compile-cache", args.compile_cache] if args.compile_cache else []),
                *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else []),
                *(["--overlap"] if args.overlap else []),
+               *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                *(["--quantize", "fp8"] if args.fp8 else []),
                *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
                *(["--devices", str(args.devices)] if args.devices else [])]
@@ -209,7 +254,8 @@ def main() -> None:
         print(f"server ready in {time.perf_counter() - start:.1f} s: hypic-jax serve {' '.join(command)}", flush=True)
         vocab = args.vocab
         header = (f"{'mode':<26} {'rate/s':>6} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
-                  f"{'decode tok/s':>12} {'stall ms':>8} {'chained':>7} {'compiles':>8}")
+                  f"{'decode tok/s':>12} {'of step':>7} {'stall ms':>8} {'steps':>5} {'chained':>7} {'host %':>6} "
+                  f"{'compiles':>8}")
         print(header)
         for mode in args.modes:
             if args.warm_pool:
@@ -221,7 +267,10 @@ def main() -> None:
                 rows.append(row)
                 print(f"{mode:<26} {rate:>6g} {row['answered']:>4} {row['ttft_p50']:>9.3f} {row['ttft_p99']:>8.3f} "
                       f"{row['itl_p50']:>8.4f} {row['itl_p99']:>8.4f} {row['decode_tok_s']:>12.1f} "
-                      f"{row['stall_mean_ms']:>8.1f} {row['chained_share']:>7.2f} {row['compiles']:>8g}", flush=True)
+                      f"{row.get('of_capacity', float('nan')):>7.2f} {row['stall_mean_ms']:>8.1f} "
+                      f"{row.get('stall_steps', float('nan')):>5.2f} {row['chained_share']:>7.2f} "
+                      f"{100 * row['loop_host_s'] / max(1e-9, row['loop_host_s'] + row['loop_device_wait_s']):>6.1f} "
+                      f"{row['compiles']:>8g}", flush=True)
                 if row["ttft_p99"] > 4 * args.slo:  # far past the SLO: higher rates only queue longer
                     break
         print(f"\nsustained rate (p50 and p99 TTFT < {args.slo} s):")

@@ -866,6 +866,7 @@ def test_overlapped_decode_steps_give_the_same_tokens():
     row (a smaller bucket), and admissions between steps."""
     from hypic_jax.demo import tiny_model
     from hypic_jax.engine import SamplingParams
+    from hypic_jax.engine.requests import seam_tokens
     from hypic_jax.engine.scheduler import Request, Scheduler
 
     engine = Engine(tiny_model(), max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=MAX_NEW, max_batch=4,
@@ -881,8 +882,8 @@ def test_overlapped_decode_steps_give_the_same_tokens():
                                 logprobs=2 if i % 4 == 0 else None)
         specs.append((segments, params))
 
-    def run(overlap: bool) -> list:
-        scheduler = Scheduler(engine, overlap=overlap)
+    def run(overlap: bool, chunk: int | None = None, salt: str | None = None) -> list:
+        scheduler = Scheduler(engine, overlap=overlap, prefill_chunk=chunk)
         done, events = threading.Event(), [[] for _ in specs]
 
         def sink(k):
@@ -895,14 +896,19 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         scheduler.start()
         try:
             for k, (segments, params) in enumerate(specs):
-                scheduler.submit(Request(segments, params, sink(k), mode="transition_rope_recompute", seam=SEAM))
+                scheduler.submit(Request(segments, params, sink(k), mode="transition_rope_recompute", seam=SEAM,
+                                         cache_salt=salt))
             assert done.wait(120)
         finally:
             scheduler.stop()
         out = []
-        for es in events:
+        for es, (segments, _) in zip(events, specs):
             end = es[-1]
             assert end["type"] == "done", end
+            if chunk:  # a fresh salt: each request computed its own segments, in pieces or at admission
+                stats, docs = end["stats"], [d for d in segments[:-1] if len(d) > seam_tokens(SEAM, len(d))]
+                assert (stats.cached_tokens, stats.hits) == (0, 0), stats
+                assert (stats.cold_tokens, stats.misses) == (sum(map(len, docs)), len(docs)), stats
             logprobs = [lp for e in es if e["type"] == "delta" and e["logprobs"] for lp in e["logprobs"]]
             out.append((end["tokens"], end["finish_reason"], logprobs))
         return out, scheduler
@@ -920,6 +926,14 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         for (ta, ca, topa), (tb, cb, topb) in zip(a_lp, b_lp):
             assert ta == tb and abs(ca - cb) < 1e-5 and [t for t, _ in topa] == [t for t, _ in topb], k
     assert any(reason == "stop" for _, reason, _ in plain), plain
+    # cold prefills spread in pieces of one segment between decode steps: the same tokens again
+    for overlap in (False, True):
+        pieces, spread = run(overlap, chunk=1, salt=f"pieces-{overlap}")
+        assert spread.prefill_pieces > 0, spread.steps
+        for k, ((a_tokens, a_reason, a_lp), (b_tokens, b_reason, b_lp)) in enumerate(zip(pieces, plain)):
+            assert a_tokens == b_tokens and a_reason == b_reason, (overlap, k)
+            for (ta, ca, _), (tb, cb, _) in zip(a_lp, b_lp):
+                assert ta == tb and abs(ca - cb) < 1e-5, (overlap, k)
     # a lone request that ends by its length costs no step beyond its last token
     lone = Scheduler(engine, overlap=True)
     finished = threading.Event()

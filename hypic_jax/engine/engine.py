@@ -56,7 +56,7 @@ from hypic_jax.parallel.tensor import model_placement, place_tensor_parallel
 from hypic_jax.engine.programs import (HIDDEN_KINDS, DeviceMemoryError, ProgramKey, Programs, backend_compiles,
                                        out_of_memory, span_options, span_program)
 from hypic_jax.engine.requests import (SegmentReader, check_mode, is_integer, sampling_params, seam_tokens)
-from hypic_jax.engine.results import GenerateResult, PrefillResult, PrefillStats
+from hypic_jax.engine.results import GenerateResult, PrefillPiece, PrefillResult, PrefillStats
 from hypic_jax.engine.sampling import TOP_LOGPROBS, Sampled, SamplingRows
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.stack import LayerPlan, LayerStack, stacked_like
@@ -326,7 +326,7 @@ class Engine:
 
             sched = self.options.scheduler
             self._scheduler = Scheduler(self, max_queue=sched.max_queue, overlap=sched.overlap,
-                                        max_queue_wait=sched.max_queue_wait)
+                                        max_queue_wait=sched.max_queue_wait, prefill_chunk=sched.prefill_chunk)
         return self._scheduler
 
     # Programs ----------------------------------------------------------------------------------------------------------
@@ -535,12 +535,17 @@ class Engine:
 
     # Prefill -----------------------------------------------------------------------------------------------------------
     def prefill(self, segments, mode: str | None = None, seam: float | None = None,
-                cache_salt: str | None = None) -> PrefillResult:
+                cache_salt: str | None = None, *, wait: bool = True) -> PrefillResult:
         """Prefill a request; returns the last position's logits, the stats (`PrefillStats`) and the per-layer
-        caches after the prompt (`decode`, on the device: what a decode row continues from)."""
-        return self._prefill(segments, mode, seam, cache_salt)
+        caches after the prompt (`decode`, on the device: what a decode row continues from).
 
-    def _prefill(self, segments, mode, seam, cache_salt, *, hidden: bool = False):
+        wait=False returns as soon as the programs are issued: the logits are then a device array (their copy to
+        the host already queued behind the program), and the stats' times cover the planning and the issuing only.
+        The scheduler admits requests this way, so the host handles the previous decode step while the prefill
+        runs."""
+        return self._prefill(segments, mode, seam, cache_salt, wait=wait)
+
+    def _prefill(self, segments, mode, seam, cache_salt, *, hidden: bool = False, wait: bool = True):
         self._check_open()
         mode, seam = self._request_options(mode, seam, cache_salt)
         ids = self.reader(segments)
@@ -563,7 +568,8 @@ class Engine:
             for entry in plan.stores:
                 self.hierarchy.store(entry)
             tokens = np.concatenate(ids).tolist()  # while the program runs
-            logits = np.asarray(logits)
+            if wait or hidden:
+                logits = np.asarray(logits)
         end = time.perf_counter()
         stats = PrefillStats(
             mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(ids),
@@ -574,6 +580,37 @@ class Engine:
         if hidden:
             return result, np.asarray(out[2]), len(plan.fresh)
         return result
+
+    def prefill_piece(self, segments, mode: str | None = None, seam: float | None = None,
+                      cache_salt: str | None = None, *, budget: int) -> PrefillPiece:
+        """One piece of a request's cold prefill, for a prefill spread between decode steps: the request's missing
+        segments (a position-independent mode's entries not in any tier) are prefilled in order, whole, until
+        `budget` tokens (at least one segment), and their entries stored; the programs are issued, not waited for.
+        Returns what the piece did (`PrefillPiece`). A request in `full_recompute` or `prefix_cache` has no pieces
+        (an empty one): its prefill is one exact program over the prompt. The request's own `prefill` then finds
+        these entries, unless the pools evicted them in between (then it prefills them again)."""
+        self._check_open()
+        mode, seam = self._request_options(mode, seam, cache_salt)
+        if mode in ("full_recompute", "prefix_cache"):
+            return PrefillPiece(0, 0, 0, 0)
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1 token, got {budget}")
+        ids = self.reader(segments)
+        with self._device_lock, self.cache.pinned() as pins, self.hierarchy.request():
+            docs, seams, keys, _, missing = planner.lookup_pic(self, ids, mode, seam, cache_salt, pins)
+            piece, tokens = {}, 0
+            for key, i in missing.items():
+                if piece and tokens + len(docs[i]) > budget:
+                    break
+                piece[key] = i
+                tokens += len(docs[i])
+            mine = [k if k in piece else None for k in keys]
+            if piece:
+                self._prefill_missing(piece, docs, seams, pins, {}, mine)
+            self._finish_promotions()
+        return PrefillPiece(tokens, sum(len(docs[i]) for i in missing.values()) - tokens,
+                            sum(k is not None for k in mine),
+                            sum(len(d) - w for d, w, k in zip(docs, seams, mine) if k is not None))
 
     def _plan(self, mode, ids, seam, salt, pins, total) -> Plan:
         """What a request runs (`planner.plan`)."""

@@ -189,6 +189,10 @@ class SchedulerOptions(OptionGroup):
         "the last accepted requests waited against their prediction (derived: its deadline, request_timeout)", check=number(0, optional=True, above=True), metavar="SECONDS")
     overlap: bool = option(False, "dispatch each decode step before reading the previous one's ids back",
                            check=boolean())
+    prefill_chunk: int | None = option(
+        None, "while streams are decoding, prefill a queued request's missing segments in pieces of at most this "
+        "many tokens (whole segments), one piece between two decode steps, so no stream waits on a long cold "
+        "prefill (derived: one piece per admission)", check=whole(1, optional=True), metavar="TOKENS")
 
 
 def default_compile_cache() -> str:

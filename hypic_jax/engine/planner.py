@@ -21,7 +21,7 @@ from hypic_jax.cache.pools import PoolFull
 from hypic_jax.engine.requests import seam_tokens
 from hypic_jax.stitch import layout as lay
 
-__all__ = ["Plan", "plan", "plan_prefix", "plan_pic", "prefix_hits", "seam_span"]
+__all__ = ["Plan", "lookup_pic", "plan", "plan_prefix", "plan_pic", "prefix_hits", "seam_span"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -109,10 +109,10 @@ def plan_prefix(engine, ids, salt, pins) -> Plan:
                 len(hits), len(docs) - len(hits))
 
 
-def plan_pic(engine, ids, mode, seam, salt, pins) -> Plan:
-    """Every segment from its entry (position-independent), the missing ones prefilled first; with the seam window,
-    each segment's first tokens are fresh spans recomputed under the true prefix."""
-    docs, query = ids[:-1], ids[-1]
+def lookup_pic(engine, ids, mode, seam, salt, pins):
+    """A position-independent request's segments looked up: (documents, each one's seam, each one's entry key or
+    None when its seam covers it, the entries found by document index, the missing keys -> first document)."""
+    docs = ids[:-1]
     seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
     keys = [None if w >= len(doc) else entry_key(doc, fingerprint=engine.fingerprint, kind="pic", seam=w, salt=salt)
             for doc, w in zip(docs, seams)]
@@ -129,6 +129,14 @@ def plan_pic(engine, ids, mode, seam, salt, pins) -> Plan:
             missing.setdefault(key, i)
         else:
             entries[i] = entry
+    return docs, seams, keys, entries, missing
+
+
+def plan_pic(engine, ids, mode, seam, salt, pins) -> Plan:
+    """Every segment from its entry (position-independent), the missing ones prefilled first; with the seam window,
+    each segment's first tokens are fresh spans recomputed under the true prefix."""
+    docs, seams, keys, entries, missing = lookup_pic(engine, ids, mode, seam, salt, pins)
+    query = ids[-1]
     hit_indices = set(entries)
     hits = len(entries)
     misses = sum(1 for key in keys if key is not None) - hits

@@ -32,9 +32,30 @@ class PrefillStats:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillPiece:
+    """One piece of a cold prefill spread between decode steps (`Engine.prefill_piece`)."""
+
+    tokens: int
+    """Tokens prefilled by this piece."""
+    left: int
+    """Tokens of the request's segments still missing after it."""
+    segments: int
+    """The request's segments (each occurrence) whose entries it stored."""
+    cached_tokens: int
+    """Of those segments, the tokens the request's prefill will read from the entries (their seams excluded)."""
+
+    def as_stats(self, stats: PrefillStats) -> PrefillStats:
+        """`stats` of the request's prefill with this piece's segments counted as computed by the request, not
+        found in the cache."""
+        return dataclasses.replace(stats, cached_tokens=max(0, stats.cached_tokens - self.cached_tokens),
+                                   cold_tokens=stats.cold_tokens + self.tokens,
+                                   hits=max(0, stats.hits - self.segments), misses=stats.misses + self.segments)
+
+
 @dataclasses.dataclass
 class PrefillResult:
-    logits: np.ndarray  # float32 [vocab] at the last prompt position
+    logits: Any  # float32 [vocab] at the last prompt position (numpy; a device array from prefill(wait=False))
     stats: PrefillStats
     tokens: list[int]  # the whole prompt
     decode: Any = dataclasses.field(default=None, repr=False)  # per-layer caches after the prompt (device)

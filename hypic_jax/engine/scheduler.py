@@ -32,6 +32,7 @@ with `type` "delta" (new text, token ids, log-probabilities), "done" (finish rea
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -134,6 +135,7 @@ class Request:
         self.length = 0  # tokens in its decode cache
         self.first_token_at: float | None = None
         self.accepted_wait: float | None = None  # the uncalibrated predicted wait it was accepted with
+        self.pieces: list = []  # `PrefillPiece`s of its cold prefill run before its admission
         self.last_token_at: float | None = None
         self.finished = False
         self.ended: float | None = None  # monotonic time it finished or failed
@@ -155,11 +157,18 @@ class Scheduler:
     an object with the server's counters (`hypic_jax.serve.metrics.Metrics`) or None."""
 
     def __init__(self, engine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1,
-                 overlap: bool = False, max_queue_wait: float | None = None):
+                 overlap: bool = False, max_queue_wait: float | None = None, prefill_chunk: int | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue, self.metrics, self.retry_after_s = engine, max_queue, metrics, retry_after_s
         self.max_queue_wait = max_queue_wait
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token or None, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.prefill_pieces = 0  # cold prefill pieces run between decode steps
+        # where the loop's time goes: waiting for the device (reading a step's ids, a prefill's logits) and the rest,
+        # the host's own work (planning, issuing, detokenizing, delivering)
+        self.waited_s = self.host_s = 0.0
         # the time between two admissions while requests wait (an exponential average): the queue's service time,
         # from which `submit` predicts a new request's wait for a row
         self.admission_interval: float | None = None
@@ -186,6 +195,11 @@ class Scheduler:
         # the decode step in flight, whose ids the host has not read yet: (Sampled, its bucket, the request of each
         # row it stepped)
         self._pending: tuple | None = None
+        # when the last decode step's ids came back, the gap between the last two such reads without a prefill
+        # between them, and whether a prefill (or a piece of one) ran since the last read: the stall metric
+        self._read_at: float | None = None
+        self._plain_gap: float | None = None
+        self._prefilled = False
 
     # Public -----------------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -312,27 +326,39 @@ class Scheduler:
                 self._iterate()
 
     def _iterate(self) -> None:
-        """One round of the loop: drop what ended, admit one request, run one decode step."""
+        """One round of the loop: drop what ended, admit one request (or run one piece of its cold prefill), run one
+        decode step."""
+        start, waited = time.monotonic(), self.waited_s
         try:
             self._reap()
-            if self._queue and None in self.rows:
-                self._drain()  # an admission changes the rows: the step in flight is finished first
-                stalled = any(self.rows)
+            if self._queue and None in self.rows and not self._piece(self._queue[0]):
                 start = time.monotonic()
                 self._time_admission(start)
-                self._admit(self._queue.popleft())
-                if stalled and self.metrics:
-                    self.metrics.stall.observe(time.monotonic() - start)
+                with self._cv:
+                    request = self._queue.popleft()
+                self._admit(request)
             if any(self.rows):
                 self._step()
             else:
                 self._drain()
+                self._read_at = None  # no stream waits: the next gap starts with the next stream
         except Exception as error:  # noqa: BLE001  (the loop must survive; the requests it held get the error)
             log.exception("scheduler step failed")
             self._pending = None
             self._fail_running(RequestError(500, f"internal error: {error}", code="internal_error"))
         finally:
             self._gauges()
+            host = time.monotonic() - start - (self.waited_s - waited)
+            self.host_s += host
+            if self.metrics:
+                self.metrics.scheduler_time.labels("host").inc(host)
+                self.metrics.scheduler_time.labels("device_wait").inc(self.waited_s - waited)
+
+    def _wait(self, sampled) -> None:
+        """Read `sampled`'s ids (waiting for the device), counting the wait in `waited_s`."""
+        start = time.monotonic()
+        sampled.ids
+        self.waited_s += time.monotonic() - start
 
     def _time_admission(self, now: float) -> None:
         """Update `admission_interval` with the time since the last admission, when requests waited between the
@@ -373,7 +399,31 @@ class Scheduler:
         else:
             self._error(request, RequestError(504, "the request waited past its deadline", code="deadline_exceeded"))
 
+    def _piece(self, request: Request) -> bool:
+        """With `prefill_chunk` and streams running, one piece of `request`'s cold prefill (its missing segments, up
+        to `prefill_chunk` tokens, `Engine.prefill_piece`) instead of its admission, so a long cold prefill is
+        spread between decode steps; True if a piece ran. Whatever fails here is left to the admission, which
+        answers the request with it."""
+        if not self.prefill_chunk or not any(self.rows) or request.cancelled or time.monotonic() > request.deadline:
+            return False
+        try:
+            piece = self.engine.prefill_piece(request.segments, mode=request.mode, seam=request.seam,
+                                              cache_salt=request.cache_salt, budget=self.prefill_chunk)
+        except Exception:  # noqa: BLE001
+            log.debug("prefill piece of request %s failed; its admission reports it", request.id, exc_info=True)
+            return False
+        if not piece.tokens:
+            return False
+        request.pieces.append(piece)
+        self.prefill_pieces += 1
+        self._prefilled = True
+        if self.metrics:
+            self.metrics.prefill_pieces.inc()
+        return True
+
     def _admit(self, request: Request) -> None:
+        """Prefill `request` and insert it into a free row. The prefill is issued without waiting for it, and the
+        step in flight is handled while it runs; the first token's read then waits for both."""
         now = time.monotonic()
         if request.cancelled or now > request.deadline:
             self._end_unstarted(request, now)
@@ -382,27 +432,30 @@ class Scheduler:
             self.metrics.queue_time.observe(now - request.arrival)
         try:
             pre = self.engine.prefill(request.segments, mode=request.mode, seam=request.seam,
-                                      cache_salt=request.cache_salt)
-        except ValueError as error:
-            self._error(request, RequestError(400, str(error), param="prompt"))
-            return
+                                      cache_salt=request.cache_salt, wait=False)
         except Exception as error:  # noqa: BLE001
-            if out_of_memory(error):  # this request's size, not the server: refused, and the loop goes on
-                log.warning("request %s ran out of device memory in its prefill: %s", request.id,
-                            str(error).splitlines()[0])
-                self._error(request, RequestError(
-                    400, f"the device ran out of memory for this request ({request.prompt_tokens} prompt tokens in "
-                    f"{len(request.segments)} segments; this server takes up to {self.engine.max_prompt_tokens} "
-                    f"prompt tokens in {self.engine.max_segments} segments): send a shorter prompt or fewer "
-                    f"segments", param="prompt", code="device_memory"))
-                return
-            log.exception("prefill failed for request %s", request.id)
-            self._error(request, RequestError(500, f"internal error during prefill: {error}", code="internal_error"))
+            self._prefill_failed(request, error)
             return
-        request.stats = pre.stats
+        self._prefilled = True
+        try:
+            self._drain()  # an admission changes the rows: the step in flight is handled while the prefill runs
+        except Exception as error:  # the loop's handler answers the running requests; this one is answered here
+            self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
+            raise
+        wait = time.monotonic()
+        try:
+            pre.logits = np.asarray(pre.logits)  # waits for the prefill: its failure is this request's alone
+        except Exception as error:  # noqa: BLE001
+            self._prefill_failed(request, error)
+            return
+        finally:
+            self.waited_s += time.monotonic() - wait
+        stats = pre.stats
+        for piece in request.pieces:
+            stats = piece.as_stats(stats)
+        request.stats = stats
         request.length = pre.stats.prompt_tokens
-        if self.metrics:
-            self.metrics.prefill_time.observe(pre.stats.ttft_s)
+        self._prefill_done(request, now)
         if request.params.max_tokens == 0:
             self._finish(request, "length")
             return
@@ -423,7 +476,34 @@ class Scheduler:
             raise
         self.rows[row] = request
         request.row = row
+        self._wait(sampled)
         self._accept(request, sampled, 0)
+
+    def _prefill_failed(self, request: Request, error: Exception) -> None:
+        """Answer `request` for its failed prefill: 400 for a prompt the engine refuses or a request too large for
+        the device's memory (the loop goes on), else 500."""
+        if isinstance(error, ValueError):
+            self._error(request, RequestError(400, str(error), param="prompt"))
+        elif out_of_memory(error):
+            log.warning("request %s ran out of device memory in its prefill: %s", request.id,
+                        str(error).splitlines()[0])
+            self._error(request, RequestError(
+                400, f"the device ran out of memory for this request ({request.prompt_tokens} prompt tokens in "
+                f"{len(request.segments)} segments; this server takes up to {self.engine.max_prompt_tokens} "
+                f"prompt tokens in {self.engine.max_segments} segments): send a shorter prompt or fewer "
+                f"segments", param="prompt", code="device_memory"))
+        else:
+            log.error("prefill failed for request %s", request.id, exc_info=error)
+            self._error(request, RequestError(500, f"internal error during prefill: {error}", code="internal_error"))
+
+    def _prefill_done(self, request: Request, start: float) -> None:
+        """The prefill of `request`, admitted at `start`, has ended: its stats' times become the measured ones (it was
+        issued without waiting), and the prefill-time metric sees them."""
+        seconds = time.monotonic() - start
+        stats = request.stats
+        request.stats = dataclasses.replace(stats, ttft_s=seconds, combine_s=max(0.0, seconds - stats.cold_s))
+        if self.metrics:
+            self.metrics.prefill_time.observe(seconds)
 
     def _step(self) -> None:
         """Dispatch the next decode step of the running rows; with overlap, chained onto the step in flight (whose
@@ -460,6 +540,8 @@ class Scheduler:
         self.bucket_steps[rows] += 1
         if self.metrics:
             self.metrics.decode_steps.labels("true" if chained else "false").inc()
+            self.metrics.decode_bucket_steps.labels(str(rows)).inc()
+            self.metrics.decode_rows.labels(str(rows)).inc(len(busy))
         previous, self._pending = self._pending if chained else None, (sampled, rows, {i: self.rows[i] for i in busy})
         if previous is not None:
             self._take(previous)
@@ -476,10 +558,24 @@ class Scheduler:
         """A dispatched step's tokens to the requests it stepped that are still running (reading them waits for
         the step); a row whose request ended since (a stop, a cancel) is discarded."""
         sampled, _, requests = pending
+        self._wait(sampled)
+        self._time_read(time.monotonic())
         for i, request in requests.items():
             if self.rows[i] is request and not request.finished:
                 request.length += 1
                 self._accept(request, sampled, i)
+
+    def _time_read(self, now: float) -> None:
+        """A decode step's ids came back at `now`. If a prefill or a piece of one ran since the read before, the
+        streams waited the gap between the two reads: what it exceeds the last gap without one by is the stall
+        (`hypic:decode_stall_seconds`)."""
+        if self._read_at is not None:
+            gap = now - self._read_at
+            if not self._prefilled:
+                self._plain_gap = gap
+            elif self._plain_gap is not None and self.metrics:
+                self.metrics.stall.observe(max(0.0, gap - self._plain_gap))
+        self._read_at, self._prefilled = now, False
 
     def _accept(self, request: Request, sampled, i: int) -> None:
         """Row i of `sampled` is `request`'s next token: release its text, then finish it if it is done."""

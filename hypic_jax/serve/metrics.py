@@ -15,7 +15,11 @@ the device: peer, host, disk), hypic:decode_steps{chained} (batched decode steps
 before, `Scheduler(overlap=True)`), hypic:compilations_while_serving (XLA compilations since the server became
 ready, other than the planned ones of larger rungs compiling in the background), hypic:programs_pending (those
 still compiling), hypic:device_memory_bytes{device} and hypic:device_memory_peak_bytes{device} (where the backend
-reports them: GPUs, not the CPU), hypic:device_cache_fetches (entries copied from another device's pools to the first device's).
+reports them: GPUs, not the CPU), hypic:device_cache_fetches (entries copied from another device's pools to the first device's),
+hypic:decode_bucket_steps{bucket} and hypic:decode_rows{bucket} (steps per batch bucket, and the running rows they
+stepped: with a step time per bucket, the tokens/s the batched step alone would give the same rows, as
+bench/serve.py reports), hypic:prefill_pieces (cold prefills spread between decode steps, `--prefill-chunk`),
+hypic:scheduler_seconds{part} (the scheduler loop waiting for the device, and doing its own host work).
 """
 
 from __future__ import annotations
@@ -128,6 +132,14 @@ class Metrics:
         self.rejected = c("hypic:requests_rejected", "Requests refused with 429: the queue was full, or the predicted wait for a first token too long.")
         self.decode_steps = c("hypic:decode_steps", "Batched decode steps; chained: dispatched before the host read "
                               "the step before.", ("chained",))
+        self.decode_rows = c("hypic:decode_rows", "Running requests' rows in batched decode steps (a step over b rows "
+                             "of which r run counts r here and 1 under its bucket).", ("bucket",))
+        self.decode_bucket_steps = c("hypic:decode_bucket_steps", "Batched decode steps per batch bucket (rows).",
+                                     ("bucket",))
+        self.scheduler_time = c("hypic:scheduler_seconds", "The scheduler loop's time: waiting for the device "
+                                "(part device_wait) and the host's own work (part host).", ("part",))
+        self.prefill_pieces = c("hypic:prefill_pieces", "Pieces of cold prefills run between decode steps "
+                                "(--prefill-chunk).")
         r.register(_EngineCollector(engine, self))
 
     def mark_ready(self) -> None:
