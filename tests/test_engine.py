@@ -206,6 +206,29 @@ def test_reordered_documents_are_served_from_the_cache(engines, arch):
     assert rel_err(_first_linear_state(warm), _first_linear_state(shuffled_full)) < 1e-5
 
 
+def test_a_prefill_in_pieces_records_what_the_whole_prefill_would(engines):
+    """`prefill_piece` prefills the segments no tier holds in order, whole, up to its budget; afterwards the
+    request's prefill finds every one of them and gives the logits of the prefill that computed them itself."""
+    engine, _, vocab = engines("qwen_dense")
+    segs = _request(vocab, seed=5)
+    with pytest.raises(ValueError, match="budget"):
+        engine.prefill_piece(segs, budget=0)
+    assert engine.prefill_piece(segs, mode="full_recompute", budget=1).tokens == 0
+    for mode in ("transition_rope_recompute", "prefix_cache"):
+        whole = engine.prefill(segs, mode=mode, seam=SEAM, cache_salt=f"whole-{mode}")
+        salt, done, left = f"pieces-{mode}", [], NUM_DOCS * DOC_LEN
+        while left:  # a budget of 1.5 segments: one segment per piece
+            piece = engine.prefill_piece(segs, mode=mode, seam=SEAM, cache_salt=salt, budget=DOC_LEN * 3 // 2)
+            assert (piece.tokens, piece.segments, piece.left) == (DOC_LEN, 1, left - DOC_LEN), (mode, piece)
+            done.append(piece)
+            left = piece.left
+        assert engine.prefill_piece(segs, mode=mode, seam=SEAM, cache_salt=salt, budget=1).tokens == 0
+        after = engine.prefill(segs, mode=mode, seam=SEAM, cache_salt=salt)
+        assert (after.stats.hits, after.stats.misses) == (NUM_DOCS, 0), mode
+        assert sum(p.cached_tokens for p in done) == after.stats.cached_tokens, mode
+        assert rel_err(after.logits, whole.logits) < 1e-5, mode
+
+
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_addition_deviates_far_more_than_transition(engines, arch):
     """HYPIC's ablation: dropping T (addition) breaks decaying / delta-rule states; composing with T does not.

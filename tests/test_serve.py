@@ -882,7 +882,8 @@ def test_overlapped_decode_steps_give_the_same_tokens():
                                 logprobs=2 if i % 4 == 0 else None)
         specs.append((segments, params))
 
-    def run(overlap: bool, chunk: int | None = None, salt: str | None = None) -> list:
+    def run(overlap: bool, chunk: int | None = None, salt: str | None = None,
+            mode: str = "transition_rope_recompute") -> list:
         scheduler = Scheduler(engine, overlap=overlap, prefill_chunk=chunk)
         done, events = threading.Event(), [[] for _ in specs]
 
@@ -896,8 +897,7 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         scheduler.start()
         try:
             for k, (segments, params) in enumerate(specs):
-                scheduler.submit(Request(segments, params, sink(k), mode="transition_rope_recompute", seam=SEAM,
-                                         cache_salt=salt))
+                scheduler.submit(Request(segments, params, sink(k), mode=mode, seam=SEAM, cache_salt=salt))
             assert done.wait(120)
         finally:
             scheduler.stop()
@@ -905,7 +905,7 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         for es, (segments, _) in zip(events, specs):
             end = es[-1]
             assert end["type"] == "done", end
-            if chunk:  # a fresh salt: each request computed its own segments, in pieces or at admission
+            if chunk and mode != "prefix_cache":  # a fresh salt: each request computed its own segments
                 stats, docs = end["stats"], [d for d in segments[:-1] if len(d) > seam_tokens(SEAM, len(d))]
                 assert (stats.cached_tokens, stats.hits) == (0, 0), stats
                 assert (stats.cold_tokens, stats.misses) == (sum(map(len, docs)), len(docs)), stats
@@ -934,6 +934,14 @@ def test_overlapped_decode_steps_give_the_same_tokens():
             assert a_tokens == b_tokens and a_reason == b_reason, (overlap, k)
             for (ta, ca, _), (tb, cb, _) in zip(a_lp, b_lp):
                 assert ta == tb and abs(ca - cb) < 1e-5, (overlap, k)
+    # prefix_cache: the leading segments after the cached run, recorded in pieces; prefix reuse is exact
+    whole, _ = run(False, salt="prefix-whole", mode="prefix_cache")
+    pieces, spread = run(True, chunk=1, salt="prefix-pieces", mode="prefix_cache")
+    assert spread.prefill_pieces > 0, spread.steps
+    for k, ((a_tokens, a_reason, a_lp), (b_tokens, b_reason, b_lp)) in enumerate(zip(pieces, whole)):
+        assert a_tokens == b_tokens and a_reason == b_reason, k
+        for (ta, ca, _), (tb, cb, _) in zip(a_lp, b_lp):
+            assert ta == tb and abs(ca - cb) < 1e-4, k
     # a lone request that ends by its length costs no step beyond its last token
     lone = Scheduler(engine, overlap=True)
     finished = threading.Event()

@@ -583,19 +583,22 @@ class Engine:
 
     def prefill_piece(self, segments, mode: str | None = None, seam: float | None = None,
                       cache_salt: str | None = None, *, budget: int) -> PrefillPiece:
-        """One piece of a request's cold prefill, for a prefill spread between decode steps: the request's missing
-        segments (a position-independent mode's entries not in any tier) are prefilled in order, whole, until
-        `budget` tokens (at least one segment), and their entries stored; the programs are issued, not waited for.
-        Returns what the piece did (`PrefillPiece`). A request in `full_recompute` or `prefix_cache` has no pieces
-        (an empty one): its prefill is one exact program over the prompt. The request's own `prefill` then finds
-        these entries, unless the pools evicted them in between (then it prefills them again)."""
+        """One piece of a request's prefill, for a prefill spread between decode steps: the segments whose entries
+        no tier holds are prefilled in order, whole, until `budget` tokens (at least one segment), and their entries
+        stored; the programs are issued, not waited for. In a position-independent mode those are the missing
+        segments, each prefilled alone; in `prefix_cache` the leading segments after the longest cached run, under
+        that run (each recorded as a prefix entry, as the request's own prefill would). Returns what the piece did
+        (`PrefillPiece`; an empty one in `full_recompute`, which caches nothing). The request's own `prefill` then
+        finds these entries, unless the pools evicted them in between (then it computes them again)."""
         self._check_open()
         mode, seam = self._request_options(mode, seam, cache_salt)
-        if mode in ("full_recompute", "prefix_cache"):
-            return PrefillPiece(0, 0, 0, 0)
         if budget < 1:
             raise ValueError(f"budget must be >= 1 token, got {budget}")
+        if mode == "full_recompute":
+            return PrefillPiece(0, 0, 0, 0)
         ids = self.reader(segments)
+        if mode == "prefix_cache":
+            return self._prefix_piece(ids, cache_salt, budget)
         with self._device_lock, self.cache.pinned() as pins, self.hierarchy.request():
             docs, seams, keys, _, missing = planner.lookup_pic(self, ids, mode, seam, cache_salt, pins)
             piece, tokens = {}, 0
@@ -611,6 +614,26 @@ class Engine:
         return PrefillPiece(tokens, sum(len(docs[i]) for i in missing.values()) - tokens,
                             sum(k is not None for k in mine),
                             sum(len(d) - w for d, w, k in zip(docs, seams, mine) if k is not None))
+
+    def _prefix_piece(self, ids, salt, budget: int) -> PrefillPiece:
+        """`prefill_piece` in `prefix_cache`: the documents after the longest cached run, up to `budget` tokens,
+        computed under that run and recorded as prefix entries."""
+        docs = ids[:-1]
+        with self._device_lock, self.cache.pinned() as pins, self.hierarchy.request():
+            _, hits = planner.prefix_hits(self, docs, salt, pins)
+            start = end = len(hits)
+            tokens = 0
+            while end < len(docs) and (end == start or tokens + len(docs[end]) <= budget):
+                tokens += len(docs[end])
+                end += 1
+            if end == start:
+                self._finish_promotions()
+                return PrefillPiece(0, 0, 0, 0)
+            plan = planner.plan_prefix(self, docs[:end], salt, pins, query=False)
+            self._run(plan.kind, plan.spans, plan.fresh)
+            for entry in plan.stores:
+                self.hierarchy.store(entry)
+        return PrefillPiece(tokens, sum(map(len, docs[end:])), end - start, tokens)
 
     def _plan(self, mode, ids, seam, salt, pins, total) -> Plan:
         """What a request runs (`planner.plan`)."""

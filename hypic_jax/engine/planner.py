@@ -79,10 +79,11 @@ def prefix_hits(engine, docs, salt, pins) -> tuple[list[str], list[Entry]]:
     return keys, hits
 
 
-def plan_prefix(engine, ids, salt, pins) -> Plan:
+def plan_prefix(engine, ids, salt, pins, *, query: bool = True) -> Plan:
     """The longest cached run of leading segments; the rest is computed exactly and recorded as new prefix entries
-    (as many as the pools can hold)."""
-    docs, query = ids[:-1], ids[-1]
+    (as many as the pools can hold). With query=False every segment is a document (a piece of a prefill spread
+    between decode steps: it records entries and its logits are not used)."""
+    docs, query = (ids[:-1], ids[-1]) if query else (ids, None)
     keys, hits = prefix_hits(engine, docs, salt, pins)
     engine._finish_promotions()
     spans, fresh, stores, position, full = [], [], [], 0, False
@@ -103,8 +104,9 @@ def plan_prefix(engine, ids, salt, pins) -> Plan:
             if entry is not None:
                 stores.append(entry)
         position += len(doc)
-    spans.append(lay.Span(lay.FRESH, len(query)))
-    fresh.append(query)
+    if query is not None:
+        spans.append(lay.Span(lay.FRESH, len(query)))
+        fresh.append(query)
     return Plan("plain", tuple(spans), np.concatenate(fresh), tuple(stores), sum(e.length for e in hits), 0,
                 len(hits), len(docs) - len(hits))
 
