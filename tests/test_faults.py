@@ -90,6 +90,26 @@ def test_predicted_wait_counts_the_requests_ahead():
     assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
 
 
+def test_an_admission_overdue_counts_before_it_happens():
+    """No admission for a second while requests wait: the service time is at least that, whatever the intervals
+    measured before said; the interval in progress starts no earlier than the oldest waiting request's arrival."""
+    import time
+
+    scheduler = _scheduler()
+    scheduler.admission_interval = 0.25
+    now = time.monotonic()
+    scheduler._last_admission = now - 1.0
+    waiting = [_request() for _ in range(3)]
+    for request in waiting:
+        request.arrival = now - 5.0
+    scheduler._queue.extend(waiting)
+    assert scheduler.predicted_wait() == pytest.approx(4 * 1.0, rel=0.05)
+    scheduler._last_admission = now - 100.0  # an idle server: the gap began when the first of them arrived
+    for request in waiting:
+        request.arrival = now - 0.1
+    assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
+
+
 def test_the_prediction_is_scaled_by_what_accepted_requests_waited():
     """Requests that waited twice what was predicted for them (their own prefills, a slower step) double the next
     predictions once eight were seen, so the limit holds for what is accepted; waits under the prediction never

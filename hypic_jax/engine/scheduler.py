@@ -240,8 +240,9 @@ class Scheduler:
 
     def predicted_wait(self) -> float | None:
         """Seconds a request submitted now would wait for its first token: one admission interval for each request
-        ahead of it and one for itself (its own admission runs its prefill), the interval the larger of the average
-        and the latest (so that a rising load is seen at once, and a falling one as the average follows it), times
+        ahead of it and one for itself (its own admission runs its prefill), the interval the largest of the
+        average, the latest and the one in progress (so that a rising load is seen at once, even before the next
+        admission, and a falling one as the average follows it), times
         `calibration`, what the requests accepted last actually waited over what was predicted for them. None
         before any backlog was seen, or with an empty queue: the loop's next round admits it."""
         raw = self._raw_wait()
@@ -250,7 +251,13 @@ class Scheduler:
     def _raw_wait(self) -> float | None:
         if self.admission_interval is None or not self._queue:
             return None
-        return (len(self._queue) + 1) * max(self.admission_interval, self._latest_interval or 0.0)
+        # the interval in progress: no admission since the later of the last one and the oldest waiting request's
+        # arrival, so the service time now is at least that long (a service that slows shows here before the next
+        # admission measures it)
+        since = self._queue[0].arrival if self._last_admission is None else max(self._last_admission,
+                                                                                 self._queue[0].arrival)
+        current = time.monotonic() - since
+        return (len(self._queue) + 1) * max(self.admission_interval, self._latest_interval or 0.0, current)
 
     def _calibrate(self, request: Request, now: float) -> None:
         """Record what `request` waited for its first token against the uncalibrated prediction it was accepted
