@@ -195,11 +195,12 @@ class Scheduler:
         # the decode step in flight, whose ids the host has not read yet: (Sampled, its bucket, the request of each
         # row it stepped)
         self._pending: tuple | None = None
-        # when the last decode step's ids came back, the gap between the last two such reads without a prefill
-        # between them, and whether a prefill (or a piece of one) ran since the last read: the stall metric
+        # the stall metric: reads of decode steps' ids so far, when the last one came back, the gap between the last
+        # two reads without a prefill between them, and the reads a prefill (or a piece of one) delayed
+        self._reads = 0
         self._read_at: float | None = None
         self._plain_gap: float | None = None
-        self._prefilled = False
+        self._stalled_reads: set[int] = set()
 
     # Public -----------------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -423,7 +424,7 @@ class Scheduler:
             return False
         request.pieces.append(piece)
         self.prefill_pieces += 1
-        self._prefilled = True
+        self._mark_stall()
         if self.metrics:
             self.metrics.prefill_pieces.inc()
         return True
@@ -443,7 +444,7 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001
             self._prefill_failed(request, error)
             return
-        self._prefilled = True
+        self._mark_stall()
         try:
             self._drain()  # an admission changes the rows: the step in flight is handled while the prefill runs
         except Exception as error:  # the loop's handler answers the running requests; this one is answered here
@@ -572,17 +573,26 @@ class Scheduler:
                 request.length += 1
                 self._accept(request, sampled, i)
 
+    def _mark_stall(self) -> None:
+        """A prefill (or a piece of one) was just issued: the first decode step issued after it is the one it delays
+        (with a step in flight, the read after that step's)."""
+        if any(self.rows):
+            self._stalled_reads.add(self._reads + 1 + (self._pending is not None))
+
     def _time_read(self, now: float) -> None:
-        """A decode step's ids came back at `now`. If a prefill or a piece of one ran since the read before, the
-        streams waited the gap between the two reads: what it exceeds the last gap without one by is the stall
-        (`hypic:decode_stall_seconds`)."""
+        """A decode step's ids came back at `now`. If a prefill or a piece of one ran before this step, the streams
+        waited the gap between this read and the one before: what it exceeds the last gap without one by is the
+        stall (`hypic:decode_stall_seconds`)."""
+        self._reads += 1
+        stalled = self._reads in self._stalled_reads
+        self._stalled_reads = {r for r in self._stalled_reads if r > self._reads}
         if self._read_at is not None:
             gap = now - self._read_at
-            if not self._prefilled:
+            if not stalled:
                 self._plain_gap = gap
             elif self._plain_gap is not None and self.metrics:
                 self.metrics.stall.observe(max(0.0, gap - self._plain_gap))
-        self._read_at, self._prefilled = now, False
+        self._read_at = now
 
     def _accept(self, request: Request, sampled, i: int) -> None:
         """Row i of `sampled` is `request`'s next token: release its text, then finish it if it is done."""
