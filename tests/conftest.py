@@ -54,13 +54,22 @@ def tiny_checkpoints(tmp_path_factory):
     return lambda arch: helpers.tiny_checkpoint(arch, str(root / arch))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: a test of tens of seconds (`helpers.LONG`), scheduled first")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup` (pyproject.toml), give each test marked with `xdist_group` the "@group" suffix of its
+    """The tests marked `long` first, the order of the others kept: xdist hands out the tests of one group together
+    (the largest groups first) and the others in collection order, so a long test collected last would run alone
+    on one worker while the other idles.
+
+    Under `--dist loadgroup` (pyproject.toml), give each test marked with `xdist_group` the "@group" suffix of its
     node id that xdist's scheduler groups by. pytest-xdist (3.8) sets it through `item._nodeid`, which pytest 9.2's
     structured node ids no longer read (pytest-dev/pytest-xdist#1386): without this the groups are silently ignored
     and every worker builds and compiles the shared checkpoints anew. A no-op where xdist set the suffix itself, and
     where pytest's node ids change again (grouping only saves time; the tests are the same)."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if not getattr(config.option, "loadgroup", False):  # set in xdist workers only
         return
     try:

@@ -68,6 +68,9 @@ def on_worker_of(group: str):
     return pytest.mark.xdist_group(group)
 
 
+LONG = pytest.mark.long  # tens of seconds (a subprocess, or engines warmed up): scheduled first (conftest.py)
+
+
 ARCHS = ("qwen_dense", "qwen_moe", "ring", "kimi")  # the engine tests' checkpoints (`tiny_checkpoint`)
 
 
@@ -170,7 +173,10 @@ RING_CONFIG = {
     "topk_group": 2,
 }
 
-REFERENCE_ARCHS = ("qwen_dense", "qwen_moe", "qwen_moe_wrapper", "qwen_next", "kimi", "ring")
+REFERENCE_LONG = pytest.mark.long  # tens of seconds (a subprocess, or engines warmed up): scheduled first (conftest.py)
+
+
+ARCHS = ("qwen_dense", "qwen_moe", "qwen_moe_wrapper", "qwen_next", "kimi", "ring")
 
 
 def reference_model(arch: str, seed: int = 0, without: tuple[str, ...] = (), **overrides):

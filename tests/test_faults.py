@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import LONG
 from hypic_jax.engine.requests import SamplingParams
 from hypic_jax.engine.scheduler import Request, RequestError, Scheduler
 
@@ -135,6 +136,7 @@ def test_the_prediction_is_scaled_by_what_accepted_requests_waited():
     assert fast.calibration == 1.0
 
 
+@LONG
 def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):
     """`bench/crash.py` at a short size: a server with a disk tier killed (SIGKILL) under load, write-through on
     and off, its folder then damaged as a power loss would (truncated and corrupted files, partial temporaries);
@@ -157,7 +159,8 @@ def test_a_killed_server_restarts_and_serves_only_whole_entries(tmp_path):
         port = s.getsockname()[1]
     args = crash.parser().parse_args(["--model", str(folder), "--dtype", "float32", "--cycles", "2", "--vocab",
                                       str(vocab), "--folder", str(tmp_path / "run"), "--port", str(port),
-                                      "--requests", "16", "--damage", "0.5", "--start-timeout", "300"])
+                                      "--requests", "16", "--damage", "0.5", "--start-timeout", "300",
+                                      "--rung", "128", "--doc-tokens", "24", "--max-batch", "2"])
     out = crash.run(args)  # raises on a failed restart or an answer unlike its reference
     rows = out["rows"]
     assert [r["write_through"] for r in rows] == [True, False]

@@ -25,7 +25,7 @@ from hypic_jax.kernels.grouped_matmul import ChunkedWeights, GMMConfig, block_la
 from hypic_jax.kernels.grouped_matmul.matmul import _scale_tile
 from hypic_jax.models import base, layers, stack as layer_stack
 from hypic_jax.models.stack import ExpertBank, ExpertChunks, LayerStack
-from helpers import rel_err
+from helpers import LONG, rel_err
 
 SIZES = np.array([5, 0, 17, 3], np.int32)  # an empty group, partial and exact blocks
 
@@ -245,6 +245,7 @@ def test_quantized_moe_model_equals_its_dequantized_weights(tiny_checkpoints, bl
         assert rel_err(got, want, norm="max") < 1e-5, kernels.moe
 
 
+@LONG
 @pytest.mark.parametrize("chunked", [False, True])
 def test_scanned_fp8_model(tmp_path_factory, monkeypatch, chunked):
     """Six layers (2 x [GDN, GDN, attention]) quantized and stacked: the scan reads the FP8 expert banks (whole,

@@ -29,7 +29,7 @@ from hypic_jax.models import layers as model_layers
 from hypic_jax.models import base, stack as layer_stack
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
-from helpers import RING_CONFIG, VOCAB, reference_model, rel_err, save_checkpoint
+from helpers import LONG, RING_CONFIG, VOCAB, reference_model, rel_err, save_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -401,6 +401,7 @@ def test_batched_decode_programs_have_no_conditionals(decode_engines):
             assert conditionals == allowed, (arch, kind, rows, engine.plan.scanned)
 
 
+@LONG
 def test_engine_runs_stacked_layers(tmp_path):
     """`hypic_jax.Engine` and `Model` read a `LayerStack` like the list of layers (static slices; experts as
     banks): an engine on a stacked model prefills and generates like one with every layer unrolled, and uses the
@@ -429,6 +430,7 @@ def test_engine_runs_stacked_layers(tmp_path):
     stacked_engine.close()
 
 
+@LONG
 def test_decode_cache_layouts_do_not_change_results(monkeypatch):
     """slot_layouts="auto" (the compiler picks the batched decode cache's layouts; the CPU keeps row-major) and a
     cache forced into non-default layouts (the two minor axes of every leaf of rank >= 3 swapped, in every program

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import rel_err
+from helpers import LONG, rel_err
 from hypic_jax.stitch import layout as lay
 from hypic_jax.stitch.layout import CACHED, DROP, FRESH, PAD_POSITION, PIECE_CACHED, PIECE_FRESH
 
@@ -226,6 +226,7 @@ def requests(draw):
     return spans, capacity, flags, rng.integers(0, 1000, fresh).astype(np.int32)
 
 
+@LONG
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_build_matches_the_reference(request):

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import fake_devices_env
+from helpers import LONG, fake_devices_env
 
 TESTS = Path(__file__).parent
 
@@ -110,6 +110,7 @@ print("checked", checked)
 """
 
 
+@LONG
 def test_linear_core_and_attention_split_by_heads_over_a_model_axis():
     done = subprocess.run([sys.executable, "-c", _SCRIPT, str(TESTS)], env=fake_devices_env(4), capture_output=True,
                           text=True, timeout=900)

@@ -13,7 +13,8 @@ collectives), each with two fake CPU devices, so the segment mesh spans four dev
 - Engines that differ (process 1 with half the cache): `Runner` refuses them on both processes.
 - The processes share one compile cache folder (as those of one machine do by default: the engine's
   `compile_cache="auto"`, one folder per user), and the cluster restarts on it: each process runs its programs on
-  its own devices, and the cluster still serves the one-process engine's logits.
+  its own devices, and the cluster still serves the one-process engine's logits. The divergence cluster is the
+  first start on that folder; the restart and the killed clusters load its programs instead of compiling them.
 
 Every process runs under a deadline and is killed past it: nothing here can hang.
 """
@@ -145,10 +146,20 @@ def _cluster(tmp_path: Path, name: str, *extra: str, reference: Path | None = No
     raise AssertionError("unreachable")
 
 
-def test_two_processes_serve_like_one_and_report_a_divergence(tmp_path):
+@pytest.fixture(scope="module")
+def first_cluster(tmp_path_factory):
+    """The divergence cluster beside its one-process reference, both processes keeping their programs in one
+    folder (the default per-user compile cache of one machine): (folder, coordinator, follower, reference, wall).
+    One cluster serves both tests that start from an empty program folder; starting one costs a warmup."""
+    root = tmp_path_factory.mktemp("multihost")
+    folder = root / "programs"
     started = time.perf_counter()
-    coordinator, follower, single = _cluster(tmp_path, "serve", "--diverge", reference=tmp_path / "single")
-    wall = time.perf_counter() - started
+    runs = _cluster(root, "serve", "--diverge", "--compile-cache", str(folder), reference=root / "single")
+    return folder, *runs, time.perf_counter() - started
+
+
+def test_two_processes_serve_like_one_and_report_a_divergence(first_cluster):
+    _, coordinator, follower, single, wall = first_cluster
     for run in (coordinator, follower, single):
         assert run.status is not None, run.tail()
     assert single.status["status"] == "ok" and single.status["requests"] == 3, single.tail()
@@ -186,8 +197,9 @@ def test_two_processes_serve_like_one_and_report_a_divergence(tmp_path):
     print(f"cluster and reference: {wall:.1f} s")
 
 
-def test_a_killed_process_fails_the_request_within_the_timeout(tmp_path):
-    coordinator, killed = _cluster(tmp_path, "kill1", "--kill", "1")
+def test_a_killed_process_fails_the_request_within_the_timeout(first_cluster, tmp_path):
+    """Its warmup loads the first cluster's programs (`first_cluster`): the kill comes after it either way."""
+    coordinator, killed = _cluster(tmp_path, "kill1", "--kill", "1", "--compile-cache", str(first_cluster[0]))
     assert killed.rc == -9 and killed.status is None, killed.tail()
     status = coordinator.status
     assert status is not None and status["status"] == "error", coordinator.tail()
@@ -198,8 +210,8 @@ def test_a_killed_process_fails_the_request_within_the_timeout(tmp_path):
     assert coordinator.rc == 0
 
 
-def test_a_follower_does_not_outlive_its_coordinator(tmp_path):
-    killed, follower = _cluster(tmp_path, "kill0", "--kill", "0")
+def test_a_follower_does_not_outlive_its_coordinator(first_cluster, tmp_path):
+    killed, follower = _cluster(tmp_path, "kill0", "--kill", "0", "--compile-cache", str(first_cluster[0]))
     assert killed.rc == -9, killed.tail()
     # jax.distributed terminates a process whose coordination service is gone; should it not, `follow` raises
     # (the service is unreachable, or no request within its idle timeout)
@@ -217,23 +229,21 @@ def test_engines_that_differ_are_refused(tmp_path):
         assert "process 1: cache_bytes, pools" in run.status["error"], run.status
 
 
-def test_processes_sharing_a_compile_cache_serve_like_one(tmp_path):
+def test_processes_sharing_a_compile_cache_serve_like_one(first_cluster, tmp_path):
     """Both processes keep their programs in one folder (the default per-user compile cache of one machine), and
-    the cluster is started twice on it (the second time every program is stored, by one process or the other): a
-    program stored for another process's devices is never run on this one's, and both times the cluster serves the
-    one-process engine's logits."""
-    folder = tmp_path / "programs"
-    want = None
-    for start in ("first", "again"):
-        reference = tmp_path / "single" if want is None else None
-        runs = _cluster(tmp_path, start, "--compile-cache", str(folder), reference=reference)
-        for run in runs:
-            assert run.status is not None and run.status["status"] == "ok", (start, run.tail())
-        want = runs[2].npz() if want is None else want
-        coordinator = runs[0]
+    the cluster is started twice on it (the first start is `first_cluster`'s; the second time every program is
+    stored, by one process or the other): a program stored for another process's devices is never run on this
+    one's, and both times the cluster serves the one-process engine's logits."""
+    folder, first, _, single, _ = first_cluster
+    want = single.npz()
+    assert first.status is not None and first.status["status"] == "ok", first.tail()
+    assert any(folder.rglob("*.*")), "no program was stored"
+    runs = _cluster(tmp_path, "again", "--compile-cache", str(folder))
+    for run in runs:
+        assert run.status is not None and run.status["status"] == "ok", run.tail()
+    for coordinator in (first, runs[0]):
         assert coordinator.status["requests"] == 3, coordinator.tail()
         got = coordinator.npz()
         np.testing.assert_array_equal(got["stats"], want["stats"])
         for i in range(3):
-            assert rel_err(got[f"logits{i}"], want[f"logits{i}"], norm="max") <= 1e-5, (start, i)
-        assert any(folder.rglob("*.*")), "no program was stored"
+            assert rel_err(got[f"logits{i}"], want[f"logits{i}"], norm="max") <= 1e-5, (coordinator.out.name, i)

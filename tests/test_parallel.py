@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hypic_jax.parallel import policy as par
-from helpers import fake_devices_env
+from helpers import LONG, fake_devices_env
 
 
 def _skewed(seed: int, count: int) -> list[int]:
@@ -266,6 +266,7 @@ print("ok")
 """
 
 
+@LONG
 def test_mesh_cold_path_matches_one_device_on_fake_meshes():
     env = fake_devices_env(8)
     done = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)

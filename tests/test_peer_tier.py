@@ -15,7 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import fake_devices_env
+from helpers import LONG, fake_devices_env
 
 _PEER_SCRIPT = r"""
 import numpy as np, jax
@@ -108,6 +108,7 @@ print("ok")
 """
 
 
+@LONG
 def test_peer_tier_holds_entries_on_the_other_devices_and_promotes_them_exactly():
     done = subprocess.run([sys.executable, "-c", _PEER_SCRIPT], env=fake_devices_env(4), capture_output=True,
                           text=True, timeout=900)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import fake_devices_env
+from helpers import LONG, fake_devices_env
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
@@ -79,6 +79,7 @@ print(json.dumps(out))
 """
 
 
+@LONG
 def test_two_devices_serve_the_single_device_greedy_answer(tmp_path):
     done = subprocess.run([sys.executable, "-c", _SERVE_SCRIPT, str(tmp_path)], env=fake_devices_env(2),
                           capture_output=True, text=True, timeout=300)

@@ -19,8 +19,8 @@ from hypic_jax.core import linear_attn
 from hypic_jax import stitch
 from hypic_jax.core.linear_attn import Summary
 from hypic_jax.kernels import gdn
-from helpers import (LAYOUT_CAP, LAYOUT_HEADS, LAYOUT_SLOTS, layout_core, layout_inputs, layout_pool, random_layout,
-                     rel_err)
+from helpers import (LAYOUT_CAP, LAYOUT_HEADS, LAYOUT_SLOTS, LONG, layout_core, layout_inputs, layout_pool,
+                     random_layout, rel_err)
 
 TOL = 1e-4  # relative (largest entry), float32 inputs and "ieee" kernel dots
 HK, H, K, V = LAYOUT_HEADS
@@ -121,6 +121,7 @@ def _tiny_model():
     return Model(qwen3_5, config, params)
 
 
+@LONG
 def test_stable_engine_kernels_match_the_xla_programs():
     """An Engine whose span programs run the GDN cores through the Pallas kernels (interpreted), and one whose
     programs fold the pieces with the blocked fold, against one running the XLA loops, on the same random

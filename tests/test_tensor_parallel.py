@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import arch_params, fake_devices_env
+from helpers import LONG, arch_params, fake_devices_env
 
 TESTS = Path(__file__).parent
 
@@ -131,6 +131,7 @@ print("ok")
 
 
 # Qwen3.5 dense shares every layer but the MLP with the MoE checkpoint, whose experts split over the mesh too
+@LONG
 @pytest.mark.parametrize("arch", arch_params("tensor_parallel", ("qwen_moe", "ring", "kimi")))
 def test_tensor_parallel_equals_one_device(arch, tmp_path):
     done = subprocess.run([sys.executable, "-c", _SCRIPT, arch, str(tmp_path / arch), str(TESTS)],
@@ -191,6 +192,7 @@ print("ok")
 """
 
 
+@LONG
 def test_tensor_parallel_refusals(tmp_path):
     """Tiers below the pools, uneven splits and missing devices are refused with errors that name them; a split
     over the one default device is the single-device engine; a restarted engine loads its split programs; random
