@@ -86,10 +86,12 @@ def choice(*allowed, optional: bool = False) -> Check:
     return check
 
 
-def boolean() -> Check:
+def boolean(*, optional: bool = False) -> Check:
     def check(what, value):
+        if value is None and optional:
+            return None
         if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"{what} must be True or False, got {value!r}")
+            raise ValueError(f"{what} must be True or False{' or None' if optional else ''}, got {value!r}")
         return bool(value)
 
     check.kind = bool

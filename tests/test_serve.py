@@ -943,6 +943,7 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         for (ta, ca, _), (tb, cb, _) in zip(a_lp, b_lp):
             assert ta == tb and abs(ca - cb) < 1e-4, k
     # a lone request that ends by its length costs no step beyond its last token
+    assert engine.scheduler.overlap is False  # derived: off where the device is the CPU
     lone = Scheduler(engine, overlap=True)
     finished = threading.Event()
     lone.start()

@@ -325,7 +325,8 @@ class Engine:
             from hypic_jax.engine.scheduler import Scheduler
 
             sched = self.options.scheduler
-            self._scheduler = Scheduler(self, max_queue=sched.max_queue, overlap=sched.overlap,
+            overlap = sched.overlap if sched.overlap is not None else self.programs.devices()[0].platform != "cpu"
+            self._scheduler = Scheduler(self, max_queue=sched.max_queue, overlap=overlap,
                                         max_queue_wait=sched.max_queue_wait, prefill_chunk=sched.prefill_chunk)
         return self._scheduler
 

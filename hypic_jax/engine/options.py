@@ -187,8 +187,9 @@ class SchedulerOptions(OptionGroup):
         None, "refuse (HTTP 429 with Retry-After) a request whose predicted time to its first token is longer, in "
         "seconds: the requests ahead of it and itself times the measured time between admissions, scaled by what "
         "the last accepted requests waited against their prediction (derived: its deadline, request_timeout)", check=number(0, optional=True, above=True), metavar="SECONDS")
-    overlap: bool = option(False, "dispatch each decode step before reading the previous one's ids back",
-                           check=boolean())
+    overlap: bool | None = option(
+        None, "dispatch each decode step before reading the previous one's ids back (derived: on where the device is "
+        "not the CPU, on which the host and the device share the cores)", check=boolean(optional=True))
     prefill_chunk: int | None = option(
         None, "while streams are decoding, prefill a queued request's missing segments in pieces of at most this "
         "many tokens (whole segments), one piece between two decode steps, so no stream waits on a long cold "

@@ -16,13 +16,19 @@ and turns them into text, stop checks and events. The device then runs a step wh
 before, instead of waiting for it. A row that a stop ends at step k has one more token computed in step k+1, which
 is discarded (a row whose token in flight is its last, by `max_tokens`, is not stepped again). A step chains only
 onto one of the same batch bucket with no admission between (an admission, or a change of bucket, first finishes
-the step in flight), so the rows' tokens, positions and seeded draws are the same as without overlap. It is off by
-default: on the 2-core CPU it gains nothing (the host and the "device" share the cores), and on a GPU it is not
-measured yet.
+the step in flight), so the rows' tokens, positions and seeded draws are the same as without overlap. The engine
+turns it on where the device is not the CPU (on the CPU the host and the "device" share the cores and it gains
+nothing; on a GPU, bench/serve.py measures it).
 
-So prefills interleave with decode steps one at a time: a running stream waits for at most one prefill between
-two of its tokens (`hypic:decode_stall_seconds` measures that wait), and a burst of arrivals fills the free rows
-one step at a time. With no request running, queued prefills run back to back.
+An admission issues the request's prefill without waiting for it, handles the step in flight while it runs, then
+waits for its logits and inserts it. With `prefill_chunk` and streams running, a queued request's uncached segments
+are first prefilled in pieces of at most that many tokens, one piece per loop round (`Engine.prefill_piece`), so a
+long cold prefill is spread between decode steps instead of stalling every stream at once.
+
+So prefills interleave with decode steps one at a time: a running stream waits for at most one prefill (or piece)
+between two of its tokens (`hypic:decode_stall_seconds` measures how much longer that gap was than one without),
+and a burst of arrivals fills the free rows one step at a time. With no request running, queued prefills run back
+to back.
 
 Everything a request produces goes to its `sink` (called on the scheduler thread, so it must not block): dicts
 with `type` "delta" (new text, token ids, log-probabilities), "done" (finish reason, stats) or "error" (a
