@@ -346,8 +346,7 @@ class Scheduler:
         try:
             self._reap()
             if self._queue and None in self.rows and not self._piece(self._queue[0]):
-                start = time.monotonic()
-                self._time_admission(start)
+                self._time_admission(time.monotonic())
                 with self._cv:
                     request = self._queue.popleft()
                 self._admit(request)
