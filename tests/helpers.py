@@ -355,12 +355,17 @@ def tiny_checkpoint(arch: str, folder: str):
     fixture shares one folder per architecture)."""
     if arch not in _TINY:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+    return load_tiny(arch, save_checkpoint(reference_model(arch, **_TINY[arch]), folder))
+
+
+def load_tiny(arch: str, folder):
+    """`tiny_checkpoint`'s answer for a `folder` it already wrote: a subprocess given the folder loads it without
+    importing the reference libraries (seconds per process)."""
     import hypic_jax
 
-    folder = save_checkpoint(reference_model(arch, **_TINY[arch]), folder)
     vocab = RING_CONFIG["vocab_size"] if arch == "ring" else VOCAB
     model = hypic_jax.load(folder, dtype="float32")
-    return model.replace(params=slow_decay(model.params)), vocab, folder
+    return model.replace(params=slow_decay(model.params)), vocab, Path(folder)
 
 
 # -----------------------------------------------------------------------------------------------------------------

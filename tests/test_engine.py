@@ -512,14 +512,14 @@ _CRASH_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import numpy as np
-from helpers import tiny_checkpoint
+from helpers import load_tiny
 from hypic_jax.engine import Engine
-model, vocab, _ = tiny_checkpoint("qwen_moe", {folder!r})
+model, vocab, _ = load_tiny("qwen_moe", {folder!r})
 rng = np.random.default_rng(21)
 segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
 for disk, through in (({through!r}, True), ({plain!r}, False)):
     engine = Engine(model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1, max_batch=1,
-                    compile_cache="none", disk_cache_dir=disk, disk_write_through=through)
+                    compile_cache={programs!r}, disk_cache_dir=disk, disk_write_through=through)
     logits = engine.prefill(segs).logits
 np.save({out!r}, logits)
 if {kill!r}:
@@ -529,27 +529,26 @@ if {kill!r}:
 
 @on_worker_of("engine-qwen_moe")
 @pytest.mark.parametrize("kill", [True, False])
-def test_what_survives_a_killed_or_exiting_process(engines, tmp_path, kill):
+def test_what_survives_a_killed_or_exiting_process(engines, tiny_checkpoints, tmp_path, tmp_path_factory, kill):
     """What survives `kill -9`: with write-through every entry reached the disk when it was stored, so a new engine
     serves them all; without it the entries lived on the device only and the new engine recomputes them. A process
     that exits without closing its engines writes their tiers to disk at interpreter exit. Either way a new engine
     on each folder starts cleanly and answers the same."""
     _, model, vocab = engines("qwen_moe")
-    folder = str(tmp_path / "model")
-    tiny_checkpoint("qwen_moe", folder)
+    killed_model, _, folder = tiny_checkpoints("qwen_moe")
+    programs = str(tmp_path_factory.getbasetemp() / "killed-programs")  # the engines compile alike: once
     disks = dict(through=str(tmp_path / "through"), plain=str(tmp_path / "plain"))
-    script = _CRASH_SCRIPT.format(tests=os.path.dirname(__file__), folder=folder, out=str(tmp_path / "logits.npy"),
-                                  kill=kill, **disks)
+    script = _CRASH_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(folder), programs=programs,
+                                  out=str(tmp_path / "logits.npy"), kill=kill, **disks)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert done.returncode == (-signal.SIGKILL if kill else 0), done.stderr[-3000:]
     want = np.load(tmp_path / "logits.npy")
-    killed_model, _, _ = tiny_checkpoint("qwen_moe", folder)
     rng = np.random.default_rng(21)
     segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
     for name, disk in disks.items():
         with Engine(killed_model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1,
-                    max_batch=1, compile_cache="none", disk_cache_dir=disk) as engine:
+                    max_batch=1, compile_cache=programs, disk_cache_dir=disk) as engine:
             got = engine.prefill(segs)
             assert got.stats.hits == (0 if kill and name == "plain" else NUM_DOCS), name
             assert rel_err(got.logits, want) < 1e-6

@@ -26,13 +26,13 @@ _SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
 import numpy as np, jax
-from helpers import rel_err, tiny_checkpoint
+from helpers import load_tiny, rel_err
 from hypic_jax.engine import Engine
 from hypic_jax.engine.sampling import TOP_LOGPROBS, SamplingRows
 
 arch, folder = sys.argv[1], sys.argv[2]
 assert len(jax.devices()) == 8
-model, vocab, _ = tiny_checkpoint(arch, folder)
+model, vocab, _ = load_tiny(arch, folder)
 base = dict(max_prompt_tokens=256, max_segments=6, token_rungs=(256,), max_new_tokens=8, cache_bytes=1 << 22,
             seam=4, max_batch=2)
 
@@ -133,8 +133,8 @@ print("ok")
 # Qwen3.5 dense shares every layer but the MLP with the MoE checkpoint, whose experts split over the mesh too
 @LONG
 @pytest.mark.parametrize("arch", arch_params("tensor_parallel", ("qwen_moe", "ring", "kimi")))
-def test_tensor_parallel_equals_one_device(arch, tmp_path):
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, arch, str(tmp_path / arch), str(TESTS)],
+def test_tensor_parallel_equals_one_device(arch, tiny_checkpoints):
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, arch, str(tiny_checkpoints(arch)[2]), str(TESTS)],
                           env=fake_devices_env(8), capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
@@ -143,10 +143,10 @@ _REFUSALS = r"""
 import sys
 sys.path.insert(0, sys.argv[2])
 import jax, pytest
-from helpers import rel_err, tiny_checkpoint
+from helpers import load_tiny, rel_err
 from hypic_jax.engine import Engine
 
-model, _, _ = tiny_checkpoint("qwen_moe", sys.argv[1])
+model, _, checkpoint = load_tiny("qwen_moe", sys.argv[3])
 base = dict(max_prompt_tokens=64, max_segments=2, token_rungs=(64,), cache_bytes=1 << 22, max_batch=1)
 for option in (dict(host_cache_bytes=1 << 20), dict(disk_cache_dir=sys.argv[1] + "/disk"),
                dict(peer_cache_bytes=1 << 20, devices=2)):
@@ -176,8 +176,8 @@ assert rel_err(again.prefill(segments).logits, want) < 1e-5
 # random weights made split (`random_model(mesh=...)`, the server's --load-format dummy): those of the unsplit model
 from hypic_jax.checkpoint import random_model
 from hypic_jax.parallel.tensor import tensor_parallel_mesh
-whole = jax.tree.leaves(random_model(sys.argv[1], "float32").params)
-split = jax.tree.leaves(random_model(sys.argv[1], "float32", mesh=tensor_parallel_mesh(2)).params)
+whole = jax.tree.leaves(random_model(checkpoint, "float32").params)
+split = jax.tree.leaves(random_model(checkpoint, "float32", mesh=tensor_parallel_mesh(2)).params)
 assert len(whole) == len(split) and all(len(b.sharding.device_set) == 2 for b in split)
 assert all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7) for a, b in zip(whole, split))
 
@@ -193,10 +193,11 @@ print("ok")
 
 
 @LONG
-def test_tensor_parallel_refusals(tmp_path):
+def test_tensor_parallel_refusals(tmp_path, tiny_checkpoints):
     """Tiers below the pools, uneven splits and missing devices are refused with errors that name them; a split
     over the one default device is the single-device engine; a restarted engine loads its split programs; random
     weights made split equal the unsplit ones; FP8 weights split answer as on one device."""
-    done = subprocess.run([sys.executable, "-c", _REFUSALS, str(tmp_path / "m"), str(TESTS)],
+    done = subprocess.run([sys.executable, "-c", _REFUSALS, str(tmp_path), str(TESTS),
+                           str(tiny_checkpoints("qwen_moe")[2])],
                           env=fake_devices_env(8), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
