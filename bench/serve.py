@@ -189,7 +189,9 @@ def main() -> None:
     parser.add_argument("--cache-gb", type=float, default=None, help="the server's segment cache (default 16; "
                         "--small: 0.25)")
     parser.add_argument("--compile-cache", default=None, help="the server's compile cache folder")
-    parser.add_argument("--overlap", action="store_true", help="the server's --overlap")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="the server's --overlap / --no-overlap (default: the server's, on where the device is "
+                             "not the CPU)")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="the server's --prefill-chunk")
     parser.add_argument("--step-json", default=None, metavar="FILE",
                         help="bench/decode_step.py --json of the same model and machine: report each rate's decode "
@@ -240,7 +242,7 @@ def main() -> None:
                "--max-queue", "100000", "--cache-gb", f"{cache_gb:g}", "--log-level", "warning", *load,
                *(["--compile-cache", args.compile_cache] if args.compile_cache else []),
                *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else []),
-               *(["--overlap"] if args.overlap else []),
+               *([] if args.overlap is None else ["--overlap" if args.overlap else "--no-overlap"]),
                *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                *(["--quantize", "fp8"] if args.fp8 else []),
                *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
