@@ -17,10 +17,10 @@ from hypic_jax.engine.options import (MODES, PIC_MODES, CompileOptions, EngineOp
                                       ParallelOptions, PoolOptions, RequestOptions, SchedulerOptions, TierOptions)
 from hypic_jax.engine.programs import CompileWhileServing, DeviceMemoryError, backend_compiles
 from hypic_jax.engine.requests import SamplingParams, seam_tokens
-from hypic_jax.engine.results import GenerateResult, PrefillResult, PrefillStats
+from hypic_jax.engine.results import GenerateResult, PrefillPiece, PrefillResult, PrefillStats
 
 __all__ = ["Engine", "EngineOptions", "LimitOptions", "PoolOptions", "TierOptions", "ParallelOptions",
            "KernelOptions", "RequestOptions", "SchedulerOptions", "CompileOptions", "MODES", "PIC_MODES",
-           "PrefillResult", "PrefillStats", "GenerateResult", "SamplingParams", "backend_compiles",
+           "PrefillPiece", "PrefillResult", "PrefillStats", "GenerateResult", "SamplingParams", "backend_compiles",
            "CompileWhileServing", "DeviceMemoryError", "seam_tokens", "load_tokenizer", "stack_layers",
            "use_compile_cache"]
