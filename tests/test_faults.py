@@ -111,6 +111,29 @@ def test_an_admission_overdue_counts_before_it_happens():
     assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
 
 
+def test_the_stall_is_counted_on_the_read_a_prefill_delays():
+    """`hypic:decode_stall_seconds`: a prefill issued with no step in flight delays the next read of a step's ids;
+    with a step in flight (overlap), the read after that step's. The stall is that gap beyond the last plain one;
+    nothing is counted while no stream runs."""
+    stalls = []
+    scheduler = _scheduler()
+    scheduler.metrics = SimpleNamespace(stall=SimpleNamespace(observe=stalls.append))
+    scheduler._mark_stall()  # no stream running: no one waits
+    scheduler.rows[0] = _request()
+    for t in (0.000, 0.010, 0.020):  # plain gaps of 10 ms
+        scheduler._time_read(t)
+    scheduler._mark_stall()
+    scheduler._time_read(0.055)
+    assert stalls == [pytest.approx(0.025)]
+    scheduler._time_read(0.065)
+    scheduler._pending = ("a step in flight",)
+    scheduler._mark_stall()
+    scheduler._time_read(0.075)  # the step in flight, issued before the prefill: a plain gap
+    scheduler._time_read(0.115)  # the step issued after it
+    assert stalls == [pytest.approx(0.025), pytest.approx(0.030)]
+    assert not scheduler._stalled_reads
+
+
 def test_the_prediction_is_scaled_by_what_accepted_requests_waited():
     """Requests that waited twice what was predicted for them (their own prefills, a slower step) double the next
     predictions once eight were seen, so the limit holds for what is accepted; waits under the prediction never
