@@ -632,9 +632,9 @@ class Engine:
                 return PrefillPiece(0, 0, 0, 0)
             plan = planner.plan_prefix(self, docs[:end], salt, pins, query=False)
             self._run(plan.kind, plan.spans, plan.fresh)
-            for entry in plan.stores:
+            for entry in plan.stores:  # those the pools had room for
                 self.hierarchy.store(entry)
-        return PrefillPiece(tokens, sum(map(len, docs[end:])), end - start, tokens)
+        return PrefillPiece(tokens, sum(map(len, docs[end:])), len(plan.stores), sum(e.length for e in plan.stores))
 
     def _plan(self, mode, ids, seam, salt, pins, total) -> Plan:
         """What a request runs (`planner.plan`)."""
