@@ -12,8 +12,8 @@ one before (hypic:decode_steps{chained}), the share of the scheduler loop's time
 waiting for the device (hypic:scheduler_seconds), and the compilations while serving (must be 0). With
 `--step-json` (bench/decode_step.py's report of the same model on the same machine), also the decode tokens/s over
 what the batched step alone gives the rows the server stepped ("of step": the steps the server ran, per bucket,
-timed at decode_step.py's step times), and the stall in those step times. The sustained rate of a mode is the highest rate whose p50 and p99 TTFT are both under
-`--slo`, as are those of every lower rate.
+timed at decode_step.py's step times), and the stall in those step times. The sustained rate of a mode is the
+highest rate whose p50 and p99 TTFT are both under `--slo`, as are those of every lower rate.
 
     python bench/serve.py --small            # CPU smoke size: the embedded model in float32
     python bench/serve.py --model DIR --rates 1 2 4 8 16 32 --duration 60
@@ -145,13 +145,14 @@ async def run_rate(args, base, mode, rate, vocab, salt):
     loop = {part: metric(after, "hypic:scheduler_seconds_total", part=part)
             - metric(before, "hypic:scheduler_seconds_total", part=part) for part in ("host", "device_wait")}
     decode_tok_s = sum(r["tokens"] for r in ok) / wall
-    step = capacity(before, after, step_times(args.step_json))
+    step = capacity(before, after, args.step_times)
     if step:
         step["of_capacity"] = decode_tok_s / step["step_capacity_tok_s"]
         step["stall_steps"] = stall_s / stall_n / (step["mean_step_ms"] / 1e3) if stall_n else 0.0
     return dict(mode=mode, rate=rate, requests=len(requests), answered=len(ok), **step,
                 loop_host_s=loop["host"], loop_device_wait_s=loop["device_wait"],
-                prefill_pieces=metric(after, "hypic:prefill_pieces_total") - metric(before, "hypic:prefill_pieces_total"),
+                prefill_pieces=(metric(after, "hypic:prefill_pieces_total")
+                                - metric(before, "hypic:prefill_pieces_total")),
                 ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
                 itl_p50=float(np.percentile(gaps, 50)), itl_p99=float(np.percentile(gaps, 99)),
                 decode_tok_s=decode_tok_s,
@@ -192,7 +193,8 @@ def main() -> None:
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="the server's --overlap / --no-overlap (default: the server's, on where the device is "
                              "not the CPU)")
-    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS", help="the server's --prefill-chunk")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                        help="the server's --prefill-chunk")
     parser.add_argument("--step-json", default=None, metavar="FILE",
                         help="bench/decode_step.py --json of the same model and machine: report each rate's decode "
                              "tokens/s against what the batched step alone gives the rows the server stepped, and "
@@ -208,6 +210,7 @@ def main() -> None:
                         "--docs-per-request at a time) and keep that mode's cache salt for all its rates: the rates "
                         "then measure a warm cache instead of each starting cold")
     args = parser.parse_args()
+    args.step_times = step_times(args.step_json)
     load = []
     if args.random_35b:
         import tempfile

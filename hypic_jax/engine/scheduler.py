@@ -172,9 +172,9 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be >= 1 token or None, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefill_pieces = 0  # cold prefill pieces run between decode steps
-        # where the loop's time goes: waiting for the device (reading a step's ids, a prefill's logits) and the rest,
-        # the host's own work (planning, issuing, detokenizing, delivering)
-        self.waited_s = self.host_s = 0.0
+        # the loop's time spent waiting for the device (reading a step's ids, a prefill's logits); the rest of it is
+        # the host's own work (planning, issuing, detokenizing, delivering), `hypic:scheduler_seconds`
+        self.waited_s = 0.0
         # the time between two admissions while requests wait (an exponential average): the queue's service time,
         # from which `submit` predicts a new request's wait for a row
         self.admission_interval: float | None = None
@@ -361,9 +361,8 @@ class Scheduler:
             self._fail_running(RequestError(500, f"internal error: {error}", code="internal_error"))
         finally:
             self._gauges()
-            host = time.monotonic() - start - (self.waited_s - waited)
-            self.host_s += host
             if self.metrics:
+                host = time.monotonic() - start - (self.waited_s - waited)
                 self.metrics.scheduler_time.labels("host").inc(host)
                 self.metrics.scheduler_time.labels("device_wait").inc(self.waited_s - waited)
 
