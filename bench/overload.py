@@ -5,7 +5,8 @@ The server runs as its own process (as in `bench/serve.py`, whose trace and clie
 `--max-queue-wait`. Three phases of Poisson arrivals, one after the other without a pause: `--base-rate` for
 `--phase` seconds (the normal latency), `--burst x` that rate for `--phase` seconds, then the base rate again for
 2 x `--phase` seconds. Per phase: requests sent, answered (200), refused with 429 (and how many carried
-Retry-After), other statuses, and the TTFT p50 / p99 of the answered ones. The recovery time is the arrival time,
+Retry-After), other statuses, the TTFT p50 / p99 of the answered ones, and how long the slowest 429 took (a queued
+request shed before its prefill is answered 429 after waiting; `hypic:requests_shed` counts those). The recovery time is the arrival time,
 after the burst ends, from which every later request's TTFT is within 1.5 x the first phase's p99 (0 when the
 first request after the burst already is). Compilations while serving are counted and must be 0.
 
@@ -35,7 +36,8 @@ async def _one(client, body, start_at, t0):
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
-            return dict(at=start_at, status=response.status_code, retry_after=response.headers.get("retry-after"))
+            return dict(at=start_at, status=response.status_code, retry_after=response.headers.get("retry-after"),
+                        answered_after=time.perf_counter() - arrival)
         async for line in response.aiter_lines():
             if first is None and line.startswith("data: ") and line != "data: [DONE]":
                 payload = json.loads(line[6:])
@@ -75,6 +77,7 @@ def summary(results, phases, limit: float) -> dict:
         refused = [r for r in rows if r["status"] == 429]
         out[name] = dict(rate=rate, seconds=seconds, sent=len(rows), answered=sum(r["status"] == 200 for r in rows),
                          refused=len(refused), retry_after=sum(r["retry_after"] is not None for r in refused),
+                         refused_after_max=max((r["answered_after"] for r in refused), default=0.0),
                          other={s: sum(r["status"] == s for r in rows) for s in {r["status"] for r in rows}
                                 if s not in (200, 429)},
                          ttft_p50=float(np.nanpercentile(ttft, 50)), ttft_p99=float(np.nanpercentile(ttft, 99)),
@@ -127,19 +130,23 @@ def main() -> None:
         out = summary(results, phases, args.max_queue_wait)
         out["rejected_metric"] = metric(after, "hypic:requests_rejected_total") - metric(
             before, "hypic:requests_rejected_total")
+        out["shed_metric"] = metric(after, "hypic:requests_shed_total") - metric(before, "hypic:requests_shed_total")
         out["compiles"] = metric(after, "hypic:compilations_while_serving_total")
         out["max_queue_wait_s"] = args.max_queue_wait
         out["requests"] = [dict(phase=r["phase"], at=round(r["at"], 3), status=r["status"],
-                                ttft=None if r.get("ttft") is None else round(r["ttft"], 3)) for r in results]
+                                ttft=None if r.get("ttft") is None else round(r["ttft"], 3),
+                                **({"answered_after": round(r["answered_after"], 3)} if "answered_after" in r else {}))
+                           for r in results]
         print(f"{'phase':<6} {'rate/s':>7} {'sent':>5} {'200':>5} {'429':>5} {'Retry-After':>11} {'other':>8} "
-              f"{'TTFT p50':>9} {'p99':>8} {'> limit':>8}")
+              f"{'TTFT p50':>9} {'p99':>8} {'> limit':>8} {'latest 429':>10}")
         for name, _, _ in phases:
             row = out[name]
             print(f"{name:<6} {row['rate']:>7g} {row['sent']:>5} {row['answered']:>5} {row['refused']:>5} "
                   f"{row['retry_after']:>11} {str(row['other'] or '-'):>8} {row['ttft_p50']:>9.3f} "
-                  f"{row['ttft_p99']:>8.3f} {row['over_limit']:>8}")
+                  f"{row['ttft_p99']:>8.3f} {row['over_limit']:>8} {row['refused_after_max']:>10.3f}")
         print(f"recovery: {out['recovery_s']:.2f} s after the burst (TTFT within {out['recovery_bound_s']:.3f} s); "
-              f"hypic:requests_rejected +{out['rejected_metric']:g}; compilations while serving: {out['compiles']:g}")
+              f"hypic:requests_rejected +{out['rejected_metric']:g} (of them shed from the queue, hypic:requests_shed: "
+              f"+{out['shed_metric']:g}); compilations while serving: {out['compiles']:g}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

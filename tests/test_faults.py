@@ -111,6 +111,43 @@ def test_an_admission_overdue_counts_before_it_happens():
     assert scheduler.predicted_wait() == pytest.approx(4 * 0.25)
 
 
+@pytest.mark.parametrize("max_queue_wait", [2.0, None])
+def test_queued_requests_whose_first_token_falls_past_the_limit_are_shed(max_queue_wait):
+    """A service that slowed after requests were queued: each one whose wait so far plus one interval for each
+    request kept ahead of it and one for itself passes `max_queue_wait` is answered 429 `overloaded` with a
+    Retry-After, before its prefill, and counted; the others keep their places in order. Without `max_queue_wait`
+    nothing is shed (a request's own deadline then ends it with 504)."""
+    import time
+
+    events, counted = [], SimpleNamespace(rejected=0, shed=0)
+    bump = lambda name: SimpleNamespace(inc=lambda: setattr(counted, name, getattr(counted, name) + 1))  # noqa: E731
+    scheduler = _scheduler(max_queue=100, max_queue_wait=max_queue_wait)
+    scheduler.metrics = SimpleNamespace(rejected=bump("rejected"), shed=bump("shed"))
+    now = time.monotonic()
+    scheduler.admission_interval = 0.5
+    scheduler._last_admission = now  # an admission just happened: the interval in progress is 0
+    waited = [1.8, 1.2, 0.95, 0.2, 0.1]  # predicted, in order: 2.3 (shed), 1.7, 1.95, 1.7, 2.1 (shed)
+    queued = []
+    for seconds in waited:
+        request = Request([[1, 2, 3]], SamplingParams(max_tokens=2), sink=events.append)
+        request.arrival = now - seconds
+        queued.append(request)
+    scheduler._queue.extend(queued)
+    scheduler._shed(now)
+    if max_queue_wait is None:
+        assert list(scheduler._queue) == queued and not events
+        return
+    assert list(scheduler._queue) == [queued[1], queued[2], queued[3]]
+    assert [request.finished for request in queued] == [True, False, False, False, True]
+    assert len(events) == 2 and all(event["type"] == "error" for event in events)
+    for event in events:
+        error = event["error"]
+        assert error.status == 429 and error.code == "overloaded" and int(error.headers["Retry-After"]) >= 1
+    assert counted.rejected == counted.shed == 2
+    scheduler._shed(now)  # nothing further past the limit: nothing more shed
+    assert scheduler.waiting == 3 and len(events) == 2
+
+
 def test_the_stall_is_counted_on_the_read_a_prefill_delays():
     """`hypic:decode_stall_seconds`: a prefill issued with no step in flight delays the next read of a step's ids;
     with a step in flight (overlap), the read after that step's. The stall is that gap beyond the last plain one;

@@ -258,13 +258,16 @@ class Scheduler:
     def _raw_wait(self) -> float | None:
         if self.admission_interval is None or not self._queue:
             return None
-        # the interval in progress: no admission since the later of the last one and the oldest waiting request's
-        # arrival, so the service time now is at least that long (a service that slows shows here before the next
-        # admission measures it)
+        return (len(self._queue) + 1) * self._service_interval(time.monotonic())
+
+    def _service_interval(self, now: float) -> float:
+        """The time one admission takes now, while requests wait: the largest of the average, the latest and the
+        interval in progress. The last: no admission since the later of the last one and the oldest waiting
+        request's arrival, so the service time now is at least that long (a service that slows shows here before
+        the next admission measures it)."""
         since = self._queue[0].arrival if self._last_admission is None else max(self._last_admission,
                                                                                  self._queue[0].arrival)
-        current = time.monotonic() - since
-        return (len(self._queue) + 1) * max(self.admission_interval, self._latest_interval or 0.0, current)
+        return max(self.admission_interval, self._latest_interval or 0.0, now - since)
 
     def _calibrate(self, request: Request, now: float) -> None:
         """Record what `request` waited for its first token against the uncalibrated prediction it was accepted
@@ -397,6 +400,7 @@ class Scheduler:
                 with self._cv:
                     self._queue.remove(request)
                 self._end_unstarted(request, now)
+        self._shed(now)
         for request in self.rows:
             if request is None:
                 continue
@@ -404,6 +408,42 @@ class Scheduler:
                 self._finish(request, "cancelled")
             elif now > request.deadline:
                 self._error(request, RequestError(504, "the request ran past its deadline", code="deadline_exceeded"))
+
+    def _shed(self, now: float) -> None:
+        """With `max_queue_wait`, answer 429 `overloaded` (with Retry-After) to each queued request whose predicted
+        first token now falls past it: the time it has waited, plus one service interval for each request kept
+        ahead of it and one for itself, times `calibration` (the prediction `submit` makes, brought up to date).
+        A slowdown after a request was queued (a burst's own load, longer prefills ahead) would otherwise carry
+        it past the bound; its stream has not started, so the client gets the same answer as at submission,
+        only later. Counted in `hypic:requests_rejected` and `hypic:requests_shed`."""
+        if self.max_queue_wait is None or self.admission_interval is None:
+            return
+        with self._cv:
+            if not self._queue:
+                return
+            interval = self._service_interval(now) * self.calibration
+            ahead, shed = 0, []
+            for request in self._queue:
+                predicted = now - request.arrival + (ahead + 1) * interval
+                if predicted > self.max_queue_wait and not request.cancelled:
+                    shed.append((request, predicted))
+                else:
+                    ahead += 1
+            for request, _ in shed:
+                self._queue.remove(request)
+        for request, predicted in shed:
+            if not self._end(request):
+                continue
+            retry = max(self.retry_after_s, math.ceil(predicted - self.max_queue_wait))
+            error = RequestError(429, f"the server is overloaded: this request would get its first token about "
+                                 f"{predicted:.1f} s after it arrived, past the limit of {self.max_queue_wait:.1f} s; "
+                                 "retry later", code="overloaded", type="rate_limit_error",
+                                 headers={"Retry-After": str(retry)})
+            if self.metrics:
+                self.metrics.rejected.inc()
+                self.metrics.shed.inc()
+            self._log(request, "shed 429", error.code, request.ended)
+            self._send(request, dict(type="error", error=error))
 
     def _end_unstarted(self, request: Request, now: float) -> None:
         if request.cancelled:
