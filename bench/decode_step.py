@@ -8,19 +8,23 @@
     python bench/decode_step.py --few-query-rows 4 0   # decode attention in the cache layout, then as matmuls
     python bench/decode_step.py --slot-layouts default auto   # the decode cache row-major, then in the layouts
                                                               # the compiler picks (KernelOptions.slot_layouts)
+    python bench/decode_step.py --moe-copy-blocks 0 64   # the routed experts' copies sorted by expert at every
+                                                         # bucket, then one block per copy up to 64 copies
 
 A server's decode throughput is rows / step time; `bench/serve.py` finds the transition_rope_recompute server
 decode-bound. Each bucket's program (`Engine.slot_decode`, the one the server runs) steps rows [0, b) of the
 batched cache, every row at `--length` cached tokens. The floor column is the bytes a step must read once: every
 parameter outside the routed experts, the routed experts that at least one row picks (uniform routing, expected
 count E (1 - (1 - 1/E)^(b k))) and each row's decode caches, at `--bandwidth` GB/s. Compilations are counted:
-after warmup there must be none.
+after warmup there must be none. Every variant steps the same rows from the same state, so the digest of all the
+ids it sampled (`ids_sha1`) is equal across variants exactly when they decode alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import time
 
@@ -34,6 +38,7 @@ from hypic_jax.core import attention
 from hypic_jax.engine import Engine, KernelOptions, backend_compiles
 from hypic_jax.engine.programs import ProgramKey
 from hypic_jax.engine.sampling import SamplingRows
+from hypic_jax.kernels import grouped_matmul as gm
 
 
 def expert_bytes(params) -> tuple[int, int]:
@@ -63,7 +68,7 @@ def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict
     experts, top_k = config.num_experts, config.num_experts_per_tok
     cache_row = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(engine.slot_shapes())) / args.max_batch
     before = backend_compiles()
-    rows_out = []
+    rows_out, digest = [], hashlib.sha1()
     print(label)
     print(f"{'rows':>5} {'step ms':>8} {'floor ms':>8} {'tok/s':>8} {'of floor':>8}")
     for b in engine.batch_buckets:
@@ -71,13 +76,14 @@ def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict
         tokens = np.arange(3, 3 + b, dtype=np.int32)
         lengths = np.full(b, args.length - 1, np.int32)
         out = engine.slot_decode(tokens, lengths, sampling)
-        np.asarray(out.ids)
+        digest.update(np.asarray(out.ids).tobytes())
         times = []
         for _ in range(args.steps):
             t = time.perf_counter()
             out = engine.slot_decode(tokens, lengths, sampling)
-            np.asarray(out.ids)  # the server reads the sampled ids back every step
+            ids = np.asarray(out.ids)  # the server reads the sampled ids back every step
             times.append(time.perf_counter() - t)
+            digest.update(ids.tobytes())
         step = float(np.median(times))
         touched = experts * (1 - (1 - 1 / experts) ** (b * top_k))
         floor = (other + routed * touched / experts + b * cache_row) / (args.bandwidth * 1e9)
@@ -88,7 +94,9 @@ def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict
                   shape="small" if args.small else f"35B-A3B x{args.layers}", length=args.length,
                   compile_s=round(compile_s, 1), compiles_after_warmup=backend_compiles() - before,
                   routed_gb=round(routed / 1e9, 2), other_gb=round(other / 1e9, 2),
-                  cache_mb_per_row=round(cache_row / 1e6, 1), steps=rows_out)
+                  cache_mb_per_row=round(cache_row / 1e6, 1), steps=rows_out, ids_sha1=digest.hexdigest())
+    print(f"compile {compile_s:.1f} s, compilations after warmup {report['compiles_after_warmup']}, "
+          f"ids sha1 {report['ids_sha1'][:16]}", flush=True)
     if args.profile_dir:
         for b in args.profile_rows:
             sampling = SamplingRows.build([0.0] * b, [1.0] * b, [0] * b, list(range(b)), [0] * b)
@@ -120,6 +128,9 @@ def main(argv=None) -> None:
                              "every decode attention as batched matrix products); default: attention.FEW_QUERY_ROWS")
     parser.add_argument("--slot-layouts", nargs="*", default=["auto"], choices=["default", "auto"],
                         help="KernelOptions(slot_layouts=...) per variant (each with every --few-query-rows)")
+    parser.add_argument("--moe-copy-blocks", type=int, nargs="*", default=None, metavar="COPIES",
+                        help="grouped_matmul.layout.COPY_BLOCKS_MAX per variant (0: the copies sorted by expert at "
+                             "every bucket); default: its value")
     parser.add_argument("--fp8", action="store_true", help="the projections and experts in block-wise FP8")
     parser.add_argument("--serving-pools", type=int, default=None, metavar="ROWS",
                         help="afterwards, the entry pools an engine of ROWS decode rows (max_prompt_tokens "
@@ -132,11 +143,15 @@ def main(argv=None) -> None:
     model = random_model(config, dtype, fp8=args.fp8)
     variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
     reports = []
+    copy_blocks = args.moe_copy_blocks if args.moe_copy_blocks else [gm.layout.COPY_BLOCKS_MAX]
     for slot_layouts in args.slot_layouts or ["auto"]:
         for few in variants:
-            attention.FEW_QUERY_ROWS = few  # read when the programs are traced
-            label = f"few_query_rows={attention.few_query_rows()} slot_layouts={slot_layouts}"
-            reports.append(measure(args, model, config, label=label, slot_layouts=slot_layouts))
+            for copies in copy_blocks:
+                attention.FEW_QUERY_ROWS = few  # both read when the programs are traced
+                gm.layout.COPY_BLOCKS_MAX = copies
+                label = (f"few_query_rows={attention.few_query_rows()} slot_layouts={slot_layouts} "
+                         f"moe_copy_blocks={copies}")
+                reports.append(measure(args, model, config, label=label, slot_layouts=slot_layouts))
     report = reports[0] if len(reports) == 1 else dict(variants=reports)
     if args.serving_pools:
         engine = Engine(model, max_batch=args.serving_pools, max_prompt_tokens=args.length, compile_cache="none")

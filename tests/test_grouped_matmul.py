@@ -96,6 +96,48 @@ def test_moe_pallas_and_ragged_paths_agree():
         np.testing.assert_allclose(masked[valid], np.asarray(ragged)[valid], rtol=tol, atol=tol, err_msg=impl)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_few_copies_one_block_each_equal_the_sorted_layout(tokens, monkeypatch):
+    """A decode step's few copies, laid out one block each (`copy_blocks`, no ranking by expert), give what the
+    expert-sorted layout and ragged_dot give, with a padding mask too; the layout is the copy order, invalid copies'
+    blocks are -1 (skipped), and tracing it needs no cumulative sum, sort or scatter."""
+    import hypic_jax.kernels.grouped_matmul as gm
+    from jax._src.core import jaxprs_in_params
+
+    rng = np.random.RandomState(tokens)
+    x, weights, ids, gate_up, down = _moe_case(rng, 1, tokens, experts=16, top_k=4)
+    x, weights, ids = x[0], weights[0], ids[0]
+    valid = np.arange(tokens) % 3 != 1
+    tol = 1e-5 if jax.default_backend() == "cpu" else 5e-3
+    want = np.asarray(layers.grouped_swiglu_experts(x, weights, ids, gate_up, down, impl="ragged"))
+    out = {}
+    for bound in (0, gm.layout.COPY_BLOCKS_MAX):
+        monkeypatch.setattr(gm.layout, "COPY_BLOCKS_MAX", bound)
+        out[bound] = [np.asarray(layers.grouped_swiglu_experts(x, weights, ids, gate_up, down, impl="pallas", valid=v))
+                      for v in (None, valid)]
+    for bound, (whole, masked) in out.items():
+        np.testing.assert_allclose(whole, want, rtol=tol, atol=tol, err_msg=str(bound))
+        assert not masked[~valid].any()
+        np.testing.assert_allclose(masked[valid], want[valid], rtol=tol, atol=tol, err_msg=str(bound))
+    slot_rows, layout, padded_token = gm.copy_blocks(jnp.asarray(ids), 16, jnp.asarray(valid))
+    assert np.array_equal(slot_rows, 16 * np.arange(tokens * 4))
+    assert np.array_equal(layout.block_expert, np.where(np.repeat(valid, 4), ids.reshape(-1), -1))
+    assert np.array_equal(padded_token, np.repeat(np.arange(tokens), 4 * 16))
+
+    def primitives(jaxpr):
+        names = set()
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            if eqn.primitive.name != "pallas_call":
+                for sub in jaxprs_in_params(eqn.params):
+                    names |= primitives(sub)
+        return names
+
+    traced = jax.make_jaxpr(lambda *a: layers._grouped_swiglu_experts(*a, impl="pallas"))(
+        x, weights, ids, gate_up, down)
+    assert not primitives(traced.jaxpr) & {"cumsum", "sort", "scatter", "scatter-add", "argsort"}
+
+
 def _moe_case(rng, rows, tokens, hidden=32, experts=8, inner=16, top_k=2):
     x = rng.randn(rows, tokens, hidden).astype(np.float32)
     weights = rng.rand(rows, tokens, top_k).astype(np.float32)

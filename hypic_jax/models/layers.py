@@ -162,7 +162,9 @@ def _grouped_swiglu_experts(
     Each token is copied once per chosen expert and the copies are sorted by expert, so every expert sees one
     contiguous row group; no dense loop over experts. The grouped matmul is `jax.lax.ragged_dot` ("ragged") or, for
     long inputs on a GPU, the Pallas kernel of `hypic_jax.kernels.grouped_matmul` ("pallas"; XLA's GPU ragged_dot
-    lowers to a dense dot over all experts). "auto" picks Pallas on a GPU from PALLAS_MOE_MIN_ROWS copies up.
+    lowers to a dense dot over all experts). "auto" picks Pallas on a GPU from PALLAS_MOE_MIN_ROWS copies up. With
+    Pallas, up to `grouped_matmul.layout.COPY_BLOCKS_MAX` copies (a decode step of a few rows) are not sorted: each
+    gets a row block of its own (`copy_blocks`; bench/decode_step.py --moe-copy-blocks times both).
     Outputs are gathered back per (token, slot) and combined with the router weights in float32.
 
     Args:
@@ -181,18 +183,22 @@ def _grouped_swiglu_experts(
     num_experts = gate_up.shape[0]
     num_rows = num_tokens * top_k
     if _use_pallas_moe(impl, num_rows):
-        config = MOE_GMM_CONFIG or gm.default_config(num_rows)
-        # padded row of each (token, slot) copy; a one-hot running count rather than two sorts for few copies
-        if valid is None:
-            slot_rows, layout = gm.copy_layout(experts, num_experts, config.block_m)
-        else:  # expert id num_experts: the null expert, sorted last, its blocks marked -1 (never computed)
-            null = jnp.where(valid[:, None], experts, num_experts)
-            slot_rows, layout = gm.copy_layout(null, num_experts + 1, config.block_m)
-            layout = layout._replace(block_expert=jnp.where(layout.block_expert == num_experts, -1,
-                                                            layout.block_expert))
-        padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
-            jnp.arange(num_rows, dtype=jnp.int32) // top_k
-        )  # rows of padding blocks read token 0; their outputs are never gathered
+        if num_rows <= gm.layout.COPY_BLOCKS_MAX:  # a decode step's few copies: one block each, no ranking
+            config = MOE_GMM_CONFIG or gm.COPY_BLOCKS_CONFIG
+            slot_rows, layout, padded_token = gm.copy_blocks(experts, config.block_m, valid)
+        else:
+            config = MOE_GMM_CONFIG or gm.default_config(num_rows)
+            # padded row of each (token, slot) copy; a one-hot running count rather than two sorts for few copies
+            if valid is None:
+                slot_rows, layout = gm.copy_layout(experts, num_experts, config.block_m)
+            else:  # expert id num_experts: the null expert, sorted last, its blocks marked -1 (never computed)
+                null = jnp.where(valid[:, None], experts, num_experts)
+                slot_rows, layout = gm.copy_layout(null, num_experts + 1, config.block_m)
+                layout = layout._replace(block_expert=jnp.where(layout.block_expert == num_experts, -1,
+                                                                layout.block_expert))
+            padded_token = jnp.zeros((layout.num_padded,), jnp.int32).at[slot_rows].set(
+                jnp.arange(num_rows, dtype=jnp.int32) // top_k
+            )  # rows of padding blocks read token 0; their outputs are never gathered
 
         split = len(_expert_arrays(gate_up))
 

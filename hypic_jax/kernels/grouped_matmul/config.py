@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GMMConfig", "FEW_ROWS_CONFIG", "FEW_ROWS_MAX", "default_config"]
+__all__ = ["GMMConfig", "COPY_BLOCKS_CONFIG", "FEW_ROWS_CONFIG", "FEW_ROWS_MAX", "default_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,10 @@ class GMMConfig:
 # reuses each weight tile for twice the rows; hence the split.
 FEW_ROWS_CONFIG = GMMConfig(block_m=32, block_n=256, block_k=64, num_warps=8, num_stages=3)
 FEW_ROWS_MAX = 16384
+
+# One block per copy (`layout.copy_blocks`, a decode step's few copies): the smallest block the Triton matmul takes
+# (16 rows), since only one row of each block is real, and FEW_ROWS_CONFIG's weight tile.
+COPY_BLOCKS_CONFIG = GMMConfig(block_m=16, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
 def default_config(num_rows: int) -> GMMConfig:

@@ -12,7 +12,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import Array
 
-__all__ = ["BlockLayout", "block_layout", "ONE_HOT_ROUTING_MAX", "sorted_copies", "copy_layout"]
+__all__ = ["BlockLayout", "block_layout", "ONE_HOT_ROUTING_MAX", "COPY_BLOCKS_MAX", "sorted_copies", "copy_layout",
+           "copy_blocks"]
 
 
 class BlockLayout(NamedTuple):
@@ -90,6 +91,35 @@ def copy_layout(experts: Array, num_experts: int, block_m: int) -> tuple[Array, 
     sorted_positions = jnp.zeros((num_rows,), jnp.int32).at[
         jnp.cumsum(group_sizes)[flat] - group_sizes[flat] + rank].set(slot_rows)
     return slot_rows, BlockLayout(sorted_positions, block_expert, block_m)
+
+
+# Largest number of (token, expert) copies that `copy_blocks` lays out one block each (a decode step of up to 8
+# rows of a top-8 model): below it the copies are not ranked at all. Read when the MoE layer is traced.
+COPY_BLOCKS_MAX = 64
+
+
+def copy_blocks(experts: Array, block_m: int, valid: Array | None = None) -> tuple[Array, BlockLayout, Array]:
+    """One row block per (token, slot) copy, in row-major order: the layout of a decode step's few copies.
+
+    Ranking copies by expert (`copy_layout`: one-hot running counts, scatters, a search of block ends) costs about
+    ten small kernels per MoE layer, each a few microseconds: at a decode step of one to a few rows that is more GPU
+    time than the expert products themselves. Here block b holds copy b alone (its token in all block_m rows,
+    row 0 read back), so the layout is arithmetic on the copy index. The price: an expert that two copies pick is
+    read twice (rare among a few rows' picks of many experts) and block_m - 1 padding rows per copy are computed,
+    which at this size costs nothing the weight reads do not already (the product is bound by them).
+
+    experts: [T, k] expert ids; valid: [T] bool or None (copies of invalid tokens get expert -1: not computed).
+    Returns (slot_rows [T * k]: padded row of each copy, the BlockLayout, padded_token [T * k * block_m]: the token
+    each padded row reads).
+    """
+    num_tokens, top_k = experts.shape
+    copies = num_tokens * top_k
+    flat = experts.reshape(-1).astype(jnp.int32)
+    if valid is not None:
+        flat = jnp.where(jnp.repeat(valid, top_k), flat, -1)
+    slot_rows = jnp.arange(copies, dtype=jnp.int32) * block_m
+    padded_token = jnp.arange(copies * block_m, dtype=jnp.int32) // (block_m * top_k)
+    return slot_rows, BlockLayout(slot_rows, flat, block_m), padded_token
 
 
 def _ends_passed(ends: Array, length: int) -> Array:
