@@ -1,14 +1,18 @@
 """Answer quality of every engine mode on held-out prompts of the generated corpus (hypic_jax.train.corpus).
 
 For each prompt (documents as cached segments, then one question as the query segment) every mode of
-`hypic_jax.engine.MODES` generates greedily until `<|eos|>`. Scores: exact match of the answer's tokens, and token F1
-for answers of several tokens (exact match for one-token answers), per task family, per number of documents and
-per position of the answer's document (quarters of the prompt; count questions, whose evidence is everywhere, are
-left out of the positions), beside the floor of answering every question of a family with its most frequent
-answer (`most_frequent_answer`). Held-out prompts come from a seed stream of their own (four mixed integers, where
-training mixes three), so they are not training prompts. `--seams` adds transition_rope_recompute at each seam
-(tokens, or a fraction < 1 of the segment); `--transformers` adds transformers' own greedy generation on the whole
-prompt, an independent check of full_recompute.
+`hypic_jax.engine.MODES` generates greedily until `<|eos|>`. Scores: exact match of the answer's tokens, and token
+F1 for answers of several tokens (exact match for one-token answers), per task family, per number of documents and
+per position of the answer's document (quarters of the prompt, by the last document its evidence lists: the
+colleague's for multihop, the changing one for update; count questions, whose evidence is everywhere, are left out
+of the positions), and crossed: per family and number of documents, per position and number of documents, per family
+and position; beside the floor of answering every question of a family with its most frequent answer
+(`most_frequent_answer`). `--families` picks the task families of the held-out prompts (the four of
+`corpus.FAMILIES` by default; `update`, a value a later document changed, only when named); for update questions the
+report also gives the share of answers that are the earlier, replaced value (`stale`). Held-out prompts come from a
+seed stream of their own (four mixed integers, where training mixes three), so they are not training prompts.
+`--seams` adds transition_rope_recompute at each seam (tokens, or a fraction < 1 of the segment); `--transformers`
+adds transformers' own greedy generation on the whole prompt, an independent check of full_recompute.
 
 `--entry-forms` runs every mode that reads cache entries once per form of the entries: "device" (the default: an
 entry stays in the device pools as it was recorded), "float32", "bfloat16" and "bfloat16+t<=TOL" (`Engine`'s
@@ -27,6 +31,8 @@ the model's shape and at the Qwen3.5-35B-A3B shape (`bench/prefill.py` `full_con
     python bench/quality.py --small --model DIR     # CPU size: a few prompts of 2 and 4 documents
     python bench/quality.py --quantize fp8          # the same model with block-wise FP8 weights
     python bench/quality.py --from-json REPORT --plot quality.png   # print and draw a saved report
+    python bench/quality.py --model DIR --families single multihop count needle update --docs 16 32 64 128 \
+        --filler 20 --max-tokens 32768 --prompts 4 --questions 16      # long context: prompts up to 27k tokens
 """
 
 from __future__ import annotations
@@ -40,12 +46,12 @@ from pathlib import Path
 import numpy as np
 
 
-def heldout_prompts(seed: int, docs: list[int], prompts: int, questions: int, filler: int):
-    from hypic_jax.train import trainer
+def heldout_prompts(seed: int, docs: list[int], prompts: int, questions: int, filler: int, families=None):
+    from hypic_jax.train import corpus, trainer
 
     for n in docs:
         for i in range(prompts):
-            yield n, trainer.heldout_prompt(seed, n, i, questions, filler)
+            yield n, trainer.heldout_prompt(seed, n, i, questions, filler, tuple(families or corpus.FAMILIES))
 
 
 def token_f1(pred: list[int], gold: list[int]) -> float:
@@ -109,7 +115,9 @@ def run(args) -> dict:
     eos = tokenizer.token_to_id(tok.EOS)
     cases = []  # (num_docs, doc segments, question segment, gold ids, question)
     skipped = 0
-    for n, prompt in heldout_prompts(args.seed, args.docs, args.prompts, args.questions, args.filler):
+    families = getattr(args, "families", None)
+    stale = {}  # question -> the earlier value's ids (update questions)
+    for n, prompt in heldout_prompts(args.seed, args.docs, args.prompts, args.questions, args.filler, families):
         docs = [tok.encode(tokenizer, tok.document_text(d)) for d in prompt.documents]
         for q in prompt.questions:
             query = tok.encode(tokenizer, tok.question_text(q.text))
@@ -118,6 +126,8 @@ def run(args) -> dict:
                 skipped += 1
                 continue
             cases.append((n, docs, query, gold, q))
+            if q.distractor:
+                stale[id(q)] = tok.encode(tokenizer, tok.answer_text(q.distractor))[:-1]
     forms = list(dict.fromkeys(getattr(args, "entry_forms", None) or ["device"]))
     runs = [(mode, None, form) for mode in args.modes for form in (forms[:1] if mode == "full_recompute" else forms)]
     runs += [("transition_rope_recompute", s, form) for s in args.seams for form in forms]
@@ -165,7 +175,7 @@ def run(args) -> dict:
                 served["promotions"] += promoted["host"]
                 served["cached_tokens"] += st.cached_tokens
             predictions[label].append(_strip(list(out.tokens), eos))
-            _record(scores, label, n, q, predictions[label][-1], gold)
+            _record(scores, label, n, q, predictions[label][-1], gold, stale.get(id(q)))
         if tiered:
             engine.demote_all()
             held = engine.tiers.host.values()
@@ -185,7 +195,7 @@ def run(args) -> dict:
                 out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(gold) + 3,
                                          do_sample=False, eos_token_id=eos, pad_token_id=eos)
             predictions["transformers"].append(_strip(out[0, ids.shape[1]:].tolist(), eos))
-            _record(scores, "transformers", n, q, predictions["transformers"][-1], gold)
+            _record(scores, "transformers", n, q, predictions["transformers"][-1], gold, stale.get(id(q)))
     # a floor to read the scores against: every question of a family answered with that family's most frequent
     # answer among these cases (counts are small numbers, so this floor is high for them)
     common = {}
@@ -210,7 +220,8 @@ def run(args) -> dict:
             across_forms[f"{other} vs {first}"] = round(float(np.mean(
                 [a == b for a, b in zip(predictions[other], predictions[first])])), 4)
     return dict(model=str(folder), device=str(jax.devices()[0]), dtype=args.dtype, quantize=args.quantize, seed=args.seed, docs=args.docs,
-                prompts=args.prompts, questions=args.questions, filler=args.filler, cases=len(cases),
+                prompts=args.prompts, questions=args.questions, filler=args.filler, families=families,
+                cases=len(cases),
                 skipped_over_budget=skipped, seconds=round(time.perf_counter() - started, 1), scores=dict(table),
                 agreement_with_full_recompute=agreement, entry_forms=forms, entries=entries,
                 agreement_across_entry_forms=across_forms,
@@ -224,24 +235,33 @@ def _strip(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
-def _record(scores, label, n, q, pred, gold) -> None:
+def _record(scores, label, n, q, pred, gold, stale=None) -> None:
+    """Score one answer under every axis it belongs to; `stale`: the ids of the value a later document replaced
+    (update questions), recorded as axis "stale" (its "em": the share of answers that are that earlier value)."""
     em = float(pred == gold)
     f1 = token_f1(pred, gold) if len(gold) > 1 else em
     keys = [("all", "all"), ("family", q.family), ("docs", n), ("family@docs", f"{q.family}@{n}")]
     bucket = position_bucket(q, n)
     if bucket:
-        keys.append(("position", bucket))
+        keys += [("position", bucket), ("position@docs", f"{bucket}@{n}"), ("family@position", f"{q.family}@{bucket}")]
     for axis, value in keys:
         scores[(label, axis, value)].append((em, f1))
+    if stale is not None:
+        was = float(pred == stale)
+        scores[(label, "stale", q.family)].append((was, token_f1(pred, stale) if len(stale) > 1 else was))
+
+
+def _crossed_order(column: str):
+    """Crossed columns ("family@docs=count@16") by their first value, then the second (numbers as numbers)."""
+    first, second = column.split("=", 1)[1].rsplit("@", 1)
+    return (first, int(second)) if second.isdigit() else (first, 0, second)
 
 
 def print_tables(report: dict) -> None:
     scores = report["scores"]
     every = {c for row in scores.values() for c in row}
-    columns = sorted((c for c in every if not c.startswith("family@docs=")),
+    columns = sorted((c for c in every if "@" not in c.split("=")[0] and not c.startswith("stale=")),
                      key=lambda c: (c.split("=")[0] != "all", c.split("=")[0], c))
-    crossed = sorted((c for c in every if c.startswith("family@docs=")),
-                     key=lambda c: (c.split("@")[1], int(c.rsplit("@", 1)[1])))
     print(f"{report['cases']} questions ({report['skipped_over_budget']} over the token budget skipped), "
           f"model {report['model']}, {report['device']}; cells: F1 (exact match for one-token answers)")
     agreement = report.get("agreement_with_full_recompute", {})
@@ -250,14 +270,26 @@ def print_tables(report: dict) -> None:
         same = f"{agreement[label]:>14.3f}" if label in agreement else f"{'':>14}"
         print(f"{label:<38}{row['all=all']['em']:>8.3f}{same}"
               + "".join(f"{row[c]['f1']:>17.3f}" if c in row else f"{'':>17}" for c in columns))
-    if crossed:  # exact match per task family and number of documents, with the questions per cell
-        print("exact match per family and number of documents (questions per cell in the first row)")
+    # exact match per (family, number of documents), (position, number of documents), (family, position), with the
+    # questions per cell
+    for axis, words in (("family@docs", "family and number of documents"),
+                        ("position@docs", "quarter of the prompt holding the answer and number of documents"),
+                        ("family@position", "family and quarter of the prompt holding the answer")):
+        crossed = sorted((c for c in every if c.startswith(axis + "=")), key=_crossed_order)
+        if not crossed:
+            continue
+        print(f"exact match per {words} (questions per cell in the first row)")
         names = [c.split("=", 1)[1] for c in crossed]
         print(f"{'run':<38}" + "".join(f"{n:>13}" for n in names))
         first = next(iter(scores.values()))
         print(f"{'(questions)':<38}" + "".join(f"{first.get(c, {}).get('n', 0):>13}" for c in crossed))
         for label, row in scores.items():
             print(f"{label:<38}" + "".join(f"{row[c]['em']:>13.3f}" if c in row else f"{'':>13}" for c in crossed))
+    stale = sorted(c for c in every if c.startswith("stale="))
+    for column in stale:  # how often a run answers with the value a later document replaced
+        family = column.split("=", 1)[1]
+        print(f"{family}: share of answers that are the earlier, replaced value (exact match against it): "
+              + ", ".join(f"{label} {row[column]['em']:.3f}" for label, row in scores.items() if column in row))
     for label, info in (report.get("entries") or {}).items():
         print(f"{label}: {info['questions']} questions served from {info['promotions']} host promotions "
               f"({info['cached_tokens']} cached tokens); {info['entries']} entries stored as "
@@ -319,6 +351,7 @@ def plot(report: dict, path: str) -> None:
 def main(argv=None) -> None:
     from hypic_jax.engine import MODES
     from hypic_jax.train import EMBEDDED_MODEL
+    from hypic_jax.train.corpus import ALL_FAMILIES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a Hugging Face folder with tokenizer.json (default: the "
@@ -329,6 +362,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="prompts per number of documents (8)")
     parser.add_argument("--questions", type=int, default=None, help="questions per prompt, each asked on its own (8)")
     parser.add_argument("--filler", type=int, default=2, help="filler sentences per document")
+    parser.add_argument("--families", nargs="+", default=None, choices=ALL_FAMILIES,
+                        help="task families of the held-out prompts (default: the four of corpus.FAMILIES; update "
+                        "only when named)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--seam", type=float, default=8, help="seam of transition_rope_recompute")
     parser.add_argument("--seams", type=float, nargs="*", default=[], help="seam ablation: trr at each of these")

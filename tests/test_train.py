@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -63,6 +64,86 @@ def test_answers_are_in_the_named_documents(num_docs):
                 assert f"Key {key} holds {q.answer}." in docs[d]
                 assert sum(f"Key {key} " in doc for doc in docs) == 1
     assert families == set(corpus.FAMILIES) if num_docs >= 5 else families <= set(corpus.FAMILIES)
+
+
+def test_default_families_generate_as_before():
+    """Prompts without the update family are those the embedded model was trained and scored on: a digest of
+    prompts of 1 to 64 documents, taken before the family existed."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for seed in range(20):
+        for n in (1, 3, 16, 64):
+            p = corpus.make_prompt(seed, n, 12, filler=seed % 3)
+            assert p == corpus.make_prompt(seed, n, 12, filler=seed % 3, families=corpus.FAMILIES)
+            digest.update(repr((p.documents, [(q.family, q.text, q.answer, q.evidence) for q in p.questions])).encode())
+    assert digest.hexdigest() == "55cfcf23fb59a12882684166ba4be5728bc38cd18ea13d2ecb3d0c339fafc738"
+
+
+def _city_statements(docs: list[str]) -> dict[str, list[tuple[int, str]]]:
+    """person -> [(document, city)] of every sentence saying where the person lives, in document order."""
+    out = {}
+    for d, doc in enumerate(docs):
+        for name, city in re.findall(r"([A-Z]\w+ [A-Z]\w+) (?:lives in|has a home in|moved to|has since moved to) "
+                                     r"([A-Z]\w+)\.", doc):
+            out.setdefault(name, []).append((d, city))
+    return out
+
+
+@pytest.mark.parametrize("num_docs", [2, 5, 16, 64])
+def test_update_family_answers_the_later_value(num_docs):
+    """An update question asks, in a single or needle question's words, a fact that a later document changed: the
+    answer is the later value, the evidence is (the fact's document, the changing one), the earlier value is the
+    distractor and the only other value stated for it. The other families answer with the prompt's state after
+    every change."""
+    seen = collections.Counter()
+    for seed in range(8):
+        prompt = corpus.make_prompt(seed, num_docs, 24, filler=1, families=corpus.ALL_FAMILIES)
+        docs = prompt.documents
+        cities = _city_statements(list(docs))
+        now = {name: said[-1][1] for name, said in cities.items()}
+        for q in prompt.questions:
+            seen[q.family] += 1
+            if q.family == "update":
+                first, later = q.evidence
+                assert first < later and q.answer != q.distractor and q.distractor
+                key = re.match(r"Which value does key (\w+) hold\?", q.text)
+                if key:
+                    key = key.group(1)
+                    assert f"Key {key} holds {q.distractor}." in docs[first]
+                    assert re.search(rf"The value of key {key} (was changed to|is now) {q.answer}\.", docs[later])
+                    assert sum(key in doc for doc in docs) == 2
+                    assert re.fullmatch(r"\d{3}", q.answer) and re.fullmatch(r"\d{3}", q.distractor)
+                else:
+                    name = next(n for n in cities if n in q.text)
+                    assert cities[name] == [(first, q.distractor), (later, q.answer)]
+                    assert _people(docs[first]) == name
+                    single_words = {w.format(name=name) for w in corpus._FACTS["city"][1]}
+                    assert q.text in single_words
+                    assert q.distractor in {c for said in cities.values() for _, c in said}  # a city of the prompt
+            elif q.family == "single" and ("live" in q.text or "home of" in q.text):
+                name = next(n for n in cities if n in q.text)
+                assert len(cities[name]) == 1 and q.answer == now[name]
+            elif q.family == "count":
+                city = re.match(r"How many people live in (\w+)\?", q.text).group(1)
+                assert int(q.answer) == sum(c == city for c in now.values())
+                involved = {d for said in cities.values() if city in {c for _, c in said} for d, _ in said}
+                assert set(q.evidence) == involved
+            elif q.family == "needle":
+                key = re.match(r"Which value does key (\w+) hold\?", q.text).group(1)
+                assert sum(key in doc for doc in docs) == 1 and f"Key {key} holds {q.answer}." in docs[q.evidence[0]]
+    if num_docs >= 5:
+        assert set(seen) == set(corpus.ALL_FAMILIES), seen
+    assert seen["update"] > 0
+
+
+def test_trimming_keeps_prompts_whose_counts_are_zero(tokenizer):
+    """encode_fitting drops trailing documents of a prompt too long for its row, with the counts, also when a count's
+    evidence is empty (no one lives in the city)."""
+    prompt = next(p for p in (corpus.make_prompt(s, 12, 16, filler=2) for s in range(100))
+                  if any(q.family == "count" and not q.evidence for q in p.questions))
+    docs, (tokens, _) = trainer.encode_fitting(tokenizer, prompt, 400)
+    assert sum(map(len, docs)) + len(tokens) <= 401 and len(docs) < len(prompt.documents)
 
 
 def test_tokenizer_round_trip_and_layout(tokenizer):
@@ -189,6 +270,45 @@ def test_export_round_trip_and_transformers_parity(tmp_path, tokenizer):
     assert tok.load_tokenizer(half).get_vocab() == tokenizer.get_vocab()
 
 
+def test_large_size_and_its_curriculum():
+    """The long-context size: at least 50M parameters (from shapes alone) in the 3 GDN : 1 gated attention layout;
+    its curriculum ends at 16 to 128 documents and 0 to 24 filler sentences, with the update family, in rows of
+    2,048 to 32,768 tokens."""
+    config = trainer.model_config("large")
+    shapes = jax.eval_shape(lambda: qwen3_5.init_params(config, jax.random.key(0), jnp.bfloat16))
+    count = trainer.parameter_count(shapes)
+    assert count >= 50_000_000, count
+    assert config.layer_types == (qwen3_5.LINEAR,) * 3 + (qwen3_5.FULL,) + (qwen3_5.LINEAR,) * 3 + (qwen3_5.FULL,) \
+        + (qwen3_5.LINEAR,) * 3 + (qwen3_5.FULL,)
+    settings = trainer.Settings(size="large", min_row_len=2048)
+    assert settings.curriculum().at(1.0) == ((16, 128), 24) and settings.curriculum().at(0.0) == ((1, 2), 0)
+    assert settings.task_families() == corpus.ALL_FAMILIES
+    assert trainer.row_lengths(settings) == (2048, 4096, 8192, 16384, 32768)
+    assert [trainer.rows_for(settings, n) for n in trainer.row_lengths(settings)] == [8, 4, 2, 1, 1]
+    assert dataclasses.replace(settings, families="single,update").task_families() == ("single", "update")
+    assert trainer.Settings(size="h200").task_families() == corpus.FAMILIES
+    with pytest.raises(ValueError, match="task families"):
+        dataclasses.replace(settings, families="single,typo").task_families()
+
+
+def test_train_command_resumes_where_it_stopped(tmp_path, capsys):
+    """`python -m hypic_jax.train train` with --max-steps stops and checkpoints; the same command continues the step
+    count from the checkpoint (the run's saved settings win over the flags) up to --steps."""
+    from hypic_jax.train.__main__ import main
+
+    run = tmp_path / "run"
+    command = ["train", "--run", str(run), "--size", "micro", "--steps", "5", "--warmup", "1", "--max-steps", "3",
+               "--families", "single,update", "--no-progress"]
+    main(command)
+    assert "step 3 of 5" in capsys.readouterr().out
+    main(command[:-1] + ["--steps", "9", "--no-progress"])  # a changed flag of a started run is not read
+    out = capsys.readouterr().out
+    assert "step 5 of 5" in out and "last log line" in out
+    settings, _ = trainer.prepare_run(run, trainer.Settings())
+    assert settings.steps == 5 and settings.task_families() == ("single", "update")
+    assert trainer.restore(run, settings, trainer.model_config("micro", 512), trainer.optimizer(settings))["step"] == 5
+
+
 def test_embedded_size_fits_the_budget():
     """The GPU size's weights in bfloat16 stay under the 20 MB budget of a model shipped in the package."""
     config = trainer.model_config("h200")
@@ -225,6 +345,38 @@ def test_quality_bench_at_ci_size(tmp_path, tokenizer):
         assert floor[f"family={family}"]["em"] == pytest.approx(best, abs=1e-4)
     assert len(report["samples"]) == 3 and [s["answer"] for s in report["samples"]] == answers
     assert quality.token_f1([1, 2, 3], [2, 3, 4]) == pytest.approx(2 / 3) and quality.token_f1([5], [6]) == 0.0
+
+
+def test_quality_bench_breakdowns_with_the_update_family(tmp_path, tokenizer, capsys):
+    """bench/quality.py with --families naming update: held-out prompts with changes, scores crossed per family,
+    position and number of documents, and the share of update answers that are the earlier value."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("quality", Path(__file__).parents[1] / "bench" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    config = trainer.model_config("micro", tokenizer.get_vocab_size())
+    folder = export.export_folder(_perturbed_params(config, seed=4), config, tokenizer, tmp_path / "m", "float32")
+    args = quality.argparse.Namespace(model=str(folder), dtype="float32", seed=0, docs=[4], prompts=1, questions=5,
+                                      filler=0, modes=["full_recompute"], seams=[], seam=8, transformers=False,
+                                      max_tokens=512, max_new_tokens=16, quantize=None,
+                                      families=list(corpus.ALL_FAMILIES))
+    report = quality.run(args)
+    prompt = next(quality.heldout_prompts(0, [4], 1, 5, 0, corpus.ALL_FAMILIES))[1]
+    updates = [q for q in prompt.questions if q.family == "update"]
+    assert report["cases"] == 5 and updates and report["families"] == list(corpus.ALL_FAMILIES)
+    row = report["scores"]["full_recompute"]
+    assert row["stale=update"]["n"] == len(updates) == row["family=update"]["n"]
+    positioned = [q for q in prompt.questions if q.family != "count"]
+    assert sum(v["n"] for k, v in row.items() if k.startswith("position@docs=")) == len(positioned)
+    assert sum(v["n"] for k, v in row.items() if k.startswith("family@position=")) == len(positioned)
+    for q in updates:
+        assert f"update@{quality.position_bucket(q, 4)}" in {k.split("=", 1)[1] for k in row}
+    quality.print_tables(report)
+    out = capsys.readouterr().out
+    assert "per quarter of the prompt holding the answer and number of documents" in out
+    assert "update: share of answers that are the earlier, replaced value" in out
 
 
 def test_rows_take_the_shortest_length_that_holds_the_step(tokenizer):

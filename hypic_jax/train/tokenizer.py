@@ -17,8 +17,9 @@ PAD, DOC, QUESTION, ANSWER, EOS = "<|pad|>", "<|doc|>", "<|q|>", "<|a|>", "<|eos
 SPECIAL_TOKENS = (PAD, DOC, QUESTION, ANSWER, EOS)
 
 
-def train_tokenizer(vocab_size: int = 2048, seed: int = 0, prompts: int = 400):
-    """BPE on generated text (special tokens first: ids 0-4)."""
+def train_tokenizer(vocab_size: int = 2048, seed: int = 0, prompts: int = 400,
+                    families: tuple[str, ...] = corpus.FAMILIES):
+    """BPE on generated text of prompts of `families` (special tokens first: ids 0-4)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -26,7 +27,7 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0, prompts: int = 400):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(corpus.sample_text(seed, prompts), trainer=trainer)
+    tokenizer.train_from_iterator(corpus.sample_text(seed, prompts, families), trainer=trainer)
     return tokenizer
 
 

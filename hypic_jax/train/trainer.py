@@ -27,6 +27,14 @@ from hypic_jax.train import tokenizer as tok
 
 # name -> (model shape, data shape). "h200": 6 GDN + 2 full-attention layers of hidden 256, 8.3M parameters
 # (16.6 MB in bfloat16); "smoke": a few minutes on one CPU core; "micro": the tests' size.
+# "large": 9 GDN + 3 gated attention layers of hidden 512, 56.9M parameters, for quality at long context: prompts of
+# 16 to 128 documents (at the end of the curriculum) up to 32,768 tokens, the update family among the tasks. Most of
+# its parameters are in the MLPs (intermediate 2,304), whose matrix products a GPU runs at a good share of its peak;
+# 12 layers rather than more keep the sequential parts (each GDN layer's scan over its chunks, every layer unrolled
+# in the step) short. One 32,768-token row per step at that length, more rows at shorter ones (`rows_for`).
+# Data keys beside the model's: seq_len, batch, questions (per prompt), max_docs and min_docs (documents per prompt
+# at the end of the curriculum: from min_docs, 2 unless given, to max_docs), max_filler (filler sentences per
+# document, at most), families (the task families of training prompts; corpus.FAMILIES unless given).
 SIZES = {
     "h200": dict(hidden_size=256, layers=8, intermediate_size=640, num_attention_heads=4, head_dim=64,
                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=64,
@@ -37,6 +45,10 @@ SIZES = {
     "micro": dict(hidden_size=32, layers=2, intermediate_size=64, num_attention_heads=2, head_dim=16,
                   linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                   vocab_size=512, seq_len=128, batch=2, questions=4, max_docs=3, max_filler=0),
+    "large": dict(hidden_size=512, layers=12, intermediate_size=2304, num_attention_heads=8, head_dim=64,
+                  linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                  vocab_size=2048, seq_len=32768, batch=1, questions=64, min_docs=16, max_docs=128, max_filler=24,
+                  families=corpus.ALL_FAMILIES),
 }
 
 
@@ -51,9 +63,14 @@ class Settings:
     warmup: int = 100
     weight_decay: float = 0.01
     compute_dtype: str = "float32"
-    batch: int = 0  # 0: the size's default (likewise seq_len, questions)
+    batch: int = 0  # 0: the size's default (likewise seq_len, questions, min_docs, max_docs, max_filler)
     seq_len: int = 0
     questions: int = 0
+    min_docs: int = 0  # documents per prompt at the end of the curriculum: min_docs to max_docs
+    max_docs: int = 0
+    max_filler: int = 0  # filler sentences per document at the end of the curriculum: 0 to max_filler
+    # task families of the training prompts, comma-separated (corpus.ALL_FAMILIES names them); "": the size's
+    families: str = ""
     ramp: float = 0.7  # fraction of the steps over which the curriculum grows
     # rows are cut to the shortest of the lengths min_row_len, 2 min_row_len, ..., seq_len that holds the step's
     # prompts, with more rows when they are short (see row_lengths); 0: every row is seq_len long
@@ -73,15 +90,25 @@ class Settings:
 
     def shape(self) -> dict:
         shape = dict(SIZES[self.size])
-        for name in ("batch", "seq_len", "questions"):
+        for name in ("batch", "seq_len", "questions", "min_docs", "max_docs", "max_filler"):
             if getattr(self, name):
                 shape[name] = getattr(self, name)
         return shape
 
     def curriculum(self) -> corpus.Curriculum:
         shape = self.shape()
-        return corpus.Curriculum(min_docs=(1, 2), max_docs=(2, shape["max_docs"]), min_filler=0,
-                                 max_filler=shape["max_filler"], ramp=self.ramp)
+        return corpus.Curriculum(min_docs=(1, 2), max_docs=(shape.get("min_docs", 2), shape["max_docs"]),
+                                 min_filler=0, max_filler=shape["max_filler"], ramp=self.ramp)
+
+    def task_families(self) -> tuple[str, ...]:
+        if self.families:
+            families = tuple(f.strip() for f in self.families.split(",") if f.strip())
+        else:
+            families = tuple(SIZES[self.size].get("families", corpus.FAMILIES))
+        unknown = set(families) - set(corpus.ALL_FAMILIES)
+        if unknown or not families:
+            raise ValueError(f"task families {self.families!r}: each one of {', '.join(corpus.ALL_FAMILIES)}")
+        return families
 
 
 # Training differentiates through the forward: the XLA chunk loops and `lax.ragged_dot`, which have gradients
@@ -90,6 +117,8 @@ TRAIN_KERNELS = KernelOptions(linear="xla", moe="ragged")
 
 
 def model_config(size: str, vocab_size: int | None = None) -> qwen3_5.Config:
+    """The size's Qwen3.5 hybrid: GDN layers with a gated full-attention layer every fourth (3:1) from 4 layers,
+    one last full-attention layer below that; dense MLPs; 2 KV heads, a quarter of each head rotated."""
     s = SIZES[size]
     layers = s["layers"]
     return qwen3_5.Config(
@@ -110,7 +139,8 @@ def model_config(size: str, vocab_size: int | None = None) -> qwen3_5.Config:
 
 def training_prompt(seed: int, step: int, row: int, settings: Settings) -> corpus.Prompt:
     progress = step / max(settings.steps, 1)
-    return corpus.sample_prompt(_mix(seed, step, row), settings.curriculum(), progress, settings.shape()["questions"])
+    return corpus.sample_prompt(_mix(seed, step, row), settings.curriculum(), progress, settings.shape()["questions"],
+                                settings.task_families())
 
 
 def _mix(*values: int) -> int:
@@ -132,7 +162,8 @@ def encode_fitting(tokenizer, prompt: corpus.Prompt, seq_len: int):
             if len(prompt.documents) <= 1:
                 raise
             keep = len(prompt.documents) - max(1, len(prompt.documents) // 4)
-            questions = tuple(q for q in prompt.questions if max(q.evidence) < keep and q.family != "count")
+            # (a count's evidence may be empty: no one lives in the city)
+            questions = tuple(q for q in prompt.questions if q.family != "count" and max(q.evidence) < keep)
             if not questions:  # counts over the kept documents no longer hold: ask single questions instead
                 raise
             prompt = corpus.Prompt(prompt.documents[:keep], questions)
@@ -350,7 +381,8 @@ def prepare_run(run: str | Path, settings: Settings) -> tuple[Settings, object]:
     if settings.init_from:
         tokenizer = tok.load_tokenizer(settings.init_from)
     else:
-        tokenizer = tok.train_tokenizer(SIZES[settings.size]["vocab_size"], seed=settings.seed)
+        tokenizer = tok.train_tokenizer(SIZES[settings.size]["vocab_size"], seed=settings.seed,
+                                        families=settings.task_families())
     tokenizer.save(str(run / "tokenizer.json"))
     (run / "settings.json").write_text(json.dumps(dataclasses.asdict(settings), indent=1))
     return settings, tokenizer
@@ -453,13 +485,15 @@ def parameter_count(params) -> int:
 EVAL_STREAM = 0xE7A1  # held-out prompts mix four integers (this stream first); training prompts mix three
 
 
-def heldout_prompt(seed: int, num_docs: int, index: int, questions: int = 8, filler: int = 2) -> corpus.Prompt:
+def heldout_prompt(seed: int, num_docs: int, index: int, questions: int = 8, filler: int = 2,
+                   families: tuple[str, ...] = corpus.FAMILIES) -> corpus.Prompt:
     """Prompt `index` of `num_docs` documents of the held-out stream (bench/quality.py asks the same prompts)."""
-    return corpus.make_prompt(_mix(EVAL_STREAM, seed, num_docs, index), num_docs, questions, filler)
+    return corpus.make_prompt(_mix(EVAL_STREAM, seed, num_docs, index), num_docs, questions, filler, families)
 
 
 def answer_accuracy(params: dict, config: qwen3_5.Config, tokenizer, docs: int = 16, prompts: int = 8,
-                    questions: int = 8, filler: int = 2, seed: int = 0, rows: int = 16) -> dict:
+                    questions: int = 8, filler: int = 2, seed: int = 0, rows: int = 16,
+                    families: tuple[str, ...] = corpus.FAMILIES) -> dict:
     """Exact match per task family of held-out questions, each asked alone after its prompt's documents.
 
     Scored by teacher forcing: greedy decoding writes the answer and its `<|eos|>` exactly when every one of those
@@ -467,7 +501,7 @@ def answer_accuracy(params: dict, config: qwen3_5.Config, tokenizer, docs: int =
     decode loop. Returns {family: {"em", "n"}} with an "all" entry."""
     cases = []  # (tokens, first answer position, family)
     for i in range(prompts):
-        prompt = heldout_prompt(seed, docs, i, questions, filler)
+        prompt = heldout_prompt(seed, docs, i, questions, filler, families)
         context = [t for d in prompt.documents for t in tok.encode(tokenizer, tok.document_text(d))]
         for q in prompt.questions:
             head = context + tok.encode(tokenizer, tok.question_text(q.text))
