@@ -112,11 +112,11 @@ def test_an_admission_overdue_counts_before_it_happens():
 
 
 @pytest.mark.parametrize("max_queue_wait", [2.0, None])
-def test_queued_requests_whose_first_token_falls_past_the_limit_are_shed(max_queue_wait):
-    """A service that slowed after requests were queued: each one whose wait so far plus one interval for each
-    request kept ahead of it and one for itself passes `max_queue_wait` is answered 429 `overloaded` with a
-    Retry-After, before its prefill, and counted; the others keep their places in order. Without `max_queue_wait`
-    nothing is shed (a request's own deadline then ends it with 504)."""
+def test_a_head_that_would_get_its_first_token_past_the_limit_is_shed(max_queue_wait):
+    """At its admission, a queued request whose wait so far plus the measured admission-to-first-token time (the
+    90th percentile of the last 32) passes `max_queue_wait` is answered 429 `overloaded` with a Retry-After instead,
+    and counted; the next one in time is kept. Nothing is shed before 8 requests were measured, while the estimate
+    alone passes the limit (no request could meet it), or without `max_queue_wait`."""
     import time
 
     events, counted = [], SimpleNamespace(rejected=0, shed=0)
@@ -124,28 +124,32 @@ def test_queued_requests_whose_first_token_falls_past_the_limit_are_shed(max_que
     scheduler = _scheduler(max_queue=100, max_queue_wait=max_queue_wait)
     scheduler.metrics = SimpleNamespace(rejected=bump("rejected"), shed=bump("shed"))
     now = time.monotonic()
-    scheduler.admission_interval = 0.5
-    scheduler._last_admission = now  # an admission just happened: the interval in progress is 0
-    waited = [1.8, 1.2, 0.95, 0.2, 0.1]  # predicted, in order: 2.3 (shed), 1.7, 1.95, 1.7, 2.1 (shed)
     queued = []
-    for seconds in waited:
+    for seconds in (1.8, 1.7, 1.2):  # with a 0.5 s estimate: 2.3 and 2.2 s (shed), then 1.7 s (kept)
         request = Request([[1, 2, 3]], SamplingParams(max_tokens=2), sink=events.append)
         request.arrival = now - seconds
         queued.append(request)
     scheduler._queue.extend(queued)
-    scheduler._shed(now)
+    scheduler._admission_to_first.extend([0.5] * 7)
+    assert scheduler.first_token_estimate() is None and not scheduler._shed_late_head(now)
+    scheduler._admission_to_first.extend([0.1, 0.5])
+    assert scheduler.first_token_estimate() == pytest.approx(0.5)
+    shed = 0
+    while scheduler._shed_late_head(now):
+        shed += 1
     if max_queue_wait is None:
-        assert list(scheduler._queue) == queued and not events
+        assert shed == 0 and list(scheduler._queue) == queued and not events
         return
-    assert list(scheduler._queue) == [queued[1], queued[2], queued[3]]
-    assert [request.finished for request in queued] == [True, False, False, False, True]
+    assert shed == 2 and list(scheduler._queue) == queued[2:]
+    assert [request.finished for request in queued] == [True, True, False]
     assert len(events) == 2 and all(event["type"] == "error" for event in events)
     for event in events:
         error = event["error"]
         assert error.status == 429 and error.code == "overloaded" and int(error.headers["Retry-After"]) >= 1
     assert counted.rejected == counted.shed == 2
-    scheduler._shed(now)  # nothing further past the limit: nothing more shed
-    assert scheduler.waiting == 3 and len(events) == 2
+    scheduler._admission_to_first.extend([2.5] * 32)  # an estimate past the limit by itself: no one is shed
+    queued[2].arrival = now - 1.9
+    assert not scheduler._shed_late_head(now) and scheduler.waiting == 1
 
 
 def test_the_stall_is_counted_on_the_read_a_prefill_delays():

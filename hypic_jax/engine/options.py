@@ -186,8 +186,9 @@ class SchedulerOptions(OptionGroup):
     max_queue_wait: float | None = option(
         None, "refuse (HTTP 429 with Retry-After) a request whose predicted time to its first token is longer, in "
         "seconds: the requests ahead of it and itself times the measured time between admissions, scaled by what "
-        "the last accepted requests waited against their prediction; a queued request whose prediction, brought up "
-        "to date, passes it is refused the same way before its prefill (derived: its deadline, request_timeout)", check=number(0, optional=True, above=True), metavar="SECONDS")
+        "the last accepted requests waited against their prediction; a queued request whose wait plus the measured "
+        "time from admission to first token passes it is refused the same way instead of its prefill (derived: its "
+        "deadline, request_timeout)", check=number(0, optional=True, above=True), metavar="SECONDS")
     overlap: bool | None = option(
         None, "dispatch each decode step before reading the previous one's ids back (derived: on where the device is "
         "not the CPU, on which the host and the device share the cores)", check=boolean(optional=True))
