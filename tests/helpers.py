@@ -173,10 +173,7 @@ RING_CONFIG = {
     "topk_group": 2,
 }
 
-REFERENCE_LONG = pytest.mark.long  # tens of seconds (a subprocess, or engines warmed up): scheduled first (conftest.py)
-
-
-ARCHS = ("qwen_dense", "qwen_moe", "qwen_moe_wrapper", "qwen_next", "kimi", "ring")
+REFERENCE_ARCHS = ("qwen_dense", "qwen_moe", "qwen_moe_wrapper", "qwen_next", "kimi", "ring")  # `reference_model`
 
 
 def reference_model(arch: str, seed: int = 0, without: tuple[str, ...] = (), **overrides):
@@ -354,7 +351,7 @@ def tiny_checkpoint(arch: str, folder: str):
     `folder` and loaded in float32; built once per (arch, folder) in a process (conftest's `tiny_checkpoints`
     fixture shares one folder per architecture)."""
     if arch not in _TINY:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {tuple(_TINY)}")
     return load_tiny(arch, save_checkpoint(reference_model(arch, **_TINY[arch]), folder))
 
 
