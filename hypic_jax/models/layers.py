@@ -163,8 +163,9 @@ def _grouped_swiglu_experts(
     contiguous row group; no dense loop over experts. The grouped matmul is `jax.lax.ragged_dot` ("ragged") or, for
     long inputs on a GPU, the Pallas kernel of `hypic_jax.kernels.grouped_matmul` ("pallas"; XLA's GPU ragged_dot
     lowers to a dense dot over all experts). "auto" picks Pallas on a GPU from PALLAS_MOE_MIN_ROWS copies up. With
-    Pallas, up to `grouped_matmul.layout.COPY_BLOCKS_MAX` copies (a decode step of a few rows) are not sorted: each
-    gets a row block of its own (`copy_blocks`; bench/decode_step.py --moe-copy-blocks times both).
+    Pallas, up to `grouped_matmul.layout.COPY_BLOCKS_MAX` copies (a decode step of a few rows; 0, off, by default)
+    are not sorted: each gets a row block of its own (`copy_blocks`; bench/decode_step.py --moe-copy-blocks times
+    both).
     Outputs are gathered back per (token, slot) and combined with the router weights in float32.
 
     Args:

@@ -93,9 +93,10 @@ def copy_layout(experts: Array, num_experts: int, block_m: int) -> tuple[Array, 
     return slot_rows, BlockLayout(sorted_positions, block_expert, block_m)
 
 
-# Largest number of (token, expert) copies that `copy_blocks` lays out one block each (a decode step of up to 8
-# rows of a top-8 model): below it the copies are not ranked at all. Read when the MoE layer is traced.
-COPY_BLOCKS_MAX = 64
+# Largest number of (token, expert) copies that `copy_blocks` lays out one block each (64: a decode step of up to 8
+# rows of a top-8 model): up to it the copies are not ranked at all. Read when the MoE layer is traced. 0 (off)
+# until it is timed on a GPU against the sorted layout: `bench/decode_step.py --moe-copy-blocks 0 64`.
+COPY_BLOCKS_MAX = 0
 
 
 def copy_blocks(experts: Array, block_m: int, valid: Array | None = None) -> tuple[Array, BlockLayout, Array]:
