@@ -166,12 +166,35 @@ def test_pic_modes_equal_the_naive_reference(engines, arch):
     segs = _request(vocab, seed=9)
     shuffled = [segs[i] for i in (2, 0, 1)] + [segs[-1]]
     variants = (("addition", 0, segs), ("transition", 0, shuffled), ("transition_rope", 0, segs),
-                ("transition_rope_recompute", SEAM, shuffled), ("transition_rope_recompute", 0.3, segs))
+                ("transition_rope_recompute", SEAM, shuffled), ("transition_rope_recompute", 0.3, segs),
+                ("transition_rope_recompute", (SEAM, 0, 1.0), segs))  # a seam per document
     for mode, seam, request in variants:
         want = pic.prefill(model, request, mode, seam)
         for _ in range(2):  # its entries recorded and stitched, then read from the cache
             got = engine.prefill(request, mode=mode, seam=seam, cache_salt="reference")
             assert rel_err(got.logits, want) < 1e-5, (mode, seam)
+
+
+@on_worker_of("engine-qwen_dense")
+def test_a_seam_per_document(engines):
+    """`seam` as one knob per document: every knob 1.0 is full recompute; the same knob for each equals that knob
+    given once (the same entries, the same program); a wrong count or a bad knob is refused before any work."""
+    engine, model, vocab = engines("qwen_dense")
+    segs = _request(vocab, seed=13)
+    docs = len(segs) - 1
+    full = engine.prefill(segs, mode="full_recompute")
+    whole = engine.prefill(segs, mode="transition_rope_recompute", seam=[1.0] * docs)
+    assert rel_err(whole.logits, full.logits) < 1e-5
+    assert whole.stats.cached_tokens == 0 and whole.stats.seam == (1.0,) * docs
+    once = engine.prefill(segs, mode="transition_rope_recompute", seam=0.3, cache_salt="per-document")
+    each = engine.prefill(segs, mode="transition_rope_recompute", seam=np.full(docs, 0.3), cache_salt="per-document")
+    np.testing.assert_array_equal(each.logits, once.logits)
+    assert each.stats.hits == docs
+    with pytest.raises(ValueError, match=f"each of the {docs} documents"):
+        engine.prefill(segs, mode="transition_rope_recompute", seam=[8] * (docs + 1))
+    with pytest.raises(ValueError, match="seam must be >= 0"):
+        engine.prefill(segs, mode="transition_rope_recompute", seam=[8, -1, 8][:docs])
+    assert engine.prefill(segs, mode="addition", seam=[8]).stats.seam == 0.0  # the seam is not read there
 
 
 @pytest.mark.parametrize("arch", ENGINE_ARCHS)

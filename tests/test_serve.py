@@ -247,6 +247,9 @@ BAD = [
     ("/v1/completions", dict(prompt="a b", seam=-1), "seam", 400),
     ("/v1/completions", dict(prompt="a b", seam=2.5), "seam", 400),
     ("/v1/completions", dict(prompt="a b", seam="wide"), "seam", 400),
+    ("/v1/completions", dict(segments=[[3, 4], [5, 6], [7]], seam=[8]), "seam", 400),  # one knob per document
+    ("/v1/completions", dict(segments=[[3, 4], [5, 6], [7]], seam=[8, "x"]), "seam", 400),
+    ("/v1/completions", dict(segments=[[3, 4], [5, 6], [7]], seam=[8, 0.5, 1]), "seam", 400),
     ("/v1/completions", dict(prompt=[3, 1000]), "prompt", 400),
     ("/v1/completions", dict(prompt=[3, -1]), "prompt", 400),
     ("/v1/completions", dict(segments=[[3, 4], [9999]]), "segments[1]", 400),
@@ -287,6 +290,19 @@ def test_bad_input_is_a_4xx_naming_the_field(served, path, body, param, status):
     assert error["param"] == param and error["type"] == "invalid_request_error"
     ok = _post(served, "/v1/completions", dict(prompt="the fox", max_tokens=2, temperature=0))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_seam_per_document_over_http(served):
+    """`seam` as an array of one knob per document: served, and echoed in `usage.pic`; every knob 1.0 recomputes
+    every document (nothing read from the cache), so its greedy tokens are full recompute's."""
+    segments = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13], [14, 15]]
+    body = dict(segments=segments, max_tokens=3, temperature=0, return_token_ids=True)
+    full = _post(served, "/v1/completions", dict(body, pic_mode="full_recompute")).json()
+    whole = _post(served, "/v1/completions", dict(body, pic_mode="transition_rope_recompute", seam=[1.0, 1.0])).json()
+    assert whole["usage"]["pic"]["seam"] == [1.0, 1.0] and whole["usage"]["pic"]["cached_tokens"] == 0
+    assert whole["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
+    mixed = _post(served, "/v1/completions", dict(body, pic_mode="transition_rope_recompute", seam=[2, 0])).json()
+    assert mixed["usage"]["pic"]["seam"] == [2.0, 0.0] and mixed["usage"]["completion_tokens"] == 3
 
 
 def test_a_prompt_list_mixing_integers_and_other_values_says_what_a_prompt_is(served):

@@ -16,11 +16,11 @@ from hypic_jax.engine.engine import Engine, load_tokenizer, stack_layers, use_co
 from hypic_jax.engine.options import (MODES, PIC_MODES, CompileOptions, EngineOptions, KernelOptions, LimitOptions,
                                       ParallelOptions, PoolOptions, RequestOptions, SchedulerOptions, TierOptions)
 from hypic_jax.engine.programs import CompileWhileServing, DeviceMemoryError, backend_compiles
-from hypic_jax.engine.requests import SamplingParams, seam_tokens
+from hypic_jax.engine.requests import SamplingParams, seam_tokens, segment_seams
 from hypic_jax.engine.results import GenerateResult, PrefillPiece, PrefillResult, PrefillStats
 
 __all__ = ["Engine", "EngineOptions", "LimitOptions", "PoolOptions", "TierOptions", "ParallelOptions",
            "KernelOptions", "RequestOptions", "SchedulerOptions", "CompileOptions", "MODES", "PIC_MODES",
            "PrefillPiece", "PrefillResult", "PrefillStats", "GenerateResult", "SamplingParams", "backend_compiles",
-           "CompileWhileServing", "DeviceMemoryError", "seam_tokens", "load_tokenizer", "stack_layers",
+           "CompileWhileServing", "DeviceMemoryError", "seam_tokens", "segment_seams", "load_tokenizer", "stack_layers",
            "use_compile_cache"]

@@ -55,7 +55,8 @@ from hypic_jax.engine.planner import Plan
 from hypic_jax.parallel.tensor import model_placement, place_tensor_parallel
 from hypic_jax.engine.programs import (HIDDEN_KINDS, DeviceMemoryError, ProgramKey, Programs, backend_compiles,
                                        out_of_memory, span_options, span_program)
-from hypic_jax.engine.requests import (SegmentReader, check_mode, is_integer, sampling_params, seam_tokens)
+from hypic_jax.engine.requests import (SegmentReader, check_mode, check_seam, is_integer, sampling_params,
+                                       segment_seams)
 from hypic_jax.engine.results import GenerateResult, PrefillPiece, PrefillResult, PrefillStats
 from hypic_jax.engine.sampling import TOP_LOGPROBS, Sampled, SamplingRows
 from hypic_jax.models.base import ModelCache
@@ -476,8 +477,7 @@ class Engine:
         the default (an empty or zero mode is refused, not read as the engine's), and a salt must be a string
         (`str(salt)` would let 5 and "5" share entries)."""
         mode = check_mode(self.mode if mode is None else mode)
-        seam = self.seam if seam is None else seam
-        seam_tokens(seam, 1)  # validates
+        seam = check_seam(self.seam if seam is None else seam)  # a knob, or a tuple of one per document
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         return mode, seam
@@ -538,7 +538,8 @@ class Engine:
     def prefill(self, segments, mode: str | None = None, seam: float | None = None,
                 cache_salt: str | None = None, *, wait: bool = True) -> PrefillResult:
         """Prefill a request; returns the last position's logits, the stats (`PrefillStats`) and the per-layer
-        caches after the prompt (`decode`, on the device: what a decode row continues from).
+        caches after the prompt (`decode`, on the device: what a decode row continues from). `seam` (in
+        transition_rope_recompute) is one knob for every document or a sequence of one knob per document.
 
         wait=False returns as soon as the programs are issued: the logits are then a device array (their copy to
         the host already queued behind the program), and the stats' times cover the planning and the issuing only.
@@ -557,6 +558,8 @@ class Engine:
         if len(ids) > self.max_segments + 1:
             raise ValueError(f"the request has {len(ids) - 1} segments before its query, over the engine's "
                              f"max_segments of {self.max_segments}")
+        if isinstance(seam, tuple) and mode == "transition_rope_recompute":
+            segment_seams(seam, [len(d) for d in ids[:-1]])  # one knob per document, checked before any work
         start = time.perf_counter()
         # what the request gave pool room to and did not store, and its promotions, go back when it fails
         with self._device_lock, self.cache.pinned() as pins, self.hierarchy.request():
@@ -573,7 +576,8 @@ class Engine:
                 logits = np.asarray(logits)
         end = time.perf_counter()
         stats = PrefillStats(
-            mode=mode, seam=float(seam) if mode == "transition_rope_recompute" else 0.0, segments=len(ids),
+            mode=mode, seam=(tuple(map(float, seam)) if isinstance(seam, tuple) else float(seam))
+            if mode == "transition_rope_recompute" else 0.0, segments=len(ids),
             prompt_tokens=total, cached_tokens=plan.cached_tokens, recomputed_tokens=len(plan.fresh),
             cold_tokens=plan.cold_tokens, hits=plan.hits, misses=plan.misses, ttft_s=end - start,
             cold_s=cold_s, combine_s=end - combine_start)

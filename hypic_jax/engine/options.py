@@ -59,6 +59,31 @@ def seam_tokens(seam: float, length: int) -> int:
     return min(length, int(seam))
 
 
+def check_seam(seam):
+    """A request's seam, checked: one knob for every document (a number, `seam_tokens`), or a sequence of one knob
+    per document (each checked alike; returned as a tuple of numbers), whose count `segment_seams` checks against
+    the documents."""
+    if isinstance(seam, (list, tuple)) or (hasattr(seam, "ndim") and getattr(seam, "ndim", 0) == 1):
+        knobs = tuple(seam.tolist() if hasattr(seam, "tolist") else seam)
+        for knob in knobs:
+            seam_tokens(knob, 1)
+        return knobs
+    seam_tokens(seam, 1)
+    return seam
+
+
+def segment_seams(seam, lengths) -> list[int]:
+    """Each document's seam in tokens, for documents of `lengths`: `seam` one knob for all, or one per document
+    (a sequence of as many knobs as documents; `check_seam`)."""
+    seam = check_seam(seam)
+    if isinstance(seam, tuple):
+        if len(seam) != len(lengths):
+            raise ValueError(f"a seam per document needs one knob for each of the {len(lengths)} documents "
+                             f"(every segment but the query), got {len(seam)}")
+        return [seam_tokens(knob, n) for knob, n in zip(seam, lengths)]
+    return [seam_tokens(seam, n) for n in lengths]
+
+
 def _seam(what, value):
     try:
         seam_tokens(value, 1)

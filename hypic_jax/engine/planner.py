@@ -18,7 +18,7 @@ import numpy as np
 
 from hypic_jax.cache.index import Entry, entry_key
 from hypic_jax.cache.pools import PoolFull
-from hypic_jax.engine.requests import seam_tokens
+from hypic_jax.engine.requests import segment_seams
 from hypic_jax.stitch import layout as lay
 
 __all__ = ["Plan", "lookup_pic", "plan", "plan_prefix", "plan_pic", "prefix_hits", "seam_span"]
@@ -115,7 +115,8 @@ def lookup_pic(engine, ids, mode, seam, salt, pins):
     """A position-independent request's segments looked up: (documents, each one's seam, each one's entry key or
     None when its seam covers it, the entries found by document index, the missing keys -> first document)."""
     docs = ids[:-1]
-    seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
+    seams = (segment_seams(seam, [len(d) for d in docs]) if mode == "transition_rope_recompute"
+             else [0] * len(docs))
     keys = [None if w >= len(doc) else entry_key(doc, fingerprint=engine.fingerprint, kind="pic", seam=w, salt=salt)
             for doc, w in zip(docs, seams)]
     # every entry at once (each distinct key once), before any lookup could evict for a request that cannot fit

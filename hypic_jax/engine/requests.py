@@ -13,10 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
-from hypic_jax.engine.options import MODES, seam_tokens
+from hypic_jax.engine.options import MODES, check_seam, seam_tokens, segment_seams
 from hypic_jax.options import is_integer, is_number
 
-__all__ = ["seam_tokens", "check_mode", "SamplingParams", "sampling_params", "SegmentReader", "is_number",
+__all__ = ["seam_tokens", "check_seam", "segment_seams", "check_mode", "SamplingParams", "sampling_params", "SegmentReader", "is_number",
            "is_integer"]
 
 

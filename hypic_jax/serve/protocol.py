@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from hypic_jax.engine.options import MODES
-from hypic_jax.engine.requests import SamplingParams, seam_tokens
+from hypic_jax.engine.requests import SamplingParams, seam_tokens, segment_seams
 from hypic_jax.engine.scheduler import RequestError as ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -41,7 +41,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     mode: str | None
-    seam: float | None
+    seam: float | tuple | None
     cache_salt: str | None
     return_token_ids: bool
     timeout: float | None
@@ -216,8 +216,19 @@ def _common(body: dict, segments, total: int, limits: Limits, tokenizer, *, chat
     if mode is not None and mode not in MODES:
         raise ApiError(400, f"unknown 'pic_mode' {mode!r}; choose one of {', '.join(MODES)}", param="pic_mode",
                        code="invalid_value")
-    seam = _get(body, "seam", "number")
-    if seam is not None:
+    seam = body.get("seam")
+    if isinstance(seam, list):  # one knob per document (every segment but the query)
+        if not all(_is_number(knob) for knob in seam):
+            raise ApiError(400, "'seam' must be a number or an array of numbers, one per document", param="seam",
+                           code="invalid_type")
+        try:
+            segment_seams(seam, [len(s) for s in segments[:-1]])
+        except ValueError as error:
+            raise ApiError(400, f"bad 'seam': {error}", param="seam", code="invalid_value") from None
+        seam = tuple(seam)
+    else:
+        seam = _get(body, "seam", "number")
+    if seam is not None and not isinstance(seam, tuple):
         try:
             seam_tokens(seam, 1)
         except ValueError as error:

@@ -32,7 +32,7 @@ import numpy as np
 
 from hypic_jax.core import rope
 from hypic_jax.core.conv import causal_conv1d
-from hypic_jax.engine.requests import seam_tokens
+from hypic_jax.engine.requests import segment_seams
 
 PIC_MODES = ("addition", "transition", "transition_rope", "transition_rope_recompute")
 
@@ -305,7 +305,8 @@ def _prefill(model, segments, mode: str, seam: float):
     pieces = pieces_of(model)
     docs, query = segments[:-1], segments[-1]
     transfer, move = mode != "addition", mode in ("transition_rope", "transition_rope_recompute")
-    seams = [seam_tokens(seam, len(d)) if mode == "transition_rope_recompute" else 0 for d in docs]
+    seams = (segment_seams(seam, [len(d) for d in docs]) if mode == "transition_rope_recompute"
+             else [0] * len(docs))
     # the request as spans: (kind, tokens or entry, absolute start)
     spans, start = [], 0
     for doc, w in zip(docs, seams):
