@@ -228,10 +228,8 @@ class Scheduler:
             if wait is not None and wait > limit:
                 if self.metrics:
                     self.metrics.rejected.inc()
-                retry = max(self.retry_after_s, math.ceil(wait - limit))
-                raise RequestError(429, f"the server is overloaded: a new request would wait about {wait:.1f} s for "
-                                   f"its first token, past its limit of {limit:.1f} s; retry later",
-                                   code="overloaded", type="rate_limit_error", headers={"Retry-After": str(retry)})
+                raise self._overloaded(f"a new request would wait about {wait:.1f} s for its first token", wait,
+                                       limit)
             request.accepted_wait = raw
             self._queue.append(request)
             self._gauges()
@@ -415,6 +413,13 @@ class Scheduler:
             elif now > request.deadline:
                 self._error(request, RequestError(504, "the request ran past its deadline", code="deadline_exceeded"))
 
+    def _overloaded(self, what: str, wait: float, limit: float) -> RequestError:
+        """The 429 `overloaded` for a request whose first token would come `wait` seconds after its arrival, past
+        `limit`; Retry-After is at least the excess."""
+        retry = max(self.retry_after_s, math.ceil(wait - limit))
+        return RequestError(429, f"the server is overloaded: {what}, past its limit of {limit:.1f} s; retry later",
+                            code="overloaded", type="rate_limit_error", headers={"Retry-After": str(retry)})
+
     def first_token_estimate(self) -> float | None:
         """Seconds from an admission to its first token: the 90th percentile of the last 32 requests' (None before
         8 were measured)."""
@@ -442,11 +447,8 @@ class Scheduler:
                 return False
             self._queue.popleft()
         if self._end(request):
-            retry = max(self.retry_after_s, math.ceil(predicted - self.max_queue_wait))
-            error = RequestError(429, f"the server is overloaded: this request would get its first token about "
-                                 f"{predicted:.1f} s after it arrived, past the limit of {self.max_queue_wait:.1f} s; "
-                                 "retry later", code="overloaded", type="rate_limit_error",
-                                 headers={"Retry-After": str(retry)})
+            error = self._overloaded(f"this request would get its first token about {predicted:.1f} s after it "
+                                     "arrived", predicted, self.max_queue_wait)
             if self.metrics:
                 self.metrics.rejected.inc()
                 self.metrics.shed.inc()
