@@ -12,7 +12,9 @@ one before (hypic:decode_steps{chained}), the share of the scheduler loop's time
 waiting for the device (hypic:scheduler_seconds), and the compilations while serving (must be 0). With
 `--step-json` (bench/decode_step.py's report of the same model on the same machine), also the decode tokens/s over
 what the batched step alone gives the rows the server stepped ("of step": the steps the server ran, per bucket,
-timed at decode_step.py's step times), and the stall in those step times. The sustained rate of a mode is the
+timed at decode_step.py's step times), and the stall in those step times. Always: the steps' mean batch bucket
+beside the running rows per step (how tightly the rows fill the buckets), and the streams moved into lower rows
+(`--compact-rows`, hypic:decode_rows_moved). The sustained rate of a mode is the
 highest rate whose p50 and p99 TTFT are both under `--slo`, as are those of every lower rate.
 
     python bench/serve.py --small            # CPU smoke size: the embedded model in float32
@@ -105,6 +107,23 @@ def step_times(path: str | None) -> dict[int, float]:
     return {int(s["rows"]): s["step_ms"] / 1e3 for s in report["steps"]}
 
 
+def bucket_use(before: str, after: str) -> dict:
+    """The decode steps' mean batch bucket and running rows per step (`hypic:decode_bucket_steps`,
+    `hypic:decode_rows`), whatever the step times: how tightly the running rows fill the buckets stepped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets = {s.labels["bucket"] for f in text_string_to_metric_families(after) for s in f.samples
+               if s.name == "hypic:decode_bucket_steps_total"}
+    steps = rows = weighted = 0.0
+    for bucket in buckets:
+        n = (metric(after, "hypic:decode_bucket_steps_total", bucket=bucket)
+             - metric(before, "hypic:decode_bucket_steps_total", bucket=bucket))
+        rows += (metric(after, "hypic:decode_rows_total", bucket=bucket)
+                 - metric(before, "hypic:decode_rows_total", bucket=bucket))
+        steps, weighted = steps + n, weighted + n * int(bucket)
+    return dict(mean_bucket=weighted / steps, rows_per_step=rows / steps) if steps else {}
+
+
 def capacity(before: str, after: str, steps_s: dict[int, float]) -> dict:
     """What the batched step alone gives the rows the server stepped: the running rows it stepped over the time
     its steps take at `steps_s` (tokens/s), and that mean step time."""
@@ -149,7 +168,9 @@ async def run_rate(args, base, mode, rate, vocab, salt):
     if step:
         step["of_capacity"] = decode_tok_s / step["step_capacity_tok_s"]
         step["stall_steps"] = stall_s / stall_n / (step["mean_step_ms"] / 1e3) if stall_n else 0.0
+    step = {**bucket_use(before, after), **step}
     return dict(mode=mode, rate=rate, requests=len(requests), answered=len(ok), **step,
+                rows_moved=metric(after, "hypic:decode_rows_moved_total") - metric(before, "hypic:decode_rows_moved_total"),
                 loop_host_s=loop["host"], loop_device_wait_s=loop["device_wait"],
                 prefill_pieces=(metric(after, "hypic:prefill_pieces_total")
                                 - metric(before, "hypic:prefill_pieces_total")),
@@ -195,6 +216,7 @@ def main() -> None:
                              "not the CPU)")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                         help="the server's --prefill-chunk")
+    parser.add_argument("--compact-rows", action="store_true", help="the server's --compact-rows")
     parser.add_argument("--step-json", default=None, metavar="FILE",
                         help="bench/decode_step.py --json of the same model and machine: report each rate's decode "
                              "tokens/s against what the batched step alone gives the rows the server stepped, and "
@@ -247,6 +269,7 @@ def main() -> None:
                *(["--slot-layouts", args.slot_layouts] if args.slot_layouts else []),
                *([] if args.overlap is None else ["--overlap" if args.overlap else "--no-overlap"]),
                *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
+               *(["--compact-rows"] if args.compact_rows else []),
                *(["--quantize", "fp8"] if args.fp8 else []),
                *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
                *(["--devices", str(args.devices)] if args.devices else [])]
@@ -260,7 +283,7 @@ def main() -> None:
         vocab = args.vocab
         header = (f"{'mode':<26} {'rate/s':>6} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
                   f"{'decode tok/s':>12} {'of step':>7} {'stall ms':>8} {'steps':>5} {'chained':>7} {'host %':>6} "
-                  f"{'compiles':>8}")
+                  f"{'bucket':>6} {'rows':>5} {'moved':>5} {'compiles':>8}")
         print(header)
         for mode in args.modes:
             if args.warm_pool:
@@ -275,7 +298,8 @@ def main() -> None:
                       f"{row.get('of_capacity', float('nan')):>7.2f} {row['stall_mean_ms']:>8.1f} "
                       f"{row.get('stall_steps', float('nan')):>5.2f} {row['chained_share']:>7.2f} "
                       f"{100 * row['loop_host_s'] / max(1e-9, row['loop_host_s'] + row['loop_device_wait_s']):>6.1f} "
-                      f"{row['compiles']:>8g}", flush=True)
+                      f"{row.get('mean_bucket', float('nan')):>6.2f} {row.get('rows_per_step', float('nan')):>5.2f} "
+                      f"{row['rows_moved']:>5g} {row['compiles']:>8g}", flush=True)
                 if row["ttft_p99"] > 4 * args.slo:  # far past the SLO: higher rates only queue longer
                     break
         print(f"\nsustained rate (p50 and p99 TTFT < {args.slo} s):")

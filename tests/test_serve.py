@@ -879,7 +879,8 @@ def test_overlapped_decode_steps_give_the_same_tokens():
     """With decode steps chained on the device (`Scheduler(overlap=True)`) every request gets the
     tokens, log-probabilities and finish reasons it gets with each step read back before the next: greedy and
     seeded sampled rows, stop ids that end rows while a step for them is in flight, lengths that free the highest
-    row (a smaller bucket), and admissions between steps."""
+    row (a smaller bucket), and admissions between steps. So do streams moved into lower rows (`compact_rows`)
+    and cold prefills spread in pieces."""
     from hypic_jax.demo import tiny_model
     from hypic_jax.engine import SamplingParams
     from hypic_jax.engine.requests import seam_tokens
@@ -899,8 +900,8 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         specs.append((segments, params))
 
     def run(overlap: bool, chunk: int | None = None, salt: str | None = None,
-            mode: str = "transition_rope_recompute") -> list:
-        scheduler = Scheduler(engine, overlap=overlap, prefill_chunk=chunk)
+            mode: str = "transition_rope_recompute", compact: bool = False) -> list:
+        scheduler = Scheduler(engine, overlap=overlap, prefill_chunk=chunk, compact_rows=compact)
         done, events = threading.Event(), [[] for _ in specs]
 
         def sink(k):
@@ -942,6 +943,14 @@ def test_overlapped_decode_steps_give_the_same_tokens():
         for (ta, ca, topa), (tb, cb, topb) in zip(a_lp, b_lp):
             assert ta == tb and abs(ca - cb) < 1e-5 and [t for t, _ in topa] == [t for t, _ in topb], k
     assert any(reason == "stop" for _, reason, _ in plain), plain
+    # streams moved into lower free rows when that shrinks the bucket: the same tokens again
+    for overlap in (False, True):
+        moved, compacted = run(overlap, compact=True)
+        assert compacted.rows_moved > 0, compacted.steps
+        for k, ((a_tokens, a_reason, a_lp), (b_tokens, b_reason, b_lp)) in enumerate(zip(moved, plain)):
+            assert a_tokens == b_tokens and a_reason == b_reason, (overlap, k)
+            for (ta, ca, _), (tb, cb, _) in zip(a_lp, b_lp):
+                assert ta == tb and abs(ca - cb) < 1e-5, (overlap, k)
     # cold prefills spread in pieces of one segment between decode steps: the same tokens again
     for overlap in (False, True):
         pieces, spread = run(overlap, chunk=1, salt=f"pieces-{overlap}")

@@ -328,7 +328,8 @@ class Engine:
             sched = self.options.scheduler
             overlap = sched.overlap if sched.overlap is not None else self.programs.devices()[0].platform != "cpu"
             self._scheduler = Scheduler(self, max_queue=sched.max_queue, overlap=overlap,
-                                        max_queue_wait=sched.max_queue_wait, prefill_chunk=sched.prefill_chunk)
+                                        max_queue_wait=sched.max_queue_wait, prefill_chunk=sched.prefill_chunk,
+                                        compact_rows=sched.compact_rows)
         return self._scheduler
 
     # Programs ----------------------------------------------------------------------------------------------------------
@@ -761,6 +762,17 @@ class Engine:
             *out, self._slots = program(slots, np.asarray(row, np.int32), layers,
                                         np.asarray(prefill.logits, np.float32), sampling)
         return Sampled(*out)
+
+    def slot_move(self, source: int, target: int) -> None:
+        """Copy row `source` of the batched cache into row `target` (what `target` held is overwritten, `source`
+        keeps its copy): the scheduler's move of a stream into a lower free row (`SchedulerOptions.compact_rows`)."""
+        for name, row in (("source", source), ("target", target)):
+            if not 0 <= row < self.max_batch:
+                raise ValueError(f"{name} row must lie in [0, {self.max_batch}), got {row}")
+        program = self.programs.get(ProgramKey("move", 1, self.max_keys))
+        with self._device_lock:
+            slots, self._slots = self._slot_cache(), None
+            (self._slots,) = program(slots, np.asarray(source, np.int32), np.asarray(target, np.int32))
 
     def slot_decode(self, tokens, lengths, sampling: SamplingRows) -> Sampled:
         """One decode step of rows [0, b), b = len(tokens) (a batch bucket): row i takes `tokens[i]` at position

@@ -221,6 +221,9 @@ class SchedulerOptions(OptionGroup):
         None, "while streams are decoding, prefill a queued request's missing segments in pieces of at most this "
         "many tokens (whole segments), one piece between two decode steps, so no stream waits on a long cold "
         "prefill (derived: one piece per admission)", check=whole(1, optional=True), metavar="TOKENS")
+    compact_rows: bool = option(
+        False, "when streams end, move the highest running rows into free lower ones whenever that lets the decode "
+        "steps take a smaller batch bucket (one copy of a row's caches per move)", check=boolean())
 
 
 def default_compile_cache() -> str:

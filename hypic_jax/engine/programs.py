@@ -157,7 +157,7 @@ class Programs:
             keys += [ProgramKey(kind, rung, rung if kind == "cold" else engine.max_keys) for kind in SPAN_KINDS]
             keys.append(ProgramKey("commit", rung, 0))
         keys.append(ProgramKey("slots", engine.max_batch, engine.max_keys))
-        keys += [ProgramKey(kind, 1, engine.max_keys) for kind in ("insert", "insert_full")]
+        keys += [ProgramKey(kind, 1, engine.max_keys) for kind in ("insert", "insert_full", "move")]
         keys += [ProgramKey(kind, b, engine.max_keys) for kind in ("batch", "batch_full")
                  for b in engine.batch_buckets]
         return keys
@@ -191,6 +191,10 @@ class Programs:
                            jax.ShapeDtypeStruct((engine.vocab_size,), jnp.float32), SamplingRows.shapes(1)))
             body = functools.partial(_insert, top_n=engine.top_logprobs, full=key.kind == "insert_full")
             return self._slot_jit(body, args, 0, self.slot_formats()).lower(*args)
+        if key.kind == "move":
+            row = jax.ShapeDtypeStruct((), jnp.int32)
+            args = shapes((engine.slot_shapes(), row, row))
+            return self._slot_jit(_move, args, 0, self.slot_formats()).lower(*args)
         if key.kind in ("batch", "batch_full"):
             rows = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
             args = shapes((engine.params, engine.slot_shapes(), rows, rows, SamplingRows.shapes(key.tokens)))
@@ -483,6 +487,17 @@ def _insert(slots, row, layers, logits, sampling, *, top_n, full):
                                                                                      row, axis=axis),
                          slots, layers, row_axes(slots))
     return (*sample_rows(logits[None], sampling, top_n, full), slots)
+
+
+def _move(slots, source, target):
+    """Copy row `source` of the batched decode cache into row `target` (every layer's caches), returned as the
+    only output: the scheduler moves a stream from a high row into a free low one so its steps take a smaller
+    batch bucket."""
+    def move(a, axis):
+        return jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, source, 1, axis=axis), target,
+                                                   axis=axis)
+
+    return (jax.tree.map(move, slots, row_axes(slots)),)
 
 
 def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, rows, top_n, full, kernels):

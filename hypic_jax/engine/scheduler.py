@@ -165,7 +165,8 @@ class Scheduler:
     an object with the server's counters (`hypic_jax.serve.metrics.Metrics`) or None."""
 
     def __init__(self, engine, *, max_queue: int = 256, metrics=None, retry_after_s: int = 1,
-                 overlap: bool = False, max_queue_wait: float | None = None, prefill_chunk: int | None = None):
+                 overlap: bool = False, max_queue_wait: float | None = None, prefill_chunk: int | None = None,
+                 compact_rows: bool = False):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue, self.metrics, self.retry_after_s = engine, max_queue, metrics, retry_after_s
@@ -174,6 +175,8 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be >= 1 token or None, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefill_pieces = 0  # cold prefill pieces run between decode steps
+        self.compact_rows = compact_rows
+        self.rows_moved = 0  # streams moved into a lower row (`compact_rows`)
         # the loop's time spent waiting for the device (reading a step's ids, a prefill's logits); the rest of it is
         # the host's own work (planning, issuing, detokenizing, delivering), `hypic:scheduler_seconds`
         self.waited_s = 0.0
@@ -350,6 +353,8 @@ class Scheduler:
         start, waited = time.monotonic(), self.waited_s
         try:
             self._reap()
+            if self.compact_rows:
+                self._compact()
             if self._queue and None in self.rows and not self._piece(self._queue[0]):
                 while self._shed_late_head(time.monotonic()):
                     pass
@@ -412,6 +417,31 @@ class Scheduler:
                 self._finish(request, "cancelled")
             elif now > request.deadline:
                 self._error(request, RequestError(504, "the request ran past its deadline", code="deadline_exceeded"))
+
+    def _compact(self) -> None:
+        """Move the highest running rows into free lower rows while the step's batch bucket would shrink: a stream
+        in a high row keeps every step at the bucket that holds it after the rows below it have ended. The step in
+        flight is handled first (it stepped the rows where they were); each move is one copy of a row's caches
+        (`Engine.slot_move`)."""
+        def bucket(rows: int) -> int:
+            full = any(_truncates(r.params) for r in self.rows if r is not None)
+            return self.engine.batch_bucket(rows, full)
+
+        busy = [i for i, r in enumerate(self.rows) if r is not None]
+        if not busy or bucket(len(busy)) >= bucket(busy[-1] + 1):
+            return
+        self._drain()
+        while True:
+            busy = [i for i, r in enumerate(self.rows) if r is not None]
+            if not busy or bucket(len(busy)) >= bucket(busy[-1] + 1):
+                return
+            source, target = busy[-1], self.rows.index(None)
+            self.engine.slot_move(source, target)
+            request = self.rows[target] = self.rows[source]
+            self.rows[source], request.row = None, target
+            self.rows_moved += 1
+            if self.metrics:
+                self.metrics.rows_moved.inc()
 
     def _overloaded(self, what: str, wait: float, limit: float) -> RequestError:
         """The 429 `overloaded` for a request whose first token would come `wait` seconds after its arrival, past
