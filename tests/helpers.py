@@ -79,6 +79,20 @@ def arch_params(module: str, archs=ARCHS) -> list:
     return [pytest.param(arch, marks=on_worker_of(f"{module}-{arch}")) for arch in archs]
 
 
+def primitives_outside_kernels(jaxpr) -> set[str]:
+    """Primitive names of a jaxpr and its sub-jaxprs, except inside Pallas kernels (whose `pl.when` are
+    conditionals of the kernel's own, on the device)."""
+    from jax.extend.core import jaxprs_in_params
+
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for sub in jaxprs_in_params(eqn.params):
+                names |= primitives_outside_kernels(sub)
+    return names
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # Tiny checkpoints
 #

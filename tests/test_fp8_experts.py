@@ -15,7 +15,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import jaxprs_in_params
 import numpy as np
 import pytest
 
@@ -25,7 +24,7 @@ from hypic_jax.kernels.grouped_matmul import ChunkedWeights, GMMConfig, block_la
 from hypic_jax.kernels.grouped_matmul.matmul import _scale_tile
 from hypic_jax.models import base, layers, stack as layer_stack
 from hypic_jax.models.stack import ExpertBank, ExpertChunks, LayerStack
-from helpers import LONG, rel_err
+from helpers import LONG, primitives_outside_kernels, rel_err
 
 SIZES = np.array([5, 0, 17, 3], np.int32)  # an empty group, partial and exact blocks
 
@@ -190,7 +189,7 @@ def test_fp8_expert_banks_and_chunks():
 
     # the kernel chooses the chunk of values and scales itself: no conditional outside the kernel
     closed = jax.make_jaxpr(functools.partial(traced.__wrapped__, impl="pallas"))(jnp.int32(1), chunked)
-    outside = _primitives_outside_kernels(closed.jaxpr)
+    outside = primitives_outside_kernels(closed.jaxpr)
     assert "pallas_call" in outside and "cond" not in outside
     wants = []
     for layer in (0, 2):
@@ -210,16 +209,6 @@ def test_fp8_expert_banks_and_chunks():
     got = per_row(jax.tree.map(lambda a: a[pick], gate_up), jax.tree.map(lambda a: a[pick], down))
     assert rel_err(got, jnp.stack(wants), norm="max") < 1e-5
 
-
-def _primitives_outside_kernels(jaxpr) -> set[str]:
-    """Primitive names of a jaxpr and its sub-jaxprs, except inside Pallas kernels."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        if eqn.primitive.name != "pallas_call":
-            for sub in jaxprs_in_params(eqn.params):
-                names |= _primitives_outside_kernels(sub)
-    return names
 
 
 def _dequantized_params(params):

@@ -18,7 +18,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import jaxprs_in_params
 import numpy as np
 import pytest
 
@@ -29,7 +28,7 @@ from hypic_jax.models import layers as model_layers
 from hypic_jax.models import base, stack as layer_stack
 from hypic_jax.models.base import ModelCache
 from hypic_jax.models.stack import ExpertBank, ExpertChunks, LayerPlan, LayerStack
-from helpers import LONG, RING_CONFIG, VOCAB, reference_model, rel_err, save_checkpoint
+from helpers import LONG, RING_CONFIG, VOCAB, primitives_outside_kernels, reference_model, rel_err, save_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -141,7 +140,7 @@ def test_expert_bank_in_the_grouped_matmul():
 
     # the kernel chooses the chunk itself: no conditional in the program (on a GPU one waits for the host)
     closed = jax.make_jaxpr(functools.partial(traced.__wrapped__, impl="pallas"))(jnp.int32(1), chunked)
-    outside = _primitives_outside_kernels(closed.jaxpr)
+    outside = primitives_outside_kernels(closed.jaxpr)
     assert "pallas_call" in outside and "cond" not in outside
 
     for layer in range(repeats):
@@ -173,19 +172,6 @@ def _instructions(text: str) -> tuple[dict[str, str], list[tuple[str, str, str |
             names = re.findall(r"%([\w.\-]+)", operands)
             ops.append((op, shape, names[1] if len(names) > 1 else None))
     return shapes, ops
-
-
-def _primitives_outside_kernels(jaxpr) -> set[str]:
-    """Primitive names of a jaxpr and its sub-jaxprs, except inside Pallas kernels (whose `pl.when` are
-    conditionals of the kernel's own, on the device)."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for sub in jaxprs_in_params(eqn.params):
-            names |= _primitives_outside_kernels(sub)
-    return names
 
 
 # six layers, so the layer loop repeats a block: (linear, linear, full) twice for Qwen and Ring, Kimi's KDA / MLA
