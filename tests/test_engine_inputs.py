@@ -101,12 +101,13 @@ def test_only_none_means_the_default_mode(engine):
 
 def test_seam_values(engine, model):
     """NaN and infinite seams are refused by name, and so are strings and bools (True would mean the whole
-    segment), in every mode, per request and as the engine's default (an option: a ValueError naming it)."""
+    segment), alone or as a document's knob, in every mode, per request and as the engine's default (an option: a
+    ValueError naming it)."""
     for mode in ("full_recompute", "transition_rope_recompute"):
         for bad in (float("nan"), float("inf"), -float("inf")):
             _refused(engine, ValueError, "seam must be a finite number",
                      lambda: engine.prefill(GOOD, mode=mode, seam=bad))
-        for bad in ("8", True, [1]):
+        for bad in ("8", True, [True], ["8"], [[1]]):  # a sequence is a knob per document, each a number
             _refused(engine, TypeError, "seam must be a number", lambda: engine.prefill(GOOD, mode=mode, seam=bad))
         _refused(engine, ValueError, "seam must be >= 0", lambda: engine.prefill(GOOD, mode=mode, seam=-1))
         _refused(engine, ValueError, "token count and must be an integer",
