@@ -648,8 +648,12 @@ def slice_inputs(inputs: la.LinearInputs, start: int, stop: int) -> la.LinearInp
     return jax.tree_util.tree_map(lambda x: array(np.asarray(x)[int(start) : int(stop)]), inputs)
 
 
-def numpy_recurrence(inputs: la.LinearInputs, initial_state=None):
-    """Independent float64 reference: the recurrence written out per token and head with NumPy."""
+def numpy_recurrence(inputs: la.LinearInputs, initial_state=None, *, magnitude: bool = False):
+    """Independent float64 reference: the recurrence written out per token and head with NumPy.
+
+    With `magnitude`, also the size of the terms each output row sums, |scale| ||S_t|| ||q_t|| per token and head:
+    float32 rounding of an output is proportional to it, not to the output itself, which can be a cancellation
+    (a small sum of large terms)."""
     q, k, v = (np.asarray(x, np.float64) for x in (inputs.q, inputs.k, inputs.v))
     length, heads, key_dim = k.shape
     g = None if inputs.g is None else np.asarray(inputs.g, np.float64)
@@ -657,6 +661,7 @@ def numpy_recurrence(inputs: la.LinearInputs, initial_state=None):
     beta = None if inputs.beta is None else np.asarray(inputs.beta, np.float64)
     state = np.zeros((heads, key_dim, v.shape[-1])) if initial_state is None else np.array(initial_state, np.float64)
     out = np.zeros(v.shape)
+    sizes = np.zeros((length, heads))
     for t in range(length):
         for h in range(heads):
             transition = np.eye(key_dim)
@@ -670,7 +675,8 @@ def numpy_recurrence(inputs: la.LinearInputs, initial_state=None):
                 strength = beta[t, h]
             state[h] = transition @ state[h] + strength * np.outer(k[t, h], v[t, h])
             out[t, h] = inputs.scale * state[h].T @ q[t, h]
-    return out, state
+            sizes[t, h] = abs(inputs.scale) * np.linalg.norm(state[h]) * np.linalg.norm(q[t, h])
+    return (out, state, sizes) if magnitude else (out, state)
 
 
 # -----------------------------------------------------------------------------------------------------------------

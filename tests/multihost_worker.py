@@ -75,18 +75,28 @@ def entries(engine) -> dict:
     return out
 
 
-def finish(out: str, engine, status: dict, cluster=None) -> None:
+def finish(out: str, engine, status: dict, cluster=None, *, wait: bool = False) -> None:
     # the status first: a peer that already exited takes the coordination service with it, and the runtime may
-    # abort this process soon after (the status is what every test reads). With `cluster`, every process waits
-    # until all have written theirs: a process that reaches this together with its peers (a refusal on all of
-    # them) must not exit while a slower one is still writing
+    # abort this process soon after (the status is what every test reads). Then, with `cluster`, this process
+    # says it has written its files; with `wait`, it waits (60 s at most) until every other process has said so
+    # too, so that a process that reaches this together with its peers (a refusal on all of them, or the
+    # coordinator releasing its followers from a broken cluster) does not exit while a slower one still writes
     with open(out + ".json", "w") as f:
         json.dump(status, f)
     np.savez(out + ".entries", **entries(engine))
     sys.stdout.flush()
     sys.stderr.flush()
     if cluster is not None:
-        cluster.barrier("worker/finished", what="every process's status written", timeout_s=60)
+        from hypic_jax.parallel.multihost import ClusterError
+
+        try:
+            cluster.publish(f"worker/finished/{cluster.process_id}", True)
+            deadline = time.monotonic() + 60
+            for p in range(cluster.processes) if wait else ():
+                if p != cluster.process_id:
+                    cluster.poll(f"worker/finished/{p}", max(0.001, deadline - time.monotonic()))
+        except ClusterError:
+            pass  # a peer took the service down: it has written its files
     os._exit(0)  # no `jax.distributed` shutdown handshake: the peer may be gone
 
 
@@ -116,7 +126,7 @@ def main() -> None:
         try:
             runner = multihost.Runner(engine, cluster)
         except ValueError as error:
-            finish(out, engine, dict(status="refused", error=str(error)), cluster)
+            finish(out, engine, dict(status="refused", error=str(error)), cluster, wait=True)
         engine.warmup(progress=False)
         if "--diverge" in args and process_id == 1:
             fail_on_call(engine, len(requests(model.config.vocab_size)) + 2)
@@ -127,8 +137,9 @@ def main() -> None:
             try:
                 count = runner.follow(idle_timeout_s=60)
             except multihost.ClusterError as error:
-                finish(out, engine, dict(status="error", error=str(error), seconds=time.perf_counter() - started))
-            finish(out, engine, dict(status="ok", requests=count))
+                finish(out, engine, dict(status="error", error=str(error), seconds=time.perf_counter() - started),
+                       cluster)
+            finish(out, engine, dict(status="ok", requests=count), cluster)
         results, bins = [], []
         for segs in requests(model.config.vocab_size):
             started = time.perf_counter()
@@ -153,7 +164,8 @@ def main() -> None:
         runner.shutdown()
     np.savez(out, **{f"logits{i}": np.asarray(r.logits) for i, r in enumerate(results)},
              stats=np.asarray([(r.stats.hits, r.stats.misses, r.stats.cold_tokens) for r in results]))
-    finish(out, engine, dict(status="ok", requests=len(results), bins=bins, refused=refused, diverged=diverged))
+    finish(out, engine, dict(status="ok", requests=len(results), bins=bins, refused=refused, diverged=diverged),
+           None if single else cluster, wait=True)
 
 
 if __name__ == "__main__":

@@ -347,7 +347,16 @@ class Runner:
                               f"{_describe(self._outcome)}")
         if differ:
             self.cluster.fail("the processes diverged: " + "; ".join(differ))
+            self._release_followers()
             raise ClusterError(self.cluster.broken)
+
+    def _release_followers(self) -> None:
+        """On a broken cluster: the next request the followers wait for says so, which wakes them at once (the
+        `broken` key is only checked between their waits)."""
+        try:
+            self.cluster.publish(f"r{self.requests + 1}/request", dict(op="broken", reason=self.cluster.broken))
+        except ClusterError:
+            pass  # the service is gone: the followers end with it
 
     # The coordinator ------------------------------------------------------------------------------------------------
     def prefill(self, segments, mode: str | None = None, seam: float | None = None,
@@ -388,6 +397,7 @@ class Runner:
                 return
             self.closed = True
             if self.cluster.broken:
+                self._release_followers()
                 deadline = time.monotonic() + self.cluster.timeout_s
                 for p in range(1, self.cluster.processes):
                     try:
@@ -460,5 +470,8 @@ class Runner:
             if idle_timeout_s is not None:
                 step = max(0.001, min(step, idle_timeout_s - waited))
             found, request = cluster.poll(f"r{n}/request", step)
+            if found and request["op"] == "broken":
+                cluster.broken = cluster.broken or request["reason"]
+                raise ClusterError(f"the coordinator marked the cluster broken: {request['reason']}")
             if found:
                 return request
