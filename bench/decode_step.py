@@ -10,6 +10,9 @@
                                                               # the compiler picks (KernelOptions.slot_layouts)
     python bench/decode_step.py --moe-copy-blocks 0 64   # the routed experts' copies sorted by expert at every
                                                          # bucket, then one block per copy up to 64 copies
+    python bench/decode_step.py --fused-prefill 16 768 64   # per bucket, a step and the admission of a stitched
+                        # request of 16 cached documents of 768 tokens and a 64-token query (seam 8): the programs
+                        # apart, then in one program (`Engine.slot_decode_and_prefill`)
 
 A server's decode throughput is rows / step time; `bench/serve.py` finds the transition_rope_recompute server
 decode-bound. Each bucket's program (`Engine.slot_decode`, the one the server runs) steps rows [0, b) of the
@@ -113,6 +116,84 @@ def measure(args, model, config, label: str, slot_layouts: str = "auto") -> dict
     return report
 
 
+def measure_fused(args, model) -> dict:
+    """Per batch bucket of two rows or more: the step alone, then the step with one admission (a stitched PIC
+    request whose documents are all cached, into the bucket's last row) run apart (`prefill`, `slot_decode`,
+    `slot_insert`) and fused (`slot_decode_and_prefill`); medians of `--steps`, each reading every sampled id."""
+    docs, doc_tokens, query_tokens = args.fused_prefill
+    rng = np.random.default_rng(0)
+    segments = [rng.integers(3, 1000, doc_tokens).tolist() for _ in range(docs)]
+    segments.append(rng.integers(3, 1000, query_tokens).tolist())
+    prompt = docs * doc_tokens + query_tokens
+    fresh = docs * min(8, doc_tokens) + query_tokens
+    probe = Engine(model, max_prompt_tokens=max(args.length, prompt), max_segments=docs, max_batch=args.max_batch,
+                   max_new_tokens=64, cache_bytes=1 << 28, compile_cache="none", seam=8)
+    fused_rung = probe.ladder.rung(fresh)
+    rungs = tuple(sorted({fused_rung, probe.ladder.rung(prompt), probe.ladder.rung(max(args.length, prompt))}))
+    probe.close()
+    engine = Engine(model, max_prompt_tokens=max(args.length, prompt), max_segments=docs, max_batch=args.max_batch,
+                    max_new_tokens=64, cache_bytes=max(1 << 28, 4 * prompt * 1 << 20), compile_cache="none",
+                    seam=8, token_rungs=rungs, fused_prefill_tokens=fused_rung)
+    start = time.perf_counter()
+    first = engine.prefill(segments)  # the documents' entries (cold), then the stitched program
+    assert first.stats.hits == 0 and engine.prefill(segments).stats.misses == 0
+    buckets = [b for b in engine.batch_buckets if b >= 2]
+    engine.programs.compile([ProgramKey(kind, b, engine.max_keys) for b in buckets for kind in ("batch",)]
+                            + [ProgramKey("fused", fused_rung, engine.max_keys, b) for b in buckets]
+                            + [ProgramKey("insert", 1, engine.max_keys)], progress=False)
+    engine._slot_cache()
+    compile_s = time.perf_counter() - start
+    engine.programs.serving = True
+    before = backend_compiles()
+    one = SamplingRows.build([0.0], [1.0], [0], [0], [0])
+    rows, digests = [], {"apart": hashlib.sha1(), "fused": hashlib.sha1()}
+    print(f"fused admissions: {docs} documents x {doc_tokens} + {query_tokens}, {fresh} fresh tokens (rung "
+          f"{fused_rung})")
+    print(f"{'rows':>5} {'step ms':>8} {'apart ms':>9} {'fused ms':>9} {'saved ms':>9} {'of prefill':>10}")
+    for b in buckets:
+        sampling = SamplingRows.build([0.0] * b, [1.0] * b, [0] * b, list(range(b)), [0] * b)
+        tokens = np.arange(3, 3 + b, dtype=np.int32)
+        lengths = np.full(b, args.length - 1, np.int32)
+
+        def step():
+            return np.asarray(engine.slot_decode(tokens, lengths, sampling).ids), None
+
+        def apart():
+            pre = engine.prefill(segments)
+            ids = engine.slot_decode(tokens, lengths, sampling)
+            return np.asarray(ids.ids), np.asarray(engine.slot_insert(b - 1, pre, one).ids)
+
+        def fused():
+            ids, first_id, _ = engine.slot_decode_and_prefill(tokens, lengths, sampling, segments, b - 1, one)
+            return np.asarray(ids.ids), np.asarray(first_id.ids)
+
+        times = {}
+        for name, fn in (("step", step), ("apart", apart), ("fused", fused)):
+            engine._slots = None  # from zeros, so that both ways step the same rows from the same states
+            out = fn()
+            if name in digests:
+                digests[name].update(out[0][:b - 1].tobytes() + out[1].tobytes())
+            samples = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t)
+            times[name] = float(np.median(samples))
+        saved = times["apart"] - times["fused"]
+        prefill = times["apart"] - times["step"]
+        rows.append(dict(rows=b, **{f"{k}_ms": round(1e3 * v, 3) for k, v in times.items()}))
+        print(f"{b:>5} {1e3 * times['step']:>8.2f} {1e3 * times['apart']:>9.2f} {1e3 * times['fused']:>9.2f} "
+              f"{1e3 * saved:>9.2f} {saved / prefill if prefill > 0 else float('nan'):>10.2f}", flush=True)
+    same = digests["apart"].hexdigest() == digests["fused"].hexdigest()
+    report = dict(docs=docs, doc_tokens=doc_tokens, query_tokens=query_tokens, fresh_tokens=fresh,
+                  fused_rung=fused_rung, compile_s=round(compile_s, 1),
+                  compiles_after_warmup=backend_compiles() - before, same_ids=same, buckets=rows)
+    print(f"compile {compile_s:.1f} s, compilations after warmup {report['compiles_after_warmup']}, the same ids "
+          f"apart and fused: {same}", flush=True)
+    engine.close()
+    return report
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true")
@@ -135,6 +216,11 @@ def main(argv=None) -> None:
     parser.add_argument("--serving-pools", type=int, default=None, metavar="ROWS",
                         help="afterwards, the entry pools an engine of ROWS decode rows (max_prompt_tokens "
                              "--length) derives from the device memory left beside these weights")
+    parser.add_argument("--fused-prefill", type=int, nargs=3, default=None, metavar=("DOCS", "TOKENS", "QUERY"),
+                        help="afterwards, a step with one admission of DOCS cached documents of TOKENS tokens and a "
+                             "QUERY-token query, apart and fused (LimitOptions.fused_prefill_tokens); with "
+                             "--fused-only, without the buckets' step table")
+    parser.add_argument("--fused-only", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     config, dtype = (small_config(), jnp.float32) if args.small else (full_config(args.layers), jnp.bfloat16)
@@ -144,7 +230,7 @@ def main(argv=None) -> None:
     variants = args.few_query_rows if args.few_query_rows else [attention.FEW_QUERY_ROWS]
     reports = []
     copy_blocks = args.moe_copy_blocks if args.moe_copy_blocks else [gm.layout.COPY_BLOCKS_MAX]
-    for slot_layouts in args.slot_layouts or ["auto"]:
+    for slot_layouts in ([] if args.fused_only else args.slot_layouts or ["auto"]):
         for few in variants:
             for copies in copy_blocks:
                 attention.FEW_QUERY_ROWS = few  # both read when the programs are traced
@@ -153,6 +239,9 @@ def main(argv=None) -> None:
                          f"moe_copy_blocks={copies}")
                 reports.append(measure(args, model, config, label=label, slot_layouts=slot_layouts))
     report = reports[0] if len(reports) == 1 else dict(variants=reports)
+    report = dict(report, device=str(jax.devices()[0]), shape="small" if args.small else f"35B-A3B x{args.layers}")
+    if args.fused_prefill:
+        report["fused_prefill"] = measure_fused(args, model)
     if args.serving_pools:
         engine = Engine(model, max_batch=args.serving_pools, max_prompt_tokens=args.length, compile_cache="none")
         stats = jax.devices()[0].memory_stats() or {}

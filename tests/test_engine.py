@@ -632,6 +632,66 @@ def test_diagnose_is_zero_for_an_exact_mode_and_grows_without_transfers(engines)
     assert engine.stats["programs"]["diagnostic"] == 2  # the plain and pic programs with hidden states, apart
 
 
+@on_worker_of("engine-qwen_dense")
+def test_adaptive_seam_measures_each_document_once_and_feeds_prefill(engines):
+    """`SeamProbe`: a document's deviation is the relative change of its first tokens' hidden states at the inputs
+    of the full-attention layers, alone against after the probe (the probe's prefix cached: the same as the whole
+    text recomputed as one segment); seams fall as the tolerance grows; the knobs it returns give
+    `Engine.prefill` exactly those seams (one token included, which the knob 1 would not)."""
+    from hypic_jax.engine import seam_tokens
+    from hypic_jax.engine.adaptive_seam import SeamProbe, knob
+
+    engine, model, vocab = engines("qwen_dense")
+    rng = np.random.default_rng(11)
+    probe = rng.integers(3, vocab, 30).tolist()
+    docs = [rng.integers(3, vocab, n).tolist() for n in (5, 12, 40)]
+    query = rng.integers(3, vocab, QUERY_LEN).tolist()
+    prober = SeamProbe(engine, probe, window=8)
+    feeds = [i - 1 for i, kind in enumerate(engine.layer_kinds) if kind == "full" and i > 0]
+    assert feeds and prober.feeds == feeds
+
+    for doc in docs:
+        head = doc[:8]
+        got = prober.deviation(doc)
+        assert got.shape == (len(head),) and np.all(np.isfinite(got)) and np.all(got >= 0)
+        _, alone = engine.query_hidden_states([head], "full_recompute")
+        _, whole = engine.query_hidden_states([probe + head], "full_recompute")  # no cache, one segment
+        alone, after = np.asarray(alone, np.float64)[feeds], np.asarray(whole, np.float64)[feeds, -len(head):]
+        want = (np.linalg.norm(after - alone, axis=-1) / np.linalg.norm(after, axis=-1)).max(axis=0)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        assert got.max() > 1e-3  # the probe moves the tokens (slow decays: the state carries)
+        # tolerances: at or over the largest deviation nothing is recomputed; under the smallest, the window
+        assert prober.seam_for(doc, got.max()) == int(np.argmax(got <= got.max()))
+        assert prober.seam_for(doc, 0.99 * got.min()) == len(head)
+        seams = [prober.seam_for(doc, tol) for tol in np.linspace(0, got.max(), 9)]
+        assert seams == sorted(seams, reverse=True)
+
+    calls = []
+    engine.query_hidden_states = lambda *a, **k: calls.append(a)  # memoized: nothing runs again
+    try:
+        for doc in docs:
+            prober.deviation(list(doc))
+    finally:
+        del engine.query_hidden_states
+    assert calls == []
+
+    for tol in np.unique(np.concatenate([prober.deviation(d) for d in docs])):
+        knobs = prober.seams(docs + [query], tol=tol)
+        want = [prober.seam_for(d, tol) for d in docs]
+        assert [seam_tokens(k, len(d)) for k, d in zip(knobs, docs)] == want
+        result = engine.prefill(docs + [query], mode="transition_rope_recompute", seam=knobs)
+        assert result.stats.recomputed_tokens == sum(want) + len(query)
+    assert knob(1, 40) < 1 and seam_tokens(knob(1, 40), 40) == 1 and knob(1, 1) == 1
+    with pytest.raises(ValueError, match="before its query"):
+        prober.seams([query])
+    with pytest.raises(ValueError, match="window"):
+        SeamProbe(engine, probe, window=0)
+    with pytest.raises(ValueError, match="empty"):
+        SeamProbe(engine, [])
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        SeamProbe(engine, probe, window=engine.max_prompt_tokens)
+
+
 def test_options_derive_from_the_model_and_map_to_flags(tmp_path):
     """Limits left unset fit the model's context (a 4,096-token model gets a prompt limit beside its generation
     room); given limits that do not fit are refused naming both; every option is one flag of `hypic-jax serve`,

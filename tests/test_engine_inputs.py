@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hypic_jax.demo import tiny_model
-from hypic_jax.engine import MODES, Engine, backend_compiles, seam_tokens
+from hypic_jax.engine import MODES, Engine, EngineOptions, backend_compiles, seam_tokens
 from hypic_jax.cache.pools import PoolFull
 
 from helpers import rel_err
@@ -250,3 +250,11 @@ def test_engine_sizes_must_be_whole_numbers(model):
             Engine(model, **{**base, name: value})
     engine = Engine(model, **base, max_batch=np.int64(3), min_tokens=np.int64(32))
     assert engine.batch_buckets == (1, 2, 3) and engine.ladder.rungs[0] == 32
+    with pytest.raises(ValueError, match="min_batch_bucket must be a whole number >= 1"):
+        Engine(model, **base, min_batch_bucket=0)
+    # the smallest bucket: one stream steps in a program of two rows (an accelerator's default), or of max_batch
+    for max_batch, smallest, buckets in ((8, 2, (2, 4, 8)), (3, 2, (2, 3)), (6, 3, (4, 6)), (2, 4, (2,))):
+        engine = Engine(model, **base, max_batch=max_batch, min_batch_bucket=smallest)
+        assert engine.batch_buckets == buckets and engine.batch_bucket(1) == buckets[0]
+    assert EngineOptions().resolve(max_context=None, backend="gpu").limits.min_batch_bucket == 2
+    assert EngineOptions().resolve(max_context=None, backend="cpu").limits.min_batch_bucket == 1

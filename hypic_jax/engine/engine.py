@@ -192,10 +192,13 @@ class Engine:
                                  max_records=self.max_segments + 1, min_tokens=limits.min_tokens,
                                  chunk=self.kernels.chunk_size, conv=conv, token_rungs=limits.token_rungs,
                                  steps=limits.ladder)
-        # powers of two below max_batch, then max_batch: a step pays for at most twice its busy rows
+        # powers of two from min_batch_bucket below max_batch, then max_batch: a step pays for at most twice its
+        # busy rows (or min_batch_bucket of them)
         self.batch_buckets = tuple(b for b in (1 << i for i in range(self.max_batch.bit_length()))
-                                   if b < self.max_batch) + (self.max_batch,)
+                                   if limits.min_batch_bucket <= b < self.max_batch) + (self.max_batch,)
         self.top_logprobs = min(TOP_LOGPROBS, self.vocab_size)
+        # the token rungs of the fused programs (a decode step and a stitched request in one program)
+        self.fused_rungs = tuple(r for r in self.ladder.rungs if r <= limits.fused_prefill_tokens)
 
         # the parameters: split over a tensor-parallel mesh, then the repeating layers stacked for the scan
         self.plan = layer_plan(model, scan=self.kernels.scan_layers)
@@ -335,7 +338,7 @@ class Engine:
     # Programs ----------------------------------------------------------------------------------------------------------
     def capacity(self, key: ProgramKey) -> lay.Capacity:
         """The layout capacity of a span program's key."""
-        kind = key.kind.removesuffix("_hidden")
+        kind = "pic" if key.kind == "fused" else key.kind.removesuffix("_hidden")
         records = 0 if kind == "pic" else self.ladder.records  # stitched PIC requests record nothing
         return lay.Capacity(tokens=key.tokens, pieces=self.ladder.max_pieces, keys=key.keys, records=records,
                             chunk=lay.chunk_for(kind, self.ladder.chunk), conv=self.ladder.conv)
@@ -548,7 +551,8 @@ class Engine:
         runs."""
         return self._prefill(segments, mode, seam, cache_salt, wait=wait)
 
-    def _prefill(self, segments, mode, seam, cache_salt, *, hidden: bool = False, wait: bool = True):
+    def _prefill(self, segments, mode, seam, cache_salt, *, hidden: bool = False, wait: bool = True,
+                 fuse: tuple | None = None):
         self._check_open()
         mode, seam = self._request_options(mode, seam, cache_salt)
         ids = self.reader(segments)
@@ -567,9 +571,15 @@ class Engine:
             plan = self._plan(mode, ids, seam, cache_salt, pins, total)
             cold_s = time.perf_counter() - start
             combine_start = time.perf_counter()
-            out = self._run(plan.kind, plan.spans, plan.fresh, transfer=mode != "addition",
-                            rope=mode not in ("addition", "transition"), hidden=hidden)
-            logits, decode = out[:2]
+            transfer, rope = mode != "addition", mode not in ("addition", "transition")
+            fused = None
+            if fuse is not None and plan.kind == "pic":
+                fused = self._run_fused(plan.spans, plan.fresh, fuse, transfer=transfer, rope=rope)
+            if fused is None:
+                out = self._run(plan.kind, plan.spans, plan.fresh, transfer=transfer, rope=rope, hidden=hidden)
+                logits, decode = out[:2]
+            else:
+                logits, decode = fused[0], None
             for entry in plan.stores:
                 self.hierarchy.store(entry)
             tokens = np.concatenate(ids).tolist()  # while the program runs
@@ -585,7 +595,58 @@ class Engine:
         result = PrefillResult(logits=logits, stats=stats, tokens=tokens, decode=decode)
         if hidden:
             return result, np.asarray(out[2]), len(plan.fresh)
+        if fuse is not None:
+            return result, None if fused is None else fused[1:]
         return result
+
+    def _run_fused(self, spans, fresh_tokens, fuse, *, transfer: bool, rope: bool):
+        """The fused program of a pic request's layout and a decode step (`slot_decode_and_prefill`), or None when
+        none is compiled for its bucket and rung (the caller then runs the programs apart)."""
+        tokens, lengths, sampling, row, first = fuse
+        fresh_tokens = np.asarray(fresh_tokens, np.int32)
+        pieces, records = lay.count_pieces(spans, isolated=False)
+        keys = sum(s.length for s in spans)
+        capacity = self.ladder.fit(len(fresh_tokens), keys, pieces, records, isolated=False)
+        key = ProgramKey("fused", capacity.tokens, self.max_keys, len(tokens))
+        if capacity.tokens not in self.fused_rungs or keys > key.keys or sampling.full() or first.full():
+            return None
+        if self.programs.serving and key not in self.programs:
+            return None  # still compiling in the background: never wait for it
+        arrays = lay.build(spans, self.capacity(key), isolated=False, tokens=fresh_tokens, summaries=True,
+                           transfer=transfer, rope=rope)
+        program = self.programs.get(key)
+        with self.pools.lock:
+            slots, self._slots = self._slot_cache(), None
+            tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens, np.int32)
+            *out, self._slots = program(self.params, slots, tokens, np.asarray(lengths, np.int32), sampling,
+                                        lay.pack(arrays), self._pool_arrays(), np.asarray(row, np.int32), first)
+        logits = out[8]
+        logits.copy_to_host_async()
+        return logits, Sampled(*out[:4]), Sampled(*out[4:8])
+
+    def slot_decode_and_prefill(self, tokens, lengths, sampling: SamplingRows, segments, row: int,
+                                first: SamplingRows, *, mode: str | None = None, seam: float | None = None,
+                                cache_salt: str | None = None) -> tuple[Sampled, Sampled, PrefillResult]:
+        """`slot_decode(tokens, lengths, sampling)`, then the prefill of `segments` into `row` (`prefill`, then
+        `slot_insert(row, ..., first)`): the rows' samples, the request's first token, its `PrefillResult` (whose
+        `decode` is None: its caches are in `row`). A request whose final forward is a stitched PIC program of a
+        rung in `fused_rungs` runs it in one program with the step (`programs._fused_decode`: each layer's MLP
+        and experts read once for both; the same results); any other request, or a sampler that truncates,
+        runs the programs one after the other. `row` may lie among the stepped rows if it is free (the step
+        leaves it to the insert)."""
+        if len(tokens) not in self.batch_buckets:
+            raise ValueError(f"{len(tokens)} rows is not a batch bucket {self.batch_buckets}")
+        if not 0 <= row < self.max_batch:
+            raise ValueError(f"row must lie in [0, {self.max_batch}), got {row}")
+        with self._device_lock:
+            result, fused = self._prefill(segments, mode, seam, cache_salt,
+                                          fuse=(tokens, lengths, sampling, row, first))
+            if fused is not None:
+                return (*fused, result)
+            stepped = self.slot_decode(tokens, lengths, sampling)
+            inserted = self.slot_insert(row, result, first)
+            result.decode = None
+            return stepped, inserted, result
 
     def prefill_piece(self, segments, mode: str | None = None, seam: float | None = None,
                       cache_salt: str | None = None, *, budget: int) -> PrefillPiece:
@@ -796,13 +857,9 @@ class Engine:
         ||h_mode - h_full|| / ||h_full|| after every layer, plus the last position's logits. The query is fresh in every mode, so both runs hold its hidden states. Its programs (the
         span programs with every layer's hidden states) are compiled on first use, apart from the serving ladder
         (`stats["programs"]["diagnostic"]`)."""
-        self._check_open()
-        segs = self.reader(segments)
-        query = len(segs[-1])
-        full, h_full, fresh_full = self._prefill(segs, "full_recompute", None, None, hidden=True)
-        ours, h_ours, fresh_ours = self._prefill(segs, mode, seam, cache_salt, hidden=True)
-        h_full = np.asarray(h_full[:, fresh_full - query:fresh_full], np.float64)
-        h_ours = np.asarray(h_ours[:, fresh_ours - query:fresh_ours], np.float64)
+        full, h_full = self.query_hidden_states(segments, "full_recompute")
+        ours, h_ours = self.query_hidden_states(segments, mode, seam, cache_salt)
+        h_full, h_ours = np.asarray(h_full, np.float64), np.asarray(h_ours, np.float64)
         rows = []
         kinds = _layer_kinds(self.config)
         for layer in range(h_full.shape[0]):
@@ -813,6 +870,21 @@ class Engine:
         rows.append(dict(layer="logits", kind="head",
                          deviation=float(np.linalg.norm(ours.logits - full.logits) / max(ref, 1e-30))))
         return rows
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Each layer's kind: "linear" (a linear-attention layer) or "full" (full attention)."""
+        return _layer_kinds(self.config)
+
+    def query_hidden_states(self, segments, mode: str | None = None, seam: float | None = None,
+                            cache_salt: str | None = None) -> tuple[PrefillResult, np.ndarray]:
+        """The prefill of `segments` in `mode` and every layer's output at its query's tokens (the last segment,
+        fresh in every mode): float32 [layers, query tokens, hidden]. Runs the diagnostic programs (`diagnose`)."""
+        self._check_open()
+        segs = self.reader(segments)
+        query = len(segs[-1])
+        result, hidden, fresh = self._prefill(segs, mode, seam, cache_salt, hidden=True)
+        return result, np.asarray(hidden[:, fresh - query:fresh])
 
     # Lifecycle ---------------------------------------------------------------------------------------------------------
     def close(self) -> None:

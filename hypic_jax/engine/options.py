@@ -109,6 +109,10 @@ class LimitOptions(OptionGroup):
     max_batch: int | None = option(
         None, "requests decoding at once: rows of the preallocated batched decode cache (derived: 64 on an "
         "accelerator, 8 on the CPU)", check=whole(1, optional=True), derived=True)
+    min_batch_bucket: int | None = option(
+        None, "the smallest decode batch bucket: one stream steps in a program of this many rows (derived: 2 on an "
+        "accelerator, where the one-row step was never faster than the two-row one (bench/RESULTS.md, "
+        "decode_step.py), 1 on the CPU)", check=whole(1, optional=True), derived=True)
     min_tokens: int | None = option(
         None, "the smallest compiled token capacity (derived: 64 on an accelerator, 256 on the CPU)",
         check=whole(1, optional=True), derived=True)
@@ -116,6 +120,10 @@ class LimitOptions(OptionGroup):
         None, "the steps between compiled token capacities: fine (x1.5 and x1.33, quarter octaves from 1024 "
         "tokens: at most 1.25x padding) or octaves (powers of two: fewer programs); derived: fine on an "
         "accelerator, octaves on the CPU", check=choice(*LADDERS, optional=True), derived=True)
+    fused_prefill_tokens: int = option(
+        0, "run a stitched PIC request of at most this many fresh tokens (seams and query; its token rung) in one "
+        "program with a decode step, each layer's MLP and experts read once for both (one program per batch bucket "
+        "and rung up to it; 0: never)", check=whole(0))
     token_rungs: tuple[int, ...] | None = option(
         None, "explicit token capacities instead of the ladder, comma-separated (the last must hold "
         "max_prompt_tokens)", check=rungs(), metavar="N,N,...")
@@ -365,6 +373,7 @@ class EngineOptions:
         resolved = dataclasses.replace(
             limits, max_prompt_tokens=max_prompt, max_new_tokens=max_new,
             max_batch=limits.max_batch or (64 if accelerator else 8),
+            min_batch_bucket=limits.min_batch_bucket or (2 if accelerator else 1),
             min_tokens=limits.min_tokens or (64 if accelerator else 256),
             ladder=limits.ladder or ("fine" if accelerator else "octaves"))
         if resolved.token_rungs is not None and resolved.token_rungs[-1] < max_prompt:

@@ -12,6 +12,9 @@ guarded while serving.
     batch         batch bucket      one decode step of rows [0, b) of the batched decode cache, sampled per row
     *_full                          insert and batch with the sampler that truncates and ranks (`SamplingRows.full`)
     *_hidden      token rung        pic and plain returning every layer's hidden states (`Engine.diagnose` only)
+    fused         bucket, rung      one decode step of rows [0, b) and a pic request's forward in one layer loop
+                                    (each layer's MLP once over both token lists), its caches then inserted into a
+                                    row and its first token sampled (`LimitOptions.fused_prefill_tokens`)
 
 Everything else is data: the layout's arrays (`layout.LayoutArrays`) and the entries' slots and rows in the pools
 (`pools.Pools`). `Programs` owns them: `keys_for` lists what a prompt limit needs, `compile` builds them on a thread
@@ -40,8 +43,9 @@ from jax.experimental.layout import Format, Layout
 from hypic_jax.stitch import layout as lay
 from hypic_jax import stitch
 from hypic_jax.engine.sampling import SamplingRows, sample_rows
+from hypic_jax.models import mixing
 from hypic_jax.models.base import ModelCache
-from hypic_jax.models.stack import LayerStack
+from hypic_jax.models.stack import LayerStack, stacked_like
 
 log = logging.getLogger("hypic_jax.engine")
 
@@ -89,6 +93,7 @@ class ProgramKey(NamedTuple):
     kind: str  # see the module docstring
     tokens: int  # the token rung, or for batch programs the rows
     keys: int  # the keys capacity (attention context): a cold program's is its rung
+    rows: int = 0  # a fused program's batch bucket (0 for every other kind)
 
 
 class CompileWhileServing(RuntimeError):
@@ -160,6 +165,8 @@ class Programs:
         keys += [ProgramKey(kind, 1, engine.max_keys) for kind in ("insert", "insert_full", "move")]
         keys += [ProgramKey(kind, b, engine.max_keys) for kind in ("batch", "batch_full")
                  for b in engine.batch_buckets]
+        keys += [ProgramKey("fused", rung, engine.max_keys, b) for rung in engine.fused_rungs if rung <= top
+                 for b in engine.batch_buckets]
         return keys
 
     def later(self, keys: list[ProgramKey], ready_rung: int) -> list[ProgramKey]:
@@ -172,6 +179,7 @@ class Programs:
         order = [k for k in keys if k.kind == "batch" and k.tokens != largest]
         order += [k for k in keys if k.kind in ("insert_full", "batch_full")]
         order += [k for k in keys if k.kind in SPAN_KINDS + ("commit",) and k.tokens > ready_rung]
+        order += [k for k in keys if k.kind == "fused"]  # until one is ready, the programs apart serve
         return order
 
     # Lowering --------------------------------------------------------------------------------------------------------
@@ -205,6 +213,15 @@ class Programs:
             chooses = key == self._layout_key()
             formats = Format(Layout.AUTO, engine.placement) if chooses else self.slot_formats()
             return self._slot_jit(body, args, 1, formats).lower(*args)
+        if key.kind == "fused":
+            capacity = engine.capacity(key)
+            rows, one = jax.ShapeDtypeStruct((key.rows,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)
+            packed = jax.ShapeDtypeStruct((lay.packed_size(capacity),), jnp.int32)
+            args = shapes((engine.params, engine.slot_shapes(), rows, rows, SamplingRows.shapes(key.rows), packed,
+                           engine.pool_shapes, one, SamplingRows.shapes(1)))
+            body = functools.partial(_fused_decode, arch=engine.arch, config=engine.config, rows=key.rows,
+                                     capacity=capacity, top_n=engine.top_logprobs, kernels=engine.kernels)
+            return self._slot_jit(body, args, 1, self.slot_formats()).lower(*args)
         base = key.kind.removesuffix("_hidden")
         if base not in SPAN_KINDS:
             raise ValueError(f"unknown program kind {key.kind!r}")
@@ -292,7 +309,7 @@ class Programs:
         engine = self.engine
         if self._signature is None:
             self._signature = (executables.describe(engine.params), executables.describe(engine.pool_shapes))
-        capacity = engine.capacity(key) if key.kind.removesuffix("_hidden") in SPAN_KINDS else None
+        capacity = engine.capacity(key) if key.kind.removesuffix("_hidden") in SPAN_KINDS + ("fused",) else None
         ladder = engine.ladder
         return engine.executables.digest(
             key, capacity, ladder.max_pieces, ladder.records, ladder.chunk, ladder.conv, engine.arch.__name__,
@@ -438,8 +455,8 @@ class Programs:
             self._background = None
 
     def report(self) -> list[dict]:
-        return [dict(kind=k.kind, tokens=k.tokens, keys=k.keys, compile_s=round(s, 3))
-                for k, s in sorted(self._seconds.items())]
+        return [dict(kind=k.kind, tokens=k.tokens, keys=k.keys, **(dict(rows=k.rows) if k.rows else {}),
+                     compile_s=round(s, 3)) for k, s in sorted(self._seconds.items())]
 
     def __contains__(self, key: ProgramKey) -> bool:
         return key in self._compiled
@@ -514,6 +531,29 @@ def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, row
                                                                                      0, axis=axis),
                          slots, cache.layers, axes)
     return (*sample_rows(logits[:, -1], sampling, top_n, full), slots)
+
+
+def _fused_decode(params, slots, tokens, lengths, sampling, packed, pools, row, first, *, arch, config, rows,
+                  capacity, top_n, kernels):
+    """`_batch_decode` of rows [0, rows) and a pic request's `span_program` in one layer loop
+    (`mixing.fused_forward_arrays`), then the request's `_insert` into `row` (after the step: a free row inside
+    the bucket was stepped with whatever it held) with its first token sampled by `first`. Returns the rows'
+    samples, the request's, its logits and the decode cache. The plain sampler only (`SamplingRows.full` takes the
+    programs apart)."""
+    axes = row_axes(slots)
+    capacity_rows = jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]]
+    part = slots if rows == capacity_rows else jax.tree.map(
+        lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis), slots, axes)
+    logits, new, request_logits, decode = mixing.fused_forward_arrays(
+        arch, params, config, tokens, ModelCache(part, lengths), lay.unpack(packed, capacity), pools,
+        kernels=kernels)
+    slots = jax.tree.map(lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype),
+                                                                                     0, axis=axis),
+                         slots, new, axes)
+    sampled = sample_rows(logits, sampling, top_n, False)
+    *first_sampled, slots = _insert(slots, row, stacked_like(params["layers"], decode), request_logits, first,
+                                    top_n=top_n, full=False)
+    return (*sampled, *first_sampled, request_logits, slots)
 
 
 __all__ = ["Programs", "ProgramKey", "ProgramStats", "CompileWhileServing", "DeviceMemoryError", "backend_compiles",

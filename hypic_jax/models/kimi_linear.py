@@ -549,15 +549,31 @@ def moe(p: dict[str, Any], c: KimiLinearConfig, x: Array, valid: Array | None = 
 # Model.
 
 
+def mixer_block(i: int, layer, lp: dict[str, Any], x: Array, mix, config: KimiLinearConfig) -> Array:
+    """The first half of layer `i` on x [B, L, D] in a `mixing` context: x + mixer(norm(x))."""
+    h = layers.rms_norm_plain(x, lp["attn_norm"], config.rms_norm_eps)
+    mixer = kda_mixer if config.layer_types[i] == LINEAR else mla_mixer
+    return x + mixer(lp["attn"], config, h, mix)
+
+
+def mlp_block(i: int, lp: dict[str, Any], x: Array, valid: Array | None, kernels: base.KernelOptions,
+              config: KimiLinearConfig) -> Array:
+    """The second half of layer `i`, token by token: x + mlp(norm(x)) (`valid`: the MoE's real tokens)."""
+    del kernels  # the experts run as XLA's grouped products
+    h = layers.rms_norm_plain(x, lp["mlp_norm"], config.rms_norm_eps)
+    return x + (_swiglu(lp["mlp"], h) if config.mlp_types[i] == DENSE else moe(lp["mlp"], config, h, valid))
+
+
 def block(i: int, layer, lp: dict[str, Any], x: Array, mix, config: KimiLinearConfig) -> Array:
     """Layer `i` (its static structure; `layer` its own index, unused here) on x [B, L, D] in a `mixing` context:
     x + mixer(norm(x)), then + mlp(norm(.)). Every forward of the model runs this body."""
-    c = config
-    h = layers.rms_norm_plain(x, lp["attn_norm"], c.rms_norm_eps)
-    mixer = kda_mixer if c.layer_types[i] == LINEAR else mla_mixer
-    x = x + mixer(lp["attn"], c, h, mix)
-    h = layers.rms_norm_plain(x, lp["mlp_norm"], c.rms_norm_eps)
-    return x + (_swiglu(lp["mlp"], h) if c.mlp_types[i] == DENSE else moe(lp["mlp"], c, h, mix.valid))
+    x = mixer_block(i, layer, lp, x, mix, config)
+    return mlp_block(i, lp, x, mix.valid, mix.kernels, config)
+
+
+def final_logits(params: dict[str, Any], config: KimiLinearConfig, x: Array) -> Array:
+    """float32 logits of the last layer's outputs x [..., D]: the final norm, then the LM head."""
+    return lm_head(params, config, layers.rms_norm_plain(x, params["final_norm"], config.rms_norm_eps))
 
 
 def hidden_states(

@@ -271,3 +271,37 @@ def run_layout(block: Block, x: Array, layer_params, layout: lay.LayoutArrays, p
     if want_hidden:  # every layer's output of the fresh tokens, for `Engine.diagnose`
         decode, hidden = stack.split_pairs(decode)
     return x[0], writes, decode if want_decode else None, hidden
+
+
+def fused_forward_arrays(arch, params, config, tokens: Array, cache: base.ModelCache, layout: lay.LayoutArrays, pools,
+                         *, kernels: base.KernelOptions = base.DEFAULT_KERNELS):
+    """One decode step of the rows of `cache` (tokens [B], one per row at its own length) and the stitched forward
+    of one position-independent request (`layout`, over the cached entries in `pools`), in one layer loop.
+
+    Why one loop: in a decode step of a mixture-of-experts model most bytes read are the experts' weights, and an
+    admitted request's stitched forward reads them again for its few fresh tokens (seams and query). Here each
+    layer runs its token mixing twice, once per context (`CausalMixing` for the rows, `LayoutMixing` for the
+    request: they read different caches), then its MLP once over both token lists (`arch.mlp_block`), so the weights
+    of every per-token product are read once for both. Rows and the request never mix: the MLP is per token.
+
+    `arch` provides `mixer_block`, `mlp_block` and `final_logits`. Returns (float32 logits [B, vocab] of the rows,
+    the rows' new caches in `cache.layers`' form, float32 logits [vocab] of the request's last fresh token, the
+    request's decode caches in `run_layout`'s form)."""
+    rows = tokens.shape[0]
+    positions = base.token_positions(cache.length, 1)
+
+    def step(i, layer, lp, row_cache, pool, carry):
+        x_rows, x_fresh = carry
+        mix_rows = CausalMixing(row_cache, positions, cache.length, False, kernels)
+        mix_fresh = LayoutMixing(layout, pool, isolated=False, summaries=True, want_decode=True, kernels=kernels)
+        x_rows = arch.mixer_block(i, layer, lp, x_rows, mix_rows, config=config)
+        x_fresh = arch.mixer_block(i, layer, lp, x_fresh, mix_fresh, config=config)
+        both = jnp.concatenate([x_rows.reshape(1, rows, -1), x_fresh], axis=1)
+        valid = jnp.concatenate([jnp.ones((1, rows), bool), mix_fresh.valid], axis=1)
+        both = arch.mlp_block(i, lp, both, valid, kernels, config=config)
+        return (both[0, :rows, None], both[:, rows:]), (mix_rows.emitted(), mix_fresh.emitted()[1])
+
+    x = (params["embed"][tokens][:, None], params["embed"][layout.tokens][None])
+    (x_rows, x_fresh), new, outputs = stack.run(step, x, params["layers"], caches=cache.layers, pools=pools)
+    return (arch.final_logits(params, config, x_rows[:, -1]), new,
+            arch.final_logits(params, config, x_fresh[0, layout.last]), outputs)

@@ -394,14 +394,29 @@ def init_cache(config: Config, batch: int, max_len: int, dtype: Any = jnp.bfloat
     return ModelCache(layers=tuple(entries), length=jnp.zeros((), jnp.int32))
 
 
+def mixer_block(i: int, layer, lp: dict, x: Array, mix, config: Config) -> Array:
+    """The first half of layer `i` on x [B, L, H] in a `mixing` context: x + mixer(norm(x))."""
+    h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
+    mixer = gdn_mixer if config.layer_types[i] == LINEAR else attention_mixer
+    return x + mixer(h, lp["mixer"], config, mix)
+
+
+def mlp_block(i: int, lp: dict, x: Array, valid: Array | None, kernels: KernelOptions, config: Config) -> Array:
+    """The second half of layer `i`, token by token: x + mlp(norm(x)) (`valid`: the MoE's real tokens)."""
+    h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
+    return x + feed_forward(h, lp["mlp"], config, config.mlp_types[i], valid, kernels)
+
+
 def block(i: int, layer, lp: dict, x: Array, mix, config: Config) -> Array:
     """Layer `i` (its static structure; `layer` its own index, unused here) on x [B, L, H] in a `mixing` context:
     x + mixer(norm(x)), then + mlp(norm(.)). Every forward of the model runs this body."""
-    h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps, offset=1.0)
-    mixer = gdn_mixer if config.layer_types[i] == LINEAR else attention_mixer
-    x = x + mixer(h, lp["mixer"], config, mix)
-    h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps, offset=1.0)
-    return x + feed_forward(h, lp["mlp"], config, config.mlp_types[i], mix.valid, mix.kernels)
+    x = mixer_block(i, layer, lp, x, mix, config)
+    return mlp_block(i, lp, x, mix.valid, mix.kernels, config)
+
+
+def final_logits(params: dict, config: Config, x: Array) -> Array:
+    """float32 logits of the last layer's outputs x [..., H]: the final norm, then the LM head."""
+    return lm_head(params, config, layers.rms_norm(x, params["final_norm"], config.rms_norm_eps, offset=1.0))
 
 
 def hidden_states(

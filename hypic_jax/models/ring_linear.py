@@ -433,13 +433,28 @@ def block(i: int, layer, lp: Params, x: Array, mix, config: RingLinearConfig) ->
     """Layer `i` (its static structure) on x [B, L, D] in a `mixing` context: x + mixer(norm(x)), then
     + mlp(norm(.)). layer: the layer's own index (its linear decay), an int or a traced int32 in a scan. Every
     forward of the model runs this body."""
+    x = mixer_block(i, layer, lp, x, mix, config)
+    return mlp_block(i, lp, x, mix.valid, mix.kernels, config)
+
+
+def mixer_block(i: int, layer, lp: Params, x: Array, mix, config: RingLinearConfig) -> Array:
+    """The first half of layer `i` on x [B, L, D] in a `mixing` context: x + mixer(norm(x))."""
     h = layers.rms_norm(x, lp["input_norm"], config.rms_norm_eps)
     if config.is_full_attention(i):
-        x = x + attention_mixer(lp["attn"], h, config, mix)
-    else:
-        x = x + linear_mixer(lp["attn"], h, layer, config, mix)
+        return x + attention_mixer(lp["attn"], h, config, mix)
+    return x + linear_mixer(lp["attn"], h, layer, config, mix)
+
+
+def mlp_block(i: int, lp: Params, x: Array, valid: Array | None, kernels, config: RingLinearConfig) -> Array:
+    """The second half of layer `i`, token by token: x + mlp(norm(x)) (`valid`: the MoE's real tokens)."""
+    del kernels  # the experts run as XLA's grouped products
     h = layers.rms_norm(x, lp["post_norm"], config.rms_norm_eps)
-    return x + (moe(lp["mlp"], h, config, mix.valid) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
+    return x + (moe(lp["mlp"], h, config, valid) if config.is_moe(i) else swiglu_mlp(lp["mlp"], h))
+
+
+def final_logits(params: Params, config: RingLinearConfig, x: Array) -> Array:
+    """float32 logits of the last layer's outputs x [..., D]: the final norm, then the unembedding."""
+    return unembed(params, layers.rms_norm(x, params["norm"], config.rms_norm_eps))
 
 
 def unembed(params: Params, x: Array) -> Array:
