@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality import heldout_prompts  # noqa: E402
+from quality import heldout_prompts
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "hypic_jax" / "assets" / "hypic-qa"
 
@@ -45,7 +43,7 @@ def run(args) -> dict:
     from hypic_jax.engine.adaptive_seam import SeamProbe, knob
     from hypic_jax.train import tokenizer as tok
 
-    folder = Path(args.model)
+    folder = Path(args.model).resolve()
     model = hypic_jax.load(folder, dtype=args.dtype)
     tokenizer = tok.load_tokenizer(folder)
     eos = tokenizer.token_to_id(tok.EOS)
@@ -110,7 +108,8 @@ def run(args) -> dict:
     full_em = None
     if args.generate:
         full_em = float(np.mean([int(a == g) for a, (_, _, _, g) in zip(full_answers, cases)]))
-    return dict(model=str(folder), device=str(jax.devices()[0]), dtype=args.dtype, docs=args.docs,
+    name = "the embedded model" if folder == DEFAULT_MODEL else folder.name
+    return dict(model=name, device=str(jax.devices()[0]), dtype=args.dtype, docs=args.docs,
                 prompts=args.prompts, questions=args.questions, filler=args.filler, seed=args.seed,
                 probe_seed=args.probe_seed, probe_tokens=len(probe), window=args.window, cases=len(cases),
                 probe_seconds=round(probe_s, 1), seconds=round(time.perf_counter() - started, 1),

@@ -14,7 +14,8 @@ waiting for the device (hypic:scheduler_seconds), and the compilations while ser
 what the batched step alone gives the rows the server stepped ("of step": the steps the server ran, per bucket,
 timed at decode_step.py's step times), and the stall in those step times. Always: the steps' mean batch bucket
 beside the running rows per step (how tightly the rows fill the buckets), and the streams moved into lower rows
-(`--compact-rows`, hypic:decode_rows_moved). The sustained rate of a mode is the
+(`--compact-rows`, hypic:decode_rows_moved) and the steps that carried an admission in one program
+(`--fused-prefill-tokens`, hypic:decode_fused_steps). The sustained rate of a mode is the
 highest rate whose p50 and p99 TTFT are both under `--slo`, as are those of every lower rate.
 
     python bench/serve.py --small            # CPU smoke size: the embedded model in float32
@@ -171,6 +172,8 @@ async def run_rate(args, base, mode, rate, vocab, salt):
     step = {**bucket_use(before, after), **step}
     return dict(mode=mode, rate=rate, requests=len(requests), answered=len(ok), **step,
                 rows_moved=metric(after, "hypic:decode_rows_moved_total") - metric(before, "hypic:decode_rows_moved_total"),
+                fused_steps=(metric(after, "hypic:decode_fused_steps_total")
+                             - metric(before, "hypic:decode_fused_steps_total")),
                 loop_host_s=loop["host"], loop_device_wait_s=loop["device_wait"],
                 prefill_pieces=(metric(after, "hypic:prefill_pieces_total")
                                 - metric(before, "hypic:prefill_pieces_total")),
@@ -217,6 +220,8 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                         help="the server's --prefill-chunk")
     parser.add_argument("--compact-rows", action="store_true", help="the server's --compact-rows")
+    parser.add_argument("--fused-prefill-tokens", type=int, default=None, metavar="TOKENS",
+                        help="the server's --fused-prefill-tokens (admissions in one program with a decode step)")
     parser.add_argument("--step-json", default=None, metavar="FILE",
                         help="bench/decode_step.py --json of the same model and machine: report each rate's decode "
                              "tokens/s against what the batched step alone gives the rows the server stepped, and "
@@ -270,6 +275,7 @@ def main() -> None:
                *([] if args.overlap is None else ["--overlap" if args.overlap else "--no-overlap"]),
                *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []),
                *(["--compact-rows"] if args.compact_rows else []),
+               *(["--fused-prefill-tokens", str(args.fused_prefill_tokens)] if args.fused_prefill_tokens else []),
                *(["--quantize", "fp8"] if args.fp8 else []),
                *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
                *(["--devices", str(args.devices)] if args.devices else [])]
@@ -283,7 +289,7 @@ def main() -> None:
         vocab = args.vocab
         header = (f"{'mode':<26} {'rate/s':>6} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
                   f"{'decode tok/s':>12} {'of step':>7} {'stall ms':>8} {'steps':>5} {'chained':>7} {'host %':>6} "
-                  f"{'bucket':>6} {'rows':>5} {'moved':>5} {'compiles':>8}")
+                  f"{'bucket':>6} {'rows':>5} {'moved':>5} {'fused':>5} {'compiles':>8}")
         print(header)
         for mode in args.modes:
             if args.warm_pool:
@@ -299,7 +305,7 @@ def main() -> None:
                       f"{row.get('stall_steps', float('nan')):>5.2f} {row['chained_share']:>7.2f} "
                       f"{100 * row['loop_host_s'] / max(1e-9, row['loop_host_s'] + row['loop_device_wait_s']):>6.1f} "
                       f"{row.get('mean_bucket', float('nan')):>6.2f} {row.get('rows_per_step', float('nan')):>5.2f} "
-                      f"{row['rows_moved']:>5g} {row['compiles']:>8g}", flush=True)
+                      f"{row['rows_moved']:>5g} {row['fused_steps']:>5g} {row['compiles']:>8g}", flush=True)
                 if row["ttft_p99"] > 4 * args.slo:  # far past the SLO: higher rates only queue longer
                     break
         print(f"\nsustained rate (p50 and p99 TTFT < {args.slo} s):")

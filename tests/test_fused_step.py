@@ -114,3 +114,70 @@ def test_fused_step_equals_the_programs_apart(arch, tiny_checkpoints):
                                       ROWS, _sampling(1, 0))
     fused.close()
     apart.close()
+
+
+def test_the_scheduler_admits_in_fused_steps_with_the_same_tokens():
+    """The scheduler of an engine with fused programs admits a request with streams running in one program with
+    their step (`Scheduler.fused_steps`); every request gets the tokens, log-probabilities and finish reasons of an
+    engine without them, with and without overlapped steps (requests that truncate or rank, or that come when
+    nothing runs, are admitted apart)."""
+    import threading
+
+    from hypic_jax.demo import tiny_model
+    from hypic_jax.engine import SamplingParams
+    from hypic_jax.engine.scheduler import Request, Scheduler
+
+    model = tiny_model()
+    limits = dict(max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=6, max_batch=4, seam=2,
+                  cache_bytes=1 << 24)
+    rng = np.random.default_rng(12)
+    specs = []
+    for i in range(10):
+        segments = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(2, 14, rng.integers(2, 4))]
+        truncates = i % 5 == 4
+        params = SamplingParams(max_tokens=int(rng.integers(2, 7)), temperature=float(rng.choice([0.0, 0.8])),
+                                top_k=5 if truncates else 0, seed=int(rng.integers(1 << 30)),
+                                logprobs=2 if truncates else None)
+        specs.append((segments, params))
+
+    def run(engine, overlap: bool):
+        scheduler = Scheduler(engine, overlap=overlap)
+        done, events = threading.Event(), [[] for _ in specs]
+
+        def sink(k):
+            def put(event):
+                events[k].append(event)
+                if sum(e["type"] in ("done", "error") for es in events for e in es) == len(specs):
+                    done.set()
+            return put
+
+        scheduler.start()
+        try:
+            for k, (segments, params) in enumerate(specs):
+                scheduler.submit(Request(segments, params, sink(k), mode="transition_rope_recompute", seam=2))
+            assert done.wait(120)
+        finally:
+            scheduler.stop()
+        out = []
+        for es in events:
+            assert es[-1]["type"] == "done", es[-1]
+            logprobs = [lp for e in es if e["type"] == "delta" and e["logprobs"] for lp in e["logprobs"]]
+            out.append((es[-1]["tokens"], es[-1]["finish_reason"], logprobs))
+        return out, scheduler
+
+    apart = Engine(model, **limits)
+    fused = Engine(model, fused_prefill_tokens=64, **limits)
+    for engine in (apart, fused):
+        engine.warmup(progress=False)
+    assert any(k.kind == "fused" for k in fused.programs._compiled)
+    want, plain = run(apart, False)
+    assert plain.fused_steps == 0
+    for overlap in (False, True):
+        got, scheduler = run(fused, overlap)
+        assert scheduler.fused_steps > 0, (overlap, scheduler.steps)
+        for k, ((a_tokens, a_reason, a_lp), (b_tokens, b_reason, b_lp)) in enumerate(zip(got, want)):
+            assert a_tokens == b_tokens and a_reason == b_reason, (overlap, k)
+            for (ta, ca, _), (tb, cb, _) in zip(a_lp, b_lp):
+                assert ta == tb and abs(ca - cb) < 1e-5, (overlap, k)
+    for engine in (apart, fused):
+        engine.close()

@@ -624,6 +624,12 @@ class Engine:
         logits.copy_to_host_async()
         return logits, Sampled(*out[:4]), Sampled(*out[4:8])
 
+    @property
+    def slots_held(self) -> bool:
+        """Whether the batched decode cache is held: False before its first use and after a program that took it
+        failed (the rows' caches went with it; the next use allocates zeros)."""
+        return self._slots is not None
+
     def slot_decode_and_prefill(self, tokens, lengths, sampling: SamplingRows, segments, row: int,
                                 first: SamplingRows, *, mode: str | None = None, seam: float | None = None,
                                 cache_salt: str | None = None) -> tuple[Sampled, Sampled, PrefillResult]:

@@ -22,7 +22,10 @@ turns it on where the device is not the CPU (on the CPU the host and the "device
 nothing; on a GPU, bench/serve.py measures it).
 
 An admission issues the request's prefill without waiting for it, handles the step in flight while it runs, then
-waits for its logits and inserts it. With `prefill_chunk` and streams running, a queued request's uncached segments
+waits for its logits and inserts it. With fused programs (`LimitOptions.fused_prefill_tokens`) and streams running,
+the admission and the streams' next step are one call instead (`Engine.slot_decode_and_prefill`: a stitched
+request's forward and the step in one program, each layer's experts read once for both); the step after it does
+not chain onto it (the admitted row's first token is not among its ids). With `prefill_chunk` and streams running, a queued request's uncached segments
 are first prefilled in pieces of at most that many tokens, one piece per loop round (`Engine.prefill_piece`), so a
 long cold prefill is spread between decode steps instead of stalling every stream at once.
 
@@ -177,6 +180,7 @@ class Scheduler:
         self.prefill_pieces = 0  # cold prefill pieces run between decode steps
         self.compact_rows = compact_rows
         self.rows_moved = 0  # streams moved into a lower row (`compact_rows`)
+        self.fused_steps = 0  # decode steps that carried an admission (`_admit_fused`)
         # the loop's time spent waiting for the device (reading a step's ids, a prefill's logits); the rest of it is
         # the host's own work (planning, issuing, detokenizing, delivering), `hypic:scheduler_seconds`
         self.waited_s = 0.0
@@ -362,7 +366,8 @@ class Scheduler:
                     self._time_admission(time.monotonic())
                     with self._cv:
                         request = self._queue.popleft()
-                    self._admit(request)
+                    if not self._admit_fused(request):
+                        self._admit(request)
             if any(self.rows):
                 self._step()
             else:
@@ -572,6 +577,80 @@ class Scheduler:
         self._wait(sampled)
         self._accept(request, sampled, 0)
 
+    def _admit_fused(self, request: Request) -> bool:
+        """With fused programs (`LimitOptions.fused_prefill_tokens`) and streams running: `request`'s admission and
+        the running rows' next decode step as one call (`Engine.slot_decode_and_prefill`), which runs a stitched
+        request's forward and the step as one program, each layer's experts read once for both. False, having done
+        nothing, where that does not apply (nothing running, a sampler that truncates or ranks, no token to
+        generate); the admission then goes on alone."""
+        engine = self.engine
+        if not engine.fused_rungs or not any(self.rows) or request.params.max_tokens == 0:
+            return False
+        if _truncates(request.params) or any(_truncates(r.params) for r in self.rows if r is not None):
+            return False
+        now = request.admitted_at = time.monotonic()
+        if request.cancelled or now > request.deadline:
+            self._end_unstarted(request, now)
+            return True
+        if self.metrics:
+            self.metrics.queue_time.observe(now - request.arrival)
+        self._drain()  # the rows' tokens on the host: this step is not chained onto one in flight
+        busy = [i for i, r in enumerate(self.rows) if r is not None]
+        row = self.rows.index(None)
+        p = request.params
+        try:
+            first = SamplingRows.build([p.temperature], [p.top_p], [p.top_k], [request.seed], [0], [0])
+        except Exception as error:  # noqa: BLE001  (parameters the device arrays cannot hold: this request only)
+            self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
+            return True
+        if not busy:  # every stream ended with the step just handled
+            request.admitted_at = None
+            return False
+        rows = engine.batch_bucket(busy[-1] + 1)
+        tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k, seeds, steps = np.zeros(rows, np.int32), np.zeros(rows, np.uint64), np.zeros(rows, np.int32)
+        for i in busy:
+            r = self.rows[i]
+            tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length, len(r.tokens)
+            temperature[i], top_p[i], top_k[i], seeds[i] = r.params.temperature, r.params.top_p, r.params.top_k, r.seed
+        sampling = SamplingRows.build(temperature, top_p, top_k, seeds, steps)
+        self._mark_stall()
+        try:
+            sampled, first_sampled, pre = engine.slot_decode_and_prefill(
+                tokens, lengths, sampling, request.segments, row, first, mode=request.mode, seam=request.seam,
+                cache_salt=request.cache_salt)
+        except Exception as error:  # noqa: BLE001
+            # refused, or out of memory, before the decode cache was given to a program: this request's failure
+            if engine.slots_held and (isinstance(error, ValueError) or out_of_memory(error)):
+                self._prefill_failed(request, error)
+                return True
+            # not in a row yet, so the loop's handler would not answer it: answered here, the others there
+            self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
+            raise
+        self.steps += 1
+        self.bucket_steps[rows] += 1
+        self.fused_steps += 1
+        if self.metrics:
+            self.metrics.decode_steps.labels("false").inc()
+            self.metrics.decode_bucket_steps.labels(str(rows)).inc()
+            self.metrics.decode_rows.labels(str(rows)).inc(len(busy))
+            self.metrics.fused_steps.inc()
+        self._pending = (sampled, rows, {i: self.rows[i] for i in busy})
+        stats = pre.stats
+        for piece in request.pieces:
+            stats = piece.as_stats(stats)
+        request.stats = stats
+        request.length = pre.stats.prompt_tokens
+        self.rows[row] = request
+        request.row = row
+        self._wait(first_sampled)
+        self._prefill_done(request, now)
+        self._accept(request, first_sampled, 0)
+        if not self.overlap:
+            self._drain()
+        return True
+
     def _prefill_failed(self, request: Request, error: Exception) -> None:
         """Answer `request` for its failed prefill: 400 for a prompt the engine refuses or a request too large for
         the device's memory (the loop goes on), else 500."""
@@ -607,7 +686,8 @@ class Scheduler:
         busy = [i for i, r in enumerate(self.rows) if r is not None and len(r.tokens) + ahead < r.params.max_tokens]
         full = any(_truncates(self.rows[i].params) for i in busy)
         rows = self.engine.batch_bucket(busy[-1] + 1, full) if busy else 0
-        chained = self.overlap and ahead and rows == self._pending[1]
+        # a row the step in flight did not step (one admitted with it, `_admit_fused`) has no token on the device
+        chained = self.overlap and ahead and rows == self._pending[1] and all(i in self._pending[2] for i in busy)
         if not chained:
             self._drain()
             busy = [i for i, r in enumerate(self.rows) if r is not None]

@@ -10,6 +10,7 @@ hypic:recomputed_tokens, hypic:cold_tokens, hypic:generation_tokens, hypic:cache
 hypic:cache_hits{kind} (segments looked up and found, kind "pic" or "prefix"), hypic:cache_evictions,
 hypic:request_success{finished_reason}, hypic:request_errors{code}, hypic:requests_rejected (429: a full queue or an overload),
 hypic:requests_shed (of those, queued requests answered 429 before their prefill), hypic:decode_rows_moved,
+hypic:decode_fused_steps (decode steps that carried an admission in one program, --fused-prefill-tokens),
 hypic:tier_entries{tier}, hypic:tier_bytes{tier}, hypic:tier_off{tier} (1 while a fault of its medium has turned it
 off), hypic:tier_turned_off{tier}, hypic:tier_write_errors{tier}, hypic:tier_corrupt_files{tier} (the tiers below
 the device: peer, host, disk), hypic:decode_steps{chained} (batched decode steps; chained "true": dispatched before the host had read the step
@@ -133,6 +134,8 @@ class Metrics:
         self.rejected = c("hypic:requests_rejected", "Requests refused with 429: the queue was full, or the predicted wait for a first token too long.")
         self.rows_moved = c("hypic:decode_rows_moved", "Running streams moved into a lower free row of the batched "
                             "decode cache so that the steps take a smaller bucket (--compact-rows).")
+        self.fused_steps = c("hypic:decode_fused_steps", "Decode steps that carried a request's admission (its "
+                             "stitched forward) in one program with them (--fused-prefill-tokens).")
         self.shed = c("hypic:requests_shed", "Queued requests answered 429 before their prefill, their predicted first "
                       "token past max_queue_wait (also counted in hypic:requests_rejected).")
         self.decode_steps = c("hypic:decode_steps", "Batched decode steps; chained: dispatched before the host read "
