@@ -220,6 +220,8 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                         help="the server's --prefill-chunk")
     parser.add_argument("--compact-rows", action="store_true", help="the server's --compact-rows")
+    parser.add_argument("--wait-programs", action=argparse.BooleanOptionalAction, default=True,
+                        help="wait until the server's background compilations end before the first rate")
     parser.add_argument("--fused-prefill-tokens", type=int, default=None, metavar="TOKENS",
                         help="the server's --fused-prefill-tokens (admissions in one program with a decode step)")
     parser.add_argument("--step-json", default=None, metavar="FILE",
@@ -286,6 +288,13 @@ def main() -> None:
         start = time.perf_counter()
         wait_ready(base, server)
         print(f"server ready in {time.perf_counter() - start:.1f} s: hypic-jax serve {' '.join(command)}", flush=True)
+        if args.wait_programs:  # the steady state: no background compilation sharing the machine with the rates
+            start = time.perf_counter()
+            while metric(httpx.get(f"{base}/metrics", timeout=30).text, "hypic:programs_pending") > 0:
+                if time.perf_counter() - start > 1800:
+                    raise SystemExit("the server's background compilations did not end within 30 minutes")
+                time.sleep(1.0)
+            print(f"background compilations done {time.perf_counter() - start:.1f} s later", flush=True)
         vocab = args.vocab
         header = (f"{'mode':<26} {'rate/s':>6} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
                   f"{'decode tok/s':>12} {'of step':>7} {'stall ms':>8} {'steps':>5} {'chained':>7} {'host %':>6} "

@@ -119,8 +119,8 @@ def test_fused_step_equals_the_programs_apart(arch, tiny_checkpoints):
 def test_the_scheduler_admits_in_fused_steps_with_the_same_tokens():
     """The scheduler of an engine with fused programs admits a request with streams running in one program with
     their step (`Scheduler.fused_steps`); every request gets the tokens, log-probabilities and finish reasons of an
-    engine without them, with and without overlapped steps (requests that truncate or rank, or that come when
-    nothing runs, are admitted apart)."""
+    engine without them, with and without overlapped steps (with overlap a fused step chains onto the step in
+    flight; requests that truncate or rank, or that come when nothing runs, are admitted apart)."""
     import threading
 
     from hypic_jax.demo import tiny_model
@@ -175,6 +175,7 @@ def test_the_scheduler_admits_in_fused_steps_with_the_same_tokens():
     for overlap in (False, True):
         got, scheduler = run(fused, overlap)
         assert scheduler.fused_steps > 0, (overlap, scheduler.steps)
+        assert (scheduler.fused_chained_steps > 0) == overlap, (overlap, scheduler.fused_chained_steps)
         for k, ((a_tokens, a_reason, a_lp), (b_tokens, b_reason, b_lp)) in enumerate(zip(got, want)):
             assert a_tokens == b_tokens and a_reason == b_reason, (overlap, k)
             for (ta, ca, _), (tb, cb, _) in zip(a_lp, b_lp):

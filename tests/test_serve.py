@@ -1199,3 +1199,29 @@ def test_a_prefill_out_of_device_memory_is_a_400_naming_the_limits(served, monke
     monkeypatch.setattr(engine, "prefill", real)
     ok = _post(served, "/v1/completions", dict(segments=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0))
     assert ok.status_code == 200
+
+
+def test_the_stall_is_measured_against_a_gap_no_prefill_lengthened():
+    """`hypic:decode_stall_seconds`: the gap across a prefill issued while streams run, less the last plain gap.
+    A prefill issued while no stream runs delays none, and the gap to the next read must not become the plain gap
+    (it would hide every stall measured against it)."""
+    from types import SimpleNamespace
+
+    from hypic_jax.demo import tiny_model
+    from hypic_jax.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(Engine(tiny_model(), max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=4,
+                                 max_batch=2, cache_bytes=1 << 22))
+    stalls = []
+    scheduler.metrics = SimpleNamespace(stall=SimpleNamespace(observe=stalls.append))
+    scheduler._time_read(0.00)
+    scheduler._time_read(0.01)  # a plain gap of 10 ms
+    scheduler._mark_stall()  # nothing runs: an admission that delays no stream
+    scheduler._time_read(1.00)  # the admitted stream's first read, a second later
+    assert stalls == [] and abs(scheduler._plain_gap - 0.01) < 1e-9
+    scheduler.rows[0] = SimpleNamespace()  # a stream runs: the next prefill delays its next read
+    scheduler._mark_stall()
+    scheduler._time_read(1.30)
+    assert len(stalls) == 1 and abs(stalls[0] - 0.29) < 1e-9, stalls
+    scheduler._time_read(1.31)  # plain again
+    assert len(stalls) == 1 and abs(scheduler._plain_gap - 0.01) < 1e-9

@@ -181,6 +181,7 @@ class Scheduler:
         self.compact_rows = compact_rows
         self.rows_moved = 0  # streams moved into a lower row (`compact_rows`)
         self.fused_steps = 0  # decode steps that carried an admission (`_admit_fused`)
+        self.fused_chained_steps = 0  # of those, chained onto the step in flight
         # the loop's time spent waiting for the device (reading a step's ids, a prefill's logits); the rest of it is
         # the host's own work (planning, issuing, detokenizing, delivering), `hypic:scheduler_seconds`
         self.waited_s = 0.0
@@ -580,22 +581,34 @@ class Scheduler:
     def _admit_fused(self, request: Request) -> bool:
         """With fused programs (`LimitOptions.fused_prefill_tokens`) and streams running: `request`'s admission and
         the running rows' next decode step as one call (`Engine.slot_decode_and_prefill`), which runs a stitched
-        request's forward and the step as one program, each layer's experts read once for both. False, having done
-        nothing, where that does not apply (nothing running, a sampler that truncates or ranks, no token to
-        generate); the admission then goes on alone."""
+        request's forward and the step as one program, each layer's experts read once for both. With overlap it
+        chains onto the step in flight as `_step` does (that step's ids, still on the device, are the rows' tokens,
+        and the host handles that step while this one runs). False, having done nothing, where that does not apply
+        (nothing running, a sampler that truncates or ranks, no token to generate); the admission then goes on
+        alone."""
         engine = self.engine
         if not engine.fused_rungs or not any(self.rows) or request.params.max_tokens == 0:
             return False
         if _truncates(request.params) or any(_truncates(r.params) for r in self.rows if r is not None):
             return False
+        ahead = int(self._pending is not None)
+        busy = [i for i, r in enumerate(self.rows) if r is not None and len(r.tokens) + ahead < r.params.max_tokens]
+        rows = engine.batch_bucket(busy[-1] + 1) if busy else 0
+        chained = (self.overlap and ahead and rows == self._pending[1]
+                   and all(i in self._pending[2] for i in busy))
+        if not chained:
+            self._drain()
+            busy = [i for i, r in enumerate(self.rows) if r is not None]
+            if not busy:  # every stream ended with the step just handled
+                return False
+            rows = engine.batch_bucket(busy[-1] + 1)
+        ahead = 1 if chained else 0
         now = request.admitted_at = time.monotonic()
         if request.cancelled or now > request.deadline:
             self._end_unstarted(request, now)
             return True
         if self.metrics:
             self.metrics.queue_time.observe(now - request.arrival)
-        self._drain()  # the rows' tokens on the host: this step is not chained onto one in flight
-        busy = [i for i, r in enumerate(self.rows) if r is not None]
         row = self.rows.index(None)
         p = request.params
         try:
@@ -603,23 +616,19 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001  (parameters the device arrays cannot hold: this request only)
             self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             return True
-        if not busy:  # every stream ended with the step just handled
-            request.admitted_at = None
-            return False
-        rows = engine.batch_bucket(busy[-1] + 1)
         tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, seeds, steps = np.zeros(rows, np.int32), np.zeros(rows, np.uint64), np.zeros(rows, np.int32)
         for i in busy:
             r = self.rows[i]
-            tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length, len(r.tokens)
+            tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length + ahead, len(r.tokens) + ahead
             temperature[i], top_p[i], top_k[i], seeds[i] = r.params.temperature, r.params.top_p, r.params.top_k, r.seed
         sampling = SamplingRows.build(temperature, top_p, top_k, seeds, steps)
         self._mark_stall()
         try:
             sampled, first_sampled, pre = engine.slot_decode_and_prefill(
-                tokens, lengths, sampling, request.segments, row, first, mode=request.mode, seam=request.seam,
-                cache_salt=request.cache_salt)
+                self._pending[0].device_ids if chained else tokens, lengths, sampling, request.segments, row, first,
+                mode=request.mode, seam=request.seam, cache_salt=request.cache_salt)
         except Exception as error:  # noqa: BLE001
             # refused, or out of memory, before the decode cache was given to a program: this request's failure
             if engine.slots_held and (isinstance(error, ValueError) or out_of_memory(error)):
@@ -629,21 +638,25 @@ class Scheduler:
             self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             raise
         self.steps += 1
+        self.chained_steps += chained
         self.bucket_steps[rows] += 1
         self.fused_steps += 1
+        self.fused_chained_steps += chained
         if self.metrics:
-            self.metrics.decode_steps.labels("false").inc()
+            self.metrics.decode_steps.labels("true" if chained else "false").inc()
             self.metrics.decode_bucket_steps.labels(str(rows)).inc()
             self.metrics.decode_rows.labels(str(rows)).inc(len(busy))
             self.metrics.fused_steps.inc()
-        self._pending = (sampled, rows, {i: self.rows[i] for i in busy})
+        previous, self._pending = self._pending if chained else None, (sampled, rows, {i: self.rows[i] for i in busy})
+        self.rows[row] = request
+        request.row = row
+        if previous is not None:
+            self._take(previous)  # while the fused step runs
         stats = pre.stats
         for piece in request.pieces:
             stats = piece.as_stats(stats)
         request.stats = stats
         request.length = pre.stats.prompt_tokens
-        self.rows[row] = request
-        request.row = row
         self._wait(first_sampled)
         self._prefill_done(request, now)
         self._accept(request, first_sampled, 0)
@@ -740,9 +753,12 @@ class Scheduler:
 
     def _mark_stall(self) -> None:
         """A prefill (or a piece of one) was just issued: the first decode step issued after it is the one it delays
-        (with a step in flight, the read after that step's)."""
+        (with a step in flight, the read after that step's). With no stream running it delays none, and the gap to
+        the next read is no stream's: it must not become the plain gap that later stalls are measured against."""
         if any(self.rows):
             self._stalled_reads.add(self._reads + 1 + (self._pending is not None))
+        else:
+            self._read_at = None
 
     def _time_read(self, now: float) -> None:
         """A decode step's ids came back at `now`. If a prefill or a piece of one ran before this step, the streams
