@@ -11,7 +11,9 @@ documents, `transition_rope_recompute` under each seam policy against `full_reco
 - top-1: how often the policy's likeliest first token is full recompute's;
 - with --generate, greedy answers: exact match against the gold answer, and agreement with full recompute's.
 The probe context is the first documents of a held-out prompt of another seed (`--probe-seed`): text of the same
-kind as the documents, unrelated to every prompt measured. The engine's cache is cleared between policies.
+kind as the documents, unrelated to every prompt measured. The engine's cache is cleared between policies. With
+`--rechunk` each prompt's documents are cut again at random places into as many segments (as fixed-size RAG chunks
+are): the tokens, and so full recompute, are unchanged, and segments no longer open alike.
 """
 
 from __future__ import annotations
@@ -54,8 +56,13 @@ def run(args) -> dict:
     prober = SeamProbe(engine, probe, window=args.window)
 
     cases = []
+    cut = np.random.default_rng(args.seed + 1)
     for n, prompt in heldout_prompts(args.seed, args.docs, args.prompts, args.questions, args.filler):
         docs = [tok.encode(tokenizer, tok.document_text(d)) for d in prompt.documents]
+        if args.rechunk:  # the same tokens cut at random places: segments that open mid-sentence
+            tokens = [t for d in docs for t in d]
+            bounds = [0, *sorted(cut.choice(np.arange(1, len(tokens)), len(docs) - 1, replace=False)), len(tokens)]
+            docs = [tokens[a:b] for a, b in zip(bounds, bounds[1:])]
         for q in prompt.questions:
             query = tok.encode(tokenizer, tok.question_text(q.text))
             gold = tok.encode(tokenizer, tok.answer_text(q.answer))[:-1]
@@ -111,7 +118,7 @@ def run(args) -> dict:
     name = "the embedded model" if folder == DEFAULT_MODEL else folder.name
     return dict(model=name, device=str(jax.devices()[0]), dtype=args.dtype, docs=args.docs,
                 prompts=args.prompts, questions=args.questions, filler=args.filler, seed=args.seed,
-                probe_seed=args.probe_seed, probe_tokens=len(probe), window=args.window, cases=len(cases),
+                probe_seed=args.probe_seed, probe_tokens=len(probe), rechunk=args.rechunk, window=args.window, cases=len(cases),
                 probe_seconds=round(probe_s, 1), seconds=round(time.perf_counter() - started, 1),
                 full_recompute_exact_match=full_em, policies=rows)
 
@@ -148,6 +155,9 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=32, help="the adaptive seam's longest seam")
     parser.add_argument("--probe-seed", type=int, default=999, help="the held-out prompt the probe context is from")
     parser.add_argument("--probe-docs", type=int, default=2, help="its documents in the probe context")
+    parser.add_argument("--rechunk", action="store_true",
+                        help="cut each prompt's documents, concatenated, into as many segments at random places "
+                             "(the same tokens: full recompute is unchanged; segments open mid-sentence)")
     parser.add_argument("--generate", action="store_true", help="also greedy answers: exact match and agreement")
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--max-new-tokens", type=int, default=12)

@@ -635,7 +635,7 @@ class Engine:
                                 cache_salt: str | None = None) -> tuple[Sampled, Sampled, PrefillResult]:
         """`slot_decode(tokens, lengths, sampling)`, then the prefill of `segments` into `row` (`prefill`, then
         `slot_insert(row, ..., first)`): the rows' samples, the request's first token, its `PrefillResult` (whose
-        `decode` is None: its caches are in `row`). A request whose final forward is a stitched PIC program of a
+        `decode` is None: its caches are in `row`; its logits may still be on the device). A request whose final forward is a stitched PIC program of a
         rung in `fused_rungs` runs it in one program with the step (`programs._fused_decode`: each layer's MLP
         and experts read once for both; the same results); any other request, or a sampler that truncates,
         runs the programs one after the other. `row` may lie among the stepped rows if it is free (the step
@@ -645,7 +645,8 @@ class Engine:
         if not 0 <= row < self.max_batch:
             raise ValueError(f"row must lie in [0, {self.max_batch}), got {row}")
         with self._device_lock:
-            result, fused = self._prefill(segments, mode, seam, cache_salt,
+            # issued, not waited for: the caller handles a step in flight while this runs
+            result, fused = self._prefill(segments, mode, seam, cache_salt, wait=False,
                                           fuse=(tokens, lengths, sampling, row, first))
             if fused is not None:
                 return (*fused, result)
