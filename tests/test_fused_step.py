@@ -182,3 +182,54 @@ def test_the_scheduler_admits_in_fused_steps_with_the_same_tokens():
                 assert ta == tb and abs(ca - cb) < 1e-5, (overlap, k)
     for engine in (apart, fused):
         engine.close()
+
+
+_SPLIT = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import numpy as np, jax
+from helpers import load_tiny, rel_err
+from hypic_jax.engine import Engine
+from hypic_jax.engine.sampling import SamplingRows
+
+model, vocab, _ = load_tiny("qwen_moe", sys.argv[1])
+base = dict(max_prompt_tokens=128, max_segments=4, token_rungs=(128,), max_new_tokens=4, cache_bytes=1 << 22,
+            seam=4, max_batch=2)
+rng = np.random.default_rng(0)
+docs = [rng.integers(3, vocab, n).tolist() for n in (30, 12)]
+query, stream = rng.integers(3, vocab, 5).tolist(), [rng.integers(3, vocab, 20).tolist()]
+one = SamplingRows.build([0.0], [1.0], [0], [0], [0])
+two = SamplingRows.build([0.0, 0.8], [1.0, 1.0], [0, 0], [0, 1], [1, 1])
+out, ran = [], []
+for engine in (Engine(model, **base), Engine(model, **base, tensor_parallel=2, fused_prefill_tokens=128)):
+    engine.prefill(docs + [query])
+    token = int(engine.slot_insert(0, engine.prefill(stream, mode="full_recompute"), one).ids[0])
+    if engine.fused_rungs:
+        run_fused = engine._run_fused
+        engine._run_fused = lambda *a, **k: ran.append(run_fused(*a, **k)) or ran[-1]
+    step, first, result = engine.slot_decode_and_prefill(np.asarray([token, 0], np.int32), [20, 0], two,
+                                                         docs + [query], 1, one)
+    after = engine.slot_decode(np.asarray([int(step.ids[0]), int(first.ids[0])], np.int32),
+                               [21, len(result.tokens)], two)
+    out.append((step.ids, first.ids, np.asarray(result.logits), after.ids, step.logprobs()[0], after.logprobs()[0]))
+assert len(ran) == 1 and ran[0] is not None
+(a, b) = out
+assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and (a[3] == b[3]).all(), (a, b)
+assert rel_err(b[2], a[2]) < 1e-5 and np.allclose(a[4], b[4], atol=1e-4) and np.allclose(a[5], b[5], atol=1e-4)
+print("ok")
+"""
+
+
+def test_a_fused_step_split_over_devices_equals_one_device(tiny_checkpoints):
+    """With `tensor_parallel=2` (fake CPU devices, a subprocess) the fused program of the MoE checkpoint steps its
+    rows and admits its request as the one-device engine's programs apart do."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import fake_devices_env
+
+    done = subprocess.run([sys.executable, "-c", _SPLIT, str(tiny_checkpoints("qwen_moe")[2]),
+                           str(Path(__file__).parent)], env=fake_devices_env(8), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]

@@ -497,9 +497,7 @@ class Engine:
     # Running -----------------------------------------------------------------------------------------------------------
     def _run(self, kind: str, spans, fresh_tokens, *, transfer=True, rope=True, hidden=False):
         fresh_tokens = np.asarray(fresh_tokens, np.int32)
-        pieces, records = lay.count_pieces(spans, isolated=kind == "cold")
-        keys = len(fresh_tokens) if kind == "cold" else sum(s.length for s in spans)
-        capacity = self.ladder.fit(len(fresh_tokens), keys, pieces, records, isolated=kind == "cold")
+        capacity, keys = self._fit(kind, spans, len(fresh_tokens))
         key = ProgramKey(kind, capacity.tokens, capacity.tokens if kind == "cold" else self.max_keys)
         if keys > key.keys:
             raise ValueError(f"the request needs {keys} keys, over the engine's capacity of {key.keys}")
@@ -516,6 +514,13 @@ class Engine:
             if commit is not None:
                 self._write_pools(commit, writes)
         return (logits, decode, rest[0]) if hidden else (logits, decode)
+
+    def _fit(self, kind: str, spans, fresh: int) -> tuple[lay.Capacity, int]:
+        """The smallest ladder capacity a `kind` program of these spans and `fresh` fresh tokens fits, and the keys
+        it needs."""
+        pieces, records = lay.count_pieces(spans, isolated=kind == "cold")
+        keys = fresh if kind == "cold" else sum(s.length for s in spans)
+        return self.ladder.fit(fresh, keys, pieces, records, isolated=kind == "cold"), keys
 
     def _pool_arrays(self):
         if self.pools.arrays is None:
@@ -604,9 +609,7 @@ class Engine:
         none is compiled for its bucket and rung (the caller then runs the programs apart)."""
         tokens, lengths, sampling, row, first = fuse
         fresh_tokens = np.asarray(fresh_tokens, np.int32)
-        pieces, records = lay.count_pieces(spans, isolated=False)
-        keys = sum(s.length for s in spans)
-        capacity = self.ladder.fit(len(fresh_tokens), keys, pieces, records, isolated=False)
+        capacity, keys = self._fit("pic", spans, len(fresh_tokens))
         key = ProgramKey("fused", capacity.tokens, self.max_keys, len(tokens))
         if capacity.tokens not in self.fused_rungs or keys > key.keys or sampling.full() or first.full():
             return None
@@ -635,11 +638,12 @@ class Engine:
                                 cache_salt: str | None = None) -> tuple[Sampled, Sampled, PrefillResult]:
         """`slot_decode(tokens, lengths, sampling)`, then the prefill of `segments` into `row` (`prefill`, then
         `slot_insert(row, ..., first)`): the rows' samples, the request's first token, its `PrefillResult` (whose
-        `decode` is None: its caches are in `row`; its logits may still be on the device). A request whose final forward is a stitched PIC program of a
-        rung in `fused_rungs` runs it in one program with the step (`programs._fused_decode`: each layer's MLP
-        and experts read once for both; the same results); any other request, or a sampler that truncates,
-        runs the programs one after the other. `row` may lie among the stepped rows if it is free (the step
-        leaves it to the insert)."""
+        `decode` is None, its caches being in `row`, and whose logits may still be on the device).
+
+        A request whose final forward is a stitched PIC program of a rung in `fused_rungs` runs it in one program
+        with the step (`programs._fused_decode`: each layer's MLP and experts read once for both; the same
+        results); any other request, or a sampler that truncates, runs the programs one after the other. `row`
+        may lie among the stepped rows if it is free (the step leaves it to the insert)."""
         if len(tokens) not in self.batch_buckets:
             raise ValueError(f"{len(tokens)} rows is not a batch bucket {self.batch_buckets}")
         if not 0 <= row < self.max_batch:

@@ -522,15 +522,25 @@ def _batch_decode(params, slots, tokens, lengths, sampling, *, arch, config, row
     batch of `rows` one-token rows with per-row positions (`ModelCache.length` of shape [rows]: keys and values
     are written by a scatter of one token per row), then per-row sampling. Rows never mix: every operation is per
     row or per token."""
+    logits, cache = arch.forward(params, config, tokens[:, None], cache=ModelCache(_first_rows(slots, rows), lengths),
+                                 kernels=kernels)
+    return (*sample_rows(logits[:, -1], sampling, top_n, full), _put_first_rows(slots, cache.layers))
+
+
+def _first_rows(slots, rows: int):
+    """Rows [0, rows) of the batched decode cache (all of it when rows is its size)."""
     axes = row_axes(slots)
     capacity = jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]]  # max_batch
-    part = slots if rows == capacity else jax.tree.map(lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis),
-                                                       slots, axes)
-    logits, cache = arch.forward(params, config, tokens[:, None], cache=ModelCache(part, lengths), kernels=kernels)
-    slots = jax.tree.map(lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype),
-                                                                                     0, axis=axis),
-                         slots, cache.layers, axes)
-    return (*sample_rows(logits[:, -1], sampling, top_n, full), slots)
+    if rows == capacity:
+        return slots
+    return jax.tree.map(lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis), slots, axes)
+
+
+def _put_first_rows(slots, part):
+    """`part` (rows [0, b) in the cache's form) written back into the batched decode cache."""
+    return jax.tree.map(lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), 0,
+                                                                                    axis=axis),
+                        slots, part, row_axes(slots))
 
 
 def _fused_decode(params, slots, tokens, lengths, sampling, packed, pools, row, first, *, arch, config, rows,
@@ -540,16 +550,10 @@ def _fused_decode(params, slots, tokens, lengths, sampling, packed, pools, row, 
     the bucket was stepped with whatever it held) with its first token sampled by `first`. Returns the rows'
     samples, the request's, its logits and the decode cache. The plain sampler only (`SamplingRows.full` takes the
     programs apart)."""
-    axes = row_axes(slots)
-    capacity_rows = jax.tree.leaves(slots)[0].shape[jax.tree.leaves(axes)[0]]
-    part = slots if rows == capacity_rows else jax.tree.map(
-        lambda a, axis: jax.lax.slice_in_dim(a, 0, rows, axis=axis), slots, axes)
     logits, new, request_logits, decode = mixing.fused_forward_arrays(
-        arch, params, config, tokens, ModelCache(part, lengths), lay.unpack(packed, capacity), pools,
-        kernels=kernels)
-    slots = jax.tree.map(lambda full, new, axis: jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype),
-                                                                                     0, axis=axis),
-                         slots, new, axes)
+        arch, params, config, tokens, ModelCache(_first_rows(slots, rows), lengths), lay.unpack(packed, capacity),
+        pools, kernels=kernels)
+    slots = _put_first_rows(slots, new)
     sampled = sample_rows(logits, sampling, top_n, False)
     *first_sampled, slots = _insert(slots, row, stacked_like(params["layers"], decode), request_logits, first,
                                     top_n=top_n, full=False)

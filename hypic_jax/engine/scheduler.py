@@ -616,14 +616,7 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001  (parameters the device arrays cannot hold: this request only)
             self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             return True
-        tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-        top_k, seeds, steps = np.zeros(rows, np.int32), np.zeros(rows, np.uint64), np.zeros(rows, np.int32)
-        for i in busy:
-            r = self.rows[i]
-            tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length + ahead, len(r.tokens) + ahead
-            temperature[i], top_p[i], top_k[i], seeds[i] = r.params.temperature, r.params.top_p, r.params.top_k, r.seed
-        sampling = SamplingRows.build(temperature, top_p, top_k, seeds, steps)
+        tokens, lengths, sampling = self._step_inputs(busy, rows, ahead)
         self._mark_stall()
         try:
             sampled, first_sampled, pre = engine.slot_decode_and_prefill(
@@ -637,15 +630,10 @@ class Scheduler:
             # not in a row yet, so the loop's handler would not answer it: answered here, the others there
             self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             raise
-        self.steps += 1
-        self.chained_steps += chained
-        self.bucket_steps[rows] += 1
+        self._count_step(rows, len(busy), chained)
         self.fused_steps += 1
         self.fused_chained_steps += chained
         if self.metrics:
-            self.metrics.decode_steps.labels("true" if chained else "false").inc()
-            self.metrics.decode_bucket_steps.labels(str(rows)).inc()
-            self.metrics.decode_rows.labels(str(rows)).inc(len(busy))
             self.metrics.fused_steps.inc()
         previous, self._pending = self._pending if chained else None, (sampled, rows, {i: self.rows[i] for i in busy})
         self.rows[row] = request
@@ -709,7 +697,18 @@ class Scheduler:
             full = any(_truncates(self.rows[i].params) for i in busy)
             rows = self.engine.batch_bucket(busy[-1] + 1, full)
         # a chained step's rows are one token ahead of what the host has read: the token in flight
-        ahead = 1 if chained else 0
+        tokens, lengths, sampling = self._step_inputs(busy, rows, 1 if chained else 0)
+        sampled = self.engine.slot_decode(self._pending[0].device_ids if chained else tokens, lengths, sampling)
+        self._count_step(rows, len(busy), chained)
+        previous, self._pending = self._pending if chained else None, (sampled, rows, {i: self.rows[i] for i in busy})
+        if previous is not None:
+            self._take(previous)
+        if not self.overlap:
+            self._drain()
+
+    def _step_inputs(self, busy: list[int], rows: int, ahead: int):
+        """A step of `rows` rows: (tokens, lengths, sampling) of the running rows `busy` (the others zeros), each
+        `ahead` tokens past what the host has read."""
         tokens, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, seeds, steps = np.zeros(rows, np.int32), np.zeros(rows, np.uint64), np.zeros(rows, np.int32)
@@ -719,20 +718,16 @@ class Scheduler:
             tokens[i], lengths[i], steps[i] = r.tokens[-1], r.length + ahead, len(r.tokens) + ahead
             temperature[i], top_p[i], top_k[i], seeds[i] = r.params.temperature, r.params.top_p, r.params.top_k, r.seed
             top[i] = r.params.logprobs or 0
-        sampling = SamplingRows.build(temperature, top_p, top_k, seeds, steps, top)
-        sampled = self.engine.slot_decode(self._pending[0].device_ids if chained else tokens, lengths, sampling)
+        return tokens, lengths, SamplingRows.build(temperature, top_p, top_k, seeds, steps, top)
+
+    def _count_step(self, rows: int, running: int, chained: bool) -> None:
         self.steps += 1
         self.chained_steps += chained
         self.bucket_steps[rows] += 1
         if self.metrics:
             self.metrics.decode_steps.labels("true" if chained else "false").inc()
             self.metrics.decode_bucket_steps.labels(str(rows)).inc()
-            self.metrics.decode_rows.labels(str(rows)).inc(len(busy))
-        previous, self._pending = self._pending if chained else None, (sampled, rows, {i: self.rows[i] for i in busy})
-        if previous is not None:
-            self._take(previous)
-        if not self.overlap:
-            self._drain()
+            self.metrics.decode_rows.labels(str(rows)).inc(running)
 
     def _drain(self) -> None:
         """Handle the step in flight, if any."""
