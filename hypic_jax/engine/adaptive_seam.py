@@ -36,15 +36,15 @@ __all__ = ["SeamProbe", "knob"]
 
 
 class SeamProbe:
-    """Per-document seams for `engine` (an `Engine` whose mode set includes `prefix_cache`): `seams(segments)` is
-    a seam sequence for `Engine.prefill` / `generate` / the server's `seam` field (one token count per document,
-    every segment but the query).
+    """Per-document seams for `engine` (an `Engine`): `seams(segments)` is a seam sequence for `Engine.prefill` /
+    `generate` / the server's `seam` field (one knob per document, every segment but the query).
 
     probe: token ids (or text, with the engine's tokenizer) of the context each document is measured after.
     window: the longest seam, and how many of a document's first tokens are measured. tol: the deviation below which a
-    document's tokens count as settled (`seam_for` takes another without measuring again)."""
+    document's tokens count as settled (`seam_for` takes another without measuring again); the default is the
+    tolerance that recomputed about 4 tokens per segment in `bench/adaptive_seam.py --rechunk`."""
 
-    def __init__(self, engine, probe, *, window: int = 32, tol: float = 0.25):
+    def __init__(self, engine, probe, *, window: int = 32, tol: float = 0.3):
         if window < 1:
             raise ValueError(f"window must be at least 1 token, got {window}")
         if not tol >= 0:
