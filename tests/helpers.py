@@ -778,3 +778,30 @@ def layout_core(inputs, pool, arrays, *, summaries, isolated, impl):
     result = stitch.linear_over_layout(inputs, pool, arrays, summaries=summaries, impl=impl, kernel_config=config)
     records = stitch.record_summaries(result, arrays, isolated=isolated, pool=pool)
     return result.outputs, result.final_state, result.piece_ends, result.piece_summaries, records
+
+
+def schedule_all(scheduler, specs, *, timeout: float = 120, **request) -> list[list[dict]]:
+    """Every (segments, `SamplingParams`) of `specs` submitted at once to `scheduler` (a `Request` with `request`'s
+    fields), the scheduler's thread started here and stopped once each request has its `done` or `error` event;
+    returns each request's events."""
+    import threading
+
+    from hypic_jax.engine.scheduler import Request
+
+    done, events = threading.Event(), [[] for _ in specs]
+
+    def sink(k):
+        def put(event):
+            events[k].append(event)
+            if sum(e["type"] in ("done", "error") for es in events for e in es) == len(specs):
+                done.set()
+        return put
+
+    scheduler.start()
+    try:
+        for k, (segments, params) in enumerate(specs):
+            scheduler.submit(Request(segments, params, sink(k), **request))
+        assert done.wait(timeout), "the scheduler did not answer every request in time"
+    finally:
+        scheduler.stop()
+    return events

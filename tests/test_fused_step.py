@@ -12,7 +12,7 @@ from hypic_jax.engine import Engine
 from hypic_jax.engine.programs import ProgramKey
 from hypic_jax.engine.sampling import SamplingRows
 
-from helpers import arch_params, rel_err
+from helpers import arch_params, rel_err, schedule_all
 
 ROWS = 4  # the bucket stepped; rows 0-2 run streams, row 3 takes the request
 LIMITS = dict(max_prompt_tokens=256, max_segments=6, token_rungs=(64, 256), max_new_tokens=8, max_batch=ROWS,
@@ -121,11 +121,9 @@ def test_the_scheduler_admits_in_fused_steps_with_the_same_tokens():
     their step (`Scheduler.fused_steps`); every request gets the tokens, log-probabilities and finish reasons of an
     engine without them, with and without overlapped steps (with overlap a fused step chains onto the step in
     flight; requests that truncate or rank, or that come when nothing runs, are admitted apart)."""
-    import threading
-
     from hypic_jax.demo import tiny_model
     from hypic_jax.engine import SamplingParams
-    from hypic_jax.engine.scheduler import Request, Scheduler
+    from hypic_jax.engine.scheduler import Scheduler
 
     model = tiny_model()
     limits = dict(max_prompt_tokens=64, token_rungs=(64,), max_new_tokens=6, max_batch=4, seam=2,
@@ -142,22 +140,7 @@ def test_the_scheduler_admits_in_fused_steps_with_the_same_tokens():
 
     def run(engine, overlap: bool):
         scheduler = Scheduler(engine, overlap=overlap)
-        done, events = threading.Event(), [[] for _ in specs]
-
-        def sink(k):
-            def put(event):
-                events[k].append(event)
-                if sum(e["type"] in ("done", "error") for es in events for e in es) == len(specs):
-                    done.set()
-            return put
-
-        scheduler.start()
-        try:
-            for k, (segments, params) in enumerate(specs):
-                scheduler.submit(Request(segments, params, sink(k), mode="transition_rope_recompute", seam=2))
-            assert done.wait(120)
-        finally:
-            scheduler.stop()
+        events = schedule_all(scheduler, specs, mode="transition_rope_recompute", seam=2)
         out = []
         for es in events:
             assert es[-1]["type"] == "done", es[-1]

@@ -32,7 +32,7 @@ from hypic_jax.engine import Engine, backend_compiles  # noqa: E402
 from hypic_jax.engine.scheduler import TextStream  # noqa: E402
 from hypic_jax.serve import ApiError, Server  # noqa: E402
 from hypic_jax.serve.protocol import ChatRenderer  # noqa: E402
-from helpers import tiny_checkpoint  # noqa: E402
+from helpers import schedule_all, tiny_checkpoint  # noqa: E402
 
 # the module on one xdist worker (`--dist loadgroup`, pyproject.toml): one server and its warmed-up engine
 pytestmark = pytest.mark.xdist_group("serve")
@@ -902,22 +902,7 @@ def test_overlapped_decode_steps_give_the_same_tokens():
     def run(overlap: bool, chunk: int | None = None, salt: str | None = None,
             mode: str = "transition_rope_recompute", compact: bool = False) -> list:
         scheduler = Scheduler(engine, overlap=overlap, prefill_chunk=chunk, compact_rows=compact)
-        done, events = threading.Event(), [[] for _ in specs]
-
-        def sink(k):
-            def put(event):
-                events[k].append(event)
-                if sum(e["type"] in ("done", "error") for es in events for e in es) == len(specs):
-                    done.set()
-            return put
-
-        scheduler.start()
-        try:
-            for k, (segments, params) in enumerate(specs):
-                scheduler.submit(Request(segments, params, sink(k), mode=mode, seam=SEAM, cache_salt=salt))
-            assert done.wait(120)
-        finally:
-            scheduler.stop()
+        events = schedule_all(scheduler, specs, mode=mode, seam=SEAM, cache_salt=salt)
         out = []
         for es, (segments, _) in zip(events, specs):
             end = es[-1]
