@@ -126,14 +126,12 @@ def measure_fused(args, model) -> dict:
     segments.append(rng.integers(3, 1000, query_tokens).tolist())
     prompt = docs * doc_tokens + query_tokens
     fresh = docs * min(8, doc_tokens) + query_tokens
-    probe = Engine(model, max_prompt_tokens=max(args.length, prompt), max_segments=docs, max_batch=args.max_batch,
-                   max_new_tokens=64, cache_bytes=1 << 28, compile_cache="none", seam=8)
-    fused_rung = probe.ladder.rung(fresh)
-    rungs = tuple(sorted({fused_rung, probe.ladder.rung(prompt), probe.ladder.rung(max(args.length, prompt))}))
-    probe.close()
+    # the entry pools as the engine derives them (a share of the device memory beside the weights); fused programs
+    # allowed at every rung (only the one holding the admission's fresh tokens is compiled)
     engine = Engine(model, max_prompt_tokens=max(args.length, prompt), max_segments=docs, max_batch=args.max_batch,
-                    max_new_tokens=64, cache_bytes=max(1 << 28, 4 * prompt * 1 << 20), compile_cache="none",
-                    seam=8, token_rungs=rungs, fused_prefill_tokens=fused_rung)
+                    max_new_tokens=64, compile_cache="none", seam=8, fused_prefill_tokens=max(args.length, prompt))
+    fused_rung = engine.ladder.rung(fresh)
+    assert fused_rung in engine.fused_rungs, (fused_rung, engine.fused_rungs)
     start = time.perf_counter()
     first = engine.prefill(segments)  # the documents' entries (cold), then the stitched program
     assert first.stats.hits == 0 and engine.prefill(segments).stats.misses == 0
