@@ -617,7 +617,6 @@ class Scheduler:
             self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             return True
         tokens, lengths, sampling = self._step_inputs(busy, rows, ahead)
-        self._mark_stall()
         try:
             sampled, first_sampled, pre = engine.slot_decode_and_prefill(
                 self._pending[0].device_ids if chained else tokens, lengths, sampling, request.segments, row, first,
@@ -630,6 +629,7 @@ class Scheduler:
             # not in a row yet, so the loop's handler would not answer it: answered here, the others there
             self._error(request, RequestError(500, f"internal error: {error}", code="internal_error"))
             raise
+        self._mark_stall()  # before the step is recorded as in flight: its read is the one the admission delays
         self._count_step(rows, len(busy), chained)
         self.fused_steps += 1
         self.fused_chained_steps += chained
