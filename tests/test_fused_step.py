@@ -1,7 +1,8 @@
 """A decode step and a stitched PIC request in one program (`Engine.slot_decode_and_prefill`, the `fused` programs of
 `LimitOptions.fused_prefill_tokens`): the same ids, log-probabilities, request logits and decode caches as the
-step, the prefill and the insert run apart, on every architecture's tiny checkpoint; requests it cannot fuse (a
-plain prefill, a sampler that truncates, a rung above the option) run apart on the same engine."""
+step, the prefill and the insert run apart, on every architecture's tiny checkpoint, and split over two devices;
+requests it cannot fuse (a plain prefill, a sampler that truncates, a rung above the option) run apart on the same
+engine; the scheduler that admits through it gives every request the tokens it gets without it."""
 
 from __future__ import annotations
 
