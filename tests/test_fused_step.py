@@ -94,6 +94,10 @@ def test_fused_step_equals_the_programs_apart(arch, tiny_checkpoints):
     assert ProgramKey("fused", 64, fused.max_keys, ROWS) in fused.programs
     assert not any(k.kind == "fused" for k in apart.programs._compiled)
 
+    if arch != "qwen_moe":  # what runs apart is the architecture's own programs, checked above: one suffices
+        fused.close()
+        apart.close()
+        return
     # a sampler that truncates, and a request over the fused rungs, run apart on the fused engine
     compiled = {k for k in fused.programs._compiled if k.kind == "fused"}
     long_docs = [rng.integers(3, vocab, n).tolist() for n in (60, 50)]
@@ -149,11 +153,8 @@ def test_the_scheduler_admits_in_fused_steps_with_the_same_tokens():
             out.append((es[-1]["tokens"], es[-1]["finish_reason"], logprobs))
         return out, scheduler
 
-    apart = Engine(model, **limits)
+    apart = Engine(model, **limits)  # programs compiled as the requests need them (no warmup: fewer compiles)
     fused = Engine(model, fused_prefill_tokens=64, **limits)
-    for engine in (apart, fused):
-        engine.warmup(progress=False)
-    assert any(k.kind == "fused" for k in fused.programs._compiled)
     want, plain = run(apart, False)
     assert plain.fused_steps == 0
     for overlap in (False, True):
