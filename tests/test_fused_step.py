@@ -1,6 +1,6 @@
 """A decode step and a stitched PIC request in one program (`Engine.slot_decode_and_prefill`, the `fused` programs of
 `LimitOptions.fused_prefill_tokens`): the same ids, log-probabilities, request logits and decode caches as the
-step, the prefill and the insert run apart, on every architecture's tiny checkpoint, and split over two devices;
+step, the prefill and the insert run apart, on the tiny checkpoints of every architecture, and split over two devices;
 requests it cannot fuse (a plain prefill, a sampler that truncates, a rung above the option) run apart on the same
 engine; the scheduler that admits through it gives every request the tokens it gets without it."""
 
@@ -45,7 +45,8 @@ def _steps(engine, tokens, lengths, steps: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("arch", arch_params("fused"))
+# Qwen3.5 dense shares every function of the fused path but the MLP's with the MoE checkpoint
+@pytest.mark.parametrize("arch", arch_params("fused", ("qwen_moe", "ring", "kimi")))
 def test_fused_step_equals_the_programs_apart(arch, tiny_checkpoints):
     model, vocab, _ = tiny_checkpoints(arch)
     rng = np.random.default_rng(5)
