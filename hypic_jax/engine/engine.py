@@ -872,7 +872,7 @@ class Engine:
         ours, h_ours = self.query_hidden_states(segments, mode, seam, cache_salt)
         h_full, h_ours = np.asarray(h_full, np.float64), np.asarray(h_ours, np.float64)
         rows = []
-        kinds = _layer_kinds(self.config)
+        kinds = self.layer_kinds
         for layer in range(h_full.shape[0]):
             ref = np.linalg.norm(h_full[layer])
             rows.append(dict(layer=layer, kind=kinds[layer],

@@ -549,11 +549,7 @@ class Scheduler:
             return
         finally:
             self.waited_s += time.monotonic() - wait
-        stats = pre.stats
-        for piece in request.pieces:
-            stats = piece.as_stats(stats)
-        request.stats = stats
-        request.length = pre.stats.prompt_tokens
+        self._prefilled(request, pre)
         self._prefill_done(request, now)
         if request.params.max_tokens == 0:
             self._finish(request, "length")
@@ -640,11 +636,7 @@ class Scheduler:
         request.row = row
         if previous is not None:
             self._take(previous)  # while the fused step runs
-        stats = pre.stats
-        for piece in request.pieces:
-            stats = piece.as_stats(stats)
-        request.stats = stats
-        request.length = pre.stats.prompt_tokens
+        self._prefilled(request, pre)
         self._wait(first_sampled)
         self._prefill_done(request, now)
         self._accept(request, first_sampled, 0)
@@ -668,6 +660,15 @@ class Scheduler:
         else:
             log.error("prefill failed for request %s", request.id, exc_info=error)
             self._error(request, RequestError(500, f"internal error during prefill: {error}", code="internal_error"))
+
+    @staticmethod
+    def _prefilled(request: Request, pre) -> None:
+        """`request`'s stats and length from its prefill (the pieces of its cold prefill counted in)."""
+        stats = pre.stats
+        for piece in request.pieces:
+            stats = piece.as_stats(stats)
+        request.stats = stats
+        request.length = pre.stats.prompt_tokens
 
     def _prefill_done(self, request: Request, start: float) -> None:
         """The prefill of `request`, admitted at `start`, has ended: its stats' times become the measured ones (it was
