@@ -31,6 +31,12 @@ if (os.environ.get("JAX_PLATFORMS") or "cpu").split(",")[0] == "cpu" and not _gp
     _added = [f"{k}={v}" for k, v in _FAST_COMPILE.items() if k not in _flags]
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags, *_added]))
 
+# Engines keep compiled programs in JAX's persistent cache (tests: one folder per worker, see
+# `_no_compile_cache_in_home`), which by default stores only programs that took a second to compile. The tests'
+# programs take less, and several engines of one checkpoint compile identical ones (an engine with fused programs
+# and one without, a restarted engine, a server beside an engine): stored at any compile time, they are loaded.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 
 import pytest  # noqa: E402
 
