@@ -98,7 +98,8 @@ def test_random_trace_compiles_nothing_after_warmup(engines, arch):
     """A trace of 1 to 24 segments of 1 to 300 tokens from a shared corpus, every mode, seams of 0, a fraction and
     a count, hits and misses mixed, two tenants: no compilation, and every request checked against an identity
     that does not share its program (full recompute; the first linear layer's state with a seam of at least W-1
-    tokens; the naive reference for a sample of the PIC requests)."""
+    tokens; the naive reference for the first PIC request of under 400 tokens, on a random layout, where
+    test_pic_modes_equal_the_naive_reference checks every mode against it)."""
     engine, model, vocab = engines(arch)
     assert engine.programs.stats.programs == len(engine.programs.keys_for(RUNGS[-1]))
     compiled = 0  # by the engine's calls (the reference compiles its own small programs)
@@ -120,7 +121,7 @@ def test_random_trace_compiles_nothing_after_warmup(engines, arch):
             layer = engine.first_linear_layer()
             np.testing.assert_allclose(np.asarray(result.decode[layer].state), np.asarray(full.decode[layer].state),
                                        rtol=2e-4, atol=2e-5)
-        if mode in pic.PIC_MODES and checked < 3 and sum(map(len, segs)) < 400:
+        if mode in pic.PIC_MODES and checked < 1 and sum(map(len, segs)) < 400:
             assert rel_err(result.logits, pic.prefill(model, segs, mode, seam)) < 1e-4, (mode, seam)
             checked += 1
         assert np.all(np.isfinite(result.logits))
@@ -544,7 +545,7 @@ rng = np.random.default_rng(21)
 segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
 for disk, through in (({through!r}, True), ({plain!r}, False)):
     engine = Engine(model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1, max_batch=1,
-                    compile_cache={programs!r}, disk_cache_dir=disk, disk_write_through=through)
+                    cache_bytes=1 << 22, compile_cache={programs!r}, disk_cache_dir=disk, disk_write_through=through)
     logits = engine.prefill(segs).logits
 np.save({out!r}, logits)
 if {kill!r}:
@@ -573,7 +574,7 @@ def test_what_survives_a_killed_or_exiting_process(engines, tiny_checkpoints, tm
     segs = [rng.integers(3, vocab, 20).tolist() for _ in range(3)] + [rng.integers(3, vocab, 6).tolist()]
     for name, disk in disks.items():
         with Engine(killed_model, max_prompt_tokens=128, token_rungs=(128,), max_segments=4, max_new_tokens=1,
-                    max_batch=1, compile_cache=programs, disk_cache_dir=disk) as engine:
+                    max_batch=1, cache_bytes=1 << 22, compile_cache=programs, disk_cache_dir=disk) as engine:
             got = engine.prefill(segs)
             assert got.stats.hits == (0 if kill and name == "plain" else NUM_DOCS), name
             assert rel_err(got.logits, want) < 1e-6

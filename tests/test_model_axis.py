@@ -69,6 +69,8 @@ for per_key in (False, True):
                                     impl=impl)
             whole = run()
             for m, mesh in meshes.items():
+                if m == 4 and not per_key:  # the mesh's size and the gates' form are independent: 4 devices once
+                    continue
                 with jax.set_mesh(mesh):
                     split = run()
                     traced = jax.make_jaxpr(run)()
@@ -115,4 +117,4 @@ def test_linear_core_and_attention_split_by_heads_over_a_model_axis():
     done = subprocess.run([sys.executable, "-c", _SCRIPT, str(TESTS)], env=fake_devices_env(4), capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert "checked 28" in done.stdout, done.stdout[-2000:]
+    assert "checked 22" in done.stdout, done.stdout[-2000:]

@@ -1,8 +1,8 @@
 """`hypic-jax serve --devices N --policy P`: the server's cold segments prefilled over a mesh of N devices; and
 `--tensor-parallel-size M`: the model split over M devices.
 
-On 2 fake CPU devices (a subprocess: the device count is fixed when JAX starts), with either policy, with the model
-split over both devices, and with both at once, a request whose segments are all cold gives the single-device
+On 2 fake CPU devices (a subprocess: the device count is fixed when JAX starts), with the round-robin policy, with
+the model split over both devices, and with both at once (the LPT policy), a request whose segments are all cold gives the single-device
 server's greedy tokens and log-probabilities, with nothing compiled after warmup. A device count below 1 or above
 the devices the process sees, and an unknown policy, are refused with an error naming the option.
 """
@@ -39,8 +39,8 @@ rng = np.random.default_rng(0)
 segments = [rng.integers(0, 512, n).tolist() for n in (40, 9, 23, 12, 5)]  # the last one is the query
 body = dict(segments=segments, max_tokens=8, temperature=0, logprobs=5, return_token_ids=True)
 out = {}
-for devices, policy, split in ((None, "lpt", None), (2, "lpt", None), (2, "rr", None), (None, "lpt", 2),
-                               (2, "lpt", 2)):
+# the policies' bins are checked on the engine (tests/test_parallel.py); the server passes --policy on
+for devices, policy, split in ((None, "lpt", None), (2, "rr", None), (None, "lpt", 2), (2, "lpt", 2)):
     server = build(folder, devices=devices, policy=policy, tensor_parallel=split, **options)
     server.warm_on_start = False
     mesh = server.engine.segment_mesh
@@ -86,7 +86,7 @@ def test_two_devices_serve_the_single_device_greedy_answer(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     one = out.pop("None-lpt")
-    assert len(one["tokens"]) == 8 and set(out) == {"2-lpt", "2-rr", "None-lpt-tp2", "2-lpt-tp2"}
+    assert len(one["tokens"]) == 8 and set(out) == {"2-rr", "None-lpt-tp2", "2-lpt-tp2"}
     for name, two in out.items():
         assert two["tokens"] == one["tokens"], name
         assert max(abs(a - b) for a, b in zip(two["logprobs"], one["logprobs"])) <= 1e-4, name

@@ -201,8 +201,11 @@ def test_decay_penalty_reads_the_gates_and_training_lowers_it(tokenizer):
     assert config.layer_types[0] == qwen3_5.LINEAR and config.layer_types.count(qwen3_5.LINEAR) == 1
     params = _perturbed_params(config)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 24)), jnp.int32)
-    logits, excess = trainer.forward_with_decay(params, config, tokens)
-    np.testing.assert_allclose(logits, qwen3_5.forward(params, config, tokens)[0], rtol=1e-5, atol=1e-5)
+    # one program for every call below (run eagerly, each call would compile every op anew)
+    forward_with_decay = jax.jit(trainer.forward_with_decay, static_argnums=1)
+    logits, excess = forward_with_decay(params, config, tokens, 0.0)
+    want = jax.jit(qwen3_5.forward, static_argnums=1)(params, config, tokens)[0]
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
     # the first layer's gates from its input (the embeddings), in float64
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params["layers"][0])
     x = np.asarray(params["embed"], np.float64)[np.asarray(tokens)]
@@ -210,7 +213,7 @@ def test_decay_penalty_reads_the_gates_and_training_lowers_it(tokenizer):
     rate = np.exp(p["mixer"]["A_log"]) * np.logaddexp(0.0, h @ p["mixer"]["in_proj_a"] + p["mixer"]["dt_bias"])
     budget = float(np.median(rate))
     for b in (0.0, budget, float(rate.max()) + 1.0):
-        got = float(trainer.forward_with_decay(params, config, tokens, b)[1])
+        got = float(forward_with_decay(params, config, tokens, b)[1])
         np.testing.assert_allclose(got, np.maximum(rate - b, 0).mean(), rtol=1e-4, atol=1e-7)
     assert float(excess) > 0
     # a weighted penalty lowers the decay rate the training steps leave
@@ -219,14 +222,14 @@ def test_decay_penalty_reads_the_gates_and_training_lowers_it(tokenizer):
     step = trainer.make_step(config, settings)
     state = trainer.init_state(settings, config, trainer.optimizer(settings))
     params, opt_state = state["params"], state["opt_state"]
-    before = float(trainer.forward_with_decay(params, config, jnp.asarray(batch[0]))[1])
+    before = float(forward_with_decay(params, config, jnp.asarray(batch[0]), 0.0)[1])
     for _ in range(3):
         params, opt_state, _ = step(params, opt_state, *batch)
-    after = float(trainer.forward_with_decay(params, config, jnp.asarray(batch[0]))[1])
+    after = float(forward_with_decay(params, config, jnp.asarray(batch[0]), 0.0)[1])
     assert after < 0.8 * before, (before, after)
     # a gate shift divides every rate by exp(-shift): the excess over a zero budget scales with it
     shifted = trainer.init_state(_micro(gate_shift=-2.0), config, trainer.optimizer(settings))["params"]
-    moved = float(trainer.forward_with_decay(shifted, config, jnp.asarray(batch[0]))[1])
+    moved = float(forward_with_decay(shifted, config, jnp.asarray(batch[0]), 0.0)[1])
     np.testing.assert_allclose(moved, before * np.exp(-2.0), rtol=1e-4)
 
 
