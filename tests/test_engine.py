@@ -169,6 +169,8 @@ def test_pic_modes_equal_the_naive_reference(engines, arch):
     variants = (("addition", 0, segs), ("transition", 0, shuffled), ("transition_rope", 0, segs),
                 ("transition_rope_recompute", SEAM, shuffled), ("transition_rope_recompute", 0.3, segs),
                 ("transition_rope_recompute", (SEAM, 0, 1.0), segs))  # a seam per document
+    if arch in ("ring", "kimi"):  # how a fraction or a seam per document becomes token counts is no layer's
+        variants = variants[:4]
     for mode, seam, request in variants:
         want = pic.prefill(model, request, mode, seam)
         for _ in range(2):  # its entries recorded and stitched, then read from the cache
