@@ -98,8 +98,8 @@ def test_random_trace_compiles_nothing_after_warmup(engines, arch):
     """A trace of 1 to 24 segments of 1 to 300 tokens from a shared corpus, every mode, seams of 0, a fraction and
     a count, hits and misses mixed, two tenants: no compilation, and every request checked against an identity
     that does not share its program (full recompute; the first linear layer's state with a seam of at least W-1
-    tokens; the naive reference for the first PIC request of under 400 tokens, on a random layout, where
-    test_pic_modes_equal_the_naive_reference checks every mode against it)."""
+    tokens; the naive reference for the trace's first PIC request of under 400 tokens, while
+    test_pic_modes_equal_the_naive_reference checks every mode against it on a fixed request)."""
     engine, model, vocab = engines(arch)
     assert engine.programs.stats.programs == len(engine.programs.keys_for(RUNGS[-1]))
     compiled = 0  # by the engine's calls (the reference compiles its own small programs)
@@ -169,8 +169,8 @@ def test_pic_modes_equal_the_naive_reference(engines, arch):
     variants = (("addition", 0, segs), ("transition", 0, shuffled), ("transition_rope", 0, segs),
                 ("transition_rope_recompute", SEAM, shuffled), ("transition_rope_recompute", 0.3, segs),
                 ("transition_rope_recompute", (SEAM, 0, 1.0), segs))  # a seam per document
-    if arch in ("ring", "kimi"):  # how a fraction or a seam per document becomes token counts is no layer's
-        variants = variants[:4]
+    if arch in ("ring", "kimi"):  # a fraction or a seam per document becomes token counts before any layer runs:
+        variants = variants[:4]   # the Qwen checkpoints check those
     for mode, seam, request in variants:
         want = pic.prefill(model, request, mode, seam)
         for _ in range(2):  # its entries recorded and stitched, then read from the cache

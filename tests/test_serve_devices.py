@@ -2,9 +2,10 @@
 `--tensor-parallel-size M`: the model split over M devices.
 
 On 2 fake CPU devices (a subprocess: the device count is fixed when JAX starts), with the round-robin policy, with
-the model split over both devices, and with both at once (the LPT policy), a request whose segments are all cold gives the single-device
-server's greedy tokens and log-probabilities, with nothing compiled after warmup. A device count below 1 or above
-the devices the process sees, and an unknown policy, are refused with an error naming the option.
+the model split over both devices, and with both at once (the LPT policy), a request whose segments are all cold
+gives the single-device server's greedy tokens and log-probabilities, with nothing compiled after warmup. A device
+count below 1 or above the devices the process sees, and an unknown policy, are refused with an error naming the
+option.
 """
 
 from __future__ import annotations
