@@ -80,7 +80,8 @@ def finish(out: str, engine, status: dict, cluster=None, *, wait: bool = False) 
     # abort this process soon after (the status is what every test reads). Then, with `cluster`, this process
     # says it has written its files; with `wait`, it waits (60 s at most) until every other process has said so
     # too, so that a process that reaches this together with its peers (a refusal on all of them, or the
-    # coordinator releasing its followers from a broken cluster) does not exit while a slower one still writes
+    # coordinator releasing its followers from a broken cluster) does not exit while a slower one still writes;
+    # the coordinator always waits, and also until each follower has exited (`_wait_until_gone`)
     with open(out + ".json", "w") as f:
         json.dump(status, f)
     np.savez(out + ".entries", **entries(engine))
@@ -90,14 +91,30 @@ def finish(out: str, engine, status: dict, cluster=None, *, wait: bool = False) 
         from hypic_jax.parallel.multihost import ClusterError
 
         try:
-            cluster.publish(f"worker/finished/{cluster.process_id}", True)
+            cluster.publish(f"worker/finished/{cluster.process_id}", os.getpid())
             deadline = time.monotonic() + 60
-            for p in range(cluster.processes) if wait else ():
+            for p in range(cluster.processes) if wait or cluster.process_id == 0 else ():
                 if p != cluster.process_id:
-                    cluster.poll(f"worker/finished/{p}", max(0.001, deadline - time.monotonic()))
+                    found, pid = cluster.poll(f"worker/finished/{p}", max(0.001, deadline - time.monotonic()))
+                    if found and cluster.process_id == 0:
+                        _wait_until_gone(pid, deadline)
         except ClusterError:
             pass  # a peer took the service down: it has written its files
     os._exit(0)  # no `jax.distributed` shutdown handshake: the peer may be gone
+
+
+def _wait_until_gone(pid: int, deadline: float) -> None:
+    """Until process `pid` (a peer on this host that has written its files) has exited, at most until `deadline`.
+    The coordinator hosts the coordination service: a peer's runtime that sees the service vanish before its own
+    exit aborts the process, so the coordinator leaves last. Where /proc cannot be read, at once."""
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped by the test
+                    return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.01)
 
 
 def main() -> None:
