@@ -37,21 +37,19 @@ timeout "${STEP_TIMEOUT:-0}" python3 bench/decode_step.py --layers "$LAYERS" --m
 
 step=()
 [ -f "$OUT/step.json" ] && step=(--step-json "$OUT/step.json")
-for variant in "${@:-fused default}"; do
-  for v in $variant; do
-    case $v in
-      default) extra=() ;;
-      fused) extra=(--fused-prefill-tokens 256) ;;
-      chunk) extra=(--prefill-chunk 1024) ;;
-      fusedchunk) extra=(--fused-prefill-tokens 256 --prefill-chunk 1024) ;;
-      compact) extra=(--compact-rows) ;;
-      *) echo "unknown variant $v" >&2; exit 2 ;;
-    esac
-    # shellcheck disable=SC2086
-    timeout "${SERVE_TIMEOUT:-0}" python3 bench/serve.py --random-35b --layers "$LAYERS" --docs-per-request 16 \
-      --doc-tokens 768 --max-tokens 128 --max-batch 64 --pool 150 --token-rungs 256 1024 16384 --cache-gb 12 \
-      --duration 15 --warm-pool --modes transition_rope_recompute --rates ${RATES:-8 10 12} "${step[@]}" \
-      --compile-cache "${COMPILE_CACHE:-${TMPDIR:-/tmp}/hypic-jax-bench-cache}" "${extra[@]}" \
-      --out "$OUT/serve_$v.json" 2>&1 | tee "$OUT/serve_$v.txt"
-  done
+for v in ${*:-fused default}; do
+  case $v in
+    default) extra=() ;;
+    fused) extra=(--fused-prefill-tokens 256) ;;
+    chunk) extra=(--prefill-chunk 1024) ;;
+    fusedchunk) extra=(--fused-prefill-tokens 256 --prefill-chunk 1024) ;;
+    compact) extra=(--compact-rows) ;;
+    *) echo "unknown variant $v" >&2; exit 2 ;;
+  esac
+  # shellcheck disable=SC2086
+  timeout "${SERVE_TIMEOUT:-0}" python3 bench/serve.py --random-35b --layers "$LAYERS" --docs-per-request 16 \
+    --doc-tokens 768 --max-tokens 128 --max-batch 64 --pool 150 --token-rungs 256 1024 16384 --cache-gb 12 \
+    --duration 15 --warm-pool --modes transition_rope_recompute --rates ${RATES:-8 10 12} "${step[@]}" \
+    --compile-cache "${COMPILE_CACHE:-${TMPDIR:-/tmp}/hypic-jax-bench-cache}" "${extra[@]}" \
+    --out "$OUT/serve_$v.json" 2>&1 | tee "$OUT/serve_$v.txt"
 done
